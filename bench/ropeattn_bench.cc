@@ -1,0 +1,298 @@
+// ropeattn-bench: kernel speed as a fraction of this machine's own ceilings,
+// measured in the same run.
+//
+// Ceilings (run first; a kernel case whose ceiling was filtered out measures
+// it itself before starting):
+//   ceiling/copy_bandwidth  large buffer copy on all threads; bytes = read + write
+//   ceiling/gemm_f32        oneDNN matmul 2048^3 f32 through core MatMul
+//   ceiling/gemm_bf16       the same in bf16 (f32 accumulation)
+// Kernel cases report their rate (bytes/s for rope and decode: bytes read +
+// written; FLOP/s for prefill, causal FLOPs = 2 * S * S * D * H) and
+// fraction_of_ceiling. Decode caches are rotated among enough copies to defeat
+// the L3, and are passed with check_finite = false because a serving session
+// checks K/V once when they are appended, not on every step.
+//
+// Threads: ROPEATTN_BENCH_THREADS, default all available CPUs.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "core/attention.h"
+#include "core/cpu.h"
+#include "core/gemm.h"
+#include "core/rope.h"
+#include "core/tensor.h"
+
+namespace ropeattn {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int Threads() {
+  if (const char* env = std::getenv("ROPEATTN_BENCH_THREADS")) {
+    int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  return AvailableCpus();
+}
+
+Tensor Random(DType dtype, std::vector<int64_t> dims, uint64_t seed) {
+  Tensor t = Tensor::Create(dtype, dims).value();
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  const int64_t n = t.num_elements();
+  if (dtype == DType::kF32) {
+    float* p = t.data<float>();
+    for (int64_t i = 0; i < n; ++i) p[i] = dist(rng);
+  } else {
+    uint16_t* p = t.data<uint16_t>();
+    for (int64_t i = 0; i < n; ++i) p[i] = FloatToBF16(dist(rng));
+  }
+  return t;
+}
+
+// ------------------------------------------------------------- ceilings --
+
+enum Ceiling { kCopy = 0, kGemmF32 = 1, kGemmBF16 = 2 };
+double g_ceiling[3] = {0, 0, 0};
+
+constexpr int64_t kCopyBytes = int64_t{512} << 20;  // far beyond any L3
+
+struct CopyBuffers {
+  std::unique_ptr<char[]> src{new char[kCopyBytes]};
+  std::unique_ptr<char[]> dst{new char[kCopyBytes]};
+  CopyBuffers() {
+    std::memset(src.get(), 1, kCopyBytes);
+    std::memset(dst.get(), 2, kCopyBytes);
+  }
+};
+
+void ParallelCopy(CopyBuffers& b, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t chunk = (kCopyBytes / nt) & ~int64_t{4095};
+    const int64_t begin = t * chunk;
+    const int64_t end = t == nt - 1 ? kCopyBytes : begin + chunk;
+    std::memcpy(b.dst.get() + begin, b.src.get() + begin, end - begin);
+  }
+}
+
+double MeasureGemm(DType dtype, int reps, int threads) {
+  const int64_t n = 2048;
+  Tensor a = Random(dtype, {n, n}, 1), bm = Random(dtype, {n, n}, 2);
+  Tensor c = Tensor::Create(DType::kF32, {n, n}).value();
+  if (!MatMul(a.view(), bm.view(), c.view(), threads).ok()) std::abort();  // warm-up
+  double best = 0;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = Clock::now();
+    if (!MatMul(a.view(), bm.view(), c.view(), threads).ok()) std::abort();
+    double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    best = std::max(best, 2.0 * n * n * n / s);
+  }
+  return best;
+}
+
+double EnsureCeiling(Ceiling which) {
+  if (g_ceiling[which] > 0) return g_ceiling[which];
+  const int threads = Threads();
+  if (which == kCopy) {
+    CopyBuffers b;
+    ParallelCopy(b, threads);
+    double best = 0;
+    for (int r = 0; r < 5; ++r) {
+      auto t0 = Clock::now();
+      ParallelCopy(b, threads);
+      double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      best = std::max(best, 2.0 * kCopyBytes / s);
+    }
+    g_ceiling[kCopy] = best;
+  } else {
+    g_ceiling[which] = MeasureGemm(which == kGemmF32 ? DType::kF32 : DType::kBF16, 5, threads);
+  }
+  return g_ceiling[which];
+}
+
+// Runs `body` in the benchmark loop, timing wall clock ourselves (the
+// kernels are multi-threaded, so CPU time would mislead), and reports
+// `work` units per iteration as a rate plus its fraction of the ceiling.
+template <typename Body>
+void RunTimed(benchmark::State& state, double work_per_iter, const char* unit, Ceiling ceiling,
+              Body&& body) {
+  const double ceil_rate = EnsureCeiling(ceiling);
+  double seconds = 0;
+  int64_t iters = 0;
+  for (auto _ : state) {
+    auto t0 = Clock::now();
+    body(iters);
+    seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    ++iters;
+  }
+  const double rate = work_per_iter * iters / seconds;
+  state.counters[unit] = benchmark::Counter(rate);
+  state.counters["fraction_of_ceiling"] = rate / ceil_rate;
+  state.counters["ceiling"] = benchmark::Counter(ceil_rate);
+  state.counters["threads"] = Threads();
+}
+
+void BM_CopyBandwidth(benchmark::State& state) {
+  const int threads = Threads();
+  CopyBuffers b;
+  ParallelCopy(b, threads);
+  double seconds = 0;
+  int64_t iters = 0;
+  for (auto _ : state) {
+    auto t0 = Clock::now();
+    ParallelCopy(b, threads);
+    seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    ++iters;
+  }
+  const double rate = 2.0 * kCopyBytes * iters / seconds;
+  g_ceiling[kCopy] = rate;
+  state.counters["bytes_per_second"] = benchmark::Counter(rate);
+  state.counters["threads"] = threads;
+}
+
+void BM_Gemm(benchmark::State& state, DType dtype) {
+  const int threads = Threads();
+  const int64_t n = 2048;
+  Tensor a = Random(dtype, {n, n}, 1), b = Random(dtype, {n, n}, 2);
+  Tensor c = Tensor::Create(DType::kF32, {n, n}).value();
+  if (!MatMul(a.view(), b.view(), c.view(), threads).ok()) {
+    state.SkipWithError("MatMul failed");
+    return;
+  }
+  double seconds = 0;
+  int64_t iters = 0;
+  for (auto _ : state) {
+    auto t0 = Clock::now();
+    benchmark::DoNotOptimize(MatMul(a.view(), b.view(), c.view(), threads));
+    seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    ++iters;
+  }
+  const double rate = 2.0 * n * n * n * iters / seconds;
+  g_ceiling[dtype == DType::kF32 ? kGemmF32 : kGemmBF16] = rate;
+  state.counters["FLOP/s"] = benchmark::Counter(rate);
+  state.counters["threads"] = threads;
+}
+
+// ---------------------------------------------------------------- rope --
+
+void BM_Rope(benchmark::State& state, RopeLayout layout) {
+  const int64_t s = 2048, h = 32, d = 128;
+  RopeConfig cfg;
+  cfg.head_dim = d;
+  cfg.layout = layout;
+  auto rot = RopeRotator::Create(cfg, s, s);
+  if (!rot.ok()) {
+    state.SkipWithError(std::string(rot.status().message()).c_str());
+    return;
+  }
+  // Two tensors in turn, so each call starts with its input out of the L3.
+  std::vector<Tensor> xs;
+  for (int i = 0; i < 2; ++i) xs.push_back(Random(DType::kF32, {1, s, h, d}, 10 + i));
+  const double bytes = 2.0 * s * h * d * sizeof(float);
+  RunTimed(state, bytes, "bytes_per_second", kCopy, [&](int64_t it) {
+    absl::Status st = rot->Apply(xs[it % xs.size()].view(), Positions{}, RopeDirection::kForward,
+                                 Threads());
+    if (!st.ok()) std::abort();
+  });
+}
+
+// -------------------------------------------------------------- decode --
+
+void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv_heads) {
+  const int64_t kv = 4096, h = 32, d = 128;
+  const int64_t cache_bytes = 2 * kv * kv_heads * d * static_cast<int64_t>(DTypeSize(kv_dtype));
+  // Enough caches that the set is 4x the L3 (32 MiB here) or more.
+  const int copies = static_cast<int>(std::max<int64_t>(2, (int64_t{128} << 20) / cache_bytes + 1));
+  std::vector<Tensor> ks, vs;
+  for (int i = 0; i < copies; ++i) {
+    ks.push_back(Random(kv_dtype, {1, kv, kv_heads, d}, 100 + i));
+    vs.push_back(Random(kv_dtype, {1, kv, kv_heads, d}, 200 + i));
+  }
+  Tensor q = Random(DType::kF32, {1, 1, h, d}, 7);
+  Tensor out = Tensor::Create(DType::kF32, {1, 1, h, d}).value();
+  AttentionOptions opt;
+  opt.causal = true;
+  opt.check_finite = false;
+  opt.num_threads = Threads();
+  RunTimed(state, static_cast<double>(cache_bytes), "bytes_per_second", kCopy, [&](int64_t it) {
+    const int c = static_cast<int>(it % copies);
+    absl::Status st = Attend(q.view(), ks[c].view(), vs[c].view(), opt, out.view());
+    if (!st.ok()) std::abort();
+  });
+  state.counters["caches"] = copies;
+}
+
+// ------------------------------------------------------------- prefill --
+
+void BM_Prefill(benchmark::State& state, DType dtype, int64_t s, int64_t kv_heads) {
+  const int64_t h = 32, d = 128;
+  Tensor q = Random(dtype, {1, s, h, d}, 1);
+  Tensor k = Random(dtype, {1, s, kv_heads, d}, 2);
+  Tensor v = Random(dtype, {1, s, kv_heads, d}, 3);
+  Tensor out = Tensor::Create(DType::kF32, {1, s, h, d}).value();
+  AttentionOptions opt;
+  opt.causal = true;
+  opt.num_threads = Threads();
+  const double flops = 2.0 * s * s * d * h;
+  RunTimed(state, flops, "FLOP/s", dtype == DType::kF32 ? kGemmF32 : kGemmBF16, [&](int64_t) {
+    absl::Status st = Attend(q.view(), k.view(), v.view(), opt, out.view());
+    if (!st.ok()) std::abort();
+  });
+}
+
+void Register() {
+  auto* b = benchmark::RegisterBenchmark("ceiling/copy_bandwidth", BM_CopyBandwidth);
+  b->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(1.0);
+  benchmark::RegisterBenchmark("ceiling/gemm_f32", BM_Gemm, DType::kF32)
+      ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(1.0);
+  benchmark::RegisterBenchmark("ceiling/gemm_bf16", BM_Gemm, DType::kBF16)
+      ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(1.0);
+  benchmark::RegisterBenchmark("rope/f32/neox/s2048_h32_d128", BM_Rope, RopeLayout::kHalfSplit)
+      ->UseRealTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("rope/f32/interleaved/s2048_h32_d128", BM_Rope,
+                               RopeLayout::kInterleaved)
+      ->UseRealTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("decode/f32/kv4096_h32_kvh32_d128", BM_Decode, DType::kF32, 32)
+      ->UseRealTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("decode/f32/kv4096_h32_kvh8_d128", BM_Decode, DType::kF32, 8)
+      ->UseRealTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("decode/bf16/kv4096_h32_kvh32_d128", BM_Decode, DType::kBF16, 32)
+      ->UseRealTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("prefill/f32/causal_s512_h32_kvh32_d128", BM_Prefill, DType::kF32,
+                               512, 32)
+      ->UseRealTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("prefill/f32/causal_s2048_h32_kvh32_d128", BM_Prefill,
+                               DType::kF32, 2048, 32)
+      ->UseRealTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("prefill/f32/causal_s2048_h32_kvh8_d128", BM_Prefill, DType::kF32,
+                               2048, 8)
+      ->UseRealTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("prefill/bf16/causal_s2048_h32_kvh32_d128", BM_Prefill,
+                               DType::kBF16, 2048, 32)
+      ->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+
+}  // namespace
+}  // namespace ropeattn
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::AddCustomContext("cpu", ropeattn::CpuDescription());
+  benchmark::AddCustomContext("kernel_threads", std::to_string(ropeattn::Threads()));
+  ropeattn::Register();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,644 @@
+// Softmax attention: validation and planning once per call, then one of two
+// kernels (see attention.h):
+//  - decode: per (batch, kv head), one streaming pass over K then one over V
+//    for all the query rows that share that kv head, so a long cache is read
+//    exactly once per step;
+//  - prefill: per (batch, head, block of query rows), oneDNN matmuls over the
+//    union of the rows' visible key ranges only (every mask here - causal,
+//    window, padding - leaves each query row a contiguous key range, so fully
+//    masked tiles are never touched), with our own vectorized softmax between.
+#include "core/attention.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "core/attention_kernels.h"
+#include "core/gemm_internal.h"
+#include "core/status_macros.h"
+
+namespace ropeattn {
+namespace {
+
+using internal::MatOperand;
+
+constexpr int64_t kPrefillBlock = 64;  // query rows per prefill task
+
+struct Plan {
+  int64_t batch, q_len, k_len, heads, kv_heads, head_dim, v_dim, group;
+  DType q_dtype, kv_dtype, out_dtype;
+  float scale;
+  float softcap;
+  int64_t window;
+  bool causal;
+  std::vector<int64_t> q_offset;    // [batch]
+  std::vector<int64_t> key_length;  // [batch]
+  BiasKind bias_kind = BiasKind::kNone;
+  std::vector<float> alibi;  // [heads]
+  // T5: bias per head for relative positions rel_min .. rel_min + rel_count - 1.
+  int64_t rel_min = 0, rel_count = 0;
+  std::vector<float> t5;  // [heads, rel_count]
+  ConstTensorView bias_tensor;
+  bool bias_has_batch = false;
+  ConstTensorView q, k, v;
+  TensorView out, probs;
+  int threads;
+
+  // Visible keys [lo, hi) of query i in batch row b.
+  void KeyRange(int64_t b, int64_t i, int64_t* lo, int64_t* hi) const {
+    const int64_t pos = q_offset[b] + i;
+    int64_t h = key_length[b];
+    int64_t l = 0;
+    if (causal) h = std::min(h, pos + 1);
+    if (window > 0) {
+      l = std::max<int64_t>(0, pos - window + 1);
+      if (!causal) h = std::min(h, pos + window);
+    }
+    if (h < l) h = l;
+    *lo = l;
+    *hi = std::max<int64_t>(l, h);
+  }
+};
+
+absl::StatusOr<Plan> MakePlan(const ConstTensorView& q, const ConstTensorView& k,
+                              const ConstTensorView& v, const AttentionOptions& o,
+                              const TensorView& out, const TensorView& probs) {
+  RA_RETURN_IF_ERROR(CheckBSHD(q, "q"));
+  RA_RETURN_IF_ERROR(CheckBSHD(k, "k"));
+  RA_RETURN_IF_ERROR(CheckBSHD(v, "v"));
+  RA_RETURN_IF_ERROR(CheckBSHD(out, "out"));
+  Plan p;
+  p.batch = q.dim(0);
+  p.q_len = q.dim(1);
+  p.heads = q.dim(2);
+  p.head_dim = q.dim(3);
+  p.k_len = k.dim(1);
+  p.kv_heads = k.dim(2);
+  p.v_dim = v.dim(3);
+  if (k.dtype() != v.dtype()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "k and v must share a dtype, got k %s and v %s", DTypeName(k.dtype()), DTypeName(v.dtype())));
+  }
+  if (k.dim(0) != p.batch || v.dim(0) != p.batch) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "batch sizes differ: q %d, k %d, v %d", p.batch, k.dim(0), v.dim(0)));
+  }
+  if (v.dim(1) != p.k_len) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("k and v lengths differ: k %d, v %d", p.k_len, v.dim(1)));
+  }
+  if (v.dim(2) != p.kv_heads) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "k and v head counts differ: k %d, v %d", p.kv_heads, v.dim(2)));
+  }
+  if (k.dim(3) != p.head_dim) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "head_dim of q (%d) and k (%d) differ", p.head_dim, k.dim(3)));
+  }
+  if (p.kv_heads == 0 && p.heads != 0) {
+    return absl::InvalidArgumentError("kv_heads must be >= 1, got 0");
+  }
+  if (p.kv_heads > 0 && p.heads % p.kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "heads (%d) must be a multiple of kv_heads (%d)", p.heads, p.kv_heads));
+  }
+  p.group = p.kv_heads > 0 ? p.heads / p.kv_heads : 1;
+  if (out.dim(0) != p.batch || out.dim(1) != p.q_len || out.dim(2) != p.heads ||
+      out.dim(3) != p.v_dim) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "out must have shape %s, got %s", DimsToString({p.batch, p.q_len, p.heads, p.v_dim}),
+        DimsToString(out.dims())));
+  }
+  p.q_dtype = q.dtype();
+  p.kv_dtype = k.dtype();
+  p.out_dtype = out.dtype();
+
+  if (!std::isfinite(o.scale) || o.scale < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("scale must be finite and >= 0, got %g", o.scale));
+  }
+  const double scale = o.scale > 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(p.head_dim, 1)));
+  if (scale > std::numeric_limits<float>::max()) {
+    return absl::InvalidArgumentError(absl::StrFormat("scale %g overflows float", o.scale));
+  }
+  p.scale = static_cast<float>(scale);
+  if (!std::isfinite(o.softcap) || o.softcap < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("softcap must be finite and >= 0, got %g", o.softcap));
+  }
+  p.softcap = static_cast<float>(o.softcap);
+  if (o.window < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("window must be >= 0, got %d", o.window));
+  }
+  p.window = o.window;
+  p.causal = o.causal;
+  if (o.num_threads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("num_threads must be >= 1, got %d", o.num_threads));
+  }
+  p.threads = o.num_threads;
+
+  if (!o.q_offsets.empty() && static_cast<int64_t>(o.q_offsets.size()) != p.batch) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "q_offsets must have one entry per batch row (%d), got %d", p.batch, o.q_offsets.size()));
+  }
+  if (!o.key_lengths.empty() && static_cast<int64_t>(o.key_lengths.size()) != p.batch) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "key_lengths must have one entry per batch row (%d), got %d", p.batch,
+        o.key_lengths.size()));
+  }
+  p.q_offset.resize(p.batch);
+  p.key_length.resize(p.batch);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    if (!o.key_lengths.empty()) {
+      const int64_t len = o.key_lengths[b];
+      if (len < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("key_lengths[%d] must be >= 0, got %d", b, len));
+      }
+      if (len > p.k_len) {
+        return absl::OutOfRangeError(absl::StrFormat(
+            "key_lengths[%d] = %d exceeds the number of keys (%d)", b, len, p.k_len));
+      }
+      p.key_length[b] = len;
+    } else {
+      p.key_length[b] = p.k_len;
+    }
+    if (!o.q_offsets.empty()) {
+      const int64_t off = o.q_offsets[b];
+      if (off < 0 || off > (int64_t{1} << 40)) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("q_offsets[%d] must be in [0, 2^40], got %d", b, off));
+      }
+      p.q_offset[b] = off;
+    } else {
+      p.q_offset[b] = p.k_len - p.q_len;
+    }
+  }
+
+  if (!probs.empty_view()) {
+    if (probs.dtype() != DType::kF32 || probs.rank() != 4 || !probs.IsContiguous() ||
+        probs.dim(0) != p.batch || probs.dim(1) != p.heads || probs.dim(2) != p.q_len ||
+        probs.dim(3) != p.k_len) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "probs must be a dense f32 tensor of shape %s, got %s %s",
+          DimsToString({p.batch, p.heads, p.q_len, p.k_len}), DTypeName(probs.dtype()),
+          DimsToString(probs.dims())));
+    }
+  }
+
+  // Biases.
+  const AttentionBias& bias = o.bias;
+  p.bias_kind = bias.kind;
+  switch (bias.kind) {
+    case BiasKind::kNone:
+      break;
+    case BiasKind::kAlibi: {
+      if (static_cast<int64_t>(bias.alibi_slopes.size()) != p.heads) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "alibi_slopes must have one entry per head (%d), got %d", p.heads,
+            bias.alibi_slopes.size()));
+      }
+      for (size_t h = 0; h < bias.alibi_slopes.size(); ++h) {
+        if (!std::isfinite(bias.alibi_slopes[h])) {
+          return absl::InvalidArgumentError(
+              absl::StrFormat("alibi_slopes[%d] is not finite", h));
+        }
+        p.alibi.push_back(static_cast<float>(bias.alibi_slopes[h]));
+      }
+      break;
+    }
+    case BiasKind::kT5: {
+      RA_RETURN_IF_ERROR(ValidateT5BucketConfig(bias.t5_config));
+      RA_RETURN_IF_ERROR(CheckRank(bias.t5_table, 2, "t5_table"));
+      if (bias.t5_table.dim(0) != bias.t5_config.num_buckets || bias.t5_table.dim(1) != p.heads) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "t5_table must have shape [num_buckets=%d, heads=%d], got %s",
+            bias.t5_config.num_buckets, p.heads, DimsToString(bias.t5_table.dims())));
+      }
+      RA_RETURN_IF_ERROR(CheckFinite(bias.t5_table, "t5_table"));
+      // Relative positions j - q_pos span [-(max q_pos), k_len - 1 - min q_pos].
+      int64_t min_pos = 0, max_pos = 0;
+      for (int64_t b = 0; b < p.batch; ++b) {
+        if (b == 0 || p.q_offset[b] < min_pos) min_pos = p.q_offset[b];
+        if (b == 0 || p.q_offset[b] + p.q_len - 1 > max_pos) max_pos = p.q_offset[b] + p.q_len - 1;
+      }
+      p.rel_min = -max_pos;
+      p.rel_count = std::max<int64_t>(0, (p.k_len - 1 - min_pos) - p.rel_min + 1);
+      if (p.rel_count > (int64_t{1} << 26)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "T5 bias over %d relative positions is too large", p.rel_count));
+      }
+      std::vector<int> buckets(p.rel_count);
+      for (int64_t r = 0; r < p.rel_count; ++r) {
+        buckets[r] = T5RelativeBucket(p.rel_min + r, bias.t5_config);
+      }
+      p.t5.resize(p.heads * p.rel_count);
+      for (int64_t h = 0; h < p.heads; ++h) {
+        for (int64_t r = 0; r < p.rel_count; ++r) {
+          p.t5[h * p.rel_count + r] = bias.t5_table.GetFloat({buckets[r], h});
+        }
+      }
+      break;
+    }
+    case BiasKind::kTensor: {
+      const ConstTensorView& t = bias.tensor;
+      const bool ok3 = t.rank() == 3 && t.dim(0) == p.heads && t.dim(1) == p.q_len &&
+                       t.dim(2) == p.k_len;
+      const bool ok4 = t.rank() == 4 && t.dim(0) == p.batch && t.dim(1) == p.heads &&
+                       t.dim(2) == p.q_len && t.dim(3) == p.k_len;
+      if ((!ok3 && !ok4) || t.dtype() != DType::kF32 || !t.IsContiguous() ||
+          (t.raw() == nullptr && t.num_elements() > 0)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "bias tensor must be dense f32 of shape %s or %s, got %s %s",
+            DimsToString({p.heads, p.q_len, p.k_len}),
+            DimsToString({p.batch, p.heads, p.q_len, p.k_len}), DTypeName(t.dtype()),
+            DimsToString(t.dims())));
+      }
+      // -inf is a legitimate mask value in an additive bias; NaN and +inf are not.
+      const float* d = t.data<float>();
+      for (int64_t i = 0; i < t.num_elements(); ++i) {
+        if (std::isnan(d[i]) || d[i] == std::numeric_limits<float>::infinity()) {
+          return absl::InvalidArgumentError(
+              absl::StrFormat("bias tensor element %d is %s", i, std::isnan(d[i]) ? "NaN" : "+inf"));
+        }
+      }
+      p.bias_tensor = t;
+      p.bias_has_batch = ok4;
+      break;
+    }
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrFormat("unknown bias kind %d", static_cast<int>(bias.kind)));
+  }
+
+  RA_RETURN_IF_ERROR(CheckFinite(q, "q"));
+  if (o.check_finite) {
+    RA_RETURN_IF_ERROR(CheckFinite(k, "k"));
+    RA_RETURN_IF_ERROR(CheckFinite(v, "v"));
+  }
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.out = out;
+  p.probs = probs;
+  return p;
+}
+
+// Turns raw dot products of one query row over its visible keys [lo, lo+n)
+// into probabilities in place. Returns false if the logits overflowed.
+bool FinishRow(const Plan& p, int64_t b, int64_t h, int64_t i, int64_t lo, float* x, int64_t n) {
+  if (n == 0) return true;
+  internal::ScaleInPlace(x, n, p.scale);
+  if (p.softcap > 0) internal::SoftcapInPlace(x, n, p.softcap);
+  const int64_t pos = p.q_offset[b] + i;
+  switch (p.bias_kind) {
+    case BiasKind::kAlibi: {
+      const float slope = p.alibi[h];
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        const float dist = static_cast<float>(std::abs(pos - (lo + j)));
+        x[j] -= slope * dist;
+      }
+      break;
+    }
+    case BiasKind::kT5: {
+      const float* row = p.t5.data() + h * p.rel_count + (lo - pos - p.rel_min);
+      for (int64_t j = 0; j < n; ++j) x[j] += row[j];
+      break;
+    }
+    case BiasKind::kTensor: {
+      const float* base = p.bias_tensor.data<float>();
+      const int64_t off =
+          ((p.bias_has_batch ? b * p.heads : 0) + h) * p.q_len * p.k_len + i * p.k_len + lo;
+      const float* row = base + off;
+      for (int64_t j = 0; j < n; ++j) x[j] += row[j];
+      break;
+    }
+    default:
+      break;
+  }
+  const float max = internal::RowMax(x, n);
+  if (max == -std::numeric_limits<float>::infinity()) {
+    // Every visible key was masked by the bias tensor: a fully masked row.
+    std::memset(x, 0, n * sizeof(float));
+    return true;
+  }
+  if (!std::isfinite(max)) return false;
+  const float sum = internal::ExpSubMaxSum(x, n, max);
+  if (!std::isfinite(sum) || sum <= 0) return false;
+  internal::ScaleInPlace(x, n, 1.0f / sum);
+  return true;
+}
+
+absl::Status OverflowError(int64_t b, int64_t h, int64_t i) {
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "attention logits for batch %d, head %d, query %d overflow the float range; "
+      "reduce scale or the magnitude of q and k",
+      b, h, i));
+}
+
+template <typename T>
+const T* RowPtr(const ConstTensorView& t, int64_t b, int64_t s, int64_t h) {
+  return t.data<T>() + b * t.stride(0) + s * t.stride(1) + h * t.stride(2);
+}
+
+void WriteOutRow(const Plan& p, int64_t b, int64_t i, int64_t h, const float* src) {
+  const int64_t off = b * p.out.stride(0) + i * p.out.stride(1) + h * p.out.stride(2);
+  if (p.out_dtype == DType::kF32) {
+    std::memcpy(p.out.data<float>() + off, src, p.v_dim * sizeof(float));
+  } else {
+    internal::F32ToBF16(src, p.out.data<uint16_t>() + off, p.v_dim);
+  }
+}
+
+void WriteProbsRow(const Plan& p, int64_t b, int64_t h, int64_t i, int64_t lo, const float* x,
+                   int64_t n) {
+  if (p.probs.empty_view()) return;
+  float* row = p.probs.data<float>() + ((b * p.heads + h) * p.q_len + i) * p.k_len;
+  std::memset(row, 0, p.k_len * sizeof(float));
+  if (n > 0) std::memcpy(row + lo, x, n * sizeof(float));
+}
+
+// Per-thread scratch, reused across calls.
+struct Scratch {
+  std::vector<float> a, b, c;
+  std::vector<uint16_t> h1, h2;
+};
+Scratch& ThreadScratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+class FirstError {
+ public:
+  void Set(absl::Status s) {
+    absl::MutexLock lock(&mu_);
+    if (status_.ok()) status_ = std::move(s);
+  }
+  absl::Status Get() {
+    absl::MutexLock lock(&mu_);
+    return status_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::Status status_;
+};
+
+// ---------------------------------------------------------------- decode --
+
+template <typename KV>
+absl::Status DecodeTask(const Plan& p, int64_t b, int64_t kvh) {
+  const int64_t rows = p.group * p.q_len;  // row r = hh * q_len + i
+  const int64_t d = p.head_dim, dv = p.v_dim;
+  Scratch& s = ThreadScratch();
+  // Query rows in f32.
+  s.a.resize(rows * d);
+  for (int64_t hh = 0; hh < p.group; ++hh) {
+    const int64_t h = kvh * p.group + hh;
+    for (int64_t i = 0; i < p.q_len; ++i) {
+      float* dst = s.a.data() + (hh * p.q_len + i) * d;
+      if (p.q_dtype == DType::kF32) {
+        std::memcpy(dst, RowPtr<float>(p.q, b, i, h), d * sizeof(float));
+      } else {
+        internal::BF16ToF32(RowPtr<uint16_t>(p.q, b, i, h), dst, d);
+      }
+    }
+  }
+  // Key ranges depend only on the query index.
+  std::vector<int64_t> lo(p.q_len), hi(p.q_len);
+  int64_t ulo = p.k_len, uhi = 0;
+  for (int64_t i = 0; i < p.q_len; ++i) {
+    p.KeyRange(b, i, &lo[i], &hi[i]);
+    if (hi[i] > lo[i]) {
+      ulo = std::min(ulo, lo[i]);
+      uhi = std::max(uhi, hi[i]);
+    }
+  }
+  const int64_t n = uhi > ulo ? uhi - ulo : 0;
+  s.b.assign(rows * std::max<int64_t>(n, 1), 0.0f);  // scores / probabilities
+  float* scores = s.b.data();
+  // Pass 1: stream K once; every row that sees key t takes its dot product.
+  const KV* k_base = RowPtr<KV>(p.k, b, 0, kvh);
+  const int64_t k_stride = p.k.stride(1);
+  for (int64_t t = ulo; t < uhi; ++t) {
+    const KV* kt = k_base + t * k_stride;
+    for (int64_t i = 0; i < p.q_len; ++i) {
+      if (t < lo[i] || t >= hi[i]) continue;
+      for (int64_t hh = 0; hh < p.group; ++hh) {
+        const int64_t r = hh * p.q_len + i;
+        float dot;
+        if constexpr (std::is_same_v<KV, float>) {
+          dot = internal::DotF32(s.a.data() + r * d, kt, d);
+        } else {
+          dot = internal::DotBF16(s.a.data() + r * d, kt, d);
+        }
+        scores[r * n + (t - ulo)] = dot;
+      }
+    }
+  }
+  // Softmax per row over its own range.
+  for (int64_t hh = 0; hh < p.group; ++hh) {
+    const int64_t h = kvh * p.group + hh;
+    for (int64_t i = 0; i < p.q_len; ++i) {
+      const int64_t r = hh * p.q_len + i;
+      float* x = scores + r * n + (lo[i] - ulo);
+      const int64_t len = hi[i] - lo[i];
+      if (!FinishRow(p, b, h, i, lo[i], x, len)) return OverflowError(b, h, i);
+      WriteProbsRow(p, b, h, i, lo[i], x, len);
+    }
+  }
+  // Pass 2: stream V once.
+  s.c.assign(rows * dv, 0.0f);
+  const KV* v_base = RowPtr<KV>(p.v, b, 0, kvh);
+  const int64_t v_stride = p.v.stride(1);
+  for (int64_t t = ulo; t < uhi; ++t) {
+    const KV* vt = v_base + t * v_stride;
+    for (int64_t i = 0; i < p.q_len; ++i) {
+      if (t < lo[i] || t >= hi[i]) continue;
+      for (int64_t hh = 0; hh < p.group; ++hh) {
+        const int64_t r = hh * p.q_len + i;
+        const float w = scores[r * n + (t - ulo)];
+        if constexpr (std::is_same_v<KV, float>) {
+          internal::AxpyF32(w, vt, s.c.data() + r * dv, dv);
+        } else {
+          internal::AxpyBF16(w, vt, s.c.data() + r * dv, dv);
+        }
+      }
+    }
+  }
+  for (int64_t hh = 0; hh < p.group; ++hh) {
+    for (int64_t i = 0; i < p.q_len; ++i) {
+      WriteOutRow(p, b, i, kvh * p.group + hh, s.c.data() + (hh * p.q_len + i) * dv);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunDecode(const Plan& p) {
+  const int64_t tasks = p.batch * p.kv_heads;
+  FirstError err;
+  const int threads = static_cast<int>(std::min<int64_t>(p.threads, std::max<int64_t>(tasks, 1)));
+#pragma omp parallel num_threads(threads)
+  {
+    omp_set_num_threads(1);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t b = t / p.kv_heads, kvh = t % p.kv_heads;
+      absl::Status s = p.kv_dtype == DType::kF32 ? DecodeTask<float>(p, b, kvh)
+                                                 : DecodeTask<uint16_t>(p, b, kvh);
+      if (!s.ok()) err.Set(std::move(s));
+    }
+  }
+  return err.Get();
+}
+
+// --------------------------------------------------------------- prefill --
+
+absl::Status PrefillTask(const Plan& p, int64_t b, int64_t h, int64_t i0, int64_t i1) {
+  const int64_t rows = i1 - i0;
+  const int64_t d = p.head_dim, dv = p.v_dim;
+  const int64_t kvh = h / p.group;
+  int64_t lo[kPrefillBlock], hi[kPrefillBlock];
+  int64_t ulo = p.k_len, uhi = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    p.KeyRange(b, i0 + r, &lo[r], &hi[r]);
+    if (hi[r] > lo[r]) {
+      ulo = std::min(ulo, lo[r]);
+      uhi = std::max(uhi, hi[r]);
+    }
+  }
+  Scratch& s = ThreadScratch();
+  if (uhi <= ulo) {  // the whole tile is masked
+    s.c.assign(dv, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      WriteOutRow(p, b, i0 + r, h, s.c.data());
+      WriteProbsRow(p, b, h, i0 + r, 0, nullptr, 0);
+    }
+    return absl::OkStatus();
+  }
+  const int64_t n = uhi - ulo;
+  // A operand: the query rows, in the K/V dtype (oneDNN wants matching inputs).
+  MatOperand qa;
+  const size_t es = DTypeSize(p.kv_dtype);
+  if (p.q_dtype == p.kv_dtype) {
+    qa = {static_cast<const char*>(p.q.raw()) +
+              (b * p.q.stride(0) + i0 * p.q.stride(1) + h * p.q.stride(2)) * es,
+          p.kv_dtype, p.q.stride(1), 1};
+  } else if (p.kv_dtype == DType::kBF16) {
+    s.h1.resize(rows * d);
+    for (int64_t r = 0; r < rows; ++r) {
+      internal::F32ToBF16(RowPtr<float>(p.q, b, i0 + r, h), s.h1.data() + r * d, d);
+    }
+    qa = {s.h1.data(), DType::kBF16, d, 1};
+  } else {
+    s.a.resize(rows * d);
+    for (int64_t r = 0; r < rows; ++r) {
+      internal::BF16ToF32(RowPtr<uint16_t>(p.q, b, i0 + r, h), s.a.data() + r * d, d);
+    }
+    qa = {s.a.data(), DType::kF32, d, 1};
+  }
+  // B operand: K rows ulo..uhi of this kv head, read as a [d, n] matrix.
+  const MatOperand kb{static_cast<const char*>(p.k.raw()) +
+                          (b * p.k.stride(0) + ulo * p.k.stride(1) + kvh * p.k.stride(2)) * es,
+                      p.kv_dtype, 1, p.k.stride(1)};
+  s.b.resize(rows * n);
+  float* scores = s.b.data();
+  RA_RETURN_IF_ERROR(internal::Gemm(rows, n, d, qa, kb, scores, n, 1));
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = scores + r * n;
+    const int64_t l = lo[r] - ulo, len = hi[r] - lo[r];
+    if (len <= 0) {
+      std::memset(row, 0, n * sizeof(float));
+      WriteProbsRow(p, b, h, i0 + r, 0, nullptr, 0);
+      continue;
+    }
+    if (!FinishRow(p, b, h, i0 + r, lo[r], row + l, len)) return OverflowError(b, h, i0 + r);
+    std::memset(row, 0, l * sizeof(float));
+    std::memset(row + l + len, 0, (n - l - len) * sizeof(float));
+    WriteProbsRow(p, b, h, i0 + r, ulo, row, n);
+  }
+  MatOperand pa{scores, DType::kF32, n, 1};
+  if (p.kv_dtype == DType::kBF16) {
+    s.h2.resize(rows * n);
+    internal::F32ToBF16(scores, s.h2.data(), rows * n);
+    pa = {s.h2.data(), DType::kBF16, n, 1};
+  }
+  const MatOperand vb{static_cast<const char*>(p.v.raw()) +
+                          (b * p.v.stride(0) + ulo * p.v.stride(1) + kvh * p.v.stride(2)) * es,
+                      p.kv_dtype, p.v.stride(1), 1};
+  if (p.out_dtype == DType::kF32) {
+    float* o = p.out.data<float>() + b * p.out.stride(0) + i0 * p.out.stride(1) + h * p.out.stride(2);
+    RA_RETURN_IF_ERROR(internal::Gemm(rows, dv, n, pa, vb, o, p.out.stride(1), 1));
+  } else {
+    s.c.resize(rows * dv);
+    RA_RETURN_IF_ERROR(internal::Gemm(rows, dv, n, pa, vb, s.c.data(), dv, 1));
+    for (int64_t r = 0; r < rows; ++r) WriteOutRow(p, b, i0 + r, h, s.c.data() + r * dv);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunPrefill(const Plan& p) {
+  const int64_t blocks = (p.q_len + kPrefillBlock - 1) / kPrefillBlock;
+  const int64_t tasks = p.batch * p.heads * blocks;
+  FirstError err;
+  const int threads = static_cast<int>(std::min<int64_t>(p.threads, std::max<int64_t>(tasks, 1)));
+#pragma omp parallel num_threads(threads)
+  {
+    omp_set_num_threads(1);
+    // Later query blocks see more keys under a causal mask: hand them out
+    // first so the tail of the schedule is made of short tasks.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t blk = blocks - 1 - t / (p.batch * p.heads);
+      const int64_t bh = t % (p.batch * p.heads);
+      const int64_t b = bh / p.heads, h = bh % p.heads;
+      const int64_t i0 = blk * kPrefillBlock;
+      const int64_t i1 = std::min(p.q_len, i0 + kPrefillBlock);
+      absl::Status s = PrefillTask(p, b, h, i0, i1);
+      if (!s.ok()) err.Set(std::move(s));
+    }
+  }
+  return err.Get();
+}
+
+}  // namespace
+
+AttentionPath ChooseAttentionPath(int64_t q_len, int64_t heads, int64_t kv_heads,
+                                  bool return_probs) {
+  const int64_t group = kv_heads > 0 ? heads / kv_heads : 1;
+  // The decode kernel's cost per key grows with the rows sharing a kv head;
+  // past a few dozen rows the GEMM path is faster even though it rereads K/V.
+  if (q_len <= 16 && q_len * group <= 64) return AttentionPath::kDecode;
+  return AttentionPath::kPrefill;
+}
+
+absl::Status Attend(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                    const AttentionOptions& options, TensorView out, TensorView probs) {
+  RA_ASSIGN_OR_RETURN(Plan p, MakePlan(q, k, v, options, out, probs));
+  if (p.batch == 0 || p.q_len == 0 || p.heads == 0) return absl::OkStatus();
+  AttentionPath path = ChooseAttentionPath(p.q_len, p.heads, p.kv_heads, !probs.empty_view());
+  if (options.force_path == AttentionOptions::Path::kDecode) path = AttentionPath::kDecode;
+  if (options.force_path == AttentionOptions::Path::kPrefill) path = AttentionPath::kPrefill;
+  if (p.head_dim == 0 || p.v_dim == 0) path = AttentionPath::kDecode;  // oneDNN dislikes 0-dims
+  absl::Status s = path == AttentionPath::kDecode ? RunDecode(p) : RunPrefill(p);
+  if (!s.ok()) return s;
+  // Last line of defence: never hand back a non-finite number.
+  absl::Status fin = CheckFinite(out, "out");
+  if (!fin.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention result overflowed the float range (", fin.message(),
+        "); reduce the magnitude of v"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ropeattn

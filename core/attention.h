@@ -1,0 +1,91 @@
+// Softmax attention: MHA / GQA / MQA with causal, padding, sliding window,
+// soft-capping and additive relative biases.
+//
+//   out[b, i, h, :] = sum_j p[b, h, i, j] * v[b, j, h / g, :]
+//   p[b, h, i, :]   = softmax_j(logit(b, h, i, j)) over visible keys j
+//   logit           = cap(scale * <q[b, i, h, :], k[b, j, h / g, :]>) + bias(h, q_pos, j)
+// where g = heads / kv_heads, cap(x) = softcap * tanh(x / softcap) when softcap > 0.
+// Query i of row b is at absolute position q_pos = q_offset[b] + i; key j is at
+// position j. Key j is visible to query i when
+//   j < key_length[b]                      (padding)
+//   and, if causal, j <= q_pos
+//   and, if window > 0, |q_pos - j| < window (causal: q_pos - window < j <= q_pos).
+// A row with no visible key yields zeros (and zero probabilities), never NaN.
+// RoPE is applied by the caller (RopeRotator) to q and k before this call.
+#ifndef ROPEATTN_CORE_ATTENTION_H_
+#define ROPEATTN_CORE_ATTENTION_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "core/relative_bias.h"
+#include "core/tensor.h"
+
+namespace ropeattn {
+
+enum class BiasKind {
+  kNone = 0,
+  kAlibi = 1,   // alibi_slopes[heads]: bias = -slope * |q_pos - j| (causal: q_pos - j)
+  kT5 = 2,      // t5_table [num_buckets, heads] with t5_config; bucket of (j - q_pos)
+  kTensor = 3,  // tensor [heads, q_len, k_len] or [batch, heads, q_len, k_len], f32
+};
+
+struct AttentionBias {
+  BiasKind kind = BiasKind::kNone;
+  std::vector<double> alibi_slopes;
+  ConstTensorView t5_table;
+  T5BucketConfig t5_config;
+  ConstTensorView tensor;
+};
+
+struct AttentionOptions {
+  // Logit scale; 0 means 1/sqrt(head_dim). Must be finite and >= 0.
+  double scale = 0.0;
+  bool causal = false;
+  // > 0: sliding window width (keys with |q_pos - j| < window). 0: none.
+  int64_t window = 0;
+  // > 0: logits are soft-capped to (-softcap, softcap). 0: none.
+  double softcap = 0.0;
+  // Per batch row: absolute position of query 0. Empty: k_len - q_len for every
+  // row (queries are the last q_len tokens, as when decoding against a cache).
+  absl::Span<const int64_t> q_offsets;
+  // Per batch row: number of valid keys (the rest is right padding). Empty: k_len.
+  absl::Span<const int64_t> key_lengths;
+  AttentionBias bias;
+  // Check q, k and v for NaN/inf first (InvalidArgument naming tensor and
+  // index). A caller whose K/V cache was checked when filled may turn this off;
+  // q is always checked, and a non-finite result is never returned.
+  bool check_finite = true;
+  // Threads for this call (>= 1). The call never uses more.
+  int num_threads = 1;
+  // Tests and benchmarks may force a kernel; normally ChooseAttentionPath decides.
+  enum class Path { kAuto, kDecode, kPrefill };
+  Path force_path = Path::kAuto;
+};
+
+// q:   [batch, q_len, heads, head_dim], f32 or bf16
+// k:   [batch, k_len, kv_heads, head_dim], f32 or bf16
+// v:   [batch, k_len, kv_heads, v_dim], same dtype as k
+// out: [batch, q_len, heads, v_dim], f32 or bf16 (written)
+// probs: optional, [batch, heads, q_len, k_len] f32 (written) when non-null.
+// Errors: InvalidArgument for any shape / dtype mismatch (naming the tensor and
+// the dims), heads % kv_heads != 0, bad options (naming the field and value),
+// non-finite inputs; OutOfRange for a key length > k_len.
+// Thread-safety: safe to call concurrently from many threads.
+absl::Status Attend(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                    const AttentionOptions& options, TensorView out,
+                    TensorView probs = TensorView());
+
+// Which kernel Attend uses for a shape (exposed for tests and benchmarks).
+enum class AttentionPath {
+  kDecode,   // few queries per kv head: one streaming pass over K and V
+  kPrefill,  // tiled, oneDNN matmuls, masked tiles skipped
+};
+AttentionPath ChooseAttentionPath(int64_t q_len, int64_t heads, int64_t kv_heads,
+                                  bool return_probs);
+
+}  // namespace ropeattn
+
+#endif  // ROPEATTN_CORE_ATTENTION_H_

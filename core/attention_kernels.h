@@ -1,0 +1,37 @@
+// Internal row kernels for attention: plain loops written so GCC vectorizes
+// them (AVX2/FMA at the x86-64-v3 baseline). Not part of the public API.
+#ifndef ROPEATTN_CORE_ATTENTION_KERNELS_H_
+#define ROPEATTN_CORE_ATTENTION_KERNELS_H_
+
+#include <cstdint>
+
+namespace ropeattn::internal {
+
+// sum_i a[i] * b[i]; b is f32 or bf16 (uint16_t bits).
+float DotF32(const float* a, const float* b, int64_t n);
+float DotBF16(const float* a, const uint16_t* b, int64_t n);
+
+// acc[i] += w * x[i]
+void AxpyF32(float w, const float* x, float* acc, int64_t n);
+void AxpyBF16(float w, const uint16_t* x, float* acc, int64_t n);
+
+// x[i] = cap * tanh(x[i] / cap), about 1e-7 relative accuracy.
+void SoftcapInPlace(float* x, int64_t n, float cap);
+
+// x[i] = exp(x[i] - max) in place, returns the sum. Requires x[i] <= max
+// (finite). Accuracy ~2 ulp; arguments below -87 give 0.
+float ExpSubMaxSum(float* x, int64_t n, float max);
+
+// max over x[0..n), n >= 1.
+float RowMax(const float* x, int64_t n);
+
+// x[i] *= s
+void ScaleInPlace(float* x, int64_t n, float s);
+
+// dst[i] = bf16(src[i]), round to nearest even.
+void F32ToBF16(const float* src, uint16_t* dst, int64_t n);
+void BF16ToF32(const uint16_t* src, float* dst, int64_t n);
+
+}  // namespace ropeattn::internal
+
+#endif  // ROPEATTN_CORE_ATTENTION_KERNELS_H_

@@ -1,0 +1,228 @@
+// Matmul on oneDNN 2.6 primitives, built once per shape and cached.
+//
+// oneDNN primitives are not thread-safe with the library-owned scratchpad,
+// so every primitive here uses scratchpad_mode::user and each calling thread
+// brings its own scratchpad and stream: one cached primitive then serves any
+// number of threads at once. oneDNN plans its work for the thread count it
+// sees at creation, so the count is part of the cache key.
+#include <omp.h>
+
+#include <cstring>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/hash/hash.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "core/gemm.h"
+#include "core/gemm_internal.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace ropeattn {
+namespace internal {
+namespace {
+
+struct Key {
+  int64_t m, n, k, a_rs, a_cs, b_rs, b_cs, ldc;
+  int dtype;
+  int threads;
+  bool operator==(const Key& o) const {
+    return std::tie(m, n, k, a_rs, a_cs, b_rs, b_cs, ldc, dtype, threads) ==
+           std::tie(o.m, o.n, o.k, o.a_rs, o.a_cs, o.b_rs, o.b_cs, o.ldc, o.dtype, o.threads);
+  }
+  template <typename H>
+  friend H AbslHashValue(H h, const Key& x) {
+    return H::combine(std::move(h), x.m, x.n, x.k, x.a_rs, x.a_cs, x.b_rs, x.b_cs, x.ldc, x.dtype,
+                      x.threads);
+  }
+};
+
+struct Entry {
+  dnnl::matmul prim;
+  dnnl::memory::desc a_md, b_md, c_md;
+  size_t scratch_bytes = 0;
+};
+
+dnnl::engine& Engine() {
+  static dnnl::engine* engine = new dnnl::engine(dnnl::engine::kind::cpu, 0);
+  return *engine;
+}
+
+class PrimitiveCache {
+ public:
+  // Bounded: shapes come from requests, so an adversary could otherwise grow
+  // it without limit. Dropping everything on overflow is crude but safe
+  // (entries in use are shared_ptr-owned by their callers).
+  static constexpr size_t kMaxEntries = 2048;
+
+  absl::StatusOr<std::shared_ptr<const Entry>> Get(const Key& key) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = map_.find(key);
+      if (it != map_.end()) return it->second;
+    }
+    // Build outside the lock: creation can take a while and two threads
+    // racing on the same new shape only waste a little work.
+    auto entry = std::make_shared<Entry>();
+    try {
+      using dt = dnnl::memory::data_type;
+      const dt in_dt = key.dtype == static_cast<int>(DType::kF32) ? dt::f32 : dt::bf16;
+      entry->a_md = dnnl::memory::desc({key.m, key.k}, in_dt, {key.a_rs, key.a_cs});
+      entry->b_md = dnnl::memory::desc({key.k, key.n}, in_dt, {key.b_rs, key.b_cs});
+      entry->c_md = dnnl::memory::desc({key.m, key.n}, dt::f32, {key.ldc, 1});
+      dnnl::primitive_attr attr;
+      attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+      dnnl::matmul::desc desc(entry->a_md, entry->b_md, entry->c_md);
+      dnnl::matmul::primitive_desc pd(desc, attr, Engine());
+      entry->scratch_bytes = pd.scratchpad_desc().get_size();
+      entry->prim = dnnl::matmul(pd);
+    } catch (const dnnl::error& e) {
+      return absl::InternalError(absl::StrFormat(
+          "oneDNN could not create a matmul for [%d x %d] * [%d x %d] (%s): %s", key.m, key.k,
+          key.k, key.n, key.dtype == 0 ? "f32" : "bf16", e.what()));
+    }
+    absl::MutexLock lock(&mu_);
+    if (map_.size() >= kMaxEntries) map_.clear();
+    auto [it, inserted] = map_.emplace(key, std::move(entry));
+    return it->second;
+  }
+
+  int64_t size() {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int64_t>(map_.size());
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::flat_hash_map<Key, std::shared_ptr<const Entry>> map_ ABSL_GUARDED_BY(mu_);
+};
+
+PrimitiveCache& Cache() {
+  static PrimitiveCache* cache = new PrimitiveCache();
+  return *cache;
+}
+
+// Per-thread execution state: a stream and a growable, 64-byte aligned scratchpad.
+struct ThreadState {
+  dnnl::stream stream{Engine()};
+  std::unique_ptr<uint8_t[]> scratch;
+  size_t scratch_cap = 0;
+  uint8_t* Scratch(size_t bytes) {
+    if (bytes + 64 > scratch_cap) {
+      scratch_cap = bytes + 64;
+      scratch.reset(new uint8_t[scratch_cap]);
+    }
+    auto p = reinterpret_cast<uintptr_t>(scratch.get());
+    return reinterpret_cast<uint8_t*>((p + 63) & ~uintptr_t{63});
+  }
+};
+
+ThreadState& State() {
+  thread_local ThreadState state;
+  return state;
+}
+
+}  // namespace
+
+absl::Status Gemm(int64_t m, int64_t n, int64_t k, const MatOperand& a, const MatOperand& b,
+                  float* c, int64_t ldc, int num_threads) {
+  if (m == 0 || n == 0) return absl::OkStatus();
+  if (k == 0) {
+    for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, n * sizeof(float));
+    return absl::OkStatus();
+  }
+  const bool nested = omp_in_parallel();
+  const int threads = nested ? 1 : std::max(1, num_threads);
+  // oneDNN sizes its work from omp_get_max_threads(); the ICV is per thread.
+  const int saved = omp_get_max_threads();
+  if (saved != threads) omp_set_num_threads(threads);
+  Key key{m, n, k, a.row_stride, a.col_stride, b.row_stride, b.col_stride, ldc,
+          static_cast<int>(a.dtype), threads};
+  absl::Status status;
+  auto entry = Cache().Get(key);
+  if (!entry.ok()) {
+    status = entry.status();
+  } else {
+    try {
+      ThreadState& ts = State();
+      const Entry& e = **entry;
+      dnnl::memory am(e.a_md, Engine(), const_cast<void*>(a.data));
+      dnnl::memory bm(e.b_md, Engine(), const_cast<void*>(b.data));
+      dnnl::memory cm(e.c_md, Engine(), c);
+      std::unordered_map<int, dnnl::memory> args = {
+          {DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
+      if (e.scratch_bytes > 0) {
+        dnnl::memory sm(dnnl::memory::desc({static_cast<int64_t>(e.scratch_bytes)},
+                                           dnnl::memory::data_type::u8, {1}),
+                        Engine(), ts.Scratch(e.scratch_bytes));
+        args.emplace(DNNL_ARG_SCRATCHPAD, sm);
+      }
+      e.prim.execute(ts.stream, args);
+      ts.stream.wait();
+    } catch (const dnnl::error& err) {
+      status = absl::InternalError(absl::StrCat("oneDNN matmul failed: ", err.what()));
+    }
+  }
+  if (saved != threads) omp_set_num_threads(saved);
+  return status;
+}
+
+}  // namespace internal
+
+namespace {
+
+absl::StatusOr<internal::MatOperand> Operand2D(const ConstTensorView& t, absl::string_view name) {
+  if (t.rank() != 2) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s must have rank 2, got shape %s", name,
+                                                      DimsToString(t.dims())));
+  }
+  if (t.raw() == nullptr && t.num_elements() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " is missing"));
+  }
+  if (t.stride(0) != 1 && t.stride(1) != 1 && t.num_elements() > 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s needs a unit stride on one axis, got strides %s", name, DimsToString(t.strides())));
+  }
+  return internal::MatOperand{t.raw(), t.dtype(), t.stride(0), t.stride(1)};
+}
+
+}  // namespace
+
+absl::Status MatMul(ConstTensorView a, ConstTensorView b, TensorView c, int num_threads) {
+  auto ao = Operand2D(a, "a");
+  if (!ao.ok()) return ao.status();
+  auto bo = Operand2D(b, "b");
+  if (!bo.ok()) return bo.status();
+  if (c.rank() != 2 || (c.num_elements() > 1 && c.stride(1) != 1)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "c must be a rank-2 tensor with unit column stride, got shape %s strides %s",
+        DimsToString(c.dims()), DimsToString(c.strides())));
+  }
+  if (a.dtype() != b.dtype()) {
+    return absl::InvalidArgumentError(absl::StrFormat("a and b must share a dtype, got %s and %s",
+                                                      DTypeName(a.dtype()), DTypeName(b.dtype())));
+  }
+  if (c.dtype() != DType::kF32) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("c must be f32, got %s", DTypeName(c.dtype())));
+  }
+  if (a.dim(1) != b.dim(0) || c.dim(0) != a.dim(0) || c.dim(1) != b.dim(1)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "matmul shapes do not match: a %s, b %s, c %s", DimsToString(a.dims()),
+        DimsToString(b.dims()), DimsToString(c.dims())));
+  }
+  if (num_threads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("num_threads must be >= 1, got %d", num_threads));
+  }
+  return internal::Gemm(a.dim(0), b.dim(1), a.dim(1), *ao, *bo, c.data<float>(), c.stride(0),
+                        num_threads);
+}
+
+int64_t MatMulCacheSize() { return internal::Cache().size(); }
+
+}  // namespace ropeattn

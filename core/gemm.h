@@ -1,0 +1,22 @@
+// Dense matrix multiply on oneDNN, the same primitive cache the attention
+// kernels use. Exposed so the benchmark can measure the machine's GEMM
+// ceiling through exactly the library path the kernels take.
+#ifndef ROPEATTN_CORE_GEMM_H_
+#define ROPEATTN_CORE_GEMM_H_
+
+#include "absl/status/status.h"
+#include "core/tensor.h"
+
+namespace ropeattn {
+
+// c[M, N] = a[M, K] * b[K, N]. a and b: both f32 or both bf16; c: f32.
+// Any strides with a unit innermost stride (for a and b, either axis may be
+// the unit one: a transposed view is fine). Thread-safe. num_threads >= 1.
+absl::Status MatMul(ConstTensorView a, ConstTensorView b, TensorView c, int num_threads);
+
+// Number of cached oneDNN primitives (for tests of the cache).
+int64_t MatMulCacheSize();
+
+}  // namespace ropeattn
+
+#endif  // ROPEATTN_CORE_GEMM_H_

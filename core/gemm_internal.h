@@ -1,0 +1,30 @@
+// Internal: raw-pointer matmul on cached oneDNN primitives, for the kernels.
+// Not part of the public API; callers validated shapes already.
+#ifndef ROPEATTN_CORE_GEMM_INTERNAL_H_
+#define ROPEATTN_CORE_GEMM_INTERNAL_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "core/tensor.h"
+
+namespace ropeattn::internal {
+
+// A 2-D operand: element (r, c) is at data[r * row_stride + c * col_stride].
+struct MatOperand {
+  const void* data;
+  DType dtype;
+  int64_t row_stride;
+  int64_t col_stride;
+};
+
+// c[M, N] (f32, row stride ldc, unit column stride) = a[M, K] * b[K, N].
+// a and b have the same dtype. Runs on the calling thread only when called
+// inside a parallel region; otherwise on up to `num_threads` threads.
+// Errors (oneDNN refusing a descriptor) come back as Internal.
+absl::Status Gemm(int64_t m, int64_t n, int64_t k, const MatOperand& a, const MatOperand& b,
+                  float* c, int64_t ldc, int num_threads);
+
+}  // namespace ropeattn::internal
+
+#endif  // ROPEATTN_CORE_GEMM_INTERNAL_H_

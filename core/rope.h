@@ -1,0 +1,165 @@
+// Rotary position embedding (RoPE): frequency rules and the rotation itself.
+//
+// Notation (see shared reference, positional-encodings.md section 3-4):
+//   d = rotary_dim (<= head_dim, even), pairs i = 0 .. d/2 - 1,
+//   inv_freq[i] = base^(-2i/d) under the default rule, angle = position * inv_freq[i].
+// Pair layouts:
+//   kHalfSplit  (GPT-NeoX, Llama in Hugging Face): channel i pairs with i + d/2.
+//   kInterleaved (GPT-J, RoFormer, Meta's original Llama): channels 2i, 2i+1.
+// Channels d .. head_dim-1 pass through unchanged (partial rotary).
+// Each pair (x, y) becomes a * (x cos t - y sin t, x sin t + y cos t) where `a`
+// is the rule's attention factor (it multiplies both cos and sin, so logits
+// between rotated q and k scale by a^2).
+#ifndef ROPEATTN_CORE_ROPE_H_
+#define ROPEATTN_CORE_ROPE_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "core/tensor.h"
+
+namespace ropeattn {
+
+enum class RopeLayout { kHalfSplit = 0, kInterleaved = 1 };
+
+enum class RopeScalingType {
+  kDefault = 0,     // "default"
+  kLinear = 1,      // "linear": Position Interpolation, inv_freq / factor
+  kNtk = 2,         // "ntk": static NTK-aware, base * factor^(d/(d-2))
+  kDynamicNtk = 3,  // "dynamic": NTK base recomputed from the current length
+  kYarn = 4,        // "yarn"
+  kLongRope = 5,    // "longrope" (legacy "su")
+  kLlama3 = 6,      // "llama3"
+};
+
+// Accepts the Hugging Face spellings above (case-sensitive, as in config.json);
+// InvalidArgument naming the value otherwise.
+absl::StatusOr<RopeScalingType> ParseRopeScalingType(absl::string_view name);
+const char* RopeScalingTypeName(RopeScalingType type);
+const char* RopeLayoutName(RopeLayout layout);
+
+// Parameters of the scaling rule; fields a rule does not use are ignored.
+struct RopeScaling {
+  RopeScalingType type = RopeScalingType::kDefault;
+  // f: linear, ntk, dynamic, yarn, longrope (for its attention factor), llama3.
+  // Must be >= 1 for every rule but default and longrope (> 0 there).
+  double factor = 1.0;
+  // L0, the original (trained) context length. Required (> 0) by dynamic,
+  // yarn, longrope and llama3.
+  int64_t original_max_positions = 0;
+  // yarn: the ramp between beta_fast and beta_slow rotations.
+  // The correction dims use original_max_positions (L0) as the length, as
+  // newer transformers and vLLM do; older transformers used
+  // max_position_embeddings there. We follow the paper: the ramp is about how
+  // many turns a pair makes over the length the model was trained on.
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  // yarn, longrope: overrides the rule's computed attention factor.
+  std::optional<double> attention_factor;
+  // yarn (DeepSeek style): both set => (0.1 m ln f + 1) / (0.1 m_all ln f + 1);
+  // otherwise the factor is 0.1 ln f + 1. Unlike Python truthiness in
+  // transformers, a value of 0 counts as set.
+  std::optional<double> mscale;
+  std::optional<double> mscale_all_dim;
+  // longrope: per-pair extension factors, d/2 each; long ones apply when the
+  // sequence length is strictly greater than original_max_positions.
+  std::vector<double> short_factor;
+  std::vector<double> long_factor;
+  // llama3
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+};
+
+struct RopeConfig {
+  int64_t head_dim = 0;
+  int64_t rotary_dim = 0;  // 0 means head_dim. Must be even and <= head_dim.
+  double theta = 10000.0;  // base
+  RopeLayout layout = RopeLayout::kHalfSplit;
+  RopeScaling scaling;
+
+  int64_t effective_rotary_dim() const { return rotary_dim == 0 ? head_dim : rotary_dim; }
+};
+
+// InvalidArgument naming the field and value for: head_dim <= 0, rotary_dim
+// odd / negative / > head_dim, theta <= 1 or non-finite, a factor out of
+// range, missing original_max_positions, longrope factor lists of the wrong
+// length or with non-positive entries, llama3 high_freq_factor <=
+// low_freq_factor, yarn beta_fast <= beta_slow.
+absl::Status ValidateRopeConfig(const RopeConfig& config);
+
+struct RopeFrequencies {
+  std::vector<double> inv_freq;  // d/2 entries
+  double attention_factor = 1.0;
+};
+
+// The inverse frequencies and attention factor of the config's rule, for a
+// sequence whose total length is `seq_len` (used by "dynamic", which grows the
+// base once seq_len > L0, and by "longrope", which switches to the long
+// factors once seq_len > L0; other rules ignore it). seq_len >= 0.
+absl::StatusOr<RopeFrequencies> ComputeRopeFrequencies(const RopeConfig& config,
+                                                       int64_t seq_len);
+
+// Where each token of a [batch, seq, ...] tensor sits.
+// At most one of `explicit_positions` (batch*seq entries, row-major [b][s])
+// and `offsets` (batch entries: token s of row b is at offsets[b] + s) may be
+// set; with neither, token s is at position s. Positions must be >= 0.
+struct Positions {
+  absl::Span<const int64_t> explicit_positions;
+  absl::Span<const int64_t> offsets;
+};
+
+// Resolves positions for a [batch, seq] grid: InvalidArgument for a wrong
+// span length or a negative position (naming the index), OutOfRange for a
+// position above 2^40 (angles would lose all precision).
+absl::StatusOr<std::vector<int64_t>> ResolvePositions(const Positions& positions, int64_t batch,
+                                                      int64_t seq);
+
+enum class RopeDirection { kForward, kInverse };
+
+// A planned rotation: validated config, frequencies, and a cos/sin table for
+// positions [0, table_positions) computed once (angles in fp64, stored fp32,
+// attention factor folded in). Positions past the table are computed on the
+// fly in fp64, never wrapped or clamped. Immutable after Create: safe to use
+// from many threads at once.
+class RopeRotator {
+ public:
+  // seq_len as for ComputeRopeFrequencies.
+  static absl::StatusOr<RopeRotator> Create(const RopeConfig& config, int64_t seq_len,
+                                            int64_t table_positions);
+  static absl::StatusOr<RopeRotator> FromFrequencies(const RopeConfig& config,
+                                                     RopeFrequencies frequencies,
+                                                     int64_t table_positions);
+
+  // Rotates x ([batch, seq, heads, head_dim], f32 or bf16; head_dim equal to the
+  // config's) in place. bf16 data is rotated in fp32 and rounded once.
+  // kInverse undoes kForward exactly up to rounding: rotation by -angle and
+  // division by the attention factor.
+  absl::Status Apply(TensorView x, const Positions& positions, RopeDirection direction,
+                     int num_threads) const;
+
+  // cos and sin (attention factor folded in) for each position: writes
+  // positions.size() * rotary_dim/2 floats to each output, row-major.
+  absl::Status CosSin(absl::Span<const int64_t> positions, absl::Span<float> cos_out,
+                      absl::Span<float> sin_out) const;
+
+  const RopeConfig& config() const { return config_; }
+  const RopeFrequencies& frequencies() const { return freqs_; }
+  int64_t rotary_dim() const { return config_.effective_rotary_dim(); }
+
+ private:
+  RopeConfig config_;
+  RopeFrequencies freqs_;
+  int64_t table_positions_ = 0;
+  std::vector<float> cos_;  // [table_positions, rotary_dim/2]
+  std::vector<float> sin_;
+};
+
+}  // namespace ropeattn
+
+#endif  // ROPEATTN_CORE_ROPE_H_

@@ -1,0 +1,218 @@
+#include "core/tensor.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace ropeattn {
+
+size_t DTypeSize(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+
+const char* DTypeName(DType dtype) { return dtype == DType::kF32 ? "f32" : "bf16"; }
+
+absl::StatusOr<int64_t> NumElements(absl::Span<const int64_t> dims) {
+  // Keep byte counts of f32 tensors representable: at most 2^60 elements.
+  constexpr int64_t kMax = int64_t{1} << 60;
+  int64_t n = 1;
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (dims[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "dimension %d of shape %s is negative (%d)", i, DimsToString(dims), dims[i]));
+    }
+    if (dims[i] != 0 && n > kMax / dims[i]) {
+      // An overflow only matters if no later dim is zero.
+      bool has_zero = false;
+      for (int64_t d : dims) has_zero |= (d == 0);
+      if (has_zero) return 0;
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "shape %s has more than 2^60 elements", DimsToString(dims)));
+    }
+    n *= dims[i];
+  }
+  return n;
+}
+
+std::string DimsToString(absl::Span<const int64_t> dims) {
+  return absl::StrCat("[", absl::StrJoin(dims, ", "), "]");
+}
+
+Dims RowMajorStrides(absl::Span<const int64_t> dims) {
+  Dims strides(dims.size());
+  int64_t s = 1;
+  for (int i = static_cast<int>(dims.size()) - 1; i >= 0; --i) {
+    strides[i] = s;
+    s *= dims[i];
+  }
+  return strides;
+}
+
+template <typename VoidT>
+BasicTensorView<VoidT>::BasicTensorView(VoidT* data, DType dtype, Dims dims)
+    : data_(data), dtype_(dtype), dims_(std::move(dims)) {
+  strides_ = RowMajorStrides(dims_);
+}
+
+template <typename VoidT>
+int64_t BasicTensorView<VoidT>::num_elements() const {
+  int64_t n = 1;
+  for (int64_t d : dims_) n *= d;
+  return n;
+}
+
+template <typename VoidT>
+bool BasicTensorView<VoidT>::IsContiguous() const {
+  int64_t s = 1;
+  for (int i = rank() - 1; i >= 0; --i) {
+    if (dims_[i] != 1 && strides_[i] != s) return false;
+    s *= dims_[i];
+  }
+  return true;
+}
+
+template <typename VoidT>
+int64_t BasicTensorView<VoidT>::Offset(absl::Span<const int64_t> index) const {
+  int64_t off = 0;
+  for (size_t i = 0; i < index.size(); ++i) off += index[i] * strides_[i];
+  return off;
+}
+
+template <typename VoidT>
+BasicTensorView<VoidT> BasicTensorView<VoidT>::Slice(int axis, int64_t start,
+                                                     int64_t length) const {
+  BasicTensorView out = *this;
+  out.dims_[axis] = length;
+  using BytePtr = std::conditional_t<std::is_const_v<VoidT>, const char*, char*>;
+  out.data_ = static_cast<BytePtr>(data_) +
+              start * strides_[axis] * static_cast<int64_t>(DTypeSize(dtype_));
+  return out;
+}
+
+template <typename VoidT>
+float BasicTensorView<VoidT>::GetFloat(absl::Span<const int64_t> index) const {
+  const int64_t off = Offset(index);
+  if (dtype_ == DType::kF32) return static_cast<const float*>(data_)[off];
+  return BF16ToFloat(static_cast<const uint16_t*>(data_)[off]);
+}
+
+template class BasicTensorView<void>;
+template class BasicTensorView<const void>;
+
+void Tensor::FreeDeleter::operator()(void* p) const { std::free(p); }
+
+absl::StatusOr<Tensor> Tensor::Create(DType dtype, absl::Span<const int64_t> dims) {
+  absl::StatusOr<int64_t> n = NumElements(dims);
+  if (!n.ok()) return n.status();
+  Tensor t;
+  t.dtype_ = dtype;
+  t.dims_.assign(dims.begin(), dims.end());
+  t.num_elements_ = *n;
+  size_t bytes = static_cast<size_t>(*n) * DTypeSize(dtype);
+  bytes = (bytes + 63) / 64 * 64;
+  if (bytes == 0) bytes = 64;
+  void* p = std::aligned_alloc(64, bytes);
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("cannot allocate %d bytes for a %s tensor of shape %s", bytes,
+                        DTypeName(dtype), DimsToString(dims)));
+  }
+  std::memset(p, 0, bytes);
+  t.buffer_.reset(p);
+  return t;
+}
+
+absl::StatusOr<Tensor> Tensor::CopyOf(const ConstTensorView& view) {
+  absl::StatusOr<Tensor> t = Create(view.dtype(), view.dims());
+  if (!t.ok()) return t.status();
+  const int64_t n = view.num_elements();
+  if (n == 0) return t;
+  const size_t es = DTypeSize(view.dtype());
+  if (view.IsContiguous()) {
+    std::memcpy(t->buffer_.get(), view.raw(), n * es);
+    return t;
+  }
+  Dims index(view.rank(), 0);
+  char* dst = static_cast<char*>(t->buffer_.get());
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(dst + i * es, static_cast<const char*>(view.raw()) + view.Offset(index) * es, es);
+    for (int a = view.rank() - 1; a >= 0; --a) {
+      if (++index[a] < view.dim(a)) break;
+      index[a] = 0;
+    }
+  }
+  return t;
+}
+
+TensorView Tensor::view() { return TensorView(buffer_.get(), dtype_, dims_); }
+ConstTensorView Tensor::view() const { return ConstTensorView(buffer_.get(), dtype_, dims_); }
+
+absl::Status CheckRank(const ConstTensorView& t, int rank, absl::string_view name) {
+  if (t.raw() == nullptr && t.num_elements() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " is missing"));
+  }
+  if (t.rank() != rank) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s must have rank %d, got shape %s", name, rank, DimsToString(t.dims())));
+  }
+  for (int i = 0; i < t.rank(); ++i) {
+    if (t.dim(i) < 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s has a negative dimension: shape %s", name, DimsToString(t.dims())));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckBSHD(const ConstTensorView& t, absl::string_view name) {
+  absl::Status s = CheckRank(t, 4, name);
+  if (!s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        s.message(), " (layout is [batch, seq, heads, head_dim])"));
+  }
+  if (t.num_elements() == 0) return absl::OkStatus();
+  if (t.stride(3) != 1 || (t.dim(2) > 1 && t.stride(2) != t.dim(3))) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s must have packed [heads, head_dim] axes (strides %s)", name,
+        DimsToString(t.strides())));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFinite(const ConstTensorView& t, absl::string_view name) {
+  const int64_t n = t.num_elements();
+  if (n == 0) return absl::OkStatus();
+  Dims index(t.rank(), 0);
+  // Fast path for the common contiguous f32 case.
+  auto report = [&](int64_t flat) {
+    Dims idx(t.rank(), 0);
+    int64_t rem = flat;
+    for (int a = t.rank() - 1; a >= 0; --a) {
+      idx[a] = rem % t.dim(a);
+      rem /= t.dim(a);
+    }
+    float v = t.GetFloat(idx);
+    const char* what = std::isnan(v) ? "NaN" : (v > 0 ? "+inf" : "-inf");
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s%s is %s: inputs must be finite", name, DimsToString(idx), what));
+  };
+  if (t.IsContiguous() && t.dtype() == DType::kF32) {
+    const float* p = t.data<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      if (!std::isfinite(p[i])) return report(i);
+    }
+    return absl::OkStatus();
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(t.GetFloat(index))) return report(i);
+    for (int a = t.rank() - 1; a >= 0; --a) {
+      if (++index[a] < t.dim(a)) break;
+      index[a] = 0;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ropeattn
