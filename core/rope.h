@@ -87,10 +87,14 @@ struct RopeConfig {
 };
 
 // InvalidArgument naming the field and value for: head_dim <= 0, rotary_dim
-// odd / negative / > head_dim, theta <= 1 or non-finite, a factor out of
-// range, missing original_max_positions, longrope factor lists of the wrong
-// length or with non-positive entries, llama3 high_freq_factor <=
-// low_freq_factor, yarn beta_fast <= beta_slow.
+// odd / negative / > head_dim (an odd head_dim with rotary_dim 0 is odd),
+// theta <= 1 or non-finite, a non-finite factor or one out of range, missing
+// original_max_positions, ntk / dynamic with rotary_dim < 4 (the exponent
+// d/(d-2) needs two pairs), yarn beta_fast <= beta_slow or beta_slow <= 0,
+// a non-finite mscale, an attention_factor override that is not finite and
+// > 0, longrope factor lists of the wrong length or with non-positive
+// entries, longrope deriving its attention factor from L0 < 2, llama3
+// low_freq_factor <= 0 or high_freq_factor <= low_freq_factor.
 absl::Status ValidateRopeConfig(const RopeConfig& config);
 
 struct RopeFrequencies {
@@ -102,8 +106,7 @@ struct RopeFrequencies {
 // sequence whose total length is `seq_len` (used by "dynamic", which grows the
 // base once seq_len > L0, and by "longrope", which switches to the long
 // factors once seq_len > L0; other rules ignore it). seq_len >= 0.
-absl::StatusOr<RopeFrequencies> ComputeRopeFrequencies(const RopeConfig& config,
-                                                       int64_t seq_len);
+absl::StatusOr<RopeFrequencies> ComputeRopeFrequencies(const RopeConfig& config, int64_t seq_len);
 
 // Where each token of a [batch, seq, ...] tensor sits.
 // At most one of `explicit_positions` (batch*seq entries, row-major [b][s])
@@ -129,9 +132,16 @@ enum class RopeDirection { kForward, kInverse };
 // from many threads at once.
 class RopeRotator {
  public:
-  // seq_len as for ComputeRopeFrequencies.
+  // seq_len as for ComputeRopeFrequencies. The frequencies are fixed at plan
+  // time: for "dynamic" and "longrope" a caller whose length crosses L0 must
+  // plan a new rotator and re-rotate (or keep unrotated) cached keys; the
+  // rotator never changes under it. Errors: those of ValidateRopeConfig and
+  // ComputeRopeFrequencies; InvalidArgument for table_positions < 0;
+  // ResourceExhausted for a table above 2^28 entries.
   static absl::StatusOr<RopeRotator> Create(const RopeConfig& config, int64_t seq_len,
                                             int64_t table_positions);
+  // As Create, with frequencies the caller computed (rotary_dim/2 finite
+  // entries, attention_factor finite and > 0; InvalidArgument otherwise).
   static absl::StatusOr<RopeRotator> FromFrequencies(const RopeConfig& config,
                                                      RopeFrequencies frequencies,
                                                      int64_t table_positions);
@@ -140,11 +150,20 @@ class RopeRotator {
   // config's) in place. bf16 data is rotated in fp32 and rounded once.
   // kInverse undoes kForward exactly up to rounding: rotation by -angle and
   // division by the attention factor.
+  // Batch and seq strides are free (a view of a larger cache is fine).
+  // num_threads >= 1: the call never uses more OpenMP threads, and uses fewer
+  // for small inputs. A tensor with no elements is a no-op (positions are
+  // still validated). Errors (x untouched): InvalidArgument for a bad shape,
+  // head_dim, num_threads or positions; OutOfRange for a position above 2^40.
+  // Elements are not checked for finiteness (that would be a second pass over
+  // memory): a non-finite input element gives a non-finite output element.
   absl::Status Apply(TensorView x, const Positions& positions, RopeDirection direction,
                      int num_threads) const;
 
   // cos and sin (attention factor folded in) for each position: writes
   // positions.size() * rotary_dim/2 floats to each output, row-major.
+  // InvalidArgument for wrong output sizes or a negative position,
+  // OutOfRange for a position above 2^40.
   absl::Status CosSin(absl::Span<const int64_t> positions, absl::Span<float> cos_out,
                       absl::Span<float> sin_out) const;
 

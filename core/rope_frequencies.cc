@@ -1,0 +1,349 @@
+// Scaling rules of RoPE: validation and inverse frequencies (all in fp64).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/rope.h"
+
+namespace ropeattn {
+namespace {
+
+constexpr double kPi = 3.14159265358979323846;
+
+bool IsPositiveFinite(double x) { return std::isfinite(x) && x > 0.0; }
+
+// base^(-2i/d) for i < d/2.
+std::vector<double> BaseInvFreq(int64_t d, double base) {
+  std::vector<double> inv_freq(d / 2);
+  for (int64_t i = 0; i < d / 2; ++i) {
+    inv_freq[i] = std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+  }
+  return inv_freq;
+}
+
+// NTK-aware base growth: base * g^(d/(d-2)). Validation guarantees d >= 4.
+double NtkBase(double base, double growth, int64_t d) {
+  return base * std::pow(growth, static_cast<double>(d) / static_cast<double>(d - 2));
+}
+
+std::vector<double> YarnInvFreq(int64_t d, double base, const RopeScaling& s) {
+  const double l0 = static_cast<double>(s.original_max_positions);
+  // The fractional pair index at which a pair makes `rotations` full turns
+  // over the original context.
+  auto corr_dim = [&](double rotations) {
+    return static_cast<double>(d) * std::log(l0 / (rotations * 2.0 * kPi)) / (2.0 * std::log(base));
+  };
+  const double low = std::max(std::floor(corr_dim(s.beta_fast)), 0.0);
+  double high = std::min(std::ceil(corr_dim(s.beta_slow)), static_cast<double>(d - 1));
+  // A zero-width ramp would divide by zero; transformers widens it the same way.
+  if (low == high) high += 0.001;
+
+  std::vector<double> inv_freq(d / 2);
+  for (int64_t j = 0; j < d / 2; ++j) {
+    const double pos_freq = std::pow(base, 2.0 * static_cast<double>(j) / static_cast<double>(d));
+    const double extrapolation = 1.0 / pos_freq;
+    const double interpolation = 1.0 / (s.factor * pos_freq);
+    const double ramp = std::clamp((static_cast<double>(j) - low) / (high - low), 0.0, 1.0);
+    const double keep = 1.0 - ramp;  // weight of the unscaled (extrapolated) frequency
+    inv_freq[j] = interpolation * (1.0 - keep) + extrapolation * keep;
+  }
+  return inv_freq;
+}
+
+double YarnAttentionFactor(const RopeScaling& s) {
+  if (s.attention_factor.has_value()) return *s.attention_factor;
+  const double ln_f = std::log(s.factor);
+  if (s.mscale.has_value() && s.mscale_all_dim.has_value()) {
+    return (0.1 * *s.mscale * ln_f + 1.0) / (0.1 * *s.mscale_all_dim * ln_f + 1.0);
+  }
+  return 0.1 * ln_f + 1.0;
+}
+
+double LongRopeAttentionFactor(const RopeScaling& s) {
+  if (s.attention_factor.has_value()) return *s.attention_factor;
+  if (s.factor <= 1.0) return 1.0;
+  return std::sqrt(1.0 +
+                   std::log(s.factor) / std::log(static_cast<double>(s.original_max_positions)));
+}
+
+std::vector<double> Llama3InvFreq(int64_t d, double base, const RopeScaling& s) {
+  const double l0 = static_cast<double>(s.original_max_positions);
+  const double low_freq_wavelen = l0 / s.low_freq_factor;
+  const double high_freq_wavelen = l0 / s.high_freq_factor;
+  std::vector<double> inv_freq = BaseInvFreq(d, base);
+  for (double& theta : inv_freq) {
+    const double wavelen = 2.0 * kPi / theta;
+    if (wavelen < high_freq_wavelen) continue;  // short wavelengths stay as trained
+    if (wavelen > low_freq_wavelen) {
+      theta /= s.factor;
+    } else {
+      const double smooth =
+          (l0 / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+      theta = (1.0 - smooth) * theta / s.factor + smooth * theta;
+    }
+  }
+  return inv_freq;
+}
+
+absl::Status ValidateFactorList(const std::vector<double>& list, const char* name, int64_t half) {
+  if (static_cast<int64_t>(list.size()) != half) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "scaling.%s must have rotary_dim/2 = %d entries, got %d", name, half, list.size()));
+  }
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (!IsPositiveFinite(list[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("scaling.%s[%d] must be finite and > 0, got %g", name, i, list[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateOptionalPositive(const std::optional<double>& v, const char* name) {
+  if (v.has_value() && !IsPositiveFinite(*v)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("scaling.%s must be finite and > 0, got %g", name, *v));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<RopeScalingType> ParseRopeScalingType(absl::string_view name) {
+  if (name == "default") return RopeScalingType::kDefault;
+  if (name == "linear") return RopeScalingType::kLinear;
+  if (name == "ntk") return RopeScalingType::kNtk;
+  if (name == "dynamic") return RopeScalingType::kDynamicNtk;
+  if (name == "yarn") return RopeScalingType::kYarn;
+  if (name == "longrope" || name == "su") return RopeScalingType::kLongRope;
+  if (name == "llama3") return RopeScalingType::kLlama3;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown RoPE scaling type \"", name,
+                   "\"; expected one of default, linear, ntk, dynamic, yarn, longrope (or su), "
+                   "llama3"));
+}
+
+const char* RopeScalingTypeName(RopeScalingType type) {
+  switch (type) {
+    case RopeScalingType::kDefault:
+      return "default";
+    case RopeScalingType::kLinear:
+      return "linear";
+    case RopeScalingType::kNtk:
+      return "ntk";
+    case RopeScalingType::kDynamicNtk:
+      return "dynamic";
+    case RopeScalingType::kYarn:
+      return "yarn";
+    case RopeScalingType::kLongRope:
+      return "longrope";
+    case RopeScalingType::kLlama3:
+      return "llama3";
+  }
+  return "unknown";
+}
+
+const char* RopeLayoutName(RopeLayout layout) {
+  switch (layout) {
+    case RopeLayout::kHalfSplit:
+      return "half_split";
+    case RopeLayout::kInterleaved:
+      return "interleaved";
+  }
+  return "unknown";
+}
+
+absl::Status ValidateRopeConfig(const RopeConfig& config) {
+  if (config.head_dim <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("head_dim must be > 0, got %d", config.head_dim));
+  }
+  if (config.rotary_dim < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("rotary_dim must be >= 0 (0 means head_dim), got %d", config.rotary_dim));
+  }
+  if (config.rotary_dim > config.head_dim) {
+    return absl::InvalidArgumentError(absl::StrFormat("rotary_dim must be <= head_dim (%d), got %d",
+                                                      config.head_dim, config.rotary_dim));
+  }
+  const int64_t d = config.effective_rotary_dim();
+  if (d % 2 != 0) {
+    if (config.rotary_dim == 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "rotary_dim must be even, got %d (rotary_dim 0 means head_dim, which is odd)", d));
+    }
+    return absl::InvalidArgumentError(absl::StrFormat("rotary_dim must be even, got %d", d));
+  }
+  if (!std::isfinite(config.theta) || config.theta <= 1.0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("theta must be finite and > 1, got %g", config.theta));
+  }
+
+  const RopeScaling& s = config.scaling;
+  const char* rule = RopeScalingTypeName(s.type);
+  if (!IsPositiveFinite(s.factor)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("scaling.factor must be finite and > 0, got %g", s.factor));
+  }
+  const bool needs_l0 = s.type == RopeScalingType::kDynamicNtk ||
+                        s.type == RopeScalingType::kYarn || s.type == RopeScalingType::kLongRope ||
+                        s.type == RopeScalingType::kLlama3;
+  const bool factor_at_least_one =
+      s.type != RopeScalingType::kDefault && s.type != RopeScalingType::kLongRope;
+  if (factor_at_least_one && s.factor < 1.0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("scaling.factor must be >= 1 for %s, got %g", rule, s.factor));
+  }
+  if (needs_l0 && s.original_max_positions <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("scaling.original_max_positions must be > 0 for %s, got %d", rule,
+                        s.original_max_positions));
+  }
+
+  switch (s.type) {
+    case RopeScalingType::kDefault:
+    case RopeScalingType::kLinear:
+      break;
+    case RopeScalingType::kNtk:
+    case RopeScalingType::kDynamicNtk:
+      // The NTK exponent d/(d-2) needs at least two pairs.
+      if (d < 4) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s scaling needs rotary_dim >= 4, got %d", rule, d));
+      }
+      break;
+    case RopeScalingType::kYarn: {
+      if (!IsPositiveFinite(s.beta_slow) || !std::isfinite(s.beta_fast)) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("scaling.beta_fast and beta_slow must be finite with beta_slow > 0, "
+                            "got beta_fast %g, beta_slow %g",
+                            s.beta_fast, s.beta_slow));
+      }
+      if (s.beta_fast <= s.beta_slow) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("scaling.beta_fast must be > beta_slow, got beta_fast %g, beta_slow %g",
+                            s.beta_fast, s.beta_slow));
+      }
+      if (absl::Status st = ValidateOptionalPositive(s.attention_factor, "attention_factor");
+          !st.ok()) {
+        return st;
+      }
+      for (const auto* m : {&s.mscale, &s.mscale_all_dim}) {
+        if (m->has_value() && !std::isfinite(**m)) {
+          return absl::InvalidArgumentError(
+              absl::StrFormat("scaling.%s must be finite, got %g",
+                              m == &s.mscale ? "mscale" : "mscale_all_dim", **m));
+        }
+      }
+      if (!s.attention_factor.has_value()) {
+        const double a = YarnAttentionFactor(s);
+        if (!IsPositiveFinite(a)) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "yarn attention factor from factor %g, mscale %g, mscale_all_dim %g must be finite "
+              "and > 0, got %g",
+              s.factor, s.mscale.value_or(1.0), s.mscale_all_dim.value_or(1.0), a));
+        }
+      }
+      break;
+    }
+    case RopeScalingType::kLongRope: {
+      if (absl::Status st = ValidateFactorList(s.short_factor, "short_factor", d / 2); !st.ok()) {
+        return st;
+      }
+      if (absl::Status st = ValidateFactorList(s.long_factor, "long_factor", d / 2); !st.ok()) {
+        return st;
+      }
+      if (absl::Status st = ValidateOptionalPositive(s.attention_factor, "attention_factor");
+          !st.ok()) {
+        return st;
+      }
+      // sqrt(1 + ln f / ln L0) is undefined for L0 = 1.
+      if (!s.attention_factor.has_value() && s.factor > 1.0 && s.original_max_positions < 2) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "longrope needs original_max_positions >= 2 to derive its attention factor, got %d",
+            s.original_max_positions));
+      }
+      break;
+    }
+    case RopeScalingType::kLlama3:
+      if (!IsPositiveFinite(s.low_freq_factor)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "scaling.low_freq_factor must be finite and > 0, got %g", s.low_freq_factor));
+      }
+      if (!std::isfinite(s.high_freq_factor) || s.high_freq_factor <= s.low_freq_factor) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "scaling.high_freq_factor must be finite and > low_freq_factor (%g), got %g",
+            s.low_freq_factor, s.high_freq_factor));
+      }
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrFormat("unknown scaling type %d", static_cast<int>(s.type)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RopeFrequencies> ComputeRopeFrequencies(const RopeConfig& config, int64_t seq_len) {
+  if (absl::Status st = ValidateRopeConfig(config); !st.ok()) return st;
+  if (seq_len < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("seq_len must be >= 0, got %d", seq_len));
+  }
+  const RopeScaling& s = config.scaling;
+  const int64_t d = config.effective_rotary_dim();
+  const double base = config.theta;
+  RopeFrequencies out;
+  switch (s.type) {
+    case RopeScalingType::kDefault:
+      out.inv_freq = BaseInvFreq(d, base);
+      break;
+    case RopeScalingType::kLinear:
+      out.inv_freq = BaseInvFreq(d, base);
+      for (double& x : out.inv_freq) x /= s.factor;
+      break;
+    case RopeScalingType::kNtk:
+      out.inv_freq = BaseInvFreq(d, NtkBase(base, s.factor, d));
+      break;
+    case RopeScalingType::kDynamicNtk: {
+      const double l0 = static_cast<double>(s.original_max_positions);
+      const double len = std::max(static_cast<double>(seq_len), l0);
+      // Equals 1 (the trained base) up to L0, then grows linearly with L.
+      const double growth = s.factor * len / l0 - (s.factor - 1.0);
+      out.inv_freq = BaseInvFreq(d, NtkBase(base, growth, d));
+      break;
+    }
+    case RopeScalingType::kYarn:
+      out.inv_freq = YarnInvFreq(d, base, s);
+      out.attention_factor = YarnAttentionFactor(s);
+      break;
+    case RopeScalingType::kLongRope: {
+      const bool use_long = seq_len > s.original_max_positions;
+      const std::vector<double>& ext = use_long ? s.long_factor : s.short_factor;
+      out.inv_freq = BaseInvFreq(d, base);
+      for (int64_t i = 0; i < d / 2; ++i) out.inv_freq[i] /= ext[i];
+      out.attention_factor = LongRopeAttentionFactor(s);
+      break;
+    }
+    case RopeScalingType::kLlama3:
+      out.inv_freq = Llama3InvFreq(d, base, s);
+      break;
+  }
+  // Extreme but valid inputs (a factor of 1e300, say) must not leak non-finite
+  // values into the rotation.
+  for (size_t i = 0; i < out.inv_freq.size(); ++i) {
+    if (!std::isfinite(out.inv_freq[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s scaling produced a non-finite inv_freq[%d] (theta %g, factor %g)",
+                          RopeScalingTypeName(s.type), i, base, s.factor));
+    }
+  }
+  if (!IsPositiveFinite(out.attention_factor)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s scaling produced attention factor %g; it must be finite and > 0",
+                        RopeScalingTypeName(s.type), out.attention_factor));
+  }
+  return out;
+}
+
+}  // namespace ropeattn
