@@ -394,108 +394,200 @@ class FirstError {
 };
 
 // ---------------------------------------------------------------- decode --
+//
+// K and V rows hold every kv head of a token contiguously ([seq, heads, dim]),
+// so walking one head down the sequence touches a small piece of a new page
+// per key and defeats the prefetchers. Instead every thread takes a range of
+// keys and streams whole rows, once for K (scores of every query row) and
+// once for V (partial outputs, merged across threads at the end).
+
+constexpr int64_t kDecodeChunk = 64;  // keys per scheduling unit
+
+struct DecodeLayout {
+  int64_t rows;    // batch * heads * q_len; row = (b * heads + h) * q_len + i
+  int64_t n_max;   // widest key span of any batch row
+  std::vector<int64_t> lo, hi;      // per (b, i): visible key range
+  std::vector<int64_t> ulo, uhi;    // per b: union of its rows' ranges
+  std::vector<int64_t> chunk_begin; // per b: first global chunk index
+  int64_t chunks = 0;
+};
+
+DecodeLayout PlanDecode(const Plan& p) {
+  DecodeLayout L;
+  L.rows = p.batch * p.heads * p.q_len;
+  L.lo.resize(p.batch * p.q_len);
+  L.hi.resize(p.batch * p.q_len);
+  L.ulo.assign(p.batch, 0);
+  L.uhi.assign(p.batch, 0);
+  L.n_max = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    int64_t ulo = p.k_len, uhi = 0;
+    for (int64_t i = 0; i < p.q_len; ++i) {
+      int64_t lo, hi;
+      p.KeyRange(b, i, &lo, &hi);
+      L.lo[b * p.q_len + i] = lo;
+      L.hi[b * p.q_len + i] = hi;
+      if (hi > lo) {
+        ulo = std::min(ulo, lo);
+        uhi = std::max(uhi, hi);
+      }
+    }
+    if (uhi <= ulo) ulo = uhi = 0;
+    L.ulo[b] = ulo;
+    L.uhi[b] = uhi;
+    L.n_max = std::max(L.n_max, uhi - ulo);
+    L.chunk_begin.push_back(L.chunks);
+    L.chunks += (uhi - ulo + kDecodeChunk - 1) / kDecodeChunk;
+  }
+  L.chunk_begin.push_back(L.chunks);
+  return L;
+}
+
+// Prefetches the rows of the next chunk a slice at a time while this chunk's
+// heads are processed, so the first head of a chunk does not stall on memory.
+template <typename KV>
+void PrefetchNextChunk(const ConstTensorView& t, int64_t b, int64_t t1, int64_t t_end,
+                       int64_t part, int64_t parts) {
+  if (t1 >= t_end) return;
+  const int64_t rows = std::min<int64_t>(kDecodeChunk, t_end - t1);
+  const int64_t row_bytes = t.dim(2) * t.dim(3) * static_cast<int64_t>(sizeof(KV));
+  if (t.stride(1) * static_cast<int64_t>(sizeof(KV)) != row_bytes) return;  // not dense
+  const int64_t bytes = rows * row_bytes;
+  const int64_t slice = (bytes + parts - 1) / parts;
+  const int64_t begin = part * slice;
+  if (begin >= bytes) return;
+  internal::PrefetchRange(reinterpret_cast<const char*>(RowPtr<KV>(t, b, t1, 0)) + begin,
+                          std::min(slice, bytes - begin));
+}
 
 template <typename KV>
-absl::Status DecodeTask(const Plan& p, int64_t b, int64_t kvh) {
-  const int64_t rows = p.group * p.q_len;  // row r = hh * q_len + i
-  const int64_t d = p.head_dim, dv = p.v_dim;
-  Scratch& s = ThreadScratch();
-  // Query rows in f32.
-  s.a.resize(rows * d);
-  for (int64_t hh = 0; hh < p.group; ++hh) {
-    const int64_t h = kvh * p.group + hh;
-    for (int64_t i = 0; i < p.q_len; ++i) {
-      float* dst = s.a.data() + (hh * p.q_len + i) * d;
-      if (p.q_dtype == DType::kF32) {
-        std::memcpy(dst, RowPtr<float>(p.q, b, i, h), d * sizeof(float));
-      } else {
-        internal::BF16ToF32(RowPtr<uint16_t>(p.q, b, i, h), dst, d);
-      }
-    }
-  }
-  // Key ranges depend only on the query index.
-  std::vector<int64_t> lo(p.q_len), hi(p.q_len);
-  int64_t ulo = p.k_len, uhi = 0;
-  for (int64_t i = 0; i < p.q_len; ++i) {
-    p.KeyRange(b, i, &lo[i], &hi[i]);
-    if (hi[i] > lo[i]) {
-      ulo = std::min(ulo, lo[i]);
-      uhi = std::max(uhi, hi[i]);
-    }
-  }
-  const int64_t n = uhi > ulo ? uhi - ulo : 0;
-  s.b.assign(rows * std::max<int64_t>(n, 1), 0.0f);  // scores / probabilities
-  float* scores = s.b.data();
-  // Pass 1: stream K once; every row that sees key t takes its dot product.
-  const KV* k_base = RowPtr<KV>(p.k, b, 0, kvh);
-  const int64_t k_stride = p.k.stride(1);
-  for (int64_t t = ulo; t < uhi; ++t) {
-    const KV* kt = k_base + t * k_stride;
-    for (int64_t i = 0; i < p.q_len; ++i) {
-      if (t < lo[i] || t >= hi[i]) continue;
-      for (int64_t hh = 0; hh < p.group; ++hh) {
-        const int64_t r = hh * p.q_len + i;
-        float dot;
+void DecodeScoresChunk(const Plan& p, const DecodeLayout& L, const float* qf, float* scores,
+                       int64_t b, int64_t t0, int64_t t1) {
+  const int64_t d = p.head_dim;
+  for (int64_t j = 0; j < p.kv_heads; ++j) {
+    PrefetchNextChunk<KV>(p.k, b, t1, L.uhi[b], j, p.kv_heads);
+    const KV* kj = RowPtr<KV>(p.k, b, 0, j);
+    for (int64_t hh = 0; hh < p.group; ++hh) {
+      const int64_t h = j * p.group + hh;
+      for (int64_t i = 0; i < p.q_len; ++i) {
+        const int64_t lo = std::max(t0, L.lo[b * p.q_len + i]);
+        const int64_t hi = std::min(t1, L.hi[b * p.q_len + i]);
+        if (hi <= lo) continue;
+        const int64_t r = (b * p.heads + h) * p.q_len + i;
+        float* out = scores + r * L.n_max + (lo - L.ulo[b]);
         if constexpr (std::is_same_v<KV, float>) {
-          dot = internal::DotF32(s.a.data() + r * d, kt, d);
+          internal::DotKeysF32(qf + r * d, kj + lo * p.k.stride(1), p.k.stride(1), hi - lo, d, out);
         } else {
-          dot = internal::DotBF16(s.a.data() + r * d, kt, d);
-        }
-        scores[r * n + (t - ulo)] = dot;
-      }
-    }
-  }
-  // Softmax per row over its own range.
-  for (int64_t hh = 0; hh < p.group; ++hh) {
-    const int64_t h = kvh * p.group + hh;
-    for (int64_t i = 0; i < p.q_len; ++i) {
-      const int64_t r = hh * p.q_len + i;
-      float* x = scores + r * n + (lo[i] - ulo);
-      const int64_t len = hi[i] - lo[i];
-      if (!FinishRow(p, b, h, i, lo[i], x, len)) return OverflowError(b, h, i);
-      WriteProbsRow(p, b, h, i, lo[i], x, len);
-    }
-  }
-  // Pass 2: stream V once.
-  s.c.assign(rows * dv, 0.0f);
-  const KV* v_base = RowPtr<KV>(p.v, b, 0, kvh);
-  const int64_t v_stride = p.v.stride(1);
-  for (int64_t t = ulo; t < uhi; ++t) {
-    const KV* vt = v_base + t * v_stride;
-    for (int64_t i = 0; i < p.q_len; ++i) {
-      if (t < lo[i] || t >= hi[i]) continue;
-      for (int64_t hh = 0; hh < p.group; ++hh) {
-        const int64_t r = hh * p.q_len + i;
-        const float w = scores[r * n + (t - ulo)];
-        if constexpr (std::is_same_v<KV, float>) {
-          internal::AxpyF32(w, vt, s.c.data() + r * dv, dv);
-        } else {
-          internal::AxpyBF16(w, vt, s.c.data() + r * dv, dv);
+          internal::DotKeysBF16(qf + r * d, kj + lo * p.k.stride(1), p.k.stride(1), hi - lo, d,
+                                out);
         }
       }
     }
   }
-  for (int64_t hh = 0; hh < p.group; ++hh) {
-    for (int64_t i = 0; i < p.q_len; ++i) {
-      WriteOutRow(p, b, i, kvh * p.group + hh, s.c.data() + (hh * p.q_len + i) * dv);
+}
+
+template <typename KV>
+void DecodeValuesChunk(const Plan& p, const DecodeLayout& L, const float* scores, float* acc,
+                       int64_t b, int64_t t0, int64_t t1) {
+  const int64_t dv = p.v_dim;
+  for (int64_t j = 0; j < p.kv_heads; ++j) {
+    PrefetchNextChunk<KV>(p.v, b, t1, L.uhi[b], j, p.kv_heads);
+    const KV* vj = RowPtr<KV>(p.v, b, 0, j);
+    for (int64_t hh = 0; hh < p.group; ++hh) {
+      const int64_t h = j * p.group + hh;
+      for (int64_t i = 0; i < p.q_len; ++i) {
+        const int64_t lo = std::max(t0, L.lo[b * p.q_len + i]);
+        const int64_t hi = std::min(t1, L.hi[b * p.q_len + i]);
+        if (hi <= lo) continue;
+        const int64_t r = (b * p.heads + h) * p.q_len + i;
+        const float* w = scores + r * L.n_max + (lo - L.ulo[b]);
+        if constexpr (std::is_same_v<KV, float>) {
+          internal::WeightedSumF32(w, vj + lo * p.v.stride(1), p.v.stride(1), hi - lo, dv,
+                                   acc + r * dv);
+        } else {
+          internal::WeightedSumBF16(w, vj + lo * p.v.stride(1), p.v.stride(1), hi - lo, dv,
+                                    acc + r * dv);
+        }
+      }
     }
   }
-  return absl::OkStatus();
 }
 
 absl::Status RunDecode(const Plan& p) {
-  const int64_t tasks = p.batch * p.kv_heads;
+  const DecodeLayout L = PlanDecode(p);
+  const int64_t d = p.head_dim, dv = p.v_dim;
+  // Query rows in f32, in row order.
+  std::vector<float> qf(L.rows * d);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t h = 0; h < p.heads; ++h) {
+      for (int64_t i = 0; i < p.q_len; ++i) {
+        float* dst = qf.data() + ((b * p.heads + h) * p.q_len + i) * d;
+        if (p.q_dtype == DType::kF32) {
+          std::memcpy(dst, RowPtr<float>(p.q, b, i, h), d * sizeof(float));
+        } else {
+          internal::BF16ToF32(RowPtr<uint16_t>(p.q, b, i, h), dst, d);
+        }
+      }
+    }
+  }
+  std::vector<float> scores(L.rows * std::max<int64_t>(L.n_max, 1), 0.0f);
+  const int threads = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(p.threads, std::max<int64_t>(L.chunks, 1))));
+  std::vector<float> acc(static_cast<size_t>(threads) * L.rows * dv, 0.0f);
   FirstError err;
-  const int threads = static_cast<int>(std::min<int64_t>(p.threads, std::max<int64_t>(tasks, 1)));
+  auto locate = [&](int64_t c, int64_t* b, int64_t* t0, int64_t* t1) {
+    int64_t bb = 0;
+    while (L.chunk_begin[bb + 1] <= c) ++bb;
+    *b = bb;
+    *t0 = L.ulo[bb] + (c - L.chunk_begin[bb]) * kDecodeChunk;
+    *t1 = std::min(L.uhi[bb], *t0 + kDecodeChunk);
+  };
+  const bool f32 = p.kv_dtype == DType::kF32;
 #pragma omp parallel num_threads(threads)
   {
     omp_set_num_threads(1);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t b = t / p.kv_heads, kvh = t % p.kv_heads;
-      absl::Status s = p.kv_dtype == DType::kF32 ? DecodeTask<float>(p, b, kvh)
-                                                 : DecodeTask<uint16_t>(p, b, kvh);
-      if (!s.ok()) err.Set(std::move(s));
+    // Static schedule: each thread streams one contiguous stretch of keys.
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < L.chunks; ++c) {
+      int64_t b, t0, t1;
+      locate(c, &b, &t0, &t1);
+      if (f32) {
+        DecodeScoresChunk<float>(p, L, qf.data(), scores.data(), b, t0, t1);
+      } else {
+        DecodeScoresChunk<uint16_t>(p, L, qf.data(), scores.data(), b, t0, t1);
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < L.rows; ++r) {
+      const int64_t i = r % p.q_len, h = (r / p.q_len) % p.heads, b = r / (p.q_len * p.heads);
+      const int64_t lo = L.lo[b * p.q_len + i], hi = L.hi[b * p.q_len + i];
+      float* x = scores.data() + r * L.n_max + (lo - L.ulo[b]);
+      if (!FinishRow(p, b, h, i, lo, x, hi - lo)) {
+        err.Set(OverflowError(b, h, i));
+        continue;
+      }
+      WriteProbsRow(p, b, h, i, lo, x, hi - lo);
+    }
+    float* my_acc = acc.data() + static_cast<size_t>(omp_get_thread_num()) * L.rows * dv;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < L.chunks; ++c) {
+      int64_t b, t0, t1;
+      locate(c, &b, &t0, &t1);
+      if (f32) {
+        DecodeValuesChunk<float>(p, L, scores.data(), my_acc, b, t0, t1);
+      } else {
+        DecodeValuesChunk<uint16_t>(p, L, scores.data(), my_acc, b, t0, t1);
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < L.rows; ++r) {
+      float* sum = acc.data() + r * dv;
+      for (int th = 1; th < threads; ++th) {
+        const float* part = acc.data() + (static_cast<size_t>(th) * L.rows + r) * dv;
+        for (int64_t x = 0; x < dv; ++x) sum[x] += part[x];
+      }
+      const int64_t i = r % p.q_len, h = (r / p.q_len) % p.heads, b = r / (p.q_len * p.heads);
+      WriteOutRow(p, b, i, h, sum);
     }
   }
   return err.Get();

@@ -11,6 +11,24 @@ namespace ropeattn::internal {
 float DotF32(const float* a, const float* b, int64_t n);
 float DotBF16(const float* a, const uint16_t* b, int64_t n);
 
+// Scores of one query row against `count` keys: out[u] = <q, k + u*k_stride>
+// for u < count. Processes 8 keys at a time with independent accumulators
+// and one transposing reduction per 8 keys.
+void DotKeysF32(const float* q, const float* k, int64_t k_stride, int64_t count, int64_t d,
+                float* out);
+void DotKeysBF16(const float* q, const uint16_t* k, int64_t k_stride, int64_t count, int64_t d,
+                 float* out);
+
+// acc[0..dv) += sum_u w[u] * v[u*v_stride + 0..dv), accumulating in registers
+// over the keys.
+void WeightedSumF32(const float* w, const float* v, int64_t v_stride, int64_t count, int64_t dv,
+                    float* acc);
+void WeightedSumBF16(const float* w, const uint16_t* v, int64_t v_stride, int64_t count,
+                     int64_t dv, float* acc);
+
+// Hints the next `bytes` from p into cache.
+void PrefetchRange(const void* p, int64_t bytes);
+
 // acc[i] += w * x[i]
 void AxpyF32(float w, const float* x, float* acc, int64_t n);
 void AxpyBF16(float w, const uint16_t* x, float* acc, int64_t n);

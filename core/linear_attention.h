@@ -23,15 +23,22 @@ struct LinearAttentionOptions {
   // Rotation of the numerator features; null means no RoPE. Its head_dim must
   // equal q's head_dim.
   const RopeRotator* rope = nullptr;
+  // Added to the denominator; must be positive and finite.
   double eps = 1e-6;
   bool check_finite = true;
   int num_threads = 1;
 };
 
-// Parallel (quadratic) causal form.
+// Whole-sequence causal form: equal to the sum above, computed with running
+// prefix sums in fp64 (O(seq * head_dim * v_dim) per head, not O(seq^2)).
 // q [batch, seq, heads, head_dim], k [batch, seq, kv_heads, head_dim],
 // v [batch, seq, kv_heads, v_dim] (f32 or bf16), out [batch, seq, heads, v_dim]
-// (f32 or bf16). positions: where each token sits (for RoPE), as in rope.h.
+// (f32 or bf16). positions: where each token sits (for RoPE), as in rope.h;
+// causality follows the seq index, not the positions.
+// Errors: InvalidArgument for shape mismatches (naming the tensor and dims),
+// heads % kv_heads != 0, a rope of another head_dim, bad eps / num_threads,
+// bad positions, non-finite inputs (naming tensor and index) or an output that
+// does not fit its dtype; OutOfRange for a position above 2^40 (with rope).
 absl::Status LinearAttend(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                           const Positions& positions, const LinearAttentionOptions& options,
                           TensorView out);

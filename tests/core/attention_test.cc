@@ -1,0 +1,1022 @@
+// Attend against the fp64 reference (tests/reference/attention_ref.h) on both
+// kernels (decode and prefill) and both input dtypes, plus the properties and
+// edge cases the contract in core/attention.h promises.
+//
+// Tolerances (relative, norm-wise, see test_util.h): 1e-5 when q, k, v and out
+// are f32; 1e-2 when any of them is bf16 (inputs are bf16-exact, so the error
+// is the kernel's internal rounding only).
+#include "core/attention.h"
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+#include "tests/reference/attention_ref.h"
+
+namespace ropeattn {
+namespace {
+
+using ::ropeattn::testing::AllClose;
+using ::ropeattn::testing::kBF16Tol;
+using ::ropeattn::testing::kF32Tol;
+using ::ropeattn::testing::RandomTensor;
+using ::ropeattn::testing::ToDoubles;
+using ::testing::HasSubstr;
+using Path = AttentionOptions::Path;
+
+const char* PathName(Path path) {
+  switch (path) {
+    case Path::kAuto:
+      return "auto";
+    case Path::kDecode:
+      return "decode";
+    case Path::kPrefill:
+      return "prefill";
+  }
+  return "?";
+}
+
+// One Attend call, described by value so a test can list many of them.
+struct Case {
+  int64_t batch = 1, q_len = 1, k_len = 1, heads = 1, kv_heads = 1, head_dim = 64;
+  int64_t v_dim = 0;  // 0: head_dim
+  DType dtype = DType::kF32;
+  DType out_dtype = DType::kF32;
+  Path path = Path::kAuto;
+  bool causal = false;
+  int64_t window = 0;
+  double softcap = 0.0;
+  double scale = 0.0;
+  std::vector<int64_t> q_offsets;
+  std::vector<int64_t> key_lengths;
+  BiasKind bias = BiasKind::kNone;
+  bool t5_bidirectional = true;
+  int t5_num_buckets = 32;
+  int t5_max_distance = 128;
+  bool bias_per_batch = false;
+  bool probs = false;
+  int num_threads = 1;
+  uint64_t seed = 1;
+  // Range of q and k entries (v is always uniform in [-1, 1)).
+  float qk_lo = -1.0f, qk_hi = 1.0f;
+  float k_lo = 0.0f, k_hi = 0.0f;  // when k_lo < k_hi: k's own range
+
+  int64_t vd() const { return v_dim == 0 ? head_dim : v_dim; }
+  double tol() const {
+    return (dtype == DType::kBF16 || out_dtype == DType::kBF16) ? kBF16Tol : kF32Tol;
+  }
+};
+
+std::string Describe(const Case& c) {
+  return absl::StrCat(
+      "path=", PathName(c.path), " dtype=", DTypeName(c.dtype), " out=", DTypeName(c.out_dtype),
+      " B=", c.batch, " q_len=", c.q_len, " k_len=", c.k_len, " H=", c.heads, " Hkv=", c.kv_heads,
+      " D=", c.head_dim, " Dv=", c.vd(), " causal=", c.causal, " window=", c.window,
+      " softcap=", c.softcap, " scale=", c.scale, " q_offsets={", absl::StrJoin(c.q_offsets, ","),
+      "} key_lengths={", absl::StrJoin(c.key_lengths, ","), "} bias=", static_cast<int>(c.bias),
+      " probs=", c.probs, " threads=", c.num_threads, " seed=", c.seed);
+}
+
+void Fill(Tensor& t, float value) {
+  for (int64_t i = 0; i < t.num_elements(); ++i) {
+    if (t.dtype() == DType::kF32) {
+      t.data<float>()[i] = value;
+    } else {
+      t.data<uint16_t>()[i] = FloatToBF16(value);
+    }
+  }
+}
+
+void SetElement(Tensor& t, absl::Span<const int64_t> index, float value) {
+  const int64_t off = t.view().Offset(index);
+  if (t.dtype() == DType::kF32) {
+    t.data<float>()[off] = value;
+  } else {
+    t.data<uint16_t>()[off] = FloatToBF16(value);
+  }
+}
+
+// Inputs of a case, owned; the options point into them.
+struct Inputs {
+  Tensor q, k, v;
+  std::vector<double> alibi_slopes;
+  Tensor t5_table;
+  Tensor bias_tensor;
+};
+
+Inputs MakeInputs(const Case& c) {
+  Inputs in;
+  in.q = RandomTensor(c.dtype, {c.batch, c.q_len, c.heads, c.head_dim}, c.seed * 7 + 1, c.qk_lo,
+                      c.qk_hi);
+  const bool own_k_range = c.k_lo < c.k_hi;
+  in.k = RandomTensor(c.dtype, {c.batch, c.k_len, c.kv_heads, c.head_dim}, c.seed * 7 + 2,
+                      own_k_range ? c.k_lo : c.qk_lo, own_k_range ? c.k_hi : c.qk_hi);
+  in.v = RandomTensor(c.dtype, {c.batch, c.k_len, c.kv_heads, c.vd()}, c.seed * 7 + 3);
+  switch (c.bias) {
+    case BiasKind::kNone:
+      break;
+    case BiasKind::kAlibi: {
+      Tensor s = RandomTensor(DType::kF32, {c.heads}, c.seed * 7 + 4, 0.01f, 0.3f);
+      for (int64_t h = 0; h < c.heads; ++h) in.alibi_slopes.push_back(s.data<float>()[h]);
+      break;
+    }
+    case BiasKind::kT5:
+      in.t5_table =
+          RandomTensor(DType::kF32, {c.t5_num_buckets, c.heads}, c.seed * 7 + 5, -2.0f, 2.0f);
+      break;
+    case BiasKind::kTensor:
+      if (c.bias_per_batch) {
+        in.bias_tensor = RandomTensor(DType::kF32, {c.batch, c.heads, c.q_len, c.k_len},
+                                      c.seed * 7 + 6, -2.0f, 2.0f);
+      } else {
+        in.bias_tensor =
+            RandomTensor(DType::kF32, {c.heads, c.q_len, c.k_len}, c.seed * 7 + 6, -2.0f, 2.0f);
+      }
+      break;
+  }
+  return in;
+}
+
+AttentionOptions MakeOptions(const Case& c, const Inputs& in) {
+  AttentionOptions o;
+  o.scale = c.scale;
+  o.causal = c.causal;
+  o.window = c.window;
+  o.softcap = c.softcap;
+  o.q_offsets = c.q_offsets;
+  o.key_lengths = c.key_lengths;
+  o.num_threads = c.num_threads;
+  o.force_path = c.path;
+  o.bias.kind = c.bias;
+  o.bias.alibi_slopes = in.alibi_slopes;
+  if (c.bias == BiasKind::kT5) {
+    o.bias.t5_table = in.t5_table.cview();
+    o.bias.t5_config.num_buckets = c.t5_num_buckets;
+    o.bias.t5_config.max_distance = c.t5_max_distance;
+    o.bias.t5_config.bidirectional = c.t5_bidirectional;
+  }
+  if (c.bias == BiasKind::kTensor) o.bias.tensor = in.bias_tensor.cview();
+  return o;
+}
+
+ref::AttentionRefParams MakeRefParams(const Case& c, const Inputs& in) {
+  ref::AttentionRefParams p;
+  p.batch = c.batch;
+  p.q_len = c.q_len;
+  p.k_len = c.k_len;
+  p.heads = c.heads;
+  p.kv_heads = c.kv_heads;
+  p.head_dim = c.head_dim;
+  p.v_dim = c.vd();
+  p.scale = c.scale;
+  p.causal = c.causal;
+  p.window = c.window;
+  p.softcap = c.softcap;
+  p.q_offsets = c.q_offsets;
+  p.key_lengths = c.key_lengths;
+  switch (c.bias) {
+    case BiasKind::kNone:
+      p.bias = ref::RefBias::kNone;
+      break;
+    case BiasKind::kAlibi:
+      p.bias = ref::RefBias::kAlibi;
+      p.alibi_slopes = in.alibi_slopes;
+      break;
+    case BiasKind::kT5:
+      p.bias = ref::RefBias::kT5;
+      p.t5_table = ToDoubles(in.t5_table.cview());
+      p.t5_num_buckets = c.t5_num_buckets;
+      p.t5_max_distance = c.t5_max_distance;
+      p.t5_bidirectional = c.t5_bidirectional;
+      break;
+    case BiasKind::kTensor:
+      p.bias = ref::RefBias::kTensor;
+      p.bias_tensor = ToDoubles(in.bias_tensor.cview());
+      p.bias_per_batch = c.bias_per_batch;
+      break;
+  }
+  return p;
+}
+
+ref::AttentionRefResult Reference(const Case& c, const Inputs& in) {
+  return ref::Attention(MakeRefParams(c, in), ToDoubles(in.q.cview()), ToDoubles(in.k.cview()),
+                        ToDoubles(in.v.cview()));
+}
+
+struct Outputs {
+  absl::Status status;
+  Tensor out;
+  Tensor probs;
+};
+
+// Runs Attend on a case. Outputs start filled with a sentinel so an element
+// the kernel forgot to write shows up as a mismatch.
+Outputs RunAttend(const Case& c, const Inputs& in) {
+  Outputs r;
+  r.out = Tensor::Create(c.out_dtype, {c.batch, c.q_len, c.heads, c.vd()}).value();
+  Fill(r.out, 1234.0f);
+  TensorView probs_view;
+  if (c.probs) {
+    r.probs = Tensor::Create(DType::kF32, {c.batch, c.heads, c.q_len, c.k_len}).value();
+    Fill(r.probs, 1234.0f);
+    probs_view = r.probs.view();
+  }
+  r.status = Attend(in.q.cview(), in.k.cview(), in.v.cview(), MakeOptions(c, in), r.out.view(),
+                    probs_view);
+  return r;
+}
+
+// Probabilities of invisible keys must be exactly zero, not merely small.
+void ExpectMaskedProbsExactlyZero(const std::vector<double>& got,
+                                  const std::vector<char>& visible) {
+  int64_t bad = 0;
+  for (size_t i = 0; i < visible.size(); ++i) {
+    if (!visible[i] && got[i] != 0.0) ++bad;
+  }
+  EXPECT_EQ(bad, 0) << "probabilities of masked keys are not exactly zero";
+}
+
+void CheckAgainstReference(const Case& c) {
+  SCOPED_TRACE(Describe(c));
+  const Inputs in = MakeInputs(c);
+  const Outputs r = RunAttend(c, in);
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  const ref::AttentionRefResult want = Reference(c, in);
+  EXPECT_TRUE(AllClose(ToDoubles(r.out.cview()), want.out, c.tol()));
+  if (c.probs) {
+    const std::vector<double> got = ToDoubles(r.probs.cview());
+    EXPECT_TRUE(AllClose(got, want.probs, c.tol()));
+    ExpectMaskedProbsExactlyZero(got, want.visible);
+  }
+}
+
+// --- Random comparisons, for every (path, dtype) pair. ---
+
+class AttentionPathDtypeTest : public ::testing::TestWithParam<std::tuple<Path, DType>> {
+ protected:
+  Case Base() const {
+    Case c;
+    c.path = std::get<0>(GetParam());
+    c.dtype = std::get<1>(GetParam());
+    return c;
+  }
+};
+
+TEST_P(AttentionPathDtypeTest, OddShapesMatchReference) {
+  struct Shape {
+    int64_t batch, q_len, k_len, heads, kv_heads, head_dim, v_dim;
+    bool causal;
+    int threads;
+  };
+  const Shape shapes[] = {
+      {1, 1, 1, 1, 1, 64, 0, false, 1},    {2, 7, 7, 4, 4, 80, 0, true, 1},
+      {1, 129, 129, 4, 1, 64, 0, true, 2}, {3, 1, 300, 32, 1, 128, 0, false, 1},
+      {2, 7, 300, 8, 2, 128, 0, true, 1},  {1, 129, 300, 2, 2, 80, 0, false, 1},
+      {2, 7, 129, 4, 1, 64, 48, false, 2}, {3, 129, 7, 4, 4, 128, 0, false, 1},
+      {1, 1, 129, 32, 32, 80, 0, true, 1}, {2, 1, 7, 8, 4, 64, 96, true, 1},
+      {1, 7, 1, 32, 1, 64, 0, false, 1},
+  };
+  uint64_t seed = 100;
+  for (const Shape& s : shapes) {
+    Case c = Base();
+    c.batch = s.batch;
+    c.q_len = s.q_len;
+    c.k_len = s.k_len;
+    c.heads = s.heads;
+    c.kv_heads = s.kv_heads;
+    c.head_dim = s.head_dim;
+    c.v_dim = s.v_dim;
+    c.causal = s.causal;
+    c.num_threads = s.threads;
+    c.seed = ++seed;
+    CheckAgainstReference(c);
+  }
+}
+
+TEST_P(AttentionPathDtypeTest, EveryOptionMatchesReference) {
+  std::vector<Case> cases;
+  auto add = [&](auto setup) {
+    Case c = Base();
+    c.batch = 2;
+    c.q_len = 9;
+    c.k_len = 129;
+    c.heads = 4;
+    c.kv_heads = 2;
+    c.head_dim = 64;
+    c.seed = 200 + cases.size();
+    setup(c);
+    cases.push_back(c);
+  };
+  add([](Case& c) {
+    c.causal = true;
+    c.q_offsets = {0, 60};
+  });
+  add([](Case& c) {
+    c.causal = true;
+    c.q_offsets = {124, 200};  // partly past the last key: everything visible
+  });
+  add([](Case& c) { c.key_lengths = {129, 41}; });
+  add([](Case& c) {
+    c.causal = true;
+    c.key_lengths = {50, 3};
+  });
+  add([](Case& c) {
+    c.causal = true;
+    c.window = 16;
+  });
+  add([](Case& c) {
+    c.window = 16;
+    c.q_offsets = {10, 100};
+  });
+  add([](Case& c) {
+    // scale 1 puts logits around +-8, where a cap of 5 changes them a lot.
+    c.scale = 1.0;
+    c.softcap = 5.0;
+  });
+  add([](Case& c) { c.scale = 0.37; });
+  add([](Case& c) {
+    c.causal = true;
+    c.bias = BiasKind::kAlibi;
+  });
+  add([](Case& c) {
+    c.bias = BiasKind::kAlibi;
+    c.q_offsets = {30, 64};
+  });
+  add([](Case& c) {
+    c.bias = BiasKind::kT5;
+    c.k_len = 300;  // distances past max_distance
+    c.q_offsets = {0, 150};
+  });
+  add([](Case& c) {
+    c.causal = true;
+    c.bias = BiasKind::kT5;
+    c.t5_bidirectional = false;
+    c.t5_num_buckets = 16;
+    c.t5_max_distance = 64;
+  });
+  add([](Case& c) { c.bias = BiasKind::kTensor; });
+  add([](Case& c) {
+    c.bias = BiasKind::kTensor;
+    c.bias_per_batch = true;
+    c.causal = true;
+  });
+  add([](Case& c) { c.probs = true; });
+  add([](Case& c) {
+    c.probs = true;
+    c.bias = BiasKind::kT5;
+    c.key_lengths = {77, 129};
+  });
+  add([](Case& c) {
+    c.causal = true;
+    c.q_offsets = {100, 20};
+    c.key_lengths = {129, 100};
+    c.window = 40;
+    c.softcap = 10.0;
+    c.scale = 0.2;
+    c.bias = BiasKind::kAlibi;
+    c.probs = true;
+    c.num_threads = 2;
+  });
+  add([](Case& c) {
+    c.heads = 32;
+    c.kv_heads = 1;
+    c.q_len = 1;
+    c.causal = true;
+    c.window = 33;
+    c.bias = BiasKind::kTensor;
+    c.probs = true;
+  });
+  for (const Case& c : cases) CheckAgainstReference(c);
+}
+
+TEST_P(AttentionPathDtypeTest, GqaEqualsMhaWithRepeatedKvHeads) {
+  Case gqa = Base();
+  gqa.batch = 2;
+  gqa.q_len = 7;
+  gqa.k_len = 50;
+  gqa.heads = 8;
+  gqa.kv_heads = 2;
+  gqa.causal = true;
+  gqa.seed = 300;
+  const Inputs in = MakeInputs(gqa);
+  const Outputs got = RunAttend(gqa, in);
+  ASSERT_TRUE(got.status.ok()) << got.status;
+
+  // K and V with each kv head copied to the query heads that read it.
+  const int64_t group = gqa.heads / gqa.kv_heads;
+  Case mha = gqa;
+  mha.kv_heads = gqa.heads;
+  Inputs rep;
+  rep.q = Tensor::CopyOf(in.q.cview()).value();
+  rep.k = Tensor::Create(gqa.dtype, {gqa.batch, gqa.k_len, gqa.heads, gqa.head_dim}).value();
+  rep.v = Tensor::Create(gqa.dtype, {gqa.batch, gqa.k_len, gqa.heads, gqa.head_dim}).value();
+  const size_t es = DTypeSize(gqa.dtype);
+  for (int64_t b = 0; b < gqa.batch; ++b) {
+    for (int64_t j = 0; j < gqa.k_len; ++j) {
+      for (int64_t h = 0; h < gqa.heads; ++h) {
+        const int64_t src = in.k.cview().Offset({b, j, h / group, 0});
+        const int64_t dst = rep.k.cview().Offset({b, j, h, 0});
+        std::memcpy(rep.k.data<char>() + dst * es, in.k.data<char>() + src * es, gqa.head_dim * es);
+        std::memcpy(rep.v.data<char>() + dst * es, in.v.data<char>() + src * es, gqa.head_dim * es);
+      }
+    }
+  }
+  const Outputs want = RunAttend(mha, rep);
+  ASSERT_TRUE(want.status.ok()) << want.status;
+  EXPECT_TRUE(AllClose(ToDoubles(got.out.cview()), ToDoubles(want.out.cview()), gqa.tol()));
+}
+
+// K and V as views of the first k_len rows of a larger cache (free batch and
+// seq strides), as a session's KV cache hands them over.
+TEST_P(AttentionPathDtypeTest, StridedCacheViewsMatchReference) {
+  Case c = Base();
+  c.batch = 2;
+  c.q_len = 5;
+  c.k_len = 37;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.causal = true;
+  c.probs = true;
+  c.seed = 400;
+  const int64_t capacity = 64;
+  Tensor k_cache =
+      RandomTensor(c.dtype, {c.batch, capacity, c.kv_heads, c.head_dim}, 401, -1.0f, 1.0f);
+  Tensor v_cache =
+      RandomTensor(c.dtype, {c.batch, capacity, c.kv_heads, c.head_dim}, 402, -1.0f, 1.0f);
+  // Rows past k_len hold garbage a correct kernel never reads.
+  for (int64_t b = 0; b < c.batch; ++b) {
+    for (int64_t j = c.k_len; j < capacity; ++j) {
+      SetElement(k_cache, {b, j, 1, 3}, std::numeric_limits<float>::quiet_NaN());
+      SetElement(v_cache, {b, j, 0, 2}, std::numeric_limits<float>::infinity());
+    }
+  }
+  const ConstTensorView k = k_cache.cview().Slice(1, 0, c.k_len);
+  const ConstTensorView v = v_cache.cview().Slice(1, 0, c.k_len);
+  Inputs in;
+  in.q = RandomTensor(c.dtype, {c.batch, c.q_len, c.heads, c.head_dim}, 403);
+  in.k = Tensor::CopyOf(k).value();
+  in.v = Tensor::CopyOf(v).value();
+
+  Tensor out = Tensor::Create(DType::kF32, {c.batch, c.q_len, c.heads, c.head_dim}).value();
+  Tensor probs = Tensor::Create(DType::kF32, {c.batch, c.heads, c.q_len, c.k_len}).value();
+  ASSERT_TRUE(Attend(in.q.cview(), k, v, MakeOptions(c, in), out.view(), probs.view()).ok());
+  const ref::AttentionRefResult want = Reference(c, in);
+  EXPECT_TRUE(AllClose(ToDoubles(out.cview()), want.out, c.tol()));
+  EXPECT_TRUE(AllClose(ToDoubles(probs.cview()), want.probs, c.tol()));
+}
+
+// Rows with no visible key: exactly zero outputs and probabilities.
+TEST_P(AttentionPathDtypeTest, FullyMaskedRowsAreExactlyZero) {
+  std::vector<Case> cases;
+  Case c = Base();
+  c.batch = 2;
+  c.q_len = 5;
+  c.k_len = 20;
+  c.heads = 2;
+  c.kv_heads = 1;
+  c.probs = true;
+  c.key_lengths = {0, 20};  // row 0: no keys at all
+  cases.push_back(c);
+  c.key_lengths = {10, 20};
+  c.q_offsets = {30, 0};
+  c.window = 3;  // row 0: every key is >= 3 away
+  cases.push_back(c);
+  c.causal = true;
+  c.window = 4;
+  c.q_offsets = {15, 12};  // row 0: (q_pos - 4, q_pos] lies past key 9
+  cases.push_back(c);
+  // Only query 4 of row 0 is masked (q_pos 12 sees keys 10..14, all padding),
+  // so a tile mixes masked and visible rows.
+  c.causal = false;
+  c.window = 3;
+  c.q_offsets = {8, 0};
+  cases.push_back(c);
+
+  for (size_t n = 0; n < cases.size(); ++n) {
+    Case& cs = cases[n];
+    cs.seed = 500 + n;
+    SCOPED_TRACE(Describe(cs));
+    const Inputs in = MakeInputs(cs);
+    const Outputs r = RunAttend(cs, in);
+    ASSERT_TRUE(r.status.ok()) << r.status;
+    const ref::AttentionRefResult want = Reference(cs, in);
+    const std::vector<double> out = ToDoubles(r.out.cview());
+    const std::vector<double> probs = ToDoubles(r.probs.cview());
+    // A masked row in the reference is all zeros; the kernel must agree exactly.
+    int64_t masked_rows = 0;
+    for (int64_t b = 0; b < cs.batch; ++b) {
+      for (int64_t i = 0; i < cs.q_len; ++i) {
+        for (int64_t h = 0; h < cs.heads; ++h) {
+          bool masked = true;
+          for (int64_t j = 0; j < cs.k_len; ++j) {
+            masked &= !want.visible[((b * cs.heads + h) * cs.q_len + i) * cs.k_len + j];
+          }
+          if (!masked) continue;
+          ++masked_rows;
+          for (int64_t e = 0; e < cs.vd(); ++e) {
+            ASSERT_EQ(out[((b * cs.q_len + i) * cs.heads + h) * cs.vd() + e], 0.0)
+                << "b=" << b << " i=" << i << " h=" << h << " e=" << e;
+          }
+          for (int64_t j = 0; j < cs.k_len; ++j) {
+            ASSERT_EQ(probs[((b * cs.heads + h) * cs.q_len + i) * cs.k_len + j], 0.0)
+                << "b=" << b << " i=" << i << " h=" << h << " j=" << j;
+          }
+        }
+      }
+    }
+    EXPECT_GT(masked_rows, 0) << "the case was meant to mask some rows";
+    EXPECT_TRUE(AllClose(out, want.out, cs.tol()));
+    EXPECT_TRUE(AllClose(probs, want.probs, cs.tol()));
+  }
+}
+
+// Logits around +90 overflow exp() in f32 and around -90 underflow it unless
+// the row maximum is subtracted first.
+TEST_P(AttentionPathDtypeTest, LogitsNearPlusMinus90MatchReference) {
+  for (float sign : {1.0f, -1.0f}) {
+    Case c = Base();
+    c.batch = 2;
+    c.q_len = 7;
+    c.k_len = 40;
+    c.heads = 4;
+    c.kv_heads = 2;
+    c.probs = true;
+    c.seed = 600 + (sign > 0);
+    // q, k in [0.9, 1): dots in about [52, 64]; scale 1.5 maps them to about
+    // 78 .. 96 (or the negatives when k is negated).
+    c.qk_lo = 0.9f;
+    c.qk_hi = 1.0f;
+    c.k_lo = sign > 0 ? 0.9f : -1.0f;
+    c.k_hi = sign > 0 ? 1.0f : -0.9f;
+    c.scale = 1.5;
+    CheckAgainstReference(c);
+  }
+}
+
+// scale = 1e30 makes logits ~1e31: the softmax becomes a one-hot row (or, with
+// a cap, a uniform row over the saturated keys). Finite f32 values, no NaN.
+TEST_P(AttentionPathDtypeTest, HugeLogitsMatchReference) {
+  Case c = Base();
+  c.batch = 2;
+  c.q_len = 7;
+  c.k_len = 33;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.probs = true;
+  c.scale = 1e30;
+  c.seed = 700;
+  CheckAgainstReference(c);
+  c.softcap = 30.0;
+  c.seed = 701;
+  CheckAgainstReference(c);
+  c.softcap = 0.0;
+  c.causal = true;
+  c.bias = BiasKind::kAlibi;
+  c.seed = 702;
+  CheckAgainstReference(c);
+}
+
+// A scale that overflows f32 must not produce NaN: either a clear error or
+// the correct (one-hot) answer.
+TEST_P(AttentionPathDtypeTest, ScaleBeyondFloatRangeIsRejectedOrCorrect) {
+  Case c = Base();
+  c.batch = 1;
+  c.q_len = 3;
+  c.k_len = 9;
+  c.heads = 2;
+  c.kv_heads = 1;
+  c.scale = 1e300;
+  c.seed = 750;
+  const Inputs in = MakeInputs(c);
+  const Outputs r = RunAttend(c, in);
+  if (!r.status.ok()) {
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+    EXPECT_THAT(std::string(r.status.message()), HasSubstr("scale"));
+    return;
+  }
+  EXPECT_TRUE(AllClose(ToDoubles(r.out.cview()), Reference(c, in).out, c.tol()));
+}
+
+TEST_P(AttentionPathDtypeTest, NonFiniteInputsAreRejectedNamingTensorAndIndex) {
+  Case c = Base();
+  c.batch = 2;
+  c.q_len = 4;
+  c.k_len = 6;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.seed = 800;
+  const float kNaN = std::numeric_limits<float>::quiet_NaN();
+  const float kInf = std::numeric_limits<float>::infinity();
+  {
+    Inputs in = MakeInputs(c);
+    SetElement(in.k, {0, 3, 1, 5}, kNaN);
+    const Outputs r = RunAttend(c, in);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+    EXPECT_THAT(std::string(r.status.message()), HasSubstr("k[0, 3, 1, 5]"));
+  }
+  {
+    Inputs in = MakeInputs(c);
+    SetElement(in.q, {1, 2, 3, 4}, -kInf);
+    const Outputs r = RunAttend(c, in);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+    EXPECT_THAT(std::string(r.status.message()), HasSubstr("q[1, 2, 3, 4]"));
+  }
+  {
+    Inputs in = MakeInputs(c);
+    SetElement(in.v, {1, 5, 0, 63}, kInf);
+    const Outputs r = RunAttend(c, in);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+    EXPECT_THAT(std::string(r.status.message()), HasSubstr("v[1, 5, 0, 63]"));
+  }
+  // check_finite = false still checks q ...
+  {
+    Inputs in = MakeInputs(c);
+    SetElement(in.q, {0, 0, 0, 0}, kNaN);
+    AttentionOptions o = MakeOptions(c, in);
+    o.check_finite = false;
+    Tensor out = Tensor::Create(DType::kF32, {c.batch, c.q_len, c.heads, c.head_dim}).value();
+    const absl::Status s = Attend(in.q.cview(), in.k.cview(), in.v.cview(), o, out.view());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("q[0, 0, 0, 0]"));
+  }
+  // ... and never returns a non-finite result, even from an unchecked cache.
+  {
+    Inputs in = MakeInputs(c);
+    SetElement(in.v, {0, 1, 0, 2}, kNaN);
+    AttentionOptions o = MakeOptions(c, in);
+    o.check_finite = false;
+    Tensor out = Tensor::Create(DType::kF32, {c.batch, c.q_len, c.heads, c.head_dim}).value();
+    const absl::Status s = Attend(in.q.cview(), in.k.cview(), in.v.cview(), o, out.view());
+    if (s.ok()) {
+      for (double x : ToDoubles(out.cview())) ASSERT_TRUE(std::isfinite(x)) << "got " << x;
+    }
+  }
+}
+
+TEST_P(AttentionPathDtypeTest, ZeroSizedInputs) {
+  for (bool causal : {false, true}) {
+    Case c = Base();
+    c.heads = 4;
+    c.kv_heads = 2;
+    c.causal = causal;
+    c.probs = true;
+    // batch 0 and q_len 0: nothing to do.
+    c.batch = 0;
+    c.q_len = 3;
+    c.k_len = 5;
+    {
+      SCOPED_TRACE(Describe(c));
+      const Inputs in = MakeInputs(c);
+      EXPECT_TRUE(RunAttend(c, in).status.ok());
+    }
+    c.batch = 2;
+    c.q_len = 0;
+    {
+      SCOPED_TRACE(Describe(c));
+      const Inputs in = MakeInputs(c);
+      EXPECT_TRUE(RunAttend(c, in).status.ok());
+    }
+    // k_len 0: every row is empty, so zeros.
+    c.q_len = 3;
+    c.k_len = 0;
+    {
+      SCOPED_TRACE(Describe(c));
+      const Inputs in = MakeInputs(c);
+      const Outputs r = RunAttend(c, in);
+      ASSERT_TRUE(r.status.ok()) << r.status;
+      for (double x : ToDoubles(r.out.cview())) ASSERT_EQ(x, 0.0);
+    }
+  }
+}
+
+std::string ParamName(const ::testing::TestParamInfo<std::tuple<Path, DType>>& info) {
+  return absl::StrCat(PathName(std::get<0>(info.param)), "_", DTypeName(std::get<1>(info.param)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, AttentionPathDtypeTest,
+                         ::testing::Combine(::testing::Values(Path::kDecode, Path::kPrefill),
+                                            ::testing::Values(DType::kF32, DType::kBF16)),
+                         ParamName);
+
+// --- Properties across paths. ---
+
+// Decoding one token at a time (decode kernel, positions given by q_offsets,
+// the cache either whole or grown to t + 1 rows) reproduces the rows of one
+// causal prefill.
+TEST(AttentionPropertyTest, TokenByTokenDecodeEqualsCausalPrefill) {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (bool windowed : {false, true}) {
+      Case c;
+      c.dtype = dtype;
+      c.batch = 2;
+      c.q_len = 33;
+      c.k_len = 33;
+      c.heads = 4;
+      c.kv_heads = 2;
+      c.causal = true;
+      c.path = Path::kPrefill;
+      c.seed = 900 + windowed;
+      if (windowed) {
+        c.window = 8;
+        c.bias = BiasKind::kAlibi;
+      }
+      SCOPED_TRACE(Describe(c));
+      const Inputs in = MakeInputs(c);
+      const Outputs prefill = RunAttend(c, in);
+      ASSERT_TRUE(prefill.status.ok()) << prefill.status;
+
+      for (int64_t t = 0; t < c.q_len; ++t) {
+        SCOPED_TRACE(absl::StrCat("token ", t));
+        const std::vector<double> want = ToDoubles(prefill.out.cview().Slice(1, t, 1));
+        AttentionOptions o = MakeOptions(c, in);
+        o.force_path = Path::kDecode;
+        const ConstTensorView q_t = in.q.cview().Slice(1, t, 1);
+        Tensor out = Tensor::Create(DType::kF32, {c.batch, 1, c.heads, c.head_dim}).value();
+
+        // Whole cache, position from q_offsets (causal hides the future).
+        const std::vector<int64_t> offsets(c.batch, t);
+        o.q_offsets = offsets;
+        ASSERT_TRUE(Attend(q_t, in.k.cview(), in.v.cview(), o, out.view()).ok());
+        EXPECT_TRUE(AllClose(ToDoubles(out.cview()), want, c.tol()));
+
+        // Cache grown to t + 1 rows, default offset k_len - 1.
+        o.q_offsets = {};
+        ASSERT_TRUE(Attend(q_t, in.k.cview().Slice(1, 0, t + 1), in.v.cview().Slice(1, 0, t + 1), o,
+                           out.view())
+                        .ok());
+        EXPECT_TRUE(AllClose(ToDoubles(out.cview()), want, c.tol()));
+      }
+    }
+  }
+}
+
+TEST(AttentionPropertyTest, AutoPathMatchesReference) {
+  for (int64_t q_len : {1, 7, 129}) {
+    Case c;
+    c.batch = 2;
+    c.q_len = q_len;
+    c.k_len = 150;
+    c.heads = 8;
+    c.kv_heads = 2;
+    c.causal = true;
+    c.path = Path::kAuto;
+    c.seed = 950 + q_len;
+    CheckAgainstReference(c);
+  }
+}
+
+TEST(AttentionPropertyTest, ChooseAttentionPathPicksDecodeForOneTokenAndPrefillForMany) {
+  EXPECT_EQ(ChooseAttentionPath(1, 8, 8, false), AttentionPath::kDecode);
+  EXPECT_EQ(ChooseAttentionPath(1, 32, 1, false), AttentionPath::kDecode);
+  EXPECT_EQ(ChooseAttentionPath(512, 8, 8, false), AttentionPath::kPrefill);
+}
+
+TEST(AttentionPropertyTest, BF16OutputMatchesReference) {
+  for (Path path : {Path::kDecode, Path::kPrefill}) {
+    Case c;
+    c.path = path;
+    c.dtype = DType::kBF16;
+    c.out_dtype = DType::kBF16;
+    c.batch = 2;
+    c.q_len = 7;
+    c.k_len = 70;
+    c.heads = 4;
+    c.kv_heads = 1;
+    c.causal = true;
+    c.seed = 970;
+    CheckAgainstReference(c);
+    c.dtype = DType::kF32;  // f32 inputs, bf16 output
+    CheckAgainstReference(c);
+  }
+}
+
+// Eight threads call Attend at once; each must get exactly (bit for bit) what
+// it got alone.
+TEST(AttentionConcurrencyTest, ConcurrentCallsAreBitIdenticalToSoloCalls) {
+  constexpr int kThreads = 8;
+  std::vector<Case> cases(kThreads);
+  std::vector<Inputs> inputs;
+  std::vector<Tensor> solo;
+  for (int i = 0; i < kThreads; ++i) {
+    Case& c = cases[i];
+    c.path = i % 2 == 0 ? Path::kDecode : Path::kPrefill;
+    c.dtype = i % 4 < 2 ? DType::kF32 : DType::kBF16;
+    c.batch = 1 + i % 3;
+    c.q_len = i % 2 == 0 ? 1 + i : 40 + i;
+    c.k_len = 60 + 7 * i;
+    c.heads = 8;
+    c.kv_heads = i % 3 == 0 ? 8 : 2;
+    c.causal = i % 3 != 1;
+    c.num_threads = 1 + i % 2;
+    c.seed = 1000 + i;
+    inputs.push_back(MakeInputs(c));
+    Outputs r = RunAttend(c, inputs.back());
+    ASSERT_TRUE(r.status.ok()) << r.status;
+    solo.push_back(std::move(r.out));
+  }
+  std::atomic<int> ready{0};
+  std::vector<int> mismatches(kThreads, 0);
+  std::vector<int> failures(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      ready.fetch_add(1);
+      while (ready.load() < kThreads) std::this_thread::yield();
+      for (int rep = 0; rep < 3; ++rep) {
+        Outputs r = RunAttend(cases[i], inputs[i]);
+        if (!r.status.ok()) {
+          ++failures[i];
+          continue;
+        }
+        if (std::memcmp(r.out.data<char>(), solo[i].data<char>(), solo[i].byte_size()) != 0) {
+          ++mismatches[i];
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kThreads; ++i) {
+    EXPECT_EQ(failures[i], 0) << "thread " << i << ": " << Describe(cases[i]);
+    EXPECT_EQ(mismatches[i], 0) << "thread " << i << ": " << Describe(cases[i]);
+  }
+}
+
+// --- Validation: the most specific code, naming the field and the value. ---
+
+class AttentionValidationTest : public ::testing::TestWithParam<Path> {
+ protected:
+  // A valid call: B=2, q_len=3, k_len=20, H=4, Hkv=2, D=64.
+  void SetUp() override {
+    c_.path = GetParam();
+    c_.batch = 2;
+    c_.q_len = 3;
+    c_.k_len = 20;
+    c_.heads = 4;
+    c_.kv_heads = 2;
+    c_.seed = 1100;
+    in_ = MakeInputs(c_);
+    out_ = Tensor::Create(DType::kF32, {2, 3, 4, 64}).value();
+  }
+  absl::Status Call(const AttentionOptions& o) {
+    return Attend(in_.q.cview(), in_.k.cview(), in_.v.cview(), o, out_.view());
+  }
+  AttentionOptions Options() const { return MakeOptions(c_, in_); }
+  void ExpectError(const absl::Status& s, absl::StatusCode code,
+                   std::initializer_list<const char*> substrings) {
+    EXPECT_EQ(s.code(), code) << s;
+    for (const char* sub : substrings) {
+      EXPECT_THAT(std::string(s.message()), HasSubstr(sub));
+    }
+  }
+
+  Case c_;
+  Inputs in_;
+  Tensor out_;
+};
+
+TEST_P(AttentionValidationTest, ValidCallSucceeds) { EXPECT_TRUE(Call(Options()).ok()); }
+
+TEST_P(AttentionValidationTest, HeadsNotDivisibleByKvHeads) {
+  Tensor q = RandomTensor(DType::kF32, {2, 3, 6, 64}, 1);
+  Tensor k = RandomTensor(DType::kF32, {2, 20, 4, 64}, 2);
+  Tensor v = RandomTensor(DType::kF32, {2, 20, 4, 64}, 3);
+  Tensor out = Tensor::Create(DType::kF32, {2, 3, 6, 64}).value();
+  const absl::Status s = Attend(q.cview(), k.cview(), v.cview(), Options(), out.view());
+  ExpectError(s, absl::StatusCode::kInvalidArgument, {"6", "4"});
+}
+
+TEST_P(AttentionValidationTest, ShapeMismatches) {
+  const AttentionOptions o = Options();
+  {  // head_dim of k differs from q's.
+    Tensor k = RandomTensor(DType::kF32, {2, 20, 2, 80}, 2);
+    ExpectError(Attend(in_.q.cview(), k.cview(), in_.v.cview(), o, out_.view()),
+                absl::StatusCode::kInvalidArgument, {"80"});
+  }
+  {  // v has a different number of keys.
+    Tensor v = RandomTensor(DType::kF32, {2, 19, 2, 64}, 3);
+    ExpectError(Attend(in_.q.cview(), in_.k.cview(), v.cview(), o, out_.view()),
+                absl::StatusCode::kInvalidArgument, {"v", "19"});
+  }
+  {  // k has a different batch.
+    Tensor k = RandomTensor(DType::kF32, {3, 20, 2, 64}, 2);
+    ExpectError(Attend(in_.q.cview(), k.cview(), in_.v.cview(), o, out_.view()),
+                absl::StatusCode::kInvalidArgument, {"k"});
+  }
+  {  // k and v dtypes differ.
+    Tensor v = RandomTensor(DType::kBF16, {2, 20, 2, 64}, 3);
+    ExpectError(Attend(in_.q.cview(), in_.k.cview(), v.cview(), o, out_.view()),
+                absl::StatusCode::kInvalidArgument, {"v"});
+  }
+  {  // out has the wrong v_dim.
+    Tensor out = Tensor::Create(DType::kF32, {2, 3, 4, 32}).value();
+    ExpectError(Attend(in_.q.cview(), in_.k.cview(), in_.v.cview(), o, out.view()),
+                absl::StatusCode::kInvalidArgument, {"out"});
+  }
+  {  // probs has the wrong shape.
+    Tensor probs = Tensor::Create(DType::kF32, {2, 4, 3, 21}).value();
+    ExpectError(Attend(in_.q.cview(), in_.k.cview(), in_.v.cview(), o, out_.view(), probs.view()),
+                absl::StatusCode::kInvalidArgument, {"probs"});
+  }
+  {  // q of rank 3.
+    const ConstTensorView q(in_.q.cview().raw(), DType::kF32, Dims{2, 3, 256});
+    ExpectError(Attend(q, in_.k.cview(), in_.v.cview(), o, out_.view()),
+                absl::StatusCode::kInvalidArgument, {"q"});
+  }
+}
+
+TEST_P(AttentionValidationTest, KeyLengths) {
+  AttentionOptions o = Options();
+  const std::vector<int64_t> negative = {20, -1};
+  o.key_lengths = negative;
+  ExpectError(Call(o), absl::StatusCode::kInvalidArgument, {"key_lengths", "-1"});
+  const std::vector<int64_t> too_long = {21, 20};
+  o.key_lengths = too_long;
+  ExpectError(Call(o), absl::StatusCode::kOutOfRange, {"key_lengths", "21"});
+  const std::vector<int64_t> wrong_count = {20, 20, 20};
+  o.key_lengths = wrong_count;
+  ExpectError(Call(o), absl::StatusCode::kInvalidArgument, {"key_lengths", "3"});
+  o.key_lengths = {};
+  const std::vector<int64_t> offsets_wrong_count = {0};
+  o.q_offsets = offsets_wrong_count;
+  ExpectError(Call(o), absl::StatusCode::kInvalidArgument, {"q_offsets", "1"});
+}
+
+TEST_P(AttentionValidationTest, BadNumericOptions) {
+  const double kNaN = std::numeric_limits<double>::quiet_NaN();
+  const double kInf = std::numeric_limits<double>::infinity();
+  for (double scale : {-1.0, kNaN, kInf}) {
+    AttentionOptions o = Options();
+    o.scale = scale;
+    ExpectError(Call(o), absl::StatusCode::kInvalidArgument, {"scale"});
+  }
+  for (double softcap : {-0.5, kNaN, kInf}) {
+    AttentionOptions o = Options();
+    o.softcap = softcap;
+    ExpectError(Call(o), absl::StatusCode::kInvalidArgument, {"softcap"});
+  }
+  {
+    AttentionOptions o = Options();
+    o.window = -3;
+    ExpectError(Call(o), absl::StatusCode::kInvalidArgument, {"window", "-3"});
+  }
+  {
+    AttentionOptions o = Options();
+    o.num_threads = 0;
+    ExpectError(Call(o), absl::StatusCode::kInvalidArgument, {"num_threads", "0"});
+  }
+}
+
+TEST_P(AttentionValidationTest, BadBiases) {
+  {
+    AttentionOptions o = Options();
+    o.bias.kind = BiasKind::kAlibi;
+    o.bias.alibi_slopes = {0.5, 0.25, 0.125};  // 3 slopes for 4 heads
+    ExpectError(Call(o), absl::StatusCode::kInvalidArgument, {"alibi", "3"});
+  }
+  {
+    AttentionOptions o = Options();
+    Tensor table = RandomTensor(DType::kF32, {31, 4}, 5);  // config says 32 buckets
+    o.bias.kind = BiasKind::kT5;
+    o.bias.t5_table = table.cview();
+    ExpectError(Call(o), absl::StatusCode::kInvalidArgument, {"31"});
+  }
+  {
+    AttentionOptions o = Options();
+    Tensor table = RandomTensor(DType::kF32, {32, 4}, 5);
+    o.bias.kind = BiasKind::kT5;
+    o.bias.t5_table = table.cview();
+    o.bias.t5_config.num_buckets = 1;
+    ExpectError(Call(o), absl::StatusCode::kInvalidArgument, {});
+  }
+  {
+    AttentionOptions o = Options();
+    Tensor bias = RandomTensor(DType::kF32, {4, 3, 19}, 6);  // k_len is 20
+    o.bias.kind = BiasKind::kTensor;
+    o.bias.tensor = bias.cview();
+    ExpectError(Call(o), absl::StatusCode::kInvalidArgument, {"19"});
+  }
+  {
+    AttentionOptions o = Options();
+    o.bias.kind = BiasKind::kTensor;  // no tensor given
+    ExpectError(Call(o), absl::StatusCode::kInvalidArgument, {});
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, AttentionValidationTest,
+                         ::testing::Values(Path::kDecode, Path::kPrefill),
+                         [](const ::testing::TestParamInfo<Path>& info) {
+                           return std::string(PathName(info.param));
+                         });
+
+}  // namespace
+}  // namespace ropeattn

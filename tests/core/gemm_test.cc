@@ -1,0 +1,220 @@
+// MatMul (core/gemm.h) against a plain fp64 matrix product.
+// Tolerances: 1e-5 relative norm-wise for f32 inputs, 1e-2 for bf16 inputs
+// (the inputs are bf16-exact, so this bounds the accumulation error only).
+#include "core/gemm.h"
+
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+#include "tests/reference/attention_ref.h"
+
+namespace ropeattn {
+namespace {
+
+using ::ropeattn::testing::AllClose;
+using ::ropeattn::testing::kBF16Tol;
+using ::ropeattn::testing::kF32Tol;
+using ::ropeattn::testing::RandomTensor;
+using ::ropeattn::testing::ToDoubles;
+using ::testing::HasSubstr;
+
+double Tol(DType dtype) { return dtype == DType::kF32 ? kF32Tol : kBF16Tol; }
+
+// A [rows, cols] view of a [cols, rows] dense tensor (its transpose).
+ConstTensorView Transposed(const Tensor& t) {
+  return ConstTensorView(t.cview().raw(), t.dtype(), Dims{t.dim(1), t.dim(0)}, Dims{1, t.dim(1)});
+}
+
+void Fill(Tensor& t, float value) {
+  for (int64_t i = 0; i < t.num_elements(); ++i) t.data<float>()[i] = value;
+}
+
+struct Shape {
+  int64_t m, k, n;
+};
+
+constexpr Shape kShapes[] = {{1, 1, 1},      {7, 13, 5},    {1, 128, 300},
+                             {129, 80, 300}, {64, 128, 64}, {33, 1, 17}};
+
+TEST(MatMulTest, DenseMatchesReference) {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (const Shape& s : kShapes) {
+      SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " m=", s.m, " k=", s.k, " n=", s.n));
+      Tensor a = RandomTensor(dtype, {s.m, s.k}, 1 + s.m);
+      Tensor b = RandomTensor(dtype, {s.k, s.n}, 2 + s.n);
+      Tensor c = Tensor::Create(DType::kF32, {s.m, s.n}).value();
+      Fill(c, 1234.0f);
+      ASSERT_TRUE(MatMul(a.cview(), b.cview(), c.view(), 1).ok());
+      EXPECT_TRUE(AllClose(ToDoubles(c.cview()),
+                           ref::MatMul(ToDoubles(a.cview()), ToDoubles(b.cview()), s.m, s.k, s.n),
+                           Tol(dtype)));
+    }
+  }
+}
+
+// b given as the transpose of a dense [n, k] tensor (how attention passes K),
+// and a as the transpose of a dense [k, m] tensor.
+TEST(MatMulTest, TransposedViewsMatchReference) {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (const Shape& s : kShapes) {
+      SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " m=", s.m, " k=", s.k, " n=", s.n));
+      Tensor a = RandomTensor(dtype, {s.m, s.k}, 3 + s.m);
+      Tensor bt = RandomTensor(dtype, {s.n, s.k}, 4 + s.n);
+      const ConstTensorView b = Transposed(bt);
+      const std::vector<double> want =
+          ref::MatMul(ToDoubles(a.cview()), ToDoubles(b), s.m, s.k, s.n);
+      Tensor c = Tensor::Create(DType::kF32, {s.m, s.n}).value();
+      ASSERT_TRUE(MatMul(a.cview(), b, c.view(), 1).ok());
+      EXPECT_TRUE(AllClose(ToDoubles(c.cview()), want, Tol(dtype)));
+
+      Tensor at = RandomTensor(dtype, {s.k, s.m}, 5 + s.k);
+      const ConstTensorView a2 = Transposed(at);
+      Fill(c, 1234.0f);
+      ASSERT_TRUE(MatMul(a2, b, c.view(), 1).ok());
+      EXPECT_TRUE(AllClose(ToDoubles(c.cview()),
+                           ref::MatMul(ToDoubles(a2), ToDoubles(b), s.m, s.k, s.n), Tol(dtype)));
+    }
+  }
+}
+
+// Sub-matrices of larger buffers: a and b with row strides wider than their
+// rows, c written into the left part of a wider buffer, the rest untouched.
+TEST(MatMulTest, StridedViewsMatchReferenceAndWriteOnlyC) {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    const int64_t m = 9, k = 70, n = 31;
+    Tensor a_big = RandomTensor(dtype, {m, k + 10}, 6);
+    Tensor b_big = RandomTensor(dtype, {k + 3, n + 5}, 7);
+    const ConstTensorView a = a_big.cview().Slice(1, 4, k);
+    const ConstTensorView b = b_big.cview().Slice(0, 2, k).Slice(1, 1, n);
+    Tensor c_big = Tensor::Create(DType::kF32, {m, n + 8}).value();
+    Fill(c_big, 1234.0f);
+    const TensorView c = c_big.view().Slice(1, 0, n);
+    ASSERT_TRUE(MatMul(a, b, c, 1).ok());
+    EXPECT_TRUE(AllClose(ToDoubles(ConstTensorView(c)),
+                         ref::MatMul(ToDoubles(a), ToDoubles(b), m, k, n), Tol(dtype)));
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = n; j < n + 8; ++j) {
+        ASSERT_EQ(c_big.data<float>()[i * (n + 8) + j], 1234.0f) << i << ", " << j;
+      }
+    }
+  }
+}
+
+TEST(MatMulTest, TwoThreadsMatchReference) {
+  Tensor a = RandomTensor(DType::kF32, {200, 96}, 8);
+  Tensor b = RandomTensor(DType::kF32, {96, 150}, 9);
+  Tensor c = Tensor::Create(DType::kF32, {200, 150}).value();
+  ASSERT_TRUE(MatMul(a.cview(), b.cview(), c.view(), 2).ok());
+  EXPECT_TRUE(AllClose(ToDoubles(c.cview()),
+                       ref::MatMul(ToDoubles(a.cview()), ToDoubles(b.cview()), 200, 96, 150),
+                       kF32Tol));
+}
+
+TEST(MatMulTest, ZeroSizes) {
+  Tensor a = Tensor::Create(DType::kF32, {0, 5}).value();
+  Tensor b = RandomTensor(DType::kF32, {5, 3}, 10);
+  Tensor c = Tensor::Create(DType::kF32, {0, 3}).value();
+  EXPECT_TRUE(MatMul(a.cview(), b.cview(), c.view(), 1).ok());
+  // k = 0: an empty sum, so c is all zeros.
+  Tensor a0 = Tensor::Create(DType::kF32, {4, 0}).value();
+  Tensor b0 = Tensor::Create(DType::kF32, {0, 3}).value();
+  Tensor c0 = Tensor::Create(DType::kF32, {4, 3}).value();
+  Fill(c0, 1234.0f);
+  ASSERT_TRUE(MatMul(a0.cview(), b0.cview(), c0.view(), 1).ok());
+  for (double x : ToDoubles(c0.cview())) EXPECT_EQ(x, 0.0);
+}
+
+TEST(MatMulTest, ShapeAndDtypeErrors) {
+  Tensor a = RandomTensor(DType::kF32, {4, 6}, 11);
+  Tensor b = RandomTensor(DType::kF32, {6, 5}, 12);
+  Tensor c = Tensor::Create(DType::kF32, {4, 5}).value();
+  auto expect_invalid = [](const absl::Status& s, const char* substring) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(substring));
+  };
+  {  // inner dimensions differ
+    Tensor b2 = RandomTensor(DType::kF32, {7, 5}, 13);
+    expect_invalid(MatMul(a.cview(), b2.cview(), c.view(), 1), "[7, 5]");
+  }
+  {  // c has the wrong shape
+    Tensor c2 = Tensor::Create(DType::kF32, {4, 6}).value();
+    expect_invalid(MatMul(a.cview(), b.cview(), c2.view(), 1), "[4, 6]");
+  }
+  {  // rank 3
+    Tensor a3 = RandomTensor(DType::kF32, {1, 4, 6}, 14);
+    expect_invalid(MatMul(a3.cview(), b.cview(), c.view(), 1), "a");
+  }
+  {  // mixed input dtypes
+    Tensor b16 = RandomTensor(DType::kBF16, {6, 5}, 15);
+    expect_invalid(MatMul(a.cview(), b16.cview(), c.view(), 1), "bf16");
+  }
+  {  // bf16 output
+    Tensor c16 = Tensor::Create(DType::kBF16, {4, 5}).value();
+    expect_invalid(MatMul(a.cview(), b.cview(), c16.view(), 1), "c");
+  }
+  {  // no unit stride on either axis
+    Tensor big = RandomTensor(DType::kF32, {8, 12}, 16);
+    const ConstTensorView every_other(big.cview().raw(), DType::kF32, Dims{4, 6}, Dims{24, 2});
+    expect_invalid(MatMul(every_other, b.cview(), c.view(), 1), "a");
+  }
+  expect_invalid(MatMul(a.cview(), b.cview(), c.view(), 0), "num_threads");
+}
+
+TEST(MatMulTest, PrimitivesAreCachedByShape) {
+  Tensor a = RandomTensor(DType::kF32, {11, 23}, 17);
+  Tensor b = RandomTensor(DType::kF32, {23, 19}, 18);
+  Tensor c = Tensor::Create(DType::kF32, {11, 19}).value();
+  ASSERT_TRUE(MatMul(a.cview(), b.cview(), c.view(), 1).ok());
+  const int64_t after_first = MatMulCacheSize();
+  EXPECT_GE(after_first, 1);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(MatMul(a.cview(), b.cview(), c.view(), 1).ok());
+  EXPECT_EQ(MatMulCacheSize(), after_first);
+  Tensor b2 = RandomTensor(DType::kF32, {23, 20}, 19);
+  Tensor c2 = Tensor::Create(DType::kF32, {11, 20}).value();
+  ASSERT_TRUE(MatMul(a.cview(), b2.cview(), c2.view(), 1).ok());
+  EXPECT_EQ(MatMulCacheSize(), after_first + 1);
+}
+
+// One cached primitive used by many threads at once gives each the result it
+// gets alone, bit for bit.
+TEST(MatMulTest, ConcurrentCallsAreBitIdenticalToSoloCalls) {
+  constexpr int kThreads = 8;
+  const int64_t m = 48, k = 64, n = 40;
+  std::vector<Tensor> as, bs, solo;
+  for (int i = 0; i < kThreads; ++i) {
+    const DType dtype = i % 2 == 0 ? DType::kF32 : DType::kBF16;
+    as.push_back(RandomTensor(dtype, {m, k}, 100 + i));
+    bs.push_back(RandomTensor(dtype, {k, n}, 200 + i));
+    solo.push_back(Tensor::Create(DType::kF32, {m, n}).value());
+    ASSERT_TRUE(MatMul(as[i].cview(), bs[i].cview(), solo[i].view(), 1).ok());
+  }
+  std::atomic<int> ready{0};
+  std::vector<int> bad(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      Tensor c = Tensor::Create(DType::kF32, {m, n}).value();
+      ready.fetch_add(1);
+      while (ready.load() < kThreads) std::this_thread::yield();
+      for (int rep = 0; rep < 20; ++rep) {
+        if (!MatMul(as[i].cview(), bs[i].cview(), c.view(), 1).ok() ||
+            std::memcmp(c.data<float>(), solo[i].data<float>(), c.byte_size()) != 0) {
+          ++bad[i];
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kThreads; ++i) EXPECT_EQ(bad[i], 0) << "thread " << i;
+}
+
+}  // namespace
+}  // namespace ropeattn
