@@ -83,31 +83,32 @@ absl::StatusOr<Plan> MakePlan(const ConstTensorView& q, const ConstTensorView& k
   p.kv_heads = k.dim(2);
   p.v_dim = v.dim(3);
   if (k.dtype() != v.dtype()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "k and v must share a dtype, got k %s and v %s", DTypeName(k.dtype()), DTypeName(v.dtype())));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("k and v must share a dtype, got k %s and v %s", DTypeName(k.dtype()),
+                        DTypeName(v.dtype())));
   }
   if (k.dim(0) != p.batch || v.dim(0) != p.batch) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "batch sizes differ: q %d, k %d, v %d", p.batch, k.dim(0), v.dim(0)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("batch sizes differ: q %d, k %d, v %d", p.batch, k.dim(0), v.dim(0)));
   }
   if (v.dim(1) != p.k_len) {
     return absl::InvalidArgumentError(
         absl::StrFormat("k and v lengths differ: k %d, v %d", p.k_len, v.dim(1)));
   }
   if (v.dim(2) != p.kv_heads) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "k and v head counts differ: k %d, v %d", p.kv_heads, v.dim(2)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("k and v head counts differ: k %d, v %d", p.kv_heads, v.dim(2)));
   }
   if (k.dim(3) != p.head_dim) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "head_dim of q (%d) and k (%d) differ", p.head_dim, k.dim(3)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("head_dim of q (%d) and k (%d) differ", p.head_dim, k.dim(3)));
   }
   if (p.kv_heads == 0 && p.heads != 0) {
     return absl::InvalidArgumentError("kv_heads must be >= 1, got 0");
   }
   if (p.kv_heads > 0 && p.heads % p.kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "heads (%d) must be a multiple of kv_heads (%d)", p.heads, p.kv_heads));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("heads (%d) must be a multiple of kv_heads (%d)", p.heads, p.kv_heads));
   }
   p.group = p.kv_heads > 0 ? p.heads / p.kv_heads : 1;
   if (out.dim(0) != p.batch || out.dim(1) != p.q_len || out.dim(2) != p.heads ||
@@ -124,7 +125,9 @@ absl::StatusOr<Plan> MakePlan(const ConstTensorView& q, const ConstTensorView& k
     return absl::InvalidArgumentError(
         absl::StrFormat("scale must be finite and >= 0, got %g", o.scale));
   }
-  const double scale = o.scale > 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(p.head_dim, 1)));
+  const double scale = o.scale > 0
+                           ? o.scale
+                           : 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(p.head_dim, 1)));
   if (scale > std::numeric_limits<float>::max()) {
     return absl::InvalidArgumentError(absl::StrFormat("scale %g overflows float", o.scale));
   }
@@ -150,9 +153,9 @@ absl::StatusOr<Plan> MakePlan(const ConstTensorView& q, const ConstTensorView& k
         "q_offsets must have one entry per batch row (%d), got %d", p.batch, o.q_offsets.size()));
   }
   if (!o.key_lengths.empty() && static_cast<int64_t>(o.key_lengths.size()) != p.batch) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "key_lengths must have one entry per batch row (%d), got %d", p.batch,
-        o.key_lengths.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("key_lengths must have one entry per batch row (%d), got %d", p.batch,
+                        o.key_lengths.size()));
   }
   p.q_offset.resize(p.batch);
   p.key_length.resize(p.batch);
@@ -187,10 +190,10 @@ absl::StatusOr<Plan> MakePlan(const ConstTensorView& q, const ConstTensorView& k
     if (probs.dtype() != DType::kF32 || probs.rank() != 4 || !probs.IsContiguous() ||
         probs.dim(0) != p.batch || probs.dim(1) != p.heads || probs.dim(2) != p.q_len ||
         probs.dim(3) != p.k_len) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "probs must be a dense f32 tensor of shape %s, got %s %s",
-          DimsToString({p.batch, p.heads, p.q_len, p.k_len}), DTypeName(probs.dtype()),
-          DimsToString(probs.dims())));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("probs must be a dense f32 tensor of shape %s, got %s %s",
+                          DimsToString({p.batch, p.heads, p.q_len, p.k_len}),
+                          DTypeName(probs.dtype()), DimsToString(probs.dims())));
     }
   }
 
@@ -202,14 +205,13 @@ absl::StatusOr<Plan> MakePlan(const ConstTensorView& q, const ConstTensorView& k
       break;
     case BiasKind::kAlibi: {
       if (static_cast<int64_t>(bias.alibi_slopes.size()) != p.heads) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "alibi_slopes must have one entry per head (%d), got %d", p.heads,
-            bias.alibi_slopes.size()));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("alibi_slopes must have one entry per head (%d), got %d", p.heads,
+                            bias.alibi_slopes.size()));
       }
       for (size_t h = 0; h < bias.alibi_slopes.size(); ++h) {
         if (!std::isfinite(bias.alibi_slopes[h])) {
-          return absl::InvalidArgumentError(
-              absl::StrFormat("alibi_slopes[%d] is not finite", h));
+          return absl::InvalidArgumentError(absl::StrFormat("alibi_slopes[%d] is not finite", h));
         }
         p.alibi.push_back(static_cast<float>(bias.alibi_slopes[h]));
       }
@@ -233,8 +235,8 @@ absl::StatusOr<Plan> MakePlan(const ConstTensorView& q, const ConstTensorView& k
       p.rel_min = -max_pos;
       p.rel_count = std::max<int64_t>(0, (p.k_len - 1 - min_pos) - p.rel_min + 1);
       if (p.rel_count > (int64_t{1} << 26)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "T5 bias over %d relative positions is too large", p.rel_count));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("T5 bias over %d relative positions is too large", p.rel_count));
       }
       std::vector<int> buckets(p.rel_count);
       for (int64_t r = 0; r < p.rel_count; ++r) {
@@ -250,24 +252,24 @@ absl::StatusOr<Plan> MakePlan(const ConstTensorView& q, const ConstTensorView& k
     }
     case BiasKind::kTensor: {
       const ConstTensorView& t = bias.tensor;
-      const bool ok3 = t.rank() == 3 && t.dim(0) == p.heads && t.dim(1) == p.q_len &&
-                       t.dim(2) == p.k_len;
+      const bool ok3 =
+          t.rank() == 3 && t.dim(0) == p.heads && t.dim(1) == p.q_len && t.dim(2) == p.k_len;
       const bool ok4 = t.rank() == 4 && t.dim(0) == p.batch && t.dim(1) == p.heads &&
                        t.dim(2) == p.q_len && t.dim(3) == p.k_len;
       if ((!ok3 && !ok4) || t.dtype() != DType::kF32 || !t.IsContiguous() ||
           (t.raw() == nullptr && t.num_elements() > 0)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "bias tensor must be dense f32 of shape %s or %s, got %s %s",
-            DimsToString({p.heads, p.q_len, p.k_len}),
-            DimsToString({p.batch, p.heads, p.q_len, p.k_len}), DTypeName(t.dtype()),
-            DimsToString(t.dims())));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("bias tensor must be dense f32 of shape %s or %s, got %s %s",
+                            DimsToString({p.heads, p.q_len, p.k_len}),
+                            DimsToString({p.batch, p.heads, p.q_len, p.k_len}),
+                            DTypeName(t.dtype()), DimsToString(t.dims())));
       }
       // -inf is a legitimate mask value in an additive bias; NaN and +inf are not.
       const float* d = t.data<float>();
       for (int64_t i = 0; i < t.num_elements(); ++i) {
         if (std::isnan(d[i]) || d[i] == std::numeric_limits<float>::infinity()) {
-          return absl::InvalidArgumentError(
-              absl::StrFormat("bias tensor element %d is %s", i, std::isnan(d[i]) ? "NaN" : "+inf"));
+          return absl::InvalidArgumentError(absl::StrFormat("bias tensor element %d is %s", i,
+                                                            std::isnan(d[i]) ? "NaN" : "+inf"));
         }
       }
       p.bias_tensor = t;
@@ -339,10 +341,10 @@ bool FinishRow(const Plan& p, int64_t b, int64_t h, int64_t i, int64_t lo, float
 }
 
 absl::Status OverflowError(int64_t b, int64_t h, int64_t i) {
-  return absl::InvalidArgumentError(absl::StrFormat(
-      "attention logits for batch %d, head %d, query %d overflow the float range; "
-      "reduce scale or the magnitude of q and k",
-      b, h, i));
+  return absl::InvalidArgumentError(
+      absl::StrFormat("attention logits for batch %d, head %d, query %d overflow the float range; "
+                      "reduce scale or the magnitude of q and k",
+                      b, h, i));
 }
 
 template <typename T>
@@ -402,13 +404,14 @@ class FirstError {
 // once for V (partial outputs, merged across threads at the end).
 
 constexpr int64_t kDecodeChunk = 64;  // keys per scheduling unit
+constexpr int64_t kKeyBlock = 8;      // keys per inner block
 
 struct DecodeLayout {
-  int64_t rows;    // batch * heads * q_len; row = (b * heads + h) * q_len + i
-  int64_t n_max;   // widest key span of any batch row
-  std::vector<int64_t> lo, hi;      // per (b, i): visible key range
-  std::vector<int64_t> ulo, uhi;    // per b: union of its rows' ranges
-  std::vector<int64_t> chunk_begin; // per b: first global chunk index
+  int64_t rows;                      // batch * heads * q_len; row = (b * heads + h) * q_len + i
+  int64_t n_max;                     // widest key span of any batch row
+  std::vector<int64_t> lo, hi;       // per (b, i): visible key range
+  std::vector<int64_t> ulo, uhi;     // per b: union of its rows' ranges
+  std::vector<int64_t> chunk_begin;  // per b: first global chunk index
   int64_t chunks = 0;
 };
 
@@ -443,43 +446,29 @@ DecodeLayout PlanDecode(const Plan& p) {
   return L;
 }
 
-// Prefetches the rows of the next chunk a slice at a time while this chunk's
-// heads are processed, so the first head of a chunk does not stall on memory.
-template <typename KV>
-void PrefetchNextChunk(const ConstTensorView& t, int64_t b, int64_t t1, int64_t t_end,
-                       int64_t part, int64_t parts) {
-  if (t1 >= t_end) return;
-  const int64_t rows = std::min<int64_t>(kDecodeChunk, t_end - t1);
-  const int64_t row_bytes = t.dim(2) * t.dim(3) * static_cast<int64_t>(sizeof(KV));
-  if (t.stride(1) * static_cast<int64_t>(sizeof(KV)) != row_bytes) return;  // not dense
-  const int64_t bytes = rows * row_bytes;
-  const int64_t slice = (bytes + parts - 1) / parts;
-  const int64_t begin = part * slice;
-  if (begin >= bytes) return;
-  internal::PrefetchRange(reinterpret_cast<const char*>(RowPtr<KV>(t, b, t1, 0)) + begin,
-                          std::min(slice, bytes - begin));
-}
-
+// Within a chunk, 8 keys at a time across every head (token-major), so memory
+// sees a few sequential streams rather than a jump per head; the query heads
+// sharing a kv head are processed together so each K/V slice is loaded once.
 template <typename KV>
 void DecodeScoresChunk(const Plan& p, const DecodeLayout& L, const float* qf, float* scores,
                        int64_t b, int64_t t0, int64_t t1) {
-  const int64_t d = p.head_dim;
-  for (int64_t j = 0; j < p.kv_heads; ++j) {
-    PrefetchNextChunk<KV>(p.k, b, t1, L.uhi[b], j, p.kv_heads);
-    const KV* kj = RowPtr<KV>(p.k, b, 0, j);
-    for (int64_t hh = 0; hh < p.group; ++hh) {
-      const int64_t h = j * p.group + hh;
+  const int64_t d = p.head_dim, ks = p.k.stride(1);
+  for (int64_t tb = t0; tb < t1; tb += kKeyBlock) {
+    const int64_t tb1 = std::min(t1, tb + kKeyBlock);
+    for (int64_t j = 0; j < p.kv_heads; ++j) {
+      const KV* kj = RowPtr<KV>(p.k, b, 0, j);
       for (int64_t i = 0; i < p.q_len; ++i) {
-        const int64_t lo = std::max(t0, L.lo[b * p.q_len + i]);
-        const int64_t hi = std::min(t1, L.hi[b * p.q_len + i]);
+        const int64_t lo = std::max(tb, L.lo[b * p.q_len + i]);
+        const int64_t hi = std::min(tb1, L.hi[b * p.q_len + i]);
         if (hi <= lo) continue;
-        const int64_t r = (b * p.heads + h) * p.q_len + i;
-        float* out = scores + r * L.n_max + (lo - L.ulo[b]);
+        const int64_t r0 = (b * p.heads + j * p.group) * p.q_len + i;
+        float* out = scores + r0 * L.n_max + (lo - L.ulo[b]);
         if constexpr (std::is_same_v<KV, float>) {
-          internal::DotKeysF32(qf + r * d, kj + lo * p.k.stride(1), p.k.stride(1), hi - lo, d, out);
+          internal::DotKeysRowsF32(qf + r0 * d, p.q_len * d, p.group, kj + lo * ks, ks, hi - lo, d,
+                                   out, p.q_len * L.n_max);
         } else {
-          internal::DotKeysBF16(qf + r * d, kj + lo * p.k.stride(1), p.k.stride(1), hi - lo, d,
-                                out);
+          internal::DotKeysRowsBF16(qf + r0 * d, p.q_len * d, p.group, kj + lo * ks, ks, hi - lo, d,
+                                    out, p.q_len * L.n_max);
         }
       }
     }
@@ -489,24 +478,23 @@ void DecodeScoresChunk(const Plan& p, const DecodeLayout& L, const float* qf, fl
 template <typename KV>
 void DecodeValuesChunk(const Plan& p, const DecodeLayout& L, const float* scores, float* acc,
                        int64_t b, int64_t t0, int64_t t1) {
-  const int64_t dv = p.v_dim;
-  for (int64_t j = 0; j < p.kv_heads; ++j) {
-    PrefetchNextChunk<KV>(p.v, b, t1, L.uhi[b], j, p.kv_heads);
-    const KV* vj = RowPtr<KV>(p.v, b, 0, j);
-    for (int64_t hh = 0; hh < p.group; ++hh) {
-      const int64_t h = j * p.group + hh;
+  const int64_t dv = p.v_dim, vs = p.v.stride(1);
+  for (int64_t tb = t0; tb < t1; tb += kKeyBlock) {
+    const int64_t tb1 = std::min(t1, tb + kKeyBlock);
+    for (int64_t j = 0; j < p.kv_heads; ++j) {
+      const KV* vj = RowPtr<KV>(p.v, b, 0, j);
       for (int64_t i = 0; i < p.q_len; ++i) {
-        const int64_t lo = std::max(t0, L.lo[b * p.q_len + i]);
-        const int64_t hi = std::min(t1, L.hi[b * p.q_len + i]);
+        const int64_t lo = std::max(tb, L.lo[b * p.q_len + i]);
+        const int64_t hi = std::min(tb1, L.hi[b * p.q_len + i]);
         if (hi <= lo) continue;
-        const int64_t r = (b * p.heads + h) * p.q_len + i;
-        const float* w = scores + r * L.n_max + (lo - L.ulo[b]);
+        const int64_t r0 = (b * p.heads + j * p.group) * p.q_len + i;
+        const float* w = scores + r0 * L.n_max + (lo - L.ulo[b]);
         if constexpr (std::is_same_v<KV, float>) {
-          internal::WeightedSumF32(w, vj + lo * p.v.stride(1), p.v.stride(1), hi - lo, dv,
-                                   acc + r * dv);
+          internal::WeightedSumRowsF32(w, p.q_len * L.n_max, p.group, vj + lo * vs, vs, hi - lo, dv,
+                                       acc + r0 * dv, p.q_len * dv);
         } else {
-          internal::WeightedSumBF16(w, vj + lo * p.v.stride(1), p.v.stride(1), hi - lo, dv,
-                                    acc + r * dv);
+          internal::WeightedSumRowsBF16(w, p.q_len * L.n_max, p.group, vj + lo * vs, vs, hi - lo,
+                                        dv, acc + r0 * dv, p.q_len * dv);
         }
       }
     }
@@ -595,7 +583,19 @@ absl::Status RunDecode(const Plan& p) {
 
 // --------------------------------------------------------------- prefill --
 
-absl::Status PrefillTask(const Plan& p, int64_t b, int64_t h, int64_t i0, int64_t i1) {
+// oneDNN 2.6 runs its fast brgemm kernels only on dense operands (any row
+// stride falls back to a much slower gemm), so the prefill packs the keys it
+// needs into head-major dense buffers once per call, copies each query tile
+// to a dense tile and computes each output tile densely.
+struct PackedKV {
+  const char* k = nullptr;  // [batch, kv_heads, n, head_dim], KV dtype
+  const char* v = nullptr;  // [batch, kv_heads, n, v_dim]
+  int64_t first = 0;        // key index of packed row 0
+  int64_t n = 0;            // packed rows per (batch, kv head)
+};
+
+absl::Status PrefillTask(const Plan& p, const PackedKV& kv, int64_t b, int64_t h, int64_t i0,
+                         int64_t i1) {
   const int64_t rows = i1 - i0;
   const int64_t d = p.head_dim, dv = p.v_dim;
   const int64_t kvh = h / p.group;
@@ -618,30 +618,35 @@ absl::Status PrefillTask(const Plan& p, int64_t b, int64_t h, int64_t i0, int64_
     return absl::OkStatus();
   }
   const int64_t n = uhi - ulo;
-  // A operand: the query rows, in the K/V dtype (oneDNN wants matching inputs).
-  MatOperand qa;
   const size_t es = DTypeSize(p.kv_dtype);
-  if (p.q_dtype == p.kv_dtype) {
-    qa = {static_cast<const char*>(p.q.raw()) +
-              (b * p.q.stride(0) + i0 * p.q.stride(1) + h * p.q.stride(2)) * es,
-          p.kv_dtype, p.q.stride(1), 1};
-  } else if (p.kv_dtype == DType::kBF16) {
+  // A operand: the query tile, dense, in the K/V dtype.
+  MatOperand qa;
+  if (p.kv_dtype == DType::kBF16) {
     s.h1.resize(rows * d);
     for (int64_t r = 0; r < rows; ++r) {
-      internal::F32ToBF16(RowPtr<float>(p.q, b, i0 + r, h), s.h1.data() + r * d, d);
+      uint16_t* dst = s.h1.data() + r * d;
+      if (p.q_dtype == DType::kBF16) {
+        std::memcpy(dst, RowPtr<uint16_t>(p.q, b, i0 + r, h), d * sizeof(uint16_t));
+      } else {
+        internal::F32ToBF16(RowPtr<float>(p.q, b, i0 + r, h), dst, d);
+      }
     }
     qa = {s.h1.data(), DType::kBF16, d, 1};
   } else {
     s.a.resize(rows * d);
     for (int64_t r = 0; r < rows; ++r) {
-      internal::BF16ToF32(RowPtr<uint16_t>(p.q, b, i0 + r, h), s.a.data() + r * d, d);
+      float* dst = s.a.data() + r * d;
+      if (p.q_dtype == DType::kF32) {
+        std::memcpy(dst, RowPtr<float>(p.q, b, i0 + r, h), d * sizeof(float));
+      } else {
+        internal::BF16ToF32(RowPtr<uint16_t>(p.q, b, i0 + r, h), dst, d);
+      }
     }
     qa = {s.a.data(), DType::kF32, d, 1};
   }
-  // B operand: K rows ulo..uhi of this kv head, read as a [d, n] matrix.
-  const MatOperand kb{static_cast<const char*>(p.k.raw()) +
-                          (b * p.k.stride(0) + ulo * p.k.stride(1) + kvh * p.k.stride(2)) * es,
-                      p.kv_dtype, 1, p.k.stride(1)};
+  const int64_t head_row0 = (b * p.kv_heads + kvh) * kv.n + (ulo - kv.first);
+  // B operand: packed K rows ulo..uhi, read as a [d, n] matrix.
+  const MatOperand kb{kv.k + head_row0 * d * es, p.kv_dtype, 1, d};
   s.b.resize(rows * n);
   float* scores = s.b.data();
   RA_RETURN_IF_ERROR(internal::Gemm(rows, n, d, qa, kb, scores, n, 1));
@@ -664,28 +669,66 @@ absl::Status PrefillTask(const Plan& p, int64_t b, int64_t h, int64_t i0, int64_
     internal::F32ToBF16(scores, s.h2.data(), rows * n);
     pa = {s.h2.data(), DType::kBF16, n, 1};
   }
-  const MatOperand vb{static_cast<const char*>(p.v.raw()) +
-                          (b * p.v.stride(0) + ulo * p.v.stride(1) + kvh * p.v.stride(2)) * es,
-                      p.kv_dtype, p.v.stride(1), 1};
-  if (p.out_dtype == DType::kF32) {
-    float* o = p.out.data<float>() + b * p.out.stride(0) + i0 * p.out.stride(1) + h * p.out.stride(2);
-    RA_RETURN_IF_ERROR(internal::Gemm(rows, dv, n, pa, vb, o, p.out.stride(1), 1));
-  } else {
-    s.c.resize(rows * dv);
-    RA_RETURN_IF_ERROR(internal::Gemm(rows, dv, n, pa, vb, s.c.data(), dv, 1));
-    for (int64_t r = 0; r < rows; ++r) WriteOutRow(p, b, i0 + r, h, s.c.data() + r * dv);
-  }
+  const MatOperand vb{kv.v + head_row0 * dv * es, p.kv_dtype, dv, 1};
+  s.c.resize(rows * dv);
+  RA_RETURN_IF_ERROR(internal::Gemm(rows, dv, n, pa, vb, s.c.data(), dv, 1));
+  for (int64_t r = 0; r < rows; ++r) WriteOutRow(p, b, i0 + r, h, s.c.data() + r * dv);
   return absl::OkStatus();
+}
+
+// The calling thread's packing buffer, kept between calls (a long prefill
+// would otherwise pay page faults on every call) unless it grew very large.
+std::vector<char>& PackBuffer() {
+  thread_local std::vector<char> buffer;
+  return buffer;
 }
 
 absl::Status RunPrefill(const Plan& p) {
   const int64_t blocks = (p.q_len + kPrefillBlock - 1) / kPrefillBlock;
   const int64_t tasks = p.batch * p.heads * blocks;
+  // Keys any query can see.
+  int64_t first = p.k_len, last = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t i = 0; i < p.q_len; ++i) {
+      int64_t lo, hi;
+      p.KeyRange(b, i, &lo, &hi);
+      if (hi > lo) {
+        first = std::min(first, lo);
+        last = std::max(last, hi);
+      }
+    }
+  }
+  PackedKV kv;
+  kv.first = first;
+  kv.n = last > first ? last - first : 0;
+  const size_t es = DTypeSize(p.kv_dtype);
+  const int64_t k_bytes = p.batch * p.kv_heads * kv.n * p.head_dim * static_cast<int64_t>(es);
+  const int64_t v_bytes = p.batch * p.kv_heads * kv.n * p.v_dim * static_cast<int64_t>(es);
+  std::vector<char>& buffer = PackBuffer();
+  if (buffer.size() < static_cast<size_t>(k_bytes + v_bytes)) buffer.resize(k_bytes + v_bytes);
+  kv.k = buffer.data();
+  kv.v = buffer.data() + k_bytes;
   FirstError err;
   const int threads = static_cast<int>(std::min<int64_t>(p.threads, std::max<int64_t>(tasks, 1)));
 #pragma omp parallel num_threads(threads)
   {
     omp_set_num_threads(1);
+    // Pack: one pass over the visible K/V rows.
+#pragma omp for schedule(static)
+    for (int64_t bt = 0; bt < p.batch * kv.n; ++bt) {
+      const int64_t b = bt / kv.n, t = bt % kv.n;
+      for (int64_t j = 0; j < p.kv_heads; ++j) {
+        const int64_t row = (b * p.kv_heads + j) * kv.n + t;
+        std::memcpy(buffer.data() + row * p.head_dim * es,
+                    static_cast<const char*>(p.k.raw()) +
+                        (b * p.k.stride(0) + (first + t) * p.k.stride(1) + j * p.k.stride(2)) * es,
+                    p.head_dim * es);
+        std::memcpy(buffer.data() + k_bytes + row * p.v_dim * es,
+                    static_cast<const char*>(p.v.raw()) +
+                        (b * p.v.stride(0) + (first + t) * p.v.stride(1) + j * p.v.stride(2)) * es,
+                    p.v_dim * es);
+      }
+    }
     // Later query blocks see more keys under a causal mask: hand them out
     // first so the tail of the schedule is made of short tasks.
 #pragma omp for schedule(dynamic, 1)
@@ -695,10 +738,11 @@ absl::Status RunPrefill(const Plan& p) {
       const int64_t b = bh / p.heads, h = bh % p.heads;
       const int64_t i0 = blk * kPrefillBlock;
       const int64_t i1 = std::min(p.q_len, i0 + kPrefillBlock);
-      absl::Status s = PrefillTask(p, b, h, i0, i1);
+      absl::Status s = PrefillTask(p, kv, b, h, i0, i1);
       if (!s.ok()) err.Set(std::move(s));
     }
   }
+  if (buffer.size() > (size_t{256} << 20)) std::vector<char>().swap(buffer);
   return err.Get();
 }
 
@@ -726,9 +770,8 @@ absl::Status Attend(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   // Last line of defence: never hand back a non-finite number.
   absl::Status fin = CheckFinite(out, "out");
   if (!fin.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attention result overflowed the float range (", fin.message(),
-        "); reduce the magnitude of v"));
+    return absl::InvalidArgumentError(absl::StrCat("attention result overflowed the float range (",
+                                                   fin.message(), "); reduce the magnitude of v"));
   }
   return absl::OkStatus();
 }

@@ -43,17 +43,43 @@ inline float ExpNonPositive(float v) {
   return p * scale;
 }
 
+// Eight lanes of ExpNonPositive, same reduction and polynomial.
+inline __m256 ExpNonPositive8(__m256 v) {
+  v = _mm256_max_ps(v, _mm256_set1_ps(-87.0f));
+  const __m256 kf = _mm256_floor_ps(
+      _mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(0.693145751953125f), v);
+  r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(1.42860682030941723212e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i ki = _mm256_add_epi32(_mm256_cvttps_epi32(kf), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(ki, 23)));
+}
+
 }  // namespace
 
 // The dot products and axpys below run once per (query row, key) in the
 // decode kernel, which must keep up with memory: four independent
 // accumulators hide the FMA latency that a single reduction chain exposes.
 namespace {
-inline __m256 LoadBF16x8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline __m256 LoadF32x8(const float* p) { return _mm256_loadu_ps(p); }
+// Loaders are function objects (not function pointers) so the templates
+// below inline them.
+struct LoadBF16 {
+  __m256 operator()(const uint16_t* p) const {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+};
+struct LoadF32 {
+  __m256 operator()(const float* p) const { return _mm256_loadu_ps(p); }
+};
+constexpr LoadBF16 LoadBF16x8{};
+constexpr LoadF32 LoadF32x8{};
 inline float HSum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
   lo = _mm_add_ps(lo, hi);
@@ -110,9 +136,7 @@ inline void AxpyImpl(float w, const T* x, float* acc, int64_t n, Load load) {
 
 float DotF32(const float* a, const float* b, int64_t n) { return DotImpl(a, b, n, LoadF32x8); }
 
-float DotBF16(const float* a, const uint16_t* b, int64_t n) {
-  return DotImpl(a, b, n, LoadBF16x8);
-}
+float DotBF16(const float* a, const uint16_t* b, int64_t n) { return DotImpl(a, b, n, LoadBF16x8); }
 
 void AxpyF32(float w, const float* x, float* acc, int64_t n) { AxpyImpl(w, x, acc, n, LoadF32x8); }
 
@@ -212,61 +236,225 @@ void WeightedSumF32(const float* w, const float* v, int64_t v_stride, int64_t co
                     float* acc) {
   WeightedSumImpl(w, v, v_stride, count, dv, acc, LoadF32x8);
 }
-void WeightedSumBF16(const float* w, const uint16_t* v, int64_t v_stride, int64_t count,
-                     int64_t dv, float* acc) {
+void WeightedSumBF16(const float* w, const uint16_t* v, int64_t v_stride, int64_t count, int64_t dv,
+                     float* acc) {
   WeightedSumImpl(w, v, v_stride, count, dv, acc, LoadBF16x8);
 }
 
-void PrefetchRange(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+namespace {
+
+// R rows x K keys = 8 dot products per pass over d, each K slice loaded once.
+template <int R, int K, typename T, typename Load>
+__attribute__((always_inline)) inline void DotBlock(const float* q, int64_t qs, const T* k,
+                                                    int64_t ks, int64_t d, float* out, int64_t os,
+                                                    Load load) {
+  static_assert(R * K == 8, "8 accumulators");
+  __m256 acc[8];
+  for (int a = 0; a < 8; ++a) acc[a] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    __m256 kv[K];
+    for (int u = 0; u < K; ++u) kv[u] = load(k + u * ks + i);
+    for (int r = 0; r < R; ++r) {
+      const __m256 qv = _mm256_loadu_ps(q + r * qs + i);
+      for (int u = 0; u < K; ++u) acc[r * K + u] = _mm256_fmadd_ps(qv, kv[u], acc[r * K + u]);
+    }
+  }
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums,
+                  Transpose8Sum(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]));
+  for (int r = 0; r < R; ++r) {
+    for (int u = 0; u < K; ++u) out[r * os + u] = sums[r * K + u];
+  }
 }
 
+template <int R, typename T, typename Load>
+inline void DotRowsFixed(const float* q, int64_t qs, const T* k, int64_t ks, int64_t count,
+                         int64_t d, float* out, int64_t os, Load load) {
+  constexpr int K = 8 / R;
+  int64_t u = 0;
+  for (; u + K <= count; u += K) DotBlock<R, K>(q, qs, k + u * ks, ks, d, out + u, os, load);
+  for (; u < count; ++u) {
+    for (int r = 0; r < R; ++r) out[r * os + u] = DotImpl(q + r * qs, k + u * ks, d, load);
+  }
+}
+
+template <typename T, typename Load>
+inline void DotKeysRowsImpl(const float* q, int64_t qs, int64_t rows, const T* k, int64_t ks,
+                            int64_t count, int64_t d, float* out, int64_t os, Load load) {
+  int64_t r = 0;
+  if (d % 8 == 0) {
+    // Two rows by four keys: 6 loads per 8 FMAs keeps the loop FMA-bound
+    // (four rows by two keys needs 10 and is load-bound).
+    for (; r + 2 <= rows; r += 2)
+      DotRowsFixed<2>(q + r * qs, qs, k, ks, count, d, out + r * os, os, load);
+  }
+  for (; r < rows; ++r) DotKeysImpl(q + r * qs, k, ks, count, d, out + r * os, load);
+}
+
+// R rows x (64/R) output lanes in 8 registers, over all keys; each V slice
+// is loaded once for the R rows.
+template <int R, typename T, typename Load>
+inline void WeightedRowsFixed(const float* w, int64_t wst, const T* v, int64_t vs, int64_t count,
+                              int64_t dv, float* acc, int64_t as, Load load) {
+  constexpr int V = 8 / R;  // vectors per row
+  constexpr int64_t L = 8 * V;
+  int64_t x = 0;
+  for (; x + L <= dv; x += L) {
+    __m256 c[8];
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < V; ++j) c[r * V + j] = _mm256_loadu_ps(acc + r * as + x + 8 * j);
+    }
+    const T* vp = v + x;
+    for (int64_t u = 0; u < count; ++u, vp += vs) {
+      __m256 vv[V];
+      for (int j = 0; j < V; ++j) vv[j] = load(vp + 8 * j);
+      for (int r = 0; r < R; ++r) {
+        const __m256 wv = _mm256_broadcast_ss(w + r * wst + u);
+        for (int j = 0; j < V; ++j) c[r * V + j] = _mm256_fmadd_ps(wv, vv[j], c[r * V + j]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < V; ++j) _mm256_storeu_ps(acc + r * as + x + 8 * j, c[r * V + j]);
+    }
+  }
+  if (x < dv) {
+    for (int r = 0; r < R; ++r) {
+      for (int64_t u = 0; u < count; ++u) {
+        AxpyImpl(w[r * wst + u], v + u * vs + x, acc + r * as + x, dv - x, load);
+      }
+    }
+  }
+}
+
+template <typename T, typename Load>
+inline void WeightedSumRowsImpl(const float* w, int64_t wst, int64_t rows, const T* v, int64_t vs,
+                                int64_t count, int64_t dv, float* acc, int64_t as, Load load) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4)
+    WeightedRowsFixed<4>(w + r * wst, wst, v, vs, count, dv, acc + r * as, as, load);
+  for (; r + 2 <= rows; r += 2)
+    WeightedRowsFixed<2>(w + r * wst, wst, v, vs, count, dv, acc + r * as, as, load);
+  for (; r < rows; ++r) WeightedSumImpl(w + r * wst, v, vs, count, dv, acc + r * as, load);
+}
+
+}  // namespace
+
+void DotKeysRowsF32(const float* q, int64_t q_stride, int64_t rows, const float* k,
+                    int64_t k_stride, int64_t count, int64_t d, float* out, int64_t out_stride) {
+  DotKeysRowsImpl(q, q_stride, rows, k, k_stride, count, d, out, out_stride, LoadF32x8);
+}
+void DotKeysRowsBF16(const float* q, int64_t q_stride, int64_t rows, const uint16_t* k,
+                     int64_t k_stride, int64_t count, int64_t d, float* out, int64_t out_stride) {
+  DotKeysRowsImpl(q, q_stride, rows, k, k_stride, count, d, out, out_stride, LoadBF16x8);
+}
+void WeightedSumRowsF32(const float* w, int64_t w_stride, int64_t rows, const float* v,
+                        int64_t v_stride, int64_t count, int64_t dv, float* acc,
+                        int64_t acc_stride) {
+  WeightedSumRowsImpl(w, w_stride, rows, v, v_stride, count, dv, acc, acc_stride, LoadF32x8);
+}
+void WeightedSumRowsBF16(const float* w, int64_t w_stride, int64_t rows, const uint16_t* v,
+                         int64_t v_stride, int64_t count, int64_t dv, float* acc,
+                         int64_t acc_stride) {
+  WeightedSumRowsImpl(w, w_stride, rows, v, v_stride, count, dv, acc, acc_stride, LoadBF16x8);
+}
+
+namespace {
+inline __m256 Tanh8(__m256 y) {
+  const __m256 sign = _mm256_and_ps(y, _mm256_set1_ps(-0.0f));
+  const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y);
+  // Large |y|: (1 - t) / (1 + t), t = exp(-2|y|). Small |y| (< 0.125): odd
+  // Taylor series to y^9, where 1 - t would lose precision.
+  const __m256 t = ExpNonPositive8(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, t), _mm256_add_ps(one, t));
+  const __m256 a2 = _mm256_mul_ps(a, a);
+  __m256 p = _mm256_set1_ps(62.0f / 2835);
+  p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(-17.0f / 315));
+  p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(2.0f / 15));
+  p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(-1.0f / 3));
+  p = _mm256_fmadd_ps(p, a2, one);
+  const __m256 small = _mm256_mul_ps(a, p);
+  const __m256 th =
+      _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.125f), _CMP_LT_OQ));
+  return _mm256_or_ps(th, sign);
+}
+}  // namespace
+
 void SoftcapInPlace(float* x, int64_t n, float cap) {
-  const float inv = 1.0f / cap;
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float y = x[i] * inv;
-    const float a = std::fabs(y);
-    // Large |y|: tanh = (1 - t) / (1 + t), t = exp(-2|y|), accurate while
-    // 1 - t is not tiny. Small |y|: odd Taylor series to y^9 (error < 1e-12
-    // for |y| < 0.125).
-    const float t = ExpNonPositive(-2.0f * a);
-    const float big = (1.0f - t) / (1.0f + t);
-    const float a2 = a * a;
-    const float small =
-        a * (1.0f + a2 * (-1.0f / 3 + a2 * (2.0f / 15 + a2 * (-17.0f / 315 + a2 * (62.0f / 2835)))));
-    const float th = a < 0.125f ? small : big;
-    x[i] = cap * (y < 0 ? -th : th);
+  const __m256 capv = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.0f / cap);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(capv, Tanh8(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv))));
+  }
+  if (i < n) {
+    alignas(32) float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t j = i; j < n; ++j) tmp[j - i] = x[j];
+    _mm256_store_ps(tmp, _mm256_mul_ps(capv, Tanh8(_mm256_mul_ps(_mm256_load_ps(tmp), inv))));
+    for (int64_t j = i; j < n; ++j) x[j] = tmp[j - i];
   }
 }
 
 float ExpSubMaxSum(float* x, int64_t n, float max) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) {
-    const float e = ExpNonPositive(x[i] - max);
-    x[i] = e;
-    s += e;
+  const __m256 m = _mm256_set1_ps(max);
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 e0 = ExpNonPositive8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
+    const __m256 e1 = ExpNonPositive8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), m));
+    _mm256_storeu_ps(x + i, e0);
+    _mm256_storeu_ps(x + i + 8, e1);
+    s0 = _mm256_add_ps(s0, e0);
+    s1 = _mm256_add_ps(s1, e1);
+  }
+  float s = HSum(_mm256_add_ps(s0, s1));
+  for (; i < n; ++i) {
+    x[i] = ExpNonPositive(x[i] - max);
+    s += x[i];
   }
   return s;
 }
 
 float RowMax(const float* x, int64_t n) {
+  int64_t i = 0;
   float m = x[0];
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+  if (n >= 8) {
+    __m256 mv = _mm256_loadu_ps(x);
+    for (i = 8; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + i));
+    __m128 lo = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_max_ss(lo, _mm_movehdup_ps(lo));
+    m = _mm_cvtss_f32(lo);
+  }
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
   return m;
 }
 
 void ScaleInPlace(float* x, int64_t n, float s) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) x[i] *= s;
+  const __m256 sv = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), sv));
+  for (; i < n; ++i) x[i] *= s;
 }
 
 void F32ToBF16(const float* src, uint16_t* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+  const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+  for (; i + 16 <= n; i += 16) {
+    __m256i a = _mm256_castps_si256(_mm256_loadu_ps(src + i));
+    __m256i b = _mm256_castps_si256(_mm256_loadu_ps(src + i + 8));
+    a = _mm256_srli_epi32(
+        _mm256_add_epi32(a,
+                         _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(a, 16), one))),
+        16);
+    b = _mm256_srli_epi32(
+        _mm256_add_epi32(b,
+                         _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))),
+        16);
+    // packus works per 128-bit lane: fix the order afterwards.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), packed);
+  }
+  for (; i < n; ++i) {
     uint32_t u = F2Bits(src[i]);
     u += 0x7fffu + ((u >> 16) & 1u);
     dst[i] = static_cast<uint16_t>(u >> 16);
@@ -274,8 +462,9 @@ void F32ToBF16(const float* src, uint16_t* dst, int64_t n) {
 }
 
 void BF16ToF32(const uint16_t* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = Bf(src[i]);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, LoadBF16x8(src + i));
+  for (; i < n; ++i) dst[i] = Bf(src[i]);
 }
 
 }  // namespace ropeattn::internal

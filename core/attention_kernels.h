@@ -23,11 +23,22 @@ void DotKeysBF16(const float* q, const uint16_t* k, int64_t k_stride, int64_t co
 // over the keys.
 void WeightedSumF32(const float* w, const float* v, int64_t v_stride, int64_t count, int64_t dv,
                     float* acc);
-void WeightedSumBF16(const float* w, const uint16_t* v, int64_t v_stride, int64_t count,
-                     int64_t dv, float* acc);
+void WeightedSumBF16(const float* w, const uint16_t* v, int64_t v_stride, int64_t count, int64_t dv,
+                     float* acc);
 
-// Hints the next `bytes` from p into cache.
-void PrefetchRange(const void* p, int64_t bytes);
+// Grouped-query versions: `rows` query rows (q + r*q_stride) against the same
+// keys, loading each K/V slice once for all rows. out[r*out_stride + u],
+// w[r*w_stride + u], acc[r*acc_stride + x].
+void DotKeysRowsF32(const float* q, int64_t q_stride, int64_t rows, const float* k,
+                    int64_t k_stride, int64_t count, int64_t d, float* out, int64_t out_stride);
+void DotKeysRowsBF16(const float* q, int64_t q_stride, int64_t rows, const uint16_t* k,
+                     int64_t k_stride, int64_t count, int64_t d, float* out, int64_t out_stride);
+void WeightedSumRowsF32(const float* w, int64_t w_stride, int64_t rows, const float* v,
+                        int64_t v_stride, int64_t count, int64_t dv, float* acc,
+                        int64_t acc_stride);
+void WeightedSumRowsBF16(const float* w, int64_t w_stride, int64_t rows, const uint16_t* v,
+                         int64_t v_stride, int64_t count, int64_t dv, float* acc,
+                         int64_t acc_stride);
 
 // acc[i] += w * x[i]
 void AxpyF32(float w, const float* x, float* acc, int64_t n);
