@@ -29,7 +29,7 @@ namespace {
 
 using internal::MatOperand;
 
-constexpr int64_t kPrefillBlock = 64;  // query rows per prefill task
+constexpr int64_t kPrefillBlock = 128;  // query rows per prefill task
 
 struct Plan {
   int64_t batch, q_len, k_len, heads, kv_heads, head_dim, v_dim, group;
@@ -505,11 +505,17 @@ absl::Status RunDecode(const Plan& p) {
   const DecodeLayout L = PlanDecode(p);
   const int64_t d = p.head_dim, dv = p.v_dim;
   // Query rows in f32, in row order.
-  std::vector<float> qf(L.rows * d);
+  // The calling thread's buffers, reused across calls: fresh multi-hundred-KiB
+  // allocations would page-fault on every decode step.
+  // Inside the parallel region only raw pointers are used: a thread_local
+  // named there would be each worker's own (empty) instance.
+  thread_local std::vector<float> qf_buf, scores_buf, acc_buf;
+  qf_buf.resize(L.rows * d);
+  float* const qf = qf_buf.data();
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t h = 0; h < p.heads; ++h) {
       for (int64_t i = 0; i < p.q_len; ++i) {
-        float* dst = qf.data() + ((b * p.heads + h) * p.q_len + i) * d;
+        float* dst = qf + ((b * p.heads + h) * p.q_len + i) * d;
         if (p.q_dtype == DType::kF32) {
           std::memcpy(dst, RowPtr<float>(p.q, b, i, h), d * sizeof(float));
         } else {
@@ -518,10 +524,13 @@ absl::Status RunDecode(const Plan& p) {
       }
     }
   }
-  std::vector<float> scores(L.rows * std::max<int64_t>(L.n_max, 1), 0.0f);
+  // Every score that is read was written first (rows read only their range).
+  scores_buf.resize(L.rows * std::max<int64_t>(L.n_max, 1));
+  float* const scores = scores_buf.data();
   const int threads = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(p.threads, std::max<int64_t>(L.chunks, 1))));
-  std::vector<float> acc(static_cast<size_t>(threads) * L.rows * dv, 0.0f);
+  acc_buf.assign(static_cast<size_t>(threads) * L.rows * dv, 0.0f);
+  float* const acc = acc_buf.data();
   FirstError err;
   auto locate = [&](int64_t c, int64_t* b, int64_t* t0, int64_t* t1) {
     int64_t bb = 0;
@@ -540,38 +549,38 @@ absl::Status RunDecode(const Plan& p) {
       int64_t b, t0, t1;
       locate(c, &b, &t0, &t1);
       if (f32) {
-        DecodeScoresChunk<float>(p, L, qf.data(), scores.data(), b, t0, t1);
+        DecodeScoresChunk<float>(p, L, qf, scores, b, t0, t1);
       } else {
-        DecodeScoresChunk<uint16_t>(p, L, qf.data(), scores.data(), b, t0, t1);
+        DecodeScoresChunk<uint16_t>(p, L, qf, scores, b, t0, t1);
       }
     }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < L.rows; ++r) {
       const int64_t i = r % p.q_len, h = (r / p.q_len) % p.heads, b = r / (p.q_len * p.heads);
       const int64_t lo = L.lo[b * p.q_len + i], hi = L.hi[b * p.q_len + i];
-      float* x = scores.data() + r * L.n_max + (lo - L.ulo[b]);
+      float* x = scores + r * L.n_max + (lo - L.ulo[b]);
       if (!FinishRow(p, b, h, i, lo, x, hi - lo)) {
         err.Set(OverflowError(b, h, i));
         continue;
       }
       WriteProbsRow(p, b, h, i, lo, x, hi - lo);
     }
-    float* my_acc = acc.data() + static_cast<size_t>(omp_get_thread_num()) * L.rows * dv;
+    float* my_acc = acc + static_cast<size_t>(omp_get_thread_num()) * L.rows * dv;
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < L.chunks; ++c) {
       int64_t b, t0, t1;
       locate(c, &b, &t0, &t1);
       if (f32) {
-        DecodeValuesChunk<float>(p, L, scores.data(), my_acc, b, t0, t1);
+        DecodeValuesChunk<float>(p, L, scores, my_acc, b, t0, t1);
       } else {
-        DecodeValuesChunk<uint16_t>(p, L, scores.data(), my_acc, b, t0, t1);
+        DecodeValuesChunk<uint16_t>(p, L, scores, my_acc, b, t0, t1);
       }
     }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < L.rows; ++r) {
-      float* sum = acc.data() + r * dv;
+      float* sum = acc + r * dv;
       for (int th = 1; th < threads; ++th) {
-        const float* part = acc.data() + (static_cast<size_t>(th) * L.rows + r) * dv;
+        const float* part = acc + (static_cast<size_t>(th) * L.rows + r) * dv;
         for (int64_t x = 0; x < dv; ++x) sum[x] += part[x];
       }
       const int64_t i = r % p.q_len, h = (r / p.q_len) % p.heads, b = r / (p.q_len * p.heads);

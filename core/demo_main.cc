@@ -42,8 +42,8 @@ int Run() {
     cfg.scaling.original_max_positions = 8192;
     auto f = ComputeRopeFrequencies(cfg, 32768);
     if (!f.ok()) return Fail(f.status());
-    std::printf("  %-8s pair0 %.6e  pair31 %.6e  pair63 %.6e  factor %.4f\n", name,
-                f->inv_freq[0], f->inv_freq[31], f->inv_freq[63], f->attention_factor);
+    std::printf("  %-8s pair0 %.6e  pair31 %.6e  pair63 %.6e  factor %.4f\n", name, f->inv_freq[0],
+                f->inv_freq[31], f->inv_freq[63], f->attention_factor);
   }
 
   // 2. Relative biases.
@@ -52,7 +52,8 @@ int Run() {
   std::printf("\nALiBi slopes for 12 heads:");
   for (double s : *slopes) std::printf(" %.5f", s);
   T5BucketConfig t5;
-  std::printf("\nT5 buckets (bidirectional, 32 buckets, max distance 128) for -100 -8 -1 0 1 8 100:");
+  std::printf(
+      "\nT5 buckets (bidirectional, 32 buckets, max distance 128) for -100 -8 -1 0 1 8 100:");
   for (int rel : {-100, -8, -1, 0, 1, 8, 100}) std::printf(" %d", T5RelativeBucket(rel, t5));
   std::printf("\n");
 
@@ -114,9 +115,10 @@ int Run() {
           lin_diff, std::abs(step_out.data<float>()[i] - lin.data<float>()[t * h * d + i]));
     }
   }
-  std::printf("\nLinear attention with RoPE: recurrent (%lld state bytes) vs parallel form: "
-              "max |diff| = %.2e\n",
-              static_cast<long long>(state->byte_size()), lin_diff);
+  std::printf(
+      "\nLinear attention with RoPE: recurrent (%lld state bytes) vs parallel form: "
+      "max |diff| = %.2e\n",
+      static_cast<long long>(state->byte_size()), lin_diff);
   return 0;
 }
 

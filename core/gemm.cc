@@ -5,6 +5,8 @@
 // brings its own scratchpad and stream: one cached primitive then serves any
 // number of threads at once. oneDNN plans its work for the thread count it
 // sees at creation, so the count is part of the cache key.
+#include "core/gemm.h"
+
 #include <omp.h>
 
 #include <cstring>
@@ -18,7 +20,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
-#include "core/gemm.h"
 #include "core/gemm_internal.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -81,9 +82,9 @@ class PrimitiveCache {
       entry->scratch_bytes = pd.scratchpad_desc().get_size();
       entry->prim = dnnl::matmul(pd);
     } catch (const dnnl::error& e) {
-      return absl::InternalError(absl::StrFormat(
-          "oneDNN could not create a matmul for [%d x %d] * [%d x %d] (%s): %s", key.m, key.k,
-          key.k, key.n, key.dtype == 0 ? "f32" : "bf16", e.what()));
+      return absl::InternalError(
+          absl::StrFormat("oneDNN could not create a matmul for [%d x %d] * [%d x %d] (%s): %s",
+                          key.m, key.k, key.k, key.n, key.dtype == 0 ? "f32" : "bf16", e.what()));
     }
     absl::MutexLock lock(&mu_);
     if (map_.size() >= kMaxEntries) map_.clear();
@@ -140,8 +141,16 @@ absl::Status Gemm(int64_t m, int64_t n, int64_t k, const MatOperand& a, const Ma
   // oneDNN sizes its work from omp_get_max_threads(); the ICV is per thread.
   const int saved = omp_get_max_threads();
   if (saved != threads) omp_set_num_threads(threads);
-  Key key{m, n, k, a.row_stride, a.col_stride, b.row_stride, b.col_stride, ldc,
-          static_cast<int>(a.dtype), threads};
+  Key key{m,
+          n,
+          k,
+          a.row_stride,
+          a.col_stride,
+          b.row_stride,
+          b.col_stride,
+          ldc,
+          static_cast<int>(a.dtype),
+          threads};
   absl::Status status;
   auto entry = Cache().Get(key);
   if (!entry.ok()) {
@@ -177,8 +186,8 @@ namespace {
 
 absl::StatusOr<internal::MatOperand> Operand2D(const ConstTensorView& t, absl::string_view name) {
   if (t.rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrFormat("%s must have rank 2, got shape %s", name,
-                                                      DimsToString(t.dims())));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s must have rank 2, got shape %s", name, DimsToString(t.dims())));
   }
   if (t.raw() == nullptr && t.num_elements() != 0) {
     return absl::InvalidArgumentError(absl::StrCat(name, " is missing"));
@@ -211,9 +220,9 @@ absl::Status MatMul(ConstTensorView a, ConstTensorView b, TensorView c, int num_
         absl::StrFormat("c must be f32, got %s", DTypeName(c.dtype())));
   }
   if (a.dim(1) != b.dim(0) || c.dim(0) != a.dim(0) || c.dim(1) != b.dim(1)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "matmul shapes do not match: a %s, b %s, c %s", DimsToString(a.dims()),
-        DimsToString(b.dims()), DimsToString(c.dims())));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("matmul shapes do not match: a %s, b %s, c %s", DimsToString(a.dims()),
+                        DimsToString(b.dims()), DimsToString(c.dims())));
   }
   if (num_threads < 1) {
     return absl::InvalidArgumentError(

@@ -9,10 +9,10 @@
 #define RA_CONCAT_(a, b) RA_CONCAT_INNER_(a, b)
 
 // Returns the status from the enclosing function if `expr` is not OK.
-#define RA_RETURN_IF_ERROR(expr)                         \
-  do {                                                   \
-    ::absl::Status ra_status_ = (expr);                  \
-    if (!ra_status_.ok()) return ra_status_;             \
+#define RA_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::absl::Status ra_status_ = (expr);      \
+    if (!ra_status_.ok()) return ra_status_; \
   } while (0)
 
 // `lhs = value of statusor_expr`, or return its status.

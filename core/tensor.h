@@ -16,11 +16,11 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace ropeattn {
