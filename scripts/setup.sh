@@ -7,6 +7,8 @@ PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+  libmicrohttpd-dev
 )
 
 missing=()

@@ -1,0 +1,232 @@
+// ropeattn-server-bench: round-trip latency of the service on a real server
+// on a loopback port, through generated stubs.
+//
+//   rpc/health_check              grpc.health.v1 Check: gRPC's own floor
+//   rpc/attend_small              Attend, [1, 16, 8, 64] q/k/v f32, causal RoPE
+//   rpc/decode_step/ctx1024       one Decode step (1 token, 32 heads over 8 kv
+//   rpc/decode_step/ctx4096       heads, head_dim 128, f32 KV) at that context
+//
+// Each iteration is one synchronous round trip; Google Benchmark reports the
+// mean, and the p50/p99 counters come from every iteration's own timing.
+// Threads: the server uses ROPEATTN_BENCH_THREADS kernel threads per call
+// (default: all CPUs), one compute worker.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "core/cpu.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "ropeattn/v1/attention.grpc.pb.h"
+#include "server/server.h"
+
+namespace ropeattn {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int Threads() {
+  if (const char* env = std::getenv("ROPEATTN_BENCH_THREADS")) {
+    int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  return AvailableCpus();
+}
+
+server::Server& TheServer() {
+  static server::Server* s = [] {
+    server::ServerOptions o;
+    o.address = "127.0.0.1:0";
+    o.metrics_address = "";
+    o.compute_workers = 1;
+    o.threads_per_call = Threads();
+    o.default_max_context = 8192;
+    auto started = server::Server::Start(o);
+    if (!started.ok()) std::abort();
+    return started->release();
+  }();
+  return *s;
+}
+
+std::shared_ptr<grpc::Channel> Channel() {
+  static std::shared_ptr<grpc::Channel> ch = [] {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(256 << 20);
+    args.SetMaxSendMessageSize(256 << 20);
+    return grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(TheServer().port()),
+                                     grpc::InsecureChannelCredentials(), args);
+  }();
+  return ch;
+}
+
+v1::Tensor RandomWire(std::vector<int64_t> shape, uint32_t seed) {
+  v1::Tensor t;
+  t.set_dtype(v1::DTYPE_F32);
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    t.add_shape(d);
+    n *= d;
+  }
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  std::string data(n * 4, '\0');
+  for (int64_t i = 0; i < n; ++i) {
+    float f = dist(rng);
+    std::memcpy(data.data() + 4 * i, &f, 4);
+  }
+  t.set_data(std::move(data));
+  return t;
+}
+
+// Reports mean (by the framework) plus p50 / p99 of the per-iteration times.
+template <typename Body>
+void Timed(benchmark::State& state, Body&& body) {
+  std::vector<double> us;
+  for (auto _ : state) {
+    auto t0 = Clock::now();
+    if (!body()) {
+      state.SkipWithError("call failed");
+      return;
+    }
+    us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  std::sort(us.begin(), us.end());
+  if (!us.empty()) {
+    state.counters["p50_us"] = us[us.size() / 2];
+    state.counters["p99_us"] = us[std::min(us.size() - 1, us.size() * 99 / 100)];
+  }
+}
+
+void BM_Health(benchmark::State& state) {
+  // The generic stub: grpc.health.v1.Health/Check with an empty request
+  // (an empty HealthCheckRequest is zero bytes on the wire).
+  grpc::GenericStub generic(Channel());
+  Timed(state, [&] {
+    grpc::ClientContext ctx;
+    grpc::ByteBuffer req, resp;
+    grpc::Slice empty;
+    req = grpc::ByteBuffer(&empty, 1);
+    grpc::Status status;
+    bool done = false;
+    std::mutex mu;
+    std::condition_variable cv;
+    generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
+                      [&](grpc::Status s) {
+                        std::lock_guard<std::mutex> lock(mu);
+                        status = s;
+                        done = true;
+                        cv.notify_one();
+                      });
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
+    return status.ok();
+  });
+}
+
+void BM_AttendSmall(benchmark::State& state) {
+  auto stub = v1::AttentionService::NewStub(Channel());
+  v1::AttendRequest req;
+  v1::AttentionSpec* spec = req.mutable_spec();
+  spec->set_heads(8);
+  spec->set_kv_heads(8);
+  spec->set_head_dim(64);
+  spec->set_causal(true);
+  spec->mutable_rope();
+  *req.mutable_q() = RandomWire({1, 16, 8, 64}, 1);
+  *req.mutable_k() = RandomWire({1, 16, 8, 64}, 2);
+  *req.mutable_v() = RandomWire({1, 16, 8, 64}, 3);
+  Timed(state, [&] {
+    grpc::ClientContext ctx;
+    v1::AttendResponse resp;
+    return stub->Attend(&ctx, req, &resp).ok();
+  });
+}
+
+void BM_DecodeStep(benchmark::State& state) {
+  const int64_t context = state.range(0);
+  auto stub = v1::AttentionService::NewStub(Channel());
+  grpc::ClientContext ctx;
+  auto rw = stub->Decode(&ctx);
+  v1::DecodeRequest open;
+  v1::OpenSession* o = open.mutable_open();
+  o->mutable_spec()->set_heads(32);
+  o->mutable_spec()->set_kv_heads(8);
+  o->mutable_spec()->set_head_dim(128);
+  o->mutable_spec()->mutable_rope()->set_theta(500000);
+  o->set_max_context(context + 1024 * 16);
+  v1::DecodeResponse resp;
+  if (!rw->Write(open) || !rw->Read(&resp) || !resp.has_opened()) {
+    state.SkipWithError("open failed");
+    return;
+  }
+  // Fill the cache to `context` tokens in chunks of 512.
+  uint64_t seq = 0;
+  for (int64_t pos = 0; pos < context; pos += 512) {
+    v1::DecodeRequest step;
+    v1::Step* s = step.mutable_step();
+    s->set_seq(++seq);
+    *s->mutable_q() = RandomWire({1, 512, 32, 128}, 10 + seq);
+    *s->mutable_k() = RandomWire({1, 512, 8, 128}, 20 + seq);
+    *s->mutable_v() = RandomWire({1, 512, 8, 128}, 30 + seq);
+    if (!rw->Write(step) || !rw->Read(&resp) || !resp.has_step()) {
+      state.SkipWithError("prefill failed");
+      return;
+    }
+  }
+  v1::DecodeRequest step;
+  v1::Step* s = step.mutable_step();
+  *s->mutable_q() = RandomWire({1, 1, 32, 128}, 4);
+  *s->mutable_k() = RandomWire({1, 1, 8, 128}, 5);
+  *s->mutable_v() = RandomWire({1, 1, 8, 128}, 6);
+  v1::DecodeRequest trunc;
+  int64_t steps = 0;
+  Timed(state, [&] {
+    // Keep the context fixed: every 1024 steps, roll back to `context`.
+    if (++steps % 1024 == 0) {
+      trunc.mutable_truncate()->set_position(context);
+      if (!rw->Write(trunc) || !rw->Read(&resp)) return false;
+    }
+    s->set_seq(++seq);
+    return rw->Write(step) && rw->Read(&resp) && resp.has_step();
+  });
+  rw->WritesDone();
+  while (rw->Read(&resp)) {
+  }
+  rw->Finish();
+}
+
+}  // namespace
+}  // namespace ropeattn
+
+BENCHMARK(ropeattn::BM_Health)
+    ->Name("rpc/health_check")
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(ropeattn::BM_AttendSmall)
+    ->Name("rpc/attend_small")
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(ropeattn::BM_DecodeStep)
+    ->Name("rpc/decode_step/ctx")
+    ->Arg(1024)
+    ->Arg(4096)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::AddCustomContext("cpu", ropeattn::CpuDescription());
+  benchmark::AddCustomContext("kernel_threads", std::to_string(ropeattn::Threads()));
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

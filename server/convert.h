@@ -1,0 +1,77 @@
+// The one place where wire types become core types and back, and where core
+// statuses become gRPC statuses.
+#ifndef ROPEATTN_SERVER_CONVERT_H_
+#define ROPEATTN_SERVER_CONVERT_H_
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/attention.h"
+#include "core/rope.h"
+#include "core/tensor.h"
+#include "grpcpp/support/status.h"
+#include "ropeattn/v1/attention.pb.h"
+
+namespace ropeattn::server {
+
+// absl and gRPC share their code numbering; the message is kept.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+// The same code with "<context>: " in front of the message, so an error from
+// the core (which knows "rotary_dim", not "spec.rope.rotary_dim") names the
+// request field it came from. OK stays OK.
+absl::Status Annotate(const absl::Status& status, absl::string_view context);
+
+// kF32 / kBF16; UNSPECIFIED becomes `fallback` when given, otherwise
+// InvalidArgument naming `field`. Unknown enum values: InvalidArgument.
+absl::StatusOr<DType> DTypeFromProto(int dtype, absl::string_view field,
+                                     std::optional<DType> fallback = std::nullopt);
+v1::DType DTypeToProto(DType dtype);
+
+// Wire tensor -> owned, aligned core tensor (copied: protobuf bytes carry no
+// alignment guarantee). InvalidArgument naming `name` for an unspecified or
+// unknown dtype, more than kMaxWireRank dims, a negative dim, a shape product
+// that overflows, or a byte length that differs from product(shape) * dtype
+// size (the message gives both numbers). The byte length is checked before
+// anything is allocated, so a hostile shape costs no memory. The bytes are
+// taken as little-endian: the build refuses big-endian hosts.
+inline constexpr int kMaxWireRank = 8;
+absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& tensor, absl::string_view name);
+// Core view (any strides) -> wire tensor (dense, little-endian).
+void TensorToProto(const ConstTensorView& view, v1::Tensor* out);
+
+// RoPE spec -> core config for head_dim (validated with ValidateRopeConfig;
+// an unknown rope_type is InvalidArgument naming it). Defaults: empty
+// rope_type is "default", factor 0 is 1, theta 0 is 10000, rotary_dim 0 is
+// head_dim, unset optional fields keep the core's defaults. Errors are
+// prefixed with `field` (the spec's path in the request).
+absl::StatusOr<RopeConfig> RopeConfigFromProto(const v1::RopeSpec& spec, int64_t head_dim,
+                                               absl::string_view field = "spec.rope");
+
+// An attention spec, validated and resolved into what the core takes.
+struct ResolvedSpec {
+  int64_t heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  AttentionOptions options;  // scale, causal, window, softcap, bias set
+  std::optional<RopeConfig> rope;
+  Tensor t5_table;  // owns the table options.bias.t5_table points into
+};
+// InvalidArgument naming the field for: heads <= 0, kv_heads < 0 or not
+// dividing heads, head_dim <= 0, non-finite or negative scale / softcap,
+// negative window, bad RoPE (odd head_dim with full rotary, ...), ALiBi slopes
+// of the wrong count or not finite, a T5 table of the wrong shape, with
+// non-finite entries, or a bucket config T5 cannot use. Defaults resolved:
+// kv_heads 0 -> heads, empty ALiBi slopes -> the standard slopes for heads,
+// T5 num_buckets 0 -> table.shape[0], max_distance 0 -> 128.
+// The result owns everything options.bias points into: it may be moved, not
+// copied.
+absl::StatusOr<ResolvedSpec> ResolveSpec(const v1::AttentionSpec& spec);
+
+}  // namespace ropeattn::server
+
+#endif  // ROPEATTN_SERVER_CONVERT_H_

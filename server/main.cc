@@ -1,0 +1,118 @@
+// ropeattn-server: serves ropeattn.v1.AttentionService, gRPC health and
+// reflection, and Prometheus metrics. Runs with no arguments on built-in
+// defaults; every limit has a flag (see --help).
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/cpu.h"
+#include "server/options.h"
+#include "server/server.h"
+
+namespace {
+const ropeattn::server::ServerOptions kDefaults;
+}  // namespace
+
+ABSL_FLAG(std::string, address, kDefaults.address,
+          "gRPC listen address host:port (port 0 picks a free port and prints it)");
+ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
+          "Prometheus /metrics HTTP listen address host:port; empty disables it");
+ABSL_FLAG(int, metrics_port, -1,
+          "Shorthand: serve /metrics on 127.0.0.1:PORT (overrides --metrics_address)");
+ABSL_FLAG(int, compute_workers, kDefaults.compute_workers,
+          "Requests computed at once (each on its own worker thread)");
+ABSL_FLAG(int, threads_per_call, kDefaults.threads_per_call,
+          "Kernel threads one request may use; keep compute_workers * threads_per_call <= "
+          "the machine's cores");
+ABSL_FLAG(int, queue_depth, kDefaults.queue_depth,
+          "Requests that may wait for a worker; beyond it calls get RESOURCE_EXHAUSTED at once");
+ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
+          "Largest gRPC message either way, in bytes (default 256 MiB: room for a "
+          "[1, 8192, 32, 128] f32 prefill)");
+ABSL_FLAG(int, max_sessions, kDefaults.max_sessions, "Decoding sessions held at once");
+ABSL_FLAG(int64_t, kv_budget_bytes, kDefaults.kv_budget_bytes,
+          "Memory all sessions' KV caches and linear states may hold together, in bytes");
+ABSL_FLAG(int64_t, default_max_context, kDefaults.default_max_context,
+          "Tokens a session holds when it does not ask for max_context");
+ABSL_FLAG(int64_t, max_context_limit, kDefaults.max_context_limit,
+          "Largest max_context a session may ask for");
+ABSL_FLAG(uint32_t, default_idle_ttl_seconds, kDefaults.default_idle_ttl_seconds,
+          "Idle time after which a session is reaped, when it does not ask for one");
+ABSL_FLAG(uint32_t, max_idle_ttl_seconds, kDefaults.max_idle_ttl_seconds,
+          "Cap on the idle TTL a session may ask for");
+ABSL_FLAG(double, shutdown_grace_seconds, kDefaults.shutdown_grace_seconds,
+          "On SIGTERM/SIGINT: time in-flight calls get to finish before they are cancelled");
+
+int main(int argc, char** argv) {
+  // --help lists this file's flags (absl's default looks for a file named
+  // after the binary).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view path) {
+    return absl::EndsWith(path, "server/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
+  absl::SetProgramUsageMessage(
+      "ropeattn gRPC server.\n"
+      "Usage: ropeattn-server [--address=127.0.0.1:50051] [--metrics_address=127.0.0.1:9464] "
+      "[flags]\n"
+      "Serves ropeattn.v1.AttentionService, grpc.health.v1.Health and server reflection.");
+  absl::ParseCommandLine(argc, argv);
+
+  ropeattn::server::ServerOptions o;
+  o.address = absl::GetFlag(FLAGS_address);
+  o.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
+    o.metrics_address = absl::StrCat("127.0.0.1:", absl::GetFlag(FLAGS_metrics_port));
+  }
+  o.compute_workers = absl::GetFlag(FLAGS_compute_workers);
+  o.threads_per_call = absl::GetFlag(FLAGS_threads_per_call);
+  o.queue_depth = absl::GetFlag(FLAGS_queue_depth);
+  o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  o.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  o.kv_budget_bytes = absl::GetFlag(FLAGS_kv_budget_bytes);
+  o.default_max_context = absl::GetFlag(FLAGS_default_max_context);
+  o.max_context_limit = absl::GetFlag(FLAGS_max_context_limit);
+  o.default_idle_ttl_seconds = absl::GetFlag(FLAGS_default_idle_ttl_seconds);
+  o.max_idle_ttl_seconds = absl::GetFlag(FLAGS_max_idle_ttl_seconds);
+  o.shutdown_grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
+
+  // Block the shutdown signals in every thread (they inherit this mask), then
+  // take them synchronously here.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto server = ropeattn::server::Server::Start(o);
+  if (!server.ok()) {
+    std::fprintf(stderr, "ropeattn-server: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  std::printf(
+      "ropeattn-server listening on %s (port %d), metrics on %s, %s\n", o.address.c_str(),
+      (*server)->port(),
+      o.metrics_address.empty()
+          ? "(disabled)"
+          : absl::StrCat("http://127.0.0.1:", (*server)->metrics_port(), "/metrics").c_str(),
+      ropeattn::CpuDescription().c_str());
+  std::fflush(stdout);
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::printf("ropeattn-server: %s received, draining (grace %.1f s)\n",
+              sig == SIGTERM ? "SIGTERM" : "SIGINT", o.shutdown_grace_seconds);
+  std::fflush(stdout);
+  (*server)->Shutdown(absl::Seconds(o.shutdown_grace_seconds));
+  std::printf("ropeattn-server: stopped\n");
+  return 0;
+}

@@ -1,0 +1,42 @@
+// Limits and settings of one server, with their defaults. The flags in
+// main.cc fill this; tests build it directly.
+#ifndef ROPEATTN_SERVER_OPTIONS_H_
+#define ROPEATTN_SERVER_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+
+namespace ropeattn::server {
+
+struct ServerOptions {
+  // gRPC listen address; port 0 picks a free port (see Server::port()).
+  std::string address = "127.0.0.1:50051";
+  // Prometheus /metrics listen address; empty disables the endpoint.
+  std::string metrics_address = "127.0.0.1:9464";
+  // Compute workers of the executor (each runs one request at a time).
+  int compute_workers = 1;
+  // Threads one request's kernels may use (core num_threads).
+  int threads_per_call = 2;
+  // Requests waiting for a worker beyond the running ones; a full queue
+  // answers RESOURCE_EXHAUSTED at once.
+  int queue_depth = 64;
+  // Largest message either way. 256 MiB holds a [1, 8192, 32, 128] f32
+  // q, k and v prefill with room to spare.
+  int64_t max_message_bytes = int64_t{256} << 20;
+  int max_sessions = 1024;
+  // Memory all sessions' KV caches (or linear states) may hold together.
+  int64_t kv_budget_bytes = int64_t{4} << 30;
+  // Tokens a session may hold when OpenSession.max_context is 0.
+  int64_t default_max_context = 4096;
+  int64_t max_context_limit = 1 << 20;
+  uint32_t default_idle_ttl_seconds = 300;
+  uint32_t max_idle_ttl_seconds = 3600;
+  // How often the reaper looks for idle sessions.
+  double reap_interval_seconds = 1.0;
+  // Graceful shutdown: time in-flight work gets before the server cancels it.
+  double shutdown_grace_seconds = 10.0;
+};
+
+}  // namespace ropeattn::server
+
+#endif  // ROPEATTN_SERVER_OPTIONS_H_

@@ -1,0 +1,184 @@
+#include "server/server.h"
+
+#include <atomic>
+#include <cmath>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "core/attention.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "server/executor.h"
+#include "server/metrics.h"
+#include "server/service.h"
+#include "server/sessions.h"
+
+namespace ropeattn::server {
+namespace {
+
+constexpr char kServiceName[] = "ropeattn.v1.AttentionService";
+
+// A tiny attention with a closed-form answer: every key equal, so the output
+// is the mean of the values. If the compute path is broken (wrong numbers, or
+// an executor that no longer runs work), health turns NOT_SERVING.
+bool CanaryComputesCorrectly() {
+  constexpr int64_t kKeys = 8, kDim = 16;
+  auto q = Tensor::Create(DType::kF32, {1, 1, 2, kDim});
+  auto k = Tensor::Create(DType::kF32, {1, kKeys, 1, kDim});
+  auto v = Tensor::Create(DType::kF32, {1, kKeys, 1, kDim});
+  auto out = Tensor::Create(DType::kF32, {1, 1, 2, kDim});
+  if (!q.ok() || !k.ok() || !v.ok() || !out.ok()) return false;
+  for (int64_t i = 0; i < q->num_elements(); ++i) q->data<float>()[i] = 0.25f * (i % 5);
+  for (int64_t i = 0; i < k->num_elements(); ++i) k->data<float>()[i] = 0.5f * (i % kDim);
+  for (int64_t i = 0; i < v->num_elements(); ++i)
+    v->data<float>()[i] = static_cast<float>(i / kDim);
+  AttentionOptions o;
+  if (!Attend(q->view(), k->view(), v->view(), o, out->view()).ok()) return false;
+  const float want = (kKeys - 1) / 2.0f;  // mean of 0..kKeys-1
+  for (int64_t i = 0; i < out->num_elements(); ++i) {
+    if (std::abs(out->data<float>()[i] - want) > 1e-4f) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+struct Server::Impl {
+  std::unique_ptr<Metrics> metrics;
+  std::unique_ptr<Executor> executor;
+  std::unique_ptr<SessionManager> sessions;
+  std::unique_ptr<AttentionServiceImpl> service;
+  std::unique_ptr<grpc::Server> grpc_server;
+  std::unique_ptr<MetricsHttpServer> http;
+  std::thread health_thread;
+  absl::Notification stop_health;
+  std::atomic<bool> forced_not_serving{false};
+  absl::Mutex mu;
+  bool shut_down ABSL_GUARDED_BY(mu) = false;
+  absl::Notification done;
+
+  void SetServing(bool serving) {
+    grpc::HealthCheckServiceInterface* health = grpc_server->GetHealthCheckService();
+    if (health == nullptr) return;
+    health->SetServingStatus(serving);
+    health->SetServingStatus(kServiceName, serving);
+  }
+
+  // Every few seconds, run the canary through the executor. Not finishing in
+  // time counts as broken; a full queue (overload) does not.
+  void HealthLoop() {
+    while (!stop_health.WaitForNotificationWithTimeout(absl::Seconds(2))) {
+      auto result = std::make_shared<std::atomic<int>>(0);  // 0 pending, 1 ok, 2 bad
+      const bool queued =
+          executor->TrySubmit([result] { result->store(CanaryComputesCorrectly() ? 1 : 2); });
+      if (!queued) continue;
+      const absl::Time deadline = absl::Now() + absl::Seconds(20);
+      while (result->load() == 0 && absl::Now() < deadline &&
+             !stop_health.WaitForNotificationWithTimeout(absl::Milliseconds(20))) {
+      }
+      if (stop_health.HasBeenNotified()) return;
+      SetServing(result->load() == 1 && !forced_not_serving.load());
+    }
+  }
+};
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+  if (options.compute_workers < 1 || options.threads_per_call < 1 || options.queue_depth < 1 ||
+      options.max_sessions < 1 || options.kv_budget_bytes < 0 || options.max_message_bytes < 1024 ||
+      options.max_message_bytes > (int64_t{2} << 30) - 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "invalid server options: compute_workers %d, threads_per_call %d, queue_depth %d, "
+        "max_sessions %d, kv_budget_bytes %d, max_message_bytes %d (1 KiB .. 2 GiB)",
+        options.compute_workers, options.threads_per_call, options.queue_depth,
+        options.max_sessions, options.kv_budget_bytes, options.max_message_bytes));
+  }
+  if (!CanaryComputesCorrectly()) {
+    return absl::InternalError("the compute self-test failed at start-up; not serving");
+  }
+  auto server = std::unique_ptr<Server>(new Server());
+  server->options_ = options;
+  server->impl_ = std::make_unique<Impl>();
+  Impl& m = *server->impl_;
+  m.metrics = std::make_unique<Metrics>();
+  m.executor = std::make_unique<Executor>(options.compute_workers, options.queue_depth);
+  m.sessions = std::make_unique<SessionManager>(options, m.metrics.get());
+  m.service = std::make_unique<AttentionServiceImpl>(options, m.executor.get(), m.sessions.get(),
+                                                     m.metrics.get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &server->port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  // Keepalive matched with the reference client (serving.md, grpc #33661):
+  // pings every 60 s are allowed, even without calls; anything more eager
+  // is answered with GOAWAY.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60 * 1000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20 * 1000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 30 * 1000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 3);
+  // HTTP/2 hardening for gRPC 1.51's known weaknesses (serving.md).
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 256);
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, 16 * 1024);
+  builder.RegisterService(m.service.get());
+  m.grpc_server = builder.BuildAndStart();
+  if (m.grpc_server == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options.address, " (address in use or invalid?)"));
+  }
+  if (!options.metrics_address.empty()) {
+    auto http = MetricsHttpServer::Start(options.metrics_address, m.metrics.get());
+    if (!http.ok()) {
+      m.grpc_server->Shutdown(std::chrono::system_clock::now());
+      return absl::Status(http.status().code(),
+                          absl::StrCat("metrics endpoint: ", http.status().message()));
+    }
+    m.http = *std::move(http);
+  }
+  m.SetServing(true);
+  m.health_thread = std::thread([&m] { m.HealthLoop(); });
+  return server;
+}
+
+Server::~Server() { Shutdown(absl::ZeroDuration()); }
+
+int Server::metrics_port() const { return impl_->http ? impl_->http->port() : 0; }
+
+SessionManager& Server::sessions() { return *impl_->sessions; }
+Metrics& Server::metrics() { return *impl_->metrics; }
+
+void Server::SetServingForTest(bool serving) {
+  impl_->forced_not_serving = !serving;
+  impl_->SetServing(serving);
+}
+
+void Server::Shutdown(absl::Duration grace) {
+  Impl& m = *impl_;
+  {
+    absl::MutexLock lock(&m.mu);
+    if (m.shut_down) return;
+    m.shut_down = true;
+  }
+  // Load balancers see NOT_SERVING before anything stops.
+  m.stop_health.Notify();
+  if (m.health_thread.joinable()) m.health_thread.join();
+  m.SetServing(false);
+  m.service->BeginShutdown();
+  // In-flight calls get `grace`; then gRPC cancels what is left.
+  m.grpc_server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  m.executor->Shutdown();
+  m.sessions->CloseAll();
+  m.http.reset();
+  m.done.Notify();
+}
+
+void Server::Wait() { impl_->done.WaitForNotification(); }
+
+}  // namespace ropeattn::server

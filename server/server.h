@@ -1,0 +1,53 @@
+// One running ropeattn server: gRPC (AttentionService, health, reflection),
+// the compute executor, the session manager and the metrics endpoint.
+#ifndef ROPEATTN_SERVER_SERVER_H_
+#define ROPEATTN_SERVER_SERVER_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/options.h"
+
+namespace ropeattn::server {
+
+class Executor;
+class Metrics;
+class MetricsHttpServer;
+class SessionManager;
+class AttentionServiceImpl;
+
+class Server {
+ public:
+  // Binds, starts every part and marks health SERVING. Unavailable if an
+  // address cannot be bound; InvalidArgument for bad options.
+  static absl::StatusOr<std::unique_ptr<Server>> Start(const ServerOptions& options);
+  ~Server();  // Shutdown(0) if still running
+
+  int port() const { return port_; }
+  int metrics_port() const;  // 0 when the endpoint is disabled
+
+  // Graceful stop: health NOT_SERVING first, then no new calls, in-flight
+  // work (and open streams) gets `grace` to finish before it is cancelled.
+  // Idempotent and thread-safe.
+  void Shutdown(absl::Duration grace);
+  // Blocks until Shutdown has completed.
+  void Wait();
+
+  SessionManager& sessions();
+  Metrics& metrics();
+  const ServerOptions& options() const { return options_; }
+  // For tests: marks health NOT_SERVING as if the compute path were broken.
+  void SetServingForTest(bool serving);
+
+ private:
+  Server() = default;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  ServerOptions options_;
+  int port_ = 0;
+};
+
+}  // namespace ropeattn::server
+
+#endif  // ROPEATTN_SERVER_SERVER_H_

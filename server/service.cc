@@ -1,0 +1,442 @@
+#include "server/service.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "core/cpu.h"
+#include "server/convert.h"
+#include "server/handlers.h"
+
+namespace ropeattn::server {
+namespace {
+
+constexpr char kVersion[] = "0.2.0";
+
+double SecondsSince(absl::Time t) { return absl::ToDoubleSeconds(absl::Now() - t); }
+
+grpc::Status QueueFull(const Executor& executor, const char* method) {
+  return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                      absl::StrFormat("%s: the compute queue is full (%d waiting); retry with "
+                                      "backoff or raise --queue_depth",
+                                      method, executor.capacity()));
+}
+
+}  // namespace
+
+// ------------------------------------------------------------- unary --
+
+AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options, Executor* executor,
+                                           SessionManager* sessions, Metrics* metrics)
+    : options_(options), executor_(executor), sessions_(sessions), metrics_(metrics) {}
+
+AttentionServiceImpl::~AttentionServiceImpl() = default;
+
+template <typename Fn>
+grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServerContext* ctx,
+                                                              const char* method, Fn fn) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  const absl::Time start = absl::Now();
+  const bool queued = executor_->TrySubmit([this, ctx, reactor, method, start, fn]() mutable {
+    absl::Status status =
+        ctx->IsCancelled() ? absl::CancelledError("the client cancelled the call") : fn();
+    metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
+    reactor->Finish(ToGrpcStatus(status));
+  });
+  if (!queued) {
+    metrics_->RecordRejected(method);
+    metrics_->RecordRequest(method, grpc::StatusCode::RESOURCE_EXHAUSTED, SecondsSince(start));
+    reactor->Finish(QueueFull(*executor_, method));
+  }
+  metrics_->SetQueueDepth(executor_->queue_depth());
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* ctx,
+                                                       const v1::AttendRequest* request,
+                                                       v1::AttendResponse* response) {
+  const int threads = options_.threads_per_call;
+  return RunOnExecutor(ctx, "Attend", [request, response, threads] {
+    return RunAttend(*request, response, ComputeOptions{threads});
+  });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Encode(grpc::CallbackServerContext* ctx,
+                                                       const v1::EncodeRequest* request,
+                                                       v1::EncodeResponse* response) {
+  const int threads = options_.threads_per_call;
+  return RunOnExecutor(ctx, "Encode", [request, response, threads] {
+    return RunEncode(*request, response, ComputeOptions{threads});
+  });
+}
+
+// Operator calls are cheap bookkeeping: answered inline, so an overloaded
+// compute queue never hides the server's state from its operators.
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(grpc::CallbackServerContext* ctx,
+                                                           const v1::GetSessionRequest* request,
+                                                           v1::SessionInfo* response) {
+  const absl::Time start = absl::Now();
+  auto info = sessions_->Info(request->session_id());
+  absl::Status status = info.status();
+  if (info.ok()) *response = *std::move(info);
+  metrics_->RecordRequest("GetSession", static_cast<int>(status.code()), SecondsSince(start));
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListSessions(grpc::CallbackServerContext* ctx,
+                                                             const v1::ListSessionsRequest* request,
+                                                             v1::ListSessionsResponse* response) {
+  const absl::Time start = absl::Now();
+  for (v1::SessionInfo& info : sessions_->List()) *response->add_sessions() = std::move(info);
+  metrics_->RecordRequest("ListSessions", 0, SecondsSince(start));
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServerContext* ctx,
+                                                             const v1::CloseSessionRequest* request,
+                                                             v1::CloseSessionResponse* response) {
+  const absl::Time start = absl::Now();
+  auto info = sessions_->Close(request->session_id(), "closed");
+  absl::Status status = info.status();
+  if (info.ok()) *response->mutable_session() = *std::move(info);
+  metrics_->RecordRequest("CloseSession", static_cast<int>(status.code()), SecondsSince(start));
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
+    grpc::CallbackServerContext* ctx, const v1::GetServerInfoRequest* request, v1::ServerInfo* r) {
+  const absl::Time start = absl::Now();
+  r->set_version(kVersion);
+  r->set_cpu(CpuDescription());
+  for (const char* c : {"attend",
+                        "encode",
+                        "decode",
+                        "softmax",
+                        "linear",
+                        "gqa",
+                        "f32",
+                        "bf16",
+                        "rope:default",
+                        "rope:linear",
+                        "rope:ntk",
+                        "rope:dynamic",
+                        "rope:yarn",
+                        "rope:longrope",
+                        "rope:llama3",
+                        "rope:half_split",
+                        "rope:interleaved",
+                        "alibi",
+                        "t5",
+                        "causal",
+                        "window",
+                        "softcap",
+                        "padding",
+                        "truncate",
+                        "fork",
+                        "resumable"}) {
+    r->add_capabilities(c);
+  }
+  r->set_compute_threads(executor_->workers());
+  r->set_threads_per_call(options_.threads_per_call);
+  r->set_max_message_bytes(options_.max_message_bytes);
+  r->set_max_sessions(options_.max_sessions);
+  r->set_kv_budget_bytes(options_.kv_budget_bytes);
+  r->set_kv_bytes_in_use(sessions_->kv_bytes_in_use());
+  r->set_open_sessions(sessions_->open_sessions());
+  r->set_attached_sessions(sessions_->attached_sessions());
+  r->set_default_idle_ttl_seconds(options_.default_idle_ttl_seconds);
+  r->set_max_idle_ttl_seconds(options_.max_idle_ttl_seconds);
+  r->set_default_max_context(options_.default_max_context);
+  r->set_queue_depth(static_cast<int32_t>(executor_->queue_depth()));
+  r->set_queue_capacity(executor_->capacity());
+  r->set_reaped_sessions(sessions_->reaped_total());
+  metrics_->RecordRequest("GetServerInfo", 0, SecondsSince(start));
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+// ------------------------------------------------------------ Decode --
+
+// One Decode stream. Strictly one operation at a time: read a message, run it
+// on the executor, write the answer, only then read the next. So steps are
+// answered in order, at most one write is ever queued (a slow reader cannot
+// grow server memory), and a session is never used by two steps at once.
+class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse> {
+ public:
+  DecodeReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
+      : service_(service), ctx_(ctx) {
+    service_->Register(this);
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client half-closed or the call is gone
+      FinishOnce(grpc::Status::OK);
+      return;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      busy_ = true;
+    }
+    if (service_->draining()) {
+      FinishOnce(ShuttingDown());
+      return;
+    }
+    if (!service_->executor_->TrySubmit([this] { Process(); })) {
+      service_->metrics_->RecordRejected("Decode");
+      if (session_ == nullptr) {
+        FinishOnce(QueueFull(*service_->executor_, "Decode"));
+        return;
+      }
+      response_.Clear();
+      const uint64_t seq = SeqOf(request_);
+      response_.set_seq(seq);
+      v1::StepError* e = response_.mutable_error();
+      e->set_seq(seq);
+      e->set_code(grpc::StatusCode::RESOURCE_EXHAUSTED);
+      e->set_message(QueueFull(*service_->executor_, "Decode").error_message());
+      StartWrite(&response_);
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+      return;
+    }
+    if (close_after_write_) {
+      FinishOnce(grpc::Status::OK);
+      return;
+    }
+    if (service_->draining()) {
+      FinishOnce(ShuttingDown());
+      return;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      busy_ = false;
+    }
+    StartRead(&request_);
+  }
+
+  void OnCancel() override { cancelled_ = true; }
+
+  void OnDone() override {
+    if (session_ != nullptr) service_->sessions_->Detach(session_, cancelled_.load());
+    service_->Unregister(this);
+    Unref();
+  }
+
+  // BeginShutdown pins a reactor while it drains it outside the service lock.
+  void Ref() { refs_.fetch_add(1); }
+  void Unref() {
+    if (refs_.fetch_sub(1) == 1) delete this;
+  }
+
+  // From BeginShutdown: a stream waiting for its client ends now.
+  void Drain() {
+    bool idle;
+    {
+      absl::MutexLock lock(&mu_);
+      idle = !busy_;
+    }
+    if (idle) FinishOnce(ShuttingDown());
+  }
+
+ private:
+  static uint64_t SeqOf(const v1::DecodeRequest& r) {
+    switch (r.msg_case()) {
+      case v1::DecodeRequest::kStep:
+        return r.step().seq();
+      case v1::DecodeRequest::kTruncate:
+        return r.truncate().seq();
+      case v1::DecodeRequest::kFork:
+        return r.fork().seq();
+      case v1::DecodeRequest::kClose:
+        return r.close().seq();
+      default:
+        return 0;
+    }
+  }
+
+  grpc::Status ShuttingDown() const {
+    return grpc::Status(
+        grpc::StatusCode::UNAVAILABLE,
+        session_ != nullptr && session_->resumable()
+            ? absl::StrCat("the server is shutting down; re-attach session ", session_->id(),
+                           " on another replica only if it holds the session")
+            : std::string("the server is shutting down"));
+  }
+
+  void FinishOnce(const grpc::Status& status) {
+    if (finished_.exchange(true)) return;
+    Finish(status);
+  }
+
+  // Runs on the executor.
+  void Process() {
+    const absl::Time start = absl::Now();
+    response_.Clear();
+    const uint64_t seq = SeqOf(request_);
+    response_.set_seq(seq);
+    const char* method = "Decode.Step";
+    absl::Status status;
+    bool stream_fatal = false;
+    switch (request_.msg_case()) {
+      case v1::DecodeRequest::kOpen:
+      case v1::DecodeRequest::kAttach: {
+        method = request_.has_open() ? "Decode.Open" : "Decode.Attach";
+        if (session_ != nullptr) {
+          status = absl::FailedPreconditionError(
+              absl::StrCat("this stream already holds session ", session_->id(),
+                           "; open or attach another session on a new stream"));
+          break;
+        }
+        absl::StatusOr<std::shared_ptr<Session>> s;
+        if (request_.has_open()) {
+          auto config = ResolveOpenSession(request_.open(), service_->options_);
+          if (!config.ok()) {
+            s = config.status();
+          } else {
+            s = service_->sessions_->Open(
+                std::make_shared<const SessionConfig>(*std::move(config)));
+          }
+        } else {
+          s = service_->sessions_->Attach(request_.attach().session_id());
+        }
+        if (!s.ok()) {
+          status = s.status();
+          stream_fatal = true;  // no session: nothing to continue
+          break;
+        }
+        session_ = *std::move(s);
+        session_->FillInfo(response_.mutable_opened());
+        break;
+      }
+      case v1::DecodeRequest::kStep:
+      case v1::DecodeRequest::kTruncate:
+      case v1::DecodeRequest::kFork:
+      case v1::DecodeRequest::kClose: {
+        if (session_ == nullptr) {
+          status = absl::InvalidArgumentError(
+              "the first message of a Decode stream must be `open` or `attach`");
+          stream_fatal = true;
+          break;
+        }
+        if (request_.has_step()) {
+          status = session_->Step(request_.step(), service_->options_.threads_per_call,
+                                  response_.mutable_step());
+          if (status.ok()) {
+            service_->metrics_->RecordStep(
+                request_.step().q().shape_size() > 1 ? request_.step().q().shape(1) : 0);
+          }
+        } else if (request_.has_truncate()) {
+          method = "Decode.Truncate";
+          status = session_->Truncate(request_.truncate().position());
+          if (status.ok()) session_->FillInfo(response_.mutable_truncated());
+        } else if (request_.has_fork()) {
+          method = "Decode.Fork";
+          auto fork = service_->sessions_->Fork(session_, /*resumable=*/true,
+                                                request_.fork().idle_ttl_seconds());
+          status = fork.status();
+          if (fork.ok()) {
+            service_->sessions_->Detach(*fork, /*stream_cancelled=*/false);
+            (*fork)->FillInfo(response_.mutable_forked());
+          }
+        } else {
+          method = "Decode.Close";
+          auto info = service_->sessions_->Close(session_->id(), "closed");
+          status = info.status();
+          if (info.ok()) {
+            *response_.mutable_closed() = *std::move(info);
+            close_after_write_ = true;
+          }
+        }
+        // The session itself is gone (closed by an operator, reaped): the
+        // stream has nothing left to serve.
+        if (!status.ok() && session_ != nullptr &&
+            (status.code() == absl::StatusCode::kNotFound ||
+             status.code() == absl::StatusCode::kUnavailable ||
+             (status.code() == absl::StatusCode::kFailedPrecondition &&
+              absl::StrContains(status.message(), "was closed")))) {
+          stream_fatal = true;
+        }
+        break;
+      }
+      default:
+        status = absl::InvalidArgumentError("DecodeRequest.msg is not set");
+        stream_fatal = session_ == nullptr;
+        break;
+    }
+    service_->metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
+    if (!status.ok()) {
+      if (stream_fatal) {
+        FinishOnce(ToGrpcStatus(status));
+        return;
+      }
+      response_.clear_msg();
+      v1::StepError* e = response_.mutable_error();
+      e->set_seq(seq);
+      e->set_code(static_cast<int>(status.code()));
+      e->set_message(std::string(status.message()));
+    }
+    StartWrite(&response_);
+  }
+
+  AttentionServiceImpl* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  v1::DecodeRequest request_;
+  v1::DecodeResponse response_;
+  std::shared_ptr<Session> session_;
+  bool close_after_write_ = false;
+  std::atomic<int> refs_{1};  // gRPC's, released in OnDone
+  std::atomic<bool> finished_{false};
+  std::atomic<bool> cancelled_{false};
+  absl::Mutex mu_;
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* AttentionServiceImpl::Decode(
+    grpc::CallbackServerContext* ctx) {
+  return new DecodeReactor(this, ctx);
+}
+
+void AttentionServiceImpl::Register(DecodeReactor* r) {
+  absl::MutexLock lock(&mu_);
+  streams_.insert(r);
+}
+
+void AttentionServiceImpl::Unregister(DecodeReactor* r) {
+  absl::MutexLock lock(&mu_);
+  streams_.erase(r);
+}
+
+void AttentionServiceImpl::BeginShutdown() {
+  draining_ = true;
+  std::vector<DecodeReactor*> streams;
+  {
+    absl::MutexLock lock(&mu_);
+    for (DecodeReactor* r : streams_) {
+      r->Ref();
+      streams.push_back(r);
+    }
+  }
+  for (DecodeReactor* r : streams) {
+    r->Drain();
+    r->Unref();
+  }
+}
+
+}  // namespace ropeattn::server

@@ -1,0 +1,74 @@
+// AttentionService on gRPC's callback API. Every handler is a translator
+// (proto -> core call -> proto, one status mapping at the edge); compute runs
+// on the service's Executor, never on gRPC's threads.
+#ifndef ROPEATTN_SERVER_SERVICE_H_
+#define ROPEATTN_SERVER_SERVICE_H_
+
+#include <atomic>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
+#include "ropeattn/v1/attention.grpc.pb.h"
+#include "server/executor.h"
+#include "server/metrics.h"
+#include "server/options.h"
+#include "server/sessions.h"
+
+namespace ropeattn::server {
+
+class DecodeReactor;
+
+class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
+ public:
+  AttentionServiceImpl(const ServerOptions& options, Executor* executor, SessionManager* sessions,
+                       Metrics* metrics);
+  ~AttentionServiceImpl() override;
+
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx,
+                                   const v1::AttendRequest* request,
+                                   v1::AttendResponse* response) override;
+  grpc::ServerUnaryReactor* Encode(grpc::CallbackServerContext* ctx,
+                                   const v1::EncodeRequest* request,
+                                   v1::EncodeResponse* response) override;
+  grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* Decode(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* ctx,
+                                       const v1::GetSessionRequest* request,
+                                       v1::SessionInfo* response) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* ctx,
+                                         const v1::ListSessionsRequest* request,
+                                         v1::ListSessionsResponse* response) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
+                                         const v1::CloseSessionRequest* request,
+                                         v1::CloseSessionResponse* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
+                                          const v1::GetServerInfoRequest* request,
+                                          v1::ServerInfo* response) override;
+
+  // Shutdown: streams waiting for their next message end at once with
+  // UNAVAILABLE; streams in a step end right after answering it.
+  void BeginShutdown();
+  bool draining() const { return draining_.load(); }
+
+ private:
+  friend class DecodeReactor;
+  template <typename Fn>
+  grpc::ServerUnaryReactor* RunOnExecutor(grpc::CallbackServerContext* ctx, const char* method,
+                                          Fn fn);
+  void Register(DecodeReactor* r);
+  void Unregister(DecodeReactor* r);
+
+  const ServerOptions options_;
+  Executor* const executor_;
+  SessionManager* const sessions_;
+  Metrics* const metrics_;
+  std::atomic<bool> draining_{false};
+  absl::Mutex mu_;
+  absl::flat_hash_set<DecodeReactor*> streams_ ABSL_GUARDED_BY(mu_);
+  absl::CondVar streams_gone_;
+};
+
+}  // namespace ropeattn::server
+
+#endif  // ROPEATTN_SERVER_SERVICE_H_

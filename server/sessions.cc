@@ -1,0 +1,579 @@
+#include "server/sessions.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/attention.h"
+#include "core/status_macros.h"
+#include "server/metrics.h"
+
+namespace ropeattn::server {
+namespace {
+
+constexpr size_t kMaxEndedIds = 4096;
+// Precomputed cos/sin rows per session; positions past it are computed on
+// the fly (exactly, in fp64), so this only trades memory for speed.
+constexpr int64_t kRopeTablePositions = 8192;
+
+bool LengthDependent(const RopeConfig& rope) {
+  return rope.scaling.type == RopeScalingType::kDynamicNtk ||
+         rope.scaling.type == RopeScalingType::kLongRope;
+}
+
+// A dense f32 copy of a [1, T, H, D] tensor (RoPE rotates in fp32).
+absl::StatusOr<Tensor> ToF32(const Tensor& t) {
+  if (t.dtype() == DType::kF32) return Tensor::CopyOf(t.view());
+  RA_ASSIGN_OR_RETURN(Tensor out, Tensor::Create(DType::kF32, t.dims()));
+  const uint16_t* src = t.data<uint16_t>();
+  float* dst = out.data<float>();
+  for (int64_t i = 0; i < t.num_elements(); ++i) dst[i] = BF16ToFloat(src[i]);
+  return out;
+}
+
+// Copies rows of a dense [1, T, H, D] f32 tensor into cache rows
+// [first, first + T) of a [1, C, H, D] tensor of `dtype`.
+void StoreRows(const Tensor& src, TensorView cache, int64_t first) {
+  const int64_t row = src.dim(2) * src.dim(3);
+  const int64_t n = src.dim(1) * row;
+  const float* s = src.data<float>();
+  if (cache.dtype() == DType::kF32) {
+    std::memcpy(cache.data<float>() + first * row, s, n * sizeof(float));
+  } else {
+    uint16_t* d = cache.data<uint16_t>() + first * row;
+    for (int64_t i = 0; i < n; ++i) d[i] = FloatToBF16(s[i]);
+  }
+}
+
+absl::Status CheckStepTensor(const Tensor& t, absl::string_view name, int64_t tokens, int64_t heads,
+                             int64_t dim) {
+  if (t.rank() != 4 || t.dim(0) != 1 || t.dim(1) != tokens || t.dim(2) != heads ||
+      t.dim(3) != dim) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s must have shape [1, %d, %d, %d] ([batch 1, tokens, heads, dim]), got %s", name, tokens,
+        heads, dim, DimsToString(t.dims())));
+  }
+  return CheckFinite(t.view(), name);
+}
+
+}  // namespace
+
+absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
+                                                 const ServerOptions& options) {
+  SessionConfig c;
+  RA_ASSIGN_OR_RETURN(c.spec, ResolveSpec(open.spec()));
+  c.spec_proto = open.spec();
+  c.spec.options.causal = true;
+  RA_ASSIGN_OR_RETURN(c.kv_dtype, DTypeFromProto(open.kv_dtype(), "open.kv_dtype", DType::kF32));
+  RA_ASSIGN_OR_RETURN(c.out_dtype, DTypeFromProto(open.out_dtype(), "open.out_dtype", DType::kF32));
+  switch (open.kind()) {
+    case v1::ATTENTION_KIND_UNSPECIFIED:
+    case v1::ATTENTION_KIND_SOFTMAX:
+      c.linear = false;
+      break;
+    case v1::ATTENTION_KIND_LINEAR:
+      c.linear = true;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrFormat("open.kind has unknown value %d", static_cast<int>(open.kind())));
+  }
+  if (open.v_dim() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("open.v_dim must be >= 0, got %d", open.v_dim()));
+  }
+  c.v_dim = open.v_dim() == 0 ? c.spec.head_dim : open.v_dim();
+  if (c.linear) {
+    if (open.spec().has_alibi() || open.spec().has_t5() || open.spec().window() != 0 ||
+        open.spec().softcap() != 0) {
+      return absl::UnimplementedError(
+          "linear-attention sessions support RoPE only: no ALiBi, T5, window or softcap");
+    }
+    if (c.spec.rope && LengthDependent(*c.spec.rope)) {
+      return absl::UnimplementedError(absl::StrCat(
+          "linear-attention sessions cannot use rope_type \"",
+          RopeScalingTypeName(c.spec.rope->scaling.type),
+          "\": its frequencies change with the length, and a running sum cannot be re-rotated"));
+    }
+  }
+  if (open.max_context() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("open.max_context must be >= 0, got %d", open.max_context()));
+  }
+  c.max_context = open.max_context() == 0 ? options.default_max_context : open.max_context();
+  if (c.max_context > options.max_context_limit) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("open.max_context %d exceeds the server's limit of %d tokens",
+                        c.max_context, options.max_context_limit));
+  }
+  const uint32_t ttl = open.idle_ttl_seconds() == 0
+                           ? options.default_idle_ttl_seconds
+                           : std::min(open.idle_ttl_seconds(), options.max_idle_ttl_seconds);
+  c.idle_ttl = absl::Seconds(ttl);
+  c.resumable = open.resumable();
+  return c;
+}
+
+// ------------------------------------------------------------- Session --
+
+namespace {
+
+int64_t SessionBytes(const SessionConfig& c) {
+  const ResolvedSpec& s = c.spec;
+  if (c.linear) return s.kv_heads * s.head_dim * (c.v_dim + 1) * 8;
+  const int64_t es = static_cast<int64_t>(DTypeSize(c.kv_dtype));
+  int64_t bytes = c.max_context * s.kv_heads * (s.head_dim + c.v_dim) * es;
+  if (s.rope && LengthDependent(*s.rope)) bytes += c.max_context * s.kv_heads * s.head_dim * 4;
+  return bytes;
+}
+
+}  // namespace
+
+Session::Session(std::string id, std::shared_ptr<const SessionConfig> config, bool resumable,
+                 absl::Duration idle_ttl, int64_t kv_bytes)
+    : id_(std::move(id)),
+      config_(std::move(config)),
+      resumable_(resumable),
+      idle_ttl_(idle_ttl),
+      kv_bytes_(kv_bytes) {
+  last_active_ = absl::Now();
+}
+
+absl::Status Session::Allocate() {
+  absl::MutexLock lock(&mu_);
+  const SessionConfig& c = *config_;
+  const ResolvedSpec& s = c.spec;
+  if (c.linear) {
+    RA_ASSIGN_OR_RETURN(LinearAttentionState st,
+                        LinearAttentionState::Create(1, s.kv_heads, s.head_dim, c.v_dim));
+    linear_.emplace(std::move(st));
+  } else {
+    RA_ASSIGN_OR_RETURN(k_cache_,
+                        Tensor::Create(c.kv_dtype, {1, c.max_context, s.kv_heads, s.head_dim}));
+    RA_ASSIGN_OR_RETURN(v_cache_,
+                        Tensor::Create(c.kv_dtype, {1, c.max_context, s.kv_heads, c.v_dim}));
+    if (s.rope && LengthDependent(*s.rope)) {
+      RA_ASSIGN_OR_RETURN(k_raw_,
+                          Tensor::Create(DType::kF32, {1, c.max_context, s.kv_heads, s.head_dim}));
+    }
+  }
+  if (s.rope && !LengthDependent(*s.rope)) {
+    RA_ASSIGN_OR_RETURN(
+        RopeRotator r,
+        RopeRotator::Create(*s.rope, c.max_context, std::min(c.max_context, kRopeTablePositions)));
+    rotator_.emplace(std::move(r));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::CopyStateFrom(Session& other) {
+  absl::MutexLock other_lock(&other.mu_);
+  RA_RETURN_IF_ERROR(other.ended_);
+  absl::MutexLock lock(&mu_);
+  position_ = other.position_;
+  if (config_->linear) {
+    linear_ = other.linear_;
+    return absl::OkStatus();
+  }
+  const auto copy_rows = [&](const Tensor& from, Tensor& to) {
+    if (from.num_elements() == 0) return;
+    const size_t row = from.dim(2) * from.dim(3) * DTypeSize(from.dtype());
+    std::memcpy(to.data<char>(), from.data<char>(), position_ * row);
+  };
+  copy_rows(other.k_cache_, k_cache_);
+  copy_rows(other.v_cache_, v_cache_);
+  copy_rows(other.k_raw_, k_raw_);
+  if (other.rotator_) rotator_ = other.rotator_;
+  rotator_freqs_ = other.rotator_freqs_;
+  return absl::OkStatus();
+}
+
+void Session::End(absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  if (ended_.ok()) ended_ = std::move(status);
+  // Free the memory now; the object may live on in a stream's reference.
+  k_cache_ = Tensor();
+  v_cache_ = Tensor();
+  k_raw_ = Tensor();
+  linear_.reset();
+}
+
+int64_t Session::position() const {
+  absl::MutexLock lock(&mu_);
+  return position_;
+}
+
+absl::Status Session::PrepareRope(int64_t new_len) {
+  const SessionConfig& c = *config_;
+  if (!c.spec.rope || !LengthDependent(*c.spec.rope)) return absl::OkStatus();
+  RA_ASSIGN_OR_RETURN(RopeFrequencies f, ComputeRopeFrequencies(*c.spec.rope, new_len));
+  std::vector<double> key = f.inv_freq;
+  key.push_back(f.attention_factor);
+  if (rotator_ && key == rotator_freqs_) return absl::OkStatus();
+  // Frequencies changed (dynamic NTK past L0, LongRoPE crossing its switch):
+  // rotate every cached key again from its raw value, so the whole cache is
+  // exactly what a one-shot pass over new_len tokens would hold. No table:
+  // the rotator may change again next step.
+  RA_ASSIGN_OR_RETURN(RopeRotator r, RopeRotator::FromFrequencies(*c.spec.rope, f, 0));
+  if (position_ > 0) {
+    const int64_t row = c.spec.kv_heads * c.spec.head_dim;
+    RA_ASSIGN_OR_RETURN(
+        Tensor keys, Tensor::Create(DType::kF32, {1, position_, c.spec.kv_heads, c.spec.head_dim}));
+    std::memcpy(keys.data<float>(), k_raw_.data<float>(), position_ * row * sizeof(float));
+    RA_RETURN_IF_ERROR(r.Apply(keys.view(), Positions{}, RopeDirection::kForward, 1));
+    StoreRows(keys, k_cache_.view(), 0);
+  }
+  rotator_.emplace(std::move(r));
+  rotator_freqs_ = std::move(key);
+  return absl::OkStatus();
+}
+
+absl::Status Session::Step(const v1::Step& step, int threads, v1::StepResult* result) {
+  absl::MutexLock lock(&mu_);
+  RA_RETURN_IF_ERROR(ended_);
+  last_active_ = absl::Now();
+  const SessionConfig& c = *config_;
+  const ResolvedSpec& s = c.spec;
+  RA_ASSIGN_OR_RETURN(Tensor q, TensorFromProto(step.q(), "step.q"));
+  RA_ASSIGN_OR_RETURN(Tensor k, TensorFromProto(step.k(), "step.k"));
+  RA_ASSIGN_OR_RETURN(Tensor v, TensorFromProto(step.v(), "step.v"));
+  const int64_t tokens = q.rank() >= 2 ? q.dim(1) : 0;
+  if (tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("step.q must have shape [1, tokens >= 1, %d, %d], got %s", s.heads,
+                        s.head_dim, DimsToString(q.dims())));
+  }
+  RA_RETURN_IF_ERROR(CheckStepTensor(q, "step.q", tokens, s.heads, s.head_dim));
+  RA_RETURN_IF_ERROR(CheckStepTensor(k, "step.k", tokens, s.kv_heads, s.head_dim));
+  RA_RETURN_IF_ERROR(CheckStepTensor(v, "step.v", tokens, s.kv_heads, c.v_dim));
+  if (position_ + tokens > c.max_context) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "a step of %d tokens at position %d would exceed the session's max_context of %d", tokens,
+        position_, c.max_context));
+  }
+  const int64_t new_len = position_ + tokens;
+  RA_ASSIGN_OR_RETURN(Tensor out, Tensor::Create(c.out_dtype, {1, tokens, s.heads, c.v_dim}));
+
+  if (c.linear) {
+    LinearAttentionOptions lo;
+    lo.rope = rotator_ ? &*rotator_ : nullptr;
+    lo.num_threads = threads;
+    RA_RETURN_IF_ERROR(linear_->Step(q.view(), k.view(), v.view(), lo, out.view()));
+  } else {
+    RA_ASSIGN_OR_RETURN(Tensor qf, ToF32(q));
+    RA_ASSIGN_OR_RETURN(Tensor kf, ToF32(k));
+    RA_ASSIGN_OR_RETURN(Tensor vf, ToF32(v));
+    const int64_t offsets[1] = {position_};
+    const Positions at{{}, absl::MakeConstSpan(offsets)};
+    if (s.rope) {
+      RA_RETURN_IF_ERROR(PrepareRope(new_len));
+      if (k_raw_.num_elements() > 0) StoreRows(kf, k_raw_.view(), position_);
+      RA_RETURN_IF_ERROR(rotator_->Apply(qf.view(), at, RopeDirection::kForward, 1));
+      RA_RETURN_IF_ERROR(rotator_->Apply(kf.view(), at, RopeDirection::kForward, 1));
+    }
+    // Rows past position_ are scratch until position_ moves, so writing them
+    // before the attention succeeds loses nothing on error.
+    StoreRows(kf, k_cache_.view(), position_);
+    StoreRows(vf, v_cache_.view(), position_);
+    AttentionOptions o = s.options;
+    o.causal = true;
+    o.q_offsets = absl::MakeConstSpan(offsets);
+    o.check_finite = false;  // new rows were checked above, old ones when appended
+    o.num_threads = threads;
+    ConstTensorView kc = k_cache_.cview().Slice(1, 0, new_len);
+    ConstTensorView vc = v_cache_.cview().Slice(1, 0, new_len);
+    RA_RETURN_IF_ERROR(Attend(qf.view(), kc, vc, o, out.view()));
+  }
+  position_ = new_len;
+  ++steps_;
+  last_active_ = absl::Now();
+  result->set_seq(step.seq());
+  result->set_position(position_);
+  TensorToProto(out.view(), result->mutable_out());
+  return absl::OkStatus();
+}
+
+absl::Status Session::Truncate(int64_t position) {
+  absl::MutexLock lock(&mu_);
+  RA_RETURN_IF_ERROR(ended_);
+  last_active_ = absl::Now();
+  if (config_->linear) {
+    return absl::UnimplementedError(
+        "linear-attention sessions cannot be truncated: their state is a running sum");
+  }
+  if (position < 0 || position > position_) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "truncate position %d is outside [0, %d] (the session's length)", position, position_));
+  }
+  position_ = position;
+  return absl::OkStatus();
+}
+
+void Session::FillInfo(v1::SessionInfo* info) const {
+  absl::MutexLock lock(&mu_);
+  const SessionConfig& c = *config_;
+  info->set_session_id(id_);
+  info->set_position(position_);
+  info->set_max_context(c.max_context);
+  info->set_kind(c.linear ? v1::ATTENTION_KIND_LINEAR : v1::ATTENTION_KIND_SOFTMAX);
+  info->set_kv_dtype(DTypeToProto(c.kv_dtype));
+  info->set_resumable(resumable_);
+  info->set_attached(attached_);
+  info->set_idle_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(idle_ttl_)));
+  info->set_kv_bytes(kv_bytes_);
+  info->set_steps(steps_);
+  info->set_idle_seconds(absl::ToDoubleSeconds(absl::Now() - last_active_));
+  *info->mutable_spec() = c.spec_proto;
+}
+
+// ------------------------------------------------------ SessionManager --
+
+SessionManager::SessionManager(const ServerOptions& options, Metrics* metrics)
+    : options_(options), metrics_(metrics) {
+  reaper_ = std::thread([this] {
+    const absl::Duration every = absl::Seconds(std::max(0.01, options_.reap_interval_seconds));
+    while (!stop_.WaitForNotificationWithTimeout(every)) ReapIdle(absl::Now());
+  });
+  absl::MutexLock lock(&mu_);
+  PublishLocked();
+}
+
+SessionManager::~SessionManager() {
+  stop_.Notify();
+  if (reaper_.joinable()) reaper_.join();
+  CloseAll();
+}
+
+std::string SessionManager::NewId() {
+  thread_local absl::BitGen gen;
+  const uint64_t hi = absl::Uniform<uint64_t>(gen), lo = absl::Uniform<uint64_t>(gen);
+  return absl::StrFormat("%016x%016x", hi, lo);
+}
+
+void SessionManager::PublishLocked() {
+  if (metrics_ == nullptr) return;
+  metrics_->SetSessionsOpen(static_cast<int64_t>(sessions_.size()));
+  metrics_->SetKvBytes(kv_in_use_, options_.kv_budget_bytes);
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Admit(
+    std::shared_ptr<const SessionConfig> config, bool resumable, absl::Duration ttl) {
+  const int64_t bytes = SessionBytes(*config);
+  {
+    absl::MutexLock lock(&mu_);
+    const int open = static_cast<int>(sessions_.size()) + reserved_sessions_;
+    if (open >= options_.max_sessions) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "the server already holds its maximum of %d sessions; close one or retry later",
+          options_.max_sessions));
+    }
+    if (bytes > options_.kv_budget_bytes - kv_in_use_) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "KV budget exhausted: this session needs %d bytes (max_context %d), %d of %d bytes "
+          "are free; lower max_context or close sessions",
+          bytes, config->max_context, options_.kv_budget_bytes - kv_in_use_,
+          options_.kv_budget_bytes));
+    }
+    kv_in_use_ += bytes;
+    ++reserved_sessions_;
+  }
+  auto session = std::shared_ptr<Session>(new Session(NewId(), config, resumable, ttl, bytes));
+  absl::Status st = session->Allocate();
+  absl::MutexLock lock(&mu_);
+  --reserved_sessions_;
+  if (!st.ok()) {
+    kv_in_use_ -= bytes;
+    return st;
+  }
+  {
+    absl::MutexLock slock(&session->mu_);
+    session->attached_ = true;
+  }
+  sessions_.emplace(session->id(), session);
+  if (metrics_ != nullptr) metrics_->RecordSessionOpened();
+  PublishLocked();
+  return session;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(
+    std::shared_ptr<const SessionConfig> config) {
+  const bool resumable = config->resumable;
+  const absl::Duration ttl = config->idle_ttl;
+  return Admit(std::move(config), resumable, ttl);
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) {
+    auto ended = ended_.find(id);
+    if (ended != ended_.end()) return ended->second;
+    return absl::NotFoundError(absl::StrCat("unknown session id \"", id, "\""));
+  }
+  Session& s = *it->second;
+  absl::MutexLock slock(&s.mu_);
+  if (!s.resumable_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", id, " is not resumable: only resumable sessions can be re-attached"));
+  }
+  if (s.attached_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", id, " is attached to another stream"));
+  }
+  s.attached_ = true;
+  s.last_active_ = absl::Now();
+  return it->second;
+}
+
+void SessionManager::Detach(const std::shared_ptr<Session>& session, bool stream_cancelled) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session->id());
+  if (it == sessions_.end() || it->second != session) return;
+  if (!session->resumable_) {
+    EraseLocked(
+        session->id(), stream_cancelled ? "disconnected" : "stream_ended",
+        absl::NotFoundError(absl::StrCat(
+            "session ", session->id(), " was freed when its stream ended (it was not resumable)")));
+    return;
+  }
+  absl::MutexLock slock(&session->mu_);
+  session->attached_ = false;
+  session->last_active_ = absl::Now();
+}
+
+void SessionManager::EraseLocked(const std::string& id, absl::string_view reason,
+                                 const absl::Status& ended) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  std::shared_ptr<Session> s = it->second;
+  sessions_.erase(it);
+  kv_in_use_ -= s->kv_bytes_;
+  s->End(ended);
+  ended_[id] = ended;
+  ended_order_.push_back(id);
+  while (ended_order_.size() > kMaxEndedIds) {
+    ended_.erase(ended_order_.front());
+    ended_order_.pop_front();
+  }
+  if (metrics_ != nullptr) metrics_->RecordSessionClosed(reason);
+  PublishLocked();
+}
+
+absl::StatusOr<v1::SessionInfo> SessionManager::Close(const std::string& id,
+                                                      const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) {
+    auto ended = ended_.find(id);
+    if (ended != ended_.end()) return ended->second;
+    return absl::NotFoundError(absl::StrCat("unknown session id \"", id, "\""));
+  }
+  v1::SessionInfo info;
+  it->second->FillInfo(&info);
+  EraseLocked(id, reason,
+              absl::FailedPreconditionError(absl::StrCat("session ", id, " was closed")));
+  return info;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Fork(
+    const std::shared_ptr<Session>& source, bool resumable, uint32_t idle_ttl_seconds) {
+  const uint32_t ttl = idle_ttl_seconds == 0
+                           ? options_.default_idle_ttl_seconds
+                           : std::min(idle_ttl_seconds, options_.max_idle_ttl_seconds);
+  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> fork,
+                      Admit(source->config_, resumable, absl::Seconds(ttl)));
+  absl::Status st = fork->CopyStateFrom(*source);
+  if (!st.ok()) {
+    absl::MutexLock lock(&mu_);
+    EraseLocked(fork->id(), "closed", absl::AbortedError("fork failed"));
+    return st;
+  }
+  return fork;
+}
+
+absl::StatusOr<v1::SessionInfo> SessionManager::Info(const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) {
+    auto ended = ended_.find(id);
+    if (ended != ended_.end()) return ended->second;
+    return absl::NotFoundError(absl::StrCat("unknown session id \"", id, "\""));
+  }
+  v1::SessionInfo info;
+  it->second->FillInfo(&info);
+  return info;
+}
+
+std::vector<v1::SessionInfo> SessionManager::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::SessionInfo> out;
+  for (const auto& [id, s] : sessions_) {
+    out.emplace_back();
+    s->FillInfo(&out.back());
+  }
+  std::sort(out.begin(), out.end(), [](const v1::SessionInfo& a, const v1::SessionInfo& b) {
+    return a.session_id() < b.session_id();
+  });
+  return out;
+}
+
+int SessionManager::ReapIdle(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<std::string, absl::Status>> expired;
+  for (const auto& [id, s] : sessions_) {
+    // A session busy in a step is not idle: skip it rather than wait.
+    if (!s->mu_.TryLock()) continue;
+    const absl::Duration idle = now - s->last_active_;
+    s->mu_.Unlock();
+    if (idle > s->idle_ttl_) {
+      expired.emplace_back(id,
+                           absl::NotFoundError(absl::StrFormat(
+                               "session %s expired: idle for %.0f s, past its idle TTL of %d s", id,
+                               absl::ToDoubleSeconds(idle), absl::ToInt64Seconds(s->idle_ttl_))));
+    }
+  }
+  for (const auto& [id, status] : expired) EraseLocked(id, "reaped", status);
+  reaped_ += expired.size();
+  return static_cast<int>(expired.size());
+}
+
+void SessionManager::CloseAll() {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> ids;
+  for (const auto& [id, s] : sessions_) ids.push_back(id);
+  for (const std::string& id : ids) {
+    EraseLocked(
+        id, "shutdown",
+        absl::UnavailableError(absl::StrCat("session ", id, " ended: the server shut down")));
+  }
+}
+
+int64_t SessionManager::kv_bytes_in_use() const {
+  absl::MutexLock lock(&mu_);
+  return kv_in_use_;
+}
+
+int SessionManager::open_sessions() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(sessions_.size());
+}
+
+int SessionManager::attached_sessions() const {
+  absl::MutexLock lock(&mu_);
+  int n = 0;
+  for (const auto& [id, s] : sessions_) {
+    absl::MutexLock slock(&s->mu_);
+    n += s->attached_ ? 1 : 0;
+  }
+  return n;
+}
+
+uint64_t SessionManager::reaped_total() const {
+  absl::MutexLock lock(&mu_);
+  return reaped_;
+}
+
+}  // namespace ropeattn::server

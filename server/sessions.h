@@ -1,0 +1,174 @@
+// Decoding sessions: a KV cache (or a linear-attention state) kept on the
+// server between steps, with budgeted memory, random ids and idle reaping.
+//
+// Ownership and threading: the SessionManager owns sessions through
+// shared_ptr; a stream or an operator call holds a reference while it works.
+// Each Session serializes its own operations with its mutex, so a step, an
+// operator's CloseSession and a fork of the same session never interleave.
+// Nothing of one session is reachable from another: forks copy.
+#ifndef ROPEATTN_SERVER_SESSIONS_H_
+#define ROPEATTN_SERVER_SESSIONS_H_
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "core/linear_attention.h"
+#include "core/rope.h"
+#include "core/tensor.h"
+#include "ropeattn/v1/attention.pb.h"
+#include "server/convert.h"
+#include "server/options.h"
+
+namespace ropeattn::server {
+
+class Metrics;
+
+// What a session is, resolved from OpenSession.
+struct SessionConfig {
+  ResolvedSpec spec;
+  v1::AttentionSpec spec_proto;  // as opened, for SessionInfo
+  DType kv_dtype = DType::kF32;
+  DType out_dtype = DType::kF32;
+  bool linear = false;
+  int64_t v_dim = 0;
+  int64_t max_context = 0;
+  // As asked at open; each session (a fork may differ) keeps its own copy.
+  absl::Duration idle_ttl;
+  bool resumable = false;
+};
+
+// Validates an OpenSession against the server's limits.
+absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
+                                                 const ServerOptions& options);
+
+class Session {
+ public:
+  const std::string& id() const { return id_; }
+  const SessionConfig& config() const { return *config_; }
+  bool resumable() const { return resumable_; }
+  absl::Duration idle_ttl() const { return idle_ttl_; }
+
+  // Appends q/k/v tokens ([1, T, ...] wire tensors) at the next positions and
+  // writes the attention output. On any error the session is unchanged.
+  // FailedPrecondition if the session was closed; OutOfRange past max_context.
+  absl::Status Step(const v1::Step& step, int threads, v1::StepResult* result);
+  // Rolls back to `position` tokens (0 <= position <= current).
+  absl::Status Truncate(int64_t position);
+  int64_t position() const;
+  // Bytes charged to the KV budget.
+  int64_t kv_bytes() const { return kv_bytes_; }
+  void FillInfo(v1::SessionInfo* info) const;
+
+ private:
+  friend class SessionManager;
+  Session(std::string id, std::shared_ptr<const SessionConfig> config, bool resumable,
+          absl::Duration idle_ttl, int64_t kv_bytes);
+  absl::Status Allocate();
+  // Copies another session's history (a fork); both must share the config.
+  absl::Status CopyStateFrom(Session& other);
+  // Marks the session ended; later operations fail with `status`.
+  void End(absl::Status status);
+  // Keys are cached rotated; for length-dependent rules (dynamic NTK,
+  // LongRoPE) the raw keys are kept too and the cache is re-rotated whenever
+  // the frequencies for the new length differ from the ones in use.
+  absl::Status PrepareRope(int64_t new_len) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string id_;
+  const std::shared_ptr<const SessionConfig> config_;
+  const bool resumable_;
+  const absl::Duration idle_ttl_;
+  const int64_t kv_bytes_;
+
+  mutable absl::Mutex mu_;
+  absl::Status ended_ ABSL_GUARDED_BY(mu_);  // non-OK once closed or reaped
+  bool attached_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time last_active_ ABSL_GUARDED_BY(mu_);
+  uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t position_ ABSL_GUARDED_BY(mu_) = 0;
+  // Softmax sessions: [1, max_context, kv_heads, head_dim / v_dim].
+  Tensor k_cache_ ABSL_GUARDED_BY(mu_);
+  Tensor v_cache_ ABSL_GUARDED_BY(mu_);
+  Tensor k_raw_ ABSL_GUARDED_BY(mu_);  // unrotated keys, length-dependent RoPE only
+  std::optional<RopeRotator> rotator_ ABSL_GUARDED_BY(mu_);
+  std::vector<double> rotator_freqs_ ABSL_GUARDED_BY(mu_);
+  // Linear sessions.
+  std::optional<LinearAttentionState> linear_ ABSL_GUARDED_BY(mu_);
+};
+
+class SessionManager {
+ public:
+  SessionManager(const ServerOptions& options, Metrics* metrics);
+  ~SessionManager();  // stops the reaper
+
+  // A new session, attached to the calling stream. ResourceExhausted when
+  // max_sessions are open or the KV budget cannot hold it (the message says
+  // how much it needs and how much is free); others keep working.
+  absl::StatusOr<std::shared_ptr<Session>> Open(std::shared_ptr<const SessionConfig> config);
+  // Re-attaches a resumable session. NotFound for an unknown id or one that
+  // expired or was closed (the message says which); FailedPrecondition if it
+  // is not resumable or another stream holds it.
+  absl::StatusOr<std::shared_ptr<Session>> Attach(const std::string& id);
+  // The stream holding the session ended (`reason`: "disconnected" or
+  // "closed"): a non-resumable session is freed at once, a resumable one
+  // stays until its idle TTL.
+  void Detach(const std::shared_ptr<Session>& session, bool stream_cancelled);
+  // Closes and frees a session (from the stream or an operator).
+  absl::StatusOr<v1::SessionInfo> Close(const std::string& id, const std::string& reason);
+  // A copy of `source`'s history as a new session (attached to the caller).
+  absl::StatusOr<std::shared_ptr<Session>> Fork(const std::shared_ptr<Session>& source,
+                                                bool resumable, uint32_t idle_ttl_seconds);
+  absl::StatusOr<v1::SessionInfo> Info(const std::string& id) const;
+  std::vector<v1::SessionInfo> List() const;
+  // Reaps sessions idle past their TTL now (the reaper thread calls this).
+  int ReapIdle(absl::Time now);
+  // Frees every session (server shutdown).
+  void CloseAll();
+
+  int64_t kv_bytes_in_use() const;
+  int open_sessions() const;
+  int attached_sessions() const;
+  uint64_t reaped_total() const;
+
+ private:
+  // Reserves room for a session and creates it (allocating its memory
+  // outside the manager's lock), attached to the caller.
+  absl::StatusOr<std::shared_ptr<Session>> Admit(std::shared_ptr<const SessionConfig> config,
+                                                 bool resumable, absl::Duration ttl);
+  // Removes a session; `reason` is the metrics label, `ended` what later
+  // callers of the id are told.
+  void EraseLocked(const std::string& id, absl::string_view reason, const absl::Status& ended)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string NewId();
+  void PublishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const ServerOptions options_;
+  Metrics* const metrics_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  int64_t kv_in_use_ ABSL_GUARDED_BY(mu_) = 0;  // includes reservations
+  int reserved_sessions_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t reaped_ ABSL_GUARDED_BY(mu_) = 0;
+  // Recently ended ids, so a late caller learns "expired" or "closed" rather
+  // than "unknown". Bounded.
+  absl::flat_hash_map<std::string, absl::Status> ended_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> ended_order_ ABSL_GUARDED_BY(mu_);
+  absl::Notification stop_;
+  std::thread reaper_;
+};
+
+}  // namespace ropeattn::server
+
+#endif  // ROPEATTN_SERVER_SESSIONS_H_

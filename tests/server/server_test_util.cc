@@ -1,0 +1,75 @@
+#include "tests/server/server_test_util.h"
+
+#include <cstring>
+
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+
+namespace ropeattn::testing {
+
+server::ServerOptions TestServerOptions() {
+  server::ServerOptions o;
+  o.address = "127.0.0.1:0";
+  o.metrics_address = "127.0.0.1:0";
+  o.compute_workers = 2;
+  o.threads_per_call = 1;
+  o.queue_depth = 64;
+  o.max_message_bytes = 64 << 20;
+  o.max_sessions = 64;
+  o.kv_budget_bytes = int64_t{256} << 20;
+  o.default_max_context = 512;
+  o.reap_interval_seconds = 0.05;
+  o.shutdown_grace_seconds = 2;
+  return o;
+}
+
+std::unique_ptr<server::Server> StartTestServer(const server::ServerOptions& options) {
+  auto server = server::Server::Start(options);
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) return nullptr;
+  return *std::move(server);
+}
+
+std::shared_ptr<grpc::Channel> TestChannel(int port, int64_t max_message_bytes) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
+  args.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
+  // Each test channel is its own connection: sessions on one channel must not
+  // share a subchannel with another test's.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port),
+                                   grpc::InsecureChannelCredentials(), args);
+}
+
+std::unique_ptr<v1::AttentionService::Stub> TestStub(int port) {
+  return v1::AttentionService::NewStub(TestChannel(port));
+}
+
+v1::Tensor ToWire(const ConstTensorView& t) {
+  v1::Tensor out;
+  out.set_dtype(t.dtype() == DType::kF32 ? v1::DTYPE_F32 : v1::DTYPE_BF16);
+  for (int64_t d : t.dims()) out.add_shape(d);
+  Tensor dense = Tensor::CopyOf(t).value();
+  out.set_data(std::string(dense.data<char>(), dense.byte_size()));
+  return out;
+}
+
+std::vector<double> WireToDoubles(const v1::Tensor& t) {
+  std::vector<double> out;
+  const size_t n = t.dtype() == v1::DTYPE_F32 ? t.data().size() / 4 : t.data().size() / 2;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (t.dtype() == v1::DTYPE_F32) {
+      float f;
+      std::memcpy(&f, t.data().data() + 4 * i, 4);
+      out.push_back(f);
+    } else {
+      uint16_t b;
+      std::memcpy(&b, t.data().data() + 2 * i, 2);
+      out.push_back(BF16ToFloat(b));
+    }
+  }
+  return out;
+}
+
+}  // namespace ropeattn::testing

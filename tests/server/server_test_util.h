@@ -1,0 +1,33 @@
+// A real server on a loopback port for tests, and stubs to call it.
+#ifndef ROPEATTN_TESTS_SERVER_SERVER_TEST_UTIL_H_
+#define ROPEATTN_TESTS_SERVER_SERVER_TEST_UTIL_H_
+
+#include <memory>
+#include <string>
+
+#include "core/tensor.h"
+#include "grpcpp/grpcpp.h"
+#include "ropeattn/v1/attention.grpc.pb.h"
+#include "server/server.h"
+
+namespace ropeattn::testing {
+
+// Options for a test server: gRPC and metrics on 127.0.0.1 port 0, small
+// limits suited to tests (override fields as needed before starting).
+server::ServerOptions TestServerOptions();
+
+// Starts a server (fails the test on error).
+std::unique_ptr<server::Server> StartTestServer(const server::ServerOptions& options);
+
+// A channel to 127.0.0.1:port with message limits matching the server's.
+std::shared_ptr<grpc::Channel> TestChannel(int port, int64_t max_message_bytes = 256 << 20);
+std::unique_ptr<v1::AttentionService::Stub> TestStub(int port);
+
+// Fills a wire tensor from a core tensor.
+v1::Tensor ToWire(const ConstTensorView& t);
+// Reads a wire tensor into doubles (row-major).
+std::vector<double> WireToDoubles(const v1::Tensor& t);
+
+}  // namespace ropeattn::testing
+
+#endif  // ROPEATTN_TESTS_SERVER_SERVER_TEST_UTIL_H_

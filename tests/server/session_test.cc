@@ -1,0 +1,688 @@
+// Decoding sessions, health, reflection, limits and shutdown, against a real
+// server on a loopback port. Numerical checks compare each step with the fp64
+// reference (tests/reference/) run over the session's whole prefix.
+// Tolerances: f32 KV 1e-5 relative (norm-wise), bf16 KV 1e-2.
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "grpc_wire.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "reflection_wire.grpc.pb.h"
+#include "server/sessions.h"
+#include "tests/core/test_util.h"
+#include "tests/reference/attention_ref.h"
+#include "tests/reference/linear_attention_ref.h"
+#include "tests/reference/rope_ref.h"
+#include "tests/server/server_test_util.h"
+
+namespace ropeattn::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// ---------------------------------------------------------------- setup --
+
+struct Config {
+  std::string name;
+  int64_t heads = 4, kv_heads = 4, head_dim = 16, v_dim = 16;
+  std::string rope_type;  // empty: no RoPE
+  double factor = 1;
+  int64_t original = 0;
+  bool interleaved = false;
+  int64_t rotary_dim = 0;
+  bool bf16_kv = false;
+  bool linear = false;
+  int64_t window = 0;
+  bool alibi = false;
+};
+
+v1::OpenSession MakeOpen(const Config& c, int64_t max_context = 64, bool resumable = false) {
+  v1::OpenSession o;
+  v1::AttentionSpec* s = o.mutable_spec();
+  s->set_heads(c.heads);
+  s->set_kv_heads(c.kv_heads);
+  s->set_head_dim(c.head_dim);
+  s->set_window(c.window);
+  if (c.alibi) s->mutable_alibi();
+  if (!c.rope_type.empty()) {
+    v1::RopeSpec* r = s->mutable_rope();
+    r->set_layout(c.interleaved ? v1::ROPE_LAYOUT_INTERLEAVED : v1::ROPE_LAYOUT_HALF_SPLIT);
+    r->set_rotary_dim(c.rotary_dim);
+    r->mutable_scaling()->set_rope_type(c.rope_type);
+    r->mutable_scaling()->set_factor(c.factor);
+    r->mutable_scaling()->set_original_max_position_embeddings(c.original);
+    if (c.rope_type == "longrope") {
+      const int64_t half = (c.rotary_dim ? c.rotary_dim : c.head_dim) / 2;
+      for (int64_t i = 0; i < half; ++i) {
+        r->mutable_scaling()->add_short_factor(1.0 + 0.05 * i);
+        r->mutable_scaling()->add_long_factor(1.5 + 0.3 * i);
+      }
+    }
+  }
+  o.set_kv_dtype(c.bf16_kv ? v1::DTYPE_BF16 : v1::DTYPE_F32);
+  o.set_kind(c.linear ? v1::ATTENTION_KIND_LINEAR : v1::ATTENTION_KIND_SOFTMAX);
+  o.set_max_context(max_context);
+  o.set_v_dim(c.v_dim);
+  o.set_resumable(resumable);
+  return o;
+}
+
+// Inverse frequencies and attention factor the reference uses for a length.
+std::pair<std::vector<double>, double> RefFreqs(const Config& c, int64_t len) {
+  const int64_t d = c.rotary_dim ? c.rotary_dim : c.head_dim;
+  const double base = 10000;
+  if (c.rope_type == "yarn") {
+    ref::YarnRefParams p;
+    p.factor = c.factor;
+    p.original_len = c.original;
+    return {ref::YarnInvFreq(d, base, p), ref::YarnAttentionFactor(p)};
+  }
+  if (c.rope_type == "dynamic") {
+    return {ref::DynamicNtkInvFreq(d, base, c.factor, c.original, len), 1.0};
+  }
+  if (c.rope_type == "llama3") {
+    return {ref::Llama3InvFreq(d, base, c.factor, 1.0, 4.0, c.original), 1.0};
+  }
+  if (c.rope_type == "longrope") {
+    std::vector<double> sf, lf;
+    for (int64_t i = 0; i < d / 2; ++i) {
+      sf.push_back(1.0 + 0.05 * i);
+      lf.push_back(1.5 + 0.3 * i);
+    }
+    return {ref::LongRopeInvFreq(d, base, sf, lf, c.original, len),
+            ref::LongRopeAttentionFactor(c.factor, c.original, std::nullopt)};
+  }
+  return {ref::DefaultInvFreq(d, base), 1.0};
+}
+
+// Random step inputs for a whole sequence: q [S, H, D], k [S, Hkv, D], v [S, Hkv, Dv].
+struct Sequence {
+  Tensor q, k, v;
+};
+
+Sequence MakeSequence(const Config& c, int64_t len, uint64_t seed) {
+  const DType kv = c.bf16_kv ? DType::kBF16 : DType::kF32;
+  return {RandomTensor(DType::kF32, {1, len, c.heads, c.head_dim}, seed),
+          RandomTensor(kv, {1, len, c.kv_heads, c.head_dim}, seed + 1),
+          RandomTensor(kv, {1, len, c.kv_heads, c.v_dim}, seed + 2)};
+}
+
+// Expected output rows [first, last) of a step that ends the session at
+// length `last`: the reference over the whole prefix, rotated with the
+// frequencies for that length.
+std::vector<double> ExpectedStep(const Config& c, const Sequence& seq, int64_t first,
+                                 int64_t last) {
+  std::vector<double> q = ToDoubles(seq.q.cview().Slice(1, 0, last));
+  std::vector<double> k = ToDoubles(seq.k.cview().Slice(1, 0, last));
+  std::vector<double> v = ToDoubles(seq.v.cview().Slice(1, 0, last));
+  std::vector<int64_t> positions(last);
+  for (int64_t i = 0; i < last; ++i) positions[i] = i;
+  std::vector<double> qr = q, kr = k;
+  auto [inv, factor] = RefFreqs(c, last);
+  if (!c.rope_type.empty()) {
+    ref::RotateRefParams rp;
+    rp.seq = last;
+    rp.head_dim = c.head_dim;
+    rp.rotary_dim = c.rotary_dim ? c.rotary_dim : c.head_dim;
+    rp.interleaved = c.interleaved;
+    rp.positions = positions;
+    rp.inv_freq = inv;
+    rp.attention_factor = factor;
+    rp.heads = c.heads;
+    qr = ref::Rotate(rp, q);
+    rp.heads = c.kv_heads;
+    kr = ref::Rotate(rp, k);
+  }
+  std::vector<double> all;
+  if (c.linear) {
+    ref::LinearAttentionRefParams lp;
+    lp.seq = last;
+    lp.heads = c.heads;
+    lp.kv_heads = c.kv_heads;
+    lp.head_dim = c.head_dim;
+    lp.v_dim = c.v_dim;
+    lp.use_rope = !c.rope_type.empty();
+    lp.rotary_dim = c.rotary_dim ? c.rotary_dim : c.head_dim;
+    lp.interleaved = c.interleaved;
+    lp.inv_freq = inv;
+    lp.attention_factor = factor;
+    lp.positions = positions;
+    all = ref::LinearAttention(lp, q, k, v);
+  } else {
+    ref::AttentionRefParams ap;
+    ap.q_len = last;
+    ap.k_len = last;
+    ap.heads = c.heads;
+    ap.kv_heads = c.kv_heads;
+    ap.head_dim = c.head_dim;
+    ap.v_dim = c.v_dim;
+    ap.causal = true;
+    ap.window = c.window;
+    if (c.alibi) {
+      ap.bias = ref::RefBias::kAlibi;
+      // Standard slopes for a power-of-two head count: 2^(-8k/H).
+      for (int64_t h = 1; h <= c.heads; ++h)
+        ap.alibi_slopes.push_back(std::pow(2.0, -8.0 * h / c.heads));
+    }
+    all = ref::Attention(ap, qr, kr, v).out;
+  }
+  const int64_t row = c.heads * c.v_dim;
+  return std::vector<double>(all.begin() + first * row, all.begin() + last * row);
+}
+
+// A Decode stream.
+class Stream {
+ public:
+  explicit Stream(v1::AttentionService::Stub* stub) {
+    ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    rw_ = stub->Decode(&ctx_);
+  }
+  ~Stream() {
+    if (!finished_) {
+      ctx_.TryCancel();
+      Finish();
+    }
+  }
+  v1::DecodeResponse Send(const v1::DecodeRequest& req) {
+    v1::DecodeResponse resp;
+    EXPECT_TRUE(rw_->Write(req));
+    EXPECT_TRUE(rw_->Read(&resp)) << "stream ended: " << Finish().error_message();
+    return resp;
+  }
+  v1::SessionInfo Open(const v1::OpenSession& open) {
+    v1::DecodeRequest req;
+    *req.mutable_open() = open;
+    v1::DecodeResponse r = Send(req);
+    EXPECT_TRUE(r.has_opened()) << r.DebugString();
+    return r.opened();
+  }
+  v1::SessionInfo Attach(const std::string& id) {
+    v1::DecodeRequest req;
+    req.mutable_attach()->set_session_id(id);
+    v1::DecodeResponse r = Send(req);
+    EXPECT_TRUE(r.has_opened()) << r.DebugString();
+    return r.opened();
+  }
+  v1::DecodeResponse Step(const Sequence& s, int64_t first, int64_t last, uint64_t seq) {
+    v1::DecodeRequest req;
+    v1::Step* st = req.mutable_step();
+    st->set_seq(seq);
+    *st->mutable_q() = ToWire(s.q.cview().Slice(1, first, last - first));
+    *st->mutable_k() = ToWire(s.k.cview().Slice(1, first, last - first));
+    *st->mutable_v() = ToWire(s.v.cview().Slice(1, first, last - first));
+    return Send(req);
+  }
+  // Waits for the server to end the stream (without half-closing it).
+  grpc::Status AwaitServerEnd() {
+    v1::DecodeResponse drain;
+    while (rw_->Read(&drain)) {
+    }
+    status_ = rw_->Finish();
+    finished_ = true;
+    return status_;
+  }
+  grpc::Status Finish() {
+    if (finished_) return status_;
+    rw_->WritesDone();
+    v1::DecodeResponse drain;
+    while (rw_->Read(&drain)) {
+    }
+    status_ = rw_->Finish();
+    finished_ = true;
+    return status_;
+  }
+  grpc::ClientContext& context() { return ctx_; }
+  grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>* rw() { return rw_.get(); }
+
+ private:
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> rw_;
+  bool finished_ = false;
+  grpc::Status status_;
+};
+
+class SessionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = StartTestServer(TestServerOptions());
+    ASSERT_NE(server_, nullptr);
+    stub_ = TestStub(server_->port());
+  }
+  void TearDown() override {
+    stub_.reset();
+    if (server_) server_->Shutdown(absl::Seconds(1));
+  }
+  // Waits (up to 5 s) for a condition the server reaches asynchronously.
+  template <typename F>
+  bool Eventually(F f) {
+    for (int i = 0; i < 500; ++i) {
+      if (f()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return f();
+  }
+  std::unique_ptr<server::Server> server_;
+  std::unique_ptr<v1::AttentionService::Stub> stub_;
+};
+
+// --------------------------------------------------- health, reflection --
+
+TEST_F(SessionTest, HealthIsServingAndFollowsTheComputePath) {
+  auto health = grpc::health::v1::Health::NewStub(TestChannel(server_->port()));
+  for (const std::string service : {"", "ropeattn.v1.AttentionService"}) {
+    grpc::ClientContext ctx;
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    grpc::health::v1::HealthCheckResponse resp;
+    ASSERT_TRUE(health->Check(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING) << service;
+  }
+  server_->SetServingForTest(false);
+  grpc::ClientContext ctx;
+  grpc::health::v1::HealthCheckResponse resp;
+  ASSERT_TRUE(health->Check(&ctx, {}, &resp).ok());
+  EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+}
+
+TEST_F(SessionTest, ReflectionListsTheService) {
+  auto refl = grpc::reflection::v1alpha::ServerReflection::NewStub(TestChannel(server_->port()));
+  grpc::ClientContext ctx;
+  auto rw = refl->ServerReflectionInfo(&ctx);
+  grpc::reflection::v1alpha::ServerReflectionRequest req;
+  req.set_list_services("");
+  ASSERT_TRUE(rw->Write(req));
+  grpc::reflection::v1alpha::ServerReflectionResponse resp;
+  ASSERT_TRUE(rw->Read(&resp));
+  std::vector<std::string> names;
+  for (const auto& s : resp.list_services_response().service()) names.push_back(s.name());
+  EXPECT_THAT(names, ::testing::Contains("ropeattn.v1.AttentionService"));
+  EXPECT_THAT(names, ::testing::Contains("grpc.health.v1.Health"));
+  rw->WritesDone();
+  EXPECT_TRUE(rw->Finish().ok());
+}
+
+TEST_F(SessionTest, ServerInfoReportsLimits) {
+  grpc::ClientContext ctx;
+  v1::ServerInfo info;
+  ASSERT_TRUE(stub_->GetServerInfo(&ctx, {}, &info).ok());
+  EXPECT_EQ(info.kv_budget_bytes(), TestServerOptions().kv_budget_bytes);
+  EXPECT_EQ(info.max_sessions(), TestServerOptions().max_sessions);
+  EXPECT_EQ(info.open_sessions(), 0);
+  EXPECT_THAT(info.capabilities(), ::testing::Contains("rope:yarn"));
+  EXPECT_FALSE(info.version().empty());
+}
+
+// ------------------------------------------------ decode vs reference --
+
+class DecodeReferenceTest : public SessionTest, public ::testing::WithParamInterface<Config> {};
+
+TEST_P(DecodeReferenceTest, TokenByTokenAndChunkedMatchTheReference) {
+  const Config c = GetParam();
+  const int64_t len = 16;
+  const Sequence seq = MakeSequence(c, len, 7);
+  const double tol = c.bf16_kv ? kBF16Tol : kF32Tol;
+  for (const std::vector<int64_t> chunks :
+       {std::vector<int64_t>(len, 1), std::vector<int64_t>{3, 1, 5, 7}}) {
+    Stream s(stub_.get());
+    s.Open(MakeOpen(c));
+    int64_t pos = 0;
+    uint64_t n = 0;
+    for (int64_t chunk : chunks) {
+      v1::DecodeResponse r = s.Step(seq, pos, pos + chunk, ++n);
+      ASSERT_TRUE(r.has_step()) << c.name << ": " << r.DebugString();
+      EXPECT_EQ(r.step().seq(), n);
+      EXPECT_EQ(r.step().position(), pos + chunk);
+      EXPECT_TRUE(
+          AllClose(WireToDoubles(r.step().out()), ExpectedStep(c, seq, pos, pos + chunk), tol))
+          << c.name << " step ending at " << pos + chunk << " (chunk " << chunk << ")";
+      pos += chunk;
+    }
+    EXPECT_TRUE(s.Finish().ok());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Rules, DecodeReferenceTest,
+    ::testing::Values(Config{"default_rope", 4, 4, 16, 16, "default"},
+                      Config{"yarn_gqa", 8, 2, 16, 16, "yarn", 4.0, 8},
+                      Config{"llama3_interleaved", 4, 4, 32, 16, "llama3", 8.0, 8, true},
+                      // L0 = 8: steps cross the switch to the long factors at length 9.
+                      Config{"longrope_crossing", 4, 2, 16, 16, "longrope", 4.0, 8},
+                      Config{"dynamic_ntk_crossing", 4, 4, 16, 16, "dynamic", 2.0, 8},
+                      Config{"partial_rotary_window", 4, 4, 16, 8, "default", 1, 0, false, 8, false,
+                             false, 5, false},
+                      Config{"mqa_bf16_kv", 8, 1, 16, 16, "default", 1, 0, false, 0, true},
+                      Config{"alibi_no_rope", 4, 4, 16, 16, "", 1, 0, false, 0, false, false, 0,
+                             true},
+                      Config{"linear_rope", 4, 2, 16, 16, "default", 1, 0, false, 0, false, true},
+                      Config{"linear_yarn", 4, 4, 16, 8, "yarn", 4.0, 8, false, 0, false, true}),
+    [](const ::testing::TestParamInfo<Config>& info) { return info.param.name; });
+
+// --------------------------------------------------- truncate and fork --
+
+TEST_F(SessionTest, TruncateThenContinueEqualsAFreshSession) {
+  const Config c{"gqa", 8, 2, 16, 16, "default"};
+  const Sequence seq = MakeSequence(c, 12, 11);
+  const Sequence other = MakeSequence(c, 12, 99);  // a rejected speculative branch
+  Stream s(stub_.get());
+  s.Open(MakeOpen(c));
+  ASSERT_TRUE(s.Step(seq, 0, 6, 1).has_step());
+  ASSERT_TRUE(s.Step(other, 6, 10, 2).has_step());
+  v1::DecodeRequest trunc;
+  trunc.mutable_truncate()->set_seq(3);
+  trunc.mutable_truncate()->set_position(6);
+  v1::DecodeResponse tr = s.Send(trunc);
+  ASSERT_TRUE(tr.has_truncated()) << tr.DebugString();
+  EXPECT_EQ(tr.truncated().position(), 6);
+  v1::DecodeResponse after = s.Step(seq, 6, 12, 4);
+
+  Stream fresh(stub_.get());
+  fresh.Open(MakeOpen(c));
+  ASSERT_TRUE(fresh.Step(seq, 0, 6, 1).has_step());
+  v1::DecodeResponse want = fresh.Step(seq, 6, 12, 2);
+  ASSERT_TRUE(after.has_step());
+  EXPECT_EQ(after.step().out().data(), want.step().out().data());  // bit-identical
+  EXPECT_TRUE(AllClose(WireToDoubles(after.step().out()), ExpectedStep(c, seq, 6, 12), kF32Tol));
+}
+
+TEST_F(SessionTest, ForksDivergeIndependently) {
+  const Config c{"mha", 4, 4, 16, 16, "default"};
+  const Sequence a = MakeSequence(c, 10, 21);
+  Sequence b = MakeSequence(c, 10, 22);
+  // b shares a's first 5 tokens.
+  std::memcpy(b.q.data<float>(), a.q.data<float>(), 5 * 4 * 16 * sizeof(float));
+  std::memcpy(b.k.data<float>(), a.k.data<float>(), 5 * 4 * 16 * sizeof(float));
+  std::memcpy(b.v.data<float>(), a.v.data<float>(), 5 * 4 * 16 * sizeof(float));
+
+  Stream parent(stub_.get());
+  parent.Open(MakeOpen(c));
+  ASSERT_TRUE(parent.Step(a, 0, 5, 1).has_step());
+  v1::DecodeRequest fork;
+  fork.mutable_fork()->set_seq(2);
+  v1::DecodeResponse fr = parent.Send(fork);
+  ASSERT_TRUE(fr.has_forked()) << fr.DebugString();
+  EXPECT_EQ(fr.forked().position(), 5);
+  EXPECT_FALSE(fr.forked().session_id().empty());
+  EXPECT_FALSE(fr.forked().attached());
+
+  Stream child(stub_.get());
+  child.Attach(fr.forked().session_id());
+  v1::DecodeResponse from_parent = parent.Step(a, 5, 10, 3);
+  v1::DecodeResponse from_child = child.Step(b, 5, 10, 1);
+  ASSERT_TRUE(from_parent.has_step()) << from_parent.DebugString();
+  ASSERT_TRUE(from_child.has_step()) << from_child.DebugString();
+  EXPECT_TRUE(
+      AllClose(WireToDoubles(from_parent.step().out()), ExpectedStep(c, a, 5, 10), kF32Tol));
+  EXPECT_TRUE(AllClose(WireToDoubles(from_child.step().out()), ExpectedStep(c, b, 5, 10), kF32Tol));
+}
+
+// ---------------------------------------------------------- isolation --
+
+TEST_F(SessionTest, ConcurrentSessionsEachGetTheirSoloOutputs) {
+  const Config c{"gqa", 8, 2, 16, 16, "yarn", 4.0, 8};
+  constexpr int kSessions = 12;
+  constexpr int64_t kLen = 10;
+  std::vector<Sequence> seqs;
+  for (int i = 0; i < kSessions; ++i) seqs.push_back(MakeSequence(c, kLen, 100 + 7 * i));
+  auto run = [&](int i) {
+    std::vector<std::string> outs;
+    Stream s(stub_.get());
+    s.Open(MakeOpen(c));
+    for (int64_t t = 0; t < kLen; ++t) {
+      v1::DecodeResponse r = s.Step(seqs[i], t, t + 1, t + 1);
+      outs.push_back(r.step().out().data());
+    }
+    s.Finish();
+    return outs;
+  };
+  std::vector<std::vector<std::string>> solo(kSessions), together(kSessions);
+  for (int i = 0; i < kSessions; ++i) solo[i] = run(i);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kSessions; ++i) threads.emplace_back([&, i] { together[i] = run(i); });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kSessions; ++i) EXPECT_EQ(together[i], solo[i]) << "session " << i;
+}
+
+// ------------------------------------------------------------- limits --
+
+TEST_F(SessionTest, BudgetExhaustionRefusesOnlyTheNewSession) {
+  const Config c{"mha", 4, 4, 16, 16, "default"};
+  const Sequence seq = MakeSequence(c, 4, 5);
+  Stream ok(stub_.get());
+  ok.Open(MakeOpen(c));
+  ASSERT_TRUE(ok.Step(seq, 0, 2, 1).has_step());
+  // 256 MiB budget; this asks for 2^20 tokens * 4 heads * 32 dims * 4 bytes = 512 MiB.
+  Stream big(stub_.get());
+  v1::DecodeRequest req;
+  *req.mutable_open() = MakeOpen(c, 1 << 20);
+  ASSERT_TRUE(big.rw()->Write(req));
+  v1::DecodeResponse resp;
+  EXPECT_FALSE(big.rw()->Read(&resp));
+  grpc::Status st = big.Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(st.error_message(), HasSubstr("KV budget"));
+  // The first session keeps working.
+  v1::DecodeResponse r = ok.Step(seq, 2, 4, 2);
+  ASSERT_TRUE(r.has_step());
+  EXPECT_TRUE(AllClose(WireToDoubles(r.step().out()), ExpectedStep(c, seq, 2, 4), kF32Tol));
+}
+
+TEST_F(SessionTest, IdleSessionsAreReapedWithASpecificError) {
+  const Config c{"mha", 4, 4, 16, 16, "default"};
+  v1::OpenSession open = MakeOpen(c, 64, /*resumable=*/true);
+  open.set_idle_ttl_seconds(1);
+  std::string id;
+  {
+    Stream s(stub_.get());
+    id = s.Open(open).session_id();
+    EXPECT_TRUE(s.Finish().ok());
+  }
+  // Detached but resumable: still there.
+  {
+    grpc::ClientContext ctx;
+    v1::GetSessionRequest req;
+    req.set_session_id(id);
+    v1::SessionInfo info;
+    ASSERT_TRUE(stub_->GetSession(&ctx, req, &info).ok());
+    EXPECT_FALSE(info.attached());
+  }
+  ASSERT_TRUE(Eventually([&] { return server_->sessions().reaped_total() >= 1; }));
+  Stream late(stub_.get());
+  v1::DecodeRequest req;
+  req.mutable_attach()->set_session_id(id);
+  ASSERT_TRUE(late.rw()->Write(req));
+  grpc::Status st = late.Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(st.error_message(), HasSubstr("expired"));
+  EXPECT_EQ(server_->sessions().kv_bytes_in_use(), 0);
+}
+
+TEST_F(SessionTest, CancelMidStreamFreesTheSessionAtOnce) {
+  const Config c{"mha", 4, 4, 16, 16, "default"};
+  const Sequence seq = MakeSequence(c, 4, 5);
+  const int64_t baseline = server_->sessions().kv_bytes_in_use();
+  auto s = std::make_unique<Stream>(stub_.get());
+  s->Open(MakeOpen(c));
+  ASSERT_TRUE(s->Step(seq, 0, 2, 1).has_step());
+  EXPECT_GT(server_->sessions().kv_bytes_in_use(), baseline);
+  s->context().TryCancel();
+  s->Finish();
+  EXPECT_TRUE(Eventually([&] { return server_->sessions().kv_bytes_in_use() == baseline; }));
+  EXPECT_EQ(server_->sessions().open_sessions(), 0);
+}
+
+// ---------------------------------------------------------- bad input --
+
+TEST_F(SessionTest, BadStepIsAnsweredInBandAndLosesNothing) {
+  const Config c{"mha", 4, 4, 16, 16, "default"};
+  const Sequence seq = MakeSequence(c, 6, 5);
+  Stream s(stub_.get());
+  s.Open(MakeOpen(c));
+  ASSERT_TRUE(s.Step(seq, 0, 3, 1).has_step());
+
+  struct Bad {
+    std::string what;
+    std::function<void(v1::Step*)> mutate;
+    grpc::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Bad> bad = {
+      {"wrong byte length", [](v1::Step* st) { st->mutable_q()->mutable_data()->resize(10); },
+       grpc::StatusCode::INVALID_ARGUMENT, "step.q"},
+      {"shape mismatch", [](v1::Step* st) { st->mutable_k()->set_shape(2, 3); },
+       grpc::StatusCode::INVALID_ARGUMENT, "step.k"},
+      {"overflowing shape",
+       [](v1::Step* st) {
+         st->mutable_q()->clear_shape();
+         for (int64_t d : {int64_t{1} << 40, int64_t{1} << 40, int64_t{1}, int64_t{1}}) {
+           st->mutable_q()->add_shape(d);
+         }
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "step.q"},
+      {"NaN input",
+       [](v1::Step* st) {
+         const float nan = std::nanf("");
+         std::memcpy(st->mutable_v()->mutable_data()->data() + 4 * 5, &nan, 4);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "step.v[0, 0, 0, 5] is NaN"},
+      {"unspecified dtype", [](v1::Step* st) { st->mutable_q()->set_dtype(v1::DTYPE_UNSPECIFIED); },
+       grpc::StatusCode::INVALID_ARGUMENT, "step.q"},
+  };
+  uint64_t n = 10;
+  for (const Bad& b : bad) {
+    v1::DecodeRequest req;
+    v1::Step* st = req.mutable_step();
+    st->set_seq(++n);
+    *st->mutable_q() = ToWire(seq.q.cview().Slice(1, 3, 1));
+    *st->mutable_k() = ToWire(seq.k.cview().Slice(1, 3, 1));
+    *st->mutable_v() = ToWire(seq.v.cview().Slice(1, 3, 1));
+    b.mutate(st);
+    v1::DecodeResponse r = s.Send(req);
+    ASSERT_TRUE(r.has_error()) << b.what << ": " << r.DebugString();
+    EXPECT_EQ(r.error().seq(), n) << b.what;
+    EXPECT_EQ(r.error().code(), b.code) << b.what << ": " << r.error().message();
+    EXPECT_THAT(r.error().message(), HasSubstr(b.message)) << b.what;
+  }
+  // Past max_context is OUT_OF_RANGE.
+  {
+    Stream small(stub_.get());
+    small.Open(MakeOpen(c, /*max_context=*/4));
+    v1::DecodeResponse r = small.Step(seq, 0, 6, 1);
+    ASSERT_TRUE(r.has_error());
+    EXPECT_EQ(r.error().code(), grpc::StatusCode::OUT_OF_RANGE);
+    EXPECT_THAT(r.error().message(), HasSubstr("max_context of 4"));
+  }
+  // The session lost nothing: the next good step matches the reference.
+  v1::DecodeResponse r = s.Step(seq, 3, 6, 99);
+  ASSERT_TRUE(r.has_step()) << r.DebugString();
+  EXPECT_EQ(r.step().position(), 6);
+  EXPECT_TRUE(AllClose(WireToDoubles(r.step().out()), ExpectedStep(c, seq, 3, 6), kF32Tol));
+}
+
+TEST_F(SessionTest, StreamLevelErrorsEndTheStreamWithTheRightCode) {
+  const Config c{"mha", 4, 4, 16, 16, "default"};
+  const Sequence seq = MakeSequence(c, 2, 5);
+  auto first_message_fails = [&](const v1::DecodeRequest& req) {
+    Stream s(stub_.get());
+    EXPECT_TRUE(s.rw()->Write(req));
+    return s.Finish();
+  };
+  v1::DecodeRequest step;
+  *step.mutable_step()->mutable_q() = ToWire(seq.q.cview());
+  EXPECT_EQ(first_message_fails(step).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  v1::DecodeRequest unknown;
+  unknown.mutable_attach()->set_session_id("0123456789abcdef0123456789abcdef");
+  grpc::Status st = first_message_fails(unknown);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(st.error_message(), HasSubstr("unknown session id"));
+
+  v1::DecodeRequest bad_spec;
+  *bad_spec.mutable_open() = MakeOpen(Config{"x", 6, 4, 16, 16, "default"});
+  st = first_message_fails(bad_spec);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  v1::DecodeRequest odd_dim;
+  *odd_dim.mutable_open() = MakeOpen(Config{"x", 4, 4, 15, 16, "default"});
+  EXPECT_EQ(first_message_fails(odd_dim).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  v1::DecodeRequest unknown_rule;
+  *unknown_rule.mutable_open() = MakeOpen(Config{"x", 4, 4, 16, 16, "foo"});
+  st = first_message_fails(unknown_rule);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("foo"));
+
+  // A closed session: the stream ends after answering the close; attaching
+  // its id later is FAILED_PRECONDITION ("was closed"), GetSession too.
+  Stream s(stub_.get());
+  v1::OpenSession open = MakeOpen(c, 64, /*resumable=*/true);
+  const std::string id = s.Open(open).session_id();
+  v1::DecodeRequest close;
+  close.mutable_close()->set_seq(5);
+  v1::DecodeResponse closed = s.Send(close);
+  EXPECT_TRUE(closed.has_closed());
+  EXPECT_TRUE(s.Finish().ok());
+  v1::DecodeRequest again;
+  again.mutable_attach()->set_session_id(id);
+  st = first_message_fails(again);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(st.error_message(), HasSubstr("was closed"));
+}
+
+TEST_F(SessionTest, OperatorCloseEndsTheSessionsStream) {
+  const Config c{"mha", 4, 4, 16, 16, "default"};
+  const Sequence seq = MakeSequence(c, 4, 5);
+  Stream s(stub_.get());
+  const std::string id = s.Open(MakeOpen(c)).session_id();
+  {
+    grpc::ClientContext ctx;
+    v1::ListSessionsResponse list;
+    ASSERT_TRUE(stub_->ListSessions(&ctx, {}, &list).ok());
+    ASSERT_EQ(list.sessions_size(), 1);
+    EXPECT_EQ(list.sessions(0).session_id(), id);
+  }
+  grpc::ClientContext ctx;
+  v1::CloseSessionRequest req;
+  req.set_session_id(id);
+  v1::CloseSessionResponse resp;
+  ASSERT_TRUE(stub_->CloseSession(&ctx, req, &resp).ok());
+  v1::DecodeRequest step;
+  v1::Step* st = step.mutable_step();
+  *st->mutable_q() = ToWire(seq.q.cview().Slice(1, 0, 1));
+  *st->mutable_k() = ToWire(seq.k.cview().Slice(1, 0, 1));
+  *st->mutable_v() = ToWire(seq.v.cview().Slice(1, 0, 1));
+  ASSERT_TRUE(s.rw()->Write(step));
+  grpc::Status status = s.Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(server_->sessions().kv_bytes_in_use(), 0);
+}
+
+// ----------------------------------------------------------- shutdown --
+
+TEST_F(SessionTest, GracefulShutdownEndsOpenStreamsWithinTheDeadline) {
+  const Config c{"mha", 4, 4, 16, 16, "default"};
+  const Sequence seq = MakeSequence(c, 4, 5);
+  Stream s(stub_.get());
+  s.Open(MakeOpen(c));
+  ASSERT_TRUE(s.Step(seq, 0, 2, 1).has_step());
+  auto health = grpc::health::v1::Health::NewStub(TestChannel(server_->port()));
+  const auto start = std::chrono::steady_clock::now();
+  std::thread stopper([&] { server_->Shutdown(absl::Seconds(2)); });
+  // The open stream, idle between steps, is ended promptly with UNAVAILABLE.
+  grpc::Status st = s.AwaitServerEnd();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("shutting down"));
+  stopper.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+  EXPECT_EQ(server_->sessions().open_sessions(), 0);
+}
+
+}  // namespace
+}  // namespace ropeattn::testing
