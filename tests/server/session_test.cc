@@ -2,6 +2,11 @@
 // server on a loopback port. Numerical checks compare each step with the fp64
 // reference (tests/reference/) run over the session's whole prefix.
 // Tolerances: f32 KV 1e-5 relative (norm-wise), bf16 KV 1e-2.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -321,6 +326,29 @@ TEST_F(SessionTest, ServerInfoReportsLimits) {
 
 // ------------------------------------------------ decode vs reference --
 
+std::vector<Config> AllConfigs() {
+  return {Config{"default_rope", 4, 4, 16, 16, "default"},
+          Config{"yarn_gqa", 8, 2, 16, 16, "yarn", 4.0, 8},
+          Config{"llama3_interleaved", 4, 4, 32, 16, "llama3", 8.0, 8, true},
+          // L0 = 8: steps cross the switch to the long factors at length 9.
+          Config{"longrope_crossing", 4, 2, 16, 16, "longrope", 4.0, 8},
+          Config{"dynamic_ntk_crossing", 4, 4, 16, 16, "dynamic", 2.0, 8},
+          Config{"partial_rotary_window", 4, 4, 16, 8, "default", 1, 0, false, 8, false, false, 5,
+                 false},
+          Config{"mqa_bf16_kv", 8, 1, 16, 16, "default", 1, 0, false, 0, true},
+          Config{"alibi_no_rope", 4, 4, 16, 16, "", 1, 0, false, 0, false, false, 0, true},
+          Config{"linear_rope", 4, 2, 16, 16, "default", 1, 0, false, 0, false, true},
+          Config{"linear_yarn", 4, 4, 16, 8, "yarn", 4.0, 8, false, 0, false, true}};
+}
+
+std::vector<Config> SoftmaxConfigs() {
+  std::vector<Config> out;
+  for (const Config& c : AllConfigs()) {
+    if (!c.linear) out.push_back(c);
+  }
+  return out;
+}
+
 class DecodeReferenceTest : public SessionTest, public ::testing::WithParamInterface<Config> {};
 
 TEST_P(DecodeReferenceTest, TokenByTokenAndChunkedMatchTheReference) {
@@ -348,22 +376,10 @@ TEST_P(DecodeReferenceTest, TokenByTokenAndChunkedMatchTheReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Rules, DecodeReferenceTest,
-    ::testing::Values(Config{"default_rope", 4, 4, 16, 16, "default"},
-                      Config{"yarn_gqa", 8, 2, 16, 16, "yarn", 4.0, 8},
-                      Config{"llama3_interleaved", 4, 4, 32, 16, "llama3", 8.0, 8, true},
-                      // L0 = 8: steps cross the switch to the long factors at length 9.
-                      Config{"longrope_crossing", 4, 2, 16, 16, "longrope", 4.0, 8},
-                      Config{"dynamic_ntk_crossing", 4, 4, 16, 16, "dynamic", 2.0, 8},
-                      Config{"partial_rotary_window", 4, 4, 16, 8, "default", 1, 0, false, 8, false,
-                             false, 5, false},
-                      Config{"mqa_bf16_kv", 8, 1, 16, 16, "default", 1, 0, false, 0, true},
-                      Config{"alibi_no_rope", 4, 4, 16, 16, "", 1, 0, false, 0, false, false, 0,
-                             true},
-                      Config{"linear_rope", 4, 2, 16, 16, "default", 1, 0, false, 0, false, true},
-                      Config{"linear_yarn", 4, 4, 16, 8, "yarn", 4.0, 8, false, 0, false, true}),
-    [](const ::testing::TestParamInfo<Config>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Rules, DecodeReferenceTest, ::testing::ValuesIn(AllConfigs()),
+                         [](const ::testing::TestParamInfo<Config>& info) {
+                           return info.param.name;
+                         });
 
 // --------------------------------------------------- truncate and fork --
 
@@ -484,15 +500,14 @@ TEST_F(SessionTest, IdleSessionsAreReapedWithASpecificError) {
     id = s.Open(open).session_id();
     EXPECT_TRUE(s.Finish().ok());
   }
-  // Detached but resumable: still there.
-  {
+  // Detached (once the server has seen the stream end) but resumable: still there.
+  EXPECT_TRUE(Eventually([&] {
     grpc::ClientContext ctx;
     v1::GetSessionRequest req;
     req.set_session_id(id);
     v1::SessionInfo info;
-    ASSERT_TRUE(stub_->GetSession(&ctx, req, &info).ok());
-    EXPECT_FALSE(info.attached());
-  }
+    return stub_->GetSession(&ctx, req, &info).ok() && !info.attached();
+  }));
   ASSERT_TRUE(Eventually([&] { return server_->sessions().reaped_total() >= 1; }));
   Stream late(stub_.get());
   v1::DecodeRequest req;
@@ -662,6 +677,125 @@ TEST_F(SessionTest, OperatorCloseEndsTheSessionsStream) {
   grpc::Status status = s.Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(server_->sessions().kv_bytes_in_use(), 0);
+}
+
+TEST_F(SessionTest, OversizeMessageIsRefusedAndTheServerStaysUp) {
+  // The test server allows 64 MiB; the client allows more, so the server is
+  // the one that refuses.
+  auto big_stub = v1::AttentionService::NewStub(TestChannel(server_->port(), 256 << 20));
+  v1::AttendRequest req;
+  req.mutable_spec()->set_heads(1);
+  req.mutable_spec()->set_head_dim(64);
+  req.mutable_q()->set_dtype(v1::DTYPE_F32);
+  for (int64_t d : {1, 1 << 19, 1, 64}) req.mutable_q()->add_shape(d);
+  req.mutable_q()->mutable_data()->resize(size_t{128} << 20);
+  grpc::ClientContext ctx;
+  v1::AttendResponse resp;
+  grpc::Status st = big_stub->Attend(&ctx, req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  // Still serving.
+  grpc::ClientContext ctx2;
+  v1::ServerInfo info;
+  EXPECT_TRUE(stub_->GetServerInfo(&ctx2, {}, &info).ok());
+}
+
+// GET http://127.0.0.1:port/metrics over a plain socket.
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string req =
+      "GET " + path + " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+  if (send(fd, req.data(), req.size(), 0) < 0) {
+    close(fd);
+    return "";
+  }
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, n);
+  close(fd);
+  return out;
+}
+
+TEST_F(SessionTest, MetricsEndpointReflectsTraffic) {
+  const Config c{"mha", 4, 4, 16, 16, "default"};
+  const Sequence seq = MakeSequence(c, 3, 5);
+  {
+    Stream s(stub_.get());
+    s.Open(MakeOpen(c));
+    ASSERT_TRUE(s.Step(seq, 0, 3, 1).has_step());
+    v1::DecodeRequest bad;
+    bad.mutable_step()->set_seq(2);
+    EXPECT_TRUE(s.Send(bad).has_error());
+    EXPECT_TRUE(s.Finish().ok());
+  }
+  ASSERT_TRUE(Eventually([&] { return server_->sessions().open_sessions() == 0; }));
+  const std::string text = HttpGet(server_->metrics_port(), "/metrics");
+  EXPECT_THAT(text, HasSubstr("200 OK"));
+  EXPECT_THAT(text, HasSubstr("ropeattn_decode_steps_total 1\n"));
+  EXPECT_THAT(text, HasSubstr("ropeattn_decode_tokens_total 3\n"));
+  EXPECT_THAT(text, HasSubstr("ropeattn_requests_total{method=\"Decode.Step\",code=\"OK\"} 1\n"));
+  EXPECT_THAT(
+      text,
+      HasSubstr("ropeattn_requests_total{method=\"Decode.Step\",code=\"INVALID_ARGUMENT\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("ropeattn_sessions_opened_total 1\n"));
+  EXPECT_THAT(text, HasSubstr("ropeattn_sessions_closed_total{reason=\"stream_ended\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("ropeattn_kv_bytes_used 0\n"));
+  EXPECT_THAT(text, HasSubstr("ropeattn_decode_steps_total"));
+}
+
+// The same sequence through the unary Attend RPC: for rules that do not
+// depend on the length, every decode step equals the matching rows of one
+// Attend over the whole sequence; for dynamic NTK and LongRoPE, each step
+// equals an Attend over its prefix (frequencies for that length).
+// (Attend is softmax attention: linear sessions are checked against the
+// linear reference above.)
+void ExpectStepsEqualAttend(v1::AttentionService::Stub* stub, const Config& c) {
+  const int64_t len = 12;
+  const Sequence seq = MakeSequence(c, len, 31);
+  const bool length_dependent = c.rope_type == "dynamic" || c.rope_type == "longrope";
+  auto attend = [&](int64_t first, int64_t last) {
+    v1::AttendRequest req;
+    *req.mutable_spec() = MakeOpen(c).spec();
+    req.mutable_spec()->set_causal(true);
+    *req.mutable_q() = ToWire(seq.q.cview().Slice(1, first, last - first));
+    *req.mutable_k() = ToWire(seq.k.cview().Slice(1, 0, last));
+    *req.mutable_v() = ToWire(seq.v.cview().Slice(1, 0, last));
+    req.add_q_offsets(first);
+    grpc::ClientContext ctx;
+    v1::AttendResponse resp;
+    grpc::Status st = stub->Attend(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    return WireToDoubles(resp.out());
+  };
+  const std::vector<double> whole = attend(0, len);
+  const int64_t row = c.heads * c.v_dim;
+  const double tol = c.bf16_kv ? kBF16Tol : kF32Tol;
+  Stream s(stub);
+  s.Open(MakeOpen(c));
+  for (int64_t t = 0; t < len; ++t) {
+    v1::DecodeResponse r = s.Step(seq, t, t + 1, t + 1);
+    ASSERT_TRUE(r.has_step()) << r.DebugString();
+    const std::vector<double> want =
+        length_dependent
+            ? attend(t, t + 1)
+            : std::vector<double>(whole.begin() + t * row, whole.begin() + (t + 1) * row);
+    EXPECT_TRUE(AllClose(WireToDoubles(r.step().out()), want, tol)) << c.name << " step " << t;
+  }
+}
+
+TEST_F(SessionTest, DecodeStepsEqualAttendOverThePrefix) {
+  for (const Config& c : SoftmaxConfigs()) {
+    SCOPED_TRACE(c.name);
+    ExpectStepsEqualAttend(stub_.get(), c);
+  }
 }
 
 // ----------------------------------------------------------- shutdown --
