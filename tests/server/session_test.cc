@@ -4,7 +4,9 @@
 // Tolerances: f32 KV 1e-5 relative (norm-wise), bf16 KV 1e-2.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -17,7 +19,7 @@
 #include <vector>
 
 #include "gmock/gmock.h"
-#include "grpc_wire.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "reflection_wire.grpc.pb.h"
 #include "server/sessions.h"
@@ -796,6 +798,96 @@ TEST_F(SessionTest, DecodeStepsEqualAttendOverThePrefix) {
     SCOPED_TRACE(c.name);
     ExpectStepsEqualAttend(stub_.get(), c);
   }
+}
+
+TEST(ServerLimitsTest, FullQueueAnswersResourceExhaustedAtOnce) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.queue_depth = 1;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  // A request heavy enough to keep the single worker busy for a while.
+  v1::AttendRequest req;
+  req.mutable_spec()->set_heads(8);
+  req.mutable_spec()->set_head_dim(64);
+  req.mutable_spec()->set_causal(true);
+  const Tensor q = RandomTensor(DType::kF32, {1, 512, 8, 64}, 1);
+  *req.mutable_q() = ToWire(q.view());
+  *req.mutable_k() = ToWire(q.view());
+  *req.mutable_v() = ToWire(q.view());
+  constexpr int kCalls = 16;
+  std::vector<grpc::Status> results(kCalls);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kCalls; ++i) {
+    threads.emplace_back([&, i] {
+      grpc::ClientContext ctx;
+      v1::AttendResponse resp;
+      results[i] = stub->Attend(&ctx, req, &resp);
+    });
+  }
+  for (auto& t : threads) t.join();
+  int ok = 0, exhausted = 0;
+  for (const grpc::Status& st : results) {
+    if (st.ok()) ++ok;
+    if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      ++exhausted;
+      EXPECT_THAT(st.error_message(), HasSubstr("queue is full"));
+    }
+  }
+  EXPECT_EQ(ok + exhausted, kCalls);
+  EXPECT_GE(ok, 1);
+  EXPECT_GE(exhausted, 1);
+  // Not stuck: the next call is served.
+  grpc::ClientContext ctx;
+  v1::AttendResponse resp;
+  EXPECT_TRUE(stub->Attend(&ctx, req, &resp).ok());
+}
+
+// The real binary: started on port 0, it prints its port; SIGTERM turns
+// health NOT_SERVING, ends, and exits 0 within the grace period.
+TEST(ServerProcessTest, SigtermDrainsAndExits) {
+  int out_pipe[2];
+  ASSERT_EQ(pipe(out_pipe), 0);
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    dup2(out_pipe[1], STDOUT_FILENO);
+    close(out_pipe[0]);
+    execl(ROPEATTN_SERVER_PATH, "ropeattn-server", "--address=127.0.0.1:0",
+          "--metrics_address=", "--shutdown_grace_seconds=2", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(out_pipe[1]);
+  FILE* out = fdopen(out_pipe[0], "r");
+  char line[512] = {0};
+  ASSERT_NE(fgets(line, sizeof(line), out), nullptr);
+  const std::string first(line);
+  EXPECT_THAT(first, HasSubstr("listening on"));
+  const size_t at = first.find("(port ");
+  ASSERT_NE(at, std::string::npos) << first;
+  const int port = std::atoi(first.c_str() + at + 6);
+  ASSERT_GT(port, 0);
+  auto health = grpc::health::v1::Health::NewStub(TestChannel(port));
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::health::v1::HealthCheckResponse resp;
+    ASSERT_TRUE(health->Check(&ctx, {}, &resp).ok());
+    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  std::string rest;
+  while (fgets(line, sizeof(line), out) != nullptr) rest += line;
+  fclose(out);
+  EXPECT_THAT(rest, HasSubstr("SIGTERM received, draining"));
+  EXPECT_THAT(rest, HasSubstr("stopped"));
 }
 
 // ----------------------------------------------------------- shutdown --

@@ -1,0 +1,652 @@
+// health, info, sessions, attend, encode and decode.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/cli/commands.h"
+#include "client/cli/common.h"
+#include "google/protobuf/util/json_util.h"
+
+ABSL_FLAG(std::string, service, "", "Health service name to check; empty means the whole server.");
+ABSL_FLAG(bool, json, false, "Print JSON (proto3 JSON mapping) instead of a table.");
+ABSL_FLAG(std::string, close, "", "Close the session with this id instead of listing.");
+
+ABSL_FLAG(bool, return_probs, false, "Also return the attention probabilities [B, H, Sq, Sk].");
+ABSL_FLAG(std::string, probs_out, "",
+          "Write the probabilities to this .npy (implies --return_probs).");
+
+ABSL_FLAG(std::string, op, "",
+          "Encode op: sinusoidal, rope_frequencies, rope_cos_sin, rope_apply, alibi, t5.");
+ABSL_FLAG(std::string, positions, "",
+          "Comma-separated positions (rope_cos_sin: default 0..num_positions-1; rope_apply: "
+          "B*S explicit positions).");
+ABSL_FLAG(std::string, offsets, "", "rope_apply: comma-separated per-row position offsets.");
+ABSL_FLAG(bool, inverse, false, "rope_apply: undo the rotation instead of applying it.");
+ABSL_FLAG(std::string, x, "",
+          "rope_apply: input .npy [B, S, H, D]; random [batch, q_len, heads, head_dim] if empty.");
+ABSL_FLAG(int64_t, q_offset, 0, "alibi, t5: position of query 0.");
+ABSL_FLAG(bool, bidirectional, false,
+          "alibi, t5: bidirectional (encoder style) instead of causal.");
+ABSL_FLAG(int32_t, num_buckets, 0, "t5: buckets; 0 means 32 (or the table's rows).");
+ABSL_FLAG(int32_t, t5_max_distance, 0, "t5: distance of the last bucket; 0 means 128.");
+ABSL_FLAG(std::string, t5_table, "",
+          "t5: .npy bias table [num_buckets, heads]; also returns the bias.");
+
+ABSL_FLAG(int64_t, steps, 8, "Decode steps after the prefill.");
+ABSL_FLAG(int64_t, context, 0, "Tokens to prefill before the steps.");
+ABSL_FLAG(int64_t, prefill_chunk, 256, "Tokens per prefill step.");
+ABSL_FLAG(int64_t, tokens_per_step, 1, "New tokens per decode step.");
+ABSL_FLAG(std::string, kv_dtype, "f32", "Session KV cache dtype: f32 or bf16.");
+ABSL_FLAG(bool, linear, false, "Linear attention (elu+1 state) instead of a softmax KV cache.");
+ABSL_FLAG(int64_t, max_context, 0,
+          "Session max_context; 0 means context + steps * tokens_per_step.");
+
+namespace ropeattn::cli {
+namespace {
+
+std::string HumanBytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (std::abs(value) >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  return unit == 0 ? absl::StrCat(bytes, " B") : absl::StrFormat("%.1f %s", value, units[unit]);
+}
+
+std::string ToJson(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  std::string json;
+  if (!google::protobuf::util::MessageToJsonString(message, &json, options).ok()) return "{}";
+  return json;
+}
+
+const char* KindName(v1::AttentionKind kind) {
+  return kind == v1::ATTENTION_KIND_LINEAR ? "linear" : "softmax";
+}
+
+absl::Status WriteOut(const std::string& path, const v1::Tensor& tensor) {
+  absl::Status status = client::WriteNpy(path, tensor);
+  if (status.ok()) std::cout << "wrote " << path << " " << DescribeTensor(tensor) << "\n";
+  return status;
+}
+
+// "out.npy" + "sin" -> "out_sin.npy".
+std::string Suffixed(const std::string& path, absl::string_view suffix) {
+  absl::string_view stem = path;
+  const bool npy = absl::ConsumeSuffix(&stem, ".npy");
+  return absl::StrCat(stem, "_", suffix, npy ? ".npy" : "");
+}
+
+absl::StatusOr<v1::Tensor> DoublesToF32(const std::vector<double>& values,
+                                        std::vector<int64_t> shape) {
+  std::vector<float> floats(values.begin(), values.end());
+  return client::MakeF32(shape, floats);
+}
+
+void PrintTensorSummary(absl::string_view label, const v1::Tensor& tensor) {
+  absl::StatusOr<std::vector<float>> values = client::ToFloats(tensor);
+  std::cout << absl::StrFormat("%-8s %s", label, DescribeTensor(tensor));
+  if (values.ok()) std::cout << "  " << DescribeStats(ComputeStats(*values));
+  std::cout << "\n";
+}
+
+int NoPositional(absl::string_view command, const std::vector<std::string>& args) {
+  if (args.empty()) return 0;
+  return UsageFail(command, absl::StrCat("unexpected argument \"", args[0], "\""));
+}
+
+// A [1, S, ...] tensor's tokens [begin, end).
+v1::Tensor SliceTokens(const v1::Tensor& tensor, int64_t begin, int64_t end) {
+  int64_t per_token = 1;
+  for (int i = 2; i < tensor.shape_size(); ++i) per_token *= tensor.shape(i);
+  const int64_t elt = tensor.dtype() == v1::DTYPE_BF16 ? 2 : 4;
+  v1::Tensor slice;
+  slice.set_dtype(tensor.dtype());
+  slice.add_shape(1);
+  slice.add_shape(end - begin);
+  for (int i = 2; i < tensor.shape_size(); ++i) slice.add_shape(tensor.shape(i));
+  slice.set_data(tensor.data().substr(begin * per_token * elt, (end - begin) * per_token * elt));
+  return slice;
+}
+
+double Percentile(std::vector<double> sorted, double p) {
+  if (sorted.empty()) return 0;
+  std::sort(sorted.begin(), sorted.end());
+  size_t rank = static_cast<size_t>(std::ceil(p * sorted.size()));
+  return sorted[std::clamp<size_t>(rank, 1, sorted.size()) - 1];
+}
+
+}  // namespace
+
+// --- health ---
+
+int HealthCommand(int argc, char** argv) {
+  static constexpr absl::string_view kFlags[] = {"service"};
+  int exit_code = 0;
+  auto args =
+      ParseSubcommand(argc, argv,
+                      "Checks grpc.health.v1 for the server (or --service) and prints\n"
+                      "SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN. Exits 0 only when\n"
+                      "SERVING; 14 (UNAVAILABLE) otherwise or when the server is down.",
+                      kFlags, true, &exit_code);
+  if (!args.has_value()) return exit_code;
+  if (int code = NoPositional("health", *args); code != 0) return code;
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail("health", client.status());
+  absl::StatusOr<client::HealthStatus> health = (*client)->Health(absl::GetFlag(FLAGS_service));
+  if (!health.ok()) return Fail("health", health.status());
+  std::cout << client::HealthStatusName(*health) << std::endl;
+  if (*health != client::HealthStatus::kServing) {
+    const std::string service = absl::GetFlag(FLAGS_service);
+    return Fail("health",
+                absl::UnavailableError(absl::StrCat(
+                    "server at ", absl::GetFlag(FLAGS_target), " reports ",
+                    client::HealthStatusName(*health),
+                    service.empty() ? "" : absl::StrCat(" for service \"", service, "\""))));
+  }
+  return 0;
+}
+
+// --- info ---
+
+int InfoCommand(int argc, char** argv) {
+  static constexpr absl::string_view kFlags[] = {"json"};
+  int exit_code = 0;
+  auto args =
+      ParseSubcommand(argc, argv,
+                      "Prints the server's version, CPU, capabilities, limits, KV memory in\n"
+                      "use and budget, and session counts.",
+                      kFlags, true, &exit_code);
+  if (!args.has_value()) return exit_code;
+  if (int code = NoPositional("info", *args); code != 0) return code;
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail("info", client.status());
+  absl::StatusOr<v1::ServerInfo> info = (*client)->GetServerInfo();
+  if (!info.ok()) return Fail("info", info.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << ToJson(*info);
+    return 0;
+  }
+  const double used_pct =
+      info->kv_budget_bytes() > 0 ? 100.0 * info->kv_bytes_in_use() / info->kv_budget_bytes() : 0.0;
+  std::cout << absl::StrFormat("%-16s %s\n", "server", absl::GetFlag(FLAGS_target))
+            << absl::StrFormat("%-16s %s\n", "version", info->version())
+            << absl::StrFormat("%-16s %s\n", "cpu", info->cpu())
+            << absl::StrFormat("%-16s %s\n", "capabilities",
+                               absl::StrJoin(info->capabilities(), ", "))
+            << absl::StrFormat("%-16s %d threads, %d per call\n", "compute",
+                               info->compute_threads(), info->threads_per_call())
+            << absl::StrFormat("%-16s %d waiting of %d\n", "queue", info->queue_depth(),
+                               info->queue_capacity())
+            << absl::StrFormat("%-16s %s (%d bytes)\n", "max message",
+                               HumanBytes(info->max_message_bytes()), info->max_message_bytes())
+            << absl::StrFormat("%-16s %s of %s (%.1f%%; %d / %d bytes)\n", "KV memory",
+                               HumanBytes(info->kv_bytes_in_use()),
+                               HumanBytes(info->kv_budget_bytes()), used_pct,
+                               info->kv_bytes_in_use(), info->kv_budget_bytes())
+            << absl::StrFormat("%-16s %d open (%d attached) of max %d; %d reaped\n", "sessions",
+                               info->open_sessions(), info->attached_sessions(),
+                               info->max_sessions(), info->reaped_sessions())
+            << absl::StrFormat("%-16s %d tokens\n", "default context", info->default_max_context())
+            << absl::StrFormat("%-16s default %d s, max %d s\n", "idle TTL",
+                               info->default_idle_ttl_seconds(), info->max_idle_ttl_seconds());
+  return 0;
+}
+
+// --- sessions ---
+
+int SessionsCommand(int argc, char** argv) {
+  static constexpr absl::string_view kFlags[] = {"close", "json"};
+  int exit_code = 0;
+  auto args =
+      ParseSubcommand(argc, argv,
+                      "Lists the server's live decoding sessions (id, position, max context,\n"
+                      "kind, KV dtype, attached, idle seconds, KV bytes), or closes one\n"
+                      "with --close ID.",
+                      kFlags, true, &exit_code);
+  if (!args.has_value()) return exit_code;
+  if (int code = NoPositional("sessions", *args); code != 0) return code;
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail("sessions", client.status());
+  if (const std::string id = absl::GetFlag(FLAGS_close); !id.empty()) {
+    absl::StatusOr<v1::SessionInfo> closed = (*client)->CloseSession(id);
+    if (!closed.ok()) return Fail("sessions", closed.status());
+    if (absl::GetFlag(FLAGS_json)) {
+      std::cout << ToJson(*closed);
+    } else {
+      std::cout << absl::StrFormat("closed %s (position %d, %d steps, %s freed)\n", id,
+                                   closed->position(), closed->steps(),
+                                   HumanBytes(closed->kv_bytes()));
+    }
+    return 0;
+  }
+  absl::StatusOr<std::vector<v1::SessionInfo>> sessions = (*client)->ListSessions();
+  if (!sessions.ok()) return Fail("sessions", sessions.status());
+  std::sort(sessions->begin(), sessions->end(),
+            [](const auto& a, const auto& b) { return a.session_id() < b.session_id(); });
+  if (absl::GetFlag(FLAGS_json)) {
+    v1::ListSessionsResponse response;
+    for (const auto& session : *sessions) *response.add_sessions() = session;
+    std::cout << ToJson(response);
+    return 0;
+  }
+  std::cout << absl::StrFormat("%-32s %9s %11s %-7s %-8s %-8s %8s %12s\n", "ID", "POSITION",
+                               "MAX_CONTEXT", "KIND", "KV_DTYPE", "ATTACHED", "IDLE_S", "KV_BYTES");
+  for (const v1::SessionInfo& s : *sessions) {
+    std::cout << absl::StrFormat(
+        "%-32s %9d %11d %-7s %-8s %-8s %8.1f %12d\n", s.session_id(), s.position(), s.max_context(),
+        KindName(s.kind()),
+        DTypeName(s.kv_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_F32 : s.kv_dtype()),
+        s.attached() ? "yes" : "no", s.idle_seconds(), s.kv_bytes());
+  }
+  std::cout << sessions->size() << " session" << (sessions->size() == 1 ? "" : "s") << "\n";
+  return 0;
+}
+
+// --- attend ---
+
+int AttendCommand(int argc, char** argv) {
+  std::vector<absl::string_view> flags = {"seed",         "batch",    "q_len", "k_len", "v_dim",
+                                          "dtype",        "q",        "k",     "v",     "out",
+                                          "return_probs", "probs_out"};
+  for (absl::string_view flag : AttentionSpecFlags()) flags.push_back(flag);
+  int exit_code = 0;
+  auto args = ParseSubcommand(
+      argc, argv,
+      "Runs one Attend call. Inputs are random (seeded: q, k, v from --seed, --seed+1,\n"
+      "--seed+2, uniform in [-1, 1)) or read from .npy files (--q, --k, --v; heads and\n"
+      "head_dim then come from their shapes unless given). RoPE (--rope_*) is on unless\n"
+      "--norope or --alibi. Prints shapes, time and output statistics; --out writes the\n"
+      "output [B, Sq, H, Dv] as .npy, --probs_out the probabilities [B, H, Sq, Sk].",
+      flags, true, &exit_code);
+  if (!args.has_value()) return exit_code;
+  if (int code = NoPositional("attend", *args); code != 0) return code;
+
+  const int64_t q_len = absl::GetFlag(FLAGS_q_len);
+  const int64_t k_len = absl::GetFlag(FLAGS_k_len) == 0 ? q_len : absl::GetFlag(FLAGS_k_len);
+  absl::StatusOr<Inputs> inputs = InputsFromFlags(absl::GetFlag(FLAGS_batch), q_len, k_len);
+  if (!inputs.ok()) return Fail("attend", inputs.status());
+  absl::StatusOr<v1::AttentionSpec> spec = AttentionSpecFromFlags();
+  if (!spec.ok()) return Fail("attend", spec.status());
+  if (!absl::GetFlag(FLAGS_q).empty()) {
+    // Shapes from the files, unless the flags say otherwise (the server then
+    // reports the mismatch).
+    if (inputs->q.shape_size() == 4 && !FlagGiven("heads")) spec->set_heads(inputs->q.shape(2));
+    if (inputs->q.shape_size() == 4 && !FlagGiven("head_dim")) {
+      spec->set_head_dim(inputs->q.shape(3));
+    }
+    if (inputs->k.shape_size() == 4 && !FlagGiven("kv_heads")) {
+      spec->set_kv_heads(inputs->k.shape(2));
+    }
+  }
+  v1::AttendRequest request;
+  *request.mutable_spec() = *spec;
+  *request.mutable_q() = inputs->q;
+  *request.mutable_k() = inputs->k;
+  *request.mutable_v() = inputs->v;
+  const std::string probs_out = absl::GetFlag(FLAGS_probs_out);
+  request.set_return_probs(absl::GetFlag(FLAGS_return_probs) || !probs_out.empty());
+
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail("attend", client.status());
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::AttendResponse> response = (*client)->Attend(request);
+  const absl::Duration elapsed = absl::Now() - start;
+  if (!response.ok()) return Fail("attend", response.status());
+
+  std::cout << absl::StrFormat("%-8s %s\n", "q", DescribeTensor(request.q()))
+            << absl::StrFormat("%-8s %s\n", "k", DescribeTensor(request.k()))
+            << absl::StrFormat("%-8s %s\n", "v", DescribeTensor(request.v()))
+            << absl::StrFormat("%-8s %s\n", "spec", DescribeSpec(*spec))
+            << absl::StrFormat("%-8s %.3f ms\n", "time", absl::ToDoubleMilliseconds(elapsed));
+  PrintTensorSummary("out", response->out());
+  if (request.return_probs()) PrintTensorSummary("probs", response->probs());
+  if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) {
+    if (absl::Status s = WriteOut(out, response->out()); !s.ok()) return Fail("attend", s);
+  }
+  if (!probs_out.empty()) {
+    if (absl::Status s = WriteOut(probs_out, response->probs()); !s.ok()) {
+      return Fail("attend", s);
+    }
+  }
+  return 0;
+}
+
+// --- encode ---
+
+int EncodeCommand(int argc, char** argv) {
+  std::vector<absl::string_view> flags = {"op",
+                                          "out",
+                                          "num_positions",
+                                          "d_model",
+                                          "base",
+                                          "sin_layout",
+                                          "first_position",
+                                          "head_dim",
+                                          "seq_len",
+                                          "positions",
+                                          "offsets",
+                                          "inverse",
+                                          "x",
+                                          "seed",
+                                          "batch",
+                                          "q_len",
+                                          "k_len",
+                                          "heads",
+                                          "dtype",
+                                          "q_offset",
+                                          "bidirectional",
+                                          "num_buckets",
+                                          "t5_max_distance",
+                                          "t5_table"};
+  for (absl::string_view flag : RopeFlags()) flags.push_back(flag);
+  int exit_code = 0;
+  auto args = ParseSubcommand(
+      argc, argv,
+      "Runs one Encode op (--op) and prints a summary; --out writes the result as .npy.\n"
+      "  sinusoidal        table [num_positions, d_model] (--d_model, --base, --sin_layout,\n"
+      "                    --first_position)\n"
+      "  rope_frequencies  inverse frequencies of a RoPE rule (--head_dim, --rope_*,\n"
+      "                    --seq_len); printed, --out as f32 [rotary_dim/2]\n"
+      "  rope_cos_sin      cos and sin [n, rotary_dim/2] at --positions (default\n"
+      "                    0..num_positions-1); --out gets cos, <out>_sin.npy gets sin\n"
+      "  rope_apply        rotates --x (or random [batch, q_len, heads, head_dim]) at\n"
+      "                    --positions / --offsets; --inverse un-rotates\n"
+      "  alibi             slopes for --heads, and the bias [heads, q_len, k_len] when\n"
+      "                    q_len > 0 (--q_offset, --bidirectional)\n"
+      "  t5                buckets [q_len, k_len] (--num_buckets, --t5_max_distance,\n"
+      "                    --bidirectional); with --t5_table also the bias (<out>_bias.npy)",
+      flags, true, &exit_code);
+  if (!args.has_value()) return exit_code;
+  if (int code = NoPositional("encode", *args); code != 0) return code;
+
+  const std::string op = absl::GetFlag(FLAGS_op);
+  v1::EncodeRequest request;
+  const int64_t q_len = absl::GetFlag(FLAGS_q_len);
+  const int64_t k_len = absl::GetFlag(FLAGS_k_len) == 0 ? q_len : absl::GetFlag(FLAGS_k_len);
+  auto positions = ParseIntList("positions", absl::GetFlag(FLAGS_positions));
+  if (!positions.ok()) return Fail("encode", positions.status());
+  if (op == "sinusoidal") {
+    auto* s = request.mutable_sinusoidal();
+    s->set_num_positions(absl::GetFlag(FLAGS_num_positions));
+    s->set_d_model(absl::GetFlag(FLAGS_d_model));
+    s->set_base(absl::GetFlag(FLAGS_base));
+    s->set_first_position(absl::GetFlag(FLAGS_first_position));
+    const std::string layout = absl::GetFlag(FLAGS_sin_layout);
+    if (layout == "interleaved") {
+      s->set_layout(v1::SINUSOIDAL_LAYOUT_INTERLEAVED);
+    } else if (layout == "sin_cos_half") {
+      s->set_layout(v1::SINUSOIDAL_LAYOUT_SIN_COS_HALF);
+    } else {
+      return Fail("encode",
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "--sin_layout must be interleaved or sin_cos_half, got \"", layout, "\"")));
+    }
+  } else if (op == "rope_frequencies" || op == "rope_cos_sin" || op == "rope_apply") {
+    absl::StatusOr<v1::RopeSpec> rope = RopeSpecFromFlags();
+    if (!rope.ok()) return Fail("encode", rope.status());
+    if (op == "rope_frequencies") {
+      auto* f = request.mutable_rope_frequencies();
+      *f->mutable_rope() = *rope;
+      f->set_head_dim(absl::GetFlag(FLAGS_head_dim));
+      f->set_seq_len(absl::GetFlag(FLAGS_seq_len));
+    } else if (op == "rope_cos_sin") {
+      auto* c = request.mutable_rope_cos_sin();
+      *c->mutable_rope() = *rope;
+      c->set_head_dim(absl::GetFlag(FLAGS_head_dim));
+      c->set_seq_len(absl::GetFlag(FLAGS_seq_len));
+      if (positions->empty()) {
+        for (int64_t p = 0; p < absl::GetFlag(FLAGS_num_positions); ++p) c->add_positions(p);
+      } else {
+        for (int64_t p : *positions) c->add_positions(p);
+      }
+    } else {
+      auto* a = request.mutable_rope_apply();
+      *a->mutable_rope() = *rope;
+      a->set_seq_len(absl::GetFlag(FLAGS_seq_len));
+      a->set_inverse(absl::GetFlag(FLAGS_inverse));
+      for (int64_t p : *positions) a->add_positions(p);
+      auto offsets = ParseIntList("offsets", absl::GetFlag(FLAGS_offsets));
+      if (!offsets.ok()) return Fail("encode", offsets.status());
+      for (int64_t o : *offsets) a->add_offsets(o);
+      if (const std::string path = absl::GetFlag(FLAGS_x); !path.empty()) {
+        absl::StatusOr<v1::Tensor> x = client::ReadNpy(path);
+        if (!x.ok()) return Fail("encode", x.status());
+        *a->mutable_x() = *std::move(x);
+      } else {
+        absl::StatusOr<v1::DType> dtype = ParseDType("dtype", absl::GetFlag(FLAGS_dtype));
+        if (!dtype.ok()) return Fail("encode", dtype.status());
+        const int64_t shape[] = {absl::GetFlag(FLAGS_batch), q_len, absl::GetFlag(FLAGS_heads),
+                                 absl::GetFlag(FLAGS_head_dim)};
+        absl::StatusOr<v1::Tensor> x =
+            client::RandomTensor(*dtype, shape, absl::GetFlag(FLAGS_seed));
+        if (!x.ok()) return Fail("encode", x.status());
+        *a->mutable_x() = *std::move(x);
+      }
+    }
+  } else if (op == "alibi") {
+    auto* a = request.mutable_alibi();
+    a->set_heads(absl::GetFlag(FLAGS_heads));
+    a->set_q_len(FlagGiven("q_len") ? q_len : 0);
+    a->set_k_len(FlagGiven("q_len") ? k_len : 0);
+    a->set_q_offset(absl::GetFlag(FLAGS_q_offset));
+    a->set_bidirectional(absl::GetFlag(FLAGS_bidirectional));
+  } else if (op == "t5") {
+    auto* t = request.mutable_t5();
+    t->set_num_buckets(absl::GetFlag(FLAGS_num_buckets));
+    t->set_max_distance(absl::GetFlag(FLAGS_t5_max_distance));
+    t->set_bidirectional(absl::GetFlag(FLAGS_bidirectional));
+    t->set_q_len(q_len);
+    t->set_k_len(k_len);
+    t->set_q_offset(absl::GetFlag(FLAGS_q_offset));
+    if (const std::string path = absl::GetFlag(FLAGS_t5_table); !path.empty()) {
+      absl::StatusOr<v1::Tensor> table = client::ReadNpy(path);
+      if (!table.ok()) return Fail("encode", table.status());
+      *t->mutable_table() = *std::move(table);
+    }
+  } else {
+    return UsageFail("encode", absl::StrCat("--op must be sinusoidal, rope_frequencies, "
+                                            "rope_cos_sin, rope_apply, alibi or t5, got \"",
+                                            op, "\""));
+  }
+
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail("encode", client.status());
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::EncodeResponse> response = (*client)->Encode(request);
+  const absl::Duration elapsed = absl::Now() - start;
+  if (!response.ok()) return Fail("encode", response.status());
+  std::cout << absl::StrFormat("%-8s %s\n", "op", op)
+            << absl::StrFormat("%-8s %.3f ms\n", "time", absl::ToDoubleMilliseconds(elapsed));
+
+  // The results, first one to --out, a second one next to it. Lists printed
+  // in full above (inverse frequencies, slopes) get no summary line.
+  std::vector<std::pair<std::string, v1::Tensor>> results;
+  bool printed_in_full = false;
+  auto add_doubles = [&](absl::string_view name, const auto& values) -> absl::Status {
+    std::vector<double> v(values.begin(), values.end());
+    absl::StatusOr<v1::Tensor> t = DoublesToF32(v, {static_cast<int64_t>(v.size())});
+    if (!t.ok()) return t.status();
+    results.emplace_back(name, *std::move(t));
+    printed_in_full = true;
+    return absl::OkStatus();
+  };
+  absl::Status status;
+  if (op == "sinusoidal") {
+    results.emplace_back("table", response->table());
+  } else if (op == "rope_frequencies" || op == "rope_cos_sin") {
+    std::cout << absl::StrFormat("%-8s %.9g\n", "attention_factor", response->attention_factor());
+    std::cout << "inv_freq";
+    for (double f : response->inv_freq()) std::cout << absl::StrFormat(" %.9g", f);
+    std::cout << "\n";
+    if (op == "rope_frequencies") {
+      status = add_doubles("inv_freq", response->inv_freq());
+    } else {
+      results.emplace_back("cos", response->cos());
+      results.emplace_back("sin", response->sin());
+    }
+  } else if (op == "rope_apply") {
+    std::cout << absl::StrFormat("%-8s %.9g\n", "attention_factor", response->attention_factor());
+    PrintTensorSummary("in", request.rope_apply().x());
+    results.emplace_back("x", response->x());
+  } else if (op == "alibi") {
+    std::cout << "slopes";
+    for (double s : response->slopes()) std::cout << absl::StrFormat(" %.9g", s);
+    std::cout << "\n";
+    if (response->has_bias()) {
+      results.emplace_back("bias", response->bias());
+    } else {
+      status = add_doubles("slopes", response->slopes());
+    }
+  } else if (op == "t5") {
+    std::vector<double> buckets(response->buckets().begin(), response->buckets().end());
+    absl::StatusOr<v1::Tensor> t = DoublesToF32(buckets, {q_len, k_len});
+    if (!t.ok()) return Fail("encode", t.status());
+    results.emplace_back("buckets", *std::move(t));
+    if (response->has_bias()) results.emplace_back("bias", response->bias());
+  }
+  if (!status.ok()) return Fail("encode", status);
+  if (!printed_in_full) {
+    for (const auto& [name, tensor] : results) PrintTensorSummary(name, tensor);
+  }
+  if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) {
+    for (size_t i = 0; i < results.size(); ++i) {
+      const std::string path = i == 0 ? out : Suffixed(out, results[i].first);
+      if (absl::Status s = WriteOut(path, results[i].second); !s.ok()) return Fail("encode", s);
+    }
+  }
+  return 0;
+}
+
+// --- decode ---
+
+int DecodeCommand(int argc, char** argv) {
+  std::vector<absl::string_view> flags = {
+      "steps",       "context", "prefill_chunk", "tokens_per_step", "kv_dtype", "linear",
+      "max_context", "seed",    "v_dim",         "dtype",           "q",        "k",
+      "v",           "out"};
+  for (absl::string_view flag : AttentionSpecFlags()) {
+    if (flag != "causal") flags.push_back(flag);
+  }
+  int exit_code = 0;
+  auto args = ParseSubcommand(
+      argc, argv,
+      "Opens a decoding session, prefills --context tokens in chunks of --prefill_chunk,\n"
+      "then runs --steps steps of --tokens_per_step tokens, printing each step's\n"
+      "latency and p50/p99 at the end. Inputs: random q, k, v of [1, N, ...] with\n"
+      "N = context + steps * tokens_per_step (seeds --seed, +1, +2), or .npy files\n"
+      "(--q, --k, --v) holding at least N tokens; token t is the same token whether\n"
+      "sent in the prefill or a step, so the last step equals a causal Attend over\n"
+      "all N tokens. --out writes the last step's output [1, T, H, Dv] as .npy.",
+      flags, true, &exit_code);
+  if (!args.has_value()) return exit_code;
+  if (int code = NoPositional("decode", *args); code != 0) return code;
+
+  const int64_t steps = absl::GetFlag(FLAGS_steps);
+  const int64_t context = absl::GetFlag(FLAGS_context);
+  const int64_t chunk = absl::GetFlag(FLAGS_prefill_chunk);
+  const int64_t per_step = absl::GetFlag(FLAGS_tokens_per_step);
+  if (steps < 1 || context < 0 || chunk < 1 || per_step < 1) {
+    return Fail("decode", absl::InvalidArgumentError(absl::StrCat(
+                              "--steps, --prefill_chunk and --tokens_per_step must be >= 1 and "
+                              "--context >= 0, got steps ",
+                              steps, ", prefill_chunk ", chunk, ", tokens_per_step ", per_step,
+                              ", context ", context)));
+  }
+  const int64_t total = context + steps * per_step;
+  absl::StatusOr<Inputs> inputs = InputsFromFlags(1, total, total);
+  if (!inputs.ok()) return Fail("decode", inputs.status());
+  for (const v1::Tensor* t : {&inputs->q, &inputs->k, &inputs->v}) {
+    if (t->shape_size() != 4 || t->shape(0) != 1 || t->shape(1) < total) {
+      return Fail("decode",
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "inputs must be [1, >= ", total, ", heads, dim], got ", DescribeTensor(*t))));
+    }
+  }
+  absl::StatusOr<v1::AttentionSpec> spec = AttentionSpecFromFlags();
+  if (!spec.ok()) return Fail("decode", spec.status());
+  if (!absl::GetFlag(FLAGS_q).empty()) {
+    if (!FlagGiven("heads")) spec->set_heads(inputs->q.shape(2));
+    if (!FlagGiven("head_dim")) spec->set_head_dim(inputs->q.shape(3));
+    if (!FlagGiven("kv_heads")) spec->set_kv_heads(inputs->k.shape(2));
+  }
+  spec->set_causal(true);
+  absl::StatusOr<v1::DType> kv_dtype = ParseDType("kv_dtype", absl::GetFlag(FLAGS_kv_dtype));
+  if (!kv_dtype.ok()) return Fail("decode", kv_dtype.status());
+
+  v1::OpenSession open;
+  *open.mutable_spec() = *spec;
+  open.set_kv_dtype(*kv_dtype);
+  open.set_kind(absl::GetFlag(FLAGS_linear) ? v1::ATTENTION_KIND_LINEAR
+                                            : v1::ATTENTION_KIND_SOFTMAX);
+  open.set_max_context(FlagGiven("max_context") ? absl::GetFlag(FLAGS_max_context) : total);
+  open.set_v_dim(inputs->v.shape(3));
+
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail("decode", client.status());
+  absl::Time start = absl::Now();
+  absl::StatusOr<std::unique_ptr<client::Session>> session = (*client)->OpenSession(open);
+  if (!session.ok()) return Fail("decode", session.status());
+  std::cout << absl::StrFormat("session  %s (%s, kv %s, max_context %d) opened in %.3f ms\n",
+                               (*session)->id(), KindName(open.kind()), DTypeName(*kv_dtype),
+                               (*session)->info().max_context(),
+                               absl::ToDoubleMilliseconds(absl::Now() - start));
+  std::cout << absl::StrFormat("spec     %s\n", DescribeSpec(*spec));
+
+  auto step = [&](int64_t begin, int64_t end) {
+    return (*session)->Step(SliceTokens(inputs->q, begin, end), SliceTokens(inputs->k, begin, end),
+                            SliceTokens(inputs->v, begin, end));
+  };
+  if (context > 0) {
+    start = absl::Now();
+    int64_t chunks = 0;
+    for (int64_t begin = 0; begin < context; begin += chunk, ++chunks) {
+      absl::StatusOr<v1::StepResult> result = step(begin, std::min(context, begin + chunk));
+      if (!result.ok()) return Fail("decode", result.status());
+    }
+    std::cout << absl::StrFormat("prefill  %d tokens in %d chunks, %.3f ms\n", context, chunks,
+                                 absl::ToDoubleMilliseconds(absl::Now() - start));
+  }
+  std::vector<double> latencies;
+  v1::Tensor last;
+  for (int64_t i = 0; i < steps; ++i) {
+    const int64_t begin = context + i * per_step;
+    start = absl::Now();
+    absl::StatusOr<v1::StepResult> result = step(begin, begin + per_step);
+    const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+    if (!result.ok()) return Fail("decode", result.status());
+    latencies.push_back(ms);
+    std::cout << absl::StrFormat("step %4d  position %6d  %9.3f ms\n", i + 1, result->position(),
+                                 ms);
+    last = std::move(*result->mutable_out());
+  }
+  double sum = 0;
+  for (double ms : latencies) sum += ms;
+  std::cout << absl::StrFormat("steps %d  p50 %.3f ms  p99 %.3f ms  mean %.3f ms  max %.3f ms\n",
+                               steps, Percentile(latencies, 0.5), Percentile(latencies, 0.99),
+                               sum / steps, *std::max_element(latencies.begin(), latencies.end()));
+  PrintTensorSummary("last", last);
+  if (absl::Status s = (*session)->Close(); !s.ok()) return Fail("decode", s);
+  if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) {
+    if (absl::Status s = WriteOut(out, last); !s.ok()) return Fail("decode", s);
+  }
+  return 0;
+}
+
+}  // namespace ropeattn::cli

@@ -1,0 +1,563 @@
+// `ropeattn bench`: the load generator (client/loadgen.h) on the command line.
+//
+// The shape flags are the shared ones from common.h (--heads, --kv_heads,
+// --head_dim, --batch, --q_len, --k_len, --dtype, --causal, --rope_type, ...).
+// The bench-only flags are parsed here, from a table, and taken out of argv
+// before the shared parser sees it: absl flags are process-wide, and names
+// such as --json or --kv_dtype may belong to other subcommands with other
+// types.
+//
+// CSV columns (one row per sweep point; kCsvHeader below):
+//   mode            closed, constant or poisson
+//   workload        attend or decode
+//   concurrency     closed loop: workers; 0 in open loop
+//   offered_rps     open loop: scheduled requests/s; 0 in closed loop
+//   throughput_rps  successful requests/s over the final windows
+//   tokens_per_s    their tokens/s (attend: batch * q_len; decode: step tokens)
+//   p50_ms .. p999_ms, mean_ms, max_ms
+//                   latency of every successful request in the final windows
+//                   (open loop: from its scheduled send time)
+//   requests        requests completed in the final windows, any status
+//   ok, errors      of which successful / failed
+//   late            open loop: requests sent after their scheduled time
+//   codes           requests per status, "OK=120;RESOURCE_EXHAUSTED=3"
+//   windows         measurement windows run
+//   stable          1 if the last three windows' throughputs were within
+//                   --stability of their mean, else 0
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "client/cli/commands.h"
+#include "client/cli/common.h"
+#include "client/loadgen.h"
+
+namespace ropeattn::cli {
+namespace {
+
+constexpr char kCommand[] = "bench";
+
+constexpr char kCsvHeader[] =
+    "mode,workload,concurrency,offered_rps,throughput_rps,tokens_per_s,p50_ms,p90_ms,p95_ms,"
+    "p99_ms,p999_ms,mean_ms,max_ms,requests,ok,errors,late,codes,windows,stable";
+
+constexpr absl::string_view kSharedFlags[] = {"heads",
+                                              "kv_heads",
+                                              "head_dim",
+                                              "batch",
+                                              "q_len",
+                                              "k_len",
+                                              "dtype",
+                                              "causal",
+                                              "rope_type",
+                                              "rope_factor",
+                                              "original_max_positions",
+                                              "seed"};
+
+struct BenchFlags {
+  std::string workload = "attend";
+  std::string mode = "closed";
+  std::string concurrency = "1,2,4";
+  std::string rate = "50,100";
+  double window_seconds = 2;
+  double warmup_seconds = 1;
+  int64_t max_windows = 10;
+  double stability = 0.10;
+  int64_t max_outstanding = 64;
+  int64_t steps_per_session = 32;
+  int64_t context = 128;
+  int64_t tokens_per_step = 1;
+  double think_ms = 0;
+  std::string kv_dtype = "f32";
+  std::string csv;
+  std::string json;
+  std::string plot;
+};
+
+struct OwnFlag {
+  const char* name;
+  std::string default_value;
+  const char* help;
+  std::function<bool(absl::string_view)> set;  // false when the value does not parse
+};
+
+std::vector<OwnFlag> OwnFlags(BenchFlags* f) {
+  auto str = [](std::string* out) {
+    return [out](absl::string_view v) {
+      *out = std::string(v);
+      return true;
+    };
+  };
+  auto num = [](auto* out) {
+    return [out](absl::string_view v) {
+      if constexpr (std::is_same_v<std::remove_pointer_t<decltype(out)>, double>) {
+        return absl::SimpleAtod(v, out);
+      } else {
+        return absl::SimpleAtoi(v, out);
+      }
+    };
+  };
+  auto d = [](double x) { return absl::StrCat(x); };
+  return {
+      {"workload", f->workload, "attend (unary Attend) or decode (Decode sessions).",
+       str(&f->workload)},
+      {"mode", f->mode,
+       "closed (C workers back to back), constant or poisson (open loop at a rate; latency "
+       "from the scheduled send time).",
+       str(&f->mode)},
+      {"concurrency", f->concurrency, "Closed loop: comma-separated worker counts to sweep.",
+       str(&f->concurrency)},
+      {"rate", f->rate,
+       "Open loop: comma-separated requests/s to sweep (decode: steps/s; sessions start at "
+       "rate / steps_per_session).",
+       str(&f->rate)},
+      {"window_seconds", d(f->window_seconds), "Length of one measurement window.",
+       num(&f->window_seconds)},
+      {"warmup_seconds", d(f->warmup_seconds), "Warm-up before the first window (not measured).",
+       num(&f->warmup_seconds)},
+      {"max_windows", absl::StrCat(f->max_windows),
+       "Windows per point at most (>= 3); stable once the last 3 throughputs are within "
+       "--stability of their mean.",
+       num(&f->max_windows)},
+      {"stability", d(f->stability), "Relative tolerance of the stability check.",
+       num(&f->stability)},
+      {"max_outstanding", absl::StrCat(f->max_outstanding),
+       "Open loop: requests (decode: sessions) in flight at most; arrivals that find none free "
+       "are sent late and counted.",
+       num(&f->max_outstanding)},
+      {"steps_per_session", absl::StrCat(f->steps_per_session), "Decode: steps per session.",
+       num(&f->steps_per_session)},
+      {"context", absl::StrCat(f->context),
+       "Decode: tokens prefilled when a session opens (part of its first step's latency).",
+       num(&f->context)},
+      {"tokens_per_step", absl::StrCat(f->tokens_per_step), "Decode: tokens per step.",
+       num(&f->tokens_per_step)},
+      {"think_ms", d(f->think_ms), "Decode: pause between a step's answer and the next step.",
+       num(&f->think_ms)},
+      {"kv_dtype", f->kv_dtype, "Decode: KV cache dtype, f32 or bf16.", str(&f->kv_dtype)},
+      {"csv", f->csv, "Write one CSV row per sweep point to this file (columns below).",
+       str(&f->csv)},
+      {"json", f->json, "Write the results as JSON to this file.", str(&f->json)},
+      {"plot", f->plot, "Write an SVG plot of p50 and p99 latency vs throughput to this file.",
+       str(&f->plot)},
+  };
+}
+
+std::string Usage(const std::vector<OwnFlag>& flags) {
+  std::string text =
+      "Load generator in the spirit of perf_analyzer: closed-loop concurrency sweeps or\n"
+      "open-loop constant / Poisson rate sweeps, for unary Attend or Decode sessions.\n"
+      "Each point: a warm-up, then windows until the last three throughputs agree.\n"
+      "Percentiles come from every successful request of the final windows. Prints a\n"
+      "table on stdout (and a progress line on a terminal).\n\nBench flags:\n";
+  for (const OwnFlag& flag : flags) {
+    absl::StrAppend(&text, "  --", flag.name, "\n      ", flag.help, " (default: \"",
+                    flag.default_value, "\")\n");
+  }
+  absl::StrAppend(&text, "\nCSV columns: ", kCsvHeader,
+                  "\n  concurrency is 0 in open loop, offered_rps 0 in closed loop; latencies in "
+                  "ms of successful\n  requests (open loop: from the scheduled send time); "
+                  "late = sent after their scheduled\n  time; codes = \"OK=n;CODE=n\"; stable = "
+                  "1 or 0.\n\nShape flags (attend: q [batch, q_len, heads, head_dim], k/v "
+                  "[batch, k_len, kv_heads, head_dim];\ndecode: heads, kv_heads, head_dim, "
+                  "dtype of the step tensors) are the shared ones:");
+  return text;
+}
+
+// Takes the bench-only flags out of argv; the rest goes to ParseSubcommand.
+// Returns false (with *error) for a bad or missing value.
+bool ExtractOwnFlags(int argc, char** argv, std::vector<OwnFlag>& flags, std::vector<char*>* rest,
+                     std::string* error) {
+  rest->push_back(argv[0]);
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--") {
+      for (; i < argc; ++i) rest->push_back(argv[i]);
+      break;
+    }
+    absl::string_view body = arg;
+    if (!absl::ConsumePrefix(&body, "--") && !absl::ConsumePrefix(&body, "-")) {
+      rest->push_back(argv[i]);
+      continue;
+    }
+    absl::string_view name = body;
+    std::optional<absl::string_view> value;
+    if (size_t eq = body.find('='); eq != absl::string_view::npos) {
+      name = body.substr(0, eq);
+      value = body.substr(eq + 1);
+    }
+    auto it =
+        std::find_if(flags.begin(), flags.end(), [&](const OwnFlag& f) { return name == f.name; });
+    if (it == flags.end()) {
+      rest->push_back(argv[i]);
+      continue;
+    }
+    if (!value.has_value()) {
+      if (i + 1 >= argc) {
+        *error = absl::StrCat("flag --", name, " needs a value");
+        return false;
+      }
+      value = argv[++i];
+    }
+    if (!it->set(*value)) {
+      *error = absl::StrCat("bad value for --", name, ": '", *value, "'");
+      return false;
+    }
+  }
+  return true;
+}
+
+absl::Status FileError(const std::string& path) {
+  const std::string message = absl::StrCat("cannot write ", path, ": ", std::strerror(errno));
+  if (errno == ENOENT) return absl::NotFoundError(message);
+  if (errno == EACCES || errno == EPERM || errno == EROFS) {
+    return absl::PermissionDeniedError(message);
+  }
+  return absl::InternalError(message);
+}
+
+absl::Status WriteFile(const std::string& path, const std::string& contents) {
+  errno = 0;
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) return FileError(path);
+  out << contents;
+  out.close();
+  if (!out) return FileError(path);
+  return absl::OkStatus();
+}
+
+std::string CsvRow(const client::PointResult& r) {
+  const client::LatencyStats& l = r.latency;
+  return absl::StrFormat(
+      "%s,%s,%d,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%d,%d,%d,%d,%s,%d,%d",
+      client::LoadModeName(r.mode), client::WorkloadName(r.workload), r.concurrency, r.offered_rps,
+      r.throughput_rps, r.tokens_per_s, l.p50, l.p90, l.p95, l.p99, l.p999, l.mean, l.max,
+      r.requests, r.ok, r.errors, r.late, client::FormatCodes(r.codes), r.windows,
+      r.stable ? 1 : 0);
+}
+
+std::string Csv(const std::vector<client::PointResult>& results) {
+  std::string text = absl::StrCat(kCsvHeader, "\n");
+  for (const auto& r : results) absl::StrAppend(&text, CsvRow(r), "\n");
+  return text;
+}
+
+std::string JsonString(absl::string_view s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      absl::StrAppend(&out, "\\", std::string(1, c));
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      absl::StrAppend(&out, absl::StrFormat("\\u%04x", c));
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+std::string JsonNumber(double x) { return std::isfinite(x) ? absl::StrFormat("%.6g", x) : "null"; }
+
+std::string Json(const client::LoadSpec& spec, const std::string& target,
+                 const std::vector<client::PointResult>& results) {
+  std::string text =
+      absl::StrCat("{\n  \"target\": ", JsonString(target),
+                   ",\n  \"workload\": ", JsonString(client::WorkloadName(spec.workload)),
+                   ",\n  \"mode\": ", JsonString(client::LoadModeName(spec.mode)),
+                   ",\n  \"window_seconds\": ", JsonNumber(absl::ToDoubleSeconds(spec.window)),
+                   ",\n  \"warmup_seconds\": ", JsonNumber(absl::ToDoubleSeconds(spec.warmup)),
+                   ",\n  \"max_windows\": ", spec.max_windows, ",\n  \"points\": [");
+  for (size_t i = 0; i < results.size(); ++i) {
+    const client::PointResult& r = results[i];
+    const client::LatencyStats& l = r.latency;
+    std::vector<std::string> codes;
+    for (const auto& [code, n] : r.codes) {
+      codes.push_back(absl::StrCat(JsonString(absl::StatusCodeToString(code)), ": ", n));
+    }
+    std::vector<std::string> windows;
+    for (double t : r.window_throughputs) windows.push_back(JsonNumber(t));
+    absl::StrAppend(&text, i == 0 ? "\n" : ",\n", "    {\"concurrency\": ", r.concurrency,
+                    ", \"offered_rps\": ", JsonNumber(r.offered_rps),
+                    ", \"throughput_rps\": ", JsonNumber(r.throughput_rps),
+                    ", \"tokens_per_s\": ", JsonNumber(r.tokens_per_s),
+                    ",\n     \"latency_ms\": {\"p50\": ", JsonNumber(l.p50),
+                    ", \"p90\": ", JsonNumber(l.p90), ", \"p95\": ", JsonNumber(l.p95),
+                    ", \"p99\": ", JsonNumber(l.p99), ", \"p999\": ", JsonNumber(l.p999),
+                    ", \"mean\": ", JsonNumber(l.mean), ", \"max\": ", JsonNumber(l.max),
+                    "},\n     \"requests\": ", r.requests, ", \"ok\": ", r.ok,
+                    ", \"errors\": ", r.errors, ", \"late\": ", r.late, ", \"codes\": {",
+                    absl::StrJoin(codes, ", "), "}, \"windows\": ", r.windows,
+                    ", \"stable\": ", r.stable ? "true" : "false",
+                    ",\n     \"window_throughputs\": [", absl::StrJoin(windows, ", "), "]}");
+  }
+  absl::StrAppend(&text, results.empty() ? "]\n}\n" : "\n  ]\n}\n");
+  return text;
+}
+
+// A "nice" tick step (1, 2 or 5 times a power of ten) for about `n` ticks.
+double TickStep(double range, int n) {
+  if (!(range > 0)) return 1;
+  const double raw = range / n;
+  const double p = std::pow(10.0, std::floor(std::log10(raw)));
+  for (double m : {1.0, 2.0, 5.0}) {
+    if (m * p >= raw) return m * p;
+  }
+  return 10 * p;
+}
+
+// Latency (p50, p99) vs achieved throughput, points joined in sweep order.
+std::string Svg(const client::LoadSpec& spec, const std::vector<client::PointResult>& results) {
+  constexpr double kW = 640, kH = 420, kLeft = 70, kRight = 20, kTop = 40, kBottom = 60;
+  const double plot_w = kW - kLeft - kRight, plot_h = kH - kTop - kBottom;
+  double x_max = 0, y_max = 0;
+  for (const auto& r : results) {
+    x_max = std::max(x_max, r.throughput_rps);
+    y_max = std::max({y_max, r.latency.p99, r.latency.p50});
+  }
+  const double x_step = TickStep(x_max > 0 ? x_max * 1.05 : 1, 5);
+  const double y_step = TickStep(y_max > 0 ? y_max * 1.05 : 1, 5);
+  x_max = x_step * std::ceil((x_max > 0 ? x_max * 1.05 : 1) / x_step);
+  y_max = y_step * std::ceil((y_max > 0 ? y_max * 1.05 : 1) / y_step);
+  auto px = [&](double x) { return kLeft + plot_w * x / x_max; };
+  auto py = [&](double y) { return kTop + plot_h * (1 - y / y_max); };
+
+  std::string svg = absl::StrFormat(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%g\" height=\"%g\" "
+      "viewBox=\"0 0 %g %g\" font-family=\"sans-serif\" font-size=\"12\">\n"
+      "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n"
+      "<text x=\"%g\" y=\"22\" text-anchor=\"middle\" font-size=\"15\">ropeattn bench: %s, %s "
+      "loop</text>\n",
+      kW, kH, kW, kH, kW / 2, client::WorkloadName(spec.workload), client::LoadModeName(spec.mode));
+  // Grid and ticks.
+  for (double x = 0; x <= x_max + x_step / 2; x += x_step) {
+    absl::StrAppendFormat(&svg,
+                          "<line x1=\"%.1f\" y1=\"%g\" x2=\"%.1f\" y2=\"%g\" stroke=\"#ddd\"/>\n"
+                          "<text x=\"%.1f\" y=\"%g\" text-anchor=\"middle\">%g</text>\n",
+                          px(x), kTop, px(x), kTop + plot_h, px(x), kTop + plot_h + 16, x);
+  }
+  for (double y = 0; y <= y_max + y_step / 2; y += y_step) {
+    absl::StrAppendFormat(&svg,
+                          "<line x1=\"%g\" y1=\"%.1f\" x2=\"%g\" y2=\"%.1f\" stroke=\"#ddd\"/>\n"
+                          "<text x=\"%g\" y=\"%.1f\" text-anchor=\"end\">%g</text>\n",
+                          kLeft, py(y), kLeft + plot_w, py(y), kLeft - 6, py(y) + 4, y);
+  }
+  absl::StrAppendFormat(&svg,
+                        "<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"none\" "
+                        "stroke=\"black\"/>\n"
+                        "<text x=\"%g\" y=\"%g\" text-anchor=\"middle\">achieved throughput "
+                        "(%s/s)</text>\n"
+                        "<text x=\"16\" y=\"%g\" text-anchor=\"middle\" "
+                        "transform=\"rotate(-90 16 %g)\">latency (ms)</text>\n",
+                        kLeft, kTop, plot_w, plot_h, kLeft + plot_w / 2, kH - 18,
+                        spec.workload == client::Workload::kDecode ? "steps" : "requests",
+                        kTop + plot_h / 2, kTop + plot_h / 2);
+  struct Series {
+    const char* name;
+    const char* color;
+    double client::LatencyStats::*field;
+  };
+  const Series series[] = {{"p50", "#1f77b4", &client::LatencyStats::p50},
+                           {"p99", "#d62728", &client::LatencyStats::p99}};
+  for (const Series& s : series) {
+    std::vector<std::string> points;
+    for (const auto& r : results) {
+      points.push_back(absl::StrFormat("%.1f,%.1f", px(r.throughput_rps), py(r.latency.*s.field)));
+    }
+    absl::StrAppendFormat(&svg,
+                          "<polyline class=\"%s\" fill=\"none\" stroke=\"%s\" stroke-width=\"2\" "
+                          "points=\"%s\"/>\n",
+                          s.name, s.color, absl::StrJoin(points, " "));
+    for (const std::string& p : points) {
+      std::vector<absl::string_view> xy = absl::StrSplit(p, ',');
+      absl::StrAppendFormat(&svg, "<circle cx=\"%s\" cy=\"%s\" r=\"3.5\" fill=\"%s\"/>\n", xy[0],
+                            xy[1], s.color);
+    }
+  }
+  // Each point's load level, above its p99 marker.
+  for (const auto& r : results) {
+    const std::string label = r.mode == client::LoadMode::kClosed
+                                  ? absl::StrCat("c=", r.concurrency)
+                                  : absl::StrFormat("%g/s", r.offered_rps);
+    absl::StrAppendFormat(&svg,
+                          "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" font-size=\"10\" "
+                          "fill=\"#555\">%s</text>\n",
+                          px(r.throughput_rps), py(r.latency.p99) - 8, label);
+  }
+  // Legend.
+  const double lx = kLeft + 12, ly = kTop + 12;
+  absl::StrAppendFormat(&svg,
+                        "<rect x=\"%g\" y=\"%g\" width=\"70\" height=\"44\" fill=\"white\" "
+                        "stroke=\"#999\"/>\n",
+                        lx, ly);
+  for (int i = 0; i < 2; ++i) {
+    const double y = ly + 15 + 18 * i;
+    absl::StrAppendFormat(&svg,
+                          "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"%s\" "
+                          "stroke-width=\"2\"/>\n<text x=\"%g\" y=\"%g\">%s</text>\n",
+                          lx + 8, y, lx + 32, y, series[i].color, lx + 38, y + 4, series[i].name);
+  }
+  svg += "</svg>\n";
+  return svg;
+}
+
+void PrintTable(const std::vector<client::PointResult>& results) {
+  std::cout << absl::StrFormat(
+      "%-8s %-8s %6s %9s %10s %10s %9s %9s %9s %9s %9s %8s %7s %6s %4s %s\n", "mode", "workload",
+      "conc", "offered", "req/s", "tokens/s", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "max ms",
+      "ok", "errors", "late", "win", "stable");
+  for (const auto& r : results) {
+    const bool closed = r.mode == client::LoadMode::kClosed;
+    std::cout << absl::StrFormat(
+        "%-8s %-8s %6s %9s %10.1f %10.1f %9.3f %9.3f %9.3f %9.3f %9.3f %8d %7d %6d %4d %s\n",
+        client::LoadModeName(r.mode), client::WorkloadName(r.workload),
+        closed ? absl::StrCat(r.concurrency) : "-",
+        closed ? "-" : absl::StrFormat("%.1f", r.offered_rps), r.throughput_rps, r.tokens_per_s,
+        r.latency.p50, r.latency.p90, r.latency.p99, r.latency.p999, r.latency.max, r.ok, r.errors,
+        r.late, r.windows, r.stable ? "yes" : "no");
+    if (r.errors > 0) std::cout << "         codes: " << client::FormatCodes(r.codes) << "\n";
+  }
+  std::cout << std::flush;
+}
+
+}  // namespace
+
+int BenchCommand(int argc, char** argv) {
+  BenchFlags f;
+  std::vector<OwnFlag> own = OwnFlags(&f);
+  std::vector<char*> rest;
+  std::string error;
+  if (!ExtractOwnFlags(argc, argv, own, &rest, &error)) return UsageFail(kCommand, error);
+  int exit_code = 0;
+  std::optional<std::vector<std::string>> positional =
+      ParseSubcommand(static_cast<int>(rest.size()), rest.data(), Usage(own), kSharedFlags,
+                      /*connection=*/true, &exit_code);
+  if (!positional.has_value()) return exit_code;
+  if (!positional->empty()) {
+    return UsageFail(kCommand, absl::StrCat("unexpected argument \"", (*positional)[0], "\""));
+  }
+
+  client::LoadSpec spec;
+  absl::StatusOr<client::Workload> workload = client::ParseWorkload(f.workload);
+  if (!workload.ok()) return UsageFail(kCommand, workload.status().message());
+  absl::StatusOr<client::LoadMode> mode = client::ParseLoadMode(f.mode);
+  if (!mode.ok()) return UsageFail(kCommand, mode.status().message());
+  spec.workload = *workload;
+  spec.mode = *mode;
+  if (spec.mode == client::LoadMode::kClosed) {
+    absl::StatusOr<std::vector<int64_t>> list = ParseIntList("concurrency", f.concurrency);
+    if (!list.ok()) return UsageFail(kCommand, list.status().message());
+    spec.concurrency.clear();
+    for (int64_t c : *list) {
+      if (c < 1 || c > 4096) {
+        return Fail(kCommand, absl::InvalidArgumentError(
+                                  absl::StrCat("--concurrency must be in [1, 4096], got ", c)));
+      }
+      spec.concurrency.push_back(static_cast<int>(c));
+    }
+  } else {
+    spec.rates.clear();
+    for (absl::string_view part : absl::StrSplit(f.rate, ',', absl::SkipWhitespace())) {
+      double r;
+      if (!absl::SimpleAtod(part, &r)) {
+        return UsageFail(
+            kCommand, absl::StrCat("--rate must be comma-separated numbers, got \"", part, "\""));
+      }
+      spec.rates.push_back(r);
+    }
+  }
+  spec.max_outstanding = static_cast<int>(std::clamp<int64_t>(f.max_outstanding, -1, 1 << 16));
+  auto seconds = [](double s) {
+    return std::isfinite(s) ? absl::Seconds(s) : absl::InfiniteDuration();
+  };
+  spec.window = seconds(f.window_seconds);
+  spec.warmup = seconds(f.warmup_seconds);
+  spec.max_windows = static_cast<int>(std::clamp<int64_t>(f.max_windows, -1, 1 << 20));
+  spec.stability = f.stability;
+  spec.request_deadline = seconds(absl::GetFlag(FLAGS_deadline_seconds));
+  spec.seed = absl::GetFlag(FLAGS_seed);
+
+  absl::StatusOr<v1::DType> dtype = ParseDType("dtype", absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return Fail(kCommand, dtype.status());
+  client::AttendShape& a = spec.attend;
+  a.batch = absl::GetFlag(FLAGS_batch);
+  a.heads = absl::GetFlag(FLAGS_heads);
+  a.kv_heads = absl::GetFlag(FLAGS_kv_heads);
+  a.head_dim = absl::GetFlag(FLAGS_head_dim);
+  a.q_len = absl::GetFlag(FLAGS_q_len);
+  a.k_len = absl::GetFlag(FLAGS_k_len) == 0 ? a.q_len : absl::GetFlag(FLAGS_k_len);
+  a.dtype = *dtype;
+  a.causal = absl::GetFlag(FLAGS_causal);
+  a.rope_type = absl::GetFlag(FLAGS_rope_type);
+  a.rope_factor = absl::GetFlag(FLAGS_rope_factor);
+  a.original_max_positions = absl::GetFlag(FLAGS_original_max_positions);
+  client::DecodeShape& d = spec.decode;
+  d.heads = a.heads;
+  d.kv_heads = a.kv_heads;
+  d.head_dim = a.head_dim;
+  d.steps_per_session = f.steps_per_session;
+  d.context = f.context;
+  d.tokens_per_step = f.tokens_per_step;
+  d.think_time = seconds(f.think_ms / 1000);
+  d.dtype = *dtype;
+  absl::StatusOr<v1::DType> kv_dtype = ParseDType("kv_dtype", f.kv_dtype);
+  if (!kv_dtype.ok()) return Fail(kCommand, kv_dtype.status());
+  d.kv_dtype = *kv_dtype;
+  if (absl::Status s = client::ValidateLoadSpec(spec); !s.ok()) return Fail(kCommand, s);
+
+  const bool tty = isatty(STDERR_FILENO) == 1;
+  if (tty) {
+    spec.on_window = [](const client::WindowProgress& p) {
+      const std::string load = p.mode == client::LoadMode::kClosed
+                                   ? absl::StrCat("concurrency ", p.concurrency)
+                                   : absl::StrFormat("rate %.1f/s", p.offered_rps);
+      const std::string stage = p.window == 0
+                                    ? std::string("warm-up")
+                                    : absl::StrCat("window ", p.window, "/", p.max_windows);
+      std::cerr << absl::StrFormat("\r\033[K[%d/%d] %s  %s  %.1f req/s  %d errors", p.point + 1,
+                                   p.points, load, stage, p.throughput_rps, p.errors)
+                << std::flush;
+    };
+  }
+
+  absl::StatusOr<std::unique_ptr<client::Client>> client = ConnectFromFlags();
+  if (!client.ok()) return Fail(kCommand, client.status());
+  absl::StatusOr<std::vector<client::PointResult>> results = client::RunLoad(**client, spec);
+  if (tty) std::cerr << "\r\033[K" << std::flush;
+  if (!results.ok()) return Fail(kCommand, results.status());
+
+  PrintTable(*results);
+  const std::string target = absl::GetFlag(FLAGS_target);
+  if (!f.csv.empty()) {
+    if (absl::Status s = WriteFile(f.csv, Csv(*results)); !s.ok()) return Fail(kCommand, s);
+  }
+  if (!f.json.empty()) {
+    if (absl::Status s = WriteFile(f.json, Json(spec, target, *results)); !s.ok()) {
+      return Fail(kCommand, s);
+    }
+  }
+  if (!f.plot.empty()) {
+    if (absl::Status s = WriteFile(f.plot, Svg(spec, *results)); !s.ok()) {
+      return Fail(kCommand, s);
+    }
+  }
+  return 0;
+}
+
+}  // namespace ropeattn::cli

@@ -1,0 +1,153 @@
+// Shared plumbing of the `ropeattn` CLI subcommands.
+//
+// Flags: absl flags are process-wide, so a flag several subcommands use is
+// defined once, here (common.cc), and each subcommand names the flags it
+// accepts. The ones every server-talking subcommand shares:
+//   --target (default 127.0.0.1:50051), --deadline_seconds (default 30),
+//   --max_message_bytes (default 256 MiB, matching the server).
+// The attention / RoPE / input flags below are shared by attend, encode,
+// decode and plot.
+#ifndef ROPEATTN_CLIENT_CLI_COMMON_H_
+#define ROPEATTN_CLIENT_CLI_COMMON_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/flags/declare.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "client/client.h"
+
+ABSL_DECLARE_FLAG(std::string, target);
+ABSL_DECLARE_FLAG(double, deadline_seconds);
+ABSL_DECLARE_FLAG(int64_t, max_message_bytes);
+
+// Shapes and inputs (attend, decode, encode rope_apply, plot attention).
+ABSL_DECLARE_FLAG(uint64_t, seed);
+ABSL_DECLARE_FLAG(int64_t, batch);
+ABSL_DECLARE_FLAG(int64_t, q_len);
+ABSL_DECLARE_FLAG(int64_t, k_len);
+ABSL_DECLARE_FLAG(int64_t, heads);
+ABSL_DECLARE_FLAG(int64_t, kv_heads);
+ABSL_DECLARE_FLAG(int64_t, head_dim);
+ABSL_DECLARE_FLAG(int64_t, v_dim);
+ABSL_DECLARE_FLAG(std::string, dtype);
+ABSL_DECLARE_FLAG(std::string, q);
+ABSL_DECLARE_FLAG(std::string, k);
+ABSL_DECLARE_FLAG(std::string, v);
+ABSL_DECLARE_FLAG(std::string, out);
+// Attention spec.
+ABSL_DECLARE_FLAG(double, scale);
+ABSL_DECLARE_FLAG(bool, causal);
+ABSL_DECLARE_FLAG(int64_t, window);
+ABSL_DECLARE_FLAG(double, softcap);
+ABSL_DECLARE_FLAG(bool, alibi);
+// RoPE.
+ABSL_DECLARE_FLAG(bool, rope);
+ABSL_DECLARE_FLAG(std::string, rope_type);
+ABSL_DECLARE_FLAG(double, rope_factor);
+ABSL_DECLARE_FLAG(double, theta);
+ABSL_DECLARE_FLAG(int64_t, original_max_positions);
+ABSL_DECLARE_FLAG(std::string, rope_layout);
+ABSL_DECLARE_FLAG(int64_t, rotary_dim);
+ABSL_DECLARE_FLAG(int64_t, seq_len);
+// Sinusoidal table (encode sinusoidal, plot sinusoidal).
+ABSL_DECLARE_FLAG(int64_t, num_positions);
+ABSL_DECLARE_FLAG(int64_t, d_model);
+ABSL_DECLARE_FLAG(double, base);
+ABSL_DECLARE_FLAG(std::string, sin_layout);
+ABSL_DECLARE_FLAG(int64_t, first_position);
+
+namespace ropeattn::cli {
+
+inline constexpr int kUsageError = 64;
+
+// Names of the connection flags (target, deadline_seconds, max_message_bytes)
+// every server-talking subcommand accepts.
+absl::Span<const absl::string_view> ConnectionFlags();
+// The flags built by RopeSpecFromFlags / AttentionSpecFromFlags.
+absl::Span<const absl::string_view> RopeFlags();
+absl::Span<const absl::string_view> AttentionSpecFlags();  // includes RopeFlags
+
+// Parses argv (argv[0] = subcommand name) with absl flags. Prints `usage`
+// and the subcommand's flags for --help (returns 0 in *exit_code), or a
+// one-line error for a bad flag (kUsageError). Returns the positional
+// arguments after the subcommand when the command should run.
+// Accepted flags: those defined in a file whose path ends with `flags_file`,
+// plus the connection flags.
+std::optional<std::vector<std::string>> ParseSubcommand(int argc, char** argv,
+                                                        absl::string_view usage,
+                                                        absl::string_view flags_file,
+                                                        int* exit_code);
+// Same, accepting exactly the flags named in `flags` (plus the connection
+// flags unless `connection` is false). Flags are --name=value, --name value,
+// --bool_flag / --nobool_flag; a std::vector<std::string> flag may repeat and
+// accumulates. An unknown flag, one another subcommand owns, or a value that
+// does not parse is a usage error.
+std::optional<std::vector<std::string>> ParseSubcommand(int argc, char** argv,
+                                                        absl::string_view usage,
+                                                        absl::Span<const absl::string_view> flags,
+                                                        bool connection, int* exit_code);
+
+// True when the flag was given on this command line.
+bool FlagGiven(absl::string_view name);
+
+// A client for --target with the shared flags applied.
+absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags();
+
+// Prints "ropeattn <cmd>: <CODE_NAME>: <message>" to stderr and returns the
+// exit code for the status (its gRPC code number; OK is 0).
+int Fail(absl::string_view command, const absl::Status& status);
+// Prints "ropeattn <cmd>: USAGE: <message>" and returns kUsageError.
+int UsageFail(absl::string_view command, absl::string_view message);
+// gRPC code name ("INVALID_ARGUMENT").
+const char* CodeName(absl::StatusCode code);
+
+// --- Building requests from the shared flags. ---
+
+// "f32" / "bf16" (InvalidArgument otherwise, naming `flag`).
+absl::StatusOr<v1::DType> ParseDType(absl::string_view flag, absl::string_view value);
+const char* DTypeName(v1::DType dtype);
+// RopeSpec from --rope_type, --rope_factor, --theta, --original_max_positions,
+// --rope_layout, --rotary_dim.
+absl::StatusOr<v1::RopeSpec> RopeSpecFromFlags();
+// AttentionSpec from --heads, --kv_heads, --head_dim, --scale, --causal,
+// --window, --softcap and the positional scheme: ALiBi with --alibi, RoPE
+// unless --norope, none otherwise.
+absl::StatusOr<v1::AttentionSpec> AttentionSpecFromFlags();
+// One line describing a spec ("heads 8/8 head_dim 64 causal rope default ...").
+std::string DescribeSpec(const v1::AttentionSpec& spec);
+
+// q, k, v for Attend / Decode: read from --q/--k/--v when all three are
+// given, else random [batch, q_len, heads, head_dim], [batch, k_len,
+// kv_heads, head_dim], [batch, k_len, kv_heads, v_dim] in --dtype from
+// RandomTensor with seeds --seed, --seed + 1, --seed + 2. (`q_len`,
+// `k_len`, `batch` override the flags for callers that need other lengths.)
+struct Inputs {
+  v1::Tensor q, k, v;
+};
+absl::StatusOr<Inputs> InputsFromFlags(int64_t batch, int64_t q_len, int64_t k_len);
+
+// "[1, 16, 8, 64] f32".
+std::string DescribeTensor(const v1::Tensor& tensor);
+
+struct TensorStats {
+  int64_t count = 0;
+  double mean = 0, std = 0, min = 0, max = 0;
+  int64_t non_finite = 0;  // NaN or Inf elements (left out of the others)
+};
+TensorStats ComputeStats(absl::Span<const float> values);
+// "mean 0.0012 std 0.31 min -0.9 max 0.95 finite yes".
+std::string DescribeStats(const TensorStats& stats);
+
+// Comma-separated integers ("0,5,9"); InvalidArgument naming `flag`.
+absl::StatusOr<std::vector<int64_t>> ParseIntList(absl::string_view flag, absl::string_view value);
+
+}  // namespace ropeattn::cli
+
+#endif  // ROPEATTN_CLIENT_CLI_COMMON_H_

@@ -1,0 +1,576 @@
+#include "client/client.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/random/random.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace ropeattn::client {
+
+namespace {
+
+constexpr char kRoutingKeyHeader[] = "x-ropeattn-session-key";
+constexpr absl::Duration kFirstBackoff = absl::Milliseconds(50);
+constexpr absl::Duration kMaxBackoff = absl::Seconds(5);
+
+// gRPC and absl share the canonical code numbers 0..16.
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  const int code = static_cast<int>(s.error_code());
+  return absl::Status(
+      code > 0 && code <= 16 ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown,
+      s.error_message());
+}
+
+absl::Status FromStepError(const v1::StepError& e) {
+  const int code = e.code();
+  if (code == 0) {
+    // A StepError always means failure; an OK code would hide it.
+    return absl::UnknownError(
+        absl::StrCat("the server reported an error with code 0: ", e.message()));
+  }
+  return absl::Status(
+      code > 0 && code <= 16 ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown,
+      e.message());
+}
+
+absl::StatusOr<absl::Duration> ResolveDeadline(std::optional<absl::Duration> deadline,
+                                               absl::Duration fallback) {
+  const absl::Duration d = deadline.value_or(fallback);
+  if (d <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("deadline must be positive, got ", absl::FormatDuration(d)));
+  }
+  return d;
+}
+
+// One unary call with a deadline covering every attempt. Retries happen only
+// on UNAVAILABLE (nothing was served: no connection, or the server is
+// draining) and only for idempotent methods (max_retries > 0).
+template <typename Response, typename Call>
+absl::StatusOr<Response> CallUnary(absl::Duration deadline, int max_retries, Call call) {
+  const absl::Time end = absl::Now() + deadline;
+  absl::Duration backoff = kFirstBackoff;
+  std::optional<absl::BitGen> gen;  // seeded only if a retry happens
+  for (int attempt = 1;; ++attempt) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(end));
+    Response response;
+    const grpc::Status status = call(&ctx, &response);
+    if (status.ok()) return response;
+    absl::Status error = FromGrpc(status);
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE || attempt > max_retries) {
+      if (attempt > 1) {
+        error = absl::Status(error.code(),
+                             absl::StrCat(error.message(), " (after ", attempt, " attempts)"));
+      }
+      return error;
+    }
+    if (!gen) gen.emplace();
+    // +-20% jitter (as in gRPC's own connection backoff) keeps many clients
+    // that failed together from retrying in lockstep.
+    const absl::Duration sleep = backoff * absl::Uniform(*gen, 0.8, 1.2);
+    if (absl::Now() + sleep >= end) {
+      // The next attempt could not start before the deadline.
+      return absl::Status(
+          error.code(),
+          absl::StrCat(error.message(), " (gave up after ", attempt, " attempts: the deadline of ",
+                       absl::FormatDuration(deadline), " would pass)"));
+    }
+    absl::SleepFor(sleep);
+    backoff = std::min(backoff * 2, kMaxBackoff);
+  }
+}
+
+HealthStatus FromHealthProto(grpc::health::v1::HealthCheckResponse::ServingStatus s) {
+  switch (s) {
+    case grpc::health::v1::HealthCheckResponse::SERVING:
+      return HealthStatus::kServing;
+    case grpc::health::v1::HealthCheckResponse::NOT_SERVING:
+      return HealthStatus::kNotServing;
+    case grpc::health::v1::HealthCheckResponse::SERVICE_UNKNOWN:
+      return HealthStatus::kServiceUnknown;
+    default:
+      return HealthStatus::kUnknown;
+  }
+}
+
+const char* OpName(v1::DecodeRequest::MsgCase c) {
+  switch (c) {
+    case v1::DecodeRequest::kOpen:
+      return "open";
+    case v1::DecodeRequest::kAttach:
+      return "attach";
+    case v1::DecodeRequest::kStep:
+      return "step";
+    case v1::DecodeRequest::kTruncate:
+      return "truncate";
+    case v1::DecodeRequest::kFork:
+      return "fork";
+    case v1::DecodeRequest::kClose:
+      return "close";
+    default:
+      return "request";
+  }
+}
+
+// The answer each request must get (besides an in-band error).
+v1::DecodeResponse::MsgCase ExpectedAnswer(v1::DecodeRequest::MsgCase c) {
+  switch (c) {
+    case v1::DecodeRequest::kOpen:
+    case v1::DecodeRequest::kAttach:
+      return v1::DecodeResponse::kOpened;
+    case v1::DecodeRequest::kStep:
+      return v1::DecodeResponse::kStep;
+    case v1::DecodeRequest::kTruncate:
+      return v1::DecodeResponse::kTruncated;
+    case v1::DecodeRequest::kFork:
+      return v1::DecodeResponse::kForked;
+    case v1::DecodeRequest::kClose:
+      return v1::DecodeResponse::kClosed;
+    default:
+      return v1::DecodeResponse::MSG_NOT_SET;
+  }
+}
+
+}  // namespace
+
+// Cancels Decode streams whose current operation outlives its deadline. A
+// stream has a single deadline for its whole life, which cannot bound each
+// step of a long session, so each operation arms this timer instead and the
+// timer TryCancel()s the stream if the operation is still blocked. One thread
+// per Client (started on first use) serves all its sessions.
+class Client::CancelTimer {
+ public:
+  ~CancelTimer() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+  // After `deadline`, cancels `ctx` unless Disarm(ticket) came first.
+  uint64_t Arm(absl::Time deadline, grpc::ClientContext* ctx) {
+    absl::MutexLock lock(&mu_);
+    if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
+    const uint64_t ticket = next_ticket_++;
+    pending_.emplace(std::make_pair(deadline, ticket), ctx);
+    return ticket;
+  }
+
+  // Returns whether the timer fired (the context was cancelled). Once this
+  // returns, the timer no longer touches the context.
+  bool Disarm(uint64_t ticket) {
+    absl::MutexLock lock(&mu_);
+    for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+      if (it->first.second == ticket) {
+        pending_.erase(it);
+        return false;
+      }
+    }
+    return fired_.erase(ticket) > 0;
+  }
+
+ private:
+  void Run() {
+    absl::MutexLock lock(&mu_);
+    while (!stop_) {
+      const absl::Time now = absl::Now();
+      while (!pending_.empty() && pending_.begin()->first.first <= now) {
+        // Under the lock, so Disarm cannot return while a cancel is running
+        // and the caller cannot destroy the context under it.
+        pending_.begin()->second->TryCancel();
+        fired_.insert(pending_.begin()->first.second);
+        pending_.erase(pending_.begin());
+      }
+      const absl::Time wake =
+          pending_.empty() ? absl::InfiniteFuture() : pending_.begin()->first.first;
+      // Wakes early when an earlier deadline is armed or on stop.
+      const absl::Time armed_first = wake;
+      auto changed = [this, armed_first]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || (!pending_.empty() && pending_.begin()->first.first < armed_first);
+      };
+      mu_.AwaitWithDeadline(absl::Condition(&changed), wake);
+    }
+  }
+
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
+  // (deadline, ticket) -> context to cancel.
+  std::map<std::pair<absl::Time, uint64_t>, grpc::ClientContext*> pending_ ABSL_GUARDED_BY(mu_);
+  std::set<uint64_t> fired_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+const char* HealthStatusName(HealthStatus status) {
+  switch (status) {
+    case HealthStatus::kServing:
+      return "SERVING";
+    case HealthStatus::kNotServing:
+      return "NOT_SERVING";
+    case HealthStatus::kServiceUnknown:
+      return "SERVICE_UNKNOWN";
+    case HealthStatus::kUnknown:
+      break;
+  }
+  return "UNKNOWN";
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  if (options.target.empty()) return absl::InvalidArgumentError("target must not be empty");
+  if (options.deadline <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("deadline must be positive, got ", absl::FormatDuration(options.deadline)));
+  }
+  if (options.max_message_bytes <= 0 || options.max_message_bytes > INT_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes must be in [1, ", INT_MAX,
+                                                   "], got ", options.max_message_bytes));
+  }
+  if (options.max_retries < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_retries must be >= 0, got ", options.max_retries));
+  }
+  for (char c : options.routing_key) {
+    // gRPC rejects (and fails the call on) non-printable metadata values.
+    if (c < 0x20 || c > 0x7e) {
+      return absl::InvalidArgumentError(absl::StrCat("routing_key must be printable ASCII, got \"",
+                                                     absl::CEscape(options.routing_key), "\""));
+    }
+  }
+
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  // Matched to the server's keepalive policy (it accepts a ping per 30 s, so
+  // one per 60 s is never answered with GOAWAY "too_many_pings"); pings keep
+  // idle Decode streams alive through NATs and proxies.
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 60000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+
+  std::unique_ptr<Client> client(new Client());
+  client->options_ = options;
+  client->channel_ =
+      grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  client->stub_ = v1::AttentionService::NewStub(client->channel_);
+  client->timer_ = std::make_unique<CancelTimer>();
+  return client;
+}
+
+Client::~Client() = default;
+
+absl::StatusOr<HealthStatus> Client::Health(absl::string_view service,
+                                            std::optional<absl::Duration> deadline) {
+  absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
+  if (!d.ok()) return d.status();
+  auto stub = grpc::health::v1::Health::NewStub(channel_);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(std::string(service));
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse> response =
+      CallUnary<grpc::health::v1::HealthCheckResponse>(
+          *d, options_.max_retries,
+          [&](grpc::ClientContext* ctx, auto* r) { return stub->Check(ctx, request, r); });
+  // Check answers NOT_FOUND for a service it does not know (the health
+  // protocol's way of saying SERVICE_UNKNOWN).
+  if (!response.ok() && response.status().code() == absl::StatusCode::kNotFound) {
+    return HealthStatus::kServiceUnknown;
+  }
+  if (!response.ok()) return response.status();
+  return FromHealthProto(response->status());
+}
+
+absl::StatusOr<v1::AttendResponse> Client::Attend(const v1::AttendRequest& request,
+                                                  std::optional<absl::Duration> deadline) {
+  absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
+  if (!d.ok()) return d.status();
+  return CallUnary<v1::AttendResponse>(
+      *d, options_.max_retries,
+      [&](grpc::ClientContext* ctx, auto* r) { return stub_->Attend(ctx, request, r); });
+}
+
+absl::StatusOr<v1::EncodeResponse> Client::Encode(const v1::EncodeRequest& request,
+                                                  std::optional<absl::Duration> deadline) {
+  absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
+  if (!d.ok()) return d.status();
+  return CallUnary<v1::EncodeResponse>(
+      *d, options_.max_retries,
+      [&](grpc::ClientContext* ctx, auto* r) { return stub_->Encode(ctx, request, r); });
+}
+
+absl::StatusOr<v1::ServerInfo> Client::GetServerInfo(std::optional<absl::Duration> deadline) {
+  absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
+  if (!d.ok()) return d.status();
+  const v1::GetServerInfoRequest request;
+  return CallUnary<v1::ServerInfo>(
+      *d, options_.max_retries,
+      [&](grpc::ClientContext* ctx, auto* r) { return stub_->GetServerInfo(ctx, request, r); });
+}
+
+absl::StatusOr<v1::SessionInfo> Client::GetSession(const std::string& session_id,
+                                                   std::optional<absl::Duration> deadline) {
+  absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
+  if (!d.ok()) return d.status();
+  v1::GetSessionRequest request;
+  request.set_session_id(session_id);
+  return CallUnary<v1::SessionInfo>(
+      *d, options_.max_retries,
+      [&](grpc::ClientContext* ctx, auto* r) { return stub_->GetSession(ctx, request, r); });
+}
+
+absl::StatusOr<std::vector<v1::SessionInfo>> Client::ListSessions(
+    std::optional<absl::Duration> deadline) {
+  absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
+  if (!d.ok()) return d.status();
+  const v1::ListSessionsRequest request;
+  absl::StatusOr<v1::ListSessionsResponse> response = CallUnary<v1::ListSessionsResponse>(
+      *d, options_.max_retries,
+      [&](grpc::ClientContext* ctx, auto* r) { return stub_->ListSessions(ctx, request, r); });
+  if (!response.ok()) return response.status();
+  return std::vector<v1::SessionInfo>(response->sessions().begin(), response->sessions().end());
+}
+
+absl::StatusOr<v1::SessionInfo> Client::CloseSession(const std::string& session_id,
+                                                     std::optional<absl::Duration> deadline) {
+  absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
+  if (!d.ok()) return d.status();
+  v1::CloseSessionRequest request;
+  request.set_session_id(session_id);
+  // Not retried: a retry after a lost answer would report NOT_FOUND or
+  // FAILED_PRECONDITION for a close that in fact succeeded.
+  absl::StatusOr<v1::CloseSessionResponse> response = CallUnary<v1::CloseSessionResponse>(
+      *d, /*max_retries=*/0,
+      [&](grpc::ClientContext* ctx, auto* r) { return stub_->CloseSession(ctx, request, r); });
+  if (!response.ok()) return response.status();
+  return response->session();
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const v1::OpenSession& open) {
+  v1::DecodeRequest first;
+  *first.mutable_open() = open;
+  std::unique_ptr<Session> session(new Session());
+  session->client_ = this;
+  if (absl::Status s = session->Start(first); !s.ok()) return s;
+  return session;
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::AttachSession(const std::string& session_id) {
+  v1::DecodeRequest first;
+  first.mutable_attach()->set_session_id(session_id);
+  std::unique_ptr<Session> session(new Session());
+  session->client_ = this;
+  if (absl::Status s = session->Start(first); !s.ok()) return s;
+  return session;
+}
+
+// ------------------------------------------------------------ Session --
+
+absl::Status Session::Start(const v1::DecodeRequest& first) {
+  ctx_ = std::make_unique<grpc::ClientContext>();
+  // No stream deadline: the stream lives as long as the session is used.
+  // Each operation is bounded by the CancelTimer instead.
+  if (!client_->options_.routing_key.empty()) {
+    ctx_->AddMetadata(kRoutingKeyHeader, client_->options_.routing_key);
+  }
+  // Armed before the call starts: creating the stream can itself block
+  // while the channel connects.
+  const uint64_t ticket =
+      client_->timer_->Arm(absl::Now() + client_->options_.deadline, ctx_.get());
+  stream_ = client_->stub_->Decode(ctx_.get());
+  v1::DecodeResponse response;
+  const bool ok = stream_->Write(first) && stream_->Read(&response);
+  const bool timed_out = client_->timer_->Disarm(ticket);
+  const char* op = OpName(first.msg_case());
+  if (!ok || timed_out) return EndStream(op, timed_out);
+  if (response.msg_case() == v1::DecodeResponse::kError) {
+    // The server ends the stream after a failed open; its status is the
+    // same error, so report the in-band one and close quietly.
+    absl::Status error = FromStepError(response.error());
+    Abandon(error);
+    return error;
+  }
+  if (response.msg_case() != v1::DecodeResponse::kOpened) {
+    absl::Status error = absl::InternalError(
+        absl::StrCat("Decode protocol error: the answer to `", op, "` is not `opened` (case ",
+                     static_cast<int>(response.msg_case()), ")"));
+    Abandon(error);
+    return error;
+  }
+  info_ = response.opened();
+  position_ = info_.position();
+  return absl::OkStatus();
+}
+
+absl::Status Session::EndStream(absl::string_view op, bool timed_out) {
+  v1::DecodeResponse ignored;
+  while (stream_->Read(&ignored)) {
+  }
+  const grpc::Status final_status = stream_->Finish();
+  if (timed_out) {
+    broken_ = absl::DeadlineExceededError(absl::StrCat(
+        "Decode `", op, "` did not complete within ",
+        absl::FormatDuration(client_->options_.deadline), "; the stream was cancelled",
+        info_.session_id().empty()
+            ? ""
+            : absl::StrCat(" (session ", info_.session_id(),
+                           info_.resumable() ? " is resumable: re-attach it by id)" : ")")));
+  } else if (final_status.ok()) {
+    broken_ = absl::InternalError(absl::StrCat(
+        "Decode protocol error: the server ended the stream without answering `", op, "`"));
+  } else {
+    broken_ = FromGrpc(final_status);
+  }
+  return broken_;
+}
+
+void Session::Abandon(const absl::Status& why) {
+  ctx_->TryCancel();
+  v1::DecodeResponse ignored;
+  while (stream_->Read(&ignored)) {
+  }
+  stream_->Finish().ok();  // cancelled by us: its status says nothing new
+  broken_ = why;
+}
+
+absl::StatusOr<v1::DecodeResponse> Session::RoundTrip(v1::DecodeRequest& request) {
+  if (!broken_.ok()) return broken_;
+  const char* op = OpName(request.msg_case());
+  const uint64_t seq = ++seq_;
+  switch (request.msg_case()) {
+    case v1::DecodeRequest::kStep:
+      request.mutable_step()->set_seq(seq);
+      break;
+    case v1::DecodeRequest::kTruncate:
+      request.mutable_truncate()->set_seq(seq);
+      break;
+    case v1::DecodeRequest::kFork:
+      request.mutable_fork()->set_seq(seq);
+      break;
+    case v1::DecodeRequest::kClose:
+      request.mutable_close()->set_seq(seq);
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("`", op, "` is not a session operation"));
+  }
+  const uint64_t ticket =
+      client_->timer_->Arm(absl::Now() + client_->options_.deadline, ctx_.get());
+  v1::DecodeResponse response;
+  const bool ok = stream_->Write(request) && stream_->Read(&response);
+  // Even if the answer arrived, a fired timer has cancelled the stream, so
+  // the session cannot go on; report the timeout rather than a result whose
+  // stream is already dead.
+  const bool timed_out = client_->timer_->Disarm(ticket);
+  if (!ok || timed_out) return EndStream(op, timed_out);
+  if (response.seq() != seq) {
+    absl::Status error = absl::InternalError(absl::StrCat(
+        "Decode protocol error: the answer to `", op, "` seq ", seq, " has seq ", response.seq()));
+    Abandon(error);
+    return error;
+  }
+  if (response.msg_case() == v1::DecodeResponse::kError) {
+    return FromStepError(response.error());  // in-band: the session is unchanged
+  }
+  if (response.msg_case() != ExpectedAnswer(request.msg_case())) {
+    absl::Status error =
+        absl::InternalError(absl::StrCat("Decode protocol error: unexpected answer (case ",
+                                         static_cast<int>(response.msg_case()), ") to `", op, "`"));
+    Abandon(error);
+    return error;
+  }
+  return response;
+}
+
+absl::StatusOr<v1::StepResult> Session::Step(const v1::Tensor& q, const v1::Tensor& k,
+                                             const v1::Tensor& v) {
+  v1::DecodeRequest request;
+  v1::Step* step = request.mutable_step();
+  *step->mutable_q() = q;
+  *step->mutable_k() = k;
+  *step->mutable_v() = v;
+  absl::StatusOr<v1::DecodeResponse> response = RoundTrip(request);
+  if (!response.ok()) return response.status();
+  position_ = response->step().position();
+  return std::move(*response->mutable_step());
+}
+
+absl::StatusOr<v1::SessionInfo> Session::Truncate(int64_t position) {
+  v1::DecodeRequest request;
+  request.mutable_truncate()->set_position(position);
+  absl::StatusOr<v1::DecodeResponse> response = RoundTrip(request);
+  if (!response.ok()) return response.status();
+  info_ = response->truncated();
+  position_ = info_.position();
+  return info_;
+}
+
+absl::StatusOr<v1::SessionInfo> Session::Fork(uint32_t idle_ttl_seconds) {
+  v1::DecodeRequest request;
+  request.mutable_fork()->set_idle_ttl_seconds(idle_ttl_seconds);
+  absl::StatusOr<v1::DecodeResponse> response = RoundTrip(request);
+  if (!response.ok()) return response.status();
+  return std::move(*response->mutable_forked());
+}
+
+absl::Status Session::Close() {
+  v1::DecodeRequest request;
+  request.mutable_close();
+  absl::StatusOr<v1::DecodeResponse> response = RoundTrip(request);
+  if (!response.ok()) return response.status();
+  info_ = response->closed();
+  position_ = info_.position();
+  // The server ends the stream after `closed`; collect its status.
+  const uint64_t ticket =
+      client_->timer_->Arm(absl::Now() + client_->options_.deadline, ctx_.get());
+  stream_->WritesDone();
+  v1::DecodeResponse ignored;
+  while (stream_->Read(&ignored)) {
+  }
+  const grpc::Status final_status = stream_->Finish();
+  const bool timed_out = client_->timer_->Disarm(ticket);
+  broken_ = absl::FailedPreconditionError(
+      absl::StrCat("session ", info_.session_id(), " was closed by this client"));
+  if (timed_out) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "session ", info_.session_id(), " was closed but its stream did not end within ",
+        absl::FormatDuration(client_->options_.deadline)));
+  }
+  return FromGrpc(final_status);
+}
+
+Session::~Session() {
+  if (stream_ == nullptr || !broken_.ok()) return;  // never started, or already finished
+  // Half-close: the server answers by ending the stream (and freeing a
+  // non-resumable session). The timer bounds the wait on a stuck server.
+  const uint64_t ticket =
+      client_->timer_->Arm(absl::Now() + client_->options_.deadline, ctx_.get());
+  stream_->WritesDone();
+  v1::DecodeResponse ignored;
+  while (stream_->Read(&ignored)) {
+  }
+  stream_->Finish().ok();  // nobody is left to report it to
+  client_->timer_->Disarm(ticket);
+}
+
+}  // namespace ropeattn::client

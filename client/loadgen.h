@@ -1,0 +1,176 @@
+// A load generator for ropeattn (the library behind `ropeattn bench`), in the
+// spirit of Triton's perf_analyzer.
+//
+// Workloads: unary Attend with a fixed shape, or Decode sessions (open, prefill
+// a context, then a number of steps with an optional think time, close).
+// Modes:
+// - closed loop: C workers each issue requests back to back (sweep over C);
+// - open loop: requests arrive on a schedule at rate R, constant or Poisson
+//   (sweep over R), and the latency of each is measured from its INTENDED
+//   send time. A server that stalls cannot hide its queueing behind a client
+//   that stops sending (coordinated omission, perf_analyzer #3113): requests
+//   that could not be sent on time (every worker busy) still count from their
+//   scheduled time and are counted as `late`.
+// Each sweep point runs a warm-up, then measurement windows until the last
+// three windows' throughputs are within `stability` of their mean (or
+// `max_windows` is reached: the point is then reported as not stable).
+// Percentiles, mean and max come from every successful request that completed
+// in those last windows (never averages of per-window percentiles).
+//
+// What a "request" is:
+// - attend: one Attend call; tokens are batch * q_len query tokens.
+// - decode: one decode step (tokens_per_step tokens). Opening the session and
+//   prefilling its context are part of the session's FIRST step: its latency
+//   runs from the session's start (its scheduled arrival in open loop), so it
+//   is a time to first token. A failed open or prefill counts as one failed
+//   request. In open loop, sessions arrive at rate / steps_per_session per
+//   second so that the offered step rate is `rate`.
+//
+// Thread-safety: RunLoad and RunPoint block the calling thread and run their
+// own worker threads; the Client is shared by them (it is thread-safe).
+#ifndef ROPEATTN_CLIENT_LOADGEN_H_
+#define ROPEATTN_CLIENT_LOADGEN_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/client.h"
+
+namespace ropeattn::client {
+
+enum class Workload { kAttend, kDecode };
+enum class LoadMode { kClosed, kConstant, kPoisson };
+
+const char* WorkloadName(Workload workload);  // "attend", "decode"
+const char* LoadModeName(LoadMode mode);      // "closed", "constant", "poisson"
+// Parses the names above; InvalidArgument naming the value otherwise.
+absl::StatusOr<Workload> ParseWorkload(absl::string_view name);
+absl::StatusOr<LoadMode> ParseLoadMode(absl::string_view name);
+
+// The shape of each Attend request: q [batch, q_len, heads, head_dim],
+// k and v [batch, k_len, kv_heads, head_dim], RoPE with `rope_type`.
+struct AttendShape {
+  int64_t batch = 1;                // >= 1
+  int64_t heads = 8;                // >= 1
+  int64_t kv_heads = 0;             // 0 means heads; heads must be a multiple
+  int64_t head_dim = 64;            // >= 2, even
+  int64_t q_len = 1;                // >= 1
+  int64_t k_len = 512;              // >= q_len
+  v1::DType dtype = v1::DTYPE_F32;  // of q, k and v
+  bool causal = true;
+  // A Hugging Face rope_type, or "none" for no positional encoding.
+  std::string rope_type = "default";
+  // For scaled rules: 0 means 2; and the trained length L0, 0 means k_len / 2
+  // (so that length-dependent rules do scale).
+  double rope_factor = 0;
+  int64_t original_max_positions = 0;
+};
+
+// Each Decode session: open (kv_dtype), prefill `context` tokens in one step,
+// then `steps_per_session` steps of `tokens_per_step` tokens, `think_time`
+// apart, then close. max_context is context + steps * tokens_per_step.
+struct DecodeShape {
+  int64_t heads = 8;                                 // >= 1
+  int64_t kv_heads = 0;                              // 0 means heads
+  int64_t head_dim = 64;                             // >= 2, even
+  int64_t steps_per_session = 32;                    // >= 1
+  int64_t context = 128;                             // >= 0 prefilled tokens
+  int64_t tokens_per_step = 1;                       // >= 1
+  absl::Duration think_time = absl::ZeroDuration();  // >= 0
+  v1::DType dtype = v1::DTYPE_F32;                   // of the step tensors
+  v1::DType kv_dtype = v1::DTYPE_F32;                // of the server's KV cache
+};
+
+// Called on the caller's thread after the warm-up and after each window.
+struct WindowProgress {
+  int point = 0;   // index into the sweep
+  int points = 0;  // sweep size
+  LoadMode mode = LoadMode::kClosed;
+  int concurrency = 0;     // closed loop
+  double offered_rps = 0;  // open loop
+  int window = 0;          // 0 after the warm-up, then 1, 2, ...
+  int max_windows = 0;
+  double throughput_rps = 0;  // successful requests / s in this window
+  int64_t errors = 0;         // failed requests in this window
+};
+
+struct LoadSpec {
+  Workload workload = Workload::kAttend;
+  AttendShape attend;
+  DecodeShape decode;
+
+  LoadMode mode = LoadMode::kClosed;
+  // Closed loop: the sweep over the number of workers (each >= 1).
+  std::vector<int> concurrency = {1};
+  // Open loop: the sweep over requests per second (each > 0).
+  std::vector<double> rates = {10};
+  // Open loop: requests (attend) or sessions (decode) in flight at most; an
+  // arrival that finds them all busy waits for one and is counted as late.
+  int max_outstanding = 64;  // >= 1
+
+  absl::Duration warmup = absl::Seconds(1);  // >= 0, not measured
+  absl::Duration window = absl::Seconds(2);  // > 0
+  // Windows per point at most; the point is stable once the last
+  // `stable_windows` throughputs are each within `stability` of their mean.
+  int max_windows = 10;     // >= stable_windows
+  int stable_windows = 3;   // >= 1
+  double stability = 0.10;  // > 0
+
+  // Deadline of each Attend (Decode sessions use the Client's own deadline
+  // per operation, ClientOptions::deadline).
+  absl::Duration request_deadline = absl::Seconds(30);
+  uint64_t seed = 1;                                     // tensors and Poisson arrivals
+  std::function<void(const WindowProgress&)> on_window;  // optional
+};
+
+// Latencies in milliseconds, over successful requests (0 when there are none).
+struct LatencyStats {
+  double p50 = 0, p90 = 0, p95 = 0, p99 = 0, p999 = 0, mean = 0, max = 0;
+};
+
+struct PointResult {
+  Workload workload = Workload::kAttend;
+  LoadMode mode = LoadMode::kClosed;
+  int concurrency = 0;        // closed loop; 0 in open loop
+  double offered_rps = 0;     // open loop; 0 in closed loop
+  double throughput_rps = 0;  // successful requests / s in the final windows
+  double tokens_per_s = 0;    // tokens of those requests / s
+  LatencyStats latency;
+  int64_t requests = 0;  // completed in the final windows, any status
+  int64_t ok = 0;
+  int64_t errors = 0;                         // requests - ok
+  int64_t late = 0;                           // open loop: sent after their scheduled time
+  std::map<absl::StatusCode, int64_t> codes;  // requests per status code
+  int windows = 0;                            // measurement windows run
+  bool stable = false;                        // the last stable_windows met the criterion
+  std::vector<double> window_throughputs;     // every window, successful req/s
+  double measured_seconds = 0;                // length of the final windows
+};
+
+// Checks a spec (InvalidArgument naming the field and value).
+absl::Status ValidateLoadSpec(const LoadSpec& spec);
+
+// Sends one request (attend) or runs one short session (decode) and returns
+// its status: a wrong shape or an unreachable server shows here, before any
+// measurement.
+absl::Status ProbeWorkload(Client& client, const LoadSpec& spec);
+
+// Runs one sweep point: `level` is a concurrency (closed) or a rate (open).
+absl::StatusOr<PointResult> RunPoint(Client& client, const LoadSpec& spec, double level,
+                                     int point_index = 0, int points = 1);
+
+// Validates, probes, then runs every point of the sweep in order.
+absl::StatusOr<std::vector<PointResult>> RunLoad(Client& client, const LoadSpec& spec);
+
+// "OK=120;RESOURCE_EXHAUSTED=3" (code names as absl::StatusCodeToString).
+std::string FormatCodes(const std::map<absl::StatusCode, int64_t>& codes);
+
+}  // namespace ropeattn::client
+
+#endif  // ROPEATTN_CLIENT_LOADGEN_H_

@@ -1,0 +1,1002 @@
+// End-to-end tests of the `ropeattn` CLI: the real binary runs as a
+// subprocess against an in-process server on a loopback port; stdout,
+// stderr and the exit code are checked, and the files it writes are read
+// back (.npy through the client library, .svg through a small XML parser).
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <complex>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/server/server_test_util.h"
+
+namespace ropeattn {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using ::testing::StartsWith;
+
+// --- Running the binary. ---
+
+struct RunResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+std::string ReadWholeFile(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  std::stringstream buffer;
+  buffer << file.rdbuf();
+  return buffer.str();
+}
+
+std::string MakeTempDir() {
+  std::string pattern = absl::StrCat(::testing::TempDir(), "/ropeattn_cli_XXXXXX");
+  char* dir = mkdtemp(pattern.data());
+  EXPECT_NE(dir, nullptr) << "mkdtemp: " << errno;
+  return pattern;
+}
+
+// Runs ROPEATTN_CLI_PATH with `args`; stdout and stderr go to files (no pipe
+// can fill up), killed after 120 s.
+RunResult RunCli(const std::vector<std::string>& args) {
+  static const std::string dir = MakeTempDir();
+  static int counter = 0;
+  const std::string out_path = absl::StrCat(dir, "/run", counter, ".out");
+  const std::string err_path = absl::StrCat(dir, "/run", counter++, ".err");
+  const int out_fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  const int err_fd = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  std::vector<char*> argv;
+  std::string binary = ROPEATTN_CLI_PATH;
+  argv.push_back(binary.data());
+  std::vector<std::string> copies = args;
+  for (std::string& arg : copies) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  RunResult result;
+  const pid_t pid = fork();
+  if (pid == 0) {
+    // Only async-signal-safe calls between fork and exec (the parent has threads).
+    dup2(out_fd, 1);
+    dup2(err_fd, 2);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(out_fd);
+  close(err_fd);
+  if (pid < 0) {
+    ADD_FAILURE() << "fork failed: " << errno;
+    return result;
+  }
+  int status = 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(120);
+  while (true) {
+    const pid_t done = waitpid(pid, &status, WNOHANG);
+    if (done == pid) break;
+    if (absl::Now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      ADD_FAILURE() << "ropeattn timed out: " << ::testing::PrintToString(args);
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  result.out = ReadWholeFile(out_path);
+  result.err = ReadWholeFile(err_path);
+  return result;
+}
+
+std::string Describe(const RunResult& r) {
+  return absl::StrCat("exit ", r.exit_code, "\n--- stdout:\n", r.out, "--- stderr:\n", r.err);
+}
+
+// Pulls the number after `key ` on the line starting with `line_prefix`.
+double NumberAfter(const std::string& text, absl::string_view line_prefix, absl::string_view key) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (!absl::StartsWith(line, line_prefix)) continue;
+    std::vector<absl::string_view> words = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    for (size_t i = 0; i + 1 < words.size(); ++i) {
+      double value;
+      if (words[i] == key && absl::SimpleAtod(words[i + 1], &value)) return value;
+    }
+  }
+  ADD_FAILURE() << "no \"" << key << "\" on a line starting with \"" << line_prefix << "\" in\n"
+                << text;
+  return NAN;
+}
+
+// --- A small XML parser: well-formedness (one root, matching tags, quoted
+// unique attributes, only the five predefined and numeric entities) and a
+// tree to query. ---
+
+struct XmlNode {
+  std::string name;
+  std::map<std::string, std::string> attrs;
+  std::string text;  // concatenated character data of this element
+  std::vector<std::unique_ptr<XmlNode>> children;
+
+  void FindAll(absl::string_view element, absl::string_view cls,
+               std::vector<const XmlNode*>* found) const {
+    auto it = attrs.find("class");
+    if (name == element && (cls.empty() || (it != attrs.end() && it->second == cls))) {
+      found->push_back(this);
+    }
+    for (const auto& child : children) child->FindAll(element, cls, found);
+  }
+  std::vector<const XmlNode*> All(absl::string_view element, absl::string_view cls = "") const {
+    std::vector<const XmlNode*> found;
+    FindAll(element, cls, &found);
+    return found;
+  }
+  double Num(const std::string& attr) const {
+    double value = NAN;
+    auto it = attrs.find(attr);
+    EXPECT_TRUE(it != attrs.end() && absl::SimpleAtod(it->second, &value))
+        << "<" << name << "> attribute " << attr;
+    return value;
+  }
+};
+
+class XmlParser {
+ public:
+  explicit XmlParser(absl::string_view text) : s_(text) {}
+
+  // The root element, or null with error() set.
+  std::unique_ptr<XmlNode> Parse() {
+    SkipMisc(/*prolog=*/true);
+    if (!error_.empty()) return nullptr;
+    auto root = Element();
+    if (root == nullptr) return nullptr;
+    SkipMisc(/*prolog=*/false);
+    if (error_.empty() && pos_ != s_.size()) Error("content after the root element");
+    return error_.empty() ? std::move(root) : nullptr;
+  }
+  const std::string& error() const { return error_; }
+
+ private:
+  void Error(absl::string_view what) {
+    if (error_.empty()) error_ = absl::StrCat(what, " at byte ", pos_);
+  }
+  bool At(absl::string_view prefix) const { return absl::StartsWith(s_.substr(pos_), prefix); }
+  void SkipSpace() {
+    while (pos_ < s_.size() && absl::ascii_isspace(static_cast<unsigned char>(s_[pos_]))) ++pos_;
+  }
+  bool SkipUntil(absl::string_view end) {
+    size_t found = s_.find(end, pos_);
+    if (found == absl::string_view::npos) return false;
+    pos_ = found + end.size();
+    return true;
+  }
+  void SkipMisc(bool prolog) {
+    while (error_.empty()) {
+      SkipSpace();
+      if (prolog && pos_ == 0 && At("<?xml")) {
+        if (!SkipUntil("?>")) Error("unterminated XML declaration");
+      } else if (At("<!--")) {
+        if (!SkipUntil("-->")) Error("unterminated comment");
+      } else if (At("<?")) {
+        if (!SkipUntil("?>")) Error("unterminated processing instruction");
+      } else {
+        return;
+      }
+    }
+  }
+  std::string Name() {
+    size_t start = pos_;
+    while (pos_ < s_.size()) {
+      char c = s_[pos_];
+      bool ok = absl::ascii_isalpha(static_cast<unsigned char>(c)) || c == '_' || c == ':' ||
+                (pos_ > start &&
+                 (absl::ascii_isdigit(static_cast<unsigned char>(c)) || c == '-' || c == '.'));
+      if (!ok) break;
+      ++pos_;
+    }
+    if (pos_ == start) Error("expected a name");
+    return std::string(s_.substr(start, pos_ - start));
+  }
+  // Character data up to `stop` with entities decoded; '<' and a bare '&'
+  // are errors.
+  std::string CharData(char stop) {
+    std::string out;
+    while (pos_ < s_.size() && s_[pos_] != stop) {
+      char c = s_[pos_];
+      if (c == '<') {
+        if (stop == '<') break;
+        Error("'<' in an attribute value");
+        return out;
+      }
+      if (c == '&') {
+        size_t semi = s_.find(';', pos_);
+        if (semi == absl::string_view::npos) {
+          Error("unterminated entity");
+          return out;
+        }
+        absl::string_view entity = s_.substr(pos_ + 1, semi - pos_ - 1);
+        static const std::map<std::string, std::string> kEntities = {
+            {"amp", "&"}, {"lt", "<"}, {"gt", ">"}, {"quot", "\""}, {"apos", "'"}};
+        if (auto it = kEntities.find(std::string(entity)); it != kEntities.end()) {
+          out += it->second;
+        } else if (absl::StartsWith(entity, "#")) {
+          uint32_t code = 0;
+          bool ok = absl::StartsWith(entity, "#x") ? absl::SimpleHexAtoi(entity.substr(2), &code)
+                                                   : absl::SimpleAtoi(entity.substr(1), &code);
+          if (!ok) {
+            Error("bad character reference");
+            return out;
+          }
+          out += code < 0x80 ? std::string(1, static_cast<char>(code)) : "?";
+        } else {
+          Error(absl::StrCat("unknown entity &", entity, ";"));
+          return out;
+        }
+        pos_ = semi + 1;
+        continue;
+      }
+      out += c;
+      ++pos_;
+    }
+    return out;
+  }
+  std::unique_ptr<XmlNode> Element() {
+    if (!At("<")) {
+      Error("expected '<'");
+      return nullptr;
+    }
+    ++pos_;
+    auto node = std::make_unique<XmlNode>();
+    node->name = Name();
+    while (error_.empty()) {
+      const size_t before = pos_;
+      SkipSpace();
+      if (At("/>")) {
+        pos_ += 2;
+        return node;
+      }
+      if (At(">")) {
+        ++pos_;
+        break;
+      }
+      if (pos_ == before) {
+        Error("expected whitespace before an attribute");
+        return nullptr;
+      }
+      std::string attr = Name();
+      SkipSpace();
+      if (!At("=")) Error(absl::StrCat("attribute ", attr, " without '='"));
+      ++pos_;
+      SkipSpace();
+      if (pos_ >= s_.size() || (s_[pos_] != '"' && s_[pos_] != '\'')) {
+        Error(absl::StrCat("attribute ", attr, " is not quoted"));
+        return nullptr;
+      }
+      const char quote = s_[pos_++];
+      std::string value = CharData(quote);
+      if (pos_ >= s_.size()) Error("unterminated attribute value");
+      ++pos_;
+      if (!node->attrs.emplace(attr, value).second) {
+        Error(absl::StrCat("duplicate attribute ", attr));
+      }
+    }
+    // Content.
+    while (error_.empty()) {
+      node->text += CharData('<');
+      if (pos_ >= s_.size()) {
+        Error(absl::StrCat("unclosed <", node->name, ">"));
+        break;
+      }
+      if (At("</")) {
+        pos_ += 2;
+        std::string end = Name();
+        SkipSpace();
+        if (end != node->name) Error(absl::StrCat("</", end, "> closes <", node->name, ">"));
+        if (!At(">")) Error("expected '>'");
+        ++pos_;
+        return error_.empty() ? std::move(node) : nullptr;
+      }
+      if (At("<!--")) {
+        if (!SkipUntil("-->")) Error("unterminated comment");
+        continue;
+      }
+      auto child = Element();
+      if (child == nullptr) break;
+      node->children.push_back(std::move(child));
+    }
+    return nullptr;
+  }
+
+  absl::string_view s_;
+  size_t pos_ = 0;
+  std::string error_;
+};
+
+TEST(XmlParserTest, RejectsMalformedDocuments) {
+  for (const char* bad : {"<a><b></a>", "<a x=1/>", "<a>&bogus;</a>", "<a>1 < 2</a>", "<a/><b/>",
+                          "<a x=\"1\" x=\"2\"/>", "<a>", "<a x=\"<\"/>"}) {
+    XmlParser parser(bad);
+    EXPECT_EQ(parser.Parse(), nullptr) << bad;
+    EXPECT_FALSE(parser.error().empty()) << bad;
+  }
+  XmlParser good("<?xml version=\"1.0\"?>\n<a k='v &amp; w'><!-- c --><b>x &lt; y</b><c/></a>\n");
+  auto root = good.Parse();
+  ASSERT_NE(root, nullptr) << good.error();
+  EXPECT_EQ(root->attrs["k"], "v & w");
+  ASSERT_EQ(root->children.size(), 2u);
+  EXPECT_EQ(root->children[0]->text, "x < y");
+}
+
+std::unique_ptr<XmlNode> ParseSvgFile(const std::string& path) {
+  const std::string text = ReadWholeFile(path);
+  XmlParser parser(text);
+  auto root = parser.Parse();
+  EXPECT_NE(root, nullptr) << path << " is not well-formed XML: " << parser.error();
+  if (root != nullptr) {
+    EXPECT_EQ(root->name, "svg");
+    EXPECT_EQ(root->attrs["xmlns"], "http://www.w3.org/2000/svg");
+  }
+  return root;
+}
+
+// An axis read back from a chart: tick values (from their labels) and pixel
+// positions, and the mapping pixel -> value they define.
+struct Axis {
+  std::vector<double> values, pixels;
+  bool log = false;
+  double ToValue(double pixel) const {
+    const double a = log ? std::log10(values.front()) : values.front();
+    const double b = log ? std::log10(values.back()) : values.back();
+    const double v = a + (pixel - pixels.front()) / (pixels.back() - pixels.front()) * (b - a);
+    return log ? std::pow(10.0, v) : v;
+  }
+};
+
+// Reads the ticks of class `cls` ("xtick" / "ytick"): each tick mark's label
+// must read as its value, and every tick must lie on the line (linear or
+// log) through the first and last.
+Axis ReadAxis(const XmlNode& root, const std::string& cls, bool log) {
+  Axis axis;
+  axis.log = log;
+  const std::string coord = cls == "xtick" ? "x1" : "y1";
+  std::vector<const XmlNode*> marks = root.All("line", cls);
+  std::vector<const XmlNode*> labels = root.All("text", cls + "-label");
+  EXPECT_GE(marks.size(), 2u) << cls;
+  EXPECT_EQ(marks.size(), labels.size()) << cls;
+  for (size_t i = 0; i < marks.size() && i < labels.size(); ++i) {
+    double label = NAN;
+    EXPECT_TRUE(absl::SimpleAtod(labels[i]->text, &label)) << labels[i]->text;
+    EXPECT_NEAR(label, marks[i]->Num("data-value"), 1e-9 * std::max(1.0, std::abs(label)));
+    axis.values.push_back(label);
+    axis.pixels.push_back(marks[i]->Num(coord));
+  }
+  if (axis.values.size() >= 2) {
+    for (size_t i = 0; i < axis.values.size(); ++i) {
+      EXPECT_NEAR(axis.ToValue(axis.pixels[i]), axis.values[i],
+                  1e-3 * std::max(1.0, std::abs(axis.values[i])))
+          << cls << " tick " << i << " is off the axis scale";
+    }
+  }
+  return axis;
+}
+
+std::vector<std::pair<double, double>> ParsePoints(const std::string& points) {
+  std::vector<std::pair<double, double>> result;
+  for (absl::string_view pair : absl::StrSplit(points, ' ', absl::SkipEmpty())) {
+    std::pair<absl::string_view, absl::string_view> xy = absl::StrSplit(pair, ',');
+    double x, y;
+    EXPECT_TRUE(absl::SimpleAtod(xy.first, &x) && absl::SimpleAtod(xy.second, &y)) << pair;
+    result.emplace_back(x, y);
+  }
+  return result;
+}
+
+// The RoFormer relative upper bound (1/(d/2)) sum_{j=1..d/2} |S_j|,
+// S_j = sum_{k<j} e^{i r theta_k}, with the default rule
+// theta_k = base^(-2k/d), written independently of the CLI.
+double ReferenceDecayBound(int d, double base, double r) {
+  std::complex<double> s = 0;
+  double total = 0;
+  for (int k = 0; k < d / 2; ++k) {
+    s += std::exp(std::complex<double>(0, r * std::pow(base, -2.0 * k / d)));
+    total += std::abs(s);
+  }
+  return total / (d / 2);
+}
+
+// --- The fixture: one server for the suite. ---
+
+class CliTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    server_ = testing::StartTestServer(testing::TestServerOptions()).release();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override { dir_ = MakeTempDir(); }
+
+  static std::string Target() { return absl::StrCat("127.0.0.1:", server_->port()); }
+  std::string Path(absl::string_view name) const { return absl::StrCat(dir_, "/", name); }
+
+  // `ropeattn <args[0]> --target=<server> <args[1..]>`.
+  static RunResult Cli(std::vector<std::string> args) {
+    args.insert(args.begin() + 1, absl::StrCat("--target=", Target()));
+    return RunCli(args);
+  }
+
+  static std::unique_ptr<client::Client> Client() {
+    client::ClientOptions options;
+    options.target = Target();
+    auto client = client::Client::Connect(options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? *std::move(client) : nullptr;
+  }
+
+  static server::Server* server_;
+  std::string dir_;
+};
+
+server::Server* CliTest::server_ = nullptr;
+
+// One line on stderr, "ropeattn <cmd>: <CODE>: ...".
+void ExpectOneErrorLine(const RunResult& r, const std::string& command, const std::string& code) {
+  EXPECT_THAT(r.err, StartsWith(absl::StrCat("ropeattn ", command, ": ", code, ": ")))
+      << Describe(r);
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << Describe(r);
+}
+
+// --- Usage and help. ---
+
+TEST_F(CliTest, TopLevelHelpListsEverySubcommand) {
+  RunResult r = RunCli({"--help"});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  for (const char* sub :
+       {"health", "info", "sessions", "attend", "encode", "decode", "plot", "bench"}) {
+    EXPECT_THAT(r.out, HasSubstr(absl::StrCat("  ", sub, " "))) << sub;
+  }
+  r = RunCli({});
+  EXPECT_EQ(r.exit_code, 64) << Describe(r);
+  r = RunCli({"frobnicate"});
+  EXPECT_EQ(r.exit_code, 64) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("unknown subcommand \"frobnicate\""));
+}
+
+TEST_F(CliTest, EverySubcommandHelpShowsItsOwnFlagsOnly) {
+  struct Case {
+    const char* command;
+    std::vector<const char*> present, absent;
+  };
+  const Case cases[] = {
+      {"health", {"--service"}, {"--rope_type", "--json", "--kind"}},
+      {"info", {"--json"}, {"--service", "--heads"}},
+      {"sessions", {"--close", "--json"}, {"--heads", "--op"}},
+      {"attend",
+       {"--seed",        "--batch",
+        "--q_len",       "--k_len",
+        "--heads",       "--kv_heads",
+        "--head_dim",    "--dtype",
+        "--causal",      "--window",
+        "--softcap",     "--rope_type",
+        "--rope_factor", "--original_max_positions",
+        "--rope_layout", "--rotary_dim",
+        "--alibi",       "--return_probs",
+        "--probs_out",   "--q\n",
+        "--k\n",         "--v\n",
+        "--out"},
+       {"--steps", "--kind", "--op", "--service"}},
+      {"encode",
+       {"--op", "--d_model", "--positions", "--inverse", "--t5_max_distance"},
+       {"--steps", "--kind", "--return_probs"}},
+      {"decode",
+       {"--steps", "--context", "--tokens_per_step", "--kv_dtype", "--linear"},
+       {"--kind", "--op", "--return_probs"}},
+      {"plot",
+       {"--kind", "--config", "--max_distance", "--head\n", "--out"},
+       {"--steps", "--op", "--service"}},
+      {"bench", {}, {"--service"}},
+  };
+  for (const Case& c : cases) {
+    RunResult r = RunCli({c.command, "--help"});
+    EXPECT_EQ(r.exit_code, 0) << c.command << "\n" << Describe(r);
+    EXPECT_THAT(r.out, HasSubstr(absl::StrCat("ropeattn ", c.command))) << c.command;
+    EXPECT_THAT(r.out, AllOf(HasSubstr("--target"), HasSubstr("--deadline_seconds"))) << c.command;
+    for (const char* flag : c.present) EXPECT_THAT(r.out, HasSubstr(flag)) << c.command;
+    for (const char* flag : c.absent) EXPECT_THAT(r.out, Not(HasSubstr(flag))) << c.command;
+    EXPECT_EQ(r.err, "") << c.command;
+  }
+}
+
+TEST_F(CliTest, UsageErrorsExit64WithOneLine) {
+  RunResult r = Cli({"attend", "--no_such_flag=1"});
+  EXPECT_EQ(r.exit_code, 64) << Describe(r);
+  ExpectOneErrorLine(r, "attend", "USAGE");
+  EXPECT_THAT(r.err, HasSubstr("--no_such_flag"));
+
+  r = Cli({"attend", "--heads", "abc"});
+  EXPECT_EQ(r.exit_code, 64) << Describe(r);
+  ExpectOneErrorLine(r, "attend", "USAGE");
+
+  // A flag that belongs to another subcommand.
+  r = Cli({"health", "--rope_type=yarn"});
+  EXPECT_EQ(r.exit_code, 64) << Describe(r);
+  ExpectOneErrorLine(r, "health", "USAGE");
+
+  r = Cli({"info", "stray"});
+  EXPECT_EQ(r.exit_code, 64) << Describe(r);
+
+  r = Cli({"encode", "--op=nope"});
+  EXPECT_EQ(r.exit_code, 64) << Describe(r);
+  ExpectOneErrorLine(r, "encode", "USAGE");
+}
+
+// --- health / info / sessions. ---
+
+TEST_F(CliTest, HealthServing) {
+  RunResult r = Cli({"health"});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_EQ(r.out, "SERVING\n");
+  EXPECT_EQ(r.err, "");
+}
+
+TEST_F(CliTest, HealthWithNoServerIsUnavailable) {
+  // A port bound but not listening: connections are refused, and nothing
+  // else can take it while the test runs.
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  RunResult r = RunCli({"health", absl::StrCat("--target=127.0.0.1:", ntohs(addr.sin_port)),
+                        "--deadline_seconds=5"});
+  close(fd);
+  EXPECT_EQ(r.exit_code, 14) << Describe(r);
+  ExpectOneErrorLine(r, "health", "UNAVAILABLE");
+}
+
+TEST_F(CliTest, HealthNotServingExits14) {
+  auto server = testing::StartTestServer(testing::TestServerOptions());
+  server->SetServingForTest(false);
+  RunResult r = RunCli({"health", absl::StrCat("--target=127.0.0.1:", server->port())});
+  EXPECT_EQ(r.exit_code, 14) << Describe(r);
+  EXPECT_EQ(r.out, "NOT_SERVING\n");
+  ExpectOneErrorLine(r, "health", "UNAVAILABLE");
+  EXPECT_THAT(r.err, HasSubstr("NOT_SERVING"));
+}
+
+TEST_F(CliTest, InfoHumanAndJson) {
+  const server::ServerOptions& options = server_->options();
+  RunResult r = Cli({"info"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("version"));
+  EXPECT_THAT(r.out, HasSubstr("cpu"));
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("/ ", options.kv_budget_bytes, " bytes")));
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("of max ", options.max_sessions)));
+
+  r = Cli({"info", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  // proto3 JSON: int64 as strings, int32 as numbers.
+  EXPECT_THAT(r.out,
+              HasSubstr(absl::StrCat("\"kv_budget_bytes\": \"", options.kv_budget_bytes, "\"")));
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("\"max_sessions\": ", options.max_sessions)));
+  EXPECT_THAT(r.out, HasSubstr("\"open_sessions\": "));
+}
+
+TEST_F(CliTest, SessionsListsAndCloses) {
+  auto client = Client();
+  ASSERT_NE(client, nullptr);
+  v1::OpenSession open;
+  open.mutable_spec()->set_heads(2);
+  open.mutable_spec()->set_head_dim(8);
+  open.set_resumable(true);
+  open.set_max_context(64);
+  auto session = client->OpenSession(open);
+  ASSERT_TRUE(session.ok()) << session.status();
+  const int64_t shape[] = {1, 3, 2, 8};
+  auto q = client::RandomTensor(v1::DTYPE_F32, shape, 1);
+  ASSERT_TRUE(q.ok());
+  ASSERT_TRUE((*session)->Step(*q, *q, *q).ok());
+  const std::string id = (*session)->id();
+
+  RunResult r = Cli({"sessions"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("POSITION"));
+  std::vector<std::string> row;
+  for (absl::string_view line : absl::StrSplit(r.out, '\n')) {
+    if (absl::StartsWith(line, id)) row = absl::StrSplit(line, ' ', absl::SkipEmpty());
+  }
+  // id, position, max_context, kind, kv dtype, attached, idle s, KV bytes.
+  ASSERT_EQ(row.size(), 8u) << r.out;
+  EXPECT_EQ(row[1], "3");
+  EXPECT_EQ(row[2], "64");
+  EXPECT_EQ(row[3], "softmax");
+  EXPECT_EQ(row[4], "f32");
+  EXPECT_EQ(row[5], "yes");
+
+  r = Cli({"sessions", "--close", id});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("closed ", id)));
+  r = Cli({"sessions"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, Not(HasSubstr(id)));
+
+  r = Cli({"sessions", "--close", "00000000000000000000000000000000"});
+  EXPECT_EQ(r.exit_code, 5) << Describe(r);
+  ExpectOneErrorLine(r, "sessions", "NOT_FOUND");
+}
+
+// --- attend. ---
+
+std::vector<float> Floats(const v1::Tensor& t) {
+  auto values = client::ToFloats(t);
+  EXPECT_TRUE(values.ok()) << values.status();
+  return values.ok() ? *values : std::vector<float>();
+}
+
+TEST_F(CliTest, AttendRandomWritesNpyEqualToALibraryCall) {
+  const std::string out = Path("out.npy"), probs = Path("probs.npy");
+  RunResult r = Cli({"attend", "--heads=4", "--kv_heads=2", "--head_dim=16", "--q_len=5",
+                     "--k_len=7", "--causal", "--seed=7", "--rope_type=linear", "--rope_factor=2",
+                     "--out", out, "--probs_out", probs});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("out      [1, 5, 4, 16] f32"));
+  EXPECT_THAT(r.out, HasSubstr("finite yes"));
+  EXPECT_THAT(r.out, HasSubstr("rope linear x2"));
+
+  auto written = client::ReadNpy(out);
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_THAT(written->shape(), ElementsAre(1, 5, 4, 16));
+  EXPECT_EQ(written->dtype(), v1::DTYPE_F32);
+
+  // The same request through the library: seeds seed, seed+1, seed+2.
+  v1::AttendRequest request;
+  auto* spec = request.mutable_spec();
+  spec->set_heads(4);
+  spec->set_kv_heads(2);
+  spec->set_head_dim(16);
+  spec->set_causal(true);
+  spec->mutable_rope()->mutable_scaling()->set_rope_type("linear");
+  spec->mutable_rope()->mutable_scaling()->set_factor(2);
+  const int64_t q_shape[] = {1, 5, 4, 16}, kv_shape[] = {1, 7, 2, 16};
+  *request.mutable_q() = *client::RandomTensor(v1::DTYPE_F32, q_shape, 7);
+  *request.mutable_k() = *client::RandomTensor(v1::DTYPE_F32, kv_shape, 8);
+  *request.mutable_v() = *client::RandomTensor(v1::DTYPE_F32, kv_shape, 9);
+  auto expected = Client()->Attend(request);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  std::vector<float> got = Floats(*written), want = Floats(expected->out());
+  ASSERT_EQ(got.size(), want.size());
+  double mean = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], 1e-6) << i;
+    mean += got[i];
+  }
+  mean /= got.size();
+  EXPECT_NEAR(NumberAfter(r.out, "out ", "mean"), mean, 1e-5);
+
+  auto p = client::ReadNpy(probs);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_THAT(p->shape(), ElementsAre(1, 4, 5, 7));
+  std::vector<float> pv = Floats(*p);
+  for (int row = 0; row < 4 * 5; ++row) {
+    double sum = 0;
+    for (int j = 0; j < 7; ++j) sum += pv[row * 7 + j];
+    EXPECT_NEAR(sum, 1.0, 1e-5) << "row " << row;
+  }
+  // Causal with the queries last: query 0 (position 2) sees keys 0..2 only.
+  EXPECT_EQ(pv[3], 0.0f);
+}
+
+TEST_F(CliTest, AttendReadsNpyInputs) {
+  const int64_t q_shape[] = {2, 3, 2, 8}, kv_shape[] = {2, 4, 1, 8};
+  v1::AttendRequest request;
+  *request.mutable_q() = *client::RandomTensor(v1::DTYPE_BF16, q_shape, 100);
+  *request.mutable_k() = *client::RandomTensor(v1::DTYPE_BF16, kv_shape, 200);
+  *request.mutable_v() = *client::RandomTensor(v1::DTYPE_BF16, kv_shape, 300);
+  ASSERT_TRUE(client::WriteNpy(Path("q.npy"), request.q()).ok());
+  ASSERT_TRUE(client::WriteNpy(Path("k.npy"), request.k()).ok());
+  ASSERT_TRUE(client::WriteNpy(Path("v.npy"), request.v()).ok());
+  RunResult r = Cli({"attend", "--q", Path("q.npy"), "--k", Path("k.npy"), "--v", Path("v.npy"),
+                     "--norope", "--out", Path("o.npy")});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("k        [2, 4, 1, 8] bf16"));
+  EXPECT_THAT(r.out, HasSubstr("heads 2 kv_heads 1 head_dim 8"));
+  EXPECT_THAT(r.out, HasSubstr("no positional encoding"));
+
+  request.mutable_spec()->set_heads(2);
+  request.mutable_spec()->set_kv_heads(1);
+  request.mutable_spec()->set_head_dim(8);
+  auto expected = Client()->Attend(request);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  auto written = client::ReadNpy(Path("o.npy"));
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_THAT(written->shape(), ElementsAre(2, 3, 2, 8));
+  EXPECT_EQ(Floats(*written), Floats(expected->out()));
+
+  r = Cli({"attend", "--q", Path("missing.npy"), "--k", Path("k.npy"), "--v", Path("v.npy")});
+  EXPECT_EQ(r.exit_code, 5) << Describe(r);
+  ExpectOneErrorLine(r, "attend", "NOT_FOUND");
+}
+
+TEST_F(CliTest, AttendErrorsMapToTheirStatusCode) {
+  RunResult r = Cli({"attend", "--heads", "6", "--kv_heads", "4"});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  ExpectOneErrorLine(r, "attend", "INVALID_ARGUMENT");
+  EXPECT_EQ(r.out, "");
+
+  r = Cli({"attend", "--rope_type=bogus"});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  ExpectOneErrorLine(r, "attend", "INVALID_ARGUMENT");
+  EXPECT_THAT(r.err, HasSubstr("bogus"));
+
+  r = Cli({"attend", "--dtype=f16"});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  ExpectOneErrorLine(r, "attend", "INVALID_ARGUMENT");
+}
+
+// --- encode. ---
+
+TEST_F(CliTest, EncodeRopeFrequencies) {
+  RunResult r = Cli({"encode", "--op=rope_frequencies", "--head_dim=8", "--out", Path("f.npy")});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  std::vector<double> printed;
+  for (absl::string_view line : absl::StrSplit(r.out, '\n')) {
+    if (!absl::ConsumePrefix(&line, "inv_freq ")) continue;
+    for (absl::string_view word : absl::StrSplit(line, ' ', absl::SkipEmpty())) {
+      double v;
+      ASSERT_TRUE(absl::SimpleAtod(word, &v)) << word;
+      printed.push_back(v);
+    }
+  }
+  ASSERT_EQ(printed.size(), 4u) << r.out;
+  auto written = client::ReadNpy(Path("f.npy"));
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_THAT(written->shape(), ElementsAre(4));
+  std::vector<float> values = Floats(*written);
+  for (int i = 0; i < 4; ++i) {
+    const double expected = std::pow(10000.0, -2.0 * i / 8);
+    EXPECT_NEAR(printed[i], expected, 1e-8 * expected) << i;
+    EXPECT_NEAR(values[i], expected, 1e-6 * expected) << i;
+  }
+}
+
+TEST_F(CliTest, EncodeSinusoidalCosSinAndAlibi) {
+  RunResult r = Cli(
+      {"encode", "--op=sinusoidal", "--num_positions=10", "--d_model=6", "--out", Path("t.npy")});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  auto table = client::ReadNpy(Path("t.npy"));
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_THAT(table->shape(), ElementsAre(10, 6));
+  std::vector<float> t = Floats(*table);
+  EXPECT_NEAR(t[6 * 1 + 0], std::sin(1.0), 1e-6);  // interleaved: sin at 2i
+  EXPECT_NEAR(t[6 * 1 + 1], std::cos(1.0), 1e-6);  // cos at 2i + 1
+  EXPECT_NEAR(t[6 * 7 + 2], std::sin(7 * std::pow(10000.0, -2.0 / 6)), 1e-6);
+
+  r = Cli(
+      {"encode", "--op=rope_cos_sin", "--head_dim=8", "--positions=0,3", "--out", Path("cs.npy")});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  auto cos = client::ReadNpy(Path("cs.npy"));
+  auto sin = client::ReadNpy(Path("cs_sin.npy"));
+  ASSERT_TRUE(cos.ok() && sin.ok()) << cos.status() << sin.status();
+  EXPECT_THAT(cos->shape(), ElementsAre(2, 4));
+  EXPECT_THAT(sin->shape(), ElementsAre(2, 4));
+  EXPECT_NEAR(Floats(*cos)[4 + 1], std::cos(3 * 0.1), 1e-6);
+  EXPECT_NEAR(Floats(*sin)[4 + 1], std::sin(3 * 0.1), 1e-6);
+
+  r = Cli({"encode", "--op=alibi", "--heads=4"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("slopes 0.25 0.0625 0.015625 0.00390625\n"));
+
+  r = Cli({"encode", "--op=rope_apply", "--heads=2", "--head_dim=8", "--q_len=3", "--out",
+           Path("x.npy")});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  auto x = client::ReadNpy(Path("x.npy"));
+  ASSERT_TRUE(x.ok()) << x.status();
+  EXPECT_THAT(x->shape(), ElementsAre(1, 3, 2, 8));
+  // Position 0 is not rotated.
+  const int64_t shape[] = {1, 3, 2, 8};
+  std::vector<float> in = Floats(*client::RandomTensor(v1::DTYPE_F32, shape, 1));
+  std::vector<float> rotated = Floats(*x);
+  for (int i = 0; i < 16; ++i) EXPECT_NEAR(rotated[i], in[i], 1e-6) << i;
+
+  r = Cli({"encode", "--op=sinusoidal", "--d_model=7"});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  ExpectOneErrorLine(r, "encode", "INVALID_ARGUMENT");
+}
+
+// --- decode. ---
+
+TEST_F(CliTest, DecodeLastStepEqualsOneShotAttend) {
+  RunResult r = Cli({"decode", "--steps=3", "--context=5", "--prefill_chunk=2", "--heads=2",
+                     "--head_dim=8", "--seed=3", "--out", Path("last.npy")});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("prefill  5 tokens in 3 chunks"));
+  for (int step = 1; step <= 3; ++step) {
+    EXPECT_THAT(r.out, HasSubstr(absl::StrCat("step    ", step, "  position      ", 5 + step)));
+  }
+  EXPECT_GT(NumberAfter(r.out, "steps 3", "p50"), 0);
+  EXPECT_GE(NumberAfter(r.out, "steps 3", "p99"), NumberAfter(r.out, "steps 3", "p50"));
+
+  auto last = client::ReadNpy(Path("last.npy"));
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_THAT(last->shape(), ElementsAre(1, 1, 2, 8));
+
+  v1::AttendRequest request;
+  request.mutable_spec()->set_heads(2);
+  request.mutable_spec()->set_head_dim(8);
+  request.mutable_spec()->set_causal(true);
+  request.mutable_spec()->mutable_rope();
+  const int64_t shape[] = {1, 8, 2, 8};
+  *request.mutable_q() = *client::RandomTensor(v1::DTYPE_F32, shape, 3);
+  *request.mutable_k() = *client::RandomTensor(v1::DTYPE_F32, shape, 4);
+  *request.mutable_v() = *client::RandomTensor(v1::DTYPE_F32, shape, 5);
+  auto expected = Client()->Attend(request);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  std::vector<float> want = Floats(expected->out()), got = Floats(*last);
+  ASSERT_EQ(want.size(), 8u * 16u);
+  for (int i = 0; i < 16; ++i) EXPECT_NEAR(got[i], want[7 * 16 + i], 1e-5) << i;
+}
+
+TEST_F(CliTest, DecodeStepPastMaxContextIsOutOfRange) {
+  RunResult r = Cli({"decode", "--steps=4", "--heads=2", "--head_dim=8", "--max_context=2"});
+  EXPECT_EQ(r.exit_code, 11) << Describe(r);
+  ExpectOneErrorLine(r, "decode", "OUT_OF_RANGE");
+}
+
+// --- plot. ---
+
+TEST_F(CliTest, PlotDecayMatchesTheRoFormerBound) {
+  const std::string svg = Path("decay.svg");
+  RunResult r = Cli({"plot", "--kind=decay", "--head_dim=64", "--max_distance=200",
+                     "--config=rope:default:1:10000", "--config", "base 500k <&>:default:1:500000",
+                     "--out", svg});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  auto root = ParseSvgFile(svg);
+  ASSERT_NE(root, nullptr);
+
+  auto titles = root->All("text", "title");
+  ASSERT_EQ(titles.size(), 1u);
+  EXPECT_THAT(titles[0]->text, HasSubstr("decay"));
+  ASSERT_EQ(root->All("text", "xlabel").size(), 1u);
+  EXPECT_THAT(root->All("text", "xlabel")[0]->text, HasSubstr("distance"));
+  ASSERT_EQ(root->All("text", "ylabel").size(), 1u);
+  EXPECT_THAT(root->All("text", "ylabel")[0]->text, HasSubstr("bound"));
+  std::vector<std::string> legend;
+  for (const XmlNode* t : root->All("text", "legend-label")) legend.push_back(t->text);
+  EXPECT_THAT(legend, ElementsAre("rope", "base 500k <&>"));
+
+  Axis x = ReadAxis(*root, "xtick", false);
+  Axis y = ReadAxis(*root, "ytick", false);
+  auto series = root->All("polyline", "series");
+  ASSERT_EQ(series.size(), 2u);
+  EXPECT_EQ(series[0]->attrs.at("data-series"), "rope");
+  auto points = ParsePoints(series[0]->attrs.at("points"));
+  ASSERT_EQ(points.size(), 201u);
+  // Coordinates have 3 decimals: over a y range of a few tens on ~400 px,
+  // that is ~1e-4 in data units; 2e-3 leaves room for the tick rounding.
+  constexpr double kTolerance = 2e-3;
+  for (int distance : {0, 1, 2, 10, 37, 100, 200}) {
+    const auto& [px, py] = points[distance];
+    EXPECT_NEAR(x.ToValue(px), distance, 1e-3);
+    EXPECT_NEAR(y.ToValue(py), ReferenceDecayBound(64, 10000, distance), kTolerance)
+        << "distance " << distance;
+  }
+  // At distance 0 every |S_j| = j: the bound is (d/2 + 1) / 2.
+  EXPECT_NEAR(y.ToValue(points[0].second), 16.5, kTolerance);
+  // The second curve uses its own base.
+  auto points2 = ParsePoints(series[1]->attrs.at("points"));
+  ASSERT_EQ(points2.size(), 201u);
+  EXPECT_NEAR(y.ToValue(points2[100].second), ReferenceDecayBound(64, 500000, 100), kTolerance);
+}
+
+TEST_F(CliTest, PlotWavelengthUsesALogAxis) {
+  const std::string svg = Path("wavelength.svg");
+  RunResult r = Cli({"plot", "--kind=wavelength", "--head_dim=32", "--config=base:default",
+                     "--config=pi:linear:4:10000", "--out", svg});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  auto root = ParseSvgFile(svg);
+  ASSERT_NE(root, nullptr);
+  Axis y = ReadAxis(*root, "ytick", /*log=*/true);
+  for (double v : y.values) {
+    EXPECT_NEAR(std::log10(v), std::round(std::log10(v)), 1e-9) << "log ticks are powers of 10";
+  }
+  Axis x = ReadAxis(*root, "xtick", false);
+  auto series = root->All("polyline", "series");
+  ASSERT_EQ(series.size(), 2u);
+  EXPECT_EQ(root->All("text", "legend-label").size(), 2u);
+  auto base = ParsePoints(series[0]->attrs.at("points"));
+  auto linear = ParsePoints(series[1]->attrs.at("points"));
+  ASSERT_EQ(base.size(), 16u);
+  ASSERT_EQ(linear.size(), 16u);
+  for (int i : {0, 5, 15}) {
+    const double wavelength = 2 * M_PI / std::pow(10000.0, -2.0 * i / 32);
+    EXPECT_NEAR(x.ToValue(base[i].first), i, 1e-3);
+    EXPECT_NEAR(y.ToValue(base[i].second), wavelength, 1e-3 * wavelength) << i;
+    // Position interpolation stretches every wavelength by the factor.
+    EXPECT_NEAR(y.ToValue(linear[i].second), 4 * wavelength, 4e-3 * wavelength) << i;
+  }
+}
+
+TEST_F(CliTest, PlotSinusoidalHeatmap) {
+  const std::string svg = Path("sin.svg");
+  RunResult r =
+      Cli({"plot", "--kind=sinusoidal", "--num_positions=20", "--d_model=16", "--out", svg});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  auto root = ParseSvgFile(svg);
+  ASSERT_NE(root, nullptr);
+  auto cells = root->All("g", "cells");
+  ASSERT_EQ(cells.size(), 1u);
+  EXPECT_EQ(cells[0]->All("rect").size(), 20u * 16u);
+  ASSERT_EQ(root->All("g", "colorbar").size(), 1u);
+  EXPECT_GE(root->All("line", "ctick").size(), 3u);
+  EXPECT_EQ(root->All("text", "title").size(), 1u);
+  ReadAxis(*root, "xtick", false);
+  ReadAxis(*root, "ytick", false);
+  // Row 0 (position 0): sin 0 = 0 (white, the middle of the diverging map),
+  // cos 0 = 1 (the red end).
+  auto rects = cells[0]->All("rect");
+  EXPECT_EQ(rects[0]->attrs.at("fill"), "#f7f7f7");
+  EXPECT_EQ(rects[1]->attrs.at("fill"), "#b2182b");
+}
+
+TEST_F(CliTest, PlotAttentionHeatmapOfOneHead) {
+  const std::string svg = Path("attention.svg");
+  RunResult r = Cli({"plot", "--kind=attention", "--q_len=6", "--heads=2", "--head_dim=8",
+                     "--causal", "--head=1", "--out", svg});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  auto root = ParseSvgFile(svg);
+  ASSERT_NE(root, nullptr);
+  auto cells = root->All("g", "cells");
+  ASSERT_EQ(cells.size(), 1u);
+  auto rects = cells[0]->All("rect");
+  ASSERT_EQ(rects.size(), 36u);
+  // Causal: query 0 sees only key 0 (probability 1, the top of the scale);
+  // the masked keys are 0 (the bottom).
+  EXPECT_EQ(rects[0]->attrs.at("fill"), "#fde725");
+  EXPECT_EQ(rects[5]->attrs.at("fill"), "#440154");
+  EXPECT_THAT(root->All("text", "title")[0]->text, HasSubstr("head 1"));
+
+  r = Cli({"plot", "--kind=attention", "--heads=2", "--head=2", "--out", svg});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  ExpectOneErrorLine(r, "plot", "INVALID_ARGUMENT");
+}
+
+TEST_F(CliTest, PlotErrors) {
+  RunResult r = Cli({"plot", "--kind=pie", "--out", Path("x.svg")});
+  EXPECT_EQ(r.exit_code, 64) << Describe(r);
+  ExpectOneErrorLine(r, "plot", "USAGE");
+  r = Cli({"plot", "--kind=decay"});
+  EXPECT_EQ(r.exit_code, 64) << Describe(r);
+  r = Cli({"plot", "--kind=decay", "--config=x:nonsense_rule:1:10000", "--out", Path("x.svg")});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  ExpectOneErrorLine(r, "plot", "INVALID_ARGUMENT");
+  r = Cli({"plot", "--kind=decay", "--out", Path("no/such/dir/x.svg")});
+  EXPECT_EQ(r.exit_code, 5) << Describe(r);
+  ExpectOneErrorLine(r, "plot", "NOT_FOUND");
+}
+
+}  // namespace
+}  // namespace ropeattn
