@@ -115,9 +115,13 @@ class Client {
 // FAILED_PRECONDITION.
 class Session {
  public:
-  ~Session();  // ends the stream (half-close, then finish); the server frees a
-               // non-resumable session
+  // Ends the stream (half-close, then finish, bounded by the client's
+  // deadline); the server frees a non-resumable session and detaches a
+  // resumable one. The detach lands a moment after this returns, so an
+  // immediate re-attach may still see FAILED_PRECONDITION "attached".
+  ~Session();
 
+  // The answer to open/attach, refreshed by Truncate and Close.
   const v1::SessionInfo& info() const { return info_; }
   const std::string& id() const { return info_.session_id(); }
   int64_t position() const { return position_; }
@@ -128,7 +132,8 @@ class Session {
   absl::StatusOr<v1::SessionInfo> Truncate(int64_t position);
   // A resumable copy of the history, detached; attach it by its id.
   absl::StatusOr<v1::SessionInfo> Fork(uint32_t idle_ttl_seconds = 0);
-  // Closes the session on the server and ends the stream.
+  // Closes the session on the server and ends the stream. Seq numbers of
+  // step/truncate/fork/close count from 1 on each stream.
   absl::Status Close();
 
  private:

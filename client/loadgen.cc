@@ -267,6 +267,9 @@ bool IsStable(const std::vector<double>& throughputs, int n, double tolerance) {
   double mean = 0;
   for (int i = 0; i < n; ++i) mean += throughputs[throughputs.size() - 1 - i];
   mean /= n;
+  // Windows where nothing completed (a server slower than the window) are
+  // not a steady state, however alike they look.
+  if (mean <= 0) return false;
   for (int i = 0; i < n; ++i) {
     if (std::abs(throughputs[throughputs.size() - 1 - i] - mean) > tolerance * mean) return false;
   }

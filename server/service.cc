@@ -234,6 +234,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   void OnCancel() override { cancelled_ = true; }
 
   void OnDone() override {
+    // Normally released in FinishOnce; this covers a stream gRPC ends itself.
     if (session_ != nullptr) service_->sessions_->Detach(session_, cancelled_.load());
     service_->Unregister(this);
     Unref();
@@ -247,12 +248,11 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
 
   // From BeginShutdown: a stream waiting for its client ends now.
   void Drain() {
-    bool idle;
-    {
-      absl::MutexLock lock(&mu_);
-      idle = !busy_;
-    }
-    if (idle) FinishOnce(ShuttingDown());
+    // Under mu_: OnReadDone marks the stream busy under the same lock before
+    // handing work to the executor, so an idle stream cannot start a step
+    // (and use session_) while it is being finished here.
+    absl::MutexLock lock(&mu_);
+    if (!busy_) FinishOnce(ShuttingDown());
   }
 
  private:
@@ -282,6 +282,12 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
 
   void FinishOnce(const grpc::Status& status) {
     if (finished_.exchange(true)) return;
+    // Release the session before the client can see the stream end, so a
+    // client may re-attach a resumable session as soon as its stream is over.
+    if (session_ != nullptr) {
+      service_->sessions_->Detach(session_, cancelled_.load());
+      session_.reset();
+    }
     Finish(status);
   }
 
