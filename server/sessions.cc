@@ -405,15 +405,19 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(
   return Admit(std::move(config), resumable, ttl);
 }
 
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindLocked(const std::string& id) const {
+  auto it = sessions_.find(id);
+  if (it != sessions_.end()) return it->second;
+  // A recently ended id gets its own story: expired, closed, freed.
+  auto ended = ended_.find(id);
+  if (ended != ended_.end()) return ended->second;
+  return absl::NotFoundError(absl::StrCat("unknown session id \"", id, "\""));
+}
+
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const std::string& id) {
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(id);
-  if (it == sessions_.end()) {
-    auto ended = ended_.find(id);
-    if (ended != ended_.end()) return ended->second;
-    return absl::NotFoundError(absl::StrCat("unknown session id \"", id, "\""));
-  }
-  Session& s = *it->second;
+  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> found, FindLocked(id));
+  Session& s = *found;
   absl::MutexLock slock(&s.mu_);
   if (!s.resumable_) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -425,7 +429,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const std::strin
   }
   s.attached_ = true;
   s.last_active_ = absl::Now();
-  return it->second;
+  return found;
 }
 
 void SessionManager::Detach(const std::shared_ptr<Session>& session, bool stream_cancelled) {
@@ -465,14 +469,9 @@ void SessionManager::EraseLocked(const std::string& id, absl::string_view reason
 absl::StatusOr<v1::SessionInfo> SessionManager::Close(const std::string& id,
                                                       const std::string& reason) {
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(id);
-  if (it == sessions_.end()) {
-    auto ended = ended_.find(id);
-    if (ended != ended_.end()) return ended->second;
-    return absl::NotFoundError(absl::StrCat("unknown session id \"", id, "\""));
-  }
+  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> found, FindLocked(id));
   v1::SessionInfo info;
-  it->second->FillInfo(&info);
+  found->FillInfo(&info);
   EraseLocked(id, reason,
               absl::FailedPreconditionError(absl::StrCat("session ", id, " was closed")));
   return info;
@@ -496,14 +495,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Fork(
 
 absl::StatusOr<v1::SessionInfo> SessionManager::Info(const std::string& id) const {
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(id);
-  if (it == sessions_.end()) {
-    auto ended = ended_.find(id);
-    if (ended != ended_.end()) return ended->second;
-    return absl::NotFoundError(absl::StrCat("unknown session id \"", id, "\""));
-  }
+  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> found, FindLocked(id));
   v1::SessionInfo info;
-  it->second->FillInfo(&info);
+  found->FillInfo(&info);
   return info;
 }
 

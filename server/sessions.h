@@ -147,6 +147,10 @@ class SessionManager {
   // outside the manager's lock), attached to the caller.
   absl::StatusOr<std::shared_ptr<Session>> Admit(std::shared_ptr<const SessionConfig> config,
                                                  bool resumable, absl::Duration ttl);
+  // The session with `id`, or NotFound for an unknown id, or the status an
+  // ended one left behind (expired, closed, freed).
+  absl::StatusOr<std::shared_ptr<Session>> FindLocked(const std::string& id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes a session; `reason` is the metrics label, `ended` what later
   // callers of the id are told.
   void EraseLocked(const std::string& id, absl::string_view reason, const absl::Status& ended)
