@@ -5,6 +5,9 @@
 //   rpc/attend_small              Attend, [1, 16, 8, 64] q/k/v f32, causal RoPE
 //   rpc/decode_step/ctx1024       one Decode step (1 token, 32 heads over 8 kv
 //   rpc/decode_step/ctx4096       heads, head_dim 128, f32 KV) at that context
+//   rpc/layer_decode_step/demo/ctx1024  one layer-mode step on the built-in
+//                                 demo model (projections + RoPE + attention
+//                                 + output projection) at 1k context
 //
 // Each iteration is one synchronous round trip; Google Benchmark reports the
 // mean, and the p50/p99 counters come from every iteration's own timing.
@@ -203,9 +206,72 @@ void BM_DecodeStep(benchmark::State& state) {
   rw->Finish();
 }
 
+// One Decode step in layer mode on the built-in demo model: the server
+// projects the hidden state (q/k/v), rotates, attends over `context` cached
+// tokens and applies the output projection.
+void BM_LayerDecodeStep(benchmark::State& state) {
+  const int64_t context = state.range(0);
+  auto stub = v1::AttentionService::NewStub(Channel());
+  v1::ModelInfo model;
+  {
+    grpc::ClientContext ctx;
+    v1::GetModelRequest req;
+    req.set_name("demo");
+    if (!stub->GetModel(&ctx, req, &model).ok()) {
+      state.SkipWithError("GetModel failed");
+      return;
+    }
+  }
+  const int64_t hidden = model.hidden_size();
+  grpc::ClientContext ctx;
+  auto rw = stub->Decode(&ctx);
+  v1::DecodeRequest open;
+  open.mutable_open()->set_model("demo");
+  open.mutable_open()->set_layer(0);
+  open.mutable_open()->set_max_context(context + 2048);
+  v1::DecodeResponse resp;
+  if (!rw->Write(open) || !rw->Read(&resp) || !resp.has_opened()) {
+    state.SkipWithError("open failed");
+    return;
+  }
+  uint64_t seq = 0;
+  for (int64_t pos = 0; pos < context; pos += 512) {
+    v1::DecodeRequest step;
+    step.mutable_step()->set_seq(++seq);
+    *step.mutable_step()->mutable_hidden() = RandomWire({1, 512, hidden}, 40 + seq);
+    if (!rw->Write(step) || !rw->Read(&resp) || !resp.has_step()) {
+      state.SkipWithError("prefill failed");
+      return;
+    }
+  }
+  v1::DecodeRequest step;
+  *step.mutable_step()->mutable_hidden() = RandomWire({1, 1, hidden}, 7);
+  v1::DecodeRequest trunc;
+  int64_t steps = 0;
+  Timed(state, [&] {
+    if (++steps % 1024 == 0) {
+      trunc.mutable_truncate()->set_position(context);
+      if (!rw->Write(trunc) || !rw->Read(&resp)) return false;
+    }
+    step.mutable_step()->set_seq(++seq);
+    return rw->Write(step) && rw->Read(&resp) && resp.has_step();
+  });
+  state.counters["model_resident_bytes"] = static_cast<double>(model.resident_bytes());
+  state.counters["model_mapped_bytes"] = static_cast<double>(model.mapped_bytes());
+  rw->WritesDone();
+  while (rw->Read(&resp)) {
+  }
+  rw->Finish();
+}
+
 }  // namespace
 }  // namespace ropeattn
 
+BENCHMARK(ropeattn::BM_LayerDecodeStep)
+    ->Name("rpc/layer_decode_step/demo/ctx")
+    ->Arg(1024)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(ropeattn::BM_Health)
     ->Name("rpc/health_check")
     ->UseRealTime()

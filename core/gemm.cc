@@ -232,6 +232,73 @@ absl::Status MatMul(ConstTensorView a, ConstTensorView b, TensorView c, int num_
                         num_threads);
 }
 
+absl::Status Linear(ConstTensorView x, ConstTensorView weight, ConstTensorView bias, TensorView y,
+                    int num_threads) {
+  if (x.rank() != 2 || !x.IsContiguous() || (x.raw() == nullptr && x.num_elements() > 0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "linear input must be a dense [rows, in] tensor, got %s", DimsToString(x.dims())));
+  }
+  if (weight.rank() != 2 || !weight.IsContiguous() ||
+      (weight.raw() == nullptr && weight.num_elements() > 0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "linear weight must be a dense [out, in] tensor, got %s", DimsToString(weight.dims())));
+  }
+  const int64_t rows = x.dim(0), in = x.dim(1), out = weight.dim(0);
+  if (weight.dim(1) != in) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "linear weight is %s but the input has %d features", DimsToString(weight.dims()), in));
+  }
+  if (y.rank() != 2 || y.dtype() != DType::kF32 || !y.IsContiguous() || y.dim(0) != rows ||
+      y.dim(1) != out) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("linear output must be a dense f32 tensor of shape %s, got %s %s",
+                        DimsToString({rows, out}), DTypeName(y.dtype()), DimsToString(y.dims())));
+  }
+  const bool has_bias = !bias.empty_view();
+  if (has_bias && (bias.rank() != 1 || bias.dim(0) != out)) {
+    return absl::InvalidArgumentError(absl::StrFormat("linear bias must have shape [%d], got %s",
+                                                      out, DimsToString(bias.dims())));
+  }
+  if (num_threads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("num_threads must be >= 1, got %d", num_threads));
+  }
+  if (rows == 0 || out == 0) return absl::OkStatus();
+  // The GEMM wants matching input dtypes: bring x to the weight's dtype.
+  Tensor converted;
+  ConstTensorView a = x;
+  if (x.dtype() != weight.dtype()) {
+    absl::StatusOr<Tensor> t = Tensor::Create(weight.dtype(), x.dims());
+    if (!t.ok()) return t.status();
+    converted = *std::move(t);
+    const int64_t n = x.num_elements();
+    if (weight.dtype() == DType::kBF16) {
+      for (int64_t i = 0; i < n; ++i) {
+        converted.data<uint16_t>()[i] = FloatToBF16(x.data<float>()[i]);
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        converted.data<float>()[i] = BF16ToFloat(x.data<uint16_t>()[i]);
+      }
+    }
+    a = converted.view();
+  }
+  // W^T as a [in, out] view of the [out, in] matrix: a dense transposed
+  // operand, which oneDNN's brgemm takes as is.
+  const internal::MatOperand ao{a.raw(), a.dtype(), in, 1};
+  const internal::MatOperand bo{weight.raw(), weight.dtype(), 1, in};
+  absl::Status st = internal::Gemm(rows, out, in, ao, bo, y.data<float>(), out, num_threads);
+  if (!st.ok() || !has_bias) return st;
+  float* yp = y.data<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < out; ++c) {
+      yp[r * out + c] += bias.dtype() == DType::kF32 ? bias.data<float>()[c]
+                                                     : BF16ToFloat(bias.data<uint16_t>()[c]);
+    }
+  }
+  return absl::OkStatus();
+}
+
 int64_t MatMulCacheSize() { return internal::Cache().size(); }
 
 }  // namespace ropeattn

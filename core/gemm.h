@@ -14,6 +14,16 @@ namespace ropeattn {
 // the unit one: a transposed view is fine). Thread-safe. num_threads >= 1.
 absl::Status MatMul(ConstTensorView a, ConstTensorView b, TensorView c, int num_threads);
 
+// A linear layer in Hugging Face's weight layout:
+//   y[rows, out] = x[rows, in] * W[out, in]^T (+ bias[out])
+// x: f32 or bf16, dense; W: f32 or bf16, dense [out, in] (a memory-mapped
+// checkpoint tensor works as is); bias: absent (empty view) or [out] f32/bf16;
+// y: dense f32 [rows, out]. When x and W differ in dtype, x is converted to W's
+// dtype first (bf16 weights then see bf16 activations, as in bf16 inference).
+// InvalidArgument naming the operand for any shape or dtype mismatch.
+absl::Status Linear(ConstTensorView x, ConstTensorView weight, ConstTensorView bias, TensorView y,
+                    int num_threads);
+
 // Number of cached oneDNN primitives (for tests of the cache).
 int64_t MatMulCacheSize();
 

@@ -6,6 +6,8 @@
 
 #include <cstdio>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -48,6 +50,13 @@ ABSL_FLAG(uint32_t, default_idle_ttl_seconds, kDefaults.default_idle_ttl_seconds
           "Idle time after which a session is reaped, when it does not ask for one");
 ABSL_FLAG(uint32_t, max_idle_ttl_seconds, kDefaults.max_idle_ttl_seconds,
           "Cap on the idle TTL a session may ask for");
+// --model is repeatable, which absl flags are not: main() takes every
+// --model=NAME=DIR (or --model NAME=DIR) out of argv before parsing; this
+// definition is for --help.
+ABSL_FLAG(std::string, model, "",
+          "NAME=DIR: serve the Hugging Face-style checkpoint in DIR (config.json + "
+          "model.safetensors or a sharded set) as NAME; repeatable. Without any, the "
+          "built-in demo model is served as \"demo\"");
 ABSL_FLAG(double, shutdown_grace_seconds, kDefaults.shutdown_grace_seconds,
           "On SIGTERM/SIGINT: time in-flight calls get to finish before they are cancelled");
 
@@ -60,6 +69,29 @@ int main(int argc, char** argv) {
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
+  // Collect the repeatable --model flags.
+  std::vector<std::pair<std::string, std::string>> models;
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    std::string a = argv[i];
+    std::string value;
+    if (a.rfind("--model=", 0) == 0) {
+      value = a.substr(8);
+    } else if ((a == "--model" || a == "-model") && i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      args.push_back(argv[i]);
+      continue;
+    }
+    const size_t eq = value.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == value.size()) {
+      std::fprintf(stderr, "ropeattn-server: --model wants NAME=DIR, got \"%s\"\n", value.c_str());
+      return 2;
+    }
+    models.emplace_back(value.substr(0, eq), value.substr(eq + 1));
+  }
+  argc = static_cast<int>(args.size());
+  argv = args.data();
   absl::SetProgramUsageMessage(
       "ropeattn gRPC server.\n"
       "Usage: ropeattn-server [--address=127.0.0.1:50051] [--metrics_address=127.0.0.1:9464] "
@@ -84,6 +116,7 @@ int main(int argc, char** argv) {
   o.default_idle_ttl_seconds = absl::GetFlag(FLAGS_default_idle_ttl_seconds);
   o.max_idle_ttl_seconds = absl::GetFlag(FLAGS_max_idle_ttl_seconds);
   o.shutdown_grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
+  o.models = models;
 
   // Block the shutdown signals in every thread (they inherit this mask), then
   // take them synchronously here.

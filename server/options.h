@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace ropeattn::server {
 
@@ -35,6 +37,9 @@ struct ServerOptions {
   double reap_interval_seconds = 1.0;
   // Graceful shutdown: time in-flight work gets before the server cancels it.
   double shutdown_grace_seconds = 10.0;
+  // Models to serve: (name, checkpoint directory). Empty: the built-in demo
+  // model, named "demo".
+  std::vector<std::pair<std::string, std::string>> models;
 };
 
 }  // namespace ropeattn::server

@@ -15,6 +15,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "server/executor.h"
 #include "server/metrics.h"
+#include "server/model.h"
 #include "server/service.h"
 #include "server/sessions.h"
 
@@ -49,6 +50,7 @@ bool CanaryComputesCorrectly() {
 }  // namespace
 
 struct Server::Impl {
+  std::unique_ptr<ModelRegistry> models;
   std::unique_ptr<Metrics> metrics;
   std::unique_ptr<Executor> executor;
   std::unique_ptr<SessionManager> sessions;
@@ -100,22 +102,40 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (!CanaryComputesCorrectly()) {
     return absl::InternalError("the compute self-test failed at start-up; not serving");
   }
+  // Models first: a broken checkpoint stops start-up before anything listens.
+  auto models = std::make_unique<ModelRegistry>();
+  if (options.models.empty()) {
+    absl::StatusOr<std::shared_ptr<const Model>> demo = Model::Demo("demo");
+    if (!demo.ok()) return demo.status();
+    absl::Status added = models->Add(*std::move(demo));
+    if (!added.ok()) return added;
+  }
+  for (const auto& [name, dir] : options.models) {
+    absl::StatusOr<std::shared_ptr<const Model>> model = Model::Load(name, dir);
+    if (!model.ok()) {
+      return absl::Status(model.status().code(),
+                          absl::StrCat("model ", name, " (", dir, "): ", model.status().message()));
+    }
+    absl::Status added = models->Add(*std::move(model));
+    if (!added.ok()) return added;
+  }
   auto server = std::unique_ptr<Server>(new Server());
   server->options_ = options;
   server->impl_ = std::make_unique<Impl>();
   Impl& m = *server->impl_;
+  m.models = std::move(models);
   m.metrics = std::make_unique<Metrics>();
   // Every series exists from 0, so rate() sees the first request as growth.
   for (const char* method :
        {"Attend", "Encode", "Decode.Open", "Decode.Attach", "Decode.Step", "Decode.Truncate",
         "Decode.Fork", "Decode.Close", "GetSession", "ListSessions", "CloseSession",
-        "GetServerInfo"}) {
+        "GetServerInfo", "ListModels", "GetModel", "Embed"}) {
     m.metrics->RegisterMethod(method);
   }
   m.executor = std::make_unique<Executor>(options.compute_workers, options.queue_depth);
   m.sessions = std::make_unique<SessionManager>(options, m.metrics.get());
   m.service = std::make_unique<AttentionServiceImpl>(options, m.executor.get(), m.sessions.get(),
-                                                     m.metrics.get());
+                                                     m.metrics.get(), m.models.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -16,6 +16,7 @@ class Metrics;
 class MetricsHttpServer;
 class SessionManager;
 class AttentionServiceImpl;
+class ModelRegistry;
 
 class Server {
  public:

@@ -12,6 +12,7 @@
 #include "core/cpu.h"
 #include "server/convert.h"
 #include "server/handlers.h"
+#include "server/layer.h"
 
 namespace ropeattn::server {
 namespace {
@@ -32,8 +33,13 @@ grpc::Status QueueFull(const Executor& executor, const char* method) {
 // ------------------------------------------------------------- unary --
 
 AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options, Executor* executor,
-                                           SessionManager* sessions, Metrics* metrics)
-    : options_(options), executor_(executor), sessions_(sessions), metrics_(metrics) {}
+                                           SessionManager* sessions, Metrics* metrics,
+                                           const ModelRegistry* models)
+    : options_(options),
+      executor_(executor),
+      sessions_(sessions),
+      metrics_(metrics),
+      models_(models) {}
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
@@ -61,7 +67,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
                                                        const v1::AttendRequest* request,
                                                        v1::AttendResponse* response) {
   const int threads = options_.threads_per_call;
-  return RunOnExecutor(ctx, "Attend", [request, response, threads] {
+  const ModelRegistry* models = models_;
+  return RunOnExecutor(ctx, "Attend", [request, response, threads, models] {
+    if (request->has_layer()) return RunLayerAttend(*models, *request, response, threads);
     return RunAttend(*request, response, ComputeOptions{threads});
   });
 }
@@ -73,6 +81,38 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Encode(grpc::CallbackServerConte
   return RunOnExecutor(ctx, "Encode", [request, response, threads] {
     return RunEncode(*request, response, ComputeOptions{threads});
   });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Embed(grpc::CallbackServerContext* ctx,
+                                                      const v1::EmbedRequest* request,
+                                                      v1::EmbedResponse* response) {
+  const ModelRegistry* models = models_;
+  return RunOnExecutor(
+      ctx, "Embed", [request, response, models] { return RunEmbed(*models, *request, response); });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* ctx,
+                                                           const v1::ListModelsRequest* request,
+                                                           v1::ListModelsResponse* response) {
+  const absl::Time start = absl::Now();
+  for (const auto& m : models_->List()) FillModelInfo(*m, response->add_models());
+  metrics_->RecordRequest("ListModels", 0, SecondsSince(start));
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* ctx,
+                                                         const v1::GetModelRequest* request,
+                                                         v1::ModelInfo* response) {
+  const absl::Time start = absl::Now();
+  auto model = models_->Get(request->name());
+  absl::Status status = model.status();
+  if (model.ok()) FillModelInfo(**model, response);
+  metrics_->RecordRequest("GetModel", static_cast<int>(status.code()), SecondsSince(start));
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
 }
 
 // Operator calls are cheap bookkeeping: answered inline, so an overloaded
@@ -312,7 +352,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
         }
         absl::StatusOr<std::shared_ptr<Session>> s;
         if (request_.has_open()) {
-          auto config = ResolveOpenSession(request_.open(), service_->options_);
+          auto config = ResolveOpenSession(request_.open(), service_->options_, *service_->models_);
           if (!config.ok()) {
             s = config.status();
           } else {

@@ -12,6 +12,7 @@
 #include "ropeattn/v1/attention.grpc.pb.h"
 #include "server/executor.h"
 #include "server/metrics.h"
+#include "server/model.h"
 #include "server/options.h"
 #include "server/sessions.h"
 
@@ -22,7 +23,7 @@ class DecodeReactor;
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
   AttentionServiceImpl(const ServerOptions& options, Executor* executor, SessionManager* sessions,
-                       Metrics* metrics);
+                       Metrics* metrics, const ModelRegistry* models);
   ~AttentionServiceImpl() override;
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx,
@@ -45,6 +46,15 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest* request,
                                           v1::ServerInfo* response) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* ctx,
+                                       const v1::ListModelsRequest* request,
+                                       v1::ListModelsResponse* response) override;
+  grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* ctx,
+                                     const v1::GetModelRequest* request,
+                                     v1::ModelInfo* response) override;
+  grpc::ServerUnaryReactor* Embed(grpc::CallbackServerContext* ctx,
+                                  const v1::EmbedRequest* request,
+                                  v1::EmbedResponse* response) override;
 
   // Shutdown: streams waiting for their next message end at once with
   // UNAVAILABLE; streams in a step end right after answering it.
@@ -63,6 +73,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   Executor* const executor_;
   SessionManager* const sessions_;
   Metrics* const metrics_;
+  const ModelRegistry* const models_;
   std::atomic<bool> draining_{false};
   absl::Mutex mu_;
   absl::flat_hash_set<DecodeReactor*> streams_ ABSL_GUARDED_BY(mu_);

@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "core/attention.h"
 #include "core/status_macros.h"
+#include "server/layer.h"
 #include "server/metrics.h"
 
 namespace ropeattn::server {
@@ -62,10 +63,37 @@ absl::Status CheckStepTensor(const Tensor& t, absl::string_view name, int64_t to
 }  // namespace
 
 absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
-                                                 const ServerOptions& options) {
+                                                 const ServerOptions& options,
+                                                 const ModelRegistry& models) {
   SessionConfig c;
-  RA_ASSIGN_OR_RETURN(c.spec, ResolveSpec(open.spec()));
-  c.spec_proto = open.spec();
+  if (!open.model().empty()) {
+    // Layer mode: the model's attention geometry and RoPE; only the mask and
+    // logit options come from the spec.
+    RA_ASSIGN_OR_RETURN(ResolvedLayer r, ResolveLayer(models, open.model(), open.layer()));
+    const v1::AttentionSpec& in = open.spec();
+    if (in.heads() != 0 || in.kv_heads() != 0 || in.head_dim() != 0 ||
+        in.positional_case() != v1::AttentionSpec::POSITIONAL_NOT_SET || open.v_dim() != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "open.spec heads, kv_heads, head_dim, positional scheme and open.v_dim come from model ",
+          open.model(), " in layer mode: leave them unset"));
+    }
+    if (open.kind() == v1::ATTENTION_KIND_LINEAR) {
+      return absl::UnimplementedError("layer mode serves softmax attention only");
+    }
+    const ModelConfig& mc = r.model->config();
+    v1::AttentionSpec spec = in;
+    spec.set_heads(mc.num_heads);
+    spec.set_kv_heads(mc.num_kv_heads);
+    spec.set_head_dim(mc.head_dim);
+    RA_ASSIGN_OR_RETURN(c.spec, ResolveSpec(spec));
+    c.spec.rope = mc.rope;
+    c.spec_proto = spec;
+    c.model = r.model;
+    c.layer = r.layer;
+  } else {
+    RA_ASSIGN_OR_RETURN(c.spec, ResolveSpec(open.spec()));
+    c.spec_proto = open.spec();
+  }
   c.spec.options.causal = true;
   RA_ASSIGN_OR_RETURN(c.kv_dtype, DTypeFromProto(open.kv_dtype(), "open.kv_dtype", DType::kF32));
   RA_ASSIGN_OR_RETURN(c.out_dtype, DTypeFromProto(open.out_dtype(), "open.out_dtype", DType::kF32));
@@ -85,7 +113,7 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
     return absl::InvalidArgumentError(
         absl::StrFormat("open.v_dim must be >= 0, got %d", open.v_dim()));
   }
-  c.v_dim = open.v_dim() == 0 ? c.spec.head_dim : open.v_dim();
+  c.v_dim = open.v_dim() == 0 || c.model ? c.spec.head_dim : open.v_dim();
   if (c.linear) {
     if (open.spec().has_alibi() || open.spec().has_t5() || open.spec().window() != 0 ||
         open.spec().softcap() != 0) {
@@ -237,9 +265,34 @@ absl::Status Session::Step(const v1::Step& step, int threads, v1::StepResult* re
   last_active_ = absl::Now();
   const SessionConfig& c = *config_;
   const ResolvedSpec& s = c.spec;
-  RA_ASSIGN_OR_RETURN(Tensor q, TensorFromProto(step.q(), "step.q"));
-  RA_ASSIGN_OR_RETURN(Tensor k, TensorFromProto(step.k(), "step.k"));
-  RA_ASSIGN_OR_RETURN(Tensor v, TensorFromProto(step.v(), "step.v"));
+  Tensor q, k, v;
+  if (c.model) {
+    // Layer mode: project the hidden states with the layer's weights.
+    if (step.has_q() || step.has_k() || step.has_v()) {
+      return absl::InvalidArgumentError(
+          "this session is in layer mode: steps carry `hidden`, not q/k/v");
+    }
+    RA_ASSIGN_OR_RETURN(Tensor hidden, TensorFromProto(step.hidden(), "step.hidden"));
+    const int64_t hs = c.model->config().hidden_size;
+    if (hidden.rank() != 3 || hidden.dim(0) != 1 || hidden.dim(1) < 1 || hidden.dim(2) != hs) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("step.hidden must have shape [1, tokens >= 1, %d], got %s", hs,
+                          DimsToString(hidden.dims())));
+    }
+    RA_RETURN_IF_ERROR(CheckFinite(hidden.view(), "step.hidden"));
+    RA_ASSIGN_OR_RETURN(Projections p, ProjectQKV(*c.model, c.layer, hidden.view(), threads));
+    q = std::move(p.q);
+    k = std::move(p.k);
+    v = std::move(p.v);
+  } else {
+    if (step.has_hidden()) {
+      return absl::InvalidArgumentError(
+          "step.hidden is for layer-mode sessions; this session takes q/k/v");
+    }
+    RA_ASSIGN_OR_RETURN(q, TensorFromProto(step.q(), "step.q"));
+    RA_ASSIGN_OR_RETURN(k, TensorFromProto(step.k(), "step.k"));
+    RA_ASSIGN_OR_RETURN(v, TensorFromProto(step.v(), "step.v"));
+  }
   const int64_t tokens = q.rank() >= 2 ? q.dim(1) : 0;
   if (tokens < 1) {
     return absl::InvalidArgumentError(
@@ -255,7 +308,9 @@ absl::Status Session::Step(const v1::Step& step, int threads, v1::StepResult* re
         position_, c.max_context));
   }
   const int64_t new_len = position_ + tokens;
-  RA_ASSIGN_OR_RETURN(Tensor out, Tensor::Create(c.out_dtype, {1, tokens, s.heads, c.v_dim}));
+  // Layer mode attends into f32 and projects afterwards.
+  RA_ASSIGN_OR_RETURN(Tensor out, Tensor::Create(c.model ? DType::kF32 : c.out_dtype,
+                                                 {1, tokens, s.heads, c.v_dim}));
 
   if (c.linear) {
     LinearAttentionOptions lo;
@@ -286,6 +341,17 @@ absl::Status Session::Step(const v1::Step& step, int threads, v1::StepResult* re
     ConstTensorView kc = k_cache_.cview().Slice(1, 0, new_len);
     ConstTensorView vc = v_cache_.cview().Slice(1, 0, new_len);
     RA_RETURN_IF_ERROR(Attend(qf.view(), kc, vc, o, out.view()));
+  }
+  if (c.model) {
+    RA_ASSIGN_OR_RETURN(Tensor projected, ProjectOutput(*c.model, c.layer, out.view(), threads));
+    if (c.out_dtype == DType::kBF16) {
+      RA_ASSIGN_OR_RETURN(out, Tensor::Create(DType::kBF16, projected.dims()));
+      for (int64_t i = 0; i < projected.num_elements(); ++i) {
+        out.data<uint16_t>()[i] = FloatToBF16(projected.data<float>()[i]);
+      }
+    } else {
+      out = std::move(projected);
+    }
   }
   position_ = new_len;
   ++steps_;

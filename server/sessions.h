@@ -30,6 +30,7 @@
 #include "core/tensor.h"
 #include "ropeattn/v1/attention.pb.h"
 #include "server/convert.h"
+#include "server/model.h"
 #include "server/options.h"
 
 namespace ropeattn::server {
@@ -45,6 +46,9 @@ struct SessionConfig {
   bool linear = false;
   int64_t v_dim = 0;
   int64_t max_context = 0;
+  // Layer mode: steps carry hidden states for this model's layer.
+  std::shared_ptr<const Model> model;
+  int64_t layer = 0;
   // As asked at open; each session (a fork may differ) keeps its own copy.
   absl::Duration idle_ttl;
   bool resumable = false;
@@ -52,7 +56,8 @@ struct SessionConfig {
 
 // Validates an OpenSession against the server's limits.
 absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
-                                                 const ServerOptions& options);
+                                                 const ServerOptions& options,
+                                                 const ModelRegistry& models);
 
 class Session {
  public:

@@ -1,0 +1,310 @@
+#include "server/layer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "core/encodings.h"
+#include "core/gemm.h"
+#include "core/rope.h"
+#include "core/status_macros.h"
+#include "server/convert.h"
+
+namespace ropeattn::server {
+namespace {
+
+constexpr int64_t kMaxElements = int64_t{1} << 28;  // per output tensor
+constexpr int64_t kRopeTable = 8192;                // cos/sin rows precomputed per call
+
+// A dense [rows, cols] view of a dense tensor's memory.
+ConstTensorView As2D(const ConstTensorView& t, int64_t rows, int64_t cols) {
+  return ConstTensorView(t.raw(), t.dtype(), {rows, cols});
+}
+
+absl::StatusOr<Tensor> Project(const ConstTensorView& x2d, const ConstTensorView& w,
+                               const ConstTensorView& b, Dims out_dims, int threads,
+                               absl::string_view what) {
+  RA_ASSIGN_OR_RETURN(Tensor y, Tensor::Create(DType::kF32, out_dims));
+  TensorView y2d(y.data<float>(), DType::kF32, {x2d.dim(0), w.dim(0)});
+  absl::Status st = Linear(x2d, w, b, y2d, threads);
+  if (!st.ok()) return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
+  return y;
+}
+
+}  // namespace
+
+absl::StatusOr<Projections> ProjectQKV(const Model& model, int64_t layer,
+                                       const ConstTensorView& hidden, int threads) {
+  RA_ASSIGN_OR_RETURN(const LayerWeights* w, model.layer(layer));
+  const ModelConfig& c = model.config();
+  const int64_t b = hidden.dim(0), s = hidden.dim(1);
+  const ConstTensorView x = As2D(hidden, b * s, c.hidden_size);
+  Projections p;
+  RA_ASSIGN_OR_RETURN(
+      p.q, Project(x, w->q_proj, w->q_bias, {b, s, c.num_heads, c.head_dim}, threads, "q_proj"));
+  RA_ASSIGN_OR_RETURN(
+      p.k, Project(x, w->k_proj, w->k_bias, {b, s, c.num_kv_heads, c.head_dim}, threads, "k_proj"));
+  RA_ASSIGN_OR_RETURN(
+      p.v, Project(x, w->v_proj, w->v_bias, {b, s, c.num_kv_heads, c.head_dim}, threads, "v_proj"));
+  return p;
+}
+
+absl::StatusOr<Tensor> ProjectOutput(const Model& model, int64_t layer, const ConstTensorView& attn,
+                                     int threads) {
+  RA_ASSIGN_OR_RETURN(const LayerWeights* w, model.layer(layer));
+  const ModelConfig& c = model.config();
+  const int64_t b = attn.dim(0), s = attn.dim(1);
+  return Project(As2D(attn, b * s, c.num_heads * c.head_dim), w->o_proj, w->o_bias,
+                 {b, s, c.hidden_size}, threads, "o_proj");
+}
+
+absl::StatusOr<Tensor> LayerForward(const Model& model, int64_t layer,
+                                    const ConstTensorView& hidden, AttentionOptions options,
+                                    absl::Span<const int64_t> offsets, int threads) {
+  const ModelConfig& c = model.config();
+  const int64_t b = hidden.dim(0), s = hidden.dim(1);
+  RA_ASSIGN_OR_RETURN(Projections p, ProjectQKV(model, layer, hidden, threads));
+  if (c.rope) {
+    int64_t len = s;
+    for (int64_t off : offsets) len = std::max(len, off + s);
+    RA_ASSIGN_OR_RETURN(RopeRotator rot,
+                        RopeRotator::Create(*c.rope, len, std::min(len, kRopeTable)));
+    const Positions at{{}, offsets};
+    RA_RETURN_IF_ERROR(rot.Apply(p.q.view(), at, RopeDirection::kForward, threads));
+    RA_RETURN_IF_ERROR(rot.Apply(p.k.view(), at, RopeDirection::kForward, threads));
+  }
+  // Keys sit at the same positions as the queries: shift the mask frame so
+  // query i of row b (at offset + i) sees key j (at offset + j) for j <= i.
+  // Attend places key j at position j, so the queries' offset is 0 here.
+  options.q_offsets = {};
+  options.num_threads = threads;
+  RA_ASSIGN_OR_RETURN(Tensor attn, Tensor::Create(DType::kF32, {b, s, c.num_heads, c.head_dim}));
+  RA_RETURN_IF_ERROR(Attend(p.q.view(), p.k.view(), p.v.view(), options, attn.view()));
+  return ProjectOutput(model, layer, attn.view(), threads);
+}
+
+absl::StatusOr<ResolvedLayer> ResolveLayer(const ModelRegistry& models, absl::string_view model,
+                                           int64_t layer) {
+  ResolvedLayer r;
+  RA_ASSIGN_OR_RETURN(r.model, models.Get(model));
+  if (layer < 0 || layer >= r.model->num_layers()) {
+    return absl::OutOfRangeError(absl::StrFormat("layer %d is outside model %s's layers [0, %d)",
+                                                 layer, model, r.model->num_layers()));
+  }
+  r.layer = layer;
+  return r;
+}
+
+absl::Status RunLayerAttend(const ModelRegistry& models, const v1::AttendRequest& request,
+                            v1::AttendResponse* response, int threads) {
+  if (request.has_q() || request.has_k() || request.has_v()) {
+    return absl::InvalidArgumentError(
+        "AttendRequest: set either q/k/v or layer, not both (layer mode projects q/k/v itself)");
+  }
+  if (request.return_probs()) {
+    return absl::UnimplementedError("return_probs is not supported in layer mode");
+  }
+  const v1::LayerInput& in = request.layer();
+  RA_ASSIGN_OR_RETURN(ResolvedLayer r, ResolveLayer(models, in.model(), in.layer()));
+  const ModelConfig& c = r.model->config();
+  RA_ASSIGN_OR_RETURN(Tensor hidden, TensorFromProto(in.hidden(), "layer.hidden"));
+  if (hidden.rank() != 3 || hidden.dim(2) != c.hidden_size) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "layer.hidden must have shape [batch, seq, %d] (model %s's hidden_size), got %s",
+        c.hidden_size, in.model(), DimsToString(hidden.dims())));
+  }
+  const int64_t b = hidden.dim(0), s = hidden.dim(1);
+  if (b * s * std::max(c.num_heads * c.head_dim, c.hidden_size) > kMaxElements ||
+      b * c.num_heads * s * s > (int64_t{1} << 36)) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "layer.hidden %s is too large for one request", DimsToString(hidden.dims())));
+  }
+  RA_RETURN_IF_ERROR(CheckFinite(hidden.view(), "layer.hidden"));
+  const v1::AttentionSpec& spec = request.spec();
+  AttentionOptions o;
+  o.scale = spec.scale();
+  o.causal = spec.causal();
+  o.window = spec.window();
+  o.softcap = spec.softcap();
+  std::vector<int64_t> offsets(request.q_offsets().begin(), request.q_offsets().end());
+  if (!offsets.empty() && static_cast<int64_t>(offsets.size()) != b) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "q_offsets has %d entries, expected one per batch row (%d)", offsets.size(), b));
+  }
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    if (offsets[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("q_offsets[%d] must be >= 0, got %d", i, offsets[i]));
+    }
+  }
+  std::vector<int64_t> key_lengths(request.key_lengths().begin(), request.key_lengths().end());
+  o.key_lengths = key_lengths;
+  RA_ASSIGN_OR_RETURN(Tensor out,
+                      LayerForward(*r.model, r.layer, hidden.view(), o, offsets, threads));
+  RA_ASSIGN_OR_RETURN(DType out_dtype,
+                      DTypeFromProto(request.out_dtype(), "out_dtype", DType::kF32));
+  if (out_dtype == DType::kBF16) {
+    RA_ASSIGN_OR_RETURN(Tensor bf, Tensor::Create(DType::kBF16, out.dims()));
+    for (int64_t i = 0; i < out.num_elements(); ++i) {
+      bf.data<uint16_t>()[i] = FloatToBF16(out.data<float>()[i]);
+    }
+    out = std::move(bf);
+  }
+  TensorToProto(out.view(), response->mutable_out());
+  return absl::OkStatus();
+}
+
+absl::Status RunEmbed(const ModelRegistry& models, const v1::EmbedRequest& request,
+                      v1::EmbedResponse* response) {
+  RA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, models.Get(request.model()));
+  const ModelConfig& c = model->config();
+  const int64_t n = request.token_ids_size();
+  int64_t b = 1, s = n;
+  if (request.shape_size() != 0) {
+    if (request.shape_size() != 2 || request.shape(0) < 0 || request.shape(1) < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("shape must be [batch, seq], got [",
+                                                     absl::StrJoin(request.shape(), ", "), "]"));
+    }
+    b = request.shape(0);
+    s = request.shape(1);
+    if (s != 0 && b > n / std::max<int64_t>(s, 1)) b = -1;  // overflow guard
+    if (b < 0 || b * s != n) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "shape [%d, %d] does not hold the %d token ids", request.shape(0), request.shape(1), n));
+    }
+  }
+  if (n * c.hidden_size > kMaxElements) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "%d tokens x hidden_size %d is too large for one request", n, c.hidden_size));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = request.token_ids(static_cast<int>(i));
+    if (id < 0 || id >= c.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("token id %d at index %d is outside model %s's vocabulary [0, %d)", id, i,
+                          request.model(), c.vocab_size));
+    }
+  }
+  std::vector<int64_t> offsets(request.q_offsets().begin(), request.q_offsets().end());
+  if (!offsets.empty() && static_cast<int64_t>(offsets.size()) != b) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "q_offsets has %d entries, expected one per batch row (%d)", offsets.size(), b));
+  }
+  RA_ASSIGN_OR_RETURN(Tensor out, Tensor::Create(DType::kF32, {b, s, c.hidden_size}));
+  const ConstTensorView table = model->embed_tokens();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = request.token_ids(static_cast<int>(i));
+    float* dst = out.data<float>() + i * c.hidden_size;
+    for (int64_t h = 0; h < c.hidden_size; ++h) dst[h] = table.GetFloat({id, h});
+  }
+  if (c.positions == PositionKind::kLearned || c.positions == PositionKind::kSinusoidal) {
+    std::vector<int64_t> positions(n);
+    for (int64_t bi = 0; bi < b; ++bi) {
+      const int64_t off = offsets.empty() ? 0 : offsets[bi];
+      if (off < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("q_offsets[%d] must be >= 0, got %d", bi, off));
+      }
+      for (int64_t si = 0; si < s; ++si) positions[bi * s + si] = off + si;
+    }
+    if (c.positions == PositionKind::kLearned) {
+      RA_RETURN_IF_ERROR(
+          AddLearnedPositions(out.view(), model->position_table(), Positions{positions, {}}));
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        RA_ASSIGN_OR_RETURN(
+            Tensor row,
+            SinusoidalTable(1, c.hidden_size, 10000, SinusoidalLayout::kInterleaved, positions[i]));
+        float* dst = out.data<float>() + i * c.hidden_size;
+        for (int64_t h = 0; h < c.hidden_size; ++h) dst[h] += row.data<float>()[h];
+      }
+    }
+  }
+  RA_ASSIGN_OR_RETURN(DType out_dtype,
+                      DTypeFromProto(request.out_dtype(), "out_dtype", DType::kF32));
+  if (out_dtype == DType::kBF16) {
+    RA_ASSIGN_OR_RETURN(Tensor bf, Tensor::Create(DType::kBF16, out.dims()));
+    for (int64_t i = 0; i < out.num_elements(); ++i) {
+      bf.data<uint16_t>()[i] = FloatToBF16(out.data<float>()[i]);
+    }
+    out = std::move(bf);
+  }
+  TensorToProto(out.view(), response->mutable_embeddings());
+  return absl::OkStatus();
+}
+
+namespace {
+
+v1::RopeSpec RopeSpecToProto(const RopeConfig& r) {
+  v1::RopeSpec spec;
+  spec.set_layout(r.layout == RopeLayout::kInterleaved ? v1::ROPE_LAYOUT_INTERLEAVED
+                                                       : v1::ROPE_LAYOUT_HALF_SPLIT);
+  spec.set_rotary_dim(r.effective_rotary_dim());
+  spec.set_theta(r.theta);
+  v1::RopeScaling* sc = spec.mutable_scaling();
+  const RopeScaling& s = r.scaling;
+  sc->set_rope_type(RopeScalingTypeName(s.type));
+  sc->set_factor(s.factor);
+  sc->set_original_max_position_embeddings(s.original_max_positions);
+  if (s.type == RopeScalingType::kYarn) {
+    sc->set_beta_fast(s.beta_fast);
+    sc->set_beta_slow(s.beta_slow);
+  }
+  if (s.attention_factor) sc->set_attention_factor(*s.attention_factor);
+  if (s.mscale) sc->set_mscale(*s.mscale);
+  if (s.mscale_all_dim) sc->set_mscale_all_dim(*s.mscale_all_dim);
+  for (double f : s.short_factor) sc->add_short_factor(f);
+  for (double f : s.long_factor) sc->add_long_factor(f);
+  if (s.type == RopeScalingType::kLlama3) {
+    sc->set_low_freq_factor(s.low_freq_factor);
+    sc->set_high_freq_factor(s.high_freq_factor);
+  }
+  return spec;
+}
+
+}  // namespace
+
+void FillModelInfo(const Model& model, v1::ModelInfo* info) {
+  const ModelConfig& c = model.config();
+  info->set_name(model.name());
+  info->set_source(model.source());
+  info->set_architecture(c.architecture);
+  info->set_model_type(c.model_type);
+  info->set_hidden_size(c.hidden_size);
+  info->set_num_heads(c.num_heads);
+  info->set_num_kv_heads(c.num_kv_heads);
+  info->set_head_dim(c.head_dim);
+  info->set_vocab_size(c.vocab_size);
+  info->set_max_positions(c.max_positions);
+  info->set_num_layers(model.num_layers());
+  switch (c.positions) {
+    case PositionKind::kNone:
+      info->set_positions(v1::POSITION_KIND_NONE);
+      break;
+    case PositionKind::kRope:
+      info->set_positions(v1::POSITION_KIND_ROPE);
+      break;
+    case PositionKind::kLearned:
+      info->set_positions(v1::POSITION_KIND_LEARNED);
+      break;
+    case PositionKind::kSinusoidal:
+      info->set_positions(v1::POSITION_KIND_SINUSOIDAL);
+      break;
+  }
+  if (c.rope) {
+    *info->mutable_rope() = RopeSpecToProto(*c.rope);
+    absl::StatusOr<RopeFrequencies> f = ComputeRopeFrequencies(*c.rope, c.max_positions);
+    if (f.ok()) {
+      for (double x : f->inv_freq) info->add_inv_freq(x);
+      info->set_attention_factor(f->attention_factor);
+    }
+  }
+  info->set_mapped_bytes(model.mapped_bytes());
+  info->set_resident_bytes(model.resident_bytes());
+}
+
+}  // namespace ropeattn::server

@@ -1,0 +1,63 @@
+// Serving from model weights: embeddings and attention layers in "layer
+// mode" (hidden states in, hidden states out).
+#ifndef ROPEATTN_SERVER_LAYER_H_
+#define ROPEATTN_SERVER_LAYER_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/attention.h"
+#include "core/tensor.h"
+#include "ropeattn/v1/attention.pb.h"
+#include "server/model.h"
+
+namespace ropeattn::server {
+
+// q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, D], f32: the layer's
+// projections of hidden [B, S, hidden_size] (f32 or bf16), biases included.
+struct Projections {
+  Tensor q, k, v;
+};
+absl::StatusOr<Projections> ProjectQKV(const Model& model, int64_t layer,
+                                       const ConstTensorView& hidden, int threads);
+
+// attn [B, S, H, D] (f32) -> [B, S, hidden_size] through o_proj (f32).
+absl::StatusOr<Tensor> ProjectOutput(const Model& model, int64_t layer, const ConstTensorView& attn,
+                                     int threads);
+
+// A whole attention layer: projections, the model's RoPE at positions
+// offsets[b] + s (offsets empty: 0), attention with `options` (q_offsets set
+// to the same offsets), output projection. Returns [B, S, hidden_size] f32.
+absl::StatusOr<Tensor> LayerForward(const Model& model, int64_t layer,
+                                    const ConstTensorView& hidden, AttentionOptions options,
+                                    absl::Span<const int64_t> offsets, int threads);
+
+// The layer input of a request: model, layer index and hidden states
+// validated against the registry (NotFound for an unknown model, OutOfRange
+// for a layer index, InvalidArgument for a hidden shape that is not
+// [B, S, hidden_size]).
+struct ResolvedLayer {
+  std::shared_ptr<const Model> model;
+  int64_t layer = 0;
+};
+absl::StatusOr<ResolvedLayer> ResolveLayer(const ModelRegistry& models, absl::string_view model,
+                                           int64_t layer);
+
+// Attend in layer mode (request.layer set).
+absl::Status RunLayerAttend(const ModelRegistry& models, const v1::AttendRequest& request,
+                            v1::AttendResponse* response, int threads);
+
+// Embed: token ids -> embeddings (+ learned or sinusoidal absolute positions
+// when the model adds them). InvalidArgument naming the id and its index for
+// an id outside the vocabulary; OutOfRange for a position past the model's
+// max_positions when it has a position table.
+absl::Status RunEmbed(const ModelRegistry& models, const v1::EmbedRequest& request,
+                      v1::EmbedResponse* response);
+
+void FillModelInfo(const Model& model, v1::ModelInfo* info);
+
+}  // namespace ropeattn::server
+
+#endif  // ROPEATTN_SERVER_LAYER_H_

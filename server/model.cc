@@ -1,0 +1,1115 @@
+#include "server/model.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <set>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "absl/utility/utility.h"
+#include "core/status_macros.h"
+#include "nlohmann/json.hpp"
+
+// Views of F32/BF16 weights point straight into the file, whose bytes are
+// little-endian by the safetensors spec.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "safetensors views need a little-endian host");
+
+namespace ropeattn::server {
+namespace {
+
+using json = nlohmann::json;
+
+// Limits against hostile files. The safetensors reference implementation
+// refuses headers above 100 MB; a config.json is a few KB.
+constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
+constexpr int64_t kMaxConfigBytes = int64_t{16} << 20;
+// Config integers feed shape products (heads * head_dim, ...): capping each at
+// 2^31 - 1 keeps every product of two within int64.
+constexpr int64_t kMaxConfigInt = std::numeric_limits<int32_t>::max();
+
+// ---------------------------------------------------------------------------
+// Files.
+
+std::string JoinPath(absl::string_view dir, absl::string_view file) {
+  if (dir.empty() || absl::EndsWith(dir, "/")) return absl::StrCat(dir, file);
+  return absl::StrCat(dir, "/", file);
+}
+
+absl::Status ErrnoStatus(int err, absl::string_view what, absl::string_view path) {
+  const std::string msg = absl::StrCat(what, " ", path, ": ", std::strerror(err));
+  switch (err) {
+    case ENOENT:
+    case ENOTDIR:
+      return absl::NotFoundError(msg);
+    case EACCES:
+    case EPERM:
+      return absl::PermissionDeniedError(msg);
+    case ENOMEM:
+      return absl::ResourceExhaustedError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+bool FileExists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+// A whole file mapped read-only. The mapping outlives the fd (closed at
+// once). Weights files must not be truncated while served: the kernel would
+// raise SIGBUS on access, which no check at load time can prevent.
+class MappedFile {
+ public:
+  static absl::StatusOr<std::unique_ptr<MappedFile>> Open(const std::string& path,
+                                                          std::string display_name) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ErrnoStatus(errno, "cannot open", path);
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+      const int err = errno;
+      ::close(fd);
+      return ErrnoStatus(err, "cannot stat", path);
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return absl::InvalidArgumentError(absl::StrCat(display_name, ": not a regular file"));
+    }
+    auto file = std::unique_ptr<MappedFile>(new MappedFile());
+    file->name_ = std::move(display_name);
+    file->size_ = static_cast<size_t>(st.st_size);
+    if (file->size_ > 0) {
+      void* addr = ::mmap(nullptr, file->size_, PROT_READ, MAP_PRIVATE, fd, 0);
+      if (addr == MAP_FAILED) {
+        const int err = errno;
+        ::close(fd);
+        return ErrnoStatus(err, "cannot mmap", path);
+      }
+      file->data_ = static_cast<const uint8_t*>(addr);
+    }
+    ::close(fd);
+    return file;
+  }
+
+  ~MappedFile() {
+    if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), size_);
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const std::string& name() const { return name_; }  // as shown in messages
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  MappedFile() = default;
+  std::string name_;
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path, absl::string_view display) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat(display, " not found: ", path));
+    return ErrnoStatus(errno, "cannot open", path);
+  }
+  std::string out;
+  char buf[65536];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      ::close(fd);
+      return ErrnoStatus(err, "cannot read", path);
+    }
+    if (n == 0) break;
+    out.append(buf, static_cast<size_t>(n));
+    if (static_cast<int64_t>(out.size()) > kMaxConfigBytes) {
+      ::close(fd);
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: larger than %d bytes", display, kMaxConfigBytes));
+    }
+  }
+  ::close(fd);
+  return out;
+}
+
+// A short rendering of a JSON value for messages (hostile files can hold
+// megabytes in one value).
+std::string Brief(const json& value) {
+  std::string s = value.dump();
+  if (s.size() > 64) s = absl::StrCat(s.substr(0, 61), "...");
+  return s;
+}
+
+absl::StatusOr<json> ParseJson(absl::string_view text, absl::string_view file,
+                               absl::string_view what) {
+  try {
+    // in_place: json's implicit conversions make plain `return` ambiguous.
+    return absl::StatusOr<json>(absl::in_place, json::parse(text.begin(), text.end()));
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file, ": invalid JSON", what.empty() ? "" : " in ", what, ": ", e.what()));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// config.json.
+
+// Reads typed keys of one JSON object; `prefix` ("rope_scaling.") makes
+// messages name the full key. Absent and null keys read as std::nullopt, as
+// transformers treats them.
+class KeyReader {
+ public:
+  KeyReader(const json& obj, absl::string_view file, absl::string_view prefix)
+      : obj_(obj), file_(file), prefix_(prefix) {}
+
+  const json* Find(absl::string_view key) const {
+    auto it = obj_.find(std::string(key));
+    if (it == obj_.end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+  bool Has(absl::string_view key) const { return Find(key) != nullptr; }
+
+  absl::Status Error(absl::string_view key, absl::string_view problem) const {
+    return absl::InvalidArgumentError(absl::StrCat(file_, ": key ", prefix_, key, " ", problem));
+  }
+  absl::Status TypeError(absl::string_view key, absl::string_view expected, const json& got) const {
+    return Error(key, absl::StrCat("must be ", expected, ", got ", Brief(got)));
+  }
+
+  // A positive integer (at most 2^31 - 1). Floats such as 64.0 are refused:
+  // no real config writes them, and accepting them would hide a typo.
+  absl::StatusOr<std::optional<int64_t>> PositiveInt(absl::string_view key) const {
+    const json* v = Find(key);
+    if (v == nullptr) return std::nullopt;
+    if (!v->is_number_integer()) return TypeError(key, "a positive integer", *v);
+    if (v->is_number_unsigned()) {
+      const uint64_t u = v->get<uint64_t>();
+      if (u == 0 || u > static_cast<uint64_t>(kMaxConfigInt)) {
+        return TypeError(key, absl::StrCat("a positive integer <= ", kMaxConfigInt), *v);
+      }
+      return static_cast<int64_t>(u);
+    }
+    return TypeError(key, "a positive integer", *v);
+  }
+  // The first of `keys` present (aliases such as hidden_size / n_embd).
+  absl::StatusOr<std::optional<int64_t>> PositiveIntOf(
+      std::initializer_list<absl::string_view> keys) const {
+    for (absl::string_view key : keys) {
+      if (Has(key)) return PositiveInt(key);
+    }
+    return std::nullopt;
+  }
+  absl::StatusOr<int64_t> RequiredPositiveInt(std::initializer_list<absl::string_view> keys) const {
+    RA_ASSIGN_OR_RETURN(std::optional<int64_t> v, PositiveIntOf(keys));
+    if (!v.has_value()) {
+      std::vector<std::string> full;
+      for (absl::string_view k : keys) full.push_back(absl::StrCat(prefix_, k));
+      return absl::InvalidArgumentError(absl::StrCat(file_, ": key ", absl::StrJoin(full, " (or "),
+                                                     keys.size() > 1 ? ")" : "", " is missing"));
+    }
+    return *v;
+  }
+  absl::StatusOr<std::optional<double>> Number(absl::string_view key) const {
+    const json* v = Find(key);
+    if (v == nullptr) return std::nullopt;
+    if (!v->is_number()) return TypeError(key, "a number", *v);
+    return v->get<double>();
+  }
+  absl::StatusOr<std::optional<std::string>> String(absl::string_view key) const {
+    const json* v = Find(key);
+    if (v == nullptr) return std::nullopt;
+    if (!v->is_string()) return TypeError(key, "a string", *v);
+    return v->get<std::string>();
+  }
+  absl::StatusOr<std::optional<bool>> Bool(absl::string_view key) const {
+    const json* v = Find(key);
+    if (v == nullptr) return std::nullopt;
+    if (!v->is_boolean()) return TypeError(key, "true or false", *v);
+    return v->get<bool>();
+  }
+  absl::StatusOr<std::optional<std::vector<double>>> NumberArray(absl::string_view key) const {
+    const json* v = Find(key);
+    if (v == nullptr) return std::nullopt;
+    if (!v->is_array()) return TypeError(key, "an array of numbers", *v);
+    std::vector<double> out;
+    out.reserve(v->size());
+    for (size_t i = 0; i < v->size(); ++i) {
+      if (!(*v)[i].is_number()) {
+        return Error(
+            key, absl::StrCat("must be an array of numbers, element ", i, " is ", Brief((*v)[i])));
+      }
+      out.push_back((*v)[i].get<double>());
+    }
+    return out;
+  }
+
+ private:
+  const json& obj_;
+  absl::string_view file_;
+  std::string prefix_;
+};
+
+// Encoder families whose positions are a learned table when
+// position_embedding_type is absent (transformers' default "absolute").
+bool IsLearnedPositionFamily(absl::string_view model_type) {
+  return model_type == "bert" || model_type == "roberta" || model_type == "xlm-roberta" ||
+         model_type == "electra";
+}
+
+// Model types whose rotary_dim pairs channels 2i, 2i+1 (GPT-J and its
+// descendant CodeGen rotate every other channel).
+bool IsInterleavedFamily(absl::string_view model_type) {
+  return model_type == "gptj" || model_type == "codegen";
+}
+
+// rotary_dim from a fraction of head_dim, as transformers computes it
+// (int(head_dim * factor)), with a tolerance so 0.29 * 100 = 28.999... gives 29.
+absl::StatusOr<int64_t> RotaryDimFromFraction(const KeyReader& r, absl::string_view key,
+                                              double fraction, int64_t head_dim) {
+  if (!(fraction > 0.0 && fraction <= 1.0)) {
+    return r.Error(key, absl::StrFormat("must be in (0, 1], got %g", fraction));
+  }
+  const int64_t dim = static_cast<int64_t>(std::floor(head_dim * fraction + 1e-6));
+  if (dim <= 0 || dim % 2 != 0) {
+    return r.Error(key, absl::StrFormat("gives rotary_dim %d (head_dim %d * %g), which must be "
+                                        "even and > 0",
+                                        dim, head_dim, fraction));
+  }
+  return dim;
+}
+
+absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& config,
+                                       absl::string_view file) {
+  RopeConfig rope;
+  rope.head_dim = config.head_dim;
+
+  // rope_parameters (transformers >= 4.56) supersedes rope_scaling and may
+  // also carry rope_theta and partial_rotary_factor.
+  const char* scaling_key = top.Has("rope_parameters") ? "rope_parameters" : "rope_scaling";
+  const json* scaling_json = top.Find(scaling_key);
+  if (scaling_json != nullptr && !scaling_json->is_object()) {
+    return top.TypeError(scaling_key, "an object", *scaling_json);
+  }
+  static const json kEmpty = json::object();
+  const KeyReader s(scaling_json != nullptr ? *scaling_json : kEmpty, file,
+                    absl::StrCat(scaling_key, "."));
+
+  // Base: rope_theta, GPT-NeoX's rotary_emb_base, else 10000.
+  RA_ASSIGN_OR_RETURN(std::optional<double> theta, s.Number("rope_theta"));
+  if (!theta.has_value()) {
+    RA_ASSIGN_OR_RETURN(theta, top.Number("rope_theta"));
+  }
+  if (!theta.has_value()) {
+    RA_ASSIGN_OR_RETURN(theta, top.Number("rotary_emb_base"));
+  }
+  rope.theta = theta.value_or(10000.0);
+
+  // Partial rotary and pair layout.
+  rope.layout =
+      IsInterleavedFamily(config.model_type) ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit;
+  rope.rotary_dim = config.head_dim;
+  RA_ASSIGN_OR_RETURN(std::optional<double> partial, s.Number("partial_rotary_factor"));
+  const KeyReader* partial_reader = &s;
+  if (!partial.has_value()) {
+    RA_ASSIGN_OR_RETURN(partial, top.Number("partial_rotary_factor"));
+    partial_reader = &top;
+  }
+  RA_ASSIGN_OR_RETURN(std::optional<double> rotary_pct, top.Number("rotary_pct"));
+  RA_ASSIGN_OR_RETURN(std::optional<int64_t> rotary_dim, top.PositiveInt("rotary_dim"));
+  if (partial.has_value()) {
+    RA_ASSIGN_OR_RETURN(
+        rope.rotary_dim,
+        RotaryDimFromFraction(*partial_reader, "partial_rotary_factor", *partial, config.head_dim));
+  } else if (rotary_pct.has_value()) {
+    RA_ASSIGN_OR_RETURN(rope.rotary_dim,
+                        RotaryDimFromFraction(top, "rotary_pct", *rotary_pct, config.head_dim));
+  } else if (rotary_dim.has_value()) {
+    if (*rotary_dim > config.head_dim || *rotary_dim % 2 != 0) {
+      return top.Error("rotary_dim", absl::StrFormat("must be even and <= head_dim (%d), got %d",
+                                                     config.head_dim, *rotary_dim));
+    }
+    rope.rotary_dim = *rotary_dim;
+  }
+
+  // Scaling rule.
+  RopeScaling& sc = rope.scaling;
+  RA_ASSIGN_OR_RETURN(std::optional<std::string> type_name, s.String("rope_type"));
+  absl::string_view type_key = "rope_type";
+  if (!type_name.has_value()) {
+    RA_ASSIGN_OR_RETURN(type_name, s.String("type"));
+    type_key = "type";
+  }
+  if (type_name.has_value()) {
+    if (*type_name == "mrope") {
+      // Qwen2-VL's multimodal sections rotate 3-D positions: not a 1-D rule.
+      return absl::UnimplementedError(
+          absl::StrCat(file, ": key ", scaling_key, ".", type_key,
+                       " \"mrope\" (multimodal RoPE) is not supported"));
+    }
+    absl::StatusOr<RopeScalingType> type = ParseRopeScalingType(*type_name);
+    if (!type.ok()) {
+      return s.Error(type_key, absl::StrCat("is not a known RoPE rule: ", type.status().message()));
+    }
+    sc.type = *type;
+  } else if (s.Has("factor")) {
+    // A factor without a rule is ambiguous (linear? dynamic?): refuse it.
+    return s.Error("rope_type", "is missing (a factor is given but no rule)");
+  }
+
+  RA_ASSIGN_OR_RETURN(std::optional<double> factor, s.Number("factor"));
+  RA_ASSIGN_OR_RETURN(std::optional<int64_t> l0, s.PositiveInt("original_max_position_embeddings"));
+  if (!l0.has_value()) {
+    // Phi-3 keeps the original length at the top level.
+    RA_ASSIGN_OR_RETURN(l0, top.PositiveInt("original_max_position_embeddings"));
+  }
+  switch (sc.type) {
+    case RopeScalingType::kDefault:
+      break;
+    case RopeScalingType::kLinear:
+    case RopeScalingType::kNtk:
+    case RopeScalingType::kLlama3:
+      if (!factor.has_value()) return s.Error("factor", "is missing (required by this rule)");
+      break;
+    case RopeScalingType::kDynamicNtk:
+    case RopeScalingType::kYarn:
+      if (!factor.has_value()) return s.Error("factor", "is missing (required by this rule)");
+      // transformers takes the trained length from max_position_embeddings
+      // when the scaling block does not give it.
+      if (!l0.has_value()) l0 = config.max_positions;
+      break;
+    case RopeScalingType::kLongRope:
+      if (!l0.has_value()) l0 = config.max_positions;
+      // The attention factor follows from how far the context was extended.
+      if (!factor.has_value()) {
+        factor = static_cast<double>(config.max_positions) / static_cast<double>(*l0);
+      }
+      break;
+  }
+  if (factor.has_value()) sc.factor = *factor;
+  if (l0.has_value()) sc.original_max_positions = *l0;
+
+  RA_ASSIGN_OR_RETURN(std::optional<double> beta_fast, s.Number("beta_fast"));
+  RA_ASSIGN_OR_RETURN(std::optional<double> beta_slow, s.Number("beta_slow"));
+  if (beta_fast.has_value()) sc.beta_fast = *beta_fast;
+  if (beta_slow.has_value()) sc.beta_slow = *beta_slow;
+  RA_ASSIGN_OR_RETURN(sc.attention_factor, s.Number("attention_factor"));
+  RA_ASSIGN_OR_RETURN(sc.mscale, s.Number("mscale"));
+  RA_ASSIGN_OR_RETURN(sc.mscale_all_dim, s.Number("mscale_all_dim"));
+  RA_ASSIGN_OR_RETURN(std::optional<std::vector<double>> short_factor,
+                      s.NumberArray("short_factor"));
+  RA_ASSIGN_OR_RETURN(std::optional<std::vector<double>> long_factor, s.NumberArray("long_factor"));
+  if (short_factor.has_value()) sc.short_factor = std::move(*short_factor);
+  if (long_factor.has_value()) sc.long_factor = std::move(*long_factor);
+  RA_ASSIGN_OR_RETURN(std::optional<double> low, s.Number("low_freq_factor"));
+  RA_ASSIGN_OR_RETURN(std::optional<double> high, s.Number("high_freq_factor"));
+  if (low.has_value()) sc.low_freq_factor = *low;
+  if (high.has_value()) sc.high_freq_factor = *high;
+
+  if (absl::Status st = ValidateRopeConfig(rope); !st.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file, ": RoPE settings are invalid: ", st.message()));
+  }
+  return rope;
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
+                                             absl::string_view file_name) {
+  RA_ASSIGN_OR_RETURN(json root, ParseJson(config_json, file_name, ""));
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file_name, ": top level must be a JSON object, got ", Brief(root)));
+  }
+  // Every accessor below checks types first, but nlohmann may still throw
+  // (e.g. on a number conversion); no exception leaves this function.
+  try {
+    const KeyReader top(root, file_name, "");
+    ModelConfig config;
+    RA_ASSIGN_OR_RETURN(std::optional<std::string> model_type, top.String("model_type"));
+    config.model_type = model_type.value_or("");
+    config.architecture = config.model_type;
+    if (const json* arch = top.Find("architectures"); arch != nullptr) {
+      if (!arch->is_array() || (!arch->empty() && !(*arch)[0].is_string())) {
+        return top.TypeError("architectures", "an array of strings", *arch);
+      }
+      if (!arch->empty()) config.architecture = (*arch)[0].get<std::string>();
+    }
+
+    RA_ASSIGN_OR_RETURN(config.hidden_size, top.RequiredPositiveInt({"hidden_size", "n_embd"}));
+    RA_ASSIGN_OR_RETURN(config.num_heads,
+                        top.RequiredPositiveInt({"num_attention_heads", "n_head"}));
+    RA_ASSIGN_OR_RETURN(config.vocab_size, top.RequiredPositiveInt({"vocab_size"}));
+    RA_ASSIGN_OR_RETURN(config.max_positions,
+                        top.RequiredPositiveInt({"max_position_embeddings", "n_positions"}));
+    RA_ASSIGN_OR_RETURN(config.num_layers,
+                        top.RequiredPositiveInt({"num_hidden_layers", "n_layer"}));
+
+    RA_ASSIGN_OR_RETURN(std::optional<int64_t> kv_heads, top.PositiveInt("num_key_value_heads"));
+    config.num_kv_heads = kv_heads.value_or(config.num_heads);
+    if (config.num_heads % config.num_kv_heads != 0) {
+      return top.Error("num_key_value_heads",
+                       absl::StrFormat("(%d) must divide num_attention_heads (%d)",
+                                       config.num_kv_heads, config.num_heads));
+    }
+    RA_ASSIGN_OR_RETURN(std::optional<int64_t> head_dim, top.PositiveInt("head_dim"));
+    if (head_dim.has_value()) {
+      config.head_dim = *head_dim;
+    } else {
+      if (config.hidden_size % config.num_heads != 0) {
+        return top.Error("num_attention_heads",
+                         absl::StrFormat("(%d) must divide hidden_size (%d) when head_dim is not "
+                                         "given",
+                                         config.num_heads, config.hidden_size));
+      }
+      config.head_dim = config.hidden_size / config.num_heads;
+    }
+
+    // Biases: Llama/Mistral spell it attention_bias, some ports qkv_bias;
+    // Qwen2 always has q/k/v biases and writes neither key.
+    RA_ASSIGN_OR_RETURN(std::optional<bool> bias, top.Bool("attention_bias"));
+    if (!bias.has_value()) {
+      RA_ASSIGN_OR_RETURN(bias, top.Bool("qkv_bias"));
+    }
+    config.attention_bias =
+        bias.value_or(config.model_type == "qwen2" || config.model_type == "qwen2_moe");
+
+    // Positions.
+    RA_ASSIGN_OR_RETURN(std::optional<std::string> pos_type, top.String("position_embedding_type"));
+    if (!pos_type.has_value() && IsLearnedPositionFamily(config.model_type)) pos_type = "absolute";
+    if (pos_type.has_value() && *pos_type != "rope" && *pos_type != "rotary") {
+      if (*pos_type != "absolute") {
+        return absl::UnimplementedError(
+            absl::StrCat(file_name, ": key position_embedding_type \"", *pos_type,
+                         "\" is not supported (absolute or rotary only)"));
+      }
+      config.positions = PositionKind::kLearned;
+      return config;
+    }
+    config.positions = PositionKind::kRope;
+    RA_ASSIGN_OR_RETURN(config.rope, ResolveRope(top, config, file_name));
+    return config;
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(file_name, ": ", e.what()));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// safetensors.
+
+namespace {
+
+// Bytes per element of every safetensors dtype, so that a tensor the model
+// does not use is still bounds-checked; only F32, BF16 and F16 load.
+int DtypeBytes(absl::string_view dtype) {
+  if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
+  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
+  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
+  if (dtype == "I8" || dtype == "U8" || dtype == "BOOL" || dtype == "F8_E4M3" ||
+      dtype == "F8_E5M2") {
+    return 1;
+  }
+  return 0;
+}
+
+struct TensorRecord {
+  const MappedFile* file = nullptr;
+  std::string dtype;
+  Dims shape;
+  const uint8_t* data = nullptr;
+  int64_t num_bytes = 0;
+};
+
+using TensorTable = std::map<std::string, TensorRecord, std::less<>>;
+
+uint64_t ReadLittleEndian64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+// Validates one file completely (header, every tensor's dtype size, shape,
+// bounds and overlap) and adds its tensors to `table`.
+absl::Status IndexSafetensors(const MappedFile& file, TensorTable* table) {
+  const std::string& fname = file.name();
+  if (file.size() < 8) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: file is %d bytes, too short for the 8-byte header length", fname, file.size()));
+  }
+  const uint64_t header_len = ReadLittleEndian64(file.data());
+  const uint64_t room = file.size() - 8;
+  if (header_len > room) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: header length %d exceeds the file (%d bytes after the length field)",
+                        fname, header_len, room));
+  }
+  if (header_len > kMaxHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: header length %d is above the %d-byte limit", fname, header_len, kMaxHeaderBytes));
+  }
+  const absl::string_view header_text(reinterpret_cast<const char*>(file.data()) + 8, header_len);
+  const uint8_t* buffer = file.data() + 8 + header_len;
+  const uint64_t buffer_size = room - header_len;
+
+  RA_ASSIGN_OR_RETURN(json header, ParseJson(header_text, fname, "header"));
+  if (!header.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(fname, ": header must be a JSON object, got ", Brief(header)));
+  }
+
+  struct Extent {
+    uint64_t begin, end;
+    const std::string* name;
+  };
+  std::vector<Extent> extents;
+  try {
+    for (auto it = header.begin(); it != header.end(); ++it) {
+      const std::string& name = it.key();
+      if (name == "__metadata__") continue;
+      const json& entry = it.value();
+      auto bad = [&](absl::string_view what) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(fname, ": tensor ", name, ": ", what, " (entry ", Brief(entry), ")"));
+      };
+      if (!entry.is_object()) return bad("entry must be an object");
+      auto dtype_it = entry.find("dtype");
+      auto shape_it = entry.find("shape");
+      auto offsets_it = entry.find("data_offsets");
+      if (dtype_it == entry.end() || !dtype_it->is_string()) return bad("dtype must be a string");
+      if (shape_it == entry.end() || !shape_it->is_array()) return bad("shape must be an array");
+      if (offsets_it == entry.end() || !offsets_it->is_array() || offsets_it->size() != 2 ||
+          !(*offsets_it)[0].is_number_unsigned() || !(*offsets_it)[1].is_number_unsigned()) {
+        return bad("data_offsets must be [begin, end] with non-negative integers");
+      }
+      TensorRecord rec;
+      rec.file = &file;
+      rec.dtype = dtype_it->get<std::string>();
+      const int elem = DtypeBytes(rec.dtype);
+      if (elem == 0) return bad(absl::StrCat("unknown dtype ", rec.dtype));
+      for (const json& d : *shape_it) {
+        if (!d.is_number_unsigned() ||
+            d.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+          return bad("shape must hold non-negative integers");
+        }
+        rec.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
+      }
+      absl::StatusOr<int64_t> n = NumElements(rec.shape);
+      if (!n.ok()) return bad(n.status().message());
+      const uint64_t begin = (*offsets_it)[0].get<uint64_t>();
+      const uint64_t end = (*offsets_it)[1].get<uint64_t>();
+      if (begin > end) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s: tensor %s has data_offsets [%d, %d] with end before begin", fname,
+                            name, begin, end));
+      }
+      if (end > buffer_size) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: tensor %s has data_offsets [%d, %d] outside the data buffer of %d bytes", fname,
+            name, begin, end, buffer_size));
+      }
+      // n <= 2^60 and elem <= 8, but compare by division so no product can wrap.
+      const uint64_t span = end - begin;
+      if (span % elem != 0 || span / elem != static_cast<uint64_t>(*n)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: tensor %s spans %d bytes, but shape %s of %s needs %d", fname, name, span,
+            DimsToString(rec.shape), rec.dtype, static_cast<uint64_t>(*n) * elem));
+      }
+      rec.data = buffer + begin;
+      rec.num_bytes = static_cast<int64_t>(span);
+      auto [slot, inserted] = table->emplace(name, std::move(rec));
+      if (!inserted) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(fname, ": tensor ", name, " is also in ", slot->second.file->name()));
+      }
+      if (span > 0) extents.push_back({begin, end, &slot->first});
+    }
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(fname, ": header: ", e.what()));
+  }
+
+  // Overlapping tensors would alias each other's weights; gaps are harmless.
+  std::sort(extents.begin(), extents.end(),
+            [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+  for (size_t i = 1; i < extents.size(); ++i) {
+    if (extents[i].begin < extents[i - 1].end) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: tensor %s (data_offsets [%d, %d]) overlaps tensor %s ([%d, %d])",
+                          fname, *extents[i].name, extents[i].begin, extents[i].end,
+                          *extents[i - 1].name, extents[i - 1].begin, extents[i - 1].end));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Exact binary16 -> binary32 (every f16 value, subnormals, inf and NaN
+// included, is representable in f32).
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {
+      // Subnormal: mant * 2^-24, exact in f32.
+      const float f = std::ldexp(static_cast<float>(mant), -24);
+      std::memcpy(&bits, &f, sizeof(bits));
+      bits |= sign;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+size_t EditDistance(absl::string_view a, absl::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// Whether `name` is one of the names Model::Load reads.
+bool IsLoaderName(absl::string_view name) {
+  if (name == "model.embed_tokens.weight" || name == "embeddings.position_embeddings.weight" ||
+      name == "model.embed_positions.weight") {
+    return true;
+  }
+  if (!absl::ConsumePrefix(&name, "model.layers.")) return false;
+  const size_t digits = name.find_first_not_of("0123456789");
+  if (digits == 0 || digits == absl::string_view::npos) return false;
+  name.remove_prefix(digits);
+  for (const char* proj : {"q", "k", "v", "o"}) {
+    for (const char* kind : {"weight", "bias"}) {
+      if (name == absl::StrCat(".self_attn.", proj, "_proj.", kind)) return true;
+    }
+  }
+  return false;
+}
+
+// Where the checkpoint's tensors come from, and what is kept alive.
+struct WeightSource {
+  std::string description;  // "model.safetensors" or the index file name
+  std::vector<std::unique_ptr<MappedFile>> files;
+  TensorTable table;
+};
+
+absl::StatusOr<WeightSource> OpenWeights(const std::string& dir) {
+  WeightSource src;
+  const std::string single = JoinPath(dir, "model.safetensors");
+  const std::string index_path = JoinPath(dir, "model.safetensors.index.json");
+  if (FileExists(single)) {
+    src.description = "model.safetensors";
+    RA_ASSIGN_OR_RETURN(auto file, MappedFile::Open(single, "model.safetensors"));
+    RA_RETURN_IF_ERROR(IndexSafetensors(*file, &src.table));
+    src.files.push_back(std::move(file));
+    return src;
+  }
+  if (!FileExists(index_path)) {
+    return absl::NotFoundError(
+        absl::StrCat("neither model.safetensors nor model.safetensors.index.json found in ", dir));
+  }
+  const std::string index_name = "model.safetensors.index.json";
+  src.description = index_name;
+  RA_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(index_path, index_name));
+  RA_ASSIGN_OR_RETURN(json index, ParseJson(text, index_name, ""));
+  const json* weight_map = nullptr;
+  if (index.is_object()) {
+    auto it = index.find("weight_map");
+    if (it != index.end() && it->is_object()) weight_map = &*it;
+  }
+  if (weight_map == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(index_name, ": key weight_map must be an object of tensor name -> shard"));
+  }
+  // Each shard is mapped and validated once, however many tensors it holds.
+  std::set<std::string> shards;
+  for (auto it = weight_map->begin(); it != weight_map->end(); ++it) {
+    if (!it.value().is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat(index_name, ": tensor ", it.key(), " maps to ",
+                                                     Brief(it.value()), ", not a shard file name"));
+    }
+    const std::string shard = it.value().get<std::string>();
+    // Shards live beside the index: a path could make us map any file.
+    if (shard.empty() || shard == "." || shard == ".." || shard.find('/') != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(index_name, ": tensor ", it.key(),
+                                                     " maps to \"", shard,
+                                                     "\", which is not a file name in ", dir));
+    }
+    if (shards.count(shard) != 0) continue;
+    absl::StatusOr<std::unique_ptr<MappedFile>> file =
+        MappedFile::Open(JoinPath(dir, shard), shard);
+    if (!file.ok()) {
+      if (absl::IsNotFound(file.status())) {
+        return absl::NotFoundError(absl::StrCat(index_name, ": shard ", shard, " (tensor ",
+                                                it.key(), ") not found in ", dir));
+      }
+      return file.status();
+    }
+    RA_RETURN_IF_ERROR(IndexSafetensors(**file, &src.table));
+    shards.insert(shard);
+    src.files.push_back(*std::move(file));
+  }
+  // The index is the authority on where a tensor lives: a disagreement means
+  // the shards and the index come from different exports.
+  for (auto it = weight_map->begin(); it != weight_map->end(); ++it) {
+    const std::string shard = it.value().get<std::string>();
+    auto rec = src.table.find(it.key());
+    if (rec == src.table.end()) {
+      return absl::NotFoundError(absl::StrCat(index_name, ": tensor ", it.key(), " maps to shard ",
+                                              shard, ", which does not contain it"));
+    }
+    if (rec->second.file->name() != shard) {
+      return absl::InvalidArgumentError(absl::StrCat(index_name, ": tensor ", it.key(),
+                                                     " maps to shard ", shard, " but is in ",
+                                                     rec->second.file->name()));
+    }
+  }
+  return src;
+}
+
+}  // namespace
+
+struct Model::Storage {
+  std::vector<std::unique_ptr<MappedFile>> files;
+  // Converted (F16) or realigned weights, and the demo model's weights.
+  // Tensor buffers do not move when the vector grows.
+  std::vector<Tensor> owned;
+};
+
+Model::~Model() = default;
+
+namespace {
+
+// Turns checkpoint records into views, checking dtype and shape.
+class WeightBinder {
+ public:
+  WeightBinder(const TensorTable& table, std::string source_name)
+      : table_(table), source_name_(std::move(source_name)) {}
+
+  // The checkpoint uses the naming this loader knows if any layer has a
+  // separate q projection under model.layers.N.self_attn.
+  bool KnownNaming() const {
+    for (auto it = table_.lower_bound("model.layers."); it != table_.end(); ++it) {
+      if (!absl::StartsWith(it->first, "model.layers.")) break;
+      if (absl::EndsWith(it->first, ".self_attn.q_proj.weight")) return true;
+    }
+    return false;
+  }
+
+  absl::Status Missing(const std::string& name) const {
+    if (KnownNaming()) {
+      return absl::NotFoundError(
+          absl::StrCat(source_name_, ": tensor ", name, " not found in the checkpoint"));
+    }
+    // Hostile headers can hold millions of names: look at a bounded number.
+    constexpr int kMaxCandidates = 100000;
+    std::string closest;
+    size_t best = std::numeric_limits<size_t>::max();
+    int seen = 0;
+    for (const auto& [candidate, rec] : table_) {
+      if (++seen > kMaxCandidates) break;
+      // A name this loader uses itself is never the stand-in we look for.
+      if (candidate.size() > 512 || IsLoaderName(candidate)) continue;
+      const size_t d = EditDistance(name, candidate);
+      if (d < best) best = d, closest = candidate;
+    }
+    return absl::UnimplementedError(absl::StrCat(
+        source_name_, ": tensor naming not supported: expected ", name,
+        " (Llama/Mistral/Qwen style, separate q/k/v/o projections), closest name found: ",
+        closest.empty() ? "(no tensors)" : closest));
+  }
+
+  // `why` explains the expected shape in config terms for the message.
+  absl::StatusOr<ConstTensorView> Bind(const std::string& name, const Dims& expected,
+                                       absl::string_view why, bool optional,
+                                       std::vector<Tensor>* owned, int64_t* mapped,
+                                       int64_t* resident) const {
+    auto it = table_.find(name);
+    if (it == table_.end()) {
+      // Constructed in place: moving an empty view trips GCC 12's
+      // -Wmaybe-uninitialized inside InlinedVector.
+      if (optional) return absl::StatusOr<ConstTensorView>(absl::in_place);
+      return Missing(name);
+    }
+    const TensorRecord& rec = it->second;
+    const std::string& fname = rec.file->name();
+    if (rec.dtype != "F32" && rec.dtype != "BF16" && rec.dtype != "F16") {
+      return absl::InvalidArgumentError(absl::StrCat(fname, ": tensor ", name, " has dtype ",
+                                                     rec.dtype, "; supported: F32, BF16, F16"));
+    }
+    if (rec.shape != expected) {
+      return absl::InvalidArgumentError(absl::StrCat(fname, ": tensor ", name, " has shape ",
+                                                     DimsToString(rec.shape), ", config expects ",
+                                                     DimsToString(expected), " (", why, ")"));
+    }
+    if (rec.dtype == "F16") {
+      RA_ASSIGN_OR_RETURN(Tensor t, Tensor::Create(DType::kF32, expected));
+      float* out = t.data<float>();
+      for (int64_t i = 0; i < t.num_elements(); ++i) {
+        uint16_t h;
+        std::memcpy(&h, rec.data + 2 * i, sizeof(h));
+        out[i] = HalfToFloat(h);
+      }
+      *resident += static_cast<int64_t>(t.byte_size());
+      owned->push_back(std::move(t));
+      return owned->back().cview();
+    }
+    const DType dtype = rec.dtype == "F32" ? DType::kF32 : DType::kBF16;
+    // A header whose length is not a multiple of the element size leaves the
+    // data misaligned; kernels expect natural alignment, so copy those.
+    if (reinterpret_cast<uintptr_t>(rec.data) % DTypeSize(dtype) != 0) {
+      RA_ASSIGN_OR_RETURN(Tensor t, Tensor::Create(dtype, expected));
+      std::memcpy(t.data<uint8_t>(), rec.data, static_cast<size_t>(rec.num_bytes));
+      *resident += rec.num_bytes;
+      owned->push_back(std::move(t));
+      return owned->back().cview();
+    }
+    *mapped += rec.num_bytes;
+    return ConstTensorView(rec.data, dtype, expected);
+  }
+
+ private:
+  const TensorTable& table_;
+  std::string source_name_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& name,
+                                                         const std::string& dir) {
+  RA_ASSIGN_OR_RETURN(std::string config_text,
+                      ReadSmallFile(JoinPath(dir, "config.json"), "config.json"));
+  RA_ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(config_text, "config.json"));
+  RA_ASSIGN_OR_RETURN(WeightSource src, OpenWeights(dir));
+
+  std::shared_ptr<Model> model(new Model());
+  model->name_ = name;
+  model->source_ = dir;
+  model->config_ = config;
+  model->storage_ = std::make_unique<Storage>();
+  std::vector<Tensor>* store = &model->storage_->owned;
+  const WeightBinder binder(src.table, src.description);
+  int64_t mapped = 0, resident = 0;
+
+  const ModelConfig& c = config;
+  const int64_t q_out = c.num_heads * c.head_dim;
+  const int64_t kv_out = c.num_kv_heads * c.head_dim;
+  const std::string q_why = absl::StrFormat("num_attention_heads %d * head_dim %d, hidden_size %d",
+                                            c.num_heads, c.head_dim, c.hidden_size);
+  const std::string kv_why = absl::StrFormat("num_key_value_heads %d * head_dim %d, hidden_size %d",
+                                             c.num_kv_heads, c.head_dim, c.hidden_size);
+  const std::string o_why = absl::StrFormat("hidden_size %d, num_attention_heads %d * head_dim %d",
+                                            c.hidden_size, c.num_heads, c.head_dim);
+
+  RA_ASSIGN_OR_RETURN(
+      model->embed_tokens_,
+      binder.Bind("model.embed_tokens.weight", {c.vocab_size, c.hidden_size},
+                  absl::StrFormat("vocab_size %d, hidden_size %d", c.vocab_size, c.hidden_size),
+                  false, store, &mapped, &resident));
+  if (c.positions == PositionKind::kLearned) {
+    const Dims dims = {c.max_positions, c.hidden_size};
+    const std::string why = absl::StrFormat("max_position_embeddings %d, hidden_size %d",
+                                            c.max_positions, c.hidden_size);
+    RA_ASSIGN_OR_RETURN(model->position_table_,
+                        binder.Bind("embeddings.position_embeddings.weight", dims, why, true, store,
+                                    &mapped, &resident));
+    if (model->position_table_.empty_view()) {
+      RA_ASSIGN_OR_RETURN(
+          model->position_table_,
+          binder.Bind("model.embed_positions.weight", dims, why, false, store, &mapped, &resident));
+    }
+  }
+
+  model->layers_.resize(static_cast<size_t>(c.num_layers));
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    LayerWeights& lw = model->layers_[static_cast<size_t>(i)];
+    const std::string p = absl::StrCat("model.layers.", i, ".self_attn.");
+    struct Spec {
+      const char* proj;
+      ConstTensorView* weight;
+      ConstTensorView* bias;
+      Dims dims;
+      const std::string* why;
+      bool bias_required;
+    };
+    const Spec specs[] = {
+        {"q_proj", &lw.q_proj, &lw.q_bias, {q_out, c.hidden_size}, &q_why, c.attention_bias},
+        {"k_proj", &lw.k_proj, &lw.k_bias, {kv_out, c.hidden_size}, &kv_why, c.attention_bias},
+        {"v_proj", &lw.v_proj, &lw.v_bias, {kv_out, c.hidden_size}, &kv_why, c.attention_bias},
+        // Qwen2 has q/k/v biases only; Llama's attention_bias adds o's too.
+        {"o_proj", &lw.o_proj, &lw.o_bias, {c.hidden_size, q_out}, &o_why, false},
+    };
+    for (const Spec& s : specs) {
+      RA_ASSIGN_OR_RETURN(*s.weight, binder.Bind(absl::StrCat(p, s.proj, ".weight"), s.dims, *s.why,
+                                                 false, store, &mapped, &resident));
+      // A bias the config does not announce is still loaded when present,
+      // since ignoring it would silently change the outputs.
+      RA_ASSIGN_OR_RETURN(*s.bias,
+                          binder.Bind(absl::StrCat(p, s.proj, ".bias"), {s.dims[0]},
+                                      absl::StrCat("first dimension of ", s.proj, ".weight"),
+                                      !s.bias_required, store, &mapped, &resident));
+    }
+  }
+  model->mapped_bytes_ = mapped;
+  model->resident_bytes_ = resident;
+  model->storage_->files = std::move(src.files);
+  return std::shared_ptr<const Model>(std::move(model));
+}
+
+namespace {
+
+uint64_t SplitMix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Seeding each tensor from its name keeps a tensor's values stable when
+// other tensors are added to the demo.
+uint64_t Fnv1a(absl::string_view s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (char ch : s) h = (h ^ static_cast<uint8_t>(ch)) * 0x100000001b3ull;
+  return h;
+}
+
+// Uniform in [-scale, scale), deterministic for a given name.
+absl::StatusOr<Tensor> SeededTensor(absl::string_view name, const Dims& dims, double scale) {
+  RA_ASSIGN_OR_RETURN(Tensor t, Tensor::Create(DType::kF32, dims));
+  uint64_t state = Fnv1a(name);
+  float* out = t.data<float>();
+  for (int64_t i = 0; i < t.num_elements(); ++i) {
+    // 53 random bits -> [0, 1) exactly in double, then to [-1, 1).
+    const double u = static_cast<double>(SplitMix64(state) >> 11) * 0x1.0p-53;
+    out[i] = static_cast<float>((2.0 * u - 1.0) * scale);
+  }
+  return t;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const Model>> Model::Demo(const std::string& name) {
+  ModelConfig c;
+  c.architecture = "ropeattn-demo";
+  c.model_type = "llama";
+  c.hidden_size = 128;
+  c.num_heads = 8;
+  c.num_kv_heads = 2;
+  c.head_dim = 16;
+  c.vocab_size = 256;
+  c.max_positions = 4096;
+  c.num_layers = 2;
+  c.positions = PositionKind::kRope;
+  RopeConfig rope;
+  rope.head_dim = c.head_dim;
+  rope.rotary_dim = c.head_dim;
+  rope.theta = 500000.0;
+  rope.layout = RopeLayout::kHalfSplit;
+  rope.scaling.type = RopeScalingType::kLlama3;
+  rope.scaling.factor = 8.0;
+  rope.scaling.low_freq_factor = 1.0;
+  rope.scaling.high_freq_factor = 4.0;
+  rope.scaling.original_max_positions = 1024;
+  RA_RETURN_IF_ERROR(ValidateRopeConfig(rope));
+  c.rope = rope;
+
+  std::shared_ptr<Model> model(new Model());
+  model->name_ = name;
+  model->source_ = "built-in";
+  model->config_ = c;
+  model->storage_ = std::make_unique<Storage>();
+  Storage* store = model->storage_.get();
+  auto add = [&](const std::string& tname, const Dims& dims,
+                 double scale) -> absl::StatusOr<ConstTensorView> {
+    RA_ASSIGN_OR_RETURN(Tensor t, SeededTensor(tname, dims, scale));
+    model->resident_bytes_ += static_cast<int64_t>(t.byte_size());
+    store->owned.push_back(std::move(t));
+    return store->owned.back().cview();
+  };
+  // Projections scaled by 1/sqrt(fan_in) keep activations O(1) through a layer.
+  const double in_scale = 1.0 / std::sqrt(static_cast<double>(c.hidden_size));
+  const double o_scale = 1.0 / std::sqrt(static_cast<double>(c.num_heads * c.head_dim));
+  RA_ASSIGN_OR_RETURN(model->embed_tokens_,
+                      add("model.embed_tokens.weight", {c.vocab_size, c.hidden_size}, 1.0));
+  model->layers_.resize(static_cast<size_t>(c.num_layers));
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    LayerWeights& lw = model->layers_[static_cast<size_t>(i)];
+    const std::string p = absl::StrCat("model.layers.", i, ".self_attn.");
+    const int64_t q_out = c.num_heads * c.head_dim, kv_out = c.num_kv_heads * c.head_dim;
+    RA_ASSIGN_OR_RETURN(lw.q_proj, add(p + "q_proj.weight", {q_out, c.hidden_size}, in_scale));
+    RA_ASSIGN_OR_RETURN(lw.k_proj, add(p + "k_proj.weight", {kv_out, c.hidden_size}, in_scale));
+    RA_ASSIGN_OR_RETURN(lw.v_proj, add(p + "v_proj.weight", {kv_out, c.hidden_size}, in_scale));
+    RA_ASSIGN_OR_RETURN(lw.o_proj, add(p + "o_proj.weight", {c.hidden_size, q_out}, o_scale));
+  }
+  return std::shared_ptr<const Model>(std::move(model));
+}
+
+absl::StatusOr<const LayerWeights*> Model::layer(int64_t index) const {
+  if (index < 0 || index >= num_layers()) {
+    return absl::OutOfRangeError(
+        absl::StrFormat("model %s: layer %d is outside [0, %d)", name_, index, num_layers()));
+  }
+  return &layers_[static_cast<size_t>(index)];
+}
+
+absl::Status ModelRegistry::Add(std::shared_ptr<const Model> model) {
+  if (model == nullptr) return absl::InvalidArgumentError("cannot register a null model");
+  const std::string name = model->name();
+  auto [it, inserted] = models_.emplace(name, std::move(model));
+  if (!inserted) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("model ", name, " is already registered (from ", it->second->source(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const Model>> ModelRegistry::Get(absl::string_view name) const {
+  auto it = models_.find(name);
+  if (it == models_.end()) {
+    std::vector<std::string> known;
+    for (const auto& [n, m] : models_) known.push_back(n);
+    return absl::NotFoundError(absl::StrCat("model ", name, " not found; known models: ",
+                                            known.empty() ? "(none)" : absl::StrJoin(known, ", ")));
+  }
+  return it->second;
+}
+
+std::vector<std::shared_ptr<const Model>> ModelRegistry::List() const {
+  std::vector<std::shared_ptr<const Model>> out;
+  out.reserve(models_.size());
+  for (const auto& [n, m] : models_) out.push_back(m);
+  return out;
+}
+
+}  // namespace ropeattn::server

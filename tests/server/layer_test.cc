@@ -1,0 +1,231 @@
+// Layer mode, Embed and the model RPCs against a real server serving the
+// built-in demo model. The expected values come from the same deterministic
+// demo weights (loaded here in-process) pushed through a plain fp64 chain:
+// x -> q/k/v projections -> the model's RoPE (tests/reference/rope_ref) ->
+// causal attention (tests/reference/attention_ref) -> output projection.
+// Tolerance: 1e-5 relative (norm-wise) for f32 weights and activations.
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/model.h"
+#include "tests/core/test_util.h"
+#include "tests/reference/attention_ref.h"
+#include "tests/reference/rope_ref.h"
+#include "tests/server/server_test_util.h"
+
+namespace ropeattn::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// y[r, o] = sum_i x[r, i] * W[o, i] + b[o], in double.
+std::vector<double> RefLinear(const std::vector<double>& x, int64_t rows, const ConstTensorView& w,
+                              const ConstTensorView& b) {
+  const int64_t out = w.dim(0), in = w.dim(1);
+  std::vector<double> y(rows * out, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = 0; o < out; ++o) {
+      double acc = b.empty_view() ? 0.0 : b.GetFloat({o});
+      for (int64_t i = 0; i < in; ++i) acc += x[r * in + i] * w.GetFloat({o, i});
+      y[r * out + o] = acc;
+    }
+  }
+  return y;
+}
+
+// The fp64 layer over a whole sequence [1, S, hidden] at positions 0..S-1.
+std::vector<double> RefLayer(const server::Model& model, int64_t layer,
+                             const std::vector<double>& x, int64_t s) {
+  const server::ModelConfig& c = model.config();
+  const server::LayerWeights* w = model.layer(layer).value();
+  std::vector<double> q = RefLinear(x, s, w->q_proj, w->q_bias);
+  std::vector<double> k = RefLinear(x, s, w->k_proj, w->k_bias);
+  std::vector<double> v = RefLinear(x, s, w->v_proj, w->v_bias);
+  if (c.rope) {
+    const RopeConfig& r = *c.rope;
+    const int64_t d = r.effective_rotary_dim();
+    ref::RotateRefParams rp;
+    rp.seq = s;
+    rp.head_dim = c.head_dim;
+    rp.rotary_dim = d;
+    rp.interleaved = r.layout == RopeLayout::kInterleaved;
+    for (int64_t i = 0; i < s; ++i) rp.positions.push_back(i);
+    // The demo model uses Llama 3 scaling; compute its frequencies
+    // independently of the core.
+    EXPECT_EQ(r.scaling.type, RopeScalingType::kLlama3);
+    rp.inv_freq = ref::Llama3InvFreq(d, r.theta, r.scaling.factor, r.scaling.low_freq_factor,
+                                     r.scaling.high_freq_factor, r.scaling.original_max_positions);
+    rp.heads = c.num_heads;
+    q = ref::Rotate(rp, q);
+    rp.heads = c.num_kv_heads;
+    k = ref::Rotate(rp, k);
+  }
+  ref::AttentionRefParams ap;
+  ap.q_len = s;
+  ap.k_len = s;
+  ap.heads = c.num_heads;
+  ap.kv_heads = c.num_kv_heads;
+  ap.head_dim = c.head_dim;
+  ap.v_dim = c.head_dim;
+  ap.causal = true;
+  const std::vector<double> attn = ref::Attention(ap, q, k, v).out;
+  return RefLinear(attn, s, w->o_proj, w->o_bias);
+}
+
+class LayerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = StartTestServer(TestServerOptions());
+    ASSERT_NE(server_, nullptr);
+    stub_ = TestStub(server_->port());
+    demo_ = server::Model::Demo("demo").value();
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown(absl::Seconds(1));
+  }
+  std::unique_ptr<server::Server> server_;
+  std::unique_ptr<v1::AttentionService::Stub> stub_;
+  std::shared_ptr<const server::Model> demo_;
+};
+
+TEST_F(LayerTest, ListAndGetModelDescribeTheDemoModel) {
+  grpc::ClientContext ctx;
+  v1::ListModelsResponse list;
+  ASSERT_TRUE(stub_->ListModels(&ctx, {}, &list).ok());
+  ASSERT_EQ(list.models_size(), 1);
+  const v1::ModelInfo& m = list.models(0);
+  const server::ModelConfig& c = demo_->config();
+  EXPECT_EQ(m.name(), "demo");
+  EXPECT_EQ(m.source(), demo_->source());
+  EXPECT_EQ(m.hidden_size(), c.hidden_size);
+  EXPECT_EQ(m.num_heads(), c.num_heads);
+  EXPECT_EQ(m.num_kv_heads(), c.num_kv_heads);
+  EXPECT_LT(m.num_kv_heads(), m.num_heads());  // GQA
+  EXPECT_EQ(m.num_layers(), demo_->num_layers());
+  EXPECT_EQ(m.positions(), v1::POSITION_KIND_ROPE);
+  EXPECT_EQ(m.rope().scaling().rope_type(), "llama3");
+  // The resolved inverse frequencies are the Llama 3 rule's.
+  const RopeConfig& r = *c.rope;
+  const std::vector<double> want = ref::Llama3InvFreq(
+      r.effective_rotary_dim(), r.theta, r.scaling.factor, r.scaling.low_freq_factor,
+      r.scaling.high_freq_factor, r.scaling.original_max_positions);
+  ASSERT_EQ(m.inv_freq_size(), static_cast<int>(want.size()));
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(m.inv_freq(i), want[i], 1e-12 * want[i]);
+  EXPECT_GT(m.mapped_bytes() + m.resident_bytes(), 0);
+
+  grpc::ClientContext ctx2;
+  v1::GetModelRequest req;
+  req.set_name("nope");
+  v1::ModelInfo info;
+  grpc::Status st = stub_->GetModel(&ctx2, req, &info);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(st.error_message(), HasSubstr("nope"));
+}
+
+TEST_F(LayerTest, EmbedReturnsTableRowsAndRejectsOutOfVocabularyIds) {
+  const server::ModelConfig& c = demo_->config();
+  v1::EmbedRequest req;
+  req.set_model("demo");
+  const std::vector<int64_t> ids = {0, 5, c.vocab_size - 1, 17, 3, 3};
+  for (int64_t id : ids) req.add_token_ids(id);
+  req.add_shape(2);
+  req.add_shape(3);
+  grpc::ClientContext ctx;
+  v1::EmbedResponse resp;
+  ASSERT_TRUE(stub_->Embed(&ctx, req, &resp).ok());
+  ASSERT_THAT(resp.embeddings().shape(), ::testing::ElementsAre(2, 3, c.hidden_size));
+  const std::vector<double> got = WireToDoubles(resp.embeddings());
+  for (size_t t = 0; t < ids.size(); ++t) {
+    for (int64_t h = 0; h < c.hidden_size; ++h) {
+      ASSERT_EQ(got[t * c.hidden_size + h], demo_->embed_tokens().GetFloat({ids[t], h}))
+          << "token " << t << " dim " << h;
+    }
+  }
+  req.set_token_ids(4, c.vocab_size);
+  grpc::ClientContext ctx2;
+  grpc::Status st = stub_->Embed(&ctx2, req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(),
+              HasSubstr(absl::StrCat("token id ", c.vocab_size, " at index 4")));
+}
+
+TEST_F(LayerTest, AttendAndDecodeInLayerModeMatchTheReference) {
+  const server::ModelConfig& c = demo_->config();
+  const int64_t s = 9;
+  const Tensor x = RandomTensor(DType::kF32, {1, s, c.hidden_size}, 42);
+  const std::vector<double> xd = ToDoubles(x.view());
+  for (int64_t layer = 0; layer < demo_->num_layers(); ++layer) {
+    SCOPED_TRACE(::testing::Message() << "layer " << layer);
+    const std::vector<double> want = RefLayer(*demo_, layer, xd, s);
+    // One shot.
+    v1::AttendRequest req;
+    req.mutable_spec()->set_causal(true);
+    req.mutable_layer()->set_model("demo");
+    req.mutable_layer()->set_layer(static_cast<int32_t>(layer));
+    *req.mutable_layer()->mutable_hidden() = ToWire(x.view());
+    grpc::ClientContext ctx;
+    v1::AttendResponse resp;
+    grpc::Status st = stub_->Attend(&ctx, req, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_THAT(resp.out().shape(), ::testing::ElementsAre(1, s, c.hidden_size));
+    EXPECT_TRUE(AllClose(WireToDoubles(resp.out()), want, kF32Tol));
+    // Token by token in a layer-mode session.
+    grpc::ClientContext sctx;
+    auto rw = stub_->Decode(&sctx);
+    v1::DecodeRequest open;
+    open.mutable_open()->set_model("demo");
+    open.mutable_open()->set_layer(static_cast<int32_t>(layer));
+    open.mutable_open()->set_max_context(64);
+    v1::DecodeResponse r;
+    ASSERT_TRUE(rw->Write(open));
+    ASSERT_TRUE(rw->Read(&r));
+    ASSERT_TRUE(r.has_opened()) << r.DebugString();
+    std::vector<double> got;
+    for (int64_t t = 0; t < s; ++t) {
+      v1::DecodeRequest step;
+      step.mutable_step()->set_seq(t + 1);
+      *step.mutable_step()->mutable_hidden() = ToWire(x.cview().Slice(1, t, 1));
+      ASSERT_TRUE(rw->Write(step));
+      ASSERT_TRUE(rw->Read(&r));
+      ASSERT_TRUE(r.has_step()) << r.DebugString();
+      const std::vector<double> row = WireToDoubles(r.step().out());
+      got.insert(got.end(), row.begin(), row.end());
+    }
+    EXPECT_TRUE(AllClose(got, want, kF32Tol));
+    rw->WritesDone();
+    EXPECT_TRUE(rw->Finish().ok());
+  }
+}
+
+TEST_F(LayerTest, LayerModeErrors) {
+  const server::ModelConfig& c = demo_->config();
+  const Tensor x = RandomTensor(DType::kF32, {1, 4, c.hidden_size}, 1);
+  auto attend = [&](const v1::AttendRequest& req) {
+    grpc::ClientContext ctx;
+    v1::AttendResponse resp;
+    return stub_->Attend(&ctx, req, &resp);
+  };
+  v1::AttendRequest req;
+  req.mutable_layer()->set_model("demo");
+  req.mutable_layer()->set_layer(static_cast<int32_t>(demo_->num_layers()));
+  *req.mutable_layer()->mutable_hidden() = ToWire(x.view());
+  EXPECT_EQ(attend(req).error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  req.mutable_layer()->set_layer(0);
+  req.mutable_layer()->set_model("missing");
+  EXPECT_EQ(attend(req).error_code(), grpc::StatusCode::NOT_FOUND);
+  req.mutable_layer()->set_model("demo");
+  const Tensor wrong = RandomTensor(DType::kF32, {1, 4, c.hidden_size + 1}, 1);
+  *req.mutable_layer()->mutable_hidden() = ToWire(wrong.view());
+  grpc::Status st = attend(req);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("layer.hidden"));
+  *req.mutable_layer()->mutable_hidden() = ToWire(x.view());
+  *req.mutable_q() = ToWire(x.view());
+  EXPECT_EQ(attend(req).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+}  // namespace
+}  // namespace ropeattn::testing

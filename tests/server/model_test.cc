@@ -1,0 +1,916 @@
+// Model artifacts: config.json resolution for the RoPE styles real
+// checkpoints use, safetensors loading (in place through mmap, checked
+// against /proc/self/maps), sharded checkpoints, every kind of broken file,
+// the demo model and the registry.
+#include "server/model.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/server/safetensors_writer.h"
+
+namespace ropeattn::server {
+namespace {
+
+using ::ropeattn::testing::BF16Bytes;
+using ::ropeattn::testing::F32Bytes;
+using ::ropeattn::testing::SafetensorsBytes;
+using ::ropeattn::testing::SafetensorsFromHeader;
+using ::ropeattn::testing::SafetensorsHeaderJson;
+using ::ropeattn::testing::SafetensorsLayout;
+using ::ropeattn::testing::SafetensorsTensor;
+using ::ropeattn::testing::TempDir;
+using ::ropeattn::testing::U16Bytes;
+using ::ropeattn::testing::WriteFileOrDie;
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::ElementsAreArray;
+using ::testing::EndsWith;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Not;
+
+// --- /proc/self/maps: proves a view points into the file mapping. ---
+
+// The path of the mapping holding `p`, or "" if none (anonymous or heap
+// memory has no path or a bracketed name).
+std::string MappingPathOf(const void* p) {
+  const auto addr = reinterpret_cast<uintptr_t>(p);
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    std::istringstream in(line);
+    std::string range, perms, offset, dev, inode, path;
+    in >> range >> perms >> offset >> dev >> inode;
+    std::getline(in >> std::ws, path);
+    const size_t dash = range.find('-');
+    const uintptr_t lo = std::stoull(range.substr(0, dash), nullptr, 16);
+    const uintptr_t hi = std::stoull(range.substr(dash + 1), nullptr, 16);
+    if (addr >= lo && addr < hi) return path;
+  }
+  return "";
+}
+
+int CountMappingsOf(const std::string& path) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  int n = 0;
+  while (std::getline(maps, line)) n += absl::EndsWith(line, " " + path) ? 1 : 0;
+  return n;
+}
+
+// --- A tiny Llama-style checkpoint. ---
+
+struct TinyDims {
+  int64_t hidden = 32, heads = 4, kv_heads = 2, head_dim = 8, vocab = 16, layers = 2;
+  int64_t max_positions = 128;
+};
+
+std::string TinyConfig(const TinyDims& d = {}, absl::string_view extra = "") {
+  return absl::StrFormat(
+      R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": %d,
+          "num_attention_heads": %d, "num_key_value_heads": %d, "vocab_size": %d,
+          "num_hidden_layers": %d, "max_position_embeddings": %d, "rope_theta": 10000.0%s})",
+      d.hidden, d.heads, d.kv_heads, d.vocab, d.layers, d.max_positions, extra);
+}
+
+// Distinct, exactly representable values (multiples of 1/256 in [-1, 1)), so
+// BF16 rounding is also exact and each tensor differs from the others.
+std::vector<float> Values(int64_t n, int seed) {
+  std::vector<float> v(static_cast<size_t>(n));
+  uint32_t s = 2463534242u + 7919u * static_cast<uint32_t>(seed);
+  for (auto& x : v) {
+    s ^= s << 13, s ^= s >> 17, s ^= s << 5;
+    x = static_cast<float>(static_cast<int>(s % 512) - 256) / 256.0f;
+  }
+  return v;
+}
+
+// F16 bit patterns with their exact f32 values: normal, negative, the
+// largest finite, the smallest subnormal, a subnormal, infinity, 1/3.
+const std::vector<std::pair<uint16_t, float>>& F16Samples() {
+  static const auto* samples =
+      new std::vector<std::pair<uint16_t, float>>{{0x3C00, 1.0f},
+                                                  {0xC000, -2.0f},
+                                                  {0x7BFF, 65504.0f},
+                                                  {0x0001, std::ldexp(1.0f, -24)},
+                                                  {0x8200, -std::ldexp(1.0f, -15)},
+                                                  {0x7C00, INFINITY},
+                                                  {0x3555, 0.333251953125f},
+                                                  {0x0000, 0.0f}};
+  return *samples;
+}
+
+SafetensorsTensor F32Tensor(std::string name, std::vector<int64_t> shape, int seed) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return {std::move(name), "F32", shape, F32Bytes(Values(n, seed)), std::nullopt};
+}
+
+// Layer 0's v_proj is BF16 and layer 1's o_proj F16 (from F16Samples); the
+// rest is F32.
+std::vector<SafetensorsTensor> TinyTensors(const TinyDims& d = {}) {
+  std::vector<SafetensorsTensor> t;
+  int seed = 0;
+  t.push_back(F32Tensor("model.embed_tokens.weight", {d.vocab, d.hidden}, ++seed));
+  for (int64_t i = 0; i < d.layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".self_attn.");
+    t.push_back(F32Tensor(p + "q_proj.weight", {d.heads * d.head_dim, d.hidden}, ++seed));
+    t.push_back(F32Tensor(p + "k_proj.weight", {d.kv_heads * d.head_dim, d.hidden}, ++seed));
+    SafetensorsTensor v =
+        F32Tensor(p + "v_proj.weight", {d.kv_heads * d.head_dim, d.hidden}, ++seed);
+    if (i == 0)
+      v.dtype = "BF16", v.bytes = BF16Bytes(Values(d.kv_heads * d.head_dim * d.hidden, seed));
+    t.push_back(std::move(v));
+    SafetensorsTensor o = F32Tensor(p + "o_proj.weight", {d.hidden, d.heads * d.head_dim}, ++seed);
+    if (i == 1) {
+      std::vector<uint16_t> bits(static_cast<size_t>(d.hidden * d.heads * d.head_dim));
+      for (size_t k = 0; k < bits.size(); ++k)
+        bits[k] = F16Samples()[k % F16Samples().size()].first;
+      o.dtype = "F16", o.bytes = U16Bytes(bits);
+    }
+    t.push_back(std::move(o));
+  }
+  return t;
+}
+
+SafetensorsTensor* Find(std::vector<SafetensorsTensor>& tensors, absl::string_view name) {
+  for (auto& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+const SafetensorsTensor* Find(const std::vector<SafetensorsTensor>& tensors,
+                              absl::string_view name) {
+  for (const auto& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+void WriteCheckpoint(const TempDir& dir, const std::vector<SafetensorsTensor>& tensors,
+                     const std::string& config = TinyConfig(),
+                     const SafetensorsLayout& layout = {}) {
+  WriteFileOrDie(dir.File("config.json"), config);
+  WriteFileOrDie(dir.File("model.safetensors"), SafetensorsBytes(tensors, layout));
+}
+
+absl::Status LoadStatus(const TempDir& dir) { return Model::Load("m", dir.path()).status(); }
+
+bool SameBytes(const ConstTensorView& view, const std::string& bytes) {
+  const size_t n = static_cast<size_t>(view.num_elements()) * DTypeSize(view.dtype());
+  return n == bytes.size() && std::memcmp(view.raw(), bytes.data(), n) == 0;
+}
+
+// ============================ config.json ===================================
+
+TEST(ParseModelConfigTest, Llama31ResolvesLlama3Scaling) {
+  const char* kConfig = R"({
+    "architectures": ["LlamaForCausalLM"], "attention_bias": false, "hidden_size": 4096,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "torch_dtype": "bfloat16", "vocab_size": 128256})";
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(kConfig, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->architecture, "LlamaForCausalLM");
+  EXPECT_EQ(c->hidden_size, 4096);
+  EXPECT_EQ(c->num_heads, 32);
+  EXPECT_EQ(c->num_kv_heads, 8);
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->vocab_size, 128256);
+  EXPECT_EQ(c->max_positions, 131072);
+  EXPECT_EQ(c->num_layers, 32);
+  EXPECT_FALSE(c->attention_bias);
+  EXPECT_EQ(c->positions, PositionKind::kRope);
+  ASSERT_TRUE(c->rope.has_value());
+  const RopeConfig& r = *c->rope;
+  EXPECT_EQ(r.head_dim, 128);
+  EXPECT_EQ(r.effective_rotary_dim(), 128);
+  EXPECT_EQ(r.theta, 500000.0);
+  EXPECT_EQ(r.layout, RopeLayout::kHalfSplit);
+  EXPECT_EQ(r.scaling.type, RopeScalingType::kLlama3);
+  EXPECT_EQ(r.scaling.factor, 8.0);
+  EXPECT_EQ(r.scaling.low_freq_factor, 1.0);
+  EXPECT_EQ(r.scaling.high_freq_factor, 4.0);
+  EXPECT_EQ(r.scaling.original_max_positions, 8192);
+}
+
+std::string Phi3Config(absl::string_view type_key, absl::string_view type,
+                       absl::string_view extra_scaling = "") {
+  std::vector<std::string> short_f, long_f;
+  for (int i = 0; i < 48; ++i) {
+    short_f.push_back(absl::StrCat(1.0 + 0.01 * i));
+    long_f.push_back(absl::StrCat(1.5 + 0.5 * i));
+  }
+  return absl::StrFormat(
+      R"({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072,
+          "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 32,
+          "vocab_size": 32064, "max_position_embeddings": 131072,
+          "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+          "rope_scaling": {"%s": "%s", "short_factor": [%s], "long_factor": [%s]%s}})",
+      type_key, type, absl::StrJoin(short_f, ", "), absl::StrJoin(long_f, ", "), extra_scaling);
+}
+
+TEST(ParseModelConfigTest, Phi3LongRopeDerivesFactorFromLengths) {
+  for (const auto& [key, type] : std::vector<std::pair<std::string, std::string>>{
+           {"rope_type", "longrope"}, {"type", "longrope"}, {"type", "su"}}) {
+    SCOPED_TRACE(key + "=" + type);
+    absl::StatusOr<ModelConfig> c = ParseModelConfig(Phi3Config(key, type), "config.json");
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->head_dim, 96);
+    ASSERT_TRUE(c->rope.has_value());
+    const RopeScaling& s = c->rope->scaling;
+    EXPECT_EQ(s.type, RopeScalingType::kLongRope);
+    EXPECT_EQ(s.original_max_positions, 4096);  // from the top level
+    EXPECT_EQ(s.factor, 131072.0 / 4096.0);     // max / original when not given
+    ASSERT_EQ(s.short_factor.size(), 48u);
+    ASSERT_EQ(s.long_factor.size(), 48u);
+    EXPECT_DOUBLE_EQ(s.short_factor[47], 1.47);
+    EXPECT_EQ(s.long_factor[3], 3.0);
+    EXPECT_EQ(c->rope->theta, 10000.0);
+  }
+}
+
+TEST(ParseModelConfigTest, Phi3ExplicitFactorWins) {
+  absl::StatusOr<ModelConfig> c =
+      ParseModelConfig(Phi3Config("rope_type", "longrope", R"(, "factor": 4.0)"), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope->scaling.factor, 4.0);
+}
+
+TEST(ParseModelConfigTest, Phi3WrongFactorCountIsRejectedByCoreValidation) {
+  std::string config = Phi3Config("rope_type", "longrope");
+  // 47 short factors for 48 pairs.
+  config.replace(config.find("1, 1.01"), 3, "");
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(config, "config.json");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(c.status().message(), AllOf(HasSubstr("config.json"), HasSubstr("short_factor")));
+}
+
+TEST(ParseModelConfigTest, Qwen2Yarn) {
+  const char* kConfig = R"({
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+    "num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28,
+    "vocab_size": 152064, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "use_sliding_window": false,
+    "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 32768}})";
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(kConfig, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->num_kv_heads, 4);
+  EXPECT_TRUE(c->attention_bias);  // Qwen2 always has q/k/v biases
+  const RopeConfig& r = *c->rope;
+  EXPECT_EQ(r.theta, 1e6);
+  EXPECT_EQ(r.scaling.type, RopeScalingType::kYarn);
+  EXPECT_EQ(r.scaling.factor, 4.0);
+  EXPECT_EQ(r.scaling.original_max_positions, 32768);
+  EXPECT_EQ(r.scaling.beta_fast, 32.0);
+  EXPECT_EQ(r.scaling.beta_slow, 1.0);
+  EXPECT_FALSE(r.scaling.attention_factor.has_value());
+  EXPECT_EQ(r.layout, RopeLayout::kHalfSplit);
+}
+
+TEST(ParseModelConfigTest, GptNeoXPartialRotaryHalfSplit) {
+  const char* kConfig = R"({
+    "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_size": 1024,
+    "num_attention_heads": 16, "num_hidden_layers": 24, "vocab_size": 50304,
+    "max_position_embeddings": 2048, "rotary_pct": 0.25, "rotary_emb_base": 10000,
+    "use_parallel_residual": true})";
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(kConfig, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->head_dim, 64);
+  EXPECT_EQ(c->num_kv_heads, 16);
+  EXPECT_EQ(c->rope->rotary_dim, 16);  // 64 * 0.25: frequencies come from 16, not 64
+  EXPECT_EQ(c->rope->layout, RopeLayout::kHalfSplit);
+  EXPECT_EQ(c->rope->theta, 10000.0);
+  EXPECT_EQ(c->rope->scaling.type, RopeScalingType::kDefault);
+}
+
+TEST(ParseModelConfigTest, GptJInterleavedRotaryDim) {
+  const char* kConfig = R"({
+    "architectures": ["GPTJForCausalLM"], "model_type": "gptj", "n_embd": 4096, "n_head": 16,
+    "n_layer": 28, "n_positions": 2048, "rotary_dim": 64, "vocab_size": 50400})";
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(kConfig, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->hidden_size, 4096);
+  EXPECT_EQ(c->num_heads, 16);
+  EXPECT_EQ(c->num_layers, 28);
+  EXPECT_EQ(c->max_positions, 2048);
+  EXPECT_EQ(c->head_dim, 256);
+  EXPECT_EQ(c->rope->rotary_dim, 64);
+  EXPECT_EQ(c->rope->layout, RopeLayout::kInterleaved);
+}
+
+TEST(ParseModelConfigTest, PartialRotaryFactorAndExplicitHeadDim) {
+  // Phi-2 style partial_rotary_factor; head_dim given explicitly (Qwen3 /
+  // Gemma style, heads * head_dim != hidden_size).
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(
+      TinyConfig({}, R"(, "head_dim": 20, "partial_rotary_factor": 0.4)"), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->head_dim, 20);
+  EXPECT_EQ(c->rope->head_dim, 20);
+  EXPECT_EQ(c->rope->rotary_dim, 8);
+}
+
+TEST(ParseModelConfigTest, LegacyDynamicAndRopeParameters) {
+  absl::StatusOr<ModelConfig> dyn = ParseModelConfig(
+      TinyConfig({}, R"(, "rope_scaling": {"type": "dynamic", "factor": 2.0})"), "config.json");
+  ASSERT_TRUE(dyn.ok()) << dyn.status();
+  EXPECT_EQ(dyn->rope->scaling.type, RopeScalingType::kDynamicNtk);
+  EXPECT_EQ(dyn->rope->scaling.factor, 2.0);
+  EXPECT_EQ(dyn->rope->scaling.original_max_positions, 128);  // max_position_embeddings
+
+  // transformers >= 4.56 moves rope_theta into rope_parameters.
+  absl::StatusOr<ModelConfig> params =
+      ParseModelConfig(TinyConfig({}, R"(, "rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                             "rope_theta": 50000.0})"),
+                       "config.json");
+  ASSERT_TRUE(params.ok()) << params.status();
+  EXPECT_EQ(params->rope->scaling.type, RopeScalingType::kLinear);
+  EXPECT_EQ(params->rope->theta, 50000.0);
+
+  absl::StatusOr<ModelConfig> none =
+      ParseModelConfig(TinyConfig({}, R"(, "rope_scaling": null)"), "config.json");
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->rope->scaling.type, RopeScalingType::kDefault);
+}
+
+TEST(ParseModelConfigTest, BertIsLearnedAbsolute) {
+  const char* kConfig = R"({
+    "architectures": ["BertModel"], "model_type": "bert", "hidden_size": 768,
+    "num_attention_heads": 12, "num_hidden_layers": 12, "vocab_size": 30522,
+    "max_position_embeddings": 512, "position_embedding_type": "absolute"})";
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(kConfig, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->positions, PositionKind::kLearned);
+  EXPECT_FALSE(c->rope.has_value());
+}
+
+void ExpectConfigError(absl::string_view config, absl::StatusCode code,
+                       std::vector<std::string> substrings) {
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(config, "config.json");
+  ASSERT_FALSE(c.ok()) << config;
+  EXPECT_EQ(c.status().code(), code) << c.status();
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("config.json"));
+  for (const std::string& s : substrings) {
+    EXPECT_THAT(std::string(c.status().message()), HasSubstr(s));
+  }
+}
+
+TEST(ParseModelConfigTest, Errors) {
+  using C = absl::StatusCode;
+  TinyDims odd_hidden, three_kv;
+  odd_hidden.hidden = 30;
+  three_kv.kv_heads = 3;
+  ExpectConfigError(R"({"hidden_size": 64,)", C::kInvalidArgument, {"invalid JSON"});
+  ExpectConfigError("[1, 2]", C::kInvalidArgument, {"object"});
+  ExpectConfigError(R"({"hidden_size": 64, "vocab_size": 8, "num_hidden_layers": 1,
+                        "max_position_embeddings": 16})",
+                    C::kInvalidArgument, {"num_attention_heads", "missing"});
+  ExpectConfigError(TinyConfig(odd_hidden), C::kInvalidArgument,
+                    {"num_attention_heads", "hidden_size (30)"});
+  ExpectConfigError(TinyConfig(three_kv), C::kInvalidArgument, {"num_key_value_heads"});
+  ExpectConfigError(R"({"hidden_size": "64", "num_attention_heads": 4})", C::kInvalidArgument,
+                    {"hidden_size", "\"64\""});
+  ExpectConfigError(TinyConfig({}, R"(, "attention_bias": "yes")"), C::kInvalidArgument,
+                    {"attention_bias"});
+  ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "foo", "factor": 2})"),
+                    C::kInvalidArgument, {"rope_scaling.rope_type", "foo"});
+  ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"factor": 2})"), C::kInvalidArgument,
+                    {"rope_scaling.rope_type", "missing"});
+  ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "llama3"})"),
+                    C::kInvalidArgument, {"rope_scaling.factor"});
+  ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "linear", "factor": 0.5})"),
+                    C::kInvalidArgument, {"factor"});
+  ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": "linear")"), C::kInvalidArgument,
+                    {"rope_scaling"});
+  ExpectConfigError(TinyConfig({}, R"(, "rope_theta": 0.5)"), C::kInvalidArgument, {"theta"});
+  ExpectConfigError(TinyConfig({}, R"(, "partial_rotary_factor": 0.375)"), C::kInvalidArgument,
+                    {"partial_rotary_factor"});
+  ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"type": "mrope"})"), C::kUnimplemented,
+                    {"mrope"});
+  ExpectConfigError(
+      R"({"model_type": "bert", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 8,
+          "num_hidden_layers": 1, "max_position_embeddings": 16,
+          "position_embedding_type": "relative_key"})",
+      C::kUnimplemented, {"relative_key"});
+}
+
+// ============================ safetensors ===================================
+
+TEST(ModelLoadTest, LlamaCheckpointIsViewedInPlace) {
+  TempDir dir;
+  const std::vector<SafetensorsTensor> tensors = TinyTensors();
+  WriteCheckpoint(dir, tensors);
+  absl::StatusOr<std::shared_ptr<const Model>> m = Model::Load("tiny", dir.path());
+  ASSERT_TRUE(m.ok()) << m.status();
+  const Model& model = **m;
+  EXPECT_EQ(model.name(), "tiny");
+  EXPECT_EQ(model.source(), dir.path());
+  EXPECT_EQ(model.config().head_dim, 8);
+  EXPECT_EQ(model.config().num_kv_heads, 2);
+  ASSERT_EQ(model.num_layers(), 2);
+
+  const std::string file = dir.File("model.safetensors");
+  int64_t f16_elements = 0, in_place_bytes = 0;
+  for (const SafetensorsTensor& t : tensors) {
+    SCOPED_TRACE(t.name);
+    ConstTensorView view;
+    if (t.name == "model.embed_tokens.weight") {
+      view = model.embed_tokens();
+    } else {
+      const int layer = t.name[13] - '0';
+      absl::StatusOr<const LayerWeights*> lw = model.layer(layer);
+      ASSERT_TRUE(lw.ok());
+      if (absl::StrContains(t.name, "q_proj")) view = (*lw)->q_proj;
+      if (absl::StrContains(t.name, "k_proj")) view = (*lw)->k_proj;
+      if (absl::StrContains(t.name, "v_proj")) view = (*lw)->v_proj;
+      if (absl::StrContains(t.name, "o_proj")) view = (*lw)->o_proj;
+    }
+    EXPECT_THAT(view.dims(), ElementsAreArray(t.shape));
+    if (t.dtype == "F16") {
+      // Converted once to an owned f32 tensor, exactly.
+      EXPECT_EQ(view.dtype(), DType::kF32);
+      EXPECT_THAT(MappingPathOf(view.raw()), Not(EndsWith("model.safetensors")));
+      const float* got = view.data<float>();
+      for (int64_t k = 0; k < view.num_elements(); ++k) {
+        const float want = F16Samples()[k % F16Samples().size()].second;
+        ASSERT_EQ(got[k], want) << "element " << k;
+        ASSERT_EQ(std::signbit(got[k]), std::signbit(want)) << "element " << k;
+      }
+      f16_elements += view.num_elements();
+    } else {
+      EXPECT_EQ(view.dtype(), t.dtype == "F32" ? DType::kF32 : DType::kBF16);
+      EXPECT_EQ(MappingPathOf(view.raw()), file);  // the file's pages, no copy
+      EXPECT_TRUE(SameBytes(view, t.bytes));
+      in_place_bytes += static_cast<int64_t>(t.bytes.size());
+    }
+  }
+  EXPECT_GT(f16_elements, 0);
+  EXPECT_EQ(model.mapped_bytes(), in_place_bytes);
+  EXPECT_EQ(model.resident_bytes(), f16_elements * 4);
+  const LayerWeights* l0 = *model.layer(0);
+  EXPECT_TRUE(l0->q_bias.empty_view());
+  EXPECT_TRUE(l0->o_bias.empty_view());
+  EXPECT_TRUE(model.position_table().empty_view());
+
+  EXPECT_EQ(model.layer(2).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(model.layer(-1).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(model.layer(2).status().message(), HasSubstr("layer 2"));
+
+  // The mapping lives exactly as long as the model.
+  EXPECT_EQ(CountMappingsOf(file), 1);
+  m->reset();
+  EXPECT_EQ(CountMappingsOf(file), 0);
+}
+
+TEST(ModelLoadTest, MisalignedDataIsCopiedNotMisread) {
+  TempDir dir;
+  const std::vector<SafetensorsTensor> tensors = TinyTensors();
+  SafetensorsLayout layout;
+  layout.extra_header_spaces = 1;  // data starts at an odd offset
+  WriteCheckpoint(dir, tensors, TinyConfig(), layout);
+  absl::StatusOr<std::shared_ptr<const Model>> m = Model::Load("tiny", dir.path());
+  ASSERT_TRUE(m.ok()) << m.status();
+  const ConstTensorView q = (*m)->layer(0).value()->q_proj;
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(q.raw()) % 4, 0u);
+  EXPECT_TRUE(SameBytes(q, tensors[1].bytes));
+  EXPECT_TRUE(SameBytes((*m)->layer(0).value()->v_proj, tensors[3].bytes));  // bf16
+  EXPECT_EQ((*m)->mapped_bytes(), 0);
+  EXPECT_GT((*m)->resident_bytes(), 0);
+}
+
+TEST(ModelLoadTest, BiasesAreLoadedWhenConfigured) {
+  TempDir dir;
+  TinyDims d;
+  std::vector<SafetensorsTensor> tensors = TinyTensors(d);
+  for (int64_t i = 0; i < d.layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".self_attn.");
+    tensors.push_back(F32Tensor(p + "q_proj.bias", {d.heads * d.head_dim}, 100 + i));
+    tensors.push_back(F32Tensor(p + "k_proj.bias", {d.kv_heads * d.head_dim}, 110 + i));
+    tensors.push_back(F32Tensor(p + "v_proj.bias", {d.kv_heads * d.head_dim}, 120 + i));
+  }
+  WriteCheckpoint(dir, tensors, TinyConfig(d, R"(, "attention_bias": true)"));
+  absl::StatusOr<std::shared_ptr<const Model>> m = Model::Load("tiny", dir.path());
+  ASSERT_TRUE(m.ok()) << m.status();
+  const LayerWeights* l1 = (*m)->layer(1).value();
+  EXPECT_TRUE(SameBytes(l1->q_bias, Find(tensors, "model.layers.1.self_attn.q_proj.bias")->bytes));
+  EXPECT_TRUE(SameBytes(l1->v_bias, Find(tensors, "model.layers.1.self_attn.v_proj.bias")->bytes));
+  EXPECT_TRUE(l1->o_bias.empty_view());
+
+  // Announced but absent: the load fails and names the bias.
+  tensors.erase(tensors.end() - 1);
+  WriteCheckpoint(dir, tensors, TinyConfig(d, R"(, "attention_bias": true)"));
+  absl::Status st = LoadStatus(dir);
+  EXPECT_EQ(st.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(st.message(), HasSubstr("model.layers.1.self_attn.v_proj.bias"));
+}
+
+TEST(ModelLoadTest, LearnedPositionTable) {
+  TempDir dir;
+  TinyDims d;
+  std::vector<SafetensorsTensor> tensors = TinyTensors(d);
+  tensors.push_back(
+      F32Tensor("embeddings.position_embeddings.weight", {d.max_positions, d.hidden}, 77));
+  WriteCheckpoint(dir, tensors, TinyConfig(d, R"(, "position_embedding_type": "absolute")"));
+  absl::StatusOr<std::shared_ptr<const Model>> m = Model::Load("tiny", dir.path());
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)->config().positions, PositionKind::kLearned);
+  EXPECT_TRUE(SameBytes((*m)->position_table(), tensors.back().bytes));
+
+  tensors.pop_back();
+  WriteCheckpoint(dir, tensors, TinyConfig(d, R"(, "position_embedding_type": "absolute")"));
+  absl::Status st = LoadStatus(dir);
+  EXPECT_EQ(st.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(st.message(), HasSubstr("model.embed_positions.weight"));
+}
+
+// Writes the tiny checkpoint as two shards plus the index.
+void WriteSharded(const TempDir& dir, const std::vector<SafetensorsTensor>& tensors,
+                  std::map<std::string, std::string>* weight_map) {
+  std::vector<SafetensorsTensor> shard[2];
+  for (const SafetensorsTensor& t : tensors) {
+    const int s = absl::StrContains(t.name, "layers.1.") ? 1 : 0;
+    shard[s].push_back(t);
+    (*weight_map)[t.name] = absl::StrCat("model-0000", s + 1, "-of-00002.safetensors");
+  }
+  for (int s = 0; s < 2; ++s) {
+    WriteFileOrDie(dir.File(absl::StrCat("model-0000", s + 1, "-of-00002.safetensors")),
+                   SafetensorsBytes(shard[s]));
+  }
+}
+
+void WriteIndex(const TempDir& dir, const std::map<std::string, std::string>& weight_map) {
+  std::vector<std::string> entries;
+  for (const auto& [name, file] : weight_map) {
+    entries.push_back(absl::StrCat("\"", name, "\": \"", file, "\""));
+  }
+  WriteFileOrDie(dir.File("model.safetensors.index.json"),
+                 absl::StrCat(R"({"metadata": {"total_size": 1234}, "weight_map": {)",
+                              absl::StrJoin(entries, ", "), "}}"));
+}
+
+TEST(ModelLoadTest, ShardedCheckpointMapsEachShardOnce) {
+  TempDir dir;
+  const std::vector<SafetensorsTensor> tensors = TinyTensors();
+  std::map<std::string, std::string> weight_map;
+  WriteSharded(dir, tensors, &weight_map);
+  WriteIndex(dir, weight_map);
+  WriteFileOrDie(dir.File("config.json"), TinyConfig());
+  absl::StatusOr<std::shared_ptr<const Model>> m = Model::Load("sharded", dir.path());
+  ASSERT_TRUE(m.ok()) << m.status();
+  const std::string shard1 = dir.File("model-00001-of-00002.safetensors");
+  const std::string shard2 = dir.File("model-00002-of-00002.safetensors");
+  EXPECT_EQ(MappingPathOf((*m)->embed_tokens().raw()), shard1);
+  EXPECT_EQ(MappingPathOf((*m)->layer(0).value()->q_proj.raw()), shard1);
+  EXPECT_EQ(MappingPathOf((*m)->layer(1).value()->k_proj.raw()), shard2);
+  EXPECT_TRUE(SameBytes((*m)->layer(1).value()->q_proj,
+                        Find(tensors, "model.layers.1.self_attn.q_proj.weight")->bytes));
+  EXPECT_EQ(CountMappingsOf(shard1), 1);
+  EXPECT_EQ(CountMappingsOf(shard2), 1);
+}
+
+TEST(ModelLoadTest, ShardedIndexErrors) {
+  TempDir dir;
+  const std::vector<SafetensorsTensor> tensors = TinyTensors();
+  std::map<std::string, std::string> weight_map;
+  WriteSharded(dir, tensors, &weight_map);
+  WriteFileOrDie(dir.File("config.json"), TinyConfig());
+  const std::string q1 = "model.layers.1.self_attn.q_proj.weight";
+
+  {  // A shard that is not there.
+    auto wm = weight_map;
+    wm[q1] = "model-00003-of-00003.safetensors";
+    WriteIndex(dir, wm);
+    absl::Status st = LoadStatus(dir);
+    EXPECT_EQ(st.code(), absl::StatusCode::kNotFound);
+    EXPECT_THAT(st.message(), AllOf(HasSubstr("model.safetensors.index.json"),
+                                    HasSubstr("model-00003-of-00003.safetensors"), HasSubstr(q1)));
+  }
+  {  // A path, not a file name beside the index.
+    auto wm = weight_map;
+    wm[q1] = "../model-00002-of-00002.safetensors";
+    WriteIndex(dir, wm);
+    absl::Status st = LoadStatus(dir);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(st.message(), HasSubstr(q1));
+  }
+  {  // The index says shard 1, the tensor is in shard 2.
+    auto wm = weight_map;
+    wm[q1] = "model-00001-of-00002.safetensors";
+    WriteIndex(dir, wm);
+    absl::Status st = LoadStatus(dir);
+    EXPECT_FALSE(st.ok());
+    EXPECT_THAT(st.message(), AllOf(HasSubstr(q1), HasSubstr("model-00001-of-00002.safetensors")));
+  }
+  {  // A tensor listed that no shard holds.
+    auto wm = weight_map;
+    wm["model.norm.weight"] = "model-00001-of-00002.safetensors";
+    WriteIndex(dir, wm);
+    absl::Status st = LoadStatus(dir);
+    EXPECT_EQ(st.code(), absl::StatusCode::kNotFound);
+    EXPECT_THAT(st.message(), HasSubstr("model.norm.weight"));
+  }
+  {
+    WriteFileOrDie(dir.File("model.safetensors.index.json"), R"({"weight_map": [1]})");
+    absl::Status st = LoadStatus(dir);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(st.message(),
+                AllOf(HasSubstr("model.safetensors.index.json"), HasSubstr("weight_map")));
+  }
+}
+
+// --- Broken checkpoints: one clear error each, naming file and tensor. ---
+
+void ExpectLoadError(const TempDir& dir, absl::StatusCode code,
+                     std::vector<std::string> substrings) {
+  absl::Status st = LoadStatus(dir);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), code) << st;
+  for (const std::string& s : substrings) {
+    EXPECT_THAT(std::string(st.message()), HasSubstr(s));
+  }
+}
+
+constexpr const char* kQ0 = "model.layers.0.self_attn.q_proj.weight";
+constexpr const char* kK0 = "model.layers.0.self_attn.k_proj.weight";
+
+TEST(ModelLoadErrorTest, MissingConfigIsNotFound) {
+  TempDir dir;
+  WriteFileOrDie(dir.File("model.safetensors"), SafetensorsBytes(TinyTensors()));
+  ExpectLoadError(dir, absl::StatusCode::kNotFound, {"config.json"});
+}
+
+TEST(ModelLoadErrorTest, MissingWeightsIsNotFound) {
+  TempDir dir;
+  WriteFileOrDie(dir.File("config.json"), TinyConfig());
+  ExpectLoadError(dir, absl::StatusCode::kNotFound,
+                  {"model.safetensors", "model.safetensors.index.json"});
+}
+
+TEST(ModelLoadErrorTest, InvalidConfigJson) {
+  TempDir dir;
+  WriteCheckpoint(dir, TinyTensors(), R"({"hidden_size": 32, )");
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument, {"config.json", "invalid JSON"});
+}
+
+TEST(ModelLoadErrorTest, FileShorterThanLengthField) {
+  TempDir dir;
+  WriteFileOrDie(dir.File("config.json"), TinyConfig());
+  WriteFileOrDie(dir.File("model.safetensors"), std::string("\x10\0\0", 3));
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument, {"model.safetensors", "too short"});
+}
+
+TEST(ModelLoadErrorTest, HeaderLengthBeyondFile) {
+  TempDir dir;
+  for (uint64_t len : {uint64_t{1} << 20, ~uint64_t{0}}) {
+    SafetensorsLayout layout;
+    layout.header_length = len;
+    WriteCheckpoint(dir, TinyTensors(), TinyConfig(), layout);
+    ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                    {"model.safetensors", "header length", absl::StrCat(len)});
+  }
+}
+
+TEST(ModelLoadErrorTest, InvalidHeaderJson) {
+  TempDir dir;
+  WriteFileOrDie(dir.File("config.json"), TinyConfig());
+  WriteFileOrDie(dir.File("model.safetensors"),
+                 SafetensorsFromHeader(R"({"model.embed_tokens.weight": {"dtype": )", ""));
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", "invalid JSON in header"});
+
+  WriteFileOrDie(dir.File("model.safetensors"), SafetensorsFromHeader("[1, 2]", ""));
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument, {"model.safetensors", "object"});
+
+  // Well-formed JSON with the wrong types inside an entry.
+  WriteFileOrDie(dir.File("model.safetensors"),
+                 SafetensorsFromHeader(absl::StrCat(R"({")", kQ0,
+                                                    R"(": {"dtype": "F32", "shape": "big",
+                                                          "data_offsets": [0, 4]}})"),
+                                       std::string(4, '\0')));
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument, {"model.safetensors", kQ0, "shape"});
+  WriteFileOrDie(dir.File("model.safetensors"),
+                 SafetensorsFromHeader(absl::StrCat(R"({")", kQ0,
+                                                    R"(": {"dtype": "F32", "shape": [1],
+                                                          "data_offsets": [-4, 0]}})"),
+                                       std::string(4, '\0')));
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", kQ0, "data_offsets"});
+}
+
+TEST(ModelLoadErrorTest, OffsetsOutsideTheFile) {
+  TempDir dir;
+  std::vector<SafetensorsTensor> tensors = TinyTensors();
+  Find(tensors, kQ0)->offsets = std::make_pair(uint64_t{1} << 40, (uint64_t{1} << 40) + 4096);
+  WriteCheckpoint(dir, tensors);
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", kQ0, "outside the data buffer"});
+
+  // end < begin.
+  tensors = TinyTensors();
+  Find(tensors, kQ0)->offsets = std::make_pair(uint64_t{4096}, uint64_t{0});
+  WriteCheckpoint(dir, tensors);
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", kQ0, "end before begin"});
+}
+
+TEST(ModelLoadErrorTest, OverlappingTensors) {
+  TempDir dir;
+  std::vector<SafetensorsTensor> tensors = TinyTensors();
+  // embed_tokens occupies [0, 2048): put k_proj (2048 bytes) half over it.
+  Find(tensors, kK0)->offsets = std::make_pair(uint64_t{1024}, uint64_t{3072});
+  WriteCheckpoint(dir, tensors);
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", "overlaps", kK0, "model.embed_tokens.weight"});
+}
+
+TEST(ModelLoadErrorTest, ByteCountNotMatchingShape) {
+  TempDir dir;
+  std::vector<SafetensorsTensor> tensors = TinyTensors();
+  Find(tensors, kQ0)->shape = {32, 33};
+  WriteCheckpoint(dir, tensors);
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", kQ0, "[32, 33]", "4096 bytes"});
+}
+
+TEST(ModelLoadErrorTest, HostileShapesDoNotOverflow) {
+  TempDir dir;
+  for (const char* shape : {"[1099511627776, 1099511627776, 1099511627776]",
+                            "[9223372036854775807, 2]", "[18446744073709551615]"}) {
+    SCOPED_TRACE(shape);
+    WriteFileOrDie(dir.File("config.json"), TinyConfig());
+    WriteFileOrDie(
+        dir.File("model.safetensors"),
+        SafetensorsFromHeader(absl::StrCat(R"({")", kQ0, R"(": {"dtype": "F32", "shape": )", shape,
+                                           R"(, "data_offsets": [0, 0]}})"),
+                              ""));
+    ExpectLoadError(dir, absl::StatusCode::kInvalidArgument, {"model.safetensors", kQ0});
+  }
+}
+
+TEST(ModelLoadErrorTest, UnsupportedDtype) {
+  TempDir dir;
+  std::vector<SafetensorsTensor> tensors = TinyTensors();
+  Find(tensors, kQ0)->dtype = "I32";  // same element size, so only the dtype is wrong
+  WriteCheckpoint(dir, tensors);
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument, {"model.safetensors", kQ0, "I32"});
+
+  Find(tensors, kQ0)->dtype = "Q4_K";
+  WriteCheckpoint(dir, tensors);
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", kQ0, "unknown dtype Q4_K"});
+}
+
+TEST(ModelLoadErrorTest, UnusedTensorsOfOtherDtypesAreFine) {
+  // Real checkpoints carry buffers such as int64 position ids; only tensors
+  // the model uses must be F32/BF16/F16.
+  TempDir dir;
+  std::vector<SafetensorsTensor> tensors = TinyTensors();
+  tensors.push_back({"model.position_ids", "I64", {4}, std::string(32, '\1'), std::nullopt});
+  WriteCheckpoint(dir, tensors);
+  EXPECT_TRUE(LoadStatus(dir).ok()) << LoadStatus(dir);
+}
+
+TEST(ModelLoadErrorTest, ShapeNotMatchingConfig) {
+  TempDir dir;
+  std::vector<SafetensorsTensor> tensors = TinyTensors();
+  SafetensorsTensor* q = Find(tensors, kQ0);
+  q->shape = {32, 16};
+  q->bytes.resize(32 * 16 * 4);
+  WriteCheckpoint(dir, tensors);
+  ExpectLoadError(
+      dir, absl::StatusCode::kInvalidArgument,
+      {"model.safetensors", kQ0, "has shape [32, 16], config expects [32, 32]", "hidden_size 32"});
+}
+
+TEST(ModelLoadErrorTest, MissingTensorIsNotFound) {
+  TempDir dir;
+  std::vector<SafetensorsTensor> tensors = TinyTensors();
+  tensors.erase(tensors.begin() + 7);  // layer 1 v_proj
+  WriteCheckpoint(dir, tensors);
+  ExpectLoadError(dir, absl::StatusCode::kNotFound,
+                  {"model.safetensors", "model.layers.1.self_attn.v_proj.weight"});
+}
+
+TEST(ModelLoadErrorTest, OtherNamingSchemesAreUnimplemented) {
+  TempDir dir;
+  TinyDims d;
+  // GPT-NeoX naming.
+  WriteCheckpoint(dir, {F32Tensor("gpt_neox.embed_in.weight", {d.vocab, d.hidden}, 1),
+                        F32Tensor("gpt_neox.layers.0.attention.query_key_value.weight",
+                                  {3 * d.hidden, d.hidden}, 2)});
+  ExpectLoadError(dir, absl::StatusCode::kUnimplemented,
+                  {"model.safetensors", "model.embed_tokens.weight", "gpt_neox.embed_in.weight"});
+
+  // Phi-3's fused projection: the first missing tensor is layer 0's q_proj.
+  std::vector<SafetensorsTensor> phi3 = {
+      F32Tensor("model.embed_tokens.weight", {d.vocab, d.hidden}, 1),
+      F32Tensor("model.layers.0.self_attn.qkv_proj.weight",
+                {(d.heads + 2 * d.kv_heads) * d.head_dim, d.hidden}, 2),
+      F32Tensor("model.layers.0.self_attn.o_proj.weight", {d.hidden, d.hidden}, 3)};
+  WriteCheckpoint(dir, phi3);
+  ExpectLoadError(dir, absl::StatusCode::kUnimplemented,
+                  {"model.safetensors", kQ0, "model.layers.0.self_attn.qkv_proj.weight"});
+}
+
+// ============================ demo and registry =============================
+
+TEST(DemoModelTest, DimensionsAndRope) {
+  absl::StatusOr<std::shared_ptr<const Model>> m = Model::Demo("demo");
+  ASSERT_TRUE(m.ok()) << m.status();
+  const ModelConfig& c = (*m)->config();
+  EXPECT_EQ((*m)->source(), "built-in");
+  EXPECT_EQ(c.hidden_size, 128);
+  EXPECT_EQ(c.num_heads, 8);
+  EXPECT_EQ(c.num_kv_heads, 2);
+  EXPECT_EQ(c.head_dim, 16);
+  EXPECT_EQ(c.vocab_size, 256);
+  EXPECT_EQ(c.max_positions, 4096);
+  EXPECT_EQ((*m)->num_layers(), 2);
+  ASSERT_TRUE(c.rope.has_value());
+  EXPECT_TRUE(ValidateRopeConfig(*c.rope).ok());
+  EXPECT_EQ(c.rope->theta, 500000.0);
+  EXPECT_EQ(c.rope->scaling.type, RopeScalingType::kLlama3);
+  EXPECT_EQ(c.rope->scaling.factor, 8.0);
+  EXPECT_EQ(c.rope->scaling.original_max_positions, 1024);
+  EXPECT_THAT((*m)->embed_tokens().dims(), ElementsAre(256, 128));
+  const LayerWeights* l1 = (*m)->layer(1).value();
+  EXPECT_THAT(l1->q_proj.dims(), ElementsAre(128, 128));
+  EXPECT_THAT(l1->k_proj.dims(), ElementsAre(32, 128));
+  EXPECT_THAT(l1->v_proj.dims(), ElementsAre(32, 128));
+  EXPECT_THAT(l1->o_proj.dims(), ElementsAre(128, 128));
+  EXPECT_EQ((*m)->mapped_bytes(), 0);
+  EXPECT_EQ((*m)->resident_bytes(), (256 * 128 + 2 * (128 * 128 * 2 + 32 * 128 * 2)) * 4);
+
+  // Weights: within 1/sqrt(fan_in), not degenerate, and distinct per tensor.
+  const float* q = l1->q_proj.data<float>();
+  double sum_sq = 0;
+  for (int64_t i = 0; i < l1->q_proj.num_elements(); ++i) {
+    ASSERT_LE(std::fabs(q[i]), 1.0 / std::sqrt(128.0));
+    sum_sq += q[i] * q[i];
+  }
+  // Uniform on [-a, a) has mean square a^2/3.
+  EXPECT_NEAR(sum_sq / l1->q_proj.num_elements(), 1.0 / (3 * 128.0), 0.1 / (3 * 128.0));
+  EXPECT_NE(std::memcmp(q, (*m)->layer(0).value()->q_proj.raw(), 128 * 128 * 4), 0);
+}
+
+TEST(DemoModelTest, TwoLoadsAreBitIdentical) {
+  auto a = Model::Demo("a").value();
+  auto b = Model::Demo("b").value();
+  auto same = [](const ConstTensorView& x, const ConstTensorView& y) {
+    return x.dims() == y.dims() &&
+           std::memcmp(x.raw(), y.raw(), static_cast<size_t>(x.num_elements()) * 4) == 0;
+  };
+  EXPECT_NE(a->embed_tokens().raw(), b->embed_tokens().raw());
+  EXPECT_TRUE(same(a->embed_tokens(), b->embed_tokens()));
+  for (int64_t i = 0; i < a->num_layers(); ++i) {
+    const LayerWeights* x = a->layer(i).value();
+    const LayerWeights* y = b->layer(i).value();
+    EXPECT_TRUE(same(x->q_proj, y->q_proj));
+    EXPECT_TRUE(same(x->k_proj, y->k_proj));
+    EXPECT_TRUE(same(x->v_proj, y->v_proj));
+    EXPECT_TRUE(same(x->o_proj, y->o_proj));
+  }
+}
+
+TEST(ModelRegistryTest, AddGetList) {
+  ModelRegistry registry;
+  EXPECT_EQ(registry.Get("demo").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(registry.Add(Model::Demo("demo").value()).ok());
+  ASSERT_TRUE(registry.Add(Model::Demo("alpha").value()).ok());
+  absl::Status dup = registry.Add(Model::Demo("demo").value());
+  EXPECT_EQ(dup.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(dup.message(), HasSubstr("demo"));
+  EXPECT_EQ(registry.Add(nullptr).code(), absl::StatusCode::kInvalidArgument);
+
+  absl::StatusOr<std::shared_ptr<const Model>> got = registry.Get("demo");
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ((*got)->name(), "demo");
+  absl::Status missing = registry.Get("llama").status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(missing.message(), AllOf(HasSubstr("llama"), HasSubstr("alpha, demo")));
+
+  std::vector<std::string> names;
+  for (const auto& m : registry.List()) names.push_back(m->name());
+  EXPECT_THAT(names, ElementsAre("alpha", "demo"));
+}
+
+}  // namespace
+}  // namespace ropeattn::server
