@@ -367,6 +367,39 @@ absl::StatusOr<v1::SessionInfo> Client::CloseSession(const std::string& session_
   return response->session();
 }
 
+absl::StatusOr<std::vector<v1::ModelInfo>> Client::ListModels(
+    std::optional<absl::Duration> deadline) {
+  absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
+  if (!d.ok()) return d.status();
+  const v1::ListModelsRequest request;
+  absl::StatusOr<v1::ListModelsResponse> response = CallUnary<v1::ListModelsResponse>(
+      *d, options_.max_retries,
+      [&](grpc::ClientContext* ctx, auto* r) { return stub_->ListModels(ctx, request, r); });
+  if (!response.ok()) return response.status();
+  return std::vector<v1::ModelInfo>(response->models().begin(), response->models().end());
+}
+
+absl::StatusOr<v1::ModelInfo> Client::GetModel(const std::string& name,
+                                               std::optional<absl::Duration> deadline) {
+  absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
+  if (!d.ok()) return d.status();
+  v1::GetModelRequest request;
+  request.set_name(name);
+  return CallUnary<v1::ModelInfo>(*d, options_.max_retries, [&](grpc::ClientContext* ctx, auto* r) {
+    return stub_->GetModel(ctx, request, r);
+  });
+}
+
+absl::StatusOr<v1::EmbedResponse> Client::Embed(const v1::EmbedRequest& request,
+                                                std::optional<absl::Duration> deadline) {
+  absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
+  if (!d.ok()) return d.status();
+  // A pure function of the request: safe to retry.
+  return CallUnary<v1::EmbedResponse>(
+      *d, options_.max_retries,
+      [&](grpc::ClientContext* ctx, auto* r) { return stub_->Embed(ctx, request, r); });
+}
+
 absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const v1::OpenSession& open) {
   v1::DecodeRequest first;
   *first.mutable_open() = open;
@@ -509,6 +542,16 @@ absl::StatusOr<v1::StepResult> Session::Step(const v1::Tensor& q, const v1::Tens
   *step->mutable_q() = q;
   *step->mutable_k() = k;
   *step->mutable_v() = v;
+  return SendStep(request);
+}
+
+absl::StatusOr<v1::StepResult> Session::StepHidden(const v1::Tensor& hidden) {
+  v1::DecodeRequest request;
+  *request.mutable_step()->mutable_hidden() = hidden;
+  return SendStep(request);
+}
+
+absl::StatusOr<v1::StepResult> Session::SendStep(v1::DecodeRequest& request) {
   absl::StatusOr<v1::DecodeResponse> response = RoundTrip(request);
   if (!response.ok()) return response.status();
   position_ = response->step().position();

@@ -43,10 +43,10 @@ struct ClientOptions {
   // INT_MAX (a gRPC channel argument is an int).
   int64_t max_message_bytes = int64_t{256} << 20;
   // Retries of idempotent calls (Attend, Encode, GetServerInfo, GetSession,
-  // ListSessions, Health) on UNAVAILABLE, with jittered exponential backoff
-  // from 50 ms (doubling, +-20% jitter, capped at 5 s); no retry starts past
-  // the deadline. A status after retries keeps its code and message, with
-  // " (after N attempts)" appended. Never for Decode or CloseSession.
+  // ListSessions, ListModels, GetModel, Embed, Health) on UNAVAILABLE, with jittered exponential
+  // backoff from 50 ms (doubling, +-20% jitter, capped at 5 s); no retry starts past the deadline.
+  // A status after retries keeps its code and message, with " (after N attempts)" appended. Never
+  // for Decode or CloseSession.
   int max_retries = 3;
   // Sent as metadata "x-ropeattn-session-key" when opening or attaching a
   // Decode stream, so a proxy can route it (empty: not sent). Printable ASCII.
@@ -85,9 +85,22 @@ class Client {
   absl::StatusOr<v1::SessionInfo> CloseSession(
       const std::string& session_id, std::optional<absl::Duration> deadline = std::nullopt);
 
+  // Served models (layer mode and Embed). ListModels answers in the server's
+  // order (sorted by name); GetModel is NOT_FOUND for an unknown name.
+  absl::StatusOr<std::vector<v1::ModelInfo>> ListModels(
+      std::optional<absl::Duration> deadline = std::nullopt);
+  absl::StatusOr<v1::ModelInfo> GetModel(const std::string& name,
+                                         std::optional<absl::Duration> deadline = std::nullopt);
+  // Token ids -> embeddings [B, S, hidden_size]. INVALID_ARGUMENT naming the
+  // id and its index for an id outside the vocabulary.
+  absl::StatusOr<v1::EmbedResponse> Embed(const v1::EmbedRequest& request,
+                                          std::optional<absl::Duration> deadline = std::nullopt);
+
   // Opens a Decode stream and a session on it. A failed open is the server's
   // status (e.g. RESOURCE_EXHAUSTED for a full KV budget); DEADLINE_EXCEEDED
-  // if the server does not answer within options().deadline.
+  // if the server does not answer within options().deadline. For a
+  // layer-mode session set open.model() (and open.layer()); its steps then
+  // go through Session::StepHidden.
   absl::StatusOr<std::unique_ptr<Session>> OpenSession(const v1::OpenSession& open);
   // Opens a Decode stream re-attached to a resumable session.
   absl::StatusOr<std::unique_ptr<Session>> AttachSession(const std::string& session_id);
@@ -129,6 +142,9 @@ class Session {
   // q [1, T, H, D], k [1, T, Hkv, D], v [1, T, Hkv, Dv].
   absl::StatusOr<v1::StepResult> Step(const v1::Tensor& q, const v1::Tensor& k,
                                       const v1::Tensor& v);
+  // Layer-mode sessions (opened with a model): hidden [1, T, hidden_size];
+  // the result's out is [1, T, hidden_size].
+  absl::StatusOr<v1::StepResult> StepHidden(const v1::Tensor& hidden);
   absl::StatusOr<v1::SessionInfo> Truncate(int64_t position);
   // A resumable copy of the history, detached; attach it by its id.
   absl::StatusOr<v1::SessionInfo> Fork(uint32_t idle_ttl_seconds = 0);
@@ -141,6 +157,8 @@ class Session {
   Session() = default;
   // Starts the stream and sends `first` (open or attach); reads `opened`.
   absl::Status Start(const v1::DecodeRequest& first);
+  // Sends a step and records the new position.
+  absl::StatusOr<v1::StepResult> SendStep(v1::DecodeRequest& request);
   // Sets seq, sends, reads the answer; in-band errors become their status.
   absl::StatusOr<v1::DecodeResponse> RoundTrip(v1::DecodeRequest& request);
   // The stream failed during `op`: drains it, finishes it and records (and

@@ -111,6 +111,9 @@ struct Payload {
   v1::OpenSession open;
   v1::Tensor prefill_q, prefill_k, prefill_v;
   v1::Tensor step_q, step_k, step_v;
+  // Layer mode: hidden states instead of q/k/v.
+  bool layer_mode = false;
+  v1::Tensor prefill_hidden, step_hidden;
 };
 
 void SetRope(const AttendShape& a, v1::AttentionSpec* spec) {
@@ -130,7 +133,47 @@ void SetRope(const AttendShape& a, v1::AttentionSpec* spec) {
   }
 }
 
+// Layer-mode payload: hidden states of spec.hidden_size (resolved already).
+absl::StatusOr<Payload> BuildLayerPayload(const LoadSpec& spec) {
+  Payload p;
+  p.layer_mode = true;
+  const int64_t hidden = spec.hidden_size;
+  if (hidden < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden_size of model ", spec.model, " must be >= 1, got ", hidden));
+  }
+  if (spec.workload == Workload::kAttend) {
+    const AttendShape& a = spec.attend;
+    p.attend.mutable_spec()->set_causal(a.causal);
+    v1::LayerInput* layer = p.attend.mutable_layer();
+    layer->set_model(spec.model);
+    layer->set_layer(spec.layer);
+    absl::StatusOr<v1::Tensor> h = RandomTensor(a.dtype, {a.batch, a.q_len, hidden}, spec.seed);
+    if (!h.ok()) return h.status();
+    *layer->mutable_hidden() = *std::move(h);
+    p.attend_tokens = a.batch * a.q_len;
+    return p;
+  }
+  const DecodeShape& d = spec.decode;
+  p.open.mutable_spec()->set_causal(true);
+  p.open.set_model(spec.model);
+  p.open.set_layer(spec.layer);
+  p.open.set_kv_dtype(d.kv_dtype);
+  p.open.set_max_context(d.context + d.steps_per_session * d.tokens_per_step);
+  if (d.context > 0) {
+    absl::StatusOr<v1::Tensor> h = RandomTensor(d.dtype, {1, d.context, hidden}, spec.seed);
+    if (!h.ok()) return h.status();
+    p.prefill_hidden = *std::move(h);
+  }
+  absl::StatusOr<v1::Tensor> h =
+      RandomTensor(d.dtype, {1, d.tokens_per_step, hidden}, spec.seed + 10);
+  if (!h.ok()) return h.status();
+  p.step_hidden = *std::move(h);
+  return p;
+}
+
 absl::StatusOr<Payload> BuildPayload(const LoadSpec& spec) {
+  if (!spec.model.empty()) return BuildLayerPayload(spec);
   Payload p;
   if (spec.workload == Workload::kAttend) {
     const AttendShape& a = spec.attend;
@@ -215,7 +258,8 @@ absl::Status RunSession(Client& client, const Payload& p, const LoadSpec& spec,
   auto session = client.OpenSession(p.open);
   if (!session.ok()) return fail(session.status(), start, late);
   if (d.context > 0) {
-    auto prefill = (*session)->Step(p.prefill_q, p.prefill_k, p.prefill_v);
+    auto prefill = p.layer_mode ? (*session)->StepHidden(p.prefill_hidden)
+                                : (*session)->Step(p.prefill_q, p.prefill_k, p.prefill_v);
     if (!prefill.ok()) return fail(prefill.status(), start, late);
   }
   Clock::time_point intended = start;
@@ -227,7 +271,8 @@ absl::Status RunSession(Client& client, const Payload& p, const LoadSpec& spec,
     } else if (stop != nullptr && stop->stopped()) {
       return absl::OkStatus();
     }
-    auto result = (*session)->Step(p.step_q, p.step_k, p.step_v);
+    auto result = p.layer_mode ? (*session)->StepHidden(p.step_hidden)
+                               : (*session)->Step(p.step_q, p.step_k, p.step_v);
     if (!result.ok()) return fail(result.status(), intended, i == 0 && late);
     const auto done = Clock::now();
     if (recorder != nullptr) {
@@ -332,16 +377,27 @@ absl::Status ValidateLoadSpec(const LoadSpec& spec) {
     }
     return absl::OkStatus();
   };
+  const bool layer_mode = !spec.model.empty();
+  if (layer_mode && spec.layer < 0) return bad("layer must be >= 0, got ", spec.layer);
+  if (layer_mode && spec.hidden_size < 0) {
+    return bad("hidden_size must be >= 0, got ", spec.hidden_size);
+  }
   if (spec.workload == Workload::kAttend) {
     const AttendShape& a = spec.attend;
-    if (absl::Status s = check_heads(a.heads, a.kv_heads, a.head_dim); !s.ok()) return s;
+    if (!layer_mode) {
+      if (absl::Status s = check_heads(a.heads, a.kv_heads, a.head_dim); !s.ok()) return s;
+    }
     if (a.batch < 1) return bad("batch must be >= 1, got ", a.batch);
     if (a.q_len < 1) return bad("q_len must be >= 1, got ", a.q_len);
-    if (a.k_len < a.q_len) return bad("k_len must be >= q_len (", a.q_len, "), got ", a.k_len);
+    if (!layer_mode && a.k_len < a.q_len) {
+      return bad("k_len must be >= q_len (", a.q_len, "), got ", a.k_len);
+    }
     if (absl::Status s = check_dtype(a.dtype, "dtype"); !s.ok()) return s;
   } else {
     const DecodeShape& d = spec.decode;
-    if (absl::Status s = check_heads(d.heads, d.kv_heads, d.head_dim); !s.ok()) return s;
+    if (!layer_mode) {
+      if (absl::Status s = check_heads(d.heads, d.kv_heads, d.head_dim); !s.ok()) return s;
+    }
     if (d.steps_per_session < 1) {
       return bad("steps_per_session must be >= 1, got ", d.steps_per_session);
     }
@@ -385,7 +441,19 @@ absl::Status ValidateLoadSpec(const LoadSpec& spec) {
   return absl::OkStatus();
 }
 
-absl::Status ProbeWorkload(Client& client, const LoadSpec& spec) {
+absl::StatusOr<LoadSpec> ResolveLayerMode(Client& client, const LoadSpec& spec) {
+  LoadSpec resolved = spec;
+  if (spec.model.empty() || spec.hidden_size > 0) return resolved;
+  absl::StatusOr<v1::ModelInfo> info = client.GetModel(spec.model, spec.request_deadline);
+  if (!info.ok()) return info.status();
+  resolved.hidden_size = info->hidden_size();
+  return resolved;
+}
+
+absl::Status ProbeWorkload(Client& client, const LoadSpec& spec_in) {
+  absl::StatusOr<LoadSpec> resolved = ResolveLayerMode(client, spec_in);
+  if (!resolved.ok()) return resolved.status();
+  const LoadSpec& spec = *resolved;
   absl::StatusOr<Payload> payload = BuildPayload(spec);
   if (!payload.ok()) return payload.status();
   if (spec.workload == Workload::kAttend) {
@@ -394,9 +462,12 @@ absl::Status ProbeWorkload(Client& client, const LoadSpec& spec) {
   return RunSession(client, *payload, spec, Clock::now(), false, nullptr, nullptr, 1);
 }
 
-absl::StatusOr<PointResult> RunPoint(Client& client, const LoadSpec& spec, double level,
+absl::StatusOr<PointResult> RunPoint(Client& client, const LoadSpec& spec_in, double level,
                                      int point_index, int points) {
-  if (absl::Status s = ValidateLoadSpec(spec); !s.ok()) return s;
+  if (absl::Status s = ValidateLoadSpec(spec_in); !s.ok()) return s;
+  absl::StatusOr<LoadSpec> resolved = ResolveLayerMode(client, spec_in);
+  if (!resolved.ok()) return resolved.status();
+  const LoadSpec& spec = *resolved;
   absl::StatusOr<Payload> payload_or = BuildPayload(spec);
   if (!payload_or.ok()) return payload_or.status();
   const Payload& payload = *payload_or;
@@ -532,8 +603,12 @@ absl::StatusOr<PointResult> RunPoint(Client& client, const LoadSpec& spec, doubl
   return result;
 }
 
-absl::StatusOr<std::vector<PointResult>> RunLoad(Client& client, const LoadSpec& spec) {
-  if (absl::Status s = ValidateLoadSpec(spec); !s.ok()) return s;
+absl::StatusOr<std::vector<PointResult>> RunLoad(Client& client, const LoadSpec& spec_in) {
+  if (absl::Status s = ValidateLoadSpec(spec_in); !s.ok()) return s;
+  // The model's hidden_size is asked once for the whole sweep.
+  absl::StatusOr<LoadSpec> resolved = ResolveLayerMode(client, spec_in);
+  if (!resolved.ok()) return resolved.status();
+  const LoadSpec& spec = *resolved;
   if (absl::Status s = ProbeWorkload(client, spec); !s.ok()) return s;
   std::vector<double> levels;
   if (spec.mode == LoadMode::kClosed) {

@@ -17,6 +17,9 @@
 // Percentiles, mean and max come from every successful request that completed
 // in those last windows (never averages of per-window percentiles).
 //
+// Layer mode (LoadSpec::model) runs the same workloads on a served model's
+// attention layer, with hidden states as the inputs.
+//
 // What a "request" is:
 // - attend: one Attend call; tokens are batch * q_len query tokens.
 // - decode: one decode step (tokens_per_step tokens). Opening the session and
@@ -105,6 +108,17 @@ struct LoadSpec {
   AttendShape attend;
   DecodeShape decode;
 
+  // Layer mode: requests go to this served model's attention layer (empty:
+  // plain q/k/v requests). Attend then sends hidden states [batch, q_len,
+  // hidden_size] (self-attention: k_len is not used) with attend.causal;
+  // Decode sessions open on the model's layer and their prefill and steps send
+  // hidden [1, T, hidden_size]. Heads, head_dim and RoPE are the model's (the
+  // shape fields for them are ignored); dtype and kv_dtype still apply.
+  std::string model;
+  int layer = 0;  // >= 0
+  // The model's hidden_size; 0 means ask the server (GetModel) before running.
+  int64_t hidden_size = 0;
+
   LoadMode mode = LoadMode::kClosed;
   // Closed loop: the sweep over the number of workers (each >= 1).
   std::vector<int> concurrency = {1};
@@ -160,6 +174,11 @@ absl::Status ValidateLoadSpec(const LoadSpec& spec);
 // its status: a wrong shape or an unreachable server shows here, before any
 // measurement.
 absl::Status ProbeWorkload(Client& client, const LoadSpec& spec);
+
+// Layer mode with hidden_size 0: a copy of `spec` with the model's
+// hidden_size from GetModel (NOT_FOUND for an unknown model). Otherwise `spec`.
+// ProbeWorkload, RunPoint and RunLoad call it themselves.
+absl::StatusOr<LoadSpec> ResolveLayerMode(Client& client, const LoadSpec& spec);
 
 // Runs one sweep point: `level` is a concurrency (closed) or a rate (open).
 absl::StatusOr<PointResult> RunPoint(Client& client, const LoadSpec& spec, double level,

@@ -1,4 +1,4 @@
-// health, info, sessions, attend, encode and decode.
+// health, info, sessions, models, attend, encode, embed and decode.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -21,6 +21,9 @@
 ABSL_FLAG(std::string, service, "", "Health service name to check; empty means the whole server.");
 ABSL_FLAG(bool, json, false, "Print JSON (proto3 JSON mapping) instead of a table.");
 ABSL_FLAG(std::string, close, "", "Close the session with this id instead of listing.");
+ABSL_FLAG(std::string, name, "", "Show this model in detail (with its inverse frequencies).");
+ABSL_FLAG(std::string, tokens, "", "embed: comma-separated token ids, B * S of them, row-major.");
+ABSL_FLAG(std::string, shape, "", "embed: B,S of the token ids; empty means 1,<number of ids>.");
 
 ABSL_FLAG(bool, return_probs, false, "Also return the attention probabilities [B, H, Sq, Sk].");
 ABSL_FLAG(std::string, probs_out, "",
@@ -31,7 +34,9 @@ ABSL_FLAG(std::string, op, "",
 ABSL_FLAG(std::string, positions, "",
           "Comma-separated positions (rope_cos_sin: default 0..num_positions-1; rope_apply: "
           "B*S explicit positions).");
-ABSL_FLAG(std::string, offsets, "", "rope_apply: comma-separated per-row position offsets.");
+ABSL_FLAG(std::string, offsets, "",
+          "Comma-separated per-row position offsets (encode rope_apply; embed and layer-mode "
+          "attend: the position of each row's token 0, default 0).");
 ABSL_FLAG(bool, inverse, false, "rope_apply: undo the rotation instead of applying it.");
 ABSL_FLAG(std::string, x, "",
           "rope_apply: input .npy [B, S, H, D]; random [batch, q_len, heads, head_dim] if empty.");
@@ -130,6 +135,65 @@ double Percentile(std::vector<double> sorted, double p) {
   std::sort(sorted.begin(), sorted.end());
   size_t rank = static_cast<size_t>(std::ceil(p * sorted.size()));
   return sorted[std::clamp<size_t>(rank, 1, sorted.size()) - 1];
+}
+
+// Hidden states for layer mode: --hidden, else random [batch, seq, hidden_size]
+// in --dtype from --seed.
+absl::StatusOr<v1::Tensor> HiddenFromFlags(int64_t batch, int64_t seq, int64_t hidden_size) {
+  if (const std::string path = absl::GetFlag(FLAGS_hidden); !path.empty()) {
+    return client::ReadNpy(path);
+  }
+  absl::StatusOr<v1::DType> dtype = ParseDType("dtype", absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return dtype.status();
+  for (auto [name, value] : {std::pair{"batch", batch}, std::pair{"q_len", seq}}) {
+    if (value <= 0 || value > (int64_t{1} << 24)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name, " must be in [1, 2^24], got ", value));
+    }
+  }
+  const int64_t shape[] = {batch, seq, hidden_size};
+  return client::RandomTensor(*dtype, shape, absl::GetFlag(FLAGS_seed));
+}
+
+// Layer mode rejects the q/k/v inputs and the spec flags the model fixes.
+absl::Status CheckLayerModeFlags() {
+  for (absl::string_view flag :
+       {"q", "k", "v", "heads", "kv_heads", "head_dim", "v_dim", "alibi", "rope", "rope_type",
+        "rope_factor", "theta", "original_max_positions", "rope_layout", "rotary_dim"}) {
+    if (FlagGiven(flag)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " cannot be used with --model (layer mode: the heads, dims ",
+                       "and RoPE are the model's)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+const char* PositionsName(v1::PositionKind kind) {
+  switch (kind) {
+    case v1::POSITION_KIND_NONE:
+      return "none";
+    case v1::POSITION_KIND_ROPE:
+      return "rope";
+    case v1::POSITION_KIND_LEARNED:
+      return "learned";
+    case v1::POSITION_KIND_SINUSOIDAL:
+      return "sinusoidal";
+    default:
+      return "unspecified";
+  }
+}
+
+// "llama3 x8 (af 1)" for RoPE models, "-" otherwise.
+std::string RopeRule(const v1::ModelInfo& m) {
+  if (m.positions() != v1::POSITION_KIND_ROPE) return "-";
+  const std::string& type = m.rope().scaling().rope_type();
+  std::string rule = type.empty() ? "default" : type;
+  if (m.rope().scaling().factor() != 0 && m.rope().scaling().factor() != 1) {
+    absl::StrAppend(&rule, " x", m.rope().scaling().factor());
+  }
+  absl::StrAppend(&rule, absl::StrFormat(" (af %.4g)", m.attention_factor()));
+  return rule;
 }
 
 }  // namespace
@@ -261,10 +325,69 @@ int SessionsCommand(int argc, char** argv) {
 
 // --- attend ---
 
+namespace {
+
+int AttendLayerMode() {
+  if (absl::Status s = CheckLayerModeFlags(); !s.ok()) return UsageFail("attend", s.message());
+  const std::string model = absl::GetFlag(FLAGS_model);
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail("attend", client.status());
+  v1::AttendRequest request;
+  v1::AttentionSpec* spec = request.mutable_spec();
+  spec->set_causal(absl::GetFlag(FLAGS_causal));
+  spec->set_window(absl::GetFlag(FLAGS_window));
+  spec->set_softcap(absl::GetFlag(FLAGS_softcap));
+  spec->set_scale(absl::GetFlag(FLAGS_scale));
+  v1::LayerInput* layer = request.mutable_layer();
+  layer->set_model(model);
+  layer->set_layer(absl::GetFlag(FLAGS_layer));
+  int64_t hidden_size = 0;
+  if (absl::GetFlag(FLAGS_hidden).empty()) {
+    absl::StatusOr<v1::ModelInfo> info = (*client)->GetModel(model);
+    if (!info.ok()) return Fail("attend", info.status());
+    hidden_size = info->hidden_size();
+  }
+  absl::StatusOr<v1::Tensor> hidden =
+      HiddenFromFlags(absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_q_len), hidden_size);
+  if (!hidden.ok()) return Fail("attend", hidden.status());
+  *layer->mutable_hidden() = *std::move(hidden);
+  auto offsets = ParseIntList("offsets", absl::GetFlag(FLAGS_offsets));
+  if (!offsets.ok()) return Fail("attend", offsets.status());
+  for (int64_t o : *offsets) request.add_q_offsets(o);
+  const std::string probs_out = absl::GetFlag(FLAGS_probs_out);
+  request.set_return_probs(absl::GetFlag(FLAGS_return_probs) || !probs_out.empty());
+
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::AttendResponse> response = (*client)->Attend(request);
+  const absl::Duration elapsed = absl::Now() - start;
+  if (!response.ok()) return Fail("attend", response.status());
+  std::string flags_line = spec->causal() ? "causal" : "bidirectional";
+  if (spec->window() != 0) absl::StrAppend(&flags_line, " window ", spec->window());
+  if (spec->softcap() != 0) absl::StrAppend(&flags_line, " softcap ", spec->softcap());
+  if (spec->scale() != 0) absl::StrAppend(&flags_line, " scale ", spec->scale());
+  std::cout << absl::StrFormat("%-8s %s layer %d\n", "model", model, layer->layer())
+            << absl::StrFormat("%-8s %s\n", "spec", flags_line);
+  PrintTensorSummary("hidden", layer->hidden());
+  std::cout << absl::StrFormat("%-8s %.3f ms\n", "time", absl::ToDoubleMilliseconds(elapsed));
+  PrintTensorSummary("out", response->out());
+  if (request.return_probs()) PrintTensorSummary("probs", response->probs());
+  if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) {
+    if (absl::Status s = WriteOut(out, response->out()); !s.ok()) return Fail("attend", s);
+  }
+  if (!probs_out.empty()) {
+    if (absl::Status s = WriteOut(probs_out, response->probs()); !s.ok()) {
+      return Fail("attend", s);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
 int AttendCommand(int argc, char** argv) {
-  std::vector<absl::string_view> flags = {"seed",         "batch",    "q_len", "k_len", "v_dim",
-                                          "dtype",        "q",        "k",     "v",     "out",
-                                          "return_probs", "probs_out"};
+  std::vector<absl::string_view> flags = {
+      "seed", "batch", "q_len",        "k_len",     "v_dim", "dtype", "q",      "k",
+      "v",    "out",   "return_probs", "probs_out", "model", "layer", "hidden", "offsets"};
   for (absl::string_view flag : AttentionSpecFlags()) flags.push_back(flag);
   int exit_code = 0;
   auto args = ParseSubcommand(
@@ -273,10 +396,17 @@ int AttendCommand(int argc, char** argv) {
       "--seed+2, uniform in [-1, 1)) or read from .npy files (--q, --k, --v; heads and\n"
       "head_dim then come from their shapes unless given). RoPE (--rope_*) is on unless\n"
       "--norope or --alibi. Prints shapes, time and output statistics; --out writes the\n"
-      "output [B, Sq, H, Dv] as .npy, --probs_out the probabilities [B, H, Sq, Sk].",
+      "output [B, Sq, H, Dv] as .npy, --probs_out the probabilities [B, H, Sq, Sk].\n"
+      "\n"
+      "Layer mode (--model NAME --layer L): self-attention of the model's layer over\n"
+      "hidden states [B, S, hidden_size], random ([--batch, --q_len, hidden_size] from\n"
+      "--seed in --dtype) or from --hidden FILE.npy; the model's projections and RoPE\n"
+      "apply, and only --causal, --window, --softcap and --scale are read from the spec\n"
+      "flags. --offsets sets each row's first position. --out gets [B, S, hidden_size].",
       flags, true, &exit_code);
   if (!args.has_value()) return exit_code;
   if (int code = NoPositional("attend", *args); code != 0) return code;
+  if (!absl::GetFlag(FLAGS_model).empty()) return AttendLayerMode();
 
   const int64_t q_len = absl::GetFlag(FLAGS_q_len);
   const int64_t k_len = absl::GetFlag(FLAGS_k_len) == 0 ? q_len : absl::GetFlag(FLAGS_k_len);
@@ -540,7 +670,7 @@ int DecodeCommand(int argc, char** argv) {
   std::vector<absl::string_view> flags = {
       "steps",       "context", "prefill_chunk", "tokens_per_step", "kv_dtype", "linear",
       "max_context", "seed",    "v_dim",         "dtype",           "q",        "k",
-      "v",           "out"};
+      "v",           "out",     "model",         "layer",           "hidden"};
   for (absl::string_view flag : AttentionSpecFlags()) {
     if (flag != "causal") flags.push_back(flag);
   }
@@ -553,7 +683,13 @@ int DecodeCommand(int argc, char** argv) {
       "N = context + steps * tokens_per_step (seeds --seed, +1, +2), or .npy files\n"
       "(--q, --k, --v) holding at least N tokens; token t is the same token whether\n"
       "sent in the prefill or a step, so the last step equals a causal Attend over\n"
-      "all N tokens. --out writes the last step's output [1, T, H, Dv] as .npy.",
+      "all N tokens. --out writes the last step's output [1, T, H, Dv] as .npy.\n"
+      "\n"
+      "Layer mode (--model NAME --layer L): the session belongs to the model's layer and\n"
+      "steps carry hidden states [1, T, hidden_size]: random [1, N, hidden_size] (--seed,\n"
+      "--dtype) or --hidden FILE.npy with at least N tokens. The last step then equals\n"
+      "the last rows of a causal layer-mode Attend over all N tokens; --out gets\n"
+      "[1, T, hidden_size]. --window, --softcap and --scale still apply.",
       flags, true, &exit_code);
   if (!args.has_value()) return exit_code;
   if (int code = NoPositional("decode", *args); code != 0) return code;
@@ -570,36 +706,74 @@ int DecodeCommand(int argc, char** argv) {
                               ", context ", context)));
   }
   const int64_t total = context + steps * per_step;
-  absl::StatusOr<Inputs> inputs = InputsFromFlags(1, total, total);
-  if (!inputs.ok()) return Fail("decode", inputs.status());
-  for (const v1::Tensor* t : {&inputs->q, &inputs->k, &inputs->v}) {
-    if (t->shape_size() != 4 || t->shape(0) != 1 || t->shape(1) < total) {
-      return Fail("decode",
-                  absl::InvalidArgumentError(absl::StrCat(
-                      "inputs must be [1, >= ", total, ", heads, dim], got ", DescribeTensor(*t))));
-    }
+  const bool layer_mode = !absl::GetFlag(FLAGS_model).empty();
+  if (layer_mode) {
+    if (absl::Status s = CheckLayerModeFlags(); !s.ok()) return UsageFail("decode", s.message());
   }
-  absl::StatusOr<v1::AttentionSpec> spec = AttentionSpecFromFlags();
-  if (!spec.ok()) return Fail("decode", spec.status());
-  if (!absl::GetFlag(FLAGS_q).empty()) {
-    if (!FlagGiven("heads")) spec->set_heads(inputs->q.shape(2));
-    if (!FlagGiven("head_dim")) spec->set_head_dim(inputs->q.shape(3));
-    if (!FlagGiven("kv_heads")) spec->set_kv_heads(inputs->k.shape(2));
-  }
-  spec->set_causal(true);
   absl::StatusOr<v1::DType> kv_dtype = ParseDType("kv_dtype", absl::GetFlag(FLAGS_kv_dtype));
   if (!kv_dtype.ok()) return Fail("decode", kv_dtype.status());
-
   v1::OpenSession open;
-  *open.mutable_spec() = *spec;
   open.set_kv_dtype(*kv_dtype);
   open.set_kind(absl::GetFlag(FLAGS_linear) ? v1::ATTENTION_KIND_LINEAR
                                             : v1::ATTENTION_KIND_SOFTMAX);
   open.set_max_context(FlagGiven("max_context") ? absl::GetFlag(FLAGS_max_context) : total);
-  open.set_v_dim(inputs->v.shape(3));
 
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail("decode", client.status());
+  Inputs inputs;
+  v1::Tensor hidden;
+  std::string spec_line;
+  if (layer_mode) {
+    const std::string model = absl::GetFlag(FLAGS_model);
+    int64_t hidden_size = 0;
+    if (absl::GetFlag(FLAGS_hidden).empty()) {
+      absl::StatusOr<v1::ModelInfo> info = (*client)->GetModel(model);
+      if (!info.ok()) return Fail("decode", info.status());
+      hidden_size = info->hidden_size();
+    }
+    absl::StatusOr<v1::Tensor> h = HiddenFromFlags(1, total, hidden_size);
+    if (!h.ok()) return Fail("decode", h.status());
+    hidden = *std::move(h);
+    if (hidden.shape_size() != 3 || hidden.shape(0) != 1 || hidden.shape(1) < total) {
+      return Fail("decode", absl::InvalidArgumentError(
+                                absl::StrCat("--hidden must be [1, >= ", total,
+                                             ", hidden_size], got ", DescribeTensor(hidden))));
+    }
+    v1::AttentionSpec* spec = open.mutable_spec();
+    spec->set_causal(true);
+    spec->set_window(absl::GetFlag(FLAGS_window));
+    spec->set_softcap(absl::GetFlag(FLAGS_softcap));
+    spec->set_scale(absl::GetFlag(FLAGS_scale));
+    open.set_model(model);
+    open.set_layer(absl::GetFlag(FLAGS_layer));
+    spec_line = absl::StrCat("model ", model, " layer ", open.layer(), " causal");
+    if (spec->window() != 0) absl::StrAppend(&spec_line, " window ", spec->window());
+    if (spec->softcap() != 0) absl::StrAppend(&spec_line, " softcap ", spec->softcap());
+    if (spec->scale() != 0) absl::StrAppend(&spec_line, " scale ", spec->scale());
+  } else {
+    absl::StatusOr<Inputs> read = InputsFromFlags(1, total, total);
+    if (!read.ok()) return Fail("decode", read.status());
+    inputs = *std::move(read);
+    for (const v1::Tensor* t : {&inputs.q, &inputs.k, &inputs.v}) {
+      if (t->shape_size() != 4 || t->shape(0) != 1 || t->shape(1) < total) {
+        return Fail("decode", absl::InvalidArgumentError(
+                                  absl::StrCat("inputs must be [1, >= ", total,
+                                               ", heads, dim], got ", DescribeTensor(*t))));
+      }
+    }
+    absl::StatusOr<v1::AttentionSpec> spec = AttentionSpecFromFlags();
+    if (!spec.ok()) return Fail("decode", spec.status());
+    if (!absl::GetFlag(FLAGS_q).empty()) {
+      if (!FlagGiven("heads")) spec->set_heads(inputs.q.shape(2));
+      if (!FlagGiven("head_dim")) spec->set_head_dim(inputs.q.shape(3));
+      if (!FlagGiven("kv_heads")) spec->set_kv_heads(inputs.k.shape(2));
+    }
+    spec->set_causal(true);
+    *open.mutable_spec() = *spec;
+    open.set_v_dim(inputs.v.shape(3));
+    spec_line = DescribeSpec(*spec);
+  }
+
   absl::Time start = absl::Now();
   absl::StatusOr<std::unique_ptr<client::Session>> session = (*client)->OpenSession(open);
   if (!session.ok()) return Fail("decode", session.status());
@@ -607,11 +781,12 @@ int DecodeCommand(int argc, char** argv) {
                                (*session)->id(), KindName(open.kind()), DTypeName(*kv_dtype),
                                (*session)->info().max_context(),
                                absl::ToDoubleMilliseconds(absl::Now() - start));
-  std::cout << absl::StrFormat("spec     %s\n", DescribeSpec(*spec));
+  std::cout << absl::StrFormat("spec     %s\n", spec_line);
 
   auto step = [&](int64_t begin, int64_t end) {
-    return (*session)->Step(SliceTokens(inputs->q, begin, end), SliceTokens(inputs->k, begin, end),
-                            SliceTokens(inputs->v, begin, end));
+    if (layer_mode) return (*session)->StepHidden(SliceTokens(hidden, begin, end));
+    return (*session)->Step(SliceTokens(inputs.q, begin, end), SliceTokens(inputs.k, begin, end),
+                            SliceTokens(inputs.v, begin, end));
   };
   if (context > 0) {
     start = absl::Now();
@@ -645,6 +820,183 @@ int DecodeCommand(int argc, char** argv) {
   if (absl::Status s = (*session)->Close(); !s.ok()) return Fail("decode", s);
   if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) {
     if (absl::Status s = WriteOut(out, last); !s.ok()) return Fail("decode", s);
+  }
+  return 0;
+}
+
+// --- models ---
+
+namespace {
+
+void PrintModelDetail(const v1::ModelInfo& m) {
+  auto line = [](absl::string_view key, const std::string& value) {
+    std::cout << absl::StrFormat("%-18s %s\n", key, value);
+  };
+  line("name", m.name());
+  line("source", m.source());
+  line("architecture", m.architecture());
+  line("model_type", m.model_type());
+  line("hidden_size", absl::StrCat(m.hidden_size()));
+  line("heads", absl::StrCat(m.num_heads(), " query, ", m.num_kv_heads(), " kv (group ",
+                             m.num_kv_heads() > 0 ? m.num_heads() / m.num_kv_heads() : 0, ")"));
+  line("head_dim", absl::StrCat(m.head_dim()));
+  line("vocab_size", absl::StrCat(m.vocab_size()));
+  line("layers", absl::StrCat(m.num_layers()));
+  line("max_positions", absl::StrCat(m.max_positions()));
+  line("positions", PositionsName(m.positions()));
+  if (m.positions() == v1::POSITION_KIND_ROPE) {
+    const v1::RopeSpec& rope = m.rope();
+    const v1::RopeScaling& sc = rope.scaling();
+    line("rope",
+         absl::StrCat(sc.rope_type().empty() ? "default" : sc.rope_type(),
+                      sc.factor() != 0 ? absl::StrCat(" factor ", sc.factor()) : "", " theta ",
+                      rope.theta() == 0 ? 10000.0 : rope.theta(),
+                      rope.layout() == v1::ROPE_LAYOUT_INTERLEAVED ? " interleaved" : " half_split",
+                      " rotary_dim ", rope.rotary_dim() == 0 ? m.head_dim() : rope.rotary_dim()));
+    std::vector<std::string> extra;
+    if (sc.original_max_position_embeddings() != 0) {
+      extra.push_back(absl::StrCat("L0 ", sc.original_max_position_embeddings()));
+    }
+    if (sc.has_low_freq_factor()) extra.push_back(absl::StrCat("low_freq ", sc.low_freq_factor()));
+    if (sc.has_high_freq_factor()) {
+      extra.push_back(absl::StrCat("high_freq ", sc.high_freq_factor()));
+    }
+    if (sc.has_beta_fast()) extra.push_back(absl::StrCat("beta_fast ", sc.beta_fast()));
+    if (sc.has_beta_slow()) extra.push_back(absl::StrCat("beta_slow ", sc.beta_slow()));
+    if (sc.has_mscale()) extra.push_back(absl::StrCat("mscale ", sc.mscale()));
+    if (sc.has_mscale_all_dim())
+      extra.push_back(absl::StrCat("mscale_all_dim ", sc.mscale_all_dim()));
+    if (sc.has_attention_factor()) {
+      extra.push_back(absl::StrCat("attention_factor ", sc.attention_factor()));
+    }
+    if (sc.short_factor_size() > 0) {
+      extra.push_back(absl::StrCat("short/long factors ", sc.short_factor_size()));
+    }
+    if (!extra.empty()) line("rope scaling", absl::StrJoin(extra, ", "));
+    line("attention_factor", absl::StrFormat("%.9g", m.attention_factor()));
+    const int n = m.inv_freq_size();
+    if (n > 0) {
+      double lo = m.inv_freq(0), hi = m.inv_freq(0);
+      for (double f : m.inv_freq()) {
+        lo = std::min(lo, f);
+        hi = std::max(hi, f);
+      }
+      line("inv_freq", absl::StrFormat("%d pairs  first %.9g  last %.9g  min %.9g  max %.9g", n,
+                                       m.inv_freq(0), m.inv_freq(n - 1), lo, hi));
+      std::vector<std::string> shown;
+      for (int i = 0; i < n; ++i) {
+        if (n > 8 && i == 4) {
+          shown.push_back("...");
+          i = n - 4;
+        }
+        shown.push_back(absl::StrFormat("%.6g", m.inv_freq(i)));
+      }
+      line("inv_freq values", absl::StrJoin(shown, " "));
+      const double two_pi = 2 * M_PI;
+      line("wavelengths", absl::StrFormat("%.6g .. %.6g tokens", lo > 0 ? two_pi / hi : 0,
+                                          lo > 0 ? two_pi / lo : 0));
+    }
+  }
+  line("memory", absl::StrFormat("%s mapped, %s resident", HumanBytes(m.mapped_bytes()),
+                                 HumanBytes(m.resident_bytes())));
+}
+
+}  // namespace
+
+int ModelsCommand(int argc, char** argv) {
+  static constexpr absl::string_view kFlags[] = {"json", "name"};
+  int exit_code = 0;
+  auto args = ParseSubcommand(
+      argc, argv,
+      "Lists the models the server serves (name, source, architecture, hidden size,\n"
+      "query/kv heads, head_dim, vocabulary, layers, position scheme, RoPE rule with\n"
+      "its attention factor, memory), or shows one in detail with --name NAME (RoPE\n"
+      "scaling parameters and a summary of its inverse frequencies). Models are used\n"
+      "by `embed` and by layer mode (--model) of attend, decode and bench.",
+      kFlags, true, &exit_code);
+  if (!args.has_value()) return exit_code;
+  if (int code = NoPositional("models", *args); code != 0) return code;
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail("models", client.status());
+  if (const std::string name = absl::GetFlag(FLAGS_name); !name.empty()) {
+    absl::StatusOr<v1::ModelInfo> info = (*client)->GetModel(name);
+    if (!info.ok()) return Fail("models", info.status());
+    if (absl::GetFlag(FLAGS_json)) {
+      std::cout << ToJson(*info);
+    } else {
+      PrintModelDetail(*info);
+    }
+    return 0;
+  }
+  absl::StatusOr<std::vector<v1::ModelInfo>> models = (*client)->ListModels();
+  if (!models.ok()) return Fail("models", models.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    v1::ListModelsResponse response;
+    for (const auto& m : *models) *response.add_models() = m;
+    std::cout << ToJson(response);
+    return 0;
+  }
+  std::cout << absl::StrFormat("%-16s %-10s %-16s %6s %7s %4s %6s %6s %9s %-10s %-22s %s\n", "NAME",
+                               "SOURCE", "ARCHITECTURE", "HIDDEN", "HEADS", "HDIM", "VOCAB",
+                               "LAYERS", "MAX_POS", "POSITIONS", "ROPE", "MEMORY");
+  for (const v1::ModelInfo& m : *models) {
+    std::cout << absl::StrFormat("%-16s %-10s %-16s %6d %7s %4d %6d %6d %9d %-10s %-22s %s\n",
+                                 m.name(), m.source(), m.architecture(), m.hidden_size(),
+                                 absl::StrCat(m.num_heads(), "/", m.num_kv_heads()), m.head_dim(),
+                                 m.vocab_size(), m.num_layers(), m.max_positions(),
+                                 PositionsName(m.positions()), RopeRule(m),
+                                 HumanBytes(m.mapped_bytes() + m.resident_bytes()));
+  }
+  std::cout << models->size() << " model" << (models->size() == 1 ? "" : "s") << "\n";
+  return 0;
+}
+
+// --- embed ---
+
+int EmbedCommand(int argc, char** argv) {
+  static constexpr absl::string_view kFlags[] = {"model",   "tokens", "shape",
+                                                 "offsets", "dtype",  "out"};
+  int exit_code = 0;
+  auto args = ParseSubcommand(
+      argc, argv,
+      "Embeds token ids with a served model: --model NAME --tokens 1,2,3 [--shape B,S]\n"
+      "(default 1,<number of ids>). Models with learned or sinusoidal absolute\n"
+      "positions add them (--offsets: each row's first position). Prints the shape,\n"
+      "time and statistics of the embeddings [B, S, hidden_size] in --dtype; --out\n"
+      "writes them as .npy.",
+      kFlags, true, &exit_code);
+  if (!args.has_value()) return exit_code;
+  if (int code = NoPositional("embed", *args); code != 0) return code;
+  const std::string model = absl::GetFlag(FLAGS_model);
+  if (model.empty()) return UsageFail("embed", "--model is required (see ropeattn models)");
+  if (absl::GetFlag(FLAGS_tokens).empty()) return UsageFail("embed", "--tokens is required");
+  auto tokens = ParseIntList("tokens", absl::GetFlag(FLAGS_tokens));
+  if (!tokens.ok()) return UsageFail("embed", tokens.status().message());
+  auto shape = ParseIntList("shape", absl::GetFlag(FLAGS_shape));
+  if (!shape.ok()) return UsageFail("embed", shape.status().message());
+  auto offsets = ParseIntList("offsets", absl::GetFlag(FLAGS_offsets));
+  if (!offsets.ok()) return UsageFail("embed", offsets.status().message());
+  absl::StatusOr<v1::DType> dtype = ParseDType("dtype", absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return Fail("embed", dtype.status());
+  v1::EmbedRequest request;
+  request.set_model(model);
+  for (int64_t id : *tokens) request.add_token_ids(id);
+  for (int64_t d : *shape) request.add_shape(d);
+  for (int64_t o : *offsets) request.add_q_offsets(o);
+  request.set_out_dtype(*dtype);
+
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail("embed", client.status());
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::EmbedResponse> response = (*client)->Embed(request);
+  const absl::Duration elapsed = absl::Now() - start;
+  if (!response.ok()) return Fail("embed", response.status());
+  std::cout << absl::StrFormat("%-8s %s\n", "model", model)
+            << absl::StrFormat("%-8s %d ids\n", "tokens", request.token_ids_size())
+            << absl::StrFormat("%-8s %.3f ms\n", "time", absl::ToDoubleMilliseconds(elapsed));
+  PrintTensorSummary("out", response->embeddings());
+  if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) {
+    if (absl::Status s = WriteOut(out, response->embeddings()); !s.ok()) return Fail("embed", s);
   }
   return 0;
 }

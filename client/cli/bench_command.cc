@@ -69,7 +69,9 @@ constexpr absl::string_view kSharedFlags[] = {"heads",
                                               "rope_type",
                                               "rope_factor",
                                               "original_max_positions",
-                                              "seed"};
+                                              "seed",
+                                              "model",
+                                              "layer"};
 
 struct BenchFlags {
   std::string workload = "attend";
@@ -177,7 +179,13 @@ std::string Usage(const std::vector<OwnFlag>& flags) {
                   "late = sent after their scheduled\n  time; codes = \"OK=n;CODE=n\"; stable = "
                   "1 or 0.\n\nShape flags (attend: q [batch, q_len, heads, head_dim], k/v "
                   "[batch, k_len, kv_heads, head_dim];\ndecode: heads, kv_heads, head_dim, "
-                  "dtype of the step tensors) are the shared ones:");
+                  "dtype of the step tensors) are the shared ones.\n\nLayer mode (--model NAME "
+                  "--layer L): both workloads run on the model's attention\nlayer with random "
+                  "hidden states of its hidden_size (asked with GetModel): attend\nsends [batch, "
+                  "q_len, hidden_size] (self-attention, --causal), decode prefills\n[1, context, "
+                  "hidden_size] and steps [1, tokens_per_step, hidden_size]. The model's\nheads, "
+                  "head_dim and RoPE apply; --heads, --head_dim, --k_len and --rope_* are not "
+                  "used.\n\nShared flags:");
   return text;
 }
 
@@ -281,6 +289,9 @@ std::string Json(const client::LoadSpec& spec, const std::string& target,
       absl::StrCat("{\n  \"target\": ", JsonString(target),
                    ",\n  \"workload\": ", JsonString(client::WorkloadName(spec.workload)),
                    ",\n  \"mode\": ", JsonString(client::LoadModeName(spec.mode)),
+                   spec.model.empty() ? ""
+                                      : absl::StrCat(",\n  \"model\": ", JsonString(spec.model),
+                                                     ",\n  \"layer\": ", spec.layer),
                    ",\n  \"window_seconds\": ", JsonNumber(absl::ToDoubleSeconds(spec.window)),
                    ",\n  \"warmup_seconds\": ", JsonNumber(absl::ToDoubleSeconds(spec.warmup)),
                    ",\n  \"max_windows\": ", spec.max_windows, ",\n  \"points\": [");
@@ -519,6 +530,8 @@ int BenchCommand(int argc, char** argv) {
   absl::StatusOr<v1::DType> kv_dtype = ParseDType("kv_dtype", f.kv_dtype);
   if (!kv_dtype.ok()) return Fail(kCommand, kv_dtype.status());
   d.kv_dtype = *kv_dtype;
+  spec.model = absl::GetFlag(FLAGS_model);
+  spec.layer = absl::GetFlag(FLAGS_layer);
   if (absl::Status s = client::ValidateLoadSpec(spec); !s.ok()) return Fail(kCommand, s);
 
   const bool tty = isatty(STDERR_FILENO) == 1;

@@ -11,6 +11,8 @@ namespace ropeattn::cli {
 int HealthCommand(int argc, char** argv);
 int InfoCommand(int argc, char** argv);
 int SessionsCommand(int argc, char** argv);
+int ModelsCommand(int argc, char** argv);
+int EmbedCommand(int argc, char** argv);
 int AttendCommand(int argc, char** argv);
 int EncodeCommand(int argc, char** argv);
 int DecodeCommand(int argc, char** argv);

@@ -67,6 +67,14 @@ ABSL_FLAG(std::string, sin_layout, "interleaved",
           "Sinusoidal layout: interleaved (sin at 2i, cos at 2i+1) or sin_cos_half.");
 ABSL_FLAG(int64_t, first_position, 0, "Position of the sinusoidal table's first row.");
 
+ABSL_FLAG(std::string, model, "",
+          "Layer mode: a served model (see `ropeattn models`); q/k/v are then the model's "
+          "projections of hidden states [B, S, hidden_size].");
+ABSL_FLAG(int32_t, layer, 0, "Layer mode: the model's attention layer, 0 .. num_layers - 1.");
+ABSL_FLAG(std::string, hidden, "",
+          "Layer mode: hidden states from this .npy file [B, S, hidden_size] (decode: "
+          "[1, N, hidden_size]); random (--seed, --dtype) if empty.");
+
 namespace ropeattn::cli {
 namespace {
 

@@ -62,6 +62,10 @@ ABSL_DECLARE_FLAG(int64_t, d_model);
 ABSL_DECLARE_FLAG(double, base);
 ABSL_DECLARE_FLAG(std::string, sin_layout);
 ABSL_DECLARE_FLAG(int64_t, first_position);
+// Layer mode (attend, decode, bench): a served model's attention layer.
+ABSL_DECLARE_FLAG(std::string, model);
+ABSL_DECLARE_FLAG(int32_t, layer);
+ABSL_DECLARE_FLAG(std::string, hidden);
 
 namespace ropeattn::cli {
 

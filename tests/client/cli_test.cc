@@ -998,5 +998,214 @@ TEST_F(CliTest, PlotErrors) {
   ExpectOneErrorLine(r, "plot", "NOT_FOUND");
 }
 
+// --- models, embed and layer mode. ---
+
+// Norm-wise relative error ||a - b|| / ||b||.
+double RelativeError(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+TEST_F(CliTest, ModelCommandsAndLayerFlagsAreInHelp) {
+  RunResult r = RunCli({"--help"});
+  EXPECT_THAT(r.out, AllOf(HasSubstr("  models "), HasSubstr("  embed ")));
+  const std::vector<std::pair<const char*, std::vector<const char*>>> cases = {
+      {"models", {"--json", "--name"}},
+      {"embed", {"--model", "--tokens", "--shape", "--offsets", "--dtype", "--out"}},
+      {"attend", {"--model", "--layer", "--hidden", "--offsets"}},
+      {"decode", {"--model", "--layer", "--hidden"}},
+      {"bench", {"--model", "--layer"}},
+  };
+  for (const auto& [command, flags] : cases) {
+    r = RunCli({command, "--help"});
+    EXPECT_EQ(r.exit_code, 0) << command << "\n" << Describe(r);
+    for (const char* flag : flags) EXPECT_THAT(r.out, HasSubstr(flag)) << command;
+  }
+  r = RunCli({"models", "--help"});
+  EXPECT_THAT(r.out, Not(HasSubstr("--heads")));
+}
+
+TEST_F(CliTest, ModelsTableJsonAndDetail) {
+  RunResult r = Cli({"models"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  std::vector<std::string> lines = absl::StrSplit(r.out, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 3u) << r.out;  // header, demo, count
+  EXPECT_THAT(lines[0], AllOf(StartsWith("NAME"), HasSubstr("HIDDEN"), HasSubstr("ROPE"),
+                              HasSubstr("MEMORY")));
+  std::vector<std::string> words = absl::StrSplit(lines[1], ' ', absl::SkipEmpty());
+  ASSERT_GE(words.size(), 11u) << lines[1];
+  EXPECT_EQ(words[0], "demo");
+  EXPECT_EQ(words[1], "built-in");
+  EXPECT_EQ(words[2], "ropeattn-demo");
+  EXPECT_EQ(words[3], "128");   // hidden
+  EXPECT_EQ(words[4], "8/2");   // heads / kv heads
+  EXPECT_EQ(words[5], "16");    // head_dim
+  EXPECT_EQ(words[6], "256");   // vocab
+  EXPECT_EQ(words[7], "2");     // layers
+  EXPECT_EQ(words[8], "4096");  // max positions
+  EXPECT_EQ(words[9], "rope");
+  EXPECT_EQ(words[10], "llama3");
+  EXPECT_THAT(lines[1], HasSubstr("x8 (af 1)"));
+  EXPECT_EQ(lines[2], "1 model");
+
+  r = Cli({"models", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, AllOf(HasSubstr("\"name\": \"demo\""), HasSubstr("\"hidden_size\": \"128\""),
+                           HasSubstr("\"num_kv_heads\": \"2\""), HasSubstr("\"inv_freq\"")));
+
+  r = Cli({"models", "--name", "demo"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  auto info = Client()->GetModel("demo");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_THAT(r.out,
+              AllOf(HasSubstr("hidden_size        128\n"),
+                    HasSubstr("heads              8 query, 2 kv (group 4)\n"),
+                    HasSubstr("layers             2\n"), HasSubstr("positions          rope\n"),
+                    HasSubstr("rope               llama3 factor 8 theta 500000"),
+                    HasSubstr("L0 1024"), HasSubstr("attention_factor   1\n")));
+  // The summary of the inverse frequencies matches the server's list.
+  EXPECT_DOUBLE_EQ(NumberAfter(r.out, "inv_freq ", "first"), info->inv_freq(0));
+  EXPECT_NEAR(NumberAfter(r.out, "inv_freq ", "last"), info->inv_freq(7), 1e-14);
+  EXPECT_THAT(r.out, HasSubstr("inv_freq           8 pairs"));
+
+  r = Cli({"models", "--name", "demo", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, StartsWith("{"));
+  EXPECT_THAT(r.out, HasSubstr("\"rope_type\": \"llama3\""));
+
+  r = Cli({"models", "--name", "nope"});
+  EXPECT_EQ(r.exit_code, 5) << Describe(r);
+  ExpectOneErrorLine(r, "models", "NOT_FOUND");
+  EXPECT_THAT(r.err, HasSubstr("nope"));
+}
+
+TEST_F(CliTest, EmbedWritesTheLibrarysEmbeddings) {
+  const std::string out = Path("emb.npy");
+  RunResult r =
+      Cli({"embed", "--model", "demo", "--tokens", "3,4,3,200", "--shape", "2,2", "--out", out});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, AllOf(HasSubstr("out      [2, 2, 128] f32"), HasSubstr("tokens   4 ids")));
+  auto written = client::ReadNpy(out);
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_THAT(written->shape(), ElementsAre(2, 2, 128));
+
+  v1::EmbedRequest request;
+  request.set_model("demo");
+  for (int64_t id : {3, 4, 3, 200}) request.add_token_ids(id);
+  request.add_shape(2);
+  request.add_shape(2);
+  auto expected = Client()->Embed(request);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  EXPECT_EQ(written->data(), expected->embeddings().data());  // bit-exact
+  const std::vector<float> v = Floats(*written);
+  EXPECT_TRUE(std::equal(v.begin(), v.begin() + 128, v.begin() + 256));   // id 3 twice
+  EXPECT_FALSE(std::equal(v.begin(), v.begin() + 128, v.begin() + 128));  // 3 vs 4
+
+  r = Cli({"embed", "--model", "demo", "--tokens", "1,300"});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  ExpectOneErrorLine(r, "embed", "INVALID_ARGUMENT");
+  EXPECT_THAT(r.err, AllOf(HasSubstr("300"), HasSubstr("index 1")));
+
+  r = Cli({"embed", "--tokens", "1"});
+  EXPECT_EQ(r.exit_code, 64) << Describe(r);
+  ExpectOneErrorLine(r, "embed", "USAGE");
+}
+
+TEST_F(CliTest, LayerModeAttendEqualsTheLibraryCall) {
+  const std::string out = Path("layer.npy");
+  RunResult r = Cli({"attend", "--model", "demo", "--layer", "1", "--batch", "2", "--q_len", "6",
+                     "--causal", "--seed", "11", "--out", out});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out,
+              AllOf(HasSubstr("model    demo layer 1"), HasSubstr("hidden   [2, 6, 128] f32"),
+                    HasSubstr("out      [2, 6, 128] f32")));
+  auto written = client::ReadNpy(out);
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_THAT(written->shape(), ElementsAre(2, 6, 128));
+
+  v1::AttendRequest request;
+  request.mutable_spec()->set_causal(true);
+  request.mutable_layer()->set_model("demo");
+  request.mutable_layer()->set_layer(1);
+  const int64_t shape[] = {2, 6, 128};
+  *request.mutable_layer()->mutable_hidden() = *client::RandomTensor(v1::DTYPE_F32, shape, 11);
+  auto expected = Client()->Attend(request);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  EXPECT_EQ(written->data(), expected->out().data());  // bit-exact
+
+  // The layer index matters: layer 0 gives other outputs.
+  request.mutable_layer()->set_layer(0);
+  auto layer0 = Client()->Attend(request);
+  ASSERT_TRUE(layer0.ok()) << layer0.status();
+  EXPECT_NE(written->data(), layer0->out().data());
+
+  // Hidden states from a file: the same as the library call on them.
+  const std::string hidden_path = Path("hidden.npy");
+  const int64_t hshape[] = {1, 5, 128};
+  auto hidden = client::RandomTensor(v1::DTYPE_F32, hshape, 99);
+  ASSERT_TRUE(client::WriteNpy(hidden_path, *hidden).ok());
+  r = Cli({"attend", "--model=demo", "--layer=0", "--hidden", hidden_path, "--out", out});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  written = client::ReadNpy(out);
+  ASSERT_TRUE(written.ok()) << written.status();
+  request.mutable_spec()->set_causal(false);
+  *request.mutable_layer()->mutable_hidden() = *hidden;
+  expected = Client()->Attend(request);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  EXPECT_EQ(written->data(), expected->out().data());
+
+  r = Cli({"attend", "--model", "demo", "--layer", "2"});
+  EXPECT_EQ(r.exit_code, 11) << Describe(r);
+  ExpectOneErrorLine(r, "attend", "OUT_OF_RANGE");
+  r = Cli({"attend", "--model", "nope"});
+  EXPECT_EQ(r.exit_code, 5) << Describe(r);
+  ExpectOneErrorLine(r, "attend", "NOT_FOUND");
+  r = Cli({"attend", "--model", "demo", "--heads", "4"});
+  EXPECT_EQ(r.exit_code, 64) << Describe(r);
+  ExpectOneErrorLine(r, "attend", "USAGE");
+}
+
+TEST_F(CliTest, LayerModeDecodeLastStepEqualsOneShotAttend) {
+  // Token by token (no prefill), then with a chunked prefill.
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{"--context=0", "--steps=6"},
+        std::vector<std::string>{"--context=4", "--prefill_chunk=3", "--steps=2"}}) {
+    std::vector<std::string> args = {"decode", "--model", "demo",  "--layer",       "1",
+                                     "--seed", "4",       "--out", Path("last.npy")};
+    args.insert(args.end(), extra.begin(), extra.end());
+    RunResult r = Cli(args);
+    ASSERT_EQ(r.exit_code, 0) << Describe(r);
+    EXPECT_THAT(r.out, HasSubstr("spec     model demo layer 1 causal"));
+    EXPECT_THAT(r.out, HasSubstr("position      6"));
+    auto last = client::ReadNpy(Path("last.npy"));
+    ASSERT_TRUE(last.ok()) << last.status();
+    ASSERT_THAT(last->shape(), ElementsAre(1, 1, 128));
+
+    v1::AttendRequest request;
+    request.mutable_spec()->set_causal(true);
+    request.mutable_layer()->set_model("demo");
+    request.mutable_layer()->set_layer(1);
+    const int64_t shape[] = {1, 6, 128};
+    *request.mutable_layer()->mutable_hidden() = *client::RandomTensor(v1::DTYPE_F32, shape, 4);
+    auto expected = Client()->Attend(request);
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    const std::vector<float> want = Floats(expected->out());
+    const std::vector<float> last_row(want.begin() + 5 * 128, want.end());
+    EXPECT_LT(RelativeError(Floats(*last), last_row), 1e-5);
+    // And not the row before it (the comparison can tell positions apart).
+    const std::vector<float> prev_row(want.begin() + 4 * 128, want.begin() + 5 * 128);
+    EXPECT_GT(RelativeError(Floats(*last), prev_row), 1e-2);
+  }
+
+  RunResult r = Cli({"decode", "--model", "demo", "--layer", "1", "--steps", "2", "--hidden",
+                     Path("missing.npy")});
+  EXPECT_EQ(r.exit_code, 5) << Describe(r);
+  ExpectOneErrorLine(r, "decode", "NOT_FOUND");
+}
+
 }  // namespace
 }  // namespace ropeattn

@@ -995,5 +995,162 @@ TEST_F(NpyTest, FileErrors) {
   EXPECT_EQ(ReadNpy(path).status().code(), absl::StatusCode::kNotFound);  // nothing written
 }
 
+// -------------------------------------------------------------- models --
+
+// Norm-wise relative error ||a - b|| / ||b||.
+double RelativeError(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+TEST_F(ClientTest, ListModelsAndGetModelDescribeTheDemoModel) {
+  auto models = client_->ListModels();
+  ASSERT_TRUE(models.ok()) << models.status();
+  ASSERT_EQ(models->size(), 1u);
+  const v1::ModelInfo& m = (*models)[0];
+  EXPECT_EQ(m.name(), "demo");
+  EXPECT_EQ(m.source(), "built-in");
+  EXPECT_EQ(m.hidden_size(), 128);
+  EXPECT_EQ(m.num_heads(), 8);
+  EXPECT_EQ(m.num_kv_heads(), 2);
+  EXPECT_EQ(m.head_dim(), 16);
+  EXPECT_EQ(m.vocab_size(), 256);
+  EXPECT_EQ(m.num_layers(), 2);
+  EXPECT_EQ(m.positions(), v1::POSITION_KIND_ROPE);
+  EXPECT_EQ(m.rope().scaling().rope_type(), "llama3");
+  EXPECT_EQ(m.rope().scaling().factor(), 8);
+  ASSERT_EQ(m.inv_freq_size(), 8);  // head_dim / 2 pairs
+  EXPECT_DOUBLE_EQ(m.inv_freq(0), 1.0);
+  for (int i = 1; i < 8; ++i) EXPECT_LT(m.inv_freq(i), m.inv_freq(i - 1)) << i;
+  EXPECT_GT(m.resident_bytes(), 0);
+
+  auto one = client_->GetModel("demo");
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->SerializeAsString(), m.SerializeAsString());
+
+  // The inverse frequencies are those of the model's RoPE rule.
+  v1::EncodeRequest encode;
+  *encode.mutable_rope_frequencies()->mutable_rope() = m.rope();
+  encode.mutable_rope_frequencies()->set_head_dim(m.head_dim());
+  encode.mutable_rope_frequencies()->set_seq_len(m.max_positions());
+  auto freqs = client_->Encode(encode);
+  ASSERT_TRUE(freqs.ok()) << freqs.status();
+  ASSERT_EQ(freqs->inv_freq_size(), 8);
+  for (int i = 0; i < 8; ++i) EXPECT_DOUBLE_EQ(freqs->inv_freq(i), m.inv_freq(i)) << i;
+  EXPECT_DOUBLE_EQ(freqs->attention_factor(), m.attention_factor());
+
+  auto missing = client_->GetModel("no-such-model");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(missing.status().message()), HasSubstr("no-such-model"));
+}
+
+TEST_F(ClientTest, EmbedRowsDependOnTheIdOnly) {
+  v1::EmbedRequest request;
+  request.set_model("demo");
+  for (int64_t id : {5, 7, 5, 9, 7, 5}) request.add_token_ids(id);
+  request.add_shape(2);
+  request.add_shape(3);
+  auto response = client_->Embed(request);
+  ASSERT_TRUE(response.ok()) << response.status();
+  const v1::Tensor& e = response->embeddings();
+  EXPECT_EQ(e.dtype(), v1::DTYPE_F32);
+  ASSERT_THAT(e.shape(), ::testing::ElementsAre(2, 3, 128));
+  const std::vector<float> v = Floats(e);
+  auto row = [&](int r) {
+    return std::vector<float>(v.begin() + r * 128, v.begin() + r * 128 + 128);
+  };
+  // The same id gives the same row, at any position and in any batch row.
+  EXPECT_EQ(row(0), row(2));
+  EXPECT_EQ(row(0), row(5));
+  EXPECT_EQ(row(1), row(4));
+  // Different ids differ.
+  EXPECT_NE(row(0), row(1));
+  EXPECT_NE(row(0), row(3));
+  EXPECT_NE(row(1), row(3));
+
+  // Embedding the same id again (another call, default shape [1, N]) gives
+  // identical rows.
+  v1::EmbedRequest again;
+  again.set_model("demo");
+  again.add_token_ids(7);
+  again.add_token_ids(5);
+  auto second = client_->Embed(again);
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_THAT(second->embeddings().shape(), ::testing::ElementsAre(1, 2, 128));
+  const std::vector<float> w = Floats(second->embeddings());
+  EXPECT_EQ(std::vector<float>(w.begin(), w.begin() + 128), row(1));
+  EXPECT_EQ(std::vector<float>(w.begin() + 128, w.end()), row(0));
+}
+
+TEST_F(ClientTest, EmbedOutOfVocabularyIsInvalidArgumentNamingIdAndIndex) {
+  v1::EmbedRequest request;
+  request.set_model("demo");
+  for (int64_t id : {1, 2, 3, 256, 4}) request.add_token_ids(id);
+  auto response = client_->Embed(request);
+  EXPECT_EQ(response.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(response.status().message()),
+              ::testing::AllOf(HasSubstr("256"), HasSubstr("index 3")));
+
+  request.set_token_ids(3, -1);
+  response = client_->Embed(request);
+  EXPECT_EQ(response.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(response.status().message()),
+              ::testing::AllOf(HasSubstr("-1"), HasSubstr("index 3")));
+
+  request.set_model("no-such-model");
+  request.set_token_ids(3, 0);
+  EXPECT_EQ(client_->Embed(request).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ClientTest, LayerModeDecodeTokenByTokenMatchesOneShotAttend) {
+  constexpr int64_t kTokens = 7, kHidden = 128;
+  const int64_t shape[] = {1, kTokens, kHidden};
+  auto hidden = RandomTensor(v1::DTYPE_F32, shape, 21);
+  ASSERT_TRUE(hidden.ok()) << hidden.status();
+
+  v1::AttendRequest request;
+  request.mutable_spec()->set_causal(true);
+  request.mutable_layer()->set_model("demo");
+  request.mutable_layer()->set_layer(1);
+  *request.mutable_layer()->mutable_hidden() = *hidden;
+  auto one_shot = client_->Attend(request);
+  ASSERT_TRUE(one_shot.ok()) << one_shot.status();
+  ASSERT_THAT(one_shot->out().shape(), ::testing::ElementsAre(1, kTokens, kHidden));
+  const std::vector<float> want = Floats(one_shot->out());
+
+  v1::OpenSession open;
+  open.mutable_spec()->set_causal(true);
+  open.set_model("demo");
+  open.set_layer(1);
+  open.set_max_context(kTokens);
+  auto session = client_->OpenSession(open);
+  ASSERT_TRUE(session.ok()) << session.status();
+  const std::vector<float> all = Floats(*hidden);
+  std::vector<float> last;
+  for (int64_t t = 0; t < kTokens; ++t) {
+    const int64_t step_shape[] = {1, 1, kHidden};
+    auto token = MakeF32(step_shape, absl::MakeConstSpan(all).subspan(t * kHidden, kHidden));
+    ASSERT_TRUE(token.ok()) << token.status();
+    auto result = (*session)->StepHidden(*token);
+    ASSERT_TRUE(result.ok()) << "token " << t << ": " << result.status();
+    EXPECT_EQ(result->position(), t + 1);
+    ASSERT_THAT(result->out().shape(), ::testing::ElementsAre(1, 1, kHidden));
+    last = Floats(result->out());
+    // Every step equals its row of the one-shot causal attention.
+    const std::vector<float> row(want.begin() + t * kHidden, want.begin() + (t + 1) * kHidden);
+    EXPECT_LT(RelativeError(last, row), 1e-5) << "token " << t;
+  }
+  EXPECT_EQ((*session)->position(), kTokens);
+  // A q/k/v step has no place in a layer-mode session.
+  const int64_t q_shape[] = {1, 1, 8, 16};
+  auto q = RandomTensor(v1::DTYPE_F32, q_shape, 1);
+  EXPECT_FALSE((*session)->Step(*q, *q, *q).ok());
+  EXPECT_TRUE((*session)->Close().ok());
+}
+
 }  // namespace
 }  // namespace ropeattn::client

@@ -522,5 +522,86 @@ TEST(BenchCliTest, ErrorsAreOneLineWithTheStatusCode) {
   EXPECT_NE(help.out.find("--window_seconds"), std::string::npos);
 }
 
+TEST(LoadgenTest, LayerModeAttendAndDecode) {
+  auto server = testing::StartTestServer(testing::TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  auto client = ConnectTo(server->port());
+  ASSERT_NE(client, nullptr);
+  {
+    LoadSpec spec = SmallAttend(LoadMode::kClosed);
+    spec.model = "demo";
+    spec.layer = 1;
+    spec.attend.heads = 3;  // not the model's (nor valid with kv_heads 2): unused
+    spec.attend.kv_heads = 2;
+    spec.attend.k_len = 1;  // self-attention: k_len is not used
+    spec.attend.causal = true;
+    spec.concurrency = {1};
+    auto resolved = ResolveLayerMode(*client, spec);
+    ASSERT_TRUE(resolved.ok()) << resolved.status();
+    EXPECT_EQ(resolved->hidden_size, 128);
+    auto results = RunLoad(*client, spec);
+    ASSERT_TRUE(results.ok()) << results.status();
+    ASSERT_EQ(results->size(), 1u);
+    const PointResult& r = (*results)[0];
+    CheckPoint(spec, r, spec.attend.batch * spec.attend.q_len);
+    EXPECT_GT(r.ok, 0);
+    EXPECT_EQ(r.errors, 0) << FormatCodes(r.codes);
+  }
+  {
+    LoadSpec spec = SmallDecode(LoadMode::kClosed);
+    spec.model = "demo";
+    spec.layer = 0;
+    spec.concurrency = {2};
+    auto results = RunLoad(*client, spec);
+    ASSERT_TRUE(results.ok()) << results.status();
+    const PointResult& r = (*results)[0];
+    CheckPoint(spec, r, spec.decode.tokens_per_step);
+    EXPECT_GT(r.ok, 0);
+    EXPECT_EQ(r.errors, 0) << FormatCodes(r.codes);
+  }
+  // The model and layer reach the server: an unknown model and a layer past
+  // the model's are its errors.
+  LoadSpec spec = SmallAttend(LoadMode::kClosed);
+  spec.model = "no-such-model";
+  EXPECT_EQ(RunLoad(*client, spec).status().code(), absl::StatusCode::kNotFound);
+  spec.model = "demo";
+  spec.layer = 2;
+  EXPECT_EQ(ProbeWorkload(*client, spec).code(), absl::StatusCode::kOutOfRange);
+  spec.workload = Workload::kDecode;
+  EXPECT_EQ(ProbeWorkload(*client, spec).code(), absl::StatusCode::kOutOfRange);
+  spec.layer = -1;
+  EXPECT_EQ(ValidateLoadSpec(spec).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(BenchCliTest, LayerModeCountsOkRequests) {
+  auto server = testing::StartTestServer(testing::TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  const std::string csv = ::testing::TempDir() + "/bench_layer.csv";
+  for (const char* workload : {"attend", "decode"}) {
+    std::remove(csv.c_str());
+    CliRun run = RunCli(absl::StrCat(
+        "--target=127.0.0.1:", server->port(), " --model demo --layer 0 --workload ", workload,
+        " --mode closed --concurrency 1 --window_seconds 0.3 --warmup_seconds 0.1 --max_windows 3"
+        " --q_len 4 --causal --context 4 --steps_per_session 3 --csv ",
+        csv));
+    ASSERT_EQ(run.exit_code, 0) << workload << ": " << run.err;
+    std::vector<std::string> lines = absl::StrSplit(ReadAll(csv), '\n', absl::SkipEmpty());
+    ASSERT_EQ(lines.size(), 2u) << ReadAll(csv);
+    const std::vector<std::string> row = absl::StrSplit(lines[1], ',');
+    ASSERT_EQ(row.size(), 20u) << lines[1];
+    EXPECT_EQ(row[1], workload);
+    int64_t ok = 0, errors = -1;
+    ASSERT_TRUE(absl::SimpleAtoi(row[14], &ok)) << lines[1];
+    ASSERT_TRUE(absl::SimpleAtoi(row[15], &errors)) << lines[1];
+    EXPECT_GT(ok, 0) << lines[1];
+    EXPECT_EQ(errors, 0) << lines[1];
+    EXPECT_EQ(row[17], absl::StrCat("OK=", ok)) << lines[1];
+  }
+  CliRun run = RunCli(absl::StrCat("--target=127.0.0.1:", server->port(),
+                                   " --model demo --layer 7 --window_seconds 0.3"));
+  EXPECT_EQ(run.exit_code, 11) << run.err;
+  EXPECT_NE(run.err.find("ropeattn bench: OUT_OF_RANGE: "), std::string::npos) << run.err;
+}
+
 }  // namespace
 }  // namespace ropeattn::client

@@ -4,6 +4,8 @@
 // x -> q/k/v projections -> the model's RoPE (tests/reference/rope_ref) ->
 // causal attention (tests/reference/attention_ref) -> output projection.
 // Tolerance: 1e-5 relative (norm-wise) for f32 weights and activations.
+#include <stdlib.h>
+
 #include <cmath>
 #include <vector>
 
@@ -14,6 +16,7 @@
 #include "tests/core/test_util.h"
 #include "tests/reference/attention_ref.h"
 #include "tests/reference/rope_ref.h"
+#include "tests/server/safetensors_writer.h"
 #include "tests/server/server_test_util.h"
 
 namespace ropeattn::testing {
@@ -225,6 +228,121 @@ TEST_F(LayerTest, LayerModeErrors) {
   *req.mutable_layer()->mutable_hidden() = ToWire(x.view());
   *req.mutable_q() = ToWire(x.view());
   EXPECT_EQ(attend(req).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+// A checkpoint written to disk: Qwen2-style config (q/k/v biases) with bf16
+// weights, served with --model semantics. Layer mode must match the fp64
+// chain computed from the same (bf16-rounded) weights; tolerance 1e-2
+// relative since activations meet bf16 weights.
+TEST(CheckpointLayerTest, Bf16WeightsWithBiasesMatchTheReference) {
+  char dir_template[] = "/tmp/ropeattn_ckpt_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  const int64_t hidden = 64, heads = 4, kv = 2, hd = 16, vocab = 32;
+  WriteFileOrDie(dir + "/config.json",
+                 absl::StrCat(R"({"architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2", "hidden_size": )",
+                              hidden, R"(, "num_attention_heads": )", heads,
+                              R"(, "num_key_value_heads": )", kv, R"(, "vocab_size": )", vocab, R"(,
+    "max_position_embeddings": 256, "num_hidden_layers": 1, "rope_theta": 10000.0,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}})"));
+  uint64_t seed = 100;
+  auto random = [&](int64_t n) {
+    const Tensor t = RandomTensor(DType::kF32, {n}, ++seed, -0.3f, 0.3f);
+    return std::vector<float>(t.data<float>(), t.data<float>() + n);
+  };
+  std::vector<SafetensorsTensor> tensors = {
+      {"model.embed_tokens.weight", "BF16", {vocab, hidden}, BF16Bytes(random(vocab * hidden))},
+      {"model.layers.0.self_attn.q_proj.weight",
+       "BF16",
+       {heads * hd, hidden},
+       BF16Bytes(random(heads * hd * hidden))},
+      {"model.layers.0.self_attn.q_proj.bias", "BF16", {heads * hd}, BF16Bytes(random(heads * hd))},
+      {"model.layers.0.self_attn.k_proj.weight",
+       "BF16",
+       {kv * hd, hidden},
+       BF16Bytes(random(kv * hd * hidden))},
+      {"model.layers.0.self_attn.k_proj.bias", "BF16", {kv * hd}, BF16Bytes(random(kv * hd))},
+      {"model.layers.0.self_attn.v_proj.weight",
+       "BF16",
+       {kv * hd, hidden},
+       BF16Bytes(random(kv * hd * hidden))},
+      {"model.layers.0.self_attn.v_proj.bias", "BF16", {kv * hd}, BF16Bytes(random(kv * hd))},
+      {"model.layers.0.self_attn.o_proj.weight",
+       "BF16",
+       {hidden, heads * hd},
+       BF16Bytes(random(hidden * heads * hd))},
+  };
+  WriteFileOrDie(dir + "/model.safetensors", SafetensorsBytes(tensors));
+  auto model = server::Model::Load("tiny", dir);
+  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_TRUE((*model)->config().attention_bias);
+
+  server::ServerOptions o = TestServerOptions();
+  o.models = {{"tiny", dir}};
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  const int64_t s = 7;
+  const Tensor x = RandomTensor(DType::kF32, {1, s, hidden}, 9);
+  v1::AttendRequest req;
+  req.mutable_spec()->set_causal(true);
+  req.mutable_layer()->set_model("tiny");
+  *req.mutable_layer()->mutable_hidden() = ToWire(x.view());
+  grpc::ClientContext ctx;
+  v1::AttendResponse resp;
+  grpc::Status st = stub->Attend(&ctx, req, &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+
+  // fp64 chain with YaRN frequencies from the reference.
+  const server::Model& m = **model;
+  const server::LayerWeights* w = m.layer(0).value();
+  const std::vector<double> xd = ToDoubles(x.view());
+  std::vector<double> q = RefLinear(xd, s, w->q_proj, w->q_bias);
+  std::vector<double> k = RefLinear(xd, s, w->k_proj, w->k_bias);
+  std::vector<double> v = RefLinear(xd, s, w->v_proj, w->v_bias);
+  ref::YarnRefParams yp;
+  yp.factor = 4;
+  yp.original_len = 64;
+  ref::RotateRefParams rp;
+  rp.seq = s;
+  rp.head_dim = hd;
+  rp.rotary_dim = hd;
+  for (int64_t i = 0; i < s; ++i) rp.positions.push_back(i);
+  rp.inv_freq = ref::YarnInvFreq(hd, 10000, yp);
+  rp.attention_factor = ref::YarnAttentionFactor(yp);
+  rp.heads = heads;
+  q = ref::Rotate(rp, q);
+  rp.heads = kv;
+  k = ref::Rotate(rp, k);
+  ref::AttentionRefParams ap;
+  ap.q_len = s;
+  ap.k_len = s;
+  ap.heads = heads;
+  ap.kv_heads = kv;
+  ap.head_dim = hd;
+  ap.v_dim = hd;
+  ap.causal = true;
+  const std::vector<double> want =
+      RefLinear(ref::Attention(ap, q, k, v).out, s, w->o_proj, w->o_bias);
+  EXPECT_TRUE(AllClose(WireToDoubles(resp.out()), want, kBF16Tol));
+  server->Shutdown(absl::Seconds(1));
+}
+
+TEST(CheckpointLayerTest, ABrokenCheckpointStopsStartUpNamingTheFile) {
+  char dir_template[] = "/tmp/ropeattn_ckpt_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  WriteFileOrDie(dir + "/config.json", R"({"hidden_size": 64, "num_attention_heads": 4,
+    "vocab_size": 32, "max_position_embeddings": 128, "num_hidden_layers": 1})");
+  WriteFileOrDie(dir + "/model.safetensors", "\x10\x00\x00");  // shorter than the length field
+  server::ServerOptions o = TestServerOptions();
+  o.models = {{"broken", dir}};
+  auto server = server::Server::Start(o);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << server.status();
+  EXPECT_THAT(server.status().message(), HasSubstr("model.safetensors"));
+  EXPECT_THAT(server.status().message(), HasSubstr("broken"));
 }
 
 }  // namespace
