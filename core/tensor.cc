@@ -154,6 +154,25 @@ absl::StatusOr<Tensor> Tensor::CopyOf(const ConstTensorView& view) {
   return t;
 }
 
+absl::StatusOr<Tensor> CastTensor(const ConstTensorView& view, DType dtype) {
+  if (view.dtype() == dtype) return Tensor::CopyOf(view);
+  absl::StatusOr<Tensor> dense = Tensor::CopyOf(view);
+  if (!dense.ok()) return dense.status();
+  absl::StatusOr<Tensor> out = Tensor::Create(dtype, view.dims());
+  if (!out.ok()) return out.status();
+  const int64_t n = dense->num_elements();
+  if (dtype == DType::kBF16) {
+    const float* src = dense->data<float>();
+    uint16_t* dst = out->data<uint16_t>();
+    for (int64_t i = 0; i < n; ++i) dst[i] = FloatToBF16(src[i]);
+  } else {
+    const uint16_t* src = dense->data<uint16_t>();
+    float* dst = out->data<float>();
+    for (int64_t i = 0; i < n; ++i) dst[i] = BF16ToFloat(src[i]);
+  }
+  return out;
+}
+
 TensorView Tensor::view() { return TensorView(buffer_.get(), dtype_, dims_); }
 ConstTensorView Tensor::view() const { return ConstTensorView(buffer_.get(), dtype_, dims_); }
 

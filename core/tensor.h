@@ -154,6 +154,10 @@ class Tensor {
   std::unique_ptr<void, FreeDeleter> buffer_;
 };
 
+// A dense copy of `view` in `dtype` (f32 <-> bf16 rounds to nearest even;
+// the same dtype is a plain copy).
+absl::StatusOr<Tensor> CastTensor(const ConstTensorView& view, DType dtype);
+
 // Dense row-major strides for dims.
 Dims RowMajorStrides(absl::Span<const int64_t> dims);
 

@@ -147,12 +147,8 @@ absl::Status RunLayerAttend(const ModelRegistry& models, const v1::AttendRequest
                       LayerForward(*r.model, r.layer, hidden.view(), o, offsets, threads));
   RA_ASSIGN_OR_RETURN(DType out_dtype,
                       DTypeFromProto(request.out_dtype(), "out_dtype", DType::kF32));
-  if (out_dtype == DType::kBF16) {
-    RA_ASSIGN_OR_RETURN(Tensor bf, Tensor::Create(DType::kBF16, out.dims()));
-    for (int64_t i = 0; i < out.num_elements(); ++i) {
-      bf.data<uint16_t>()[i] = FloatToBF16(out.data<float>()[i]);
-    }
-    out = std::move(bf);
+  if (out_dtype != DType::kF32) {
+    RA_ASSIGN_OR_RETURN(out, CastTensor(out.view(), out_dtype));
   }
   TensorToProto(out.view(), response->mutable_out());
   return absl::OkStatus();
@@ -226,12 +222,8 @@ absl::Status RunEmbed(const ModelRegistry& models, const v1::EmbedRequest& reque
   }
   RA_ASSIGN_OR_RETURN(DType out_dtype,
                       DTypeFromProto(request.out_dtype(), "out_dtype", DType::kF32));
-  if (out_dtype == DType::kBF16) {
-    RA_ASSIGN_OR_RETURN(Tensor bf, Tensor::Create(DType::kBF16, out.dims()));
-    for (int64_t i = 0; i < out.num_elements(); ++i) {
-      bf.data<uint16_t>()[i] = FloatToBF16(out.data<float>()[i]);
-    }
-    out = std::move(bf);
+  if (out_dtype != DType::kF32) {
+    RA_ASSIGN_OR_RETURN(out, CastTensor(out.view(), out_dtype));
   }
   TensorToProto(out.view(), response->mutable_embeddings());
   return absl::OkStatus();

@@ -26,14 +26,7 @@ bool LengthDependent(const RopeConfig& rope) {
 }
 
 // A dense f32 copy of a [1, T, H, D] tensor (RoPE rotates in fp32).
-absl::StatusOr<Tensor> ToF32(const Tensor& t) {
-  if (t.dtype() == DType::kF32) return Tensor::CopyOf(t.view());
-  RA_ASSIGN_OR_RETURN(Tensor out, Tensor::Create(DType::kF32, t.dims()));
-  const uint16_t* src = t.data<uint16_t>();
-  float* dst = out.data<float>();
-  for (int64_t i = 0; i < t.num_elements(); ++i) dst[i] = BF16ToFloat(src[i]);
-  return out;
-}
+absl::StatusOr<Tensor> ToF32(const Tensor& t) { return CastTensor(t.view(), DType::kF32); }
 
 // Copies rows of a dense [1, T, H, D] f32 tensor into cache rows
 // [first, first + T) of a [1, C, H, D] tensor of `dtype`.
@@ -344,14 +337,7 @@ absl::Status Session::Step(const v1::Step& step, int threads, v1::StepResult* re
   }
   if (c.model) {
     RA_ASSIGN_OR_RETURN(Tensor projected, ProjectOutput(*c.model, c.layer, out.view(), threads));
-    if (c.out_dtype == DType::kBF16) {
-      RA_ASSIGN_OR_RETURN(out, Tensor::Create(DType::kBF16, projected.dims()));
-      for (int64_t i = 0; i < projected.num_elements(); ++i) {
-        out.data<uint16_t>()[i] = FloatToBF16(projected.data<float>()[i]);
-      }
-    } else {
-      out = std::move(projected);
-    }
+    RA_ASSIGN_OR_RETURN(out, CastTensor(projected.view(), c.out_dtype));
   }
   position_ = new_len;
   ++steps_;

@@ -289,3 +289,30 @@ TEST(BF16Test, RoundingErrorIsAtMostHalfAnUlp) {
 
 }  // namespace
 }  // namespace ropeattn
+
+namespace ropeattn {
+namespace {
+
+TEST(CastTensorTest, ConvertsEachElementOnceAndCopiesStridedViews) {
+  Tensor src = Tensor::Create(DType::kF32, {3, 4}).value();
+  for (int i = 0; i < 12; ++i) src.data<float>()[i] = 1.0f + i / 3.0f;  // not bf16-exact
+  // A strided view: rows 0 and 2.
+  ConstTensorView strided(src.data<float>(), DType::kF32, {2, 4}, {8, 1});
+  Tensor bf = CastTensor(strided, DType::kBF16).value();
+  ASSERT_EQ(bf.dtype(), DType::kBF16);
+  ASSERT_EQ(bf.dims(), (Dims{2, 4}));
+  for (int r = 0; r < 2; ++r) {
+    for (int c = 0; c < 4; ++c) {
+      EXPECT_EQ(bf.data<uint16_t>()[r * 4 + c], FloatToBF16(src.data<float>()[2 * r * 4 + c]));
+    }
+  }
+  Tensor back = CastTensor(bf.view(), DType::kF32).value();
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(back.data<float>()[i], BF16ToFloat(bf.data<uint16_t>()[i]));
+  }
+  Tensor same = CastTensor(strided, DType::kF32).value();
+  EXPECT_EQ(same.data<float>()[4], src.data<float>()[8]);
+}
+
+}  // namespace
+}  // namespace ropeattn
