@@ -8,7 +8,7 @@ PACKAGES=(
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libmicrohttpd-dev nlohmann-json3-dev
+  libmicrohttpd-dev nlohmann-json3-dev libyaml-cpp-dev
 )
 
 missing=()
