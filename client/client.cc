@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/ring.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
@@ -153,6 +154,35 @@ v1::DecodeResponse::MsgCase ExpectedAnswer(v1::DecodeRequest::MsgCase c) {
   }
 }
 
+absl::Status CheckRoutingKey(absl::string_view key) {
+  for (char c : key) {
+    // gRPC rejects (and fails the call on) non-printable metadata values.
+    if (c < 0x20 || c > 0x7e) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("routing_key must be printable ASCII, got \"", absl::CEscape(key), "\""));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// For calls that look a session up on every target in turn: whether to go
+// on to the next target after `status` from `target` (NOT_FOUND: not there;
+// UNAVAILABLE with several targets: unreachable, remembered in
+// `*unreachable` so a final "not found" does not hide it).
+bool SkipTarget(const absl::Status& status, size_t num_targets, absl::string_view target,
+                absl::Status* unreachable) {
+  if (status.code() == absl::StatusCode::kNotFound) return true;
+  if (status.code() == absl::StatusCode::kUnavailable && num_targets > 1) {
+    if (unreachable->ok()) {
+      *unreachable = absl::UnavailableError(
+          absl::StrCat("not found on the reachable targets; target ", target,
+                       " (which may hold it) is unavailable: ", status.message()));
+    }
+    return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 // Cancels Decode streams whose current operation outlives its deadline. A
@@ -252,11 +282,16 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     return absl::InvalidArgumentError(
         absl::StrCat("max_retries must be >= 0, got ", options.max_retries));
   }
-  for (char c : options.routing_key) {
-    // gRPC rejects (and fails the call on) non-printable metadata values.
-    if (c < 0x20 || c > 0x7e) {
-      return absl::InvalidArgumentError(absl::StrCat("routing_key must be printable ASCII, got \"",
-                                                     absl::CEscape(options.routing_key), "\""));
+  if (absl::Status s = CheckRoutingKey(options.routing_key); !s.ok()) return s;
+  for (size_t i = 0; i < options.targets.size(); ++i) {
+    if (options.targets[i].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("targets[", i, "] must not be empty"));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (options.targets[j] == options.targets[i]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("targets[", i, "] \"", options.targets[i], "\" repeats targets[", j, "]"));
+      }
     }
   }
 
@@ -273,8 +308,16 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
 
   std::unique_ptr<Client> client(new Client());
   client->options_ = options;
-  client->channel_ =
-      grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  const std::vector<std::string> targets =
+      options.targets.empty() ? std::vector<std::string>{options.target} : options.targets;
+  for (const std::string& target : targets) {
+    Replica replica;
+    replica.channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+    replica.stub = v1::AttentionService::NewStub(replica.channel);
+    client->replicas_.push_back(std::move(replica));
+  }
+  client->ring_ = std::make_unique<HashRing>(targets);
+  client->channel_ = client->replicas_[0].channel;
   client->stub_ = v1::AttentionService::NewStub(client->channel_);
   client->timer_ = std::make_unique<CancelTimer>();
   return client;
@@ -286,13 +329,15 @@ absl::StatusOr<HealthStatus> Client::Health(absl::string_view service,
                                             std::optional<absl::Duration> deadline) {
   absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
   if (!d.ok()) return d.status();
-  auto stub = grpc::health::v1::Health::NewStub(channel_);
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(std::string(service));
   absl::StatusOr<grpc::health::v1::HealthCheckResponse> response =
       CallUnary<grpc::health::v1::HealthCheckResponse>(
-          *d, options_.max_retries,
-          [&](grpc::ClientContext* ctx, auto* r) { return stub->Check(ctx, request, r); });
+          *d, options_.max_retries, [&](grpc::ClientContext* ctx, auto* r) {
+            // One target per attempt (round robin when there are several).
+            auto stub = grpc::health::v1::Health::NewStub(NextReplica().channel);
+            return stub->Check(ctx, request, r);
+          });
   // Check answers NOT_FOUND for a service it does not know (the health
   // protocol's way of saying SERVICE_UNKNOWN).
   if (!response.ok() && response.status().code() == absl::StatusCode::kNotFound) {
@@ -306,27 +351,30 @@ absl::StatusOr<v1::AttendResponse> Client::Attend(const v1::AttendRequest& reque
                                                   std::optional<absl::Duration> deadline) {
   absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
   if (!d.ok()) return d.status();
-  return CallUnary<v1::AttendResponse>(
-      *d, options_.max_retries,
-      [&](grpc::ClientContext* ctx, auto* r) { return stub_->Attend(ctx, request, r); });
+  return CallUnary<v1::AttendResponse>(*d, options_.max_retries,
+                                       [&](grpc::ClientContext* ctx, auto* r) {
+                                         return NextReplica().stub->Attend(ctx, request, r);
+                                       });
 }
 
 absl::StatusOr<v1::EncodeResponse> Client::Encode(const v1::EncodeRequest& request,
                                                   std::optional<absl::Duration> deadline) {
   absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
   if (!d.ok()) return d.status();
-  return CallUnary<v1::EncodeResponse>(
-      *d, options_.max_retries,
-      [&](grpc::ClientContext* ctx, auto* r) { return stub_->Encode(ctx, request, r); });
+  return CallUnary<v1::EncodeResponse>(*d, options_.max_retries,
+                                       [&](grpc::ClientContext* ctx, auto* r) {
+                                         return NextReplica().stub->Encode(ctx, request, r);
+                                       });
 }
 
 absl::StatusOr<v1::ServerInfo> Client::GetServerInfo(std::optional<absl::Duration> deadline) {
   absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
   if (!d.ok()) return d.status();
   const v1::GetServerInfoRequest request;
-  return CallUnary<v1::ServerInfo>(
-      *d, options_.max_retries,
-      [&](grpc::ClientContext* ctx, auto* r) { return stub_->GetServerInfo(ctx, request, r); });
+  return CallUnary<v1::ServerInfo>(*d, options_.max_retries,
+                                   [&](grpc::ClientContext* ctx, auto* r) {
+                                     return NextReplica().stub->GetServerInfo(ctx, request, r);
+                                   });
 }
 
 absl::StatusOr<v1::SessionInfo> Client::GetSession(const std::string& session_id,
@@ -335,9 +383,19 @@ absl::StatusOr<v1::SessionInfo> Client::GetSession(const std::string& session_id
   if (!d.ok()) return d.status();
   v1::GetSessionRequest request;
   request.set_session_id(session_id);
-  return CallUnary<v1::SessionInfo>(
-      *d, options_.max_retries,
-      [&](grpc::ClientContext* ctx, auto* r) { return stub_->GetSession(ctx, request, r); });
+  absl::StatusOr<v1::SessionInfo> answer;
+  absl::Status unreachable;                        // a target that could not answer may hold the id
+  for (size_t i = 0; i < replicas_.size(); ++i) {  // the first target that knows the id
+    answer = CallUnary<v1::SessionInfo>(*d, options_.max_retries,
+                                        [&](grpc::ClientContext* ctx, auto* r) {
+                                          return replicas_[i].stub->GetSession(ctx, request, r);
+                                        });
+    if (answer.ok() || !SkipTarget(answer.status(), replicas_.size(), targets()[i], &unreachable)) {
+      return answer;
+    }
+  }
+  if (!unreachable.ok()) return unreachable;
+  return answer;
 }
 
 absl::StatusOr<std::vector<v1::SessionInfo>> Client::ListSessions(
@@ -345,11 +403,20 @@ absl::StatusOr<std::vector<v1::SessionInfo>> Client::ListSessions(
   absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
   if (!d.ok()) return d.status();
   const v1::ListSessionsRequest request;
-  absl::StatusOr<v1::ListSessionsResponse> response = CallUnary<v1::ListSessionsResponse>(
-      *d, options_.max_retries,
-      [&](grpc::ClientContext* ctx, auto* r) { return stub_->ListSessions(ctx, request, r); });
-  if (!response.ok()) return response.status();
-  return std::vector<v1::SessionInfo>(response->sessions().begin(), response->sessions().end());
+  std::vector<v1::SessionInfo> sessions;
+  for (size_t i = 0; i < replicas_.size(); ++i) {  // every target's list, merged
+    absl::StatusOr<v1::ListSessionsResponse> response = CallUnary<v1::ListSessionsResponse>(
+        *d, options_.max_retries, [&](grpc::ClientContext* ctx, auto* r) {
+          return replicas_[i].stub->ListSessions(ctx, request, r);
+        });
+    if (!response.ok()) {
+      if (replicas_.size() == 1) return response.status();
+      return absl::Status(response.status().code(),
+                          absl::StrCat("target ", targets()[i], ": ", response.status().message()));
+    }
+    sessions.insert(sessions.end(), response->sessions().begin(), response->sessions().end());
+  }
+  return sessions;
 }
 
 absl::StatusOr<v1::SessionInfo> Client::CloseSession(const std::string& session_id,
@@ -360,9 +427,19 @@ absl::StatusOr<v1::SessionInfo> Client::CloseSession(const std::string& session_
   request.set_session_id(session_id);
   // Not retried: a retry after a lost answer would report NOT_FOUND or
   // FAILED_PRECONDITION for a close that in fact succeeded.
-  absl::StatusOr<v1::CloseSessionResponse> response = CallUnary<v1::CloseSessionResponse>(
-      *d, /*max_retries=*/0,
-      [&](grpc::ClientContext* ctx, auto* r) { return stub_->CloseSession(ctx, request, r); });
+  absl::StatusOr<v1::CloseSessionResponse> response;
+  absl::Status unreachable;                        // a target that could not answer may hold the id
+  for (size_t i = 0; i < replicas_.size(); ++i) {  // the first target that knows the id
+    response = CallUnary<v1::CloseSessionResponse>(
+        *d, /*max_retries=*/0, [&](grpc::ClientContext* ctx, auto* r) {
+          return replicas_[i].stub->CloseSession(ctx, request, r);
+        });
+    if (response.ok() ||
+        !SkipTarget(response.status(), replicas_.size(), targets()[i], &unreachable)) {
+      break;
+    }
+  }
+  if (!response.ok() && !unreachable.ok()) return unreachable;
   if (!response.ok()) return response.status();
   return response->session();
 }
@@ -373,8 +450,9 @@ absl::StatusOr<std::vector<v1::ModelInfo>> Client::ListModels(
   if (!d.ok()) return d.status();
   const v1::ListModelsRequest request;
   absl::StatusOr<v1::ListModelsResponse> response = CallUnary<v1::ListModelsResponse>(
-      *d, options_.max_retries,
-      [&](grpc::ClientContext* ctx, auto* r) { return stub_->ListModels(ctx, request, r); });
+      *d, options_.max_retries, [&](grpc::ClientContext* ctx, auto* r) {
+        return NextReplica().stub->ListModels(ctx, request, r);
+      });
   if (!response.ok()) return response.status();
   return std::vector<v1::ModelInfo>(response->models().begin(), response->models().end());
 }
@@ -386,7 +464,7 @@ absl::StatusOr<v1::ModelInfo> Client::GetModel(const std::string& name,
   v1::GetModelRequest request;
   request.set_name(name);
   return CallUnary<v1::ModelInfo>(*d, options_.max_retries, [&](grpc::ClientContext* ctx, auto* r) {
-    return stub_->GetModel(ctx, request, r);
+    return NextReplica().stub->GetModel(ctx, request, r);
   });
 }
 
@@ -395,27 +473,95 @@ absl::StatusOr<v1::EmbedResponse> Client::Embed(const v1::EmbedRequest& request,
   absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
   if (!d.ok()) return d.status();
   // A pure function of the request: safe to retry.
-  return CallUnary<v1::EmbedResponse>(
-      *d, options_.max_retries,
-      [&](grpc::ClientContext* ctx, auto* r) { return stub_->Embed(ctx, request, r); });
+  return CallUnary<v1::EmbedResponse>(*d, options_.max_retries,
+                                      [&](grpc::ClientContext* ctx, auto* r) {
+                                        return NextReplica().stub->Embed(ctx, request, r);
+                                      });
 }
 
 absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const v1::OpenSession& open) {
+  return OpenSession(open, options_.routing_key);
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::AttachSession(const std::string& session_id) {
+  return AttachSession(session_id, options_.routing_key);
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const v1::OpenSession& open,
+                                                             absl::string_view routing_key) {
+  return OpenSessionOn(TargetFor(routing_key), open, routing_key);
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::AttachSession(const std::string& session_id,
+                                                               absl::string_view routing_key) {
+  return AttachSessionOn(TargetFor(routing_key), session_id, routing_key);
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::OpenSessionOn(size_t target_index,
+                                                               const v1::OpenSession& open,
+                                                               absl::string_view routing_key) {
   v1::DecodeRequest first;
   *first.mutable_open() = open;
+  return StartSession(target_index, first, routing_key);
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::AttachSessionOn(size_t target_index,
+                                                                 const std::string& session_id,
+                                                                 absl::string_view routing_key) {
+  v1::DecodeRequest first;
+  first.mutable_attach()->set_session_id(session_id);
+  return StartSession(target_index, first, routing_key);
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::StartSession(size_t target_index,
+                                                              const v1::DecodeRequest& first,
+                                                              absl::string_view routing_key) {
+  if (target_index >= replicas_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("target index ", target_index,
+                                                   " is out of range: the client has ",
+                                                   replicas_.size(), " target(s)"));
+  }
+  if (absl::Status s = CheckRoutingKey(routing_key); !s.ok()) return s;
   std::unique_ptr<Session> session(new Session());
   session->client_ = this;
+  session->target_ = targets()[target_index];
+  session->target_index_ = target_index;
+  session->routing_key_ = std::string(routing_key);
   if (absl::Status s = session->Start(first); !s.ok()) return s;
   return session;
 }
 
-absl::StatusOr<std::unique_ptr<Session>> Client::AttachSession(const std::string& session_id) {
-  v1::DecodeRequest first;
-  first.mutable_attach()->set_session_id(session_id);
-  std::unique_ptr<Session> session(new Session());
-  session->client_ = this;
-  if (absl::Status s = session->Start(first); !s.ok()) return s;
-  return session;
+Client::Replica& Client::NextReplica() {
+  if (replicas_.size() == 1) return replicas_[0];
+  return replicas_[next_replica_.fetch_add(1, std::memory_order_relaxed) % replicas_.size()];
+}
+
+size_t Client::TargetFor(absl::string_view routing_key) const {
+  const int owner = ring_->Lookup(routing_key);
+  return owner < 0 ? 0 : static_cast<size_t>(owner);
+}
+
+absl::StatusOr<HealthStatus> Client::HealthOf(size_t target_index, absl::string_view service,
+                                              std::optional<absl::Duration> deadline) {
+  if (target_index >= replicas_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("target index ", target_index,
+                                                   " is out of range: the client has ",
+                                                   replicas_.size(), " target(s)"));
+  }
+  absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
+  if (!d.ok()) return d.status();
+  auto stub = grpc::health::v1::Health::NewStub(replicas_[target_index].channel);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(std::string(service));
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse> response =
+      CallUnary<grpc::health::v1::HealthCheckResponse>(
+          *d, options_.max_retries,
+          [&](grpc::ClientContext* ctx, auto* r) { return stub->Check(ctx, request, r); });
+  if (!response.ok() && response.status().code() == absl::StatusCode::kNotFound) {
+    return HealthStatus::kServiceUnknown;
+  }
+  if (!response.ok()) return response.status();
+  return FromHealthProto(response->status());
 }
 
 // ------------------------------------------------------------ Session --
@@ -424,14 +570,12 @@ absl::Status Session::Start(const v1::DecodeRequest& first) {
   ctx_ = std::make_unique<grpc::ClientContext>();
   // No stream deadline: the stream lives as long as the session is used.
   // Each operation is bounded by the CancelTimer instead.
-  if (!client_->options_.routing_key.empty()) {
-    ctx_->AddMetadata(kRoutingKeyHeader, client_->options_.routing_key);
-  }
+  if (!routing_key_.empty()) ctx_->AddMetadata(kRoutingKeyHeader, routing_key_);
   // Armed before the call starts: creating the stream can itself block
   // while the channel connects.
   const uint64_t ticket =
       client_->timer_->Arm(absl::Now() + client_->options_.deadline, ctx_.get());
-  stream_ = client_->stub_->Decode(ctx_.get());
+  stream_ = client_->replicas_[target_index_].stub->Decode(ctx_.get());
   v1::DecodeResponse response;
   const bool ok = stream_->Write(first) && stream_->Read(&response);
   const bool timed_out = client_->timer_->Disarm(ticket);
@@ -614,6 +758,112 @@ Session::~Session() {
   }
   stream_->Finish().ok();  // nobody is left to report it to
   client_->timer_->Disarm(ticket);
+}
+
+// ------------------------------------------------- RecoverableSession --
+
+bool RecoverableSession::IsRecoverable(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kUnavailable ||
+         status.code() == absl::StatusCode::kNotFound;
+}
+
+absl::StatusOr<std::unique_ptr<RecoverableSession>> RecoverableSession::Open(
+    Client* client, const v1::OpenSession& open, absl::string_view routing_key) {
+  std::unique_ptr<RecoverableSession> r(new RecoverableSession());
+  r->client_ = client;
+  r->open_ = open;
+  r->routing_key_ = std::string(routing_key);
+  const size_t owner = client->TargetFor(routing_key);
+  absl::StatusOr<std::unique_ptr<Session>> session =
+      client->OpenSessionOn(owner, open, routing_key);
+  if (session.ok()) {
+    r->session_ = std::move(*session);
+    return r;
+  }
+  if (!IsRecoverable(session.status()) || client->targets().size() < 2) return session.status();
+  // The owner is down: start on the next target of the ring (nothing to replay).
+  if (absl::Status s = r->Recover(owner, session.status()); !s.ok()) return s;
+  return r;
+}
+
+absl::StatusOr<v1::StepResult> RecoverableSession::Step(const v1::Tensor& q, const v1::Tensor& k,
+                                                        const v1::Tensor& v) {
+  v1::Step step;
+  *step.mutable_q() = q;
+  *step.mutable_k() = k;
+  *step.mutable_v() = v;
+  return Send(std::move(step));
+}
+
+absl::StatusOr<v1::StepResult> RecoverableSession::StepHidden(const v1::Tensor& hidden) {
+  v1::Step step;
+  *step.mutable_hidden() = hidden;
+  return Send(std::move(step));
+}
+
+absl::StatusOr<v1::StepResult> RecoverableSession::SendOn(Session& session, const v1::Step& step) {
+  if (step.has_hidden()) return session.StepHidden(step.hidden());
+  return session.Step(step.q(), step.k(), step.v());
+}
+
+absl::StatusOr<v1::StepResult> RecoverableSession::Send(v1::Step step) {
+  if (closed_) return absl::FailedPreconditionError("the session was closed by this client");
+  // Each recovery moves to a target not tried for this step; a step that
+  // fails on every target is returned as the last failure.
+  for (size_t attempt = 0;; ++attempt) {
+    absl::StatusOr<v1::StepResult> result = SendOn(*session_, step);
+    if (result.ok()) {
+      retained_.push_back(std::move(step));
+      return result;
+    }
+    // In-band errors leave the stream up and the session unchanged.
+    if (session_->stream_status().ok() || !IsRecoverable(result.status())) return result;
+    if (attempt + 1 >= client_->targets().size() && attempt > 0) return result;
+    if (absl::Status s = Recover(session_->target_index(), result.status()); !s.ok()) return s;
+  }
+}
+
+absl::Status RecoverableSession::Recover(size_t failed, const absl::Status& why) {
+  last_failure_ = why;
+  const HashRing& ring = client_->ring();
+  std::string tried = absl::StrCat(ring.targets()[failed], " (", why.ToString(), ")");
+  absl::Status last = why;
+  int candidate = static_cast<int>(failed);
+  const size_t others = ring.size() > 1 ? ring.size() - 1 : 1;
+  for (size_t n = 0; n < others; ++n) {
+    candidate = ring.NextAfter(routing_key_, candidate);
+    if (candidate < 0) break;
+    absl::StatusOr<std::unique_ptr<Session>> session =
+        client_->OpenSessionOn(static_cast<size_t>(candidate), open_, routing_key_);
+    absl::Status s = session.status();
+    for (size_t i = 0; s.ok() && i < retained_.size(); ++i) {
+      absl::StatusOr<v1::StepResult> replayed = SendOn(**session, retained_[i]);
+      if (!replayed.ok()) {
+        s = absl::Status(replayed.status().code(),
+                         absl::StrCat("replaying step ", i + 1, " of ", retained_.size(), ": ",
+                                      replayed.status().message()));
+      }
+    }
+    if (s.ok()) {
+      session_ = std::move(*session);
+      ++recoveries_;
+      return absl::OkStatus();
+    }
+    absl::StrAppend(&tried, ", ", ring.targets()[candidate], " (", s.ToString(), ")");
+    last = s;
+    if (!IsRecoverable(s)) break;  // e.g. RESOURCE_EXHAUSTED: another replica would not help
+  }
+  return absl::Status(
+      last.code() == absl::StatusCode::kOk ? absl::StatusCode::kUnavailable : last.code(),
+      absl::StrCat("session with routing key \"", routing_key_, "\" could not be recovered after ",
+                   retained_.size(), " step(s); targets tried: ", tried));
+}
+
+absl::Status RecoverableSession::Close() {
+  if (closed_) return absl::FailedPreconditionError("the session was closed by this client");
+  closed_ = true;
+  retained_.clear();
+  return session_->Close();
 }
 
 }  // namespace ropeattn::client

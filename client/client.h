@@ -14,6 +14,8 @@
 #ifndef ROPEATTN_CLIENT_CLIENT_H_
 #define ROPEATTN_CLIENT_CLIENT_H_
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -25,6 +27,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "client/ring.h"
 #include "ropeattn/v1/attention.grpc.pb.h"
 
 namespace ropeattn::client {
@@ -51,7 +54,50 @@ struct ClientOptions {
   // Sent as metadata "x-ropeattn-session-key" when opening or attaching a
   // Decode stream, so a proxy can route it (empty: not sent). Printable ASCII.
   std::string routing_key;
+  // Several replicas of the server (host:port each; none empty, no
+  // duplicates). When non-empty, `target` is ignored and the Client opens a
+  // channel per target:
+  // - idempotent unary calls (and Health) go round robin over the targets,
+  //   one target per attempt, so a retry after UNAVAILABLE (a dead or
+  //   draining replica) lands on the next target;
+  // - GetSession and CloseSession ask the targets in order until one knows
+  //   the id (NOT_FOUND only if every target answered NOT_FOUND; UNAVAILABLE,
+  //   naming the target, if one that could hold it did not answer); ListSessions merges every
+  //   target's list (an error from any target fails it, naming the target);
+  // - Decode sessions go to the owner of their routing key on a consistent
+  //   hash ring of the targets (client/ring.h: FNV-1a 64 + splitmix64, 160
+  //   virtual nodes per target, the same in every process and build). The
+  //   key is the `routing_key` argument of OpenSession/AttachSession, else
+  //   `routing_key` above (an empty key is a key like any other: every such
+  //   session lands on one target). The ring is static: a dead replica keeps
+  //   its keys until the caller fails them over (see "Recovering a session"
+  //   below and RecoverableSession).
+  // When empty, the Client talks to `target` alone, as it always did.
+  std::vector<std::string> targets;
 };
+
+// Recovering a session whose replica died (multi-target clients).
+//
+// Sessions live in one server process; replicas do not share them. When the
+// replica holding a session dies, its stream ends with UNAVAILABLE (and a
+// re-attach by id, on a restarted replica or on another one, is NOT_FOUND:
+// no replica holds it any more). The session's state is the sequence of
+// steps applied to it, so it is rebuilt, bit for bit, by replaying them:
+//   1. keep the inputs (q/k/v, or hidden for layer mode) of every step the
+//      server answered (not the ones answered with an in-band error: those
+//      changed nothing);
+//   2. on UNAVAILABLE on the stream, or NOT_FOUND on attach, open the same
+//      OpenSession on the next target of the ring for that key
+//      (ring().NextAfter(key, failed_index), then OpenSessionOn), so every
+//      client of that key fails over to the same replica;
+//   3. replay the kept steps in order, with the same split into steps (the
+//      outputs depend on nothing else: they equal the originals bit for bit)
+//      and discard their outputs;
+//   4. resend the step that failed, and go on.
+// RecoverableSession below does exactly this. A truncate must be replayed
+// too (RecoverableSession does not offer it: use Session directly).
+
+class HashRing;
 
 enum class HealthStatus { kUnknown, kServing, kNotServing, kServiceUnknown };
 const char* HealthStatusName(HealthStatus status);
@@ -105,6 +151,34 @@ class Client {
   // Opens a Decode stream re-attached to a resumable session.
   absl::StatusOr<std::unique_ptr<Session>> AttachSession(const std::string& session_id);
 
+  // As above, with a per-session routing key instead of options().routing_key:
+  // it picks the target (multi-target clients: ring().Lookup(routing_key))
+  // and is sent as "x-ropeattn-session-key" (empty: not sent).
+  // InvalidArgument for a non-printable key.
+  absl::StatusOr<std::unique_ptr<Session>> OpenSession(const v1::OpenSession& open,
+                                                       absl::string_view routing_key);
+  absl::StatusOr<std::unique_ptr<Session>> AttachSession(const std::string& session_id,
+                                                         absl::string_view routing_key);
+  // On targets()[target_index] whatever the key says (failover; see
+  // "Recovering a session"). InvalidArgument for an index out of range.
+  absl::StatusOr<std::unique_ptr<Session>> OpenSessionOn(size_t target_index,
+                                                         const v1::OpenSession& open,
+                                                         absl::string_view routing_key);
+  absl::StatusOr<std::unique_ptr<Session>> AttachSessionOn(size_t target_index,
+                                                           const std::string& session_id,
+                                                           absl::string_view routing_key);
+  // grpc.health.v1 Check on one target (Health() goes round robin).
+  absl::StatusOr<HealthStatus> HealthOf(size_t target_index, absl::string_view service = "",
+                                        std::optional<absl::Duration> deadline = std::nullopt);
+
+  // The targets in use: options().targets (duplicates were refused), or
+  // options().target alone.
+  const std::vector<std::string>& targets() const { return ring_->targets(); }
+  // The ring over targets() (one target: it owns every key).
+  const HashRing& ring() const { return *ring_; }
+  // Index in targets() of the owner of `routing_key`.
+  size_t TargetFor(absl::string_view routing_key) const;
+
   const ClientOptions& options() const { return options_; }
   v1::AttentionService::Stub* stub() { return stub_.get(); }
 
@@ -116,6 +190,20 @@ class Client {
   std::unique_ptr<v1::AttentionService::Stub> stub_;
   std::unique_ptr<CancelTimer> timer_;
   friend class Session;
+
+  struct Replica {
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<v1::AttentionService::Stub> stub;
+  };
+  // One per targets() entry; replicas_[0] shares channel_ and stub_.
+  std::vector<Replica> replicas_;
+  std::unique_ptr<HashRing> ring_;
+  std::atomic<uint64_t> next_replica_{0};
+  // The replica of the next unary attempt (round robin).
+  Replica& NextReplica();
+  absl::StatusOr<std::unique_ptr<Session>> StartSession(size_t target_index,
+                                                        const v1::DecodeRequest& first,
+                                                        absl::string_view routing_key);
 };
 
 // One Decode stream holding one session. Operations are sent one at a time
@@ -138,6 +226,12 @@ class Session {
   const v1::SessionInfo& info() const { return info_; }
   const std::string& id() const { return info_.session_id(); }
   int64_t position() const { return position_; }
+  // The target the stream runs on, and its index in the Client's targets().
+  const std::string& target() const { return target_; }
+  size_t target_index() const { return target_index_; }
+  // OK while the stream is up; once it has ended, why (the status every
+  // later call returns).
+  const absl::Status& stream_status() const { return broken_; }
 
   // q [1, T, H, D], k [1, T, Hkv, D], v [1, T, Hkv, Dv].
   absl::StatusOr<v1::StepResult> Step(const v1::Tensor& q, const v1::Tensor& k,
@@ -174,6 +268,65 @@ class Session {
   int64_t position_ = 0;
   uint64_t seq_ = 0;
   absl::Status broken_;  // non-OK once the stream has ended (it is then finished)
+  std::string target_;
+  size_t target_index_ = 0;
+  std::string routing_key_;  // sent as x-ropeattn-session-key when not empty
+};
+
+// A Session that survives the loss of its replica (see "Recovering a
+// session"). It keeps the inputs of every step the server answered; when the
+// stream ends with UNAVAILABLE or NOT_FOUND (its replica died or lost it), it
+// opens the same session on the next target of the ring for its key, replays
+// the kept steps (their outputs are not returned again), resends the failed
+// step and returns its answer as if nothing had happened. It tries each other
+// target at most once per failure; if none can take the session, the error
+// names every target tried. Any other error (an in-band step error, an open
+// refused with RESOURCE_EXHAUSTED, a DEADLINE_EXCEEDED) is returned as is and
+// nothing is retried. Memory: every step's inputs stay in memory until Close
+// or destruction. Use from one thread at a time; destroy before the Client.
+class RecoverableSession {
+ public:
+  // Opens on the owner of `routing_key` (falling over along the ring if that
+  // target is UNAVAILABLE).
+  static absl::StatusOr<std::unique_ptr<RecoverableSession>> Open(Client* client,
+                                                                  const v1::OpenSession& open,
+                                                                  absl::string_view routing_key);
+
+  absl::StatusOr<v1::StepResult> Step(const v1::Tensor& q, const v1::Tensor& k,
+                                      const v1::Tensor& v);
+  absl::StatusOr<v1::StepResult> StepHidden(const v1::Tensor& hidden);
+  // Closes the current session; later calls fail with FAILED_PRECONDITION.
+  absl::Status Close();
+
+  // The current stream (replaced by each recovery).
+  Session& session() { return *session_; }
+  const std::string& target() const { return session_->target(); }
+  size_t target_index() const { return session_->target_index(); }
+  int64_t position() const { return session_->position(); }
+  const std::string& routing_key() const { return routing_key_; }
+  // Recoveries so far, the failure that caused the last one (OK if none),
+  // and the steps kept for replay.
+  int recoveries() const { return recoveries_; }
+  const absl::Status& last_failure() const { return last_failure_; }
+  size_t retained_steps() const { return retained_.size(); }
+  // Whether `status`, ending a stream, is one a recovery handles.
+  static bool IsRecoverable(const absl::Status& status);
+
+ private:
+  RecoverableSession() = default;
+  absl::StatusOr<v1::StepResult> Send(v1::Step step);
+  static absl::StatusOr<v1::StepResult> SendOn(Session& session, const v1::Step& step);
+  // Re-opens on the targets after `failed` in ring order and replays.
+  absl::Status Recover(size_t failed, const absl::Status& why);
+
+  Client* client_ = nullptr;
+  v1::OpenSession open_;
+  std::string routing_key_;
+  std::unique_ptr<Session> session_;
+  std::vector<v1::Step> retained_;
+  int recoveries_ = 0;
+  absl::Status last_failure_;
+  bool closed_ = false;
 };
 
 // --- Wire tensor helpers (little-endian hosts). ---
