@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/attention_kernels.h"
 #include "core/gemm_internal.h"
+#include "core/kv_cache.h"
 #include "core/status_macros.h"
 
 namespace ropeattn {
@@ -47,7 +48,8 @@ struct Plan {
   std::vector<float> t5;  // [heads, rel_count]
   ConstTensorView bias_tensor;
   bool bias_has_batch = false;
-  ConstTensorView q, k, v;
+  ConstTensorView q, k, v;         // k, v absent when keys come from `cache`
+  const KvCache* cache = nullptr;  // AttendCache: keys [0, k_len) of a session cache
   TensorView out, probs;
   int threads;
 
@@ -67,6 +69,11 @@ struct Plan {
   }
 };
 
+// Shapes and options; the caller has filled p.k_len, p.kv_heads, p.v_dim and
+// p.kv_dtype and checked its own key/value shapes.
+absl::Status PlanCommon(const ConstTensorView& q, const AttentionOptions& o, const TensorView& out,
+                        const TensorView& probs, Plan& p);
+
 absl::StatusOr<Plan> MakePlan(const ConstTensorView& q, const ConstTensorView& k,
                               const ConstTensorView& v, const AttentionOptions& o,
                               const TensorView& out, const TensorView& probs) {
@@ -82,6 +89,7 @@ absl::StatusOr<Plan> MakePlan(const ConstTensorView& q, const ConstTensorView& k
   p.k_len = k.dim(1);
   p.kv_heads = k.dim(2);
   p.v_dim = v.dim(3);
+  p.kv_dtype = k.dtype();
   if (k.dtype() != v.dtype()) {
     return absl::InvalidArgumentError(
         absl::StrFormat("k and v must share a dtype, got k %s and v %s", DTypeName(k.dtype()),
@@ -103,6 +111,18 @@ absl::StatusOr<Plan> MakePlan(const ConstTensorView& q, const ConstTensorView& k
     return absl::InvalidArgumentError(
         absl::StrFormat("head_dim of q (%d) and k (%d) differ", p.head_dim, k.dim(3)));
   }
+  RA_RETURN_IF_ERROR(PlanCommon(q, o, out, probs, p));
+  if (o.check_finite) {
+    RA_RETURN_IF_ERROR(CheckFinite(k, "k"));
+    RA_RETURN_IF_ERROR(CheckFinite(v, "v"));
+  }
+  p.k = k;
+  p.v = v;
+  return p;
+}
+
+absl::Status PlanCommon(const ConstTensorView& q, const AttentionOptions& o, const TensorView& out,
+                        const TensorView& probs, Plan& p) {
   if (p.kv_heads == 0 && p.heads != 0) {
     return absl::InvalidArgumentError("kv_heads must be >= 1, got 0");
   }
@@ -118,7 +138,6 @@ absl::StatusOr<Plan> MakePlan(const ConstTensorView& q, const ConstTensorView& k
         DimsToString(out.dims())));
   }
   p.q_dtype = q.dtype();
-  p.kv_dtype = k.dtype();
   p.out_dtype = out.dtype();
 
   if (!std::isfinite(o.scale) || o.scale < 0) {
@@ -282,16 +301,10 @@ absl::StatusOr<Plan> MakePlan(const ConstTensorView& q, const ConstTensorView& k
   }
 
   RA_RETURN_IF_ERROR(CheckFinite(q, "q"));
-  if (o.check_finite) {
-    RA_RETURN_IF_ERROR(CheckFinite(k, "k"));
-    RA_RETURN_IF_ERROR(CheckFinite(v, "v"));
-  }
   p.q = q;
-  p.k = k;
-  p.v = v;
   p.out = out;
   p.probs = probs;
-  return p;
+  return absl::OkStatus();
 }
 
 // Turns raw dot products of one query row over its visible keys [lo, lo+n)
@@ -413,10 +426,24 @@ struct DecodeLayout {
   std::vector<int64_t> ulo, uhi;     // per b: union of its rows' ranges
   std::vector<int64_t> chunk_begin;  // per b: first global chunk index
   int64_t chunks = 0;
+  // Chunk c of row b covers keys [base + c' * chunk, base + (c'+1) * chunk)
+  // clipped to [ulo, uhi), where c' = c - chunk_begin[b] and base = ulo
+  // rounded down to a multiple of `align`.
+  int64_t chunk = kDecodeChunk, align = 1;
 };
+
+// A KvCache is read tile by tile, and its V rows in runs long enough that the
+// second pair of query rows finds them in L2: chunks are whole tiles, as long
+// as 512 keys, short enough that every thread gets work.
+int64_t CacheChunk(const Plan& p, int64_t n) {
+  const int64_t per_thread = (n + p.threads - 1) / std::max(1, p.threads);
+  const int64_t tiles = (per_thread + KvCache::kTile - 1) / KvCache::kTile;
+  return std::clamp<int64_t>(tiles, 1, 8) * KvCache::kTile;
+}
 
 DecodeLayout PlanDecode(const Plan& p) {
   DecodeLayout L;
+  if (p.cache != nullptr) L.align = KvCache::kTile;
   L.rows = p.batch * p.heads * p.q_len;
   L.lo.resize(p.batch * p.q_len);
   L.hi.resize(p.batch * p.q_len);
@@ -439,8 +466,12 @@ DecodeLayout PlanDecode(const Plan& p) {
     L.ulo[b] = ulo;
     L.uhi[b] = uhi;
     L.n_max = std::max(L.n_max, uhi - ulo);
+  }
+  if (p.cache != nullptr) L.chunk = CacheChunk(p, L.n_max);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t base = L.ulo[b] / L.align * L.align;
     L.chunk_begin.push_back(L.chunks);
-    L.chunks += (uhi - ulo + kDecodeChunk - 1) / kDecodeChunk;
+    if (L.uhi[b] > L.ulo[b]) L.chunks += (L.uhi[b] - base + L.chunk - 1) / L.chunk;
   }
   L.chunk_begin.push_back(L.chunks);
   return L;
@@ -501,6 +532,46 @@ void DecodeValuesChunk(const Plan& p, const DecodeLayout& L, const float* scores
   }
 }
 
+// KvCache (batch 1): per tile, every kv head's tile is scored for the query
+// rows sharing it; only the visible keys are copied into the score rows.
+void DecodeScoresTiles(const Plan& p, const DecodeLayout& L, const float* qf, float* scores,
+                       int64_t t0, int64_t t1) {
+  constexpr int64_t kT = KvCache::kTile;
+  const int64_t d = p.head_dim;
+  std::vector<float> tmp(p.group * kT);
+  for (int64_t j = 0; j < p.kv_heads; ++j) {
+    for (int64_t tb = t0 / kT * kT; tb < t1; tb += kT) {
+      const float* tile = p.cache->KTile(j, tb / kT);
+      for (int64_t i = 0; i < p.q_len; ++i) {
+        const int64_t lo = std::max({t0, tb, L.lo[i]});
+        const int64_t hi = std::min({t1, tb + kT, L.hi[i]});
+        if (hi <= lo) continue;
+        const int64_t r0 = j * p.group * p.q_len + i;
+        internal::DotTileRows(qf + r0 * d, p.q_len * d, p.group, tile, d, tmp.data());
+        for (int64_t r = 0; r < p.group; ++r) {
+          std::memcpy(scores + (r0 + r * p.q_len) * L.n_max + (lo - L.ulo[0]),
+                      tmp.data() + r * kT + (lo - tb), (hi - lo) * sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+void DecodeValuesDense(const Plan& p, const DecodeLayout& L, const float* scores, float* acc,
+                       int64_t t0, int64_t t1) {
+  const int64_t dv = p.v_dim;
+  for (int64_t j = 0; j < p.kv_heads; ++j) {
+    for (int64_t i = 0; i < p.q_len; ++i) {
+      const int64_t lo = std::max(t0, L.lo[i]), hi = std::min(t1, L.hi[i]);
+      if (hi <= lo) continue;
+      const int64_t r0 = j * p.group * p.q_len + i;
+      internal::WeightedSumDenseRows(scores + r0 * L.n_max + (lo - L.ulo[0]), p.q_len * L.n_max,
+                                     p.group, p.cache->VRow(j, lo), hi - lo, dv, acc + r0 * dv,
+                                     p.q_len * dv);
+    }
+  }
+}
+
 absl::Status RunDecode(const Plan& p) {
   const DecodeLayout L = PlanDecode(p);
   const int64_t d = p.head_dim, dv = p.v_dim;
@@ -536,8 +607,9 @@ absl::Status RunDecode(const Plan& p) {
     int64_t bb = 0;
     while (L.chunk_begin[bb + 1] <= c) ++bb;
     *b = bb;
-    *t0 = L.ulo[bb] + (c - L.chunk_begin[bb]) * kDecodeChunk;
-    *t1 = std::min(L.uhi[bb], *t0 + kDecodeChunk);
+    const int64_t start = L.ulo[bb] / L.align * L.align + (c - L.chunk_begin[bb]) * L.chunk;
+    *t0 = std::max(L.ulo[bb], start);
+    *t1 = std::min(L.uhi[bb], start + L.chunk);
   };
   const bool f32 = p.kv_dtype == DType::kF32;
 #pragma omp parallel num_threads(threads)
@@ -548,7 +620,9 @@ absl::Status RunDecode(const Plan& p) {
     for (int64_t c = 0; c < L.chunks; ++c) {
       int64_t b, t0, t1;
       locate(c, &b, &t0, &t1);
-      if (f32) {
+      if (p.cache != nullptr) {
+        DecodeScoresTiles(p, L, qf, scores, t0, t1);
+      } else if (f32) {
         DecodeScoresChunk<float>(p, L, qf, scores, b, t0, t1);
       } else {
         DecodeScoresChunk<uint16_t>(p, L, qf, scores, b, t0, t1);
@@ -570,7 +644,9 @@ absl::Status RunDecode(const Plan& p) {
     for (int64_t c = 0; c < L.chunks; ++c) {
       int64_t b, t0, t1;
       locate(c, &b, &t0, &t1);
-      if (f32) {
+      if (p.cache != nullptr) {
+        DecodeValuesDense(p, L, scores, my_acc, t0, t1);
+      } else if (f32) {
         DecodeValuesChunk<float>(p, L, scores, my_acc, b, t0, t1);
       } else {
         DecodeValuesChunk<uint16_t>(p, L, scores, my_acc, b, t0, t1);
@@ -755,6 +831,16 @@ absl::Status RunPrefill(const Plan& p) {
   return err.Get();
 }
 
+// Last line of defence: never hand back a non-finite number.
+absl::Status CheckResultFinite(const TensorView& out) {
+  absl::Status fin = CheckFinite(out, "out");
+  if (!fin.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("attention result overflowed the float range (",
+                                                   fin.message(), "); reduce the magnitude of v"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 AttentionPath ChooseAttentionPath(int64_t q_len, int64_t heads, int64_t kv_heads,
@@ -776,13 +862,54 @@ absl::Status Attend(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   if (p.head_dim == 0 || p.v_dim == 0) path = AttentionPath::kDecode;  // oneDNN dislikes 0-dims
   absl::Status s = path == AttentionPath::kDecode ? RunDecode(p) : RunPrefill(p);
   if (!s.ok()) return s;
-  // Last line of defence: never hand back a non-finite number.
-  absl::Status fin = CheckFinite(out, "out");
-  if (!fin.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("attention result overflowed the float range (",
-                                                   fin.message(), "); reduce the magnitude of v"));
+  return CheckResultFinite(out);
+}
+
+absl::Status AttendCache(ConstTensorView q, const KvCache& cache, int64_t length,
+                         const AttentionOptions& options, TensorView out, TensorView probs) {
+  RA_RETURN_IF_ERROR(CheckBSHD(q, "q"));
+  RA_RETURN_IF_ERROR(CheckBSHD(out, "out"));
+  if (q.dim(0) != 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "q must have batch 1 against a KvCache, got shape %s", DimsToString(q.dims())));
   }
-  return absl::OkStatus();
+  if (length < 0 || length > cache.capacity()) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "length %d is outside the KvCache's capacity of %d", length, cache.capacity()));
+  }
+  if (q.dim(3) != cache.head_dim()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "head_dim of q (%d) and of the KvCache (%d) differ", q.dim(3), cache.head_dim()));
+  }
+  Plan p;
+  p.batch = 1;
+  p.q_len = q.dim(1);
+  p.heads = q.dim(2);
+  p.head_dim = q.dim(3);
+  p.k_len = length;
+  p.kv_heads = cache.kv_heads();
+  p.v_dim = cache.v_dim();
+  p.kv_dtype = DType::kF32;
+  p.cache = &cache;
+  RA_RETURN_IF_ERROR(PlanCommon(q, options, out, probs, p));
+  if (p.q_len == 0 || p.heads == 0) return absl::OkStatus();
+  AttentionPath path = ChooseAttentionPath(p.q_len, p.heads, p.kv_heads, !probs.empty_view());
+  if (options.force_path == AttentionOptions::Path::kDecode) path = AttentionPath::kDecode;
+  if (options.force_path == AttentionOptions::Path::kPrefill) path = AttentionPath::kPrefill;
+  if (p.head_dim == 0 || p.v_dim == 0) path = AttentionPath::kDecode;
+  if (path == AttentionPath::kPrefill) {
+    // A long step: its GEMMs cost far more than one copy of the rows.
+    RA_ASSIGN_OR_RETURN(Tensor k, Tensor::Create(DType::kF32, {1, length, p.kv_heads, p.head_dim}));
+    RA_ASSIGN_OR_RETURN(Tensor v, Tensor::Create(DType::kF32, {1, length, p.kv_heads, p.v_dim}));
+    RA_RETURN_IF_ERROR(cache.ReadK(0, k.view()));
+    RA_RETURN_IF_ERROR(cache.ReadV(0, v.view()));
+    AttentionOptions o = options;
+    o.check_finite = false;
+    o.force_path = AttentionOptions::Path::kPrefill;
+    return Attend(q, k.cview(), v.cview(), o, out, probs);
+  }
+  RA_RETURN_IF_ERROR(RunDecode(p));
+  return CheckResultFinite(out);
 }
 
 }  // namespace ropeattn

@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "core/kv_cache.h"
 #include "core/relative_bias.h"
 #include "core/tensor.h"
 
@@ -77,6 +78,20 @@ struct AttentionOptions {
 absl::Status Attend(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                     const AttentionOptions& options, TensorView out,
                     TensorView probs = TensorView());
+
+// Attend with keys and values [0, length) of a decoding session's KvCache
+// instead of k/v tensors: q [1, q_len, heads, head_dim] (f32 or bf16), out
+// [1, q_len, heads, v_dim]; heads a multiple of cache.kv_heads(), head_dim ==
+// cache.head_dim(). Same options, masks, errors and results as Attend over
+// those rows (options.key_lengths, if given, has one entry <= length). The
+// cache is not scanned for non-finite values: write only checked rows into it
+// (sessions check each step's tensors); `out` is still never non-finite.
+// Few query rows use the decode kernel on the cache's own layout; a long step
+// (a prompt) copies the rows out once and takes Attend's prefill path.
+// OutOfRange if length exceeds the cache's capacity.
+absl::Status AttendCache(ConstTensorView q, const KvCache& cache, int64_t length,
+                         const AttentionOptions& options, TensorView out,
+                         TensorView probs = TensorView());
 
 // Which kernel Attend uses for a shape (exposed for tests and benchmarks).
 enum class AttentionPath {

@@ -2,9 +2,13 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+
+#include "core/cpu.h"
 
 namespace ropeattn::internal {
 namespace {
@@ -337,7 +341,180 @@ inline void WeightedSumRowsImpl(const float* w, int64_t wst, int64_t rows, const
   for (; r < rows; ++r) WeightedSumImpl(w + r * wst, v, vs, count, dv, acc + r * as, load);
 }
 
+// ------------------------------------------------------ KvCache kernels --
+// Both read memory strictly in address order: on the development machine
+// that is what lets the hardware prefetchers keep a stream in flight while
+// the FMAs run (docs/core-design.md).
+
+constexpr int64_t kTile = 64;
+
+// R rows x 64 keys in R*4 zmm accumulators; one tile row (64 keys at one
+// channel) per step, no horizontal sums.
+template <int R>
+__attribute__((target("avx512f"))) void DotTileAvx512(const float* q, int64_t qs, const float* tile,
+                                                      int64_t d, float* out) {
+  __m512 a[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int u = 0; u < 4; ++u) a[r][u] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < d; ++i) {
+    const float* row = tile + i * kTile;
+    const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16);
+    const __m512 k2 = _mm512_loadu_ps(row + 32), k3 = _mm512_loadu_ps(row + 48);
+    for (int r = 0; r < R; ++r) {
+      const __m512 qb = _mm512_set1_ps(q[r * qs + i]);
+      a[r][0] = _mm512_fmadd_ps(qb, k0, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(qb, k1, a[r][1]);
+      a[r][2] = _mm512_fmadd_ps(qb, k2, a[r][2]);
+      a[r][3] = _mm512_fmadd_ps(qb, k3, a[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int u = 0; u < 4; ++u) _mm512_storeu_ps(out + r * kTile + 16 * u, a[r][u]);
+  }
+}
+
+// One row x 64 keys in 8 ymm accumulators.
+void DotTileAvx2(const float* q, const float* tile, int64_t d, float* out) {
+  __m256 a[8];
+  for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    const float* row = tile + i * kTile;
+    const __m256 qb = _mm256_set1_ps(q[i]);
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(row + 8 * u), a[u]);
+  }
+  for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + 8 * u, a[u]);
+}
+
+// R rows (1 or 2) x NV*16 lanes starting at lane x0 in registers, over all
+// keys; the last vector is masked to `last` lanes.
+template <int R, int NV>
+__attribute__((target("avx512f"))) void WeightedDenseSlab(const float* w, int64_t ws,
+                                                          const float* v, int64_t count, int64_t dv,
+                                                          float* acc, int64_t as, __mmask16 last) {
+  __m512 c[R][NV];
+  for (int r = 0; r < R; ++r) {
+    for (int x = 0; x < NV; ++x) {
+      const __mmask16 m = x == NV - 1 ? last : __mmask16(0xFFFF);
+      c[r][x] = _mm512_maskz_loadu_ps(m, acc + r * as + 16 * x);
+    }
+  }
+  for (int64_t u = 0; u < count; ++u) {
+    const float* vr = v + u * dv;
+    __m512 vv[NV];
+    for (int x = 0; x < NV; ++x) {
+      const __mmask16 m = x == NV - 1 ? last : __mmask16(0xFFFF);
+      vv[x] = _mm512_maskz_loadu_ps(m, vr + 16 * x);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 wb = _mm512_set1_ps(w[r * ws + u]);
+      for (int x = 0; x < NV; ++x) c[r][x] = _mm512_fmadd_ps(wb, vv[x], c[r][x]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int x = 0; x < NV; ++x) {
+      const __mmask16 m = x == NV - 1 ? last : __mmask16(0xFFFF);
+      _mm512_mask_storeu_ps(acc + r * as + 16 * x, m, c[r][x]);
+    }
+  }
+}
+
+template <int R>
+__attribute__((target("avx512f"))) void WeightedDenseAvx512(const float* w, int64_t ws,
+                                                            const float* v, int64_t count,
+                                                            int64_t dv, float* acc, int64_t as) {
+  for (int64_t x0 = 0; x0 < dv; x0 += 128) {
+    const int64_t lanes = std::min<int64_t>(128, dv - x0);
+    const int nv = static_cast<int>((lanes + 15) / 16);
+    const int tail = static_cast<int>(lanes - (nv - 1) * 16);
+    const __mmask16 last = static_cast<__mmask16>((1u << tail) - 1u);
+    const float* vx = v + x0;
+    float* ax = acc + x0;
+    switch (nv) {
+      case 1:
+        WeightedDenseSlab<R, 1>(w, ws, vx, count, dv, ax, as, last);
+        break;
+      case 2:
+        WeightedDenseSlab<R, 2>(w, ws, vx, count, dv, ax, as, last);
+        break;
+      case 3:
+        WeightedDenseSlab<R, 3>(w, ws, vx, count, dv, ax, as, last);
+        break;
+      case 4:
+        WeightedDenseSlab<R, 4>(w, ws, vx, count, dv, ax, as, last);
+        break;
+      case 5:
+        WeightedDenseSlab<R, 5>(w, ws, vx, count, dv, ax, as, last);
+        break;
+      case 6:
+        WeightedDenseSlab<R, 6>(w, ws, vx, count, dv, ax, as, last);
+        break;
+      case 7:
+        WeightedDenseSlab<R, 7>(w, ws, vx, count, dv, ax, as, last);
+        break;
+      default:
+        WeightedDenseSlab<R, 8>(w, ws, vx, count, dv, ax, as, last);
+        break;
+    }
+  }
+}
+
+std::atomic<bool> g_avx512_kernels{true};
+
+bool UseAvx512() {
+  static const bool has = CpuHasAvx512();
+  return has && g_avx512_kernels.load(std::memory_order_relaxed);
+}
+
 }  // namespace
+
+bool SetAvx512KernelsForTesting(bool enabled) { return g_avx512_kernels.exchange(enabled); }
+
+void DotTileRows(const float* q, int64_t q_stride, int64_t rows, const float* tile, int64_t d,
+                 float* out) {
+  if (UseAvx512()) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+      DotTileAvx512<4>(q + r * q_stride, q_stride, tile, d, out + r * kTile);
+    switch (rows - r) {
+      case 3:
+        DotTileAvx512<3>(q + r * q_stride, q_stride, tile, d, out + r * kTile);
+        break;
+      case 2:
+        DotTileAvx512<2>(q + r * q_stride, q_stride, tile, d, out + r * kTile);
+        break;
+      case 1:
+        DotTileAvx512<1>(q + r * q_stride, q_stride, tile, d, out + r * kTile);
+        break;
+      default:
+        break;
+    }
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) DotTileAvx2(q + r * q_stride, tile, d, out + r * kTile);
+}
+
+void WeightedSumDenseRows(const float* w, int64_t w_stride, int64_t rows, const float* v,
+                          int64_t count, int64_t dv, float* acc, int64_t acc_stride) {
+  if (UseAvx512()) {
+    // Two rows at a time keep one V row's 128 lanes in registers for both;
+    // the next pair rereads the keys from L2.
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2) {
+      WeightedDenseAvx512<2>(w + r * w_stride, w_stride, v, count, dv, acc + r * acc_stride,
+                             acc_stride);
+    }
+    if (r < rows)
+      WeightedDenseAvx512<1>(w + r * w_stride, w_stride, v, count, dv, acc + r * acc_stride,
+                             acc_stride);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    WeightedSumF32(w + r * w_stride, v, dv, count, dv, acc + r * acc_stride);
+  }
+}
+
+namespace {}  // namespace
 
 void DotKeysRowsF32(const float* q, int64_t q_stride, int64_t rows, const float* k,
                     int64_t k_stride, int64_t count, int64_t d, float* out, int64_t out_stride) {

@@ -40,6 +40,19 @@ void WeightedSumRowsBF16(const float* w, int64_t w_stride, int64_t rows, const u
                          int64_t v_stride, int64_t count, int64_t dv, float* acc,
                          int64_t acc_stride);
 
+// KvCache layout (kv_cache.h). Scores of `rows` query rows (q + r*q_stride,
+// d channels) against one K tile ([d][64] floats):
+// out[r*64 + u] = <q_r, key u of the tile>, u < 64.
+void DotTileRows(const float* q, int64_t q_stride, int64_t rows, const float* tile, int64_t d,
+                 float* out);
+// acc[r*acc_stride + x] += sum_u w[r*w_stride + u] * v[u*dv + x] for rows of
+// V stored back to back (one kv head of a KvCache), keys in ascending order.
+void WeightedSumDenseRows(const float* w, int64_t w_stride, int64_t rows, const float* v,
+                          int64_t count, int64_t dv, float* acc, int64_t acc_stride);
+// The two kernels above use AVX-512 where the CPU has it. Tests turn it off to
+// check the AVX2 versions too; returns the previous setting.
+bool SetAvx512KernelsForTesting(bool enabled);
+
 // acc[i] += w * x[i]
 void AxpyF32(float w, const float* x, float* acc, int64_t n);
 void AxpyBF16(float w, const uint16_t* x, float* acc, int64_t n);

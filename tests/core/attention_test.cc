@@ -18,6 +18,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/attention_kernels.h"
+#include "core/kv_cache.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
@@ -1016,6 +1018,258 @@ INSTANTIATE_TEST_SUITE_P(Kernels, AttentionValidationTest,
                          ::testing::Values(Path::kDecode, Path::kPrefill),
                          [](const ::testing::TestParamInfo<Path>& info) {
                            return std::string(PathName(info.param));
+                         });
+
+// --- KvCache: the session cache layout, and AttendCache over it. ---
+
+TEST(KvCacheTest, WriteThenReadRoundTripsAcrossTiles) {
+  // 150 positions span three tiles; capacity rounds up to 192.
+  KvCache cache = KvCache::Create(3, 80, 48, 150).value();
+  EXPECT_EQ(cache.capacity(), 192);
+  Tensor k = RandomTensor(DType::kF32, {1, 150, 3, 80}, 11);
+  Tensor v = RandomTensor(DType::kF32, {150, 3, 48}, 12);
+  // Two writes that meet inside a tile.
+  ASSERT_TRUE(cache.WriteK(0, k.cview().Slice(1, 0, 70)).ok());
+  ASSERT_TRUE(cache.WriteK(70, k.cview().Slice(1, 70, 80)).ok());
+  ASSERT_TRUE(cache.WriteV(0, v.cview()).ok());
+  Tensor k2 = Tensor::Create(DType::kF32, {1, 150, 3, 80}).value();
+  Tensor v2 = Tensor::Create(DType::kF32, {150, 3, 48}).value();
+  ASSERT_TRUE(cache.ReadK(0, k2.view()).ok());
+  ASSERT_TRUE(cache.ReadV(0, v2.view()).ok());
+  EXPECT_EQ(ToDoubles(k2.cview()), ToDoubles(k.cview()));
+  EXPECT_EQ(ToDoubles(v2.cview()), ToDoubles(v.cview()));
+  // A copy holds the same rows.
+  KvCache copy = KvCache::Create(3, 80, 48, 150).value();
+  ASSERT_TRUE(copy.CopyFrom(cache, 150).ok());
+  Tensor k3 = Tensor::Create(DType::kF32, {1, 150, 3, 80}).value();
+  ASSERT_TRUE(copy.ReadK(0, k3.view()).ok());
+  EXPECT_EQ(ToDoubles(k3.cview()), ToDoubles(k.cview()));
+}
+
+TEST(KvCacheTest, BadWritesAreRejected) {
+  KvCache cache = KvCache::Create(2, 64, 64, 64).value();
+  Tensor k = RandomTensor(DType::kF32, {1, 10, 2, 64}, 13);
+  absl::Status s = cache.WriteK(60, k.cview());
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(s.message(), HasSubstr("[60, 70)"));
+  Tensor wrong = RandomTensor(DType::kF32, {1, 10, 3, 64}, 14);
+  s = cache.WriteV(0, wrong.cview());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("[1, 10, 3, 64]"));
+  Tensor bf = RandomTensor(DType::kBF16, {1, 10, 2, 64}, 15);
+  EXPECT_EQ(cache.WriteK(0, bf.cview()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(KvCache::Create(-1, 64, 64, 8).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// AttendCache against the fp64 reference, for each path and with the AVX-512
+// kernels on and off (off runs the AVX2 versions; on a machine without
+// AVX-512 both runs take AVX2).
+class AttendCacheTest : public ::testing::TestWithParam<std::tuple<Path, bool>> {
+ protected:
+  void SetUp() override {
+    previous_ = internal::SetAvx512KernelsForTesting(std::get<1>(GetParam()));
+  }
+  void TearDown() override { internal::SetAvx512KernelsForTesting(previous_); }
+  Case Base() const {
+    Case c;
+    c.path = std::get<0>(GetParam());
+    return c;
+  }
+  // The case's k/v (batch 1) go into a cache with spare capacity whose unused
+  // rows hold NaN and inf: a correct kernel never lets them into a result.
+  void Check(const Case& c) {
+    SCOPED_TRACE(Describe(c));
+    ASSERT_EQ(c.batch, 1);
+    const Inputs in = MakeInputs(c);
+    const int64_t capacity = c.k_len + 70;
+    KvCache cache = KvCache::Create(c.kv_heads, c.head_dim, c.vd(), capacity).value();
+    Tensor poison_k =
+        Tensor::Create(DType::kF32, {1, cache.capacity(), c.kv_heads, c.head_dim}).value();
+    Tensor poison_v =
+        Tensor::Create(DType::kF32, {1, cache.capacity(), c.kv_heads, c.vd()}).value();
+    Fill(poison_k, std::numeric_limits<float>::quiet_NaN());
+    Fill(poison_v, std::numeric_limits<float>::infinity());
+    ASSERT_TRUE(cache.WriteK(0, poison_k.cview()).ok());
+    ASSERT_TRUE(cache.WriteV(0, poison_v.cview()).ok());
+    ASSERT_TRUE(cache.WriteK(0, in.k.cview()).ok());
+    ASSERT_TRUE(cache.WriteV(0, in.v.cview()).ok());
+    Tensor out = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.vd()}).value();
+    Fill(out, 1234.0f);
+    Tensor probs;
+    TensorView probs_view;
+    if (c.probs) {
+      probs = Tensor::Create(DType::kF32, {1, c.heads, c.q_len, c.k_len}).value();
+      Fill(probs, 1234.0f);
+      probs_view = probs.view();
+    }
+    const absl::Status s =
+        AttendCache(in.q.cview(), cache, c.k_len, MakeOptions(c, in), out.view(), probs_view);
+    ASSERT_TRUE(s.ok()) << s;
+    const ref::AttentionRefResult want = Reference(c, in);
+    EXPECT_TRUE(AllClose(ToDoubles(out.cview()), want.out, c.tol()));
+    if (c.probs) {
+      const std::vector<double> got = ToDoubles(probs.cview());
+      EXPECT_TRUE(AllClose(got, want.probs, c.tol()));
+      ExpectMaskedProbsExactlyZero(got, want.visible);
+    }
+  }
+  bool previous_ = true;
+};
+
+TEST_P(AttendCacheTest, OddShapesMatchReference) {
+  struct Shape {
+    int64_t q_len, k_len, heads, kv_heads, head_dim, v_dim;
+    bool causal;
+    int threads;
+  };
+  // Lengths around tile edges (63, 64, 65, 128, 129), head_dim 64/80/128 and
+  // an odd one, v_dim != head_dim, GQA ratios 1, 3, 4, 5, 32.
+  const Shape shapes[] = {
+      {1, 1, 1, 1, 64, 0, false, 1},    {1, 63, 4, 1, 64, 0, true, 1},
+      {1, 64, 8, 2, 128, 0, true, 2},   {1, 65, 32, 8, 128, 0, true, 2},
+      {1, 129, 32, 1, 80, 0, false, 1}, {3, 128, 12, 4, 80, 48, true, 1},
+      {7, 300, 20, 4, 128, 0, true, 2}, {1, 1000, 32, 8, 128, 0, true, 2},
+      {2, 77, 5, 1, 7, 9, false, 1},    {1, 200, 4, 4, 64, 136, true, 2},
+      {33, 129, 4, 2, 64, 0, true, 2},
+  };
+  uint64_t seed = 700;
+  for (const Shape& sh : shapes) {
+    Case c = Base();
+    c.q_len = sh.q_len;
+    c.k_len = sh.k_len;
+    c.heads = sh.heads;
+    c.kv_heads = sh.kv_heads;
+    c.head_dim = sh.head_dim;
+    c.v_dim = sh.v_dim;
+    c.causal = sh.causal;
+    c.num_threads = sh.threads;
+    c.seed = ++seed;
+    Check(c);
+  }
+}
+
+TEST_P(AttendCacheTest, EveryOptionMatchesReference) {
+  std::vector<Case> cases;
+  auto add = [&](auto setup) {
+    Case c = Base();
+    c.q_len = 3;
+    c.k_len = 150;
+    c.heads = 8;
+    c.kv_heads = 2;
+    c.head_dim = 64;
+    c.num_threads = 2;
+    c.seed = 800 + cases.size();
+    setup(c);
+    cases.push_back(c);
+  };
+  add([](Case& c) {
+    c.causal = true;
+    c.q_offsets = {40};
+  });
+  add([](Case& c) {
+    c.causal = true;
+    c.key_lengths = {100};
+  });
+  add([](Case& c) {
+    c.causal = true;
+    c.window = 70;
+  });  // starts mid-tile
+  add([](Case& c) {
+    c.window = 20;
+    c.q_offsets = {90};
+  });
+  add([](Case& c) {
+    c.scale = 1.0;
+    c.softcap = 5.0;
+  });
+  add([](Case& c) {
+    c.causal = true;
+    c.bias = BiasKind::kAlibi;
+  });
+  add([](Case& c) {
+    c.bias = BiasKind::kT5;
+    c.q_offsets = {70};
+  });
+  add([](Case& c) {
+    c.causal = true;
+    c.bias = BiasKind::kTensor;
+    c.probs = true;
+  });
+  add([](Case& c) {
+    c.causal = true;
+    c.q_offsets = {120};
+    c.window = 50;
+    c.softcap = 10.0;
+    c.bias = BiasKind::kAlibi;
+    c.probs = true;
+  });
+  add([](Case& c) {
+    c.causal = true;
+    c.q_offsets = {0};
+    c.window = 1;
+  });  // one key each
+  for (const Case& c : cases) Check(c);
+}
+
+TEST_P(AttendCacheTest, EqualsAttendOnTheSameRows) {
+  // Bit-for-bit agreement is not promised (different kernels); both must sit
+  // within f32 tolerance of each other on a long GQA decode.
+  Case c = Base();
+  c.q_len = 1;
+  c.k_len = 1100;
+  c.heads = 32;
+  c.kv_heads = 8;
+  c.head_dim = 128;
+  c.causal = true;
+  c.num_threads = 2;
+  c.seed = 900;
+  const Inputs in = MakeInputs(c);
+  KvCache cache = KvCache::Create(8, 128, 128, 2048).value();
+  ASSERT_TRUE(cache.WriteK(0, in.k.cview()).ok());
+  ASSERT_TRUE(cache.WriteV(0, in.v.cview()).ok());
+  Tensor a = Tensor::Create(DType::kF32, {1, 1, 32, 128}).value();
+  Tensor b = Tensor::Create(DType::kF32, {1, 1, 32, 128}).value();
+  const AttentionOptions o = MakeOptions(c, in);
+  ASSERT_TRUE(AttendCache(in.q.cview(), cache, c.k_len, o, a.view()).ok());
+  ASSERT_TRUE(Attend(in.q.cview(), in.k.cview(), in.v.cview(), o, b.view()).ok());
+  EXPECT_TRUE(AllClose(ToDoubles(a.cview()), ToDoubles(b.cview()), kF32Tol));
+}
+
+TEST_P(AttendCacheTest, BadCallsAreRejected) {
+  KvCache cache = KvCache::Create(2, 64, 64, 100).value();
+  Tensor q = RandomTensor(DType::kF32, {1, 1, 4, 64}, 21);
+  Tensor out = Tensor::Create(DType::kF32, {1, 1, 4, 64}).value();
+  AttentionOptions o;
+  o.force_path = std::get<0>(GetParam());
+  absl::Status s = AttendCache(q.cview(), cache, 129, o, out.view());
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(s.message(), HasSubstr("129"));
+  Tensor q2 = RandomTensor(DType::kF32, {2, 1, 4, 64}, 22);
+  Tensor out2 = Tensor::Create(DType::kF32, {2, 1, 4, 64}).value();
+  EXPECT_EQ(AttendCache(q2.cview(), cache, 10, o, out2.view()).code(),
+            absl::StatusCode::kInvalidArgument);
+  Tensor q3 = RandomTensor(DType::kF32, {1, 1, 4, 80}, 23);
+  s = AttendCache(q3.cview(), cache, 10, o, out.view());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("80"));
+  Tensor q4 = RandomTensor(DType::kF32, {1, 1, 3, 64}, 24);
+  Tensor out4 = Tensor::Create(DType::kF32, {1, 1, 3, 64}).value();
+  EXPECT_EQ(AttendCache(q4.cview(), cache, 10, o, out4.view()).code(),
+            absl::StatusCode::kInvalidArgument);  // 3 heads, 2 kv heads
+  Tensor qn = RandomTensor(DType::kF32, {1, 1, 4, 64}, 25);
+  qn.data<float>()[5] = std::numeric_limits<float>::quiet_NaN();
+  s = AttendCache(qn.cview(), cache, 10, o, out.view());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("q"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, AttendCacheTest,
+                         ::testing::Combine(::testing::Values(Path::kAuto, Path::kDecode,
+                                                              Path::kPrefill),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<Path, bool>>& info) {
+                           return absl::StrCat(PathName(std::get<0>(info.param)),
+                                               std::get<1>(info.param) ? "_avx512" : "_avx2");
                          });
 
 }  // namespace
