@@ -25,6 +25,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "core/kv_cache.h"
 #include "core/linear_attention.h"
 #include "core/rope.h"
 #include "core/tensor.h"
@@ -103,7 +104,9 @@ class Session {
   absl::Time last_active_ ABSL_GUARDED_BY(mu_);
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t position_ ABSL_GUARDED_BY(mu_) = 0;
-  // Softmax sessions: [1, max_context, kv_heads, head_dim / v_dim].
+  // Softmax sessions: f32 with grouped queries keep a KvCache; the others
+  // keep token-major [1, max_context, kv_heads, head_dim / v_dim] tensors.
+  std::optional<KvCache> kv_ ABSL_GUARDED_BY(mu_);
   Tensor k_cache_ ABSL_GUARDED_BY(mu_);
   Tensor v_cache_ ABSL_GUARDED_BY(mu_);
   Tensor k_raw_ ABSL_GUARDED_BY(mu_);  // unrotated keys, length-dependent RoPE only

@@ -410,35 +410,42 @@ TEST_F(SessionTest, TruncateThenContinueEqualsAFreshSession) {
   EXPECT_TRUE(AllClose(WireToDoubles(after.step().out()), ExpectedStep(c, seq, 6, 12), kF32Tol));
 }
 
+// MHA sessions keep token-major tensors, f32 GQA sessions a core KvCache:
+// forking copies either.
 TEST_F(SessionTest, ForksDivergeIndependently) {
-  const Config c{"mha", 4, 4, 16, 16, "default"};
-  const Sequence a = MakeSequence(c, 10, 21);
-  Sequence b = MakeSequence(c, 10, 22);
-  // b shares a's first 5 tokens.
-  std::memcpy(b.q.data<float>(), a.q.data<float>(), 5 * 4 * 16 * sizeof(float));
-  std::memcpy(b.k.data<float>(), a.k.data<float>(), 5 * 4 * 16 * sizeof(float));
-  std::memcpy(b.v.data<float>(), a.v.data<float>(), 5 * 4 * 16 * sizeof(float));
+  for (const Config& c :
+       {Config{"mha", 4, 4, 16, 16, "default"}, Config{"gqa", 4, 2, 16, 16, "default"}}) {
+    SCOPED_TRACE(c.name);
+    const int64_t kv_row = c.kv_heads * 16;
+    const Sequence a = MakeSequence(c, 10, 21);
+    Sequence b = MakeSequence(c, 10, 22);
+    // b shares a's first 5 tokens.
+    std::memcpy(b.q.data<float>(), a.q.data<float>(), 5 * 4 * 16 * sizeof(float));
+    std::memcpy(b.k.data<float>(), a.k.data<float>(), 5 * kv_row * sizeof(float));
+    std::memcpy(b.v.data<float>(), a.v.data<float>(), 5 * kv_row * sizeof(float));
 
-  Stream parent(stub_.get());
-  parent.Open(MakeOpen(c));
-  ASSERT_TRUE(parent.Step(a, 0, 5, 1).has_step());
-  v1::DecodeRequest fork;
-  fork.mutable_fork()->set_seq(2);
-  v1::DecodeResponse fr = parent.Send(fork);
-  ASSERT_TRUE(fr.has_forked()) << fr.DebugString();
-  EXPECT_EQ(fr.forked().position(), 5);
-  EXPECT_FALSE(fr.forked().session_id().empty());
-  EXPECT_FALSE(fr.forked().attached());
+    Stream parent(stub_.get());
+    parent.Open(MakeOpen(c));
+    ASSERT_TRUE(parent.Step(a, 0, 5, 1).has_step());
+    v1::DecodeRequest fork;
+    fork.mutable_fork()->set_seq(2);
+    v1::DecodeResponse fr = parent.Send(fork);
+    ASSERT_TRUE(fr.has_forked()) << fr.DebugString();
+    EXPECT_EQ(fr.forked().position(), 5);
+    EXPECT_FALSE(fr.forked().session_id().empty());
+    EXPECT_FALSE(fr.forked().attached());
 
-  Stream child(stub_.get());
-  child.Attach(fr.forked().session_id());
-  v1::DecodeResponse from_parent = parent.Step(a, 5, 10, 3);
-  v1::DecodeResponse from_child = child.Step(b, 5, 10, 1);
-  ASSERT_TRUE(from_parent.has_step()) << from_parent.DebugString();
-  ASSERT_TRUE(from_child.has_step()) << from_child.DebugString();
-  EXPECT_TRUE(
-      AllClose(WireToDoubles(from_parent.step().out()), ExpectedStep(c, a, 5, 10), kF32Tol));
-  EXPECT_TRUE(AllClose(WireToDoubles(from_child.step().out()), ExpectedStep(c, b, 5, 10), kF32Tol));
+    Stream child(stub_.get());
+    child.Attach(fr.forked().session_id());
+    v1::DecodeResponse from_parent = parent.Step(a, 5, 10, 3);
+    v1::DecodeResponse from_child = child.Step(b, 5, 10, 1);
+    ASSERT_TRUE(from_parent.has_step()) << from_parent.DebugString();
+    ASSERT_TRUE(from_child.has_step()) << from_child.DebugString();
+    EXPECT_TRUE(
+        AllClose(WireToDoubles(from_parent.step().out()), ExpectedStep(c, a, 5, 10), kF32Tol));
+    EXPECT_TRUE(
+        AllClose(WireToDoubles(from_child.step().out()), ExpectedStep(c, b, 5, 10), kF32Tol));
+  }
 }
 
 // ---------------------------------------------------------- isolation --
