@@ -28,6 +28,7 @@
 #include "core/attention.h"
 #include "core/cpu.h"
 #include "core/gemm.h"
+#include "core/kv_cache.h"
 #include "core/rope.h"
 #include "core/tensor.h"
 
@@ -275,15 +276,28 @@ void BM_Rope(benchmark::State& state, RopeLayout layout) {
 
 // -------------------------------------------------------------- decode --
 
-void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv_heads) {
+// Where the decode reads K/V from: the f32 KvCache a decoding session keeps
+// (AttendCache), or token-major tensors as a stateless Attend call passes them.
+enum class KvSource { kSessionCache, kTensors };
+
+void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv_heads, KvSource source) {
   const int64_t kv = 4096, h = 32, d = 128;
   const int64_t cache_bytes = 2 * kv * kv_heads * d * static_cast<int64_t>(DTypeSize(kv_dtype));
   // Enough caches that the set is 4x the L3 (32 MiB here) or more.
   const int copies = static_cast<int>(std::max<int64_t>(2, (int64_t{128} << 20) / cache_bytes + 1));
   std::vector<Tensor> ks, vs;
+  std::vector<KvCache> caches;
   for (int i = 0; i < copies; ++i) {
-    ks.push_back(Random(kv_dtype, {1, kv, kv_heads, d}, 100 + i));
-    vs.push_back(Random(kv_dtype, {1, kv, kv_heads, d}, 200 + i));
+    Tensor k = Random(kv_dtype, {1, kv, kv_heads, d}, 100 + i);
+    Tensor v = Random(kv_dtype, {1, kv, kv_heads, d}, 200 + i);
+    if (source == KvSource::kSessionCache) {
+      KvCache c = KvCache::Create(kv_heads, d, d, kv).value();
+      if (!c.WriteK(0, k.cview()).ok() || !c.WriteV(0, v.cview()).ok()) std::abort();
+      caches.push_back(std::move(c));
+    } else {
+      ks.push_back(std::move(k));
+      vs.push_back(std::move(v));
+    }
   }
   Tensor q = Random(DType::kF32, {1, 1, h, d}, 7);
   Tensor out = Tensor::Create(DType::kF32, {1, 1, h, d}).value();
@@ -293,7 +307,9 @@ void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv_heads) {
   opt.num_threads = Threads();
   RunTimed(state, static_cast<double>(cache_bytes), "bytes_per_second", kCopy, [&](int64_t it) {
     const int c = static_cast<int>(it % copies);
-    absl::Status st = Attend(q.view(), ks[c].view(), vs[c].view(), opt, out.view());
+    absl::Status st = source == KvSource::kSessionCache
+                          ? AttendCache(q.view(), caches[c], kv, opt, out.view())
+                          : Attend(q.view(), ks[c].view(), vs[c].view(), opt, out.view());
     if (!st.ok()) std::abort();
   });
   state.counters["caches"] = copies;
@@ -341,15 +357,27 @@ void Register() {
                                RopeLayout::kInterleaved)
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("decode/f32/kv4096_h32_kvh32_d128", BM_Decode, DType::kF32, 32)
-      ->UseRealTime()
-      ->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("decode/f32/kv4096_h32_kvh8_d128", BM_Decode, DType::kF32, 8)
-      ->UseRealTime()
-      ->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("decode/bf16/kv4096_h32_kvh32_d128", BM_Decode, DType::kBF16, 32)
-      ->UseRealTime()
-      ->Unit(benchmark::kMillisecond);
+  // Each named case reads K/V the way a decoding session with that shape
+  // keeps them: f32 with grouped queries in a KvCache, MHA and bf16 as
+  // token-major tensors. decode/f32/tensors/ is a stateless Attend over
+  // token-major K/V for the grouped shape.
+  struct DecodeCase {
+    const char* name;
+    DType dtype;
+    int64_t kv_heads;
+    KvSource source;
+  };
+  const DecodeCase decode_cases[] = {
+      {"decode/f32/kv4096_h32_kvh32_d128", DType::kF32, 32, KvSource::kTensors},
+      {"decode/f32/kv4096_h32_kvh8_d128", DType::kF32, 8, KvSource::kSessionCache},
+      {"decode/bf16/kv4096_h32_kvh32_d128", DType::kBF16, 32, KvSource::kTensors},
+      {"decode/f32/tensors/kv4096_h32_kvh8_d128", DType::kF32, 8, KvSource::kTensors},
+  };
+  for (const DecodeCase& c : decode_cases) {
+    benchmark::RegisterBenchmark(c.name, BM_Decode, c.dtype, c.kv_heads, c.source)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
   benchmark::RegisterBenchmark("prefill/f32/causal_s512_h32_kvh32_d128", BM_Prefill, DType::kF32,
                                512, 32)
       ->UseRealTime()
