@@ -357,10 +357,9 @@ void Register() {
                                RopeLayout::kInterleaved)
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
-  // Each named case reads K/V the way a decoding session with that shape
-  // keeps them: f32 with grouped queries in a KvCache, MHA and bf16 as
-  // token-major tensors. decode/f32/tensors/ is a stateless Attend over
-  // token-major K/V for the grouped shape.
+  // Each named case reads K/V the way a decoding session keeps them: f32 in
+  // a KvCache, bf16 as token-major tensors. The decode/f32/tensors/ cases
+  // are a stateless Attend over token-major f32 K/V.
   struct DecodeCase {
     const char* name;
     DType dtype;
@@ -368,9 +367,10 @@ void Register() {
     KvSource source;
   };
   const DecodeCase decode_cases[] = {
-      {"decode/f32/kv4096_h32_kvh32_d128", DType::kF32, 32, KvSource::kTensors},
+      {"decode/f32/kv4096_h32_kvh32_d128", DType::kF32, 32, KvSource::kSessionCache},
       {"decode/f32/kv4096_h32_kvh8_d128", DType::kF32, 8, KvSource::kSessionCache},
       {"decode/bf16/kv4096_h32_kvh32_d128", DType::kBF16, 32, KvSource::kTensors},
+      {"decode/f32/tensors/kv4096_h32_kvh32_d128", DType::kF32, 32, KvSource::kTensors},
       {"decode/f32/tensors/kv4096_h32_kvh8_d128", DType::kF32, 8, KvSource::kTensors},
   };
   for (const DecodeCase& c : decode_cases) {

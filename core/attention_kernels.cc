@@ -386,37 +386,59 @@ void DotTileAvx2(const float* q, const float* tile, int64_t d, float* out) {
   for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + 8 * u, a[u]);
 }
 
-// R rows (1 or 2) x NV*16 lanes starting at lane x0 in registers, over all
-// keys; the last vector is masked to `last` lanes.
-template <int R, int NV>
+// R rows (1 or 2) x NV*16 lanes in registers, over all keys. With kMasked
+// the last vector holds only the lanes in `last`.
+template <int R, int NV, bool kMasked>
 __attribute__((target("avx512f"))) void WeightedDenseSlab(const float* w, int64_t ws,
                                                           const float* v, int64_t count, int64_t dv,
                                                           float* acc, int64_t as, __mmask16 last) {
-  __m512 c[R][NV];
-  for (int r = 0; r < R; ++r) {
-    for (int x = 0; x < NV; ++x) {
-      const __mmask16 m = x == NV - 1 ? last : __mmask16(0xFFFF);
-      c[r][x] = _mm512_maskz_loadu_ps(m, acc + r * as + 16 * x);
+  __m512 c0[NV], c1[NV];
+#pragma GCC unroll 8
+  for (int x = 0; x < NV; ++x) {
+    const bool tail = kMasked && x == NV - 1;
+    c0[x] = tail ? _mm512_maskz_loadu_ps(last, acc + 16 * x) : _mm512_loadu_ps(acc + 16 * x);
+    if constexpr (R == 2) {
+      c1[x] = tail ? _mm512_maskz_loadu_ps(last, acc + as + 16 * x)
+                   : _mm512_loadu_ps(acc + as + 16 * x);
     }
   }
   for (int64_t u = 0; u < count; ++u) {
     const float* vr = v + u * dv;
-    __m512 vv[NV];
+    const __m512 w0 = _mm512_set1_ps(w[u]);
+    const __m512 w1 = _mm512_set1_ps(R == 2 ? w[ws + u] : 0.0f);
+#pragma GCC unroll 8
     for (int x = 0; x < NV; ++x) {
-      const __mmask16 m = x == NV - 1 ? last : __mmask16(0xFFFF);
-      vv[x] = _mm512_maskz_loadu_ps(m, vr + 16 * x);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 wb = _mm512_set1_ps(w[r * ws + u]);
-      for (int x = 0; x < NV; ++x) c[r][x] = _mm512_fmadd_ps(wb, vv[x], c[r][x]);
+      const __m512 vv = (kMasked && x == NV - 1) ? _mm512_maskz_loadu_ps(last, vr + 16 * x)
+                                                 : _mm512_loadu_ps(vr + 16 * x);
+      c0[x] = _mm512_fmadd_ps(w0, vv, c0[x]);
+      if constexpr (R == 2) c1[x] = _mm512_fmadd_ps(w1, vv, c1[x]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int x = 0; x < NV; ++x) {
-      const __mmask16 m = x == NV - 1 ? last : __mmask16(0xFFFF);
-      _mm512_mask_storeu_ps(acc + r * as + 16 * x, m, c[r][x]);
+#pragma GCC unroll 8
+  for (int x = 0; x < NV; ++x) {
+    if (kMasked && x == NV - 1) {
+      _mm512_mask_storeu_ps(acc + 16 * x, last, c0[x]);
+      if constexpr (R == 2) _mm512_mask_storeu_ps(acc + as + 16 * x, last, c1[x]);
+    } else {
+      _mm512_storeu_ps(acc + 16 * x, c0[x]);
+      if constexpr (R == 2) _mm512_storeu_ps(acc + as + 16 * x, c1[x]);
     }
   }
+}
+
+// Calls WeightedDenseSlab with NV = nv (1..8) known at compile time.
+template <int R, bool kMasked, int N = 1>
+__attribute__((target("avx512f"))) void WeightedDenseSlabN(int nv, const float* w, int64_t ws,
+                                                           const float* v, int64_t count,
+                                                           int64_t dv, float* acc, int64_t as,
+                                                           __mmask16 last) {
+  if constexpr (N < 8) {
+    if (nv != N) {
+      WeightedDenseSlabN<R, kMasked, N + 1>(nv, w, ws, v, count, dv, acc, as, last);
+      return;
+    }
+  }
+  WeightedDenseSlab<R, N, kMasked>(w, ws, v, count, dv, acc, as, last);
 }
 
 template <int R>
@@ -430,31 +452,10 @@ __attribute__((target("avx512f"))) void WeightedDenseAvx512(const float* w, int6
     const __mmask16 last = static_cast<__mmask16>((1u << tail) - 1u);
     const float* vx = v + x0;
     float* ax = acc + x0;
-    switch (nv) {
-      case 1:
-        WeightedDenseSlab<R, 1>(w, ws, vx, count, dv, ax, as, last);
-        break;
-      case 2:
-        WeightedDenseSlab<R, 2>(w, ws, vx, count, dv, ax, as, last);
-        break;
-      case 3:
-        WeightedDenseSlab<R, 3>(w, ws, vx, count, dv, ax, as, last);
-        break;
-      case 4:
-        WeightedDenseSlab<R, 4>(w, ws, vx, count, dv, ax, as, last);
-        break;
-      case 5:
-        WeightedDenseSlab<R, 5>(w, ws, vx, count, dv, ax, as, last);
-        break;
-      case 6:
-        WeightedDenseSlab<R, 6>(w, ws, vx, count, dv, ax, as, last);
-        break;
-      case 7:
-        WeightedDenseSlab<R, 7>(w, ws, vx, count, dv, ax, as, last);
-        break;
-      default:
-        WeightedDenseSlab<R, 8>(w, ws, vx, count, dv, ax, as, last);
-        break;
+    if (tail == 16) {
+      WeightedDenseSlabN<R, false>(nv, w, ws, vx, count, dv, ax, as, last);
+    } else {
+      WeightedDenseSlabN<R, true>(nv, w, ws, vx, count, dv, ax, as, last);
     }
   }
 }

@@ -20,14 +20,9 @@ constexpr size_t kMaxEndedIds = 4096;
 // the fly (exactly, in fp64), so this only trades memory for speed.
 constexpr int64_t kRopeTablePositions = 8192;
 
-// f32 sessions whose query heads share kv heads keep K/V in a core KvCache:
-// its layout makes the grouped-query decode stream 23-25% faster. With one
-// query head per kv head the token-major cache is faster (docs/core-design.md),
-// and bf16 caches are token-major too.
-bool UsesKvCache(const SessionConfig& c) {
-  return !c.linear && c.kv_dtype == DType::kF32 && c.spec.kv_heads > 0 &&
-         c.spec.heads / c.spec.kv_heads > 1;
-}
+// f32 softmax sessions keep K/V in a core KvCache, whose layout the decode
+// streams faster (docs/core-design.md); bf16 caches stay token-major.
+bool UsesKvCache(const SessionConfig& c) { return !c.linear && c.kv_dtype == DType::kF32; }
 
 bool LengthDependent(const RopeConfig& rope) {
   return rope.scaling.type == RopeScalingType::kDynamicNtk ||

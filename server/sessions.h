@@ -104,8 +104,8 @@ class Session {
   absl::Time last_active_ ABSL_GUARDED_BY(mu_);
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t position_ ABSL_GUARDED_BY(mu_) = 0;
-  // Softmax sessions: f32 with grouped queries keep a KvCache; the others
-  // keep token-major [1, max_context, kv_heads, head_dim / v_dim] tensors.
+  // Softmax sessions: f32 ones keep a KvCache, bf16 ones token-major
+  // [1, max_context, kv_heads, head_dim / v_dim] tensors.
   std::optional<KvCache> kv_ ABSL_GUARDED_BY(mu_);
   Tensor k_cache_ ABSL_GUARDED_BY(mu_);
   Tensor v_cache_ ABSL_GUARDED_BY(mu_);

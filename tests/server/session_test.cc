@@ -410,19 +410,21 @@ TEST_F(SessionTest, TruncateThenContinueEqualsAFreshSession) {
   EXPECT_TRUE(AllClose(WireToDoubles(after.step().out()), ExpectedStep(c, seq, 6, 12), kF32Tol));
 }
 
-// MHA sessions keep token-major tensors, f32 GQA sessions a core KvCache:
-// forking copies either.
+// f32 sessions keep a core KvCache, bf16 ones token-major tensors: forking
+// copies either.
 TEST_F(SessionTest, ForksDivergeIndependently) {
   for (const Config& c :
-       {Config{"mha", 4, 4, 16, 16, "default"}, Config{"gqa", 4, 2, 16, 16, "default"}}) {
+       {Config{"mha", 4, 4, 16, 16, "default"}, Config{"gqa", 4, 2, 16, 16, "default"},
+        Config{"gqa_bf16_kv", 4, 2, 16, 16, "default", 1, 0, false, 0, true}}) {
     SCOPED_TRACE(c.name);
-    const int64_t kv_row = c.kv_heads * 16;
+    const size_t kv_row = c.kv_heads * 16 * DTypeSize(c.bf16_kv ? DType::kBF16 : DType::kF32);
+    const double tol = c.bf16_kv ? kBF16Tol : kF32Tol;
     const Sequence a = MakeSequence(c, 10, 21);
     Sequence b = MakeSequence(c, 10, 22);
     // b shares a's first 5 tokens.
     std::memcpy(b.q.data<float>(), a.q.data<float>(), 5 * 4 * 16 * sizeof(float));
-    std::memcpy(b.k.data<float>(), a.k.data<float>(), 5 * kv_row * sizeof(float));
-    std::memcpy(b.v.data<float>(), a.v.data<float>(), 5 * kv_row * sizeof(float));
+    std::memcpy(b.k.data<char>(), a.k.data<char>(), 5 * kv_row);
+    std::memcpy(b.v.data<char>(), a.v.data<char>(), 5 * kv_row);
 
     Stream parent(stub_.get());
     parent.Open(MakeOpen(c));
@@ -441,10 +443,8 @@ TEST_F(SessionTest, ForksDivergeIndependently) {
     v1::DecodeResponse from_child = child.Step(b, 5, 10, 1);
     ASSERT_TRUE(from_parent.has_step()) << from_parent.DebugString();
     ASSERT_TRUE(from_child.has_step()) << from_child.DebugString();
-    EXPECT_TRUE(
-        AllClose(WireToDoubles(from_parent.step().out()), ExpectedStep(c, a, 5, 10), kF32Tol));
-    EXPECT_TRUE(
-        AllClose(WireToDoubles(from_child.step().out()), ExpectedStep(c, b, 5, 10), kF32Tol));
+    EXPECT_TRUE(AllClose(WireToDoubles(from_parent.step().out()), ExpectedStep(c, a, 5, 10), tol));
+    EXPECT_TRUE(AllClose(WireToDoubles(from_child.step().out()), ExpectedStep(c, b, 5, 10), tol));
   }
 }
 
