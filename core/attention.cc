@@ -532,8 +532,9 @@ void DecodeValuesChunk(const Plan& p, const DecodeLayout& L, const float* scores
   }
 }
 
-// KvCache (batch 1): per tile, every kv head's tile is scored for the query
-// rows sharing it; only the visible keys are copied into the score rows.
+// KvCache (batch 1): per kv head, each tile of the chunk in turn is scored for
+// the query rows sharing that head (one head's tiles are one contiguous run of
+// memory); only the visible keys are copied into the score rows.
 void DecodeScoresTiles(const Plan& p, const DecodeLayout& L, const float* qf, float* scores,
                        int64_t t0, int64_t t1) {
   constexpr int64_t kT = KvCache::kTile;

@@ -1263,6 +1263,17 @@ TEST_P(AttendCacheTest, BadCallsAreRejected) {
   EXPECT_THAT(s.message(), HasSubstr("q"));
 }
 
+TEST_P(AttendCacheTest, EmptyPrefixYieldsZeros) {
+  KvCache cache = KvCache::Create(2, 64, 64, 100).value();
+  Tensor q = RandomTensor(DType::kF32, {1, 2, 4, 64}, 26);
+  Tensor out = Tensor::Create(DType::kF32, {1, 2, 4, 64}).value();
+  Fill(out, 1234.0f);
+  AttentionOptions o;
+  o.force_path = std::get<0>(GetParam());
+  ASSERT_TRUE(AttendCache(q.cview(), cache, 0, o, out.view()).ok());
+  for (double x : ToDoubles(out.cview())) EXPECT_EQ(x, 0.0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Kernels, AttendCacheTest,
                          ::testing::Combine(::testing::Values(Path::kAuto, Path::kDecode,
                                                               Path::kPrefill),
