@@ -471,6 +471,8 @@ bool UseAvx512() {
 
 bool SetAvx512KernelsForTesting(bool enabled) { return g_avx512_kernels.exchange(enabled); }
 
+bool Avx512KernelsEnabled() { return UseAvx512(); }
+
 void DotTileRows(const float* q, int64_t q_stride, int64_t rows, const float* tile, int64_t d,
                  float* out) {
   if (UseAvx512()) {

@@ -52,6 +52,8 @@ void WeightedSumDenseRows(const float* w, int64_t w_stride, int64_t rows, const 
 // The two kernels above use AVX-512 where the CPU has it. Tests turn it off to
 // check the AVX2 versions too; returns the previous setting.
 bool SetAvx512KernelsForTesting(bool enabled);
+// Whether those kernels run their AVX-512 versions here and now.
+bool Avx512KernelsEnabled();
 
 // acc[i] += w * x[i]
 void AxpyF32(float w, const float* x, float* acc, int64_t n);

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "core/attention_kernels.h"
 #include "core/status_macros.h"
 
 namespace ropeattn {
@@ -40,6 +41,8 @@ absl::Status CheckRange(int64_t at, int64_t n, int64_t capacity, const char* wha
 }
 
 }  // namespace
+
+bool KvCacheDecodeIsFaster() { return internal::Avx512KernelsEnabled(); }
 
 absl::StatusOr<KvCache> KvCache::Create(int64_t kv_heads, int64_t head_dim, int64_t v_dim,
                                         int64_t capacity) {

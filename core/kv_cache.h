@@ -21,6 +21,12 @@
 
 namespace ropeattn {
 
+// Whether decoding from a KvCache beats decoding from token-major tensors on
+// this machine: true where its AVX-512 kernels run. Their AVX2 versions were
+// measured 8-15% slower than the token-major AVX2 decode, so a caller choosing
+// a cache layout should keep token-major tensors when this is false.
+bool KvCacheDecodeIsFaster();
+
 class KvCache {
  public:
   static constexpr int64_t kTile = 64;  // keys per K tile

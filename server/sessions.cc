@@ -20,9 +20,12 @@ constexpr size_t kMaxEndedIds = 4096;
 // the fly (exactly, in fp64), so this only trades memory for speed.
 constexpr int64_t kRopeTablePositions = 8192;
 
-// f32 softmax sessions keep K/V in a core KvCache, whose layout the decode
-// streams faster (docs/core-design.md); bf16 caches stay token-major.
-bool UsesKvCache(const SessionConfig& c) { return !c.linear && c.kv_dtype == DType::kF32; }
+// f32 softmax sessions keep K/V in a core KvCache where its decode is the
+// faster one (AVX-512 machines, docs/core-design.md); bf16 caches, and all
+// caches on AVX2-only machines, stay token-major. Decided once per session.
+bool UsesKvCache(const SessionConfig& c) {
+  return !c.linear && c.kv_dtype == DType::kF32 && KvCacheDecodeIsFaster();
+}
 
 bool LengthDependent(const RopeConfig& rope) {
   return rope.scaling.type == RopeScalingType::kDynamicNtk ||
@@ -218,7 +221,10 @@ absl::Status Session::CopyStateFrom(Session& other) {
     const size_t row = from.dim(2) * from.dim(3) * DTypeSize(from.dtype());
     std::memcpy(to.data<char>(), from.data<char>(), position_ * row);
   };
-  if (kv_ && other.kv_) RA_RETURN_IF_ERROR(kv_->CopyFrom(*other.kv_, position_));
+  if (kv_.has_value() != other.kv_.has_value()) {
+    return absl::InternalError("a fork and its parent hold different KV cache layouts");
+  }
+  if (kv_) RA_RETURN_IF_ERROR(kv_->CopyFrom(*other.kv_, position_));
   copy_rows(other.k_cache_, k_cache_);
   copy_rows(other.v_cache_, v_cache_);
   copy_rows(other.k_raw_, k_raw_);

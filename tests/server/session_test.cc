@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
+#include "core/attention_kernels.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
@@ -410,13 +412,23 @@ TEST_F(SessionTest, TruncateThenContinueEqualsAFreshSession) {
   EXPECT_TRUE(AllClose(WireToDoubles(after.step().out()), ExpectedStep(c, seq, 6, 12), kF32Tol));
 }
 
-// f32 sessions keep a core KvCache, bf16 ones token-major tensors: forking
-// copies either.
+// f32 sessions keep a core KvCache where its AVX-512 decode runs, token-major
+// tensors otherwise (and for bf16): forking copies either. The last case
+// turns the AVX-512 kernels off, as on an AVX2-only machine.
 TEST_F(SessionTest, ForksDivergeIndependently) {
-  for (const Config& c :
-       {Config{"mha", 4, 4, 16, 16, "default"}, Config{"gqa", 4, 2, 16, 16, "default"},
-        Config{"gqa_bf16_kv", 4, 2, 16, 16, "default", 1, 0, false, 0, true}}) {
+  struct ForkCase {
+    Config c;
+    bool avx512;
+  };
+  for (const ForkCase& fc :
+       {ForkCase{Config{"mha", 4, 4, 16, 16, "default"}, true},
+        ForkCase{Config{"gqa", 4, 2, 16, 16, "default"}, true},
+        ForkCase{Config{"gqa_bf16_kv", 4, 2, 16, 16, "default", 1, 0, false, 0, true}, true},
+        ForkCase{Config{"gqa_f32_token_major", 4, 2, 16, 16, "default"}, false}}) {
+    const Config& c = fc.c;
     SCOPED_TRACE(c.name);
+    const bool previous = internal::SetAvx512KernelsForTesting(fc.avx512);
+    absl::Cleanup restore = [previous] { internal::SetAvx512KernelsForTesting(previous); };
     const size_t kv_row = c.kv_heads * 16 * DTypeSize(c.bf16_kv ? DType::kBF16 : DType::kF32);
     const double tol = c.bf16_kv ? kBF16Tol : kF32Tol;
     const Sequence a = MakeSequence(c, 10, 21);
