@@ -5,13 +5,24 @@
 // brings its own scratchpad and stream: one cached primitive then serves any
 // number of threads at once. oneDNN plans its work for the thread count it
 // sees at creation, so the count is part of the cache key.
+//
+// bf16 without a bf16 matmul: oneDNN 2.6 builds bf16 matmuls only on
+// avx512_core and up, so on AVX2-only hosts (or under ONEDNN_MAX_CPU_ISA
+// below AVX512_CORE) bf16 operands are widened to f32 in per-thread buffers
+// and run on the f32 primitive. bf16 -> f32 is exact and so are the products
+// of two bf16 values in f32, so this is the same math with f32 accumulation,
+// as the bf16 primitive does; only the summation order may differ.
 #include "core/gemm.h"
 
 #include <omp.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -107,11 +118,34 @@ PrimitiveCache& Cache() {
   return *cache;
 }
 
-// Per-thread execution state: a stream and a growable, 64-byte aligned scratchpad.
+// An f32 buffer that grows without initialising its contents.
+struct WideBuffer {
+  std::unique_ptr<float[]> data;
+  size_t cap = 0;
+  float* Get(size_t count) {
+    if (count > cap) {
+      data.reset();  // free first: the peak is then one buffer, not two
+      data.reset(new float[count]);
+      cap = count;
+    }
+    return data.get();
+  }
+  // Frees a buffer above `keep_bytes` rather than keeping it for later calls.
+  void Trim(size_t keep_bytes) {
+    if (cap * sizeof(float) > keep_bytes) {
+      data.reset();
+      cap = 0;
+    }
+  }
+};
+
+// Per-thread execution state: a stream, a growable, 64-byte aligned
+// scratchpad, and the f32 copies of bf16 operands when there is no bf16 matmul.
 struct ThreadState {
   dnnl::stream stream{Engine()};
   std::unique_ptr<uint8_t[]> scratch;
   size_t scratch_cap = 0;
+  WideBuffer wide_a, wide_b;
   uint8_t* Scratch(size_t bytes) {
     if (bytes + 64 > scratch_cap) {
       scratch_cap = bytes + 64;
@@ -125,6 +159,126 @@ struct ThreadState {
 ThreadState& State() {
   thread_local ThreadState state;
   return state;
+}
+
+// Whether oneDNN creates bf16 matmuls here. It needs avx512_core for any bf16
+// matmul (whatever the shape or strides), so one small probe, made once,
+// answers for all of them.
+bool NativeBf16Matmul() {
+  static const bool native = [] {
+    try {
+      using dt = dnnl::memory::data_type;
+      const dnnl::memory::desc a({16, 16}, dt::bf16, {16, 1});
+      const dnnl::memory::desc b({16, 16}, dt::bf16, {16, 1});
+      const dnnl::memory::desc c({16, 16}, dt::f32, {16, 1});
+      dnnl::primitive_attr attr;
+      attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, Engine());
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return native;
+}
+
+// Widened operands above this many bytes are freed after the call rather than
+// kept by the thread (a bf16 weight matrix would otherwise stay resident as
+// f32 in every thread that ever ran a Linear on it).
+constexpr size_t kKeepWideBytes = size_t{16} << 20;
+
+// The bf16 operand x ([rows, cols]) widened to f32 in `buf`, keeping its
+// orientation: row-major if its columns are the unit stride (or it has no unit
+// stride at all), column-major if its rows are. Exact.
+MatOperand WidenBF16(int64_t rows, int64_t cols, const MatOperand& x, WideBuffer& buf,
+                     int threads) {
+  const auto* src = static_cast<const uint16_t*>(x.data);
+  const size_t count = static_cast<size_t>(rows) * static_cast<size_t>(cols);
+  float* dst = buf.Get(count);
+  const int64_t rs = x.row_stride, cs = x.col_stride;
+  // Below this many elements a parallel region costs more than it saves.
+  const bool parallel = threads > 1 && count >= (size_t{1} << 16);
+  if (rs == 1 && cs != 1 && rows > 1) {
+#pragma omp parallel for num_threads(threads) if (parallel) schedule(static)
+    for (int64_t j = 0; j < cols; ++j) {
+      const uint16_t* s = src + j * cs;
+      float* d = dst + j * rows;
+      for (int64_t i = 0; i < rows; ++i) d[i] = BF16ToFloat(s[i]);
+    }
+    return MatOperand{dst, DType::kF32, 1, rows};
+  }
+#pragma omp parallel for num_threads(threads) if (parallel) schedule(static)
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint16_t* s = src + i * rs;
+    float* d = dst + i * cols;
+    if (cs == 1) {
+      for (int64_t j = 0; j < cols; ++j) d[j] = BF16ToFloat(s[j]);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) d[j] = BF16ToFloat(s[j * cs]);
+    }
+  }
+  return MatOperand{dst, DType::kF32, cols, 1};
+}
+
+// c = a * b on the cached primitive for these operands. *no_primitive tells
+// whether the failure (if any) was oneDNN refusing to create the primitive.
+absl::Status Run(int64_t m, int64_t n, int64_t k, const MatOperand& a, const MatOperand& b,
+                 float* c, int64_t ldc, int threads, bool* no_primitive) {
+  *no_primitive = false;
+  Key key{m,
+          n,
+          k,
+          a.row_stride,
+          a.col_stride,
+          b.row_stride,
+          b.col_stride,
+          ldc,
+          static_cast<int>(a.dtype),
+          threads};
+  auto entry = Cache().Get(key);
+  if (!entry.ok()) {
+    *no_primitive = true;
+    return entry.status();
+  }
+  try {
+    ThreadState& ts = State();
+    const Entry& e = **entry;
+    dnnl::memory am(e.a_md, Engine(), const_cast<void*>(a.data));
+    dnnl::memory bm(e.b_md, Engine(), const_cast<void*>(b.data));
+    dnnl::memory cm(e.c_md, Engine(), c);
+    std::unordered_map<int, dnnl::memory> args = {
+        {DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
+    if (e.scratch_bytes > 0) {
+      dnnl::memory sm(dnnl::memory::desc({static_cast<int64_t>(e.scratch_bytes)},
+                                         dnnl::memory::data_type::u8, {1}),
+                      Engine(), ts.Scratch(e.scratch_bytes));
+      args.emplace(DNNL_ARG_SCRATCHPAD, sm);
+    }
+    e.prim.execute(ts.stream, args);
+    ts.stream.wait();
+  } catch (const dnnl::error& err) {
+    return absl::InternalError(absl::StrCat("oneDNN matmul failed: ", err.what()));
+  }
+  return absl::OkStatus();
+}
+
+// The same product with bf16 a and b widened to f32 (see the top of the file).
+absl::Status RunWidened(int64_t m, int64_t n, int64_t k, const MatOperand& a, const MatOperand& b,
+                        float* c, int64_t ldc, int threads) {
+  ThreadState& ts = State();
+  absl::Status status;
+  try {
+    const MatOperand wa = WidenBF16(m, k, a, ts.wide_a, threads);
+    const MatOperand wb = WidenBF16(k, n, b, ts.wide_b, threads);
+    bool no_primitive;
+    status = Run(m, n, k, wa, wb, c, ldc, threads, &no_primitive);
+  } catch (const std::bad_alloc&) {
+    status = absl::ResourceExhaustedError(absl::StrFormat(
+        "no memory to widen a bf16 [%d x %d] * [%d x %d] matmul to f32", m, k, k, n));
+  }
+  ts.wide_a.Trim(kKeepWideBytes);
+  ts.wide_b.Trim(kKeepWideBytes);
+  return status;
 }
 
 }  // namespace
@@ -141,39 +295,16 @@ absl::Status Gemm(int64_t m, int64_t n, int64_t k, const MatOperand& a, const Ma
   // oneDNN sizes its work from omp_get_max_threads(); the ICV is per thread.
   const int saved = omp_get_max_threads();
   if (saved != threads) omp_set_num_threads(threads);
-  Key key{m,
-          n,
-          k,
-          a.row_stride,
-          a.col_stride,
-          b.row_stride,
-          b.col_stride,
-          ldc,
-          static_cast<int>(a.dtype),
-          threads};
   absl::Status status;
-  auto entry = Cache().Get(key);
-  if (!entry.ok()) {
-    status = entry.status();
+  if (a.dtype == DType::kBF16 && !NativeBf16Matmul()) {
+    status = RunWidened(m, n, k, a, b, c, ldc, threads);
   } else {
-    try {
-      ThreadState& ts = State();
-      const Entry& e = **entry;
-      dnnl::memory am(e.a_md, Engine(), const_cast<void*>(a.data));
-      dnnl::memory bm(e.b_md, Engine(), const_cast<void*>(b.data));
-      dnnl::memory cm(e.c_md, Engine(), c);
-      std::unordered_map<int, dnnl::memory> args = {
-          {DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
-      if (e.scratch_bytes > 0) {
-        dnnl::memory sm(dnnl::memory::desc({static_cast<int64_t>(e.scratch_bytes)},
-                                           dnnl::memory::data_type::u8, {1}),
-                        Engine(), ts.Scratch(e.scratch_bytes));
-        args.emplace(DNNL_ARG_SCRATCHPAD, sm);
-      }
-      e.prim.execute(ts.stream, args);
-      ts.stream.wait();
-    } catch (const dnnl::error& err) {
-      status = absl::InternalError(absl::StrCat("oneDNN matmul failed: ", err.what()));
+    bool no_primitive;
+    status = Run(m, n, k, a, b, c, ldc, threads, &no_primitive);
+    // Not expected once the probe found bf16 matmuls, but if oneDNN still
+    // refuses one for this shape, the f32 primitive computes the same.
+    if (!status.ok() && no_primitive && a.dtype == DType::kBF16) {
+      status = RunWidened(m, n, k, a, b, c, ldc, threads);
     }
   }
   if (saved != threads) omp_set_num_threads(saved);
