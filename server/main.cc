@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/cpu.h"
+#include "server/listener.h"
 #include "server/options.h"
 #include "server/server.h"
 
@@ -24,7 +25,11 @@ const ropeattn::server::ServerOptions kDefaults;
 }  // namespace
 
 ABSL_FLAG(std::string, address, kDefaults.address,
-          "gRPC listen address host:port (port 0 picks a free port and prints it)");
+          "gRPC listen address host:port, host an IPv4 literal, [IPv6] or localhost (port 0 "
+          "picks a free port and prints it); a port in use fails start-up");
+ABSL_FLAG(int, max_connections, kDefaults.max_connections,
+          "Concurrent gRPC connections; more are closed at accept. 0: the fd soft limit (raised "
+          "to the hard limit at start) minus 256, at least 16");
 ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
           "Prometheus /metrics HTTP listen address host:port; empty disables it");
 ABSL_FLAG(int, metrics_port, -1,
@@ -101,6 +106,7 @@ int main(int argc, char** argv) {
 
   ropeattn::server::ServerOptions o;
   o.address = absl::GetFlag(FLAGS_address);
+  o.max_connections = absl::GetFlag(FLAGS_max_connections);
   o.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
     o.metrics_address = absl::StrCat("127.0.0.1:", absl::GetFlag(FLAGS_metrics_port));
@@ -126,6 +132,22 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // Idle connections hold fds; the more the limit allows, the later a flood
+  // bites. The connection cap below is derived from the raised limit.
+  const absl::StatusOr<int64_t> fd_limit_before = ropeattn::server::FdSoftLimit();
+  const absl::StatusOr<int64_t> fd_limit = ropeattn::server::RaiseFdLimitToHard();
+  if (!fd_limit.ok()) {
+    std::fprintf(stderr, "ropeattn-server: warning: fd limit not raised: %s\n",
+                 fd_limit.status().ToString().c_str());
+  }
+  const absl::StatusOr<int> max_connections =
+      ropeattn::server::ResolveMaxConnections(o.max_connections);
+  if (!max_connections.ok()) {
+    std::fprintf(stderr, "ropeattn-server: --max_connections: %s\n",
+                 max_connections.status().ToString().c_str());
+    return 2;
+  }
+
   auto server = ropeattn::server::Server::Start(o);
   if (!server.ok()) {
     std::fprintf(stderr, "ropeattn-server: %s\n", server.status().ToString().c_str());
@@ -138,6 +160,19 @@ int main(int argc, char** argv) {
           ? "(disabled)"
           : absl::StrCat("http://127.0.0.1:", (*server)->metrics_port(), "/metrics").c_str(),
       ropeattn::CpuDescription().c_str());
+  const absl::StatusOr<int64_t> fd_limit_now = ropeattn::server::FdSoftLimit();
+  std::printf("ropeattn-server: fd limit %s (was %s at start), max connections %d\n",
+              fd_limit_now.ok() ? absl::StrCat(*fd_limit_now).c_str() : "unknown",
+              fd_limit_before.ok() ? absl::StrCat(*fd_limit_before).c_str() : "unknown",
+              *max_connections);
+  const absl::StatusOr<int> derived = ropeattn::server::ResolveMaxConnections(0);
+  if (derived.ok() && *max_connections > *derived) {
+    std::fprintf(stderr,
+                 "ropeattn-server: warning: --max_connections=%d is above %d (the fd limit minus "
+                 "a reserve of %d fds): a connection flood can make accept() run out of fds "
+                 "(the server sheds connections then)\n",
+                 *max_connections, *derived, static_cast<int>(ropeattn::server::kFdReserve));
+  }
   std::fflush(stdout);
 
   int sig = 0;

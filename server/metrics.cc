@@ -151,6 +151,7 @@ std::vector<std::string> SortedKeys(const absl::flat_hash_map<std::string, V>& m
 struct Metrics::State {
   mutable absl::Mutex mu;
   Data data ABSL_GUARDED_BY(mu);
+  std::function<ConnectionCounts()> connections ABSL_GUARDED_BY(mu);
 };
 
 Metrics::Metrics() : state_(std::make_unique<State>()) {
@@ -183,6 +184,11 @@ void Metrics::RecordRequest(absl::string_view method, int grpc_code, double seco
 void Metrics::RecordRejected(absl::string_view method) {
   absl::MutexLock lock(&state_->mu);
   ++BoundedEntry(state_->data.methods, method).rejected;
+}
+
+void Metrics::SetConnectionSource(std::function<ConnectionCounts()> source) {
+  absl::MutexLock lock(&state_->mu);
+  state_->connections = std::move(source);
 }
 
 void Metrics::SetQueueDepth(int64_t depth) {
@@ -219,10 +225,13 @@ void Metrics::RecordStep(int64_t tokens) {
 
 std::string Metrics::RenderPrometheus() const {
   Data d;
+  std::function<ConnectionCounts()> connections;
   {
     absl::ReaderMutexLock lock(&state_->mu);
     d = state_->data;
+    connections = state_->connections;
   }
+  const ConnectionCounts conn = connections ? connections() : ConnectionCounts();
   const std::vector<std::string> methods = SortedKeys(d.methods);
   std::vector<std::string> escaped;
   escaped.reserve(methods.size());
@@ -311,6 +320,19 @@ std::string Metrics::RenderPrometheus() const {
   AppendFamilyHeader(&out, "ropeattn_decode_tokens_total", "Tokens processed by decode steps.",
                      "counter");
   absl::StrAppend(&out, "ropeattn_decode_tokens_total ", d.decode_tokens, "\n");
+
+  AppendFamilyHeader(&out, "ropeattn_connections_accepted_total",
+                     "gRPC connections accepted and handed to gRPC since start.", "counter");
+  absl::StrAppend(&out, "ropeattn_connections_accepted_total ", conn.accepted, "\n");
+
+  AppendFamilyHeader(&out, "ropeattn_connections_refused_total",
+                     "gRPC connections closed at accept, by reason (over_cap: the connection "
+                     "cap; no_fd: accept ran out of file descriptors).",
+                     "counter");
+  absl::StrAppend(&out, "ropeattn_connections_refused_total{reason=\"no_fd\"} ", conn.refused_no_fd,
+                  "\n");
+  absl::StrAppend(&out, "ropeattn_connections_refused_total{reason=\"over_cap\"} ",
+                  conn.refused_over_cap, "\n");
   return out;
 }
 

@@ -4,6 +4,7 @@
 #define ROPEATTN_SERVER_METRICS_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -57,6 +58,18 @@ class Metrics {
   // ropeattn_decode_steps_total (+1) and ropeattn_decode_tokens_total
   // (+tokens; negative counts as 0 since counters never go down).
   void RecordStep(int64_t tokens);
+  // The gRPC listener's connections: ropeattn_connections_accepted_total and
+  // ropeattn_connections_refused_total{reason} with reason "over_cap" (the
+  // connection cap) or "no_fd" (accept ran out of fds); always rendered, from
+  // 0. `source` is called at each render, outside the lock, on the scraping
+  // thread: it must be thread-safe and callable until replaced or until the
+  // Metrics is destroyed.
+  struct ConnectionCounts {
+    int64_t accepted = 0;
+    int64_t refused_over_cap = 0;
+    int64_t refused_no_fd = 0;
+  };
+  void SetConnectionSource(std::function<ConnectionCounts()> source);
 
   // The whole registry in Prometheus text exposition format 0.0.4: every
   // family has # HELP and # TYPE, series are sorted by label values, the

@@ -11,8 +11,17 @@
 namespace ropeattn::server {
 
 struct ServerOptions {
-  // gRPC listen address; port 0 picks a free port (see Server::port()).
+  // gRPC listen address "host:port", host an IPv4 literal, [IPv6] or
+  // localhost; port 0 picks a free port (see Server::port()). A port another
+  // server holds fails Start (the socket is bound without SO_REUSEPORT).
   std::string address = "127.0.0.1:50051";
+  // Concurrent gRPC connections; one past it is closed at accept (see
+  // server/listener.h for how live connections are estimated). 0 means the
+  // fd soft limit (main() raises it to the hard limit first) minus a reserve
+  // of 256 fds, so sessions, metrics, model files and gRPC's own fds still
+  // have room; at least 16. A value above that lets accept() run out of fds:
+  // the server survives it (it sheds connections) but it is not advised.
+  int max_connections = 0;
   // Prometheus /metrics listen address; empty disables the endpoint.
   std::string metrics_address = "127.0.0.1:9464";
   // Compute workers of the executor (each runs one request at a time).

@@ -14,6 +14,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/executor.h"
+#include "server/listener.h"
 #include "server/metrics.h"
 #include "server/model.h"
 #include "server/service.h"
@@ -56,6 +57,10 @@ struct Server::Impl {
   std::unique_ptr<SessionManager> sessions;
   std::unique_ptr<AttentionServiceImpl> service;
   std::unique_ptr<grpc::Server> grpc_server;
+  // Our own listening socket (listener.h): gRPC gets accepted connections
+  // through `acceptor`. Declared after grpc_server: destroyed before it.
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor;
+  std::unique_ptr<Listener> listener;
   std::unique_ptr<MetricsHttpServer> http;
   std::thread health_thread;
   absl::Notification stop_health;
@@ -119,6 +124,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     absl::Status added = models->Add(*std::move(model));
     if (!added.ok()) return added;
   }
+  // Bind before anything runs: an occupied port fails start-up here, with its
+  // own message. Nothing is accepted until everything below has started.
+  absl::StatusOr<std::unique_ptr<Listener>> listener =
+      Listener::Listen(options.address, options.max_connections);
+  if (!listener.ok()) return listener.status();
   auto server = std::unique_ptr<Server>(new Server());
   server->options_ = options;
   server->impl_ = std::make_unique<Impl>();
@@ -139,8 +149,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  m.listener = *std::move(listener);
+  server->port_ = m.listener->port();
+  m.metrics->SetConnectionSource([l = m.listener.get()] {
+    return Metrics::ConnectionCounts{l->accepted(), l->refused_over_cap(), l->refused_no_fd()};
+  });
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &server->port_);
+  // TLS plugs in here: the acceptor takes any ServerCredentials.
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  m.acceptor = builder.experimental().AddExternalConnectionAcceptor(
+      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   // Keepalive matched with the reference client (serving.md, grpc #33661):
@@ -156,9 +174,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, 16 * 1024);
   builder.RegisterService(m.service.get());
   m.grpc_server = builder.BuildAndStart();
-  if (m.grpc_server == nullptr || server->port_ == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", options.address, " (address in use or invalid?)"));
+  if (m.grpc_server == nullptr) {
+    return absl::InternalError(absl::StrCat("gRPC server for ", options.address, " did not start"));
   }
   if (!options.metrics_address.empty()) {
     auto http = MetricsHttpServer::Start(options.metrics_address, m.metrics.get());
@@ -169,6 +186,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     }
     m.http = *std::move(http);
   }
+  absl::Status accepting = m.listener->Start(m.acceptor.get());
+  if (!accepting.ok()) return accepting;
   m.SetServing(true);
   m.health_thread = std::thread([&m] { m.HealthLoop(); });
   return server;
@@ -198,6 +217,8 @@ void Server::Shutdown(absl::Duration grace) {
   if (m.health_thread.joinable()) m.health_thread.join();
   m.SetServing(false);
   m.service->BeginShutdown();
+  // No new connections (the kernel refuses them once the socket is closed).
+  m.listener->Stop();
   // In-flight calls get `grace`; then gRPC cancels what is left.
   m.grpc_server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   m.executor->Shutdown();

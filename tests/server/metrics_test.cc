@@ -316,13 +316,19 @@ Exposition ParseValid(const std::string& text) {
   return e;
 }
 
-const std::vector<std::string> kAllFamilies = {
-    "ropeattn_requests_total",        "ropeattn_request_duration_seconds",
-    "ropeattn_rejected_total",        "ropeattn_queue_depth",
-    "ropeattn_sessions_open",         "ropeattn_sessions_opened_total",
-    "ropeattn_sessions_closed_total", "ropeattn_kv_bytes_used",
-    "ropeattn_kv_bytes_budget",       "ropeattn_decode_steps_total",
-    "ropeattn_decode_tokens_total"};
+const std::vector<std::string> kAllFamilies = {"ropeattn_requests_total",
+                                               "ropeattn_request_duration_seconds",
+                                               "ropeattn_rejected_total",
+                                               "ropeattn_queue_depth",
+                                               "ropeattn_sessions_open",
+                                               "ropeattn_sessions_opened_total",
+                                               "ropeattn_sessions_closed_total",
+                                               "ropeattn_kv_bytes_used",
+                                               "ropeattn_kv_bytes_budget",
+                                               "ropeattn_decode_steps_total",
+                                               "ropeattn_decode_tokens_total",
+                                               "ropeattn_connections_accepted_total",
+                                               "ropeattn_connections_refused_total"};
 
 // ---------------------------------------------------------------------------
 // The parser itself must reject what Prometheus would, or the format tests
@@ -387,6 +393,10 @@ TEST(MetricsRenderTest, EmptyRegistryHasEveryFamilyInOrder) {
     EXPECT_EQ(e.Get("ropeattn_sessions_closed_total", {{"reason", reason}}), 0.0) << reason;
   }
   EXPECT_EQ(e.Get("ropeattn_decode_steps_total"), 0.0);
+  EXPECT_EQ(e.Get("ropeattn_connections_accepted_total"), 0.0);
+  for (const char* reason : {"over_cap", "no_fd"}) {
+    EXPECT_EQ(e.Get("ropeattn_connections_refused_total", {{"reason", reason}}), 0.0) << reason;
+  }
 }
 
 TEST(MetricsRenderTest, RegisteredMethodStartsAtZero) {
@@ -486,7 +496,13 @@ TEST(MetricsRenderTest, GaugesAndCounters) {
   metrics.RecordStep(-3);  // counts the step, not negative tokens
   metrics.RecordRejected("Attend");
   metrics.RecordRejected("Attend");
+  int64_t accepted = 0;  // read at render time, not when the source is set
+  metrics.SetConnectionSource([&accepted] { return Metrics::ConnectionCounts{accepted, 4, 5}; });
+  accepted = 9;
   const Exposition e = ParseValid(metrics.RenderPrometheus());
+  EXPECT_EQ(e.Get("ropeattn_connections_accepted_total"), 9.0);
+  EXPECT_EQ(e.Get("ropeattn_connections_refused_total", {{"reason", "over_cap"}}), 4.0);
+  EXPECT_EQ(e.Get("ropeattn_connections_refused_total", {{"reason", "no_fd"}}), 5.0);
   EXPECT_EQ(e.Get("ropeattn_queue_depth"), 5.0);
   EXPECT_EQ(e.Get("ropeattn_sessions_open"), 3.0);
   EXPECT_EQ(e.Get("ropeattn_sessions_opened_total"), 2.0);
