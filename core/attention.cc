@@ -23,6 +23,7 @@
 #include "core/attention_kernels.h"
 #include "core/gemm_internal.h"
 #include "core/kv_cache.h"
+#include "core/limits.h"
 #include "core/status_macros.h"
 
 namespace ropeattn {
@@ -31,6 +32,10 @@ namespace {
 using internal::MatOperand;
 
 constexpr int64_t kPrefillBlock = 128;  // query rows per prefill task
+// T5 bias table entries (heads x relative positions): 256 MiB of f32.
+constexpr int64_t kMaxT5TableEntries = int64_t{1} << 26;
+// A worker keeps its prefill packing buffer between calls up to this size.
+constexpr size_t kMaxRetainedPackBytes = size_t{16} << 20;
 
 struct Plan {
   int64_t batch, q_len, k_len, heads, kv_heads, head_dim, v_dim, group;
@@ -43,6 +48,7 @@ struct Plan {
   std::vector<int64_t> key_length;  // [batch]
   BiasKind bias_kind = BiasKind::kNone;
   std::vector<float> alibi;  // [heads]
+  const StopToken* stop = nullptr;
   // T5: bias per head for relative positions rel_min .. rel_min + rel_count - 1.
   int64_t rel_min = 0, rel_count = 0;
   std::vector<float> t5;  // [heads, rel_count]
@@ -131,6 +137,7 @@ absl::Status PlanCommon(const ConstTensorView& q, const AttentionOptions& o, con
         absl::StrFormat("heads (%d) must be a multiple of kv_heads (%d)", p.heads, p.kv_heads));
   }
   p.group = p.kv_heads > 0 ? p.heads / p.kv_heads : 1;
+  p.stop = o.stop;
   if (out.dim(0) != p.batch || out.dim(1) != p.q_len || out.dim(2) != p.heads ||
       out.dim(3) != p.v_dim) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -195,10 +202,7 @@ absl::Status PlanCommon(const ConstTensorView& q, const AttentionOptions& o, con
     }
     if (!o.q_offsets.empty()) {
       const int64_t off = o.q_offsets[b];
-      if (off < 0 || off > (int64_t{1} << 40)) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("q_offsets[%d] must be in [0, 2^40], got %d", b, off));
-      }
+      RA_RETURN_IF_ERROR(CheckPositions(off, p.q_len, absl::StrFormat("q_offsets[%d]", b)));
       p.q_offset[b] = off;
     } else {
       p.q_offset[b] = p.k_len - p.q_len;
@@ -253,9 +257,13 @@ absl::Status PlanCommon(const ConstTensorView& q, const AttentionOptions& o, con
       }
       p.rel_min = -max_pos;
       p.rel_count = std::max<int64_t>(0, (p.k_len - 1 - min_pos) - p.rel_min + 1);
-      if (p.rel_count > (int64_t{1} << 26)) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("T5 bias over %d relative positions is too large", p.rel_count));
+      // The table holds heads x relative positions floats: bound the product
+      // (a few heads far apart, or thousands of heads, both make it large).
+      if (SatMul(p.heads, p.rel_count) > kMaxT5TableEntries) {
+        return absl::ResourceExhaustedError(absl::StrFormat(
+            "the T5 bias table for %d heads x %d relative positions (query positions %d..%d, "
+            "%d keys) is above %d entries; bring the queries' positions closer to the keys",
+            p.heads, p.rel_count, min_pos, max_pos, p.k_len, kMaxT5TableEntries));
       }
       std::vector<int> buckets(p.rel_count);
       for (int64_t r = 0; r < p.rel_count; ++r) {
@@ -824,11 +832,17 @@ absl::Status RunPrefill(const Plan& p) {
       const int64_t b = bh / p.heads, h = bh % p.heads;
       const int64_t i0 = blk * kPrefillBlock;
       const int64_t i1 = std::min(p.q_len, i0 + kPrefillBlock);
+      if (ShouldStop(p.stop)) {
+        err.Set(p.stop->status());
+        continue;
+      }
       absl::Status s = PrefillTask(p, kv, b, h, i0, i1);
       if (!s.ok()) err.Set(std::move(s));
     }
   }
-  if (buffer.size() > (size_t{256} << 20)) std::vector<char>().swap(buffer);
+  // Kept between calls only while small: a worker must not hold a large
+  // request's packed K/V (uncharged memory) after the call.
+  if (buffer.size() > kMaxRetainedPackBytes) std::vector<char>().swap(buffer);
   return err.Get();
 }
 

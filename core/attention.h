@@ -22,6 +22,7 @@
 #include "absl/types/span.h"
 #include "core/kv_cache.h"
 #include "core/relative_bias.h"
+#include "core/stop.h"
 #include "core/tensor.h"
 
 namespace ropeattn {
@@ -64,6 +65,10 @@ struct AttentionOptions {
   // Tests and benchmarks may force a kernel; normally ChooseAttentionPath decides.
   enum class Path { kAuto, kDecode, kPrefill };
   Path force_path = Path::kAuto;
+  // Optional: read between prefill tiles; once it says stop, no new tile
+  // starts and the call returns the token's status (Cancelled or
+  // DeadlineExceeded) with `out` partly written. Not owned.
+  const StopToken* stop = nullptr;
 };
 
 // q:   [batch, q_len, heads, head_dim], f32 or bf16
@@ -73,7 +78,9 @@ struct AttentionOptions {
 // probs: optional, [batch, heads, q_len, k_len] f32 (written) when non-null.
 // Errors: InvalidArgument for any shape / dtype mismatch (naming the tensor and
 // the dims), heads % kv_heads != 0, bad options (naming the field and value),
-// non-finite inputs; OutOfRange for a key length > k_len.
+// non-finite inputs; OutOfRange for a key length > k_len or a query position
+// past kMaxPosition; ResourceExhausted for a T5 bias table (heads x relative
+// positions) above 2^26 entries; the stop token's status when it fired.
 // Thread-safety: safe to call concurrently from many threads.
 absl::Status Attend(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                     const AttentionOptions& options, TensorView out,

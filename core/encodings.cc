@@ -6,14 +6,12 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "core/limits.h"
 #include "core/status_macros.h"
 
 namespace ropeattn {
 namespace {
 
-// Same ceiling as ResolvePositions in rope.h: past 2^40 an fp64 angle keeps
-// too few fractional bits for sin/cos to mean anything.
-constexpr int64_t kMaxPosition = int64_t{1} << 40;
 
 // A private copy of ResolvePositions' rules: ropeattn_encodings must not
 // depend on ropeattn_rope. Positions come back row-major [batch][seq].
@@ -115,6 +113,7 @@ absl::StatusOr<Tensor> SinusoidalTable(int64_t num_positions, int64_t d_model, d
         first_position, num_positions));
   }
   RA_ASSIGN_OR_RETURN(Tensor table, Tensor::Create(DType::kF32, {num_positions, d_model}));
+  if (table.num_elements() == 0) return table;
 
   const int64_t half = d_model / 2;
   std::vector<double> inv_freq(static_cast<size_t>(half));

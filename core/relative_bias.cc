@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "core/limits.h"
 #include "core/status_macros.h"
 
 namespace ropeattn {
@@ -30,16 +31,10 @@ absl::Status CheckLengths(int64_t q_len, int64_t k_len, int64_t q_offset) {
   if (k_len < 0) {
     return absl::InvalidArgumentError(absl::StrFormat("k_len must be >= 0, got %d", k_len));
   }
-  if (q_offset < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat("q_offset must be >= 0, got %d", q_offset));
-  }
-  // Keeps q_offset + i and the differences j - q_pos inside int64.
-  constexpr int64_t kMaxPosition = int64_t{1} << 40;
-  if (q_offset > kMaxPosition - q_len || k_len > kMaxPosition) {
-    return absl::OutOfRangeError(absl::StrFormat(
-        "positions past 2^40: q_offset %d + q_len %d, k_len %d", q_offset, q_len, k_len));
-  }
-  return absl::OkStatus();
+  // Keeps q_offset + i and the differences j - q_pos inside int64; the same
+  // bound as every other position (core/limits.h).
+  RA_RETURN_IF_ERROR(CheckPositions(q_offset, q_len, "q_offset"));
+  return CheckPositions(0, k_len, "k_len");
 }
 
 }  // namespace
@@ -112,6 +107,9 @@ absl::StatusOr<Tensor> T5Bias(ConstTensorView table, const T5BucketConfig& confi
   RA_RETURN_IF_ERROR(CheckLengths(q_len, k_len, q_offset));
   RA_RETURN_IF_ERROR(CheckFinite(table, "t5 table"));
   RA_ASSIGN_OR_RETURN(Tensor out, Tensor::Create(DType::kF32, {heads, q_len, k_len}));
+  // An empty bias has nothing to fill: its other extents (up to 2^40) must
+  // not drive loops.
+  if (out.num_elements() == 0) return out;
   if (out.num_elements() == 0) return out;
 
   // Buckets depend only on j - q_pos, which spans [-(q_offset + q_len - 1), k_len - 1 - q_offset]:
@@ -177,6 +175,9 @@ absl::StatusOr<Tensor> AlibiBias(absl::Span<const double> slopes, int64_t q_len,
   RA_RETURN_IF_ERROR(CheckLengths(q_len, k_len, q_offset));
   const int64_t heads = static_cast<int64_t>(slopes.size());
   RA_ASSIGN_OR_RETURN(Tensor out, Tensor::Create(DType::kF32, {heads, q_len, k_len}));
+  // An empty bias has nothing to fill: its other extents (up to 2^40) must
+  // not drive loops.
+  if (out.num_elements() == 0) return out;
   float* o = out.data<float>();
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t i = 0; i < q_len; ++i) {

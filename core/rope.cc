@@ -14,15 +14,12 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "core/limits.h"
 #include "core/status_macros.h"
 
 namespace ropeattn {
 namespace {
 
-// Beyond 2^40 a position times the lowest frequency still fits a double
-// exactly, but the fp32 inputs it rotates no longer carry a meaningful phase;
-// such positions are almost certainly corrupted requests.
-constexpr int64_t kMaxPosition = int64_t{1} << 40;
 // Caps the cos + sin table at 2 GiB.
 constexpr int64_t kMaxTableEntries = int64_t{1} << 28;
 // Below this many rotated elements a thread team costs more than it saves.
