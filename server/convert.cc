@@ -9,6 +9,7 @@
 #include "absl/base/config.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/limits.h"
 #include "core/relative_bias.h"
 #include "core/status_macros.h"
 
@@ -52,20 +53,50 @@ void CopyStrided(const ConstTensorView& view, size_t elem, char* dst) {
   }
 }
 
-absl::Status CheckNonNegativeFinite(double value, absl::string_view field) {
-  if (!std::isfinite(value) || value < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("%s must be finite and >= 0, got %g", field, value));
-  }
-  return absl::OkStatus();
+absl::Status CheckNonNegativeFinite(double value, double hi, absl::string_view field) {
+  return CheckFiniteRange(value, 0.0, hi, field);
 }
 
 }  // namespace
 
+std::string CapStatusMessage(absl::string_view message) {
+  if (message.size() <= kMaxStatusMessageBytes) return std::string(message);
+  return absl::StrCat(message.substr(0, kMaxStatusMessageBytes - 64), "... (message cut at ",
+                      kMaxStatusMessageBytes - 64, " of ", message.size(), " bytes)");
+}
+
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   // absl::StatusCode and grpc::StatusCode both follow google.rpc.Code.
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      CapStatusMessage(status.message()));
+}
+
+std::string QuoteForMessage(absl::string_view s) {
+  constexpr size_t kShown = 64;
+  std::string out = "\"";
+  for (char ch : s.substr(0, kShown)) {
+    const unsigned char c = static_cast<unsigned char>(ch);
+    if (c == '"' || c == '\\') {
+      out.push_back('\\');
+      out.push_back(ch);
+    } else if (c >= 0x20 && c < 0x7f) {
+      out.push_back(ch);
+    } else {
+      absl::StrAppendFormat(&out, "\\x%02x", c);
+    }
+  }
+  out.push_back('"');
+  if (s.size() > kShown) absl::StrAppend(&out, "... (", s.size(), " bytes)");
+  return out;
+}
+
+absl::Status CheckFiniteRange(double value, double lo, double hi, absl::string_view field) {
+  if (!std::isfinite(value) || value < lo || value > hi) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s must be finite and in [%g, %g], got %g", field, lo, hi, value));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Annotate(const absl::Status& status, absl::string_view context) {
@@ -94,9 +125,9 @@ v1::DType DTypeToProto(DType dtype) {
   return dtype == DType::kBF16 ? v1::DTYPE_BF16 : v1::DTYPE_F32;
 }
 
-absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& tensor, absl::string_view name) {
-  RA_ASSIGN_OR_RETURN(const DType dtype,
-                      DTypeFromProto(tensor.dtype(), absl::StrCat(name, ".dtype")));
+absl::StatusOr<WireShape> ParseWireShape(const v1::Tensor& tensor, absl::string_view name) {
+  WireShape w;
+  RA_ASSIGN_OR_RETURN(w.dtype, DTypeFromProto(tensor.dtype(), absl::StrCat(name, ".dtype")));
   if (tensor.shape_size() > kMaxWireRank) {
     // Checked before formatting the shape: a million dims would make a
     // million-entry error message.
@@ -113,15 +144,23 @@ absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& tensor, absl::string_vi
   absl::StatusOr<int64_t> n = NumElements(dims);
   if (!n.ok()) return Annotate(n.status(), absl::StrCat(name, ".shape"));
   // n <= 2^60, so the byte count (at most 4 bytes each) fits in int64.
-  const int64_t want = *n * static_cast<int64_t>(DTypeSize(dtype));
+  const int64_t want = *n * static_cast<int64_t>(DTypeSize(w.dtype));
   const int64_t have = static_cast<int64_t>(tensor.data().size());
   if (have != want) {
     return absl::InvalidArgumentError(
         absl::StrFormat("%s.data has %d bytes, shape %s in %s needs %d", name, have,
-                        DimsToString(dims), DTypeName(dtype), want));
+                        DimsToString(dims), DTypeName(w.dtype), want));
   }
-  RA_ASSIGN_OR_RETURN(Tensor out, Tensor::Create(dtype, dims));
-  if (want > 0) std::memcpy(out.data<char>(), tensor.data().data(), static_cast<size_t>(want));
+  w.dims.assign(dims.begin(), dims.end());
+  w.elements = *n;
+  w.bytes = want;
+  return w;
+}
+
+absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& tensor, absl::string_view name) {
+  RA_ASSIGN_OR_RETURN(const WireShape w, ParseWireShape(tensor, name));
+  RA_ASSIGN_OR_RETURN(Tensor out, Tensor::Create(w.dtype, w.dims));
+  if (w.bytes > 0) std::memcpy(out.data<char>(), tensor.data().data(), static_cast<size_t>(w.bytes));
   return out;
 }
 
@@ -164,7 +203,12 @@ absl::StatusOr<RopeConfig> RopeConfigFromProto(const v1::RopeSpec& spec, int64_t
   RopeScaling& s = config.scaling;
   if (!in.rope_type().empty()) {
     absl::StatusOr<RopeScalingType> type = ParseRopeScalingType(in.rope_type());
-    if (!type.ok()) return Annotate(type.status(), absl::StrCat(field, ".scaling.rope_type"));
+    if (!type.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".scaling.rope_type ", QuoteForMessage(in.rope_type()),
+          " is unknown; expected one of default, linear, ntk, dynamic, yarn, longrope (or su), "
+          "llama3"));
+    }
     s.type = *type;
   }
   s.factor = in.factor() == 0.0 ? 1.0 : in.factor();
@@ -179,6 +223,51 @@ absl::StatusOr<RopeConfig> RopeConfigFromProto(const v1::RopeSpec& spec, int64_t
   if (in.has_low_freq_factor()) s.low_freq_factor = in.low_freq_factor();
   if (in.has_high_freq_factor()) s.high_freq_factor = in.high_freq_factor();
 
+  // Upper bounds the core does not set: each keeps every derived number
+  // (frequencies, attention factors, rotated values) finite.
+  const std::string sc = absl::StrCat(field, ".scaling.");
+  RA_RETURN_IF_ERROR(CheckFiniteRange(spec.theta(), 0.0, kMaxTheta, absl::StrCat(field, ".theta")));
+  RA_RETURN_IF_ERROR(
+      CheckFiniteRange(in.factor(), 0.0, kMaxScalingFactor, absl::StrCat(sc, "factor")));
+  if (in.original_max_position_embeddings() < 0 ||
+      in.original_max_position_embeddings() > kMaxPosition) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%soriginal_max_position_embeddings must be in [0, 2^40], got %d", sc,
+        in.original_max_position_embeddings()));
+  }
+  const std::pair<const char*, std::optional<double>> betas[] = {
+      {"beta_fast", in.has_beta_fast() ? std::optional<double>(in.beta_fast()) : std::nullopt},
+      {"beta_slow", in.has_beta_slow() ? std::optional<double>(in.beta_slow()) : std::nullopt},
+      {"low_freq_factor",
+       in.has_low_freq_factor() ? std::optional<double>(in.low_freq_factor()) : std::nullopt},
+      {"high_freq_factor",
+       in.has_high_freq_factor() ? std::optional<double>(in.high_freq_factor()) : std::nullopt}};
+  for (const auto& [name, value] : betas) {
+    if (value) {
+      RA_RETURN_IF_ERROR(CheckFiniteRange(*value, -kMaxScalingFactor, kMaxScalingFactor,
+                                          absl::StrCat(sc, name)));
+    }
+  }
+  const std::pair<const char*, std::optional<double>> attention[] = {
+      {"attention_factor",
+       in.has_attention_factor() ? std::optional<double>(in.attention_factor()) : std::nullopt},
+      {"mscale", in.has_mscale() ? std::optional<double>(in.mscale()) : std::nullopt},
+      {"mscale_all_dim",
+       in.has_mscale_all_dim() ? std::optional<double>(in.mscale_all_dim()) : std::nullopt}};
+  for (const auto& [name, value] : attention) {
+    if (value) {
+      RA_RETURN_IF_ERROR(CheckFiniteRange(*value, -kMaxAttentionFactor, kMaxAttentionFactor,
+                                          absl::StrCat(sc, name)));
+    }
+  }
+  for (int i = 0; i < in.short_factor_size(); ++i) {
+    RA_RETURN_IF_ERROR(CheckFiniteRange(in.short_factor(i), 0.0, kMaxScalingFactor,
+                                        absl::StrFormat("%sshort_factor[%d]", sc, i)));
+  }
+  for (int i = 0; i < in.long_factor_size(); ++i) {
+    RA_RETURN_IF_ERROR(CheckFiniteRange(in.long_factor(i), 0.0, kMaxScalingFactor,
+                                        absl::StrFormat("%slong_factor[%d]", sc, i)));
+  }
   RA_RETURN_IF_ERROR(Annotate(ValidateRopeConfig(config), field));
   return config;
 }
@@ -204,8 +293,8 @@ absl::StatusOr<ResolvedSpec> ResolveSpec(const v1::AttentionSpec& spec) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "spec.heads (%d) must be a multiple of spec.kv_heads (%d)", r.heads, r.kv_heads));
   }
-  RA_RETURN_IF_ERROR(CheckNonNegativeFinite(spec.scale(), "spec.scale"));
-  RA_RETURN_IF_ERROR(CheckNonNegativeFinite(spec.softcap(), "spec.softcap"));
+  RA_RETURN_IF_ERROR(CheckNonNegativeFinite(spec.scale(), kMaxLogitScale, "spec.scale"));
+  RA_RETURN_IF_ERROR(CheckNonNegativeFinite(spec.softcap(), kMaxSoftcap, "spec.softcap"));
   if (spec.window() < 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("spec.window must be >= 0 (0 means none), got %d", spec.window()));
@@ -247,10 +336,8 @@ absl::StatusOr<ResolvedSpec> ResolveSpec(const v1::AttentionSpec& spec) {
                               slopes.size(), r.heads));
         }
         for (int h = 0; h < slopes.size(); ++h) {
-          if (!std::isfinite(slopes[h])) {
-            return absl::InvalidArgumentError(
-                absl::StrFormat("spec.alibi.slopes[%d] must be finite, got %g", h, slopes[h]));
-          }
+          RA_RETURN_IF_ERROR(CheckFiniteRange(slopes[h], -kMaxAlibiSlope, kMaxAlibiSlope,
+                                              absl::StrFormat("spec.alibi.slopes[%d]", h)));
         }
         o.bias.alibi_slopes.assign(slopes.begin(), slopes.end());
       }

@@ -18,8 +18,38 @@
 
 namespace ropeattn::server {
 
-// absl and gRPC share their code numbering; the message is kept.
+// absl and gRPC share their code numbering; the message is kept up to
+// kMaxStatusMessageBytes (longer ones are cut, saying so): a status trailer
+// must stay far below clients' metadata limits whatever went into it.
+inline constexpr size_t kMaxStatusMessageBytes = 1024;
 grpc::Status ToGrpcStatus(const absl::Status& status);
+std::string CapStatusMessage(absl::string_view message);
+
+// A client-supplied string for an error message: quoted, at most its first
+// 64 bytes (then "..." and its full length), non-printable bytes escaped.
+std::string QuoteForMessage(absl::string_view s);
+
+// Documented ranges of the float parameters (README "Limits"): a value
+// outside [lo, hi], or not finite, is InvalidArgument naming `field`.
+inline constexpr double kMaxTheta = 1e12;         // RoPE theta, sinusoidal base
+inline constexpr double kMaxScalingFactor = 1e6;  // factor, long/short factors, freq factors, betas
+inline constexpr double kMaxAttentionFactor = 1e3;  // attention_factor, |mscale|, |mscale_all_dim|
+inline constexpr double kMaxLogitScale = 1e4;     // spec.scale
+inline constexpr double kMaxSoftcap = 1e6;        // spec.softcap
+inline constexpr double kMaxAlibiSlope = 1e3;     // |spec.alibi.slopes[h]|
+absl::Status CheckFiniteRange(double value, double lo, double hi, absl::string_view field);
+
+// A wire tensor's dtype and shape, validated like TensorFromProto (dtype,
+// rank, non-negative dims, no overflow, byte length) without copying data.
+struct WireShape {
+  DType dtype = DType::kF32;
+  Dims dims;
+  int64_t elements = 0;
+  int64_t bytes = 0;
+  int rank() const { return static_cast<int>(dims.size()); }
+  int64_t dim(int i) const { return dims[i]; }
+};
+absl::StatusOr<WireShape> ParseWireShape(const v1::Tensor& tensor, absl::string_view name);
 
 // The same code with "<context>: " in front of the message, so an error from
 // the core (which knows "rotary_dim", not "spec.rope.rotary_dim") names the

@@ -5,8 +5,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <initializer_list>
-#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -17,51 +15,24 @@
 #include "absl/types/span.h"
 #include "core/attention.h"
 #include "core/encodings.h"
+#include "core/limits.h"
 #include "core/relative_bias.h"
 #include "core/rope.h"
 #include "core/status_macros.h"
 #include "core/tensor.h"
 #include "server/convert.h"
+#include "server/cost.h"
 
 namespace ropeattn::server {
 namespace {
 
-// Positions above this lose all angle precision (the core's own bound).
-constexpr int64_t kMaxPosition = int64_t{1} << 40;
 // RoPE cos/sin tables for Attend cover at most this many positions (64 pairs
 // x 64K positions x 8 bytes = 32 MiB); later positions are computed on the
 // fly by the rotator, with identical values.
 constexpr int64_t kMaxRopeTablePositions = int64_t{1} << 16;
-// Encode outputs (tables, biases, bucket grids, cos/sin, frequencies): 64M
-// elements is 256 MiB of f32, the server's default message limit, so nothing
-// larger could be sent back anyway; refusing up front spares the work.
-constexpr int64_t kMaxEncodeElements = int64_t{1} << 26;
 // RoPE head_dim in Encode ops, where it is a bare number rather than a
 // tensor dim the message size bounds. Real models use <= 256.
 constexpr int64_t kMaxRopeHeadDim = int64_t{1} << 16;
-// Attend's out and probs: 256M elements (1 GiB of f32). Legitimate requests
-// stay far below (a [1, 8192, 32, 128] prefill output is 32M elements); the
-// bound exists because out and probs sizes multiply dims of different
-// inputs, so small messages could otherwise ask for terabytes.
-constexpr int64_t kMaxAttendResultElements = int64_t{1} << 28;
-// Query-key pairs (batch x heads x Sq x Sk) one Attend may score: 2^36 is
-// ~8x a 32-head 16K-token prefill. Small inputs with a tiny head_dim could
-// otherwise ask for hours of compute; deadlines remain the finer guard.
-constexpr int64_t kMaxAttendPairs = int64_t{1} << 36;
-
-// a * b for non-negative operands, saturating at int64 max instead of
-// overflowing (a hostile shape must not wrap around under a limit).
-int64_t SatMul(int64_t a, int64_t b) {
-  if (a == 0 || b == 0) return 0;
-  if (a > std::numeric_limits<int64_t>::max() / b) return std::numeric_limits<int64_t>::max();
-  return a * b;
-}
-
-int64_t SatProduct(std::initializer_list<int64_t> dims) {
-  int64_t n = 1;
-  for (int64_t d : dims) n = SatMul(n, d);
-  return n;
-}
 
 template <typename T>
 absl::StatusOr<T> WithContext(absl::StatusOr<T> result, absl::string_view context) {
@@ -69,16 +40,7 @@ absl::StatusOr<T> WithContext(absl::StatusOr<T> result, absl::string_view contex
   return result;
 }
 
-absl::Status CheckLimit(int64_t elements, int64_t limit, absl::string_view what) {
-  if (elements > limit) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "%s has %s elements, above the per-request limit of %d", what,
-        elements == std::numeric_limits<int64_t>::max() ? std::string("more than 2^63")
-                                                        : absl::StrCat(elements),
-        limit));
-  }
-  return absl::OkStatus();
-}
+int64_t Sum3(int64_t a, int64_t b, int64_t c) { return SatAdd(SatAdd(a, b), c); }
 
 absl::Status CheckNonNegative(int64_t value, absl::string_view field) {
   if (value < 0) {
@@ -92,52 +54,52 @@ absl::Status CheckNonNegative(int64_t value, absl::string_view field) {
 // The shapes the spec implies: q [B, Sq, H, D], k [B, Sk, Hkv, D],
 // v [B, Sk, Hkv, Dv]. Checked here, before the core, so the message can say
 // which spec field disagrees with which tensor.
-absl::Status CheckAttendShapes(const ResolvedSpec& spec, const Tensor& q, const Tensor& k,
-                               const Tensor& v) {
-  using Named = std::pair<const Tensor*, const char*>;
+absl::Status CheckAttendShapes(const ResolvedSpec& spec, const WireShape& q, const WireShape& k,
+                               const WireShape& v) {
+  using Named = std::pair<const WireShape*, const char*>;
   const Named qkv[] = {{&q, "q"}, {&k, "k"}, {&v, "v"}};
   for (const auto& [t, name] : qkv) {
     if (t->rank() != 4) {
       return absl::InvalidArgumentError(
           absl::StrFormat("%s must have rank 4 [batch, seq, heads, dim], got shape %s", name,
-                          DimsToString(t->dims())));
+                          DimsToString(t->dims)));
     }
   }
   if (q.dim(2) != spec.heads) {
     return absl::InvalidArgumentError(
         absl::StrFormat("q has %d heads (shape %s) but spec.heads is %d", q.dim(2),
-                        DimsToString(q.dims()), spec.heads));
+                        DimsToString(q.dims), spec.heads));
   }
   if (q.dim(3) != spec.head_dim) {
     return absl::InvalidArgumentError(
         absl::StrFormat("q has head_dim %d (shape %s) but spec.head_dim is %d", q.dim(3),
-                        DimsToString(q.dims()), spec.head_dim));
+                        DimsToString(q.dims), spec.head_dim));
   }
   for (const auto& [t, name] : absl::MakeConstSpan(qkv).subspan(1)) {
     if (t->dim(0) != q.dim(0)) {
       return absl::InvalidArgumentError(
           absl::StrFormat("%s has batch %d (shape %s) but q has batch %d (shape %s)", name,
-                          t->dim(0), DimsToString(t->dims()), q.dim(0), DimsToString(q.dims())));
+                          t->dim(0), DimsToString(t->dims), q.dim(0), DimsToString(q.dims)));
     }
     if (t->dim(2) != spec.kv_heads) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "%s has %d kv heads (shape %s) but spec.kv_heads is %d (0 means spec.heads)", name,
-          t->dim(2), DimsToString(t->dims()), spec.kv_heads));
+          t->dim(2), DimsToString(t->dims), spec.kv_heads));
     }
   }
   if (k.dim(3) != spec.head_dim) {
     return absl::InvalidArgumentError(
         absl::StrFormat("k has head_dim %d (shape %s) but spec.head_dim is %d", k.dim(3),
-                        DimsToString(k.dims()), spec.head_dim));
+                        DimsToString(k.dims), spec.head_dim));
   }
   if (v.dim(1) != k.dim(1)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("v has %d keys (shape %s) but k has %d (shape %s)", v.dim(1),
-                        DimsToString(v.dims()), k.dim(1), DimsToString(k.dims())));
+                        DimsToString(v.dims), k.dim(1), DimsToString(k.dims)));
   }
-  if (k.dtype() != v.dtype()) {
+  if (k.dtype != v.dtype) {
     return absl::InvalidArgumentError(absl::StrFormat("k and v must share a dtype, got k %s, v %s",
-                                                      DTypeName(k.dtype()), DTypeName(v.dtype())));
+                                                      DTypeName(k.dtype), DTypeName(v.dtype)));
   }
   return absl::OkStatus();
 }
@@ -158,20 +120,34 @@ std::string PositionUsers(const ResolvedSpec& spec) {
 
 }  // namespace
 
-absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* response,
-                       const ComputeOptions& options) {
-  RA_ASSIGN_OR_RETURN(ResolvedSpec spec, ResolveSpec(request.spec()));
-  RA_ASSIGN_OR_RETURN(Tensor q, TensorFromProto(request.q(), "q"));
-  RA_ASSIGN_OR_RETURN(Tensor k, TensorFromProto(request.k(), "k"));
-  RA_ASSIGN_OR_RETURN(Tensor v, TensorFromProto(request.v(), "v"));
-  RA_RETURN_IF_ERROR(CheckAttendShapes(spec, q, k, v));
-  RA_ASSIGN_OR_RETURN(const DType out_dtype,
+namespace {
+
+// Everything RunAttend decides before touching tensor data: the resolved
+// spec, the wire shapes (validated against their byte lengths, not copied),
+// the query positions and the request's dimensions for the cost model.
+struct AttendPlan {
+  ResolvedSpec spec;
+  WireShape q, k, v;
+  DType out_dtype = DType::kF32;
+  std::vector<int64_t> offsets;  // per batch row; empty when nothing reads them
+  int64_t rope_seq_len = 0;      // the length RoPE is planned for
+  bool empty = false;            // no queries or no keys: zeros, no compute
+  AttendDims dims;
+};
+
+absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request, int threads) {
+  AttendPlan plan;
+  RA_ASSIGN_OR_RETURN(plan.spec, ResolveSpec(request.spec()));
+  RA_ASSIGN_OR_RETURN(plan.q, ParseWireShape(request.q(), "q"));
+  RA_ASSIGN_OR_RETURN(plan.k, ParseWireShape(request.k(), "k"));
+  RA_ASSIGN_OR_RETURN(plan.v, ParseWireShape(request.v(), "v"));
+  const ResolvedSpec& spec = plan.spec;
+  RA_RETURN_IF_ERROR(CheckAttendShapes(spec, plan.q, plan.k, plan.v));
+  RA_ASSIGN_OR_RETURN(plan.out_dtype,
                       DTypeFromProto(request.out_dtype(), "out_dtype", DType::kF32));
-  const int64_t batch = q.dim(0);
-  const int64_t q_len = q.dim(1);
-  const int64_t k_len = k.dim(1);
-  const int64_t heads = spec.heads;
-  const int64_t v_dim = v.dim(3);
+  const int64_t batch = plan.q.dim(0);
+  const int64_t q_len = plan.q.dim(1);
+  const int64_t k_len = plan.k.dim(1);
 
   // Key lengths: checked here with the request's field names; the core
   // repeats the checks (cheaply) for its other callers.
@@ -189,10 +165,9 @@ absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* res
     if (key_lengths[b] > k_len) {
       return absl::OutOfRangeError(
           absl::StrFormat("key_lengths[%d] = %d exceeds the %d keys in k (shape %s)", b,
-                          key_lengths[b], k_len, DimsToString(k.dims())));
+                          key_lengths[b], k_len, DimsToString(plan.k.dims)));
     }
   }
-
   // Query offsets as given: counts and ranges (defaults come below).
   const auto& in_offsets = request.q_offsets();
   if (!in_offsets.empty() && in_offsets.size() != batch) {
@@ -201,102 +176,139 @@ absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* res
                         in_offsets.size(), batch));
   }
   for (int b = 0; b < in_offsets.size(); ++b) {
-    const int64_t off = in_offsets[b];
-    if (off < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("q_offsets[%d] must be >= 0, got %d", b, off));
-    }
-    if (off > kMaxPosition || off + std::max<int64_t>(q_len - 1, 0) > kMaxPosition) {
-      return absl::OutOfRangeError(absl::StrFormat(
-          "q_offsets[%d] = %d puts the last of %d queries past the maximum position 2^40", b, off,
-          q_len));
-    }
-  }
-
-  // Work bounds, before any allocation or compute.
-  const int64_t pairs = SatProduct({batch, heads, q_len, k_len});
-  RA_RETURN_IF_ERROR(
-      CheckLimit(pairs, kMaxAttendPairs,
-                 absl::StrFormat("the attention [batch %d x heads %d x Sq %d x Sk %d]", batch,
-                                 heads, q_len, k_len)));
-  RA_RETURN_IF_ERROR(CheckLimit(SatProduct({batch, q_len, heads, v_dim}), kMaxAttendResultElements,
-                                absl::StrCat("out ", DimsToString({batch, q_len, heads, v_dim}))));
-  if (request.return_probs()) {
     RA_RETURN_IF_ERROR(
-        CheckLimit(pairs, kMaxAttendResultElements,
-                   absl::StrCat("probs ", DimsToString({batch, heads, q_len, k_len}))));
+        CheckPositions(in_offsets[b], q_len, absl::StrFormat("q_offsets[%d]", b)));
   }
-
   // No queries or no keys (an empty batch, query block or key set): every
-  // output row sees no key, which the core defines as zeros. Answered here
-  // because the other dims of an empty tensor are not bounded by the message
-  // size (q [2^40, 0, H, D] is zero bytes), and per-row or per-head loops and
-  // buffers must never be sized by them.
-  if (q.num_elements() == 0 || k.num_elements() == 0) {
-    RA_RETURN_IF_ERROR(CheckFinite(q.cview(), "q"));
-    RA_RETURN_IF_ERROR(CheckFinite(v.cview(), "v"));
-    RA_ASSIGN_OR_RETURN(const Tensor out, Tensor::Create(out_dtype, {batch, q_len, heads, v_dim}));
-    TensorToProto(out.cview(), response->mutable_out());
-    if (request.return_probs()) {
-      RA_ASSIGN_OR_RETURN(const Tensor probs,
-                          Tensor::Create(DType::kF32, {batch, heads, q_len, k_len}));
-      TensorToProto(probs.cview(), response->mutable_probs());
-    }
-    return absl::OkStatus();
-  }
+  // output row sees no key, which the core defines as zeros. Answered
+  // without the core because the other dims of an empty tensor are not
+  // bounded by the message size (q [2^40, 0, H, D] is zero bytes), and
+  // per-row or per-head loops and buffers must never be sized by them.
+  plan.empty = plan.q.elements == 0 || plan.k.elements == 0;
 
   // Default query positions: the newest tokens, Sk - Sq ... Sk - 1. That is
   // negative when Sq > Sk, harmless to plain attention (nothing reads it)
   // but meaningless to RoPE, ALiBi, T5, causal masks and windows, so those
   // require Sk >= Sq or explicit q_offsets.
-  std::vector<int64_t> offsets(in_offsets.begin(), in_offsets.end());
-  if (in_offsets.empty()) {
-    if (k_len >= q_len) {
-      offsets.assign(batch, k_len - q_len);
-    } else if (const std::string users = PositionUsers(spec); !users.empty()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "q has %d queries but k only %d keys, so with q_offsets empty query 0 would sit at "
-          "position %d; %s need real positions: set q_offsets",
-          q_len, k_len, k_len - q_len, users));
+  if (!plan.empty) {
+    plan.offsets.assign(in_offsets.begin(), in_offsets.end());
+    if (in_offsets.empty()) {
+      if (k_len >= q_len) {
+        plan.offsets.assign(batch, k_len - q_len);
+      } else if (const std::string users = PositionUsers(spec); !users.empty()) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "q has %d queries but k only %d keys, so with q_offsets empty query 0 would sit at "
+            "position %d; %s need real positions: set q_offsets",
+            q_len, k_len, k_len - q_len, users));
+      }
     }
   }
+  int64_t min_q_pos = 0, max_q_pos = -1;
+  for (size_t b = 0; b < plan.offsets.size(); ++b) {
+    if (b == 0 || plan.offsets[b] < min_q_pos) min_q_pos = plan.offsets[b];
+    max_q_pos = std::max(max_q_pos, plan.offsets[b] + q_len - 1);
+  }
+  // Dynamic NTK and LongRoPE choose their frequencies from the length the
+  // request spans, so q and k share one rotator planned for all of it.
+  plan.rope_seq_len = std::max(k_len, max_q_pos + 1);
 
+  AttendDims& d = plan.dims;
+  d.batch = batch;
+  d.q_len = q_len;
+  d.k_len = k_len;
+  d.heads = spec.heads;
+  d.kv_heads = spec.kv_heads;
+  d.head_dim = spec.head_dim;
+  d.v_dim = plan.v.dim(3);
+  d.q_dtype = plan.q.dtype;
+  d.kv_dtype = plan.k.dtype;
+  d.out_dtype = plan.out_dtype;
+  d.return_probs = request.return_probs();
+  d.wire_bytes = Sum3(plan.q.bytes, plan.k.bytes, plan.v.bytes);
+  d.threads = threads;
+  if (!plan.empty) {
+    if (spec.rope) {
+      d.rope_rotary_dim = spec.rope->effective_rotary_dim();
+      d.rope_positions = plan.rope_seq_len;
+    }
+    if (spec.options.bias.kind == BiasKind::kT5 && max_q_pos >= 0) {
+      d.t5_rel_positions = std::max<int64_t>(0, (k_len - 1 - min_q_pos) + max_q_pos + 1);
+      d.wire_bytes = SatAdd(d.wire_bytes, SatMul(spec.t5_table.num_elements(), 4));
+    }
+  }
+  return plan;
+}
+
+}  // namespace
+
+absl::StatusOr<Cost> PriceAttend(const v1::AttendRequest& request, int threads) {
+  RA_ASSIGN_OR_RETURN(const AttendPlan plan, PlanAttend(request, threads));
+  Cost cost = AttendCost(plan.dims);
+  if (plan.empty) {
+    // No kernel runs: the answer and its copy are all it holds.
+    cost.compute = SatMul(SatAdd(SatProduct({plan.dims.batch, plan.dims.q_len, plan.dims.heads}),
+                                 plan.dims.batch),
+                          kElementWeight);
+  }
+  return cost;
+}
+
+absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* response,
+                       const ComputeOptions& options) {
   const int threads = std::max(1, options.threads);
+  RA_ASSIGN_OR_RETURN(AttendPlan plan, PlanAttend(request, threads));
+  ResolvedSpec& spec = plan.spec;
+  const AttendDims& d = plan.dims;
+  RA_ASSIGN_OR_RETURN(Tensor q, TensorFromProto(request.q(), "q"));
+  RA_ASSIGN_OR_RETURN(Tensor k, TensorFromProto(request.k(), "k"));
+  RA_ASSIGN_OR_RETURN(Tensor v, TensorFromProto(request.v(), "v"));
+  if (plan.empty) {
+    RA_RETURN_IF_ERROR(CheckFinite(q.cview(), "q"));
+    RA_RETURN_IF_ERROR(CheckFinite(v.cview(), "v"));
+    RA_ASSIGN_OR_RETURN(const Tensor out,
+                        Tensor::Create(plan.out_dtype, {d.batch, d.q_len, d.heads, d.v_dim}));
+    TensorToProto(out.cview(), response->mutable_out());
+    if (request.return_probs()) {
+      RA_ASSIGN_OR_RETURN(const Tensor probs,
+                          Tensor::Create(DType::kF32, {d.batch, d.heads, d.q_len, d.k_len}));
+      TensorToProto(probs.cview(), response->mutable_probs());
+    }
+    return absl::OkStatus();
+  }
   if (spec.rope.has_value()) {
     // Rotation mixes each channel pair, so a NaN would afterwards also show
     // at its partner's index: report the input's own first bad element.
     RA_RETURN_IF_ERROR(CheckFinite(q.cview(), "q"));
     RA_RETURN_IF_ERROR(CheckFinite(k.cview(), "k"));
-    int64_t max_q_pos = -1;
-    if (q_len > 0) {
-      for (int64_t off : offsets) max_q_pos = std::max(max_q_pos, off + q_len - 1);
-    }
-    // Dynamic NTK and LongRoPE choose their frequencies from the length the
-    // request spans, so q and k share one rotator planned for all of it.
-    const int64_t seq_len = std::max(k_len, max_q_pos + 1);
-    RA_ASSIGN_OR_RETURN(const RopeRotator rotator,
-                        WithContext(RopeRotator::Create(*spec.rope, seq_len,
-                                                        std::min(seq_len, kMaxRopeTablePositions)),
-                                    "spec.rope"));
+    RA_ASSIGN_OR_RETURN(
+        const RopeRotator rotator,
+        WithContext(RopeRotator::Create(*spec.rope, plan.rope_seq_len,
+                                        std::min(plan.rope_seq_len, kMaxRopeTablePositions)),
+                    "spec.rope"));
     // q and k are already private copies of the wire bytes: rotate in place.
     // A bf16 k is rotated in f32 and rounded once, as a cache would hold it.
     Positions q_positions;
-    q_positions.offsets = offsets;
+    q_positions.offsets = plan.offsets;
     RA_RETURN_IF_ERROR(Annotate(
         rotator.Apply(q.view(), q_positions, RopeDirection::kForward, threads), "rotating q"));
     RA_RETURN_IF_ERROR(Annotate(
         rotator.Apply(k.view(), Positions(), RopeDirection::kForward, threads), "rotating k"));
+    // A huge attention factor can take finite q or k past the float range.
+    RA_RETURN_IF_ERROR(CheckFinite(q.cview(), "rotated q (spec.rope.scaling.attention_factor)"));
+    RA_RETURN_IF_ERROR(CheckFinite(k.cview(), "rotated k (spec.rope.scaling.attention_factor)"));
   }
 
   AttentionOptions& o = spec.options;
-  o.q_offsets = offsets;
-  o.key_lengths = absl::MakeConstSpan(key_lengths.data(), key_lengths.size());
+  o.q_offsets = plan.offsets;
+  o.key_lengths = absl::MakeConstSpan(request.key_lengths().data(), request.key_lengths_size());
   o.check_finite = true;
   o.num_threads = threads;
-  RA_ASSIGN_OR_RETURN(Tensor out, Tensor::Create(out_dtype, {batch, q_len, heads, v_dim}));
+  o.stop = options.stop;
+  RA_ASSIGN_OR_RETURN(Tensor out,
+                      Tensor::Create(plan.out_dtype, {d.batch, d.q_len, d.heads, d.v_dim}));
   Tensor probs;
   if (request.return_probs()) {
-    RA_ASSIGN_OR_RETURN(probs, Tensor::Create(DType::kF32, {batch, heads, q_len, k_len}));
+    RA_ASSIGN_OR_RETURN(probs, Tensor::Create(DType::kF32, {d.batch, d.heads, d.q_len, d.k_len}));
   }
   RA_RETURN_IF_ERROR(Attend(q.cview(), k.cview(), v.cview(), o, out.view(),
                             request.return_probs() ? probs.view() : TensorView()));
@@ -309,19 +321,18 @@ namespace {
 
 // --- Encode, one function per op ---
 
-absl::Status EncodeSinusoidal(const v1::EncodeRequest::Sinusoidal& op,
+// Each op validates its fields and describes its size in `dims`; with
+// `response` null it stops there (pricing), otherwise it computes.
+
+absl::Status EncodeSinusoidal(const v1::EncodeRequest::Sinusoidal& op, EncodeDims& dims,
                               v1::EncodeResponse* response) {
   RA_RETURN_IF_ERROR(CheckNonNegative(op.num_positions(), "sinusoidal.num_positions"));
   if (op.d_model() <= 0 || op.d_model() % 2 != 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("sinusoidal.d_model must be even and > 0, got %d", op.d_model()));
   }
-  RA_RETURN_IF_ERROR(CheckNonNegative(op.first_position(), "sinusoidal.first_position"));
-  // d_model alone sizes the frequency list, even for an empty table.
-  RA_RETURN_IF_ERROR(CheckLimit(op.d_model(), kMaxEncodeElements, "sinusoidal.d_model"));
-  RA_RETURN_IF_ERROR(CheckLimit(
-      SatMul(op.num_positions(), op.d_model()), kMaxEncodeElements,
-      absl::StrCat("the sinusoidal table ", DimsToString({op.num_positions(), op.d_model()}))));
+  RA_RETURN_IF_ERROR(CheckPositions(op.first_position(), op.num_positions(),
+                                    "sinusoidal.first_position"));
   SinusoidalLayout layout;
   switch (op.layout()) {
     case v1::SINUSOIDAL_LAYOUT_UNSPECIFIED:
@@ -335,7 +346,14 @@ absl::Status EncodeSinusoidal(const v1::EncodeRequest::Sinusoidal& op,
       return absl::InvalidArgumentError(
           absl::StrFormat("sinusoidal.layout has unknown value %d", static_cast<int>(op.layout())));
   }
+  RA_RETURN_IF_ERROR(CheckFiniteRange(op.base(), 0.0, kMaxTheta, "sinusoidal.base"));
   const double base = op.base() == 0.0 ? 10000.0 : op.base();
+  dims.what = absl::StrCat("the sinusoidal table ", DimsToString({op.num_positions(), op.d_model()}));
+  dims.out_bytes = SatProduct({op.num_positions(), op.d_model(), 4});
+  // d_model alone sizes the frequency list, even for an empty table.
+  dims.scratch_bytes = SatMul(op.d_model(), 8);
+  dims.loop_steps = SatAdd(LoopSteps({op.num_positions(), op.d_model()}), op.d_model());
+  if (response == nullptr) return absl::OkStatus();
   RA_ASSIGN_OR_RETURN(const Tensor table,
                       WithContext(SinusoidalTable(op.num_positions(), op.d_model(), base, layout,
                                                   op.first_position()),
@@ -354,10 +372,20 @@ absl::StatusOr<RopeConfig> EncodeRopeConfig(const v1::RopeSpec& rope, int64_t he
         absl::StrFormat("%s must be > 0, got %d", head_dim_field, head_dim));
   }
   if (head_dim > kMaxRopeHeadDim) {
-    return absl::ResourceExhaustedError(absl::StrFormat("%s is %d; RoPE ops take at most %d",
-                                                        head_dim_field, head_dim, kMaxRopeHeadDim));
+    return absl::InvalidArgumentError(absl::StrFormat("%s is %d; RoPE ops take at most %d",
+                                                      head_dim_field, head_dim, kMaxRopeHeadDim));
   }
   return RopeConfigFromProto(rope, head_dim, absl::StrCat(op, ".rope"));
+}
+
+// A RoPE plan's length: any count of positions 0 .. kMaxPosition.
+absl::Status CheckSeqLen(int64_t seq_len, absl::string_view field) {
+  RA_RETURN_IF_ERROR(CheckNonNegative(seq_len, field));
+  if (seq_len > kMaxPosition + 1) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "%s = %d is past the maximum position 2^40 + 1 tokens", field, seq_len));
+  }
+  return absl::OkStatus();
 }
 
 void FillFrequencies(const RopeFrequencies& f, v1::EncodeResponse* response) {
@@ -365,12 +393,17 @@ void FillFrequencies(const RopeFrequencies& f, v1::EncodeResponse* response) {
   response->set_attention_factor(f.attention_factor);
 }
 
-absl::Status EncodeRopeFrequencies(const v1::EncodeRequest::RopeFrequencies& op,
+absl::Status EncodeRopeFrequencies(const v1::EncodeRequest::RopeFrequencies& op, EncodeDims& dims,
                                    v1::EncodeResponse* response) {
   RA_ASSIGN_OR_RETURN(
       const RopeConfig config,
       EncodeRopeConfig(op.rope(), op.head_dim(), "rope_frequencies.head_dim", "rope_frequencies"));
-  RA_RETURN_IF_ERROR(CheckNonNegative(op.seq_len(), "rope_frequencies.seq_len"));
+  RA_RETURN_IF_ERROR(CheckSeqLen(op.seq_len(), "rope_frequencies.seq_len"));
+  const int64_t half = config.effective_rotary_dim() / 2;
+  dims.what = absl::StrFormat("the rope_frequencies of %d pairs", half);
+  dims.out_bytes = SatMul(half, 8);
+  dims.loop_steps = half;
+  if (response == nullptr) return absl::OkStatus();
   RA_ASSIGN_OR_RETURN(
       const RopeFrequencies f,
       WithContext(ComputeRopeFrequencies(config, op.seq_len()), "rope_frequencies"));
@@ -378,16 +411,22 @@ absl::Status EncodeRopeFrequencies(const v1::EncodeRequest::RopeFrequencies& op,
   return absl::OkStatus();
 }
 
-absl::Status EncodeRopeCosSin(const v1::EncodeRequest::RopeCosSin& op,
+absl::Status EncodeRopeCosSin(const v1::EncodeRequest::RopeCosSin& op, EncodeDims& dims,
                               v1::EncodeResponse* response) {
   RA_ASSIGN_OR_RETURN(
       const RopeConfig config,
       EncodeRopeConfig(op.rope(), op.head_dim(), "rope_cos_sin.head_dim", "rope_cos_sin"));
-  RA_RETURN_IF_ERROR(CheckNonNegative(op.seq_len(), "rope_cos_sin.seq_len"));
+  RA_RETURN_IF_ERROR(CheckSeqLen(op.seq_len(), "rope_cos_sin.seq_len"));
   const int64_t n = op.positions_size();
   const int64_t half = config.effective_rotary_dim() / 2;
-  RA_RETURN_IF_ERROR(CheckLimit(SatMul(n, half), kMaxEncodeElements,
-                                absl::StrCat("the cos/sin table ", DimsToString({n, half}))));
+  for (int i = 0; i < op.positions_size(); ++i) {
+    RA_RETURN_IF_ERROR(
+        CheckPositions(op.positions(i), 1, absl::StrFormat("rope_cos_sin.positions[%d]", i)));
+  }
+  dims.what = absl::StrCat("the cos/sin tables ", DimsToString({n, half}), " x 2");
+  dims.out_bytes = SatAdd(SatProduct({n, half, 8}), SatMul(half, 8));
+  dims.loop_steps = LoopSteps({n, half});
+  if (response == nullptr) return absl::OkStatus();
   // No table: every requested position is computed once, directly.
   RA_ASSIGN_OR_RETURN(const RopeRotator rotator,
                       WithContext(RopeRotator::Create(config, op.seq_len(), 0), "rope_cos_sin"));
@@ -397,26 +436,28 @@ absl::Status EncodeRopeCosSin(const v1::EncodeRequest::RopeCosSin& op,
                                              absl::MakeSpan(cos.data<float>(), n * half),
                                              absl::MakeSpan(sin.data<float>(), n * half)),
                               "rope_cos_sin"));
+  RA_RETURN_IF_ERROR(CheckFinite(cos.cview(), "rope_cos_sin cos (times the attention factor)"));
+  RA_RETURN_IF_ERROR(CheckFinite(sin.cview(), "rope_cos_sin sin (times the attention factor)"));
   FillFrequencies(rotator.frequencies(), response);
   TensorToProto(cos.cview(), response->mutable_cos());
   TensorToProto(sin.cview(), response->mutable_sin());
   return absl::OkStatus();
 }
 
-absl::Status EncodeRopeApply(const v1::EncodeRequest::RopeApply& op, v1::EncodeResponse* response,
-                             int threads) {
-  RA_ASSIGN_OR_RETURN(Tensor x, TensorFromProto(op.x(), "rope_apply.x"));
-  if (x.rank() != 4) {
+absl::Status EncodeRopeApply(const v1::EncodeRequest::RopeApply& op, EncodeDims& dims,
+                             v1::EncodeResponse* response, int threads) {
+  RA_ASSIGN_OR_RETURN(const WireShape xs, ParseWireShape(op.x(), "rope_apply.x"));
+  if (xs.rank() != 4) {
     return absl::InvalidArgumentError(
         absl::StrFormat("rope_apply.x must have rank 4 [batch, seq, heads, head_dim], got shape %s",
-                        DimsToString(x.dims())));
+                        DimsToString(xs.dims)));
   }
   RA_ASSIGN_OR_RETURN(
       const RopeConfig config,
-      EncodeRopeConfig(op.rope(), x.dim(3), "rope_apply.x.shape[3] (head_dim)", "rope_apply"));
-  RA_RETURN_IF_ERROR(CheckNonNegative(op.seq_len(), "rope_apply.seq_len"));
-  const int64_t batch = x.dim(0);
-  const int64_t seq = x.dim(1);
+      EncodeRopeConfig(op.rope(), xs.dim(3), "rope_apply.x.shape[3] (head_dim)", "rope_apply"));
+  RA_RETURN_IF_ERROR(CheckSeqLen(op.seq_len(), "rope_apply.seq_len"));
+  const int64_t batch = xs.dim(0);
+  const int64_t seq = xs.dim(1);
   if (op.positions_size() > 0 && op.offsets_size() > 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "rope_apply: set at most one of positions (%d given) and offsets (%d given)",
@@ -429,25 +470,33 @@ absl::Status EncodeRopeApply(const v1::EncodeRequest::RopeApply& op, v1::EncodeR
                           op.positions_size(), batch, seq));
     }
     for (int i = 0; i < op.positions_size(); ++i) {
-      if (op.positions(i) < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("rope_apply.positions[%d] must be >= 0, got %d", i, op.positions(i)));
-      }
-      if (op.positions(i) > kMaxPosition) {
-        return absl::OutOfRangeError(
-            absl::StrFormat("rope_apply.positions[%d] = %d is above the maximum position 2^40", i,
-                            op.positions(i)));
-      }
+      RA_RETURN_IF_ERROR(
+          CheckPositions(op.positions(i), 1, absl::StrFormat("rope_apply.positions[%d]", i)));
     }
   }
-  if (op.offsets_size() > 0 && op.offsets_size() != batch) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("rope_apply.offsets has %d entries, expected one per batch row (%d)",
-                        op.offsets_size(), batch));
+  if (op.offsets_size() > 0) {
+    if (op.offsets_size() != batch) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("rope_apply.offsets has %d entries, expected one per batch row (%d)",
+                          op.offsets_size(), batch));
+    }
+    for (int b = 0; b < op.offsets_size(); ++b) {
+      RA_RETURN_IF_ERROR(
+          CheckPositions(op.offsets(b), seq, absl::StrFormat("rope_apply.offsets[%d]", b)));
+    }
+  } else if (op.positions_size() == 0) {
+    RA_RETURN_IF_ERROR(CheckPositions(0, seq, "rope_apply.x.shape[1] (seq)"));
   }
+  dims.what = absl::StrCat("rope_apply.x ", DimsToString(xs.dims));
+  dims.in_bytes = xs.bytes;
+  dims.out_bytes = xs.bytes;
+  // Rows are walked even when a row is empty; no table (see below).
+  dims.loop_steps = xs.elements == 0 ? 0 : LoopSteps({batch, seq, xs.dim(2), xs.dim(3)});
+  if (response == nullptr) return absl::OkStatus();
+
+  RA_ASSIGN_OR_RETURN(Tensor x, TensorFromProto(op.x(), "rope_apply.x"));
   // The rotation has no check of its own: a NaN in would be a NaN out.
   RA_RETURN_IF_ERROR(CheckFinite(x.cview(), "rope_apply.x"));
-
   const int64_t seq_len = op.seq_len() == 0 ? seq : op.seq_len();
   // No table: Apply computes each token's row once; a table would only pay
   // off for rows sharing positions, and costs a row per position up front.
@@ -474,21 +523,30 @@ absl::Status EncodeRopeApply(const v1::EncodeRequest::RopeApply& op, v1::EncodeR
   return absl::OkStatus();
 }
 
-absl::Status EncodeAlibi(const v1::EncodeRequest::Alibi& op, v1::EncodeResponse* response) {
+absl::Status EncodeAlibi(const v1::EncodeRequest::Alibi& op, EncodeDims& dims,
+                         v1::EncodeResponse* response) {
   if (op.heads() <= 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("alibi.heads must be > 0, got %d", op.heads()));
   }
-  RA_ASSIGN_OR_RETURN(const std::vector<double> slopes,
-                      WithContext(AlibiSlopes(op.heads()), "alibi.heads"));
   RA_RETURN_IF_ERROR(CheckNonNegative(op.q_len(), "alibi.q_len"));
   RA_RETURN_IF_ERROR(CheckNonNegative(op.k_len(), "alibi.k_len"));
-  RA_RETURN_IF_ERROR(CheckNonNegative(op.q_offset(), "alibi.q_offset"));
+  RA_RETURN_IF_ERROR(CheckPositions(op.q_offset(), op.q_len(), "alibi.q_offset"));
+  RA_RETURN_IF_ERROR(CheckPositions(0, op.k_len(), "alibi.k_len"));
+  // AlibiSlopes validates the head count (its own bound) before anything
+  // is sized by it.
+  RA_ASSIGN_OR_RETURN(const std::vector<double> slopes,
+                      WithContext(AlibiSlopes(op.heads()), "alibi.heads"));
+  dims.what = op.q_len() == 0
+                  ? absl::StrFormat("the alibi slopes of %d heads", op.heads())
+                  : absl::StrCat("the alibi bias ",
+                                 DimsToString({op.heads(), op.q_len(), op.k_len()}));
+  dims.out_bytes = SatAdd(SatMul(op.heads(), 8),
+                          op.q_len() == 0 ? 0 : SatProduct({op.heads(), op.q_len(), op.k_len(), 4}));
+  dims.loop_steps = op.q_len() == 0 ? op.heads() : LoopSteps({op.heads(), op.q_len(), op.k_len()});
+  if (response == nullptr) return absl::OkStatus();
   response->mutable_slopes()->Add(slopes.begin(), slopes.end());
   if (op.q_len() == 0) return absl::OkStatus();  // slopes only
-  RA_RETURN_IF_ERROR(CheckLimit(
-      SatProduct({op.heads(), op.q_len(), op.k_len()}), kMaxEncodeElements,
-      absl::StrCat("the alibi bias ", DimsToString({op.heads(), op.q_len(), op.k_len()}))));
   RA_ASSIGN_OR_RETURN(const Tensor bias, WithContext(AlibiBias(slopes, op.q_len(), op.k_len(),
                                                                op.q_offset(), op.bidirectional()),
                                                      "alibi"));
@@ -496,7 +554,8 @@ absl::Status EncodeAlibi(const v1::EncodeRequest::Alibi& op, v1::EncodeResponse*
   return absl::OkStatus();
 }
 
-absl::Status EncodeT5(const v1::EncodeRequest::T5& op, v1::EncodeResponse* response) {
+absl::Status EncodeT5(const v1::EncodeRequest::T5& op, EncodeDims& dims,
+                      v1::EncodeResponse* response) {
   T5BucketConfig config;
   config.num_buckets = op.num_buckets() == 0 ? 32 : op.num_buckets();
   config.max_distance = op.max_distance() == 0 ? 128 : op.max_distance();
@@ -504,45 +563,51 @@ absl::Status EncodeT5(const v1::EncodeRequest::T5& op, v1::EncodeResponse* respo
   RA_RETURN_IF_ERROR(Annotate(ValidateT5BucketConfig(config), "t5"));
   RA_RETURN_IF_ERROR(CheckNonNegative(op.q_len(), "t5.q_len"));
   RA_RETURN_IF_ERROR(CheckNonNegative(op.k_len(), "t5.k_len"));
-  RA_RETURN_IF_ERROR(CheckNonNegative(op.q_offset(), "t5.q_offset"));
   // Keeps every q_offset + i and j - q_pos inside int64, as the core does.
-  if (op.q_offset() > kMaxPosition || op.q_len() > kMaxPosition - op.q_offset() ||
-      op.k_len() > kMaxPosition) {
-    return absl::OutOfRangeError(
-        absl::StrFormat("t5: positions past 2^40 (q_offset %d + q_len %d, k_len %d)", op.q_offset(),
-                        op.q_len(), op.k_len()));
-  }
+  RA_RETURN_IF_ERROR(CheckPositions(op.q_offset(), op.q_len(), "t5.q_offset"));
+  RA_RETURN_IF_ERROR(CheckPositions(0, op.k_len(), "t5.k_len"));
   const int64_t q_len = op.q_len();
   const int64_t k_len = op.k_len();
-  RA_RETURN_IF_ERROR(CheckLimit(SatMul(q_len, k_len), kMaxEncodeElements,
-                                absl::StrCat("the t5 bucket grid ", DimsToString({q_len, k_len}))));
+  int64_t table_heads = 0;
+  WireShape table_shape;
+  if (op.has_table()) {
+    RA_ASSIGN_OR_RETURN(table_shape, ParseWireShape(op.table(), "t5.table"));
+    if (table_shape.rank() != 2) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("t5.table must have rank 2 [num_buckets, heads], got shape %s",
+                          DimsToString(table_shape.dims)));
+    }
+    if (table_shape.dim(0) != config.num_buckets || table_shape.dim(1) < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("t5.table must have shape [num_buckets=%d, heads >= 1], got %s",
+                          config.num_buckets, DimsToString(table_shape.dims)));
+    }
+    table_heads = table_shape.dim(1);
+  }
+  dims.what = absl::StrCat("the t5 bucket grid ", DimsToString({q_len, k_len}),
+                           table_heads > 0
+                               ? absl::StrCat(" and bias ", DimsToString({table_heads, q_len, k_len}))
+                               : std::string());
+  // Buckets travel as packed varints: at most 5 bytes each.
+  dims.out_bytes = SatAdd(SatProduct({q_len, k_len, 5}), SatProduct({table_heads, q_len, k_len, 4}));
+  dims.in_bytes = table_shape.bytes;
+  dims.scratch_bytes = SatProduct({q_len, k_len, 4});
+  dims.loop_steps = SatAdd(LoopSteps({q_len, k_len}), LoopSteps({table_heads, q_len, k_len}));
+  if (response == nullptr) return absl::OkStatus();
 
-  // Parse and check the optional table before filling anything.
   Tensor table;
   if (op.has_table()) {
     RA_ASSIGN_OR_RETURN(table, TensorFromProto(op.table(), "t5.table"));
-    if (table.rank() != 2) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("t5.table must have rank 2 [num_buckets, heads], got shape %s",
-                          DimsToString(table.dims())));
-    }
-    if (table.dim(0) != config.num_buckets || table.dim(1) < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("t5.table must have shape [num_buckets=%d, heads >= 1], got %s",
-                          config.num_buckets, DimsToString(table.dims())));
-    }
     RA_RETURN_IF_ERROR(CheckFinite(table.cview(), "t5.table"));
-    RA_RETURN_IF_ERROR(
-        CheckLimit(SatProduct({table.dim(1), q_len, k_len}), kMaxEncodeElements,
-                   absl::StrCat("the t5 bias ", DimsToString({table.dim(1), q_len, k_len}))));
   }
-
-  auto* buckets = response->mutable_buckets();
-  buckets->Resize(static_cast<int>(q_len * k_len), 0);
-  int32_t* out = buckets->mutable_data();
-  for (int64_t i = 0; i < q_len; ++i) {
-    const int64_t q_pos = op.q_offset() + i;
-    for (int64_t j = 0; j < k_len; ++j) out[i * k_len + j] = T5RelativeBucket(j - q_pos, config);
+  if (q_len > 0 && k_len > 0) {
+    auto* buckets = response->mutable_buckets();
+    buckets->Resize(static_cast<int>(q_len * k_len), 0);
+    int32_t* out = buckets->mutable_data();
+    for (int64_t i = 0; i < q_len; ++i) {
+      const int64_t q_pos = op.q_offset() + i;
+      for (int64_t j = 0; j < k_len; ++j) out[i * k_len + j] = T5RelativeBucket(j - q_pos, config);
+    }
   }
   if (op.has_table()) {
     RA_ASSIGN_OR_RETURN(
@@ -553,29 +618,41 @@ absl::Status EncodeT5(const v1::EncodeRequest::T5& op, v1::EncodeResponse* respo
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::Status RunEncode(const v1::EncodeRequest& request, v1::EncodeResponse* response,
-                       const ComputeOptions& options) {
-  const int threads = std::max(1, options.threads);
+// Validates and describes the op; computes into `response` when non-null.
+absl::Status EncodeOp(const v1::EncodeRequest& request, EncodeDims& dims,
+                      v1::EncodeResponse* response, int threads) {
   switch (request.op_case()) {
     case v1::EncodeRequest::kSinusoidal:
-      return EncodeSinusoidal(request.sinusoidal(), response);
+      return EncodeSinusoidal(request.sinusoidal(), dims, response);
     case v1::EncodeRequest::kRopeFrequencies:
-      return EncodeRopeFrequencies(request.rope_frequencies(), response);
+      return EncodeRopeFrequencies(request.rope_frequencies(), dims, response);
     case v1::EncodeRequest::kRopeCosSin:
-      return EncodeRopeCosSin(request.rope_cos_sin(), response);
+      return EncodeRopeCosSin(request.rope_cos_sin(), dims, response);
     case v1::EncodeRequest::kRopeApply:
-      return EncodeRopeApply(request.rope_apply(), response, threads);
+      return EncodeRopeApply(request.rope_apply(), dims, response, threads);
     case v1::EncodeRequest::kAlibi:
-      return EncodeAlibi(request.alibi(), response);
+      return EncodeAlibi(request.alibi(), dims, response);
     case v1::EncodeRequest::kT5:
-      return EncodeT5(request.t5(), response);
+      return EncodeT5(request.t5(), dims, response);
     case v1::EncodeRequest::OP_NOT_SET:
       return absl::InvalidArgumentError("EncodeRequest.op is not set");
   }
   return absl::InvalidArgumentError(
       absl::StrFormat("EncodeRequest.op has unknown case %d", static_cast<int>(request.op_case())));
+}
+
+}  // namespace
+
+absl::StatusOr<Cost> PriceEncode(const v1::EncodeRequest& request) {
+  EncodeDims dims;
+  RA_RETURN_IF_ERROR(EncodeOp(request, dims, nullptr, 1));
+  return EncodeCost(dims);
+}
+
+absl::Status RunEncode(const v1::EncodeRequest& request, v1::EncodeResponse* response,
+                       const ComputeOptions& options) {
+  EncodeDims dims;
+  return EncodeOp(request, dims, response, std::max(1, options.threads));
 }
 
 }  // namespace ropeattn::server

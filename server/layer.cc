@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/encodings.h"
+#include "core/limits.h"
 #include "core/gemm.h"
 #include "core/rope.h"
 #include "core/status_macros.h"
@@ -17,7 +18,6 @@
 namespace ropeattn::server {
 namespace {
 
-constexpr int64_t kMaxElements = int64_t{1} << 28;  // per output tensor
 constexpr int64_t kRopeTable = 8192;                // cos/sin rows precomputed per call
 
 // A dense [rows, cols] view of a dense tensor's memory.
@@ -99,8 +99,20 @@ absl::StatusOr<ResolvedLayer> ResolveLayer(const ModelRegistry& models, absl::st
   return r;
 }
 
-absl::Status RunLayerAttend(const ModelRegistry& models, const v1::AttendRequest& request,
-                            v1::AttendResponse* response, int threads) {
+namespace {
+
+struct LayerPlan {
+  ResolvedLayer layer;
+  WireShape hidden;
+  AttentionOptions options;
+  std::vector<int64_t> offsets;
+  DType out_dtype = DType::kF32;
+  bool empty = false;  // no tokens: an empty answer, no compute
+  LayerDims dims;
+};
+
+absl::StatusOr<LayerPlan> PlanLayerAttend(const ModelRegistry& models,
+                                          const v1::AttendRequest& request, int threads) {
   if (request.has_q() || request.has_k() || request.has_v()) {
     return absl::InvalidArgumentError(
         "AttendRequest: set either q/k/v or layer, not both (layer mode projects q/k/v itself)");
@@ -108,108 +120,198 @@ absl::Status RunLayerAttend(const ModelRegistry& models, const v1::AttendRequest
   if (request.return_probs()) {
     return absl::UnimplementedError("return_probs is not supported in layer mode");
   }
+  LayerPlan plan;
   const v1::LayerInput& in = request.layer();
-  RA_ASSIGN_OR_RETURN(ResolvedLayer r, ResolveLayer(models, in.model(), in.layer()));
-  const ModelConfig& c = r.model->config();
-  RA_ASSIGN_OR_RETURN(Tensor hidden, TensorFromProto(in.hidden(), "layer.hidden"));
-  if (hidden.rank() != 3 || hidden.dim(2) != c.hidden_size) {
+  RA_ASSIGN_OR_RETURN(plan.layer, ResolveLayer(models, in.model(), in.layer()));
+  const ModelConfig& c = plan.layer.model->config();
+  RA_ASSIGN_OR_RETURN(plan.hidden, ParseWireShape(in.hidden(), "layer.hidden"));
+  if (plan.hidden.rank() != 3 || plan.hidden.dim(2) != c.hidden_size) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "layer.hidden must have shape [batch, seq, %d] (model %s's hidden_size), got %s",
-        c.hidden_size, in.model(), DimsToString(hidden.dims())));
+        c.hidden_size, in.model(), DimsToString(plan.hidden.dims)));
   }
-  const int64_t b = hidden.dim(0), s = hidden.dim(1);
-  if (b * s * std::max(c.num_heads * c.head_dim, c.hidden_size) > kMaxElements ||
-      b * c.num_heads * s * s > (int64_t{1} << 36)) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "layer.hidden %s is too large for one request", DimsToString(hidden.dims())));
-  }
-  RA_RETURN_IF_ERROR(CheckFinite(hidden.view(), "layer.hidden"));
+  const int64_t b = plan.hidden.dim(0), s = plan.hidden.dim(1);
   const v1::AttentionSpec& spec = request.spec();
-  AttentionOptions o;
+  RA_RETURN_IF_ERROR(CheckFiniteRange(spec.scale(), 0.0, kMaxLogitScale, "spec.scale"));
+  RA_RETURN_IF_ERROR(CheckFiniteRange(spec.softcap(), 0.0, kMaxSoftcap, "spec.softcap"));
+  if (spec.window() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("spec.window must be >= 0 (0 means none), got %d", spec.window()));
+  }
+  AttentionOptions& o = plan.options;
   o.scale = spec.scale();
   o.causal = spec.causal();
   o.window = spec.window();
   o.softcap = spec.softcap();
-  std::vector<int64_t> offsets(request.q_offsets().begin(), request.q_offsets().end());
-  if (!offsets.empty() && static_cast<int64_t>(offsets.size()) != b) {
+  if (!request.q_offsets().empty() && request.q_offsets_size() != b) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "q_offsets has %d entries, expected one per batch row (%d)", offsets.size(), b));
+        "q_offsets has %d entries, expected one per batch row (%d)", request.q_offsets_size(), b));
   }
-  for (size_t i = 0; i < offsets.size(); ++i) {
-    if (offsets[i] < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("q_offsets[%d] must be >= 0, got %d", i, offsets[i]));
+  for (int i = 0; i < request.q_offsets_size(); ++i) {
+    RA_RETURN_IF_ERROR(
+        CheckPositions(request.q_offsets(i), s, absl::StrFormat("q_offsets[%d]", i)));
+  }
+  if (!request.key_lengths().empty() && request.key_lengths_size() != b) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("key_lengths has %d entries, expected one per batch row (%d) or none",
+                        request.key_lengths_size(), b));
+  }
+  for (int i = 0; i < request.key_lengths_size(); ++i) {
+    if (request.key_lengths(i) < 0 || request.key_lengths(i) > s) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "key_lengths[%d] = %d is outside [0, %d] (the hidden states' seq length)", i,
+          request.key_lengths(i), s));
     }
   }
-  std::vector<int64_t> key_lengths(request.key_lengths().begin(), request.key_lengths().end());
-  o.key_lengths = key_lengths;
-  RA_ASSIGN_OR_RETURN(Tensor out,
-                      LayerForward(*r.model, r.layer, hidden.view(), o, offsets, threads));
-  RA_ASSIGN_OR_RETURN(DType out_dtype,
+  RA_ASSIGN_OR_RETURN(plan.out_dtype,
                       DTypeFromProto(request.out_dtype(), "out_dtype", DType::kF32));
-  if (out_dtype != DType::kF32) {
-    RA_ASSIGN_OR_RETURN(out, CastTensor(out.view(), out_dtype));
+  // No tokens (a zero batch or seq): the answer is empty, and the other dim
+  // (up to 2^63 for zero bytes) must not size any buffer or loop.
+  plan.empty = plan.hidden.elements == 0;
+  plan.offsets.assign(request.q_offsets().begin(), request.q_offsets().end());
+  int64_t len = s;
+  for (int64_t off : plan.offsets) len = std::max(len, off + s);
+  LayerDims& d = plan.dims;
+  d.batch = b;
+  d.seq = s;
+  d.hidden = c.hidden_size;
+  d.heads = c.num_heads;
+  d.kv_heads = c.num_kv_heads;
+  d.head_dim = c.head_dim;
+  d.hidden_dtype = plan.hidden.dtype;
+  d.out_dtype = plan.out_dtype;
+  d.threads = threads;
+  if (c.rope && !plan.empty) {
+    d.rope_rotary_dim = c.rope->effective_rotary_dim();
+    d.rope_positions = len;
+  }
+  return plan;
+}
+
+}  // namespace
+
+absl::StatusOr<Cost> PriceLayerAttend(const ModelRegistry& models, const v1::AttendRequest& request,
+                                      int threads) {
+  RA_ASSIGN_OR_RETURN(const LayerPlan plan, PlanLayerAttend(models, request, threads));
+  if (plan.empty) {
+    Cost c;
+    c.reply_bytes = kReplyOverheadBytes;
+    c.transient_bytes = kReplyOverheadBytes;
+    return c;
+  }
+  return LayerAttendCost(plan.dims);
+}
+
+absl::Status RunLayerAttend(const ModelRegistry& models, const v1::AttendRequest& request,
+                            v1::AttendResponse* response, const ComputeOptions& options) {
+  const int threads = std::max(1, options.threads);
+  RA_ASSIGN_OR_RETURN(LayerPlan plan, PlanLayerAttend(models, request, threads));
+  const LayerDims& d = plan.dims;
+  if (plan.empty) {
+    v1::Tensor* out = response->mutable_out();
+    out->set_dtype(DTypeToProto(plan.out_dtype));
+    for (int64_t x : {d.batch, d.seq, d.hidden}) out->add_shape(x);
+    return absl::OkStatus();
+  }
+  RA_ASSIGN_OR_RETURN(Tensor hidden, TensorFromProto(request.layer().hidden(), "layer.hidden"));
+  RA_RETURN_IF_ERROR(CheckFinite(hidden.view(), "layer.hidden"));
+  plan.options.key_lengths =
+      absl::MakeConstSpan(request.key_lengths().data(), request.key_lengths_size());
+  plan.options.stop = options.stop;
+  RA_ASSIGN_OR_RETURN(Tensor out, LayerForward(*plan.layer.model, plan.layer.layer, hidden.view(),
+                                               plan.options, plan.offsets, threads));
+  if (plan.out_dtype != DType::kF32) {
+    RA_ASSIGN_OR_RETURN(out, CastTensor(out.view(), plan.out_dtype));
   }
   TensorToProto(out.view(), response->mutable_out());
   return absl::OkStatus();
 }
 
-absl::Status RunEmbed(const ModelRegistry& models, const v1::EmbedRequest& request,
-                      v1::EmbedResponse* response) {
-  RA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, models.Get(request.model()));
-  const ModelConfig& c = model->config();
+namespace {
+
+struct EmbedPlan {
+  std::shared_ptr<const Model> model;
+  int64_t batch = 1, seq = 0, tokens = 0;
+  DType out_dtype = DType::kF32;
+};
+
+absl::StatusOr<EmbedPlan> PlanEmbed(const ModelRegistry& models, const v1::EmbedRequest& request) {
+  EmbedPlan plan;
+  RA_ASSIGN_OR_RETURN(plan.model, models.Get(request.model()));
+  const ModelConfig& c = plan.model->config();
   const int64_t n = request.token_ids_size();
   int64_t b = 1, s = n;
   if (request.shape_size() != 0) {
     if (request.shape_size() != 2 || request.shape(0) < 0 || request.shape(1) < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("shape must be [batch, seq], got [",
-                                                     absl::StrJoin(request.shape(), ", "), "]"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shape must be [batch, seq] with dims >= 0, got ",
+          request.shape_size() > 8 ? absl::StrCat(request.shape_size(), " dims")
+                                   : absl::StrCat("[", absl::StrJoin(request.shape(), ", "), "]")));
     }
     b = request.shape(0);
     s = request.shape(1);
-    if (s != 0 && b > n / std::max<int64_t>(s, 1)) b = -1;  // overflow guard
-    if (b < 0 || b * s != n) {
+    if (SatMul(b, s) != n) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "shape [%d, %d] does not hold the %d token ids", request.shape(0), request.shape(1), n));
     }
-  }
-  if (n * c.hidden_size > kMaxElements) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "%d tokens x hidden_size %d is too large for one request", n, c.hidden_size));
   }
   for (int64_t i = 0; i < n; ++i) {
     const int64_t id = request.token_ids(static_cast<int>(i));
     if (id < 0 || id >= c.vocab_size) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("token id %d at index %d is outside model %s's vocabulary [0, %d)", id, i,
+          absl::StrFormat("token_ids[%d] = %d is outside model %s's vocabulary [0, %d)", i, id,
                           request.model(), c.vocab_size));
     }
   }
-  std::vector<int64_t> offsets(request.q_offsets().begin(), request.q_offsets().end());
-  if (!offsets.empty() && static_cast<int64_t>(offsets.size()) != b) {
+  if (!request.q_offsets().empty() && request.q_offsets_size() != b) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "q_offsets has %d entries, expected one per batch row (%d)", offsets.size(), b));
+        "q_offsets has %d entries, expected one per batch row (%d)", request.q_offsets_size(), b));
   }
+  for (int i = 0; i < request.q_offsets_size(); ++i) {
+    RA_RETURN_IF_ERROR(
+        CheckPositions(request.q_offsets(i), s, absl::StrFormat("q_offsets[%d]", i)));
+  }
+  RA_ASSIGN_OR_RETURN(plan.out_dtype,
+                      DTypeFromProto(request.out_dtype(), "out_dtype", DType::kF32));
+  plan.batch = b;
+  plan.seq = s;
+  plan.tokens = n;
+  return plan;
+}
+
+bool AddsPositions(const ModelConfig& c) {
+  return c.positions == PositionKind::kLearned || c.positions == PositionKind::kSinusoidal;
+}
+
+}  // namespace
+
+absl::StatusOr<Cost> PriceEmbed(const ModelRegistry& models, const v1::EmbedRequest& request) {
+  RA_ASSIGN_OR_RETURN(const EmbedPlan plan, PlanEmbed(models, request));
+  const ModelConfig& c = plan.model->config();
+  return EmbedCost(plan.tokens, c.hidden_size, plan.out_dtype, AddsPositions(c));
+}
+
+absl::Status RunEmbed(const ModelRegistry& models, const v1::EmbedRequest& request,
+                      v1::EmbedResponse* response) {
+  RA_ASSIGN_OR_RETURN(const EmbedPlan plan, PlanEmbed(models, request));
+  const ModelConfig& c = plan.model->config();
+  const int64_t b = plan.batch, s = plan.seq, n = plan.tokens;
   RA_ASSIGN_OR_RETURN(Tensor out, Tensor::Create(DType::kF32, {b, s, c.hidden_size}));
-  const ConstTensorView table = model->embed_tokens();
+  const ConstTensorView table = plan.model->embed_tokens();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t id = request.token_ids(static_cast<int>(i));
     float* dst = out.data<float>() + i * c.hidden_size;
     for (int64_t h = 0; h < c.hidden_size; ++h) dst[h] = table.GetFloat({id, h});
   }
-  if (c.positions == PositionKind::kLearned || c.positions == PositionKind::kSinusoidal) {
+  if (AddsPositions(c) && n > 0) {
     std::vector<int64_t> positions(n);
     for (int64_t bi = 0; bi < b; ++bi) {
-      const int64_t off = offsets.empty() ? 0 : offsets[bi];
-      if (off < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("q_offsets[%d] must be >= 0, got %d", bi, off));
-      }
+      const int64_t off = request.q_offsets().empty() ? 0 : request.q_offsets(static_cast<int>(bi));
       for (int64_t si = 0; si < s; ++si) positions[bi * s + si] = off + si;
     }
     if (c.positions == PositionKind::kLearned) {
-      RA_RETURN_IF_ERROR(
-          AddLearnedPositions(out.view(), model->position_table(), Positions{positions, {}}));
+      RA_RETURN_IF_ERROR(AddLearnedPositions(out.view(), plan.model->position_table(),
+                                             Positions{positions, {}}));
     } else {
       for (int64_t i = 0; i < n; ++i) {
         RA_ASSIGN_OR_RETURN(
@@ -220,10 +322,8 @@ absl::Status RunEmbed(const ModelRegistry& models, const v1::EmbedRequest& reque
       }
     }
   }
-  RA_ASSIGN_OR_RETURN(DType out_dtype,
-                      DTypeFromProto(request.out_dtype(), "out_dtype", DType::kF32));
-  if (out_dtype != DType::kF32) {
-    RA_ASSIGN_OR_RETURN(out, CastTensor(out.view(), out_dtype));
+  if (plan.out_dtype != DType::kF32) {
+    RA_ASSIGN_OR_RETURN(out, CastTensor(out.view(), plan.out_dtype));
   }
   TensorToProto(out.view(), response->mutable_embeddings());
   return absl::OkStatus();

@@ -11,6 +11,8 @@
 #include "core/attention.h"
 #include "core/tensor.h"
 #include "ropeattn/v1/attention.pb.h"
+#include "server/cost.h"
+#include "server/handlers.h"
 #include "server/model.h"
 
 namespace ropeattn::server {
@@ -45,14 +47,17 @@ struct ResolvedLayer {
 absl::StatusOr<ResolvedLayer> ResolveLayer(const ModelRegistry& models, absl::string_view model,
                                            int64_t layer);
 
-// Attend in layer mode (request.layer set).
+// Attend in layer mode (request.layer set), priced then run (handlers.h).
+absl::StatusOr<Cost> PriceLayerAttend(const ModelRegistry& models, const v1::AttendRequest& request,
+                                      int threads);
 absl::Status RunLayerAttend(const ModelRegistry& models, const v1::AttendRequest& request,
-                            v1::AttendResponse* response, int threads);
+                            v1::AttendResponse* response, const ComputeOptions& options);
 
 // Embed: token ids -> embeddings (+ learned or sinusoidal absolute positions
 // when the model adds them). InvalidArgument naming the id and its index for
 // an id outside the vocabulary; OutOfRange for a position past the model's
 // max_positions when it has a position table.
+absl::StatusOr<Cost> PriceEmbed(const ModelRegistry& models, const v1::EmbedRequest& request);
 absl::Status RunEmbed(const ModelRegistry& models, const v1::EmbedRequest& request,
                       v1::EmbedResponse* response);
 

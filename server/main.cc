@@ -45,8 +45,15 @@ ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
           "Largest gRPC message either way, in bytes (default 256 MiB: room for a "
           "[1, 8192, 32, 128] f32 prefill)");
 ABSL_FLAG(int, max_sessions, kDefaults.max_sessions, "Decoding sessions held at once");
-ABSL_FLAG(int64_t, kv_budget_bytes, kDefaults.kv_budget_bytes,
-          "Memory all sessions' KV caches and linear states may hold together, in bytes");
+ABSL_FLAG(int64_t, memory_budget_bytes, kDefaults.memory_budget_bytes,
+          "Memory, in bytes, that session state (KV caches, linear states, RoPE tables, raw keys) "
+          "and in-flight requests' buffers may hold together; past it a request or open gets "
+          "RESOURCE_EXHAUSTED before any allocation");
+ABSL_FLAG(int64_t, kv_budget_bytes, -1,
+          "Deprecated alias of --memory_budget_bytes (used when that flag is not given)");
+ABSL_FLAG(int64_t, max_request_compute, kDefaults.max_request_compute,
+          "Compute one request or decode step may ask for, in multiply-adds (element-wise "
+          "steps count 16); past it RESOURCE_EXHAUSTED before any work");
 ABSL_FLAG(int64_t, default_max_context, kDefaults.default_max_context,
           "Tokens a session holds when it does not ask for max_context");
 ABSL_FLAG(int64_t, max_context_limit, kDefaults.max_context_limit,
@@ -116,7 +123,12 @@ int main(int argc, char** argv) {
   o.queue_depth = absl::GetFlag(FLAGS_queue_depth);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.max_sessions = absl::GetFlag(FLAGS_max_sessions);
-  o.kv_budget_bytes = absl::GetFlag(FLAGS_kv_budget_bytes);
+  o.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
+  if (absl::GetFlag(FLAGS_kv_budget_bytes) >= 0 &&
+      o.memory_budget_bytes == kDefaults.memory_budget_bytes) {
+    o.memory_budget_bytes = absl::GetFlag(FLAGS_kv_budget_bytes);
+  }
+  o.max_request_compute = absl::GetFlag(FLAGS_max_request_compute);
   o.default_max_context = absl::GetFlag(FLAGS_default_max_context);
   o.max_context_limit = absl::GetFlag(FLAGS_max_context_limit);
   o.default_idle_ttl_seconds = absl::GetFlag(FLAGS_default_idle_ttl_seconds);

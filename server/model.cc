@@ -1099,7 +1099,10 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRegistry::Get(absl::string_vie
   if (it == models_.end()) {
     std::vector<std::string> known;
     for (const auto& [n, m] : models_) known.push_back(n);
-    return absl::NotFoundError(absl::StrCat("model ", name, " not found; known models: ",
+    // The name is the caller's: quote a short prefix only.
+    const absl::string_view shown = name.substr(0, 64);
+    return absl::NotFoundError(absl::StrCat("model \"", shown, name.size() > 64 ? "\"..." : "\"",
+                                            " not found; known models: ",
                                             known.empty() ? "(none)" : absl::StrJoin(known, ", ")));
   }
   return it->second;

@@ -35,8 +35,14 @@ struct ServerOptions {
   // q, k and v prefill with room to spare.
   int64_t max_message_bytes = int64_t{256} << 20;
   int max_sessions = 1024;
-  // Memory all sessions' KV caches (or linear states) may hold together.
-  int64_t kv_budget_bytes = int64_t{4} << 30;
+  // Memory that session state (KV caches, linear states, RoPE tables, raw
+  // keys kept for re-rotation) and in-flight requests' buffers (input
+  // copies, work buffers, answers) may hold together (docs/cost-model.md).
+  int64_t memory_budget_bytes = int64_t{4} << 30;
+  // Compute one request (or decode step) may ask for, in multiply-adds with
+  // element steps weighted (server/cost.h): 2^40 is about ten seconds of this
+  // machine's two cores, twice a causal [1, 8192, 32, 128] prefill.
+  int64_t max_request_compute = int64_t{1} << 40;
   // Tokens a session may hold when OpenSession.max_context is 0.
   int64_t default_max_context = 4096;
   int64_t max_context_limit = 1 << 20;

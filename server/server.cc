@@ -13,6 +13,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "server/cost.h"
 #include "server/executor.h"
 #include "server/listener.h"
 #include "server/metrics.h"
@@ -53,6 +54,7 @@ bool CanaryComputesCorrectly() {
 struct Server::Impl {
   std::unique_ptr<ModelRegistry> models;
   std::unique_ptr<Metrics> metrics;
+  std::unique_ptr<MemoryBudget> budget;
   std::unique_ptr<Executor> executor;
   std::unique_ptr<SessionManager> sessions;
   std::unique_ptr<AttentionServiceImpl> service;
@@ -96,13 +98,16 @@ struct Server::Impl {
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   if (options.compute_workers < 1 || options.threads_per_call < 1 || options.queue_depth < 1 ||
-      options.max_sessions < 1 || options.kv_budget_bytes < 0 || options.max_message_bytes < 1024 ||
+      options.max_sessions < 1 || options.memory_budget_bytes < 0 ||
+      options.max_request_compute < 1 || options.max_message_bytes < 1024 ||
       options.max_message_bytes > (int64_t{2} << 30) - 1) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "invalid server options: compute_workers %d, threads_per_call %d, queue_depth %d, "
-        "max_sessions %d, kv_budget_bytes %d, max_message_bytes %d (1 KiB .. 2 GiB)",
+        "max_sessions %d, memory_budget_bytes %d, max_request_compute %d, max_message_bytes %d "
+        "(1 KiB .. 2 GiB)",
         options.compute_workers, options.threads_per_call, options.queue_depth,
-        options.max_sessions, options.kv_budget_bytes, options.max_message_bytes));
+        options.max_sessions, options.memory_budget_bytes, options.max_request_compute,
+        options.max_message_bytes));
   }
   if (!CanaryComputesCorrectly()) {
     return absl::InternalError("the compute self-test failed at start-up; not serving");
@@ -143,9 +148,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     m.metrics->RegisterMethod(method);
   }
   m.executor = std::make_unique<Executor>(options.compute_workers, options.queue_depth);
-  m.sessions = std::make_unique<SessionManager>(options, m.metrics.get());
+  m.budget = std::make_unique<MemoryBudget>(options.memory_budget_bytes);
+  m.sessions = std::make_unique<SessionManager>(options, m.metrics.get(), m.budget.get());
   m.service = std::make_unique<AttentionServiceImpl>(options, m.executor.get(), m.sessions.get(),
-                                                     m.metrics.get(), m.models.get());
+                                                     m.metrics.get(), m.models.get(),
+                                                     m.budget.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

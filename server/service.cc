@@ -13,6 +13,7 @@
 #include "server/convert.h"
 #include "server/handlers.h"
 #include "server/layer.h"
+#include "core/status_macros.h"
 
 namespace ropeattn::server {
 namespace {
@@ -34,33 +35,81 @@ grpc::Status QueueFull(const Executor& executor, const char* method) {
 
 AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options, Executor* executor,
                                            SessionManager* sessions, Metrics* metrics,
-                                           const ModelRegistry* models)
+                                           const ModelRegistry* models, MemoryBudget* budget)
     : options_(options),
       executor_(executor),
       sessions_(sessions),
       metrics_(metrics),
-      models_(models) {}
+      models_(models),
+      budget_(budget),
+      limits_{options.max_message_bytes, options.max_request_compute} {}
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
-template <typename Fn>
+namespace {
+
+// The call's deadline as absl time (none: InfiniteFuture).
+absl::Time DeadlineOf(const grpc::CallbackServerContext* ctx) {
+  const auto deadline = ctx->deadline();
+  if (deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
+    return absl::InfiniteFuture();
+  }
+  return absl::FromChrono(deadline);
+}
+
+// One unary call that computes: owns the call's stop token (cancelled by
+// gRPC's OnCancel, or past the deadline) and its memory reservation, both
+// alive until gRPC is done with the call, answer included.
+class ComputeCall : public grpc::ServerUnaryReactor {
+ public:
+  explicit ComputeCall(const grpc::CallbackServerContext* ctx) { stop_.set_deadline(DeadlineOf(ctx)); }
+  void OnCancel() override { stop_.Cancel(); }
+  void OnDone() override { delete this; }
+  StopToken& stop() { return stop_; }
+  void Hold(MemoryBudget::Reservation r) { reservation_ = std::move(r); }
+
+ private:
+  StopToken stop_;
+  MemoryBudget::Reservation reservation_;
+};
+
+}  // namespace
+
+template <typename PriceFn, typename RunFn>
 grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServerContext* ctx,
-                                                              const char* method, Fn fn) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+                                                              const char* method, PriceFn price,
+                                                              RunFn run) {
+  auto* call = new ComputeCall(ctx);
   const absl::Time start = absl::Now();
-  const bool queued = executor_->TrySubmit([this, ctx, reactor, method, start, fn]() mutable {
-    absl::Status status =
-        ctx->IsCancelled() ? absl::CancelledError("the client cancelled the call") : fn();
+  auto refuse = [&](const absl::Status& status) {
     metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
-    reactor->Finish(ToGrpcStatus(status));
+    call->Finish(ToGrpcStatus(status));
+    return call;
+  };
+  // Priced and checked on this thread, before anything is allocated or queued.
+  absl::StatusOr<Cost> cost = price();
+  if (!cost.ok()) return refuse(cost.status());
+  if (absl::Status st = CheckCost(*cost, limits_, method); !st.ok()) return refuse(st);
+  absl::StatusOr<MemoryBudget::Reservation> held =
+      budget_->Reserve(cost->transient_bytes, absl::StrCat("this ", method, " request"));
+  if (!held.ok()) return refuse(held.status());
+  call->Hold(*std::move(held));
+  const bool queued = executor_->TrySubmit([this, call, method, start, run]() mutable {
+    // A call cancelled or past its deadline while it waited is not started.
+    absl::Status status = call->stop().status();
+    if (status.ok()) status = run(&call->stop());
+    // Stopped mid-way: the stop's own code, not the kernel's.
+    if (!status.ok() && call->stop().ShouldStop()) status = call->stop().status();
+    metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
+    call->Finish(ToGrpcStatus(status));
   });
   if (!queued) {
     metrics_->RecordRejected(method);
     metrics_->RecordRequest(method, grpc::StatusCode::RESOURCE_EXHAUSTED, SecondsSince(start));
-    reactor->Finish(QueueFull(*executor_, method));
+    call->Finish(QueueFull(*executor_, method));
   }
   metrics_->SetQueueDepth(executor_->queue_depth());
-  return reactor;
+  return call;
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* ctx,
@@ -68,19 +117,28 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
                                                        v1::AttendResponse* response) {
   const int threads = options_.threads_per_call;
   const ModelRegistry* models = models_;
-  return RunOnExecutor(ctx, "Attend", [request, response, threads, models] {
-    if (request->has_layer()) return RunLayerAttend(*models, *request, response, threads);
-    return RunAttend(*request, response, ComputeOptions{threads});
-  });
+  return RunOnExecutor(
+      ctx, "Attend",
+      [&]() -> absl::StatusOr<Cost> {
+        if (request->has_layer()) return PriceLayerAttend(*models, *request, threads);
+        return PriceAttend(*request, threads);
+      },
+      [request, response, threads, models](const StopToken* stop) {
+        const ComputeOptions o{threads, stop};
+        if (request->has_layer()) return RunLayerAttend(*models, *request, response, o);
+        return RunAttend(*request, response, o);
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Encode(grpc::CallbackServerContext* ctx,
                                                        const v1::EncodeRequest* request,
                                                        v1::EncodeResponse* response) {
   const int threads = options_.threads_per_call;
-  return RunOnExecutor(ctx, "Encode", [request, response, threads] {
-    return RunEncode(*request, response, ComputeOptions{threads});
-  });
+  return RunOnExecutor(
+      ctx, "Encode", [&] { return PriceEncode(*request); },
+      [request, response, threads](const StopToken* stop) {
+        return RunEncode(*request, response, ComputeOptions{threads, stop});
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Embed(grpc::CallbackServerContext* ctx,
@@ -88,7 +146,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Embed(grpc::CallbackServerContex
                                                       v1::EmbedResponse* response) {
   const ModelRegistry* models = models_;
   return RunOnExecutor(
-      ctx, "Embed", [request, response, models] { return RunEmbed(*models, *request, response); });
+      ctx, "Embed", [&] { return PriceEmbed(*models, *request); },
+      [request, response, models](const StopToken*) {
+        return RunEmbed(*models, *request, response);
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* ctx,
@@ -191,7 +252,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
   r->set_threads_per_call(options_.threads_per_call);
   r->set_max_message_bytes(options_.max_message_bytes);
   r->set_max_sessions(options_.max_sessions);
-  r->set_kv_budget_bytes(options_.kv_budget_bytes);
+  r->set_kv_budget_bytes(options_.memory_budget_bytes);
+  r->set_memory_budget_bytes(budget_->budget());
+  r->set_memory_bytes_in_use(budget_->in_use());
+  r->set_max_request_compute(options_.max_request_compute);
   r->set_kv_bytes_in_use(sessions_->kv_bytes_in_use());
   r->set_open_sessions(sessions_->open_sessions());
   r->set_attached_sessions(sessions_->attached_sessions());
@@ -217,6 +281,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
  public:
   DecodeReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx) {
+    stop_.set_deadline(DeadlineOf(ctx));
     service_->Register(this);
     StartRead(&request_);
   }
@@ -234,24 +299,22 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       FinishOnce(ShuttingDown());
       return;
     }
+    // Priced and checked here, before anything is allocated or queued.
+    if (absl::Status admitted = Admit(); !admitted.ok()) {
+      service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(admitted.code()), 0.0);
+      Refuse(admitted);
+      return;
+    }
     if (!service_->executor_->TrySubmit([this] { Process(); })) {
+      op_memory_.Release();
       service_->metrics_->RecordRejected("Decode");
-      if (session_ == nullptr) {
-        FinishOnce(QueueFull(*service_->executor_, "Decode"));
-        return;
-      }
-      response_.Clear();
-      const uint64_t seq = SeqOf(request_);
-      response_.set_seq(seq);
-      v1::StepError* e = response_.mutable_error();
-      e->set_seq(seq);
-      e->set_code(grpc::StatusCode::RESOURCE_EXHAUSTED);
-      e->set_message(QueueFull(*service_->executor_, "Decode").error_message());
-      StartWrite(&response_);
+      Refuse(absl::ResourceExhaustedError(
+          QueueFull(*service_->executor_, "Decode").error_message()));
     }
   }
 
   void OnWriteDone(bool ok) override {
+    op_memory_.Release();  // the answer is on its way: its buffers are gone
     if (!ok) {
       FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
       return;
@@ -271,7 +334,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
     StartRead(&request_);
   }
 
-  void OnCancel() override { cancelled_ = true; }
+  void OnCancel() override {
+    cancelled_ = true;
+    stop_.Cancel();
+  }
 
   void OnDone() override {
     // Normally released in FinishOnce; this covers a stream gRPC ends itself.
@@ -311,6 +377,57 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
     }
   }
 
+  static const char* MethodOf(const v1::DecodeRequest& r) {
+    switch (r.msg_case()) {
+      case v1::DecodeRequest::kOpen:
+        return "Decode.Open";
+      case v1::DecodeRequest::kAttach:
+        return "Decode.Attach";
+      case v1::DecodeRequest::kTruncate:
+        return "Decode.Truncate";
+      case v1::DecodeRequest::kFork:
+        return "Decode.Fork";
+      case v1::DecodeRequest::kClose:
+        return "Decode.Close";
+      default:
+        return "Decode.Step";
+    }
+  }
+
+  // Prices the operation just read and reserves its transient memory (a
+  // step: inputs, conversions, attention buffers, answer) until its answer
+  // is written. An open's state is reserved by the session manager before
+  // it allocates; a fork's likewise.
+  absl::Status Admit() {
+    if (request_.has_step() && session_ != nullptr) {
+      const SessionConfig& c = session_->config();
+      RA_ASSIGN_OR_RETURN(const Cost cost,
+                          PriceStep(c, request_.step(), session_->position_hint(),
+                                    service_->options_.threads_per_call));
+      RA_RETURN_IF_ERROR(CheckCost(cost, service_->limits_, "Decode.Step"));
+      RA_ASSIGN_OR_RETURN(op_memory_,
+                          service_->budget_->Reserve(cost.transient_bytes, "this decode step"));
+    }
+    return absl::OkStatus();
+  }
+
+  // An operation refused before it ran: in-band for a stream with a session
+  // (the stream stays open), the stream's status otherwise.
+  void Refuse(const absl::Status& status) {
+    if (session_ == nullptr) {
+      FinishOnce(ToGrpcStatus(status));
+      return;
+    }
+    response_.Clear();
+    const uint64_t seq = SeqOf(request_);
+    response_.set_seq(seq);
+    v1::StepError* e = response_.mutable_error();
+    e->set_seq(seq);
+    e->set_code(static_cast<int>(status.code()));
+    e->set_message(CapStatusMessage(status.message()));
+    StartWrite(&response_);
+  }
+
   grpc::Status ShuttingDown() const {
     return grpc::Status(
         grpc::StatusCode::UNAVAILABLE,
@@ -333,6 +450,13 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
 
   // Runs on the executor.
   void Process() {
+    // Cancelled, or past its deadline, while it waited: not started.
+    if (stop_.ShouldStop()) {
+      service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(stop_.status().code()),
+                                        0.0);
+      FinishOnce(ToGrpcStatus(stop_.status()));
+      return;
+    }
     const absl::Time start = absl::Now();
     response_.Clear();
     const uint64_t seq = SeqOf(request_);
@@ -382,8 +506,9 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
           break;
         }
         if (request_.has_step()) {
-          status = session_->Step(request_.step(), service_->options_.threads_per_call,
+          status = session_->Step(request_.step(), service_->options_.threads_per_call, &stop_,
                                   response_.mutable_step());
+          if (!status.ok() && stop_.ShouldStop()) status = stop_.status();
           if (status.ok()) {
             service_->metrics_->RecordStep(
                 request_.step().q().shape_size() > 1 ? request_.step().q().shape(1) : 0);
@@ -436,7 +561,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       v1::StepError* e = response_.mutable_error();
       e->set_seq(seq);
       e->set_code(static_cast<int>(status.code()));
-      e->set_message(std::string(status.message()));
+      e->set_message(CapStatusMessage(status.message()));
     }
     StartWrite(&response_);
   }
@@ -447,6 +572,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   v1::DecodeResponse response_;
   std::shared_ptr<Session> session_;
   bool close_after_write_ = false;
+  StopToken stop_;                        // the stream's: cancel or deadline
+  MemoryBudget::Reservation op_memory_;  // the current operation's buffers
   std::atomic<int> refs_{1};  // gRPC's, released in OnDone
   std::atomic<bool> finished_{false};
   std::atomic<bool> cancelled_{false};

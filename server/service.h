@@ -10,6 +10,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "ropeattn/v1/attention.grpc.pb.h"
+#include "server/cost.h"
 #include "server/executor.h"
 #include "server/metrics.h"
 #include "server/model.h"
@@ -22,8 +23,10 @@ class DecodeReactor;
 
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
+  // `budget` (not owned) is the server-wide memory budget requests reserve
+  // their transient bytes from (sessions reserve theirs through `sessions`).
   AttentionServiceImpl(const ServerOptions& options, Executor* executor, SessionManager* sessions,
-                       Metrics* metrics, const ModelRegistry* models);
+                       Metrics* metrics, const ModelRegistry* models, MemoryBudget* budget);
   ~AttentionServiceImpl() override;
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx,
@@ -63,9 +66,12 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
 
  private:
   friend class DecodeReactor;
-  template <typename Fn>
+  // Prices the request (`price`), checks the cost against the limits and
+  // reserves its transient bytes, then queues `run` (given the call's stop
+  // token) on the executor. Refusals answer at once, nothing allocated.
+  template <typename PriceFn, typename RunFn>
   grpc::ServerUnaryReactor* RunOnExecutor(grpc::CallbackServerContext* ctx, const char* method,
-                                          Fn fn);
+                                          PriceFn price, RunFn run);
   void Register(DecodeReactor* r);
   void Unregister(DecodeReactor* r);
 
@@ -74,6 +80,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   SessionManager* const sessions_;
   Metrics* const metrics_;
   const ModelRegistry* const models_;
+  MemoryBudget* const budget_;
+  const CostLimits limits_;
   std::atomic<bool> draining_{false};
   absl::Mutex mu_;
   absl::flat_hash_set<DecodeReactor*> streams_ ABSL_GUARDED_BY(mu_);

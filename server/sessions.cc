@@ -145,32 +145,62 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
   return c;
 }
 
+SessionDims SessionDimsOf(const SessionConfig& c) {
+  SessionDims d;
+  d.linear = c.linear;
+  d.kv_cache_layout = UsesKvCache(c);
+  d.kv_heads = c.spec.kv_heads;
+  d.head_dim = c.spec.head_dim;
+  d.v_dim = c.v_dim;
+  d.max_context = c.max_context;
+  d.kv_dtype = c.kv_dtype;
+  if (c.spec.rope) {
+    d.rope_rotary_dim = c.spec.rope->effective_rotary_dim();
+    d.rope_length_dependent = LengthDependent(*c.spec.rope);
+    d.rope_table_positions = kRopeTablePositions;
+  }
+  return d;
+}
+
+absl::StatusOr<Cost> PriceStep(const SessionConfig& c, const v1::Step& step, int64_t position,
+                               int threads) {
+  StepDims d;
+  d.heads = c.spec.heads;
+  d.position = position;
+  d.out_dtype = c.out_dtype;
+  d.threads = threads;
+  if (c.model) {
+    RA_ASSIGN_OR_RETURN(const WireShape h, ParseWireShape(step.hidden(), "step.hidden"));
+    d.tokens = h.rank() == 3 ? h.dim(1) : 0;
+    d.hidden = c.model->config().hidden_size;
+    d.wire_bytes = h.bytes;
+  } else {
+    RA_ASSIGN_OR_RETURN(const WireShape q, ParseWireShape(step.q(), "step.q"));
+    RA_ASSIGN_OR_RETURN(const WireShape k, ParseWireShape(step.k(), "step.k"));
+    RA_ASSIGN_OR_RETURN(const WireShape v, ParseWireShape(step.v(), "step.v"));
+    d.tokens = q.rank() >= 2 ? q.dim(1) : 0;
+    d.wire_bytes = SatAdd(SatAdd(q.bytes, k.bytes), v.bytes);
+  }
+  // Past max_context the step is refused before any work (OutOfRange, by
+  // the step itself); price it at the context it may reach.
+  d.tokens = std::min(d.tokens, std::max<int64_t>(c.max_context - position, 0));
+  return StepCost(SessionDimsOf(c), d);
+}
+
 // ------------------------------------------------------------- Session --
 
 namespace {
 
-int64_t SessionBytes(const SessionConfig& c) {
-  const ResolvedSpec& s = c.spec;
-  if (c.linear) return s.kv_heads * s.head_dim * (c.v_dim + 1) * 8;
-  const int64_t es = static_cast<int64_t>(DTypeSize(c.kv_dtype));
-  // A KvCache holds whole tiles of positions.
-  const int64_t rows = UsesKvCache(c)
-                           ? (c.max_context + KvCache::kTile - 1) / KvCache::kTile * KvCache::kTile
-                           : c.max_context;
-  int64_t bytes = rows * s.kv_heads * (s.head_dim + c.v_dim) * es;
-  if (s.rope && LengthDependent(*s.rope)) bytes += c.max_context * s.kv_heads * s.head_dim * 4;
-  return bytes;
-}
-
 }  // namespace
 
 Session::Session(std::string id, std::shared_ptr<const SessionConfig> config, bool resumable,
-                 absl::Duration idle_ttl, int64_t kv_bytes)
+                 absl::Duration idle_ttl, MemoryBudget::Reservation held)
     : id_(std::move(id)),
       config_(std::move(config)),
       resumable_(resumable),
       idle_ttl_(idle_ttl),
-      kv_bytes_(kv_bytes) {
+      kv_bytes_(held.bytes()),
+      held_(std::move(held)) {
   last_active_ = absl::Now();
 }
 
@@ -212,6 +242,7 @@ absl::Status Session::CopyStateFrom(Session& other) {
   RA_RETURN_IF_ERROR(other.ended_);
   absl::MutexLock lock(&mu_);
   position_ = other.position_;
+  position_hint_.store(position_, std::memory_order_relaxed);
   if (config_->linear) {
     linear_ = other.linear_;
     return absl::OkStatus();
@@ -278,7 +309,8 @@ absl::Status Session::PrepareRope(int64_t new_len) {
   return absl::OkStatus();
 }
 
-absl::Status Session::Step(const v1::Step& step, int threads, v1::StepResult* result) {
+absl::Status Session::Step(const v1::Step& step, int threads, const StopToken* stop,
+                           v1::StepResult* result) {
   absl::MutexLock lock(&mu_);
   RA_RETURN_IF_ERROR(ended_);
   last_active_ = absl::Now();
@@ -355,6 +387,7 @@ absl::Status Session::Step(const v1::Step& step, int threads, v1::StepResult* re
     o.q_offsets = absl::MakeConstSpan(offsets);
     o.check_finite = false;  // new rows were checked above, old ones when appended
     o.num_threads = threads;
+    o.stop = stop;
     if (kv_) {
       RA_RETURN_IF_ERROR(kv_->WriteK(position_, kf.cview()));
       RA_RETURN_IF_ERROR(kv_->WriteV(position_, vf.cview()));
@@ -372,6 +405,7 @@ absl::Status Session::Step(const v1::Step& step, int threads, v1::StepResult* re
     RA_ASSIGN_OR_RETURN(out, CastTensor(projected.view(), c.out_dtype));
   }
   position_ = new_len;
+  position_hint_.store(position_, std::memory_order_relaxed);
   ++steps_;
   last_active_ = absl::Now();
   result->set_seq(step.seq());
@@ -393,6 +427,7 @@ absl::Status Session::Truncate(int64_t position) {
         "truncate position %d is outside [0, %d] (the session's length)", position, position_));
   }
   position_ = position;
+  position_hint_.store(position_, std::memory_order_relaxed);
   return absl::OkStatus();
 }
 
@@ -415,8 +450,9 @@ void Session::FillInfo(v1::SessionInfo* info) const {
 
 // ------------------------------------------------------ SessionManager --
 
-SessionManager::SessionManager(const ServerOptions& options, Metrics* metrics)
-    : options_(options), metrics_(metrics) {
+SessionManager::SessionManager(const ServerOptions& options, Metrics* metrics,
+                               MemoryBudget* budget)
+    : options_(options), metrics_(metrics), budget_(budget) {
   reaper_ = std::thread([this] {
     const absl::Duration every = absl::Seconds(std::max(0.01, options_.reap_interval_seconds));
     while (!stop_.WaitForNotificationWithTimeout(every)) ReapIdle(absl::Now());
@@ -440,12 +476,13 @@ std::string SessionManager::NewId() {
 void SessionManager::PublishLocked() {
   if (metrics_ == nullptr) return;
   metrics_->SetSessionsOpen(static_cast<int64_t>(sessions_.size()));
-  metrics_->SetKvBytes(kv_in_use_, options_.kv_budget_bytes);
+  metrics_->SetKvBytes(kv_in_use_, budget_->budget());
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Admit(
     std::shared_ptr<const SessionConfig> config, bool resumable, absl::Duration ttl) {
-  const int64_t bytes = SessionBytes(*config);
+  const Cost cost = SessionOpenCost(SessionDimsOf(*config));
+  MemoryBudget::Reservation held;
   {
     absl::MutexLock lock(&mu_);
     const int open = static_cast<int>(sessions_.size()) + reserved_sessions_;
@@ -454,23 +491,26 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Admit(
           "the server already holds its maximum of %d sessions; close one or retry later",
           options_.max_sessions));
     }
-    if (bytes > options_.kv_budget_bytes - kv_in_use_) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "KV budget exhausted: this session needs %d bytes (max_context %d), %d of %d bytes "
-          "are free; lower max_context or close sessions",
-          bytes, config->max_context, options_.kv_budget_bytes - kv_in_use_,
-          options_.kv_budget_bytes));
+    // Reserved before anything is allocated; released if allocation fails.
+    absl::StatusOr<MemoryBudget::Reservation> r =
+        budget_->Reserve(cost.held_bytes, absl::StrCat("the session's ", cost.held_what));
+    if (!r.ok()) {
+      return absl::Status(r.status().code(),
+                          absl::StrCat(r.status().message(), "; lower max_context or close sessions"));
     }
-    kv_in_use_ += bytes;
+    held = *std::move(r);
+    kv_in_use_ += held.bytes();
     ++reserved_sessions_;
   }
-  auto session = std::shared_ptr<Session>(new Session(NewId(), config, resumable, ttl, bytes));
+  const int64_t bytes = held.bytes();
+  auto session =
+      std::shared_ptr<Session>(new Session(NewId(), config, resumable, ttl, std::move(held)));
   absl::Status st = session->Allocate();
   absl::MutexLock lock(&mu_);
   --reserved_sessions_;
   if (!st.ok()) {
     kv_in_use_ -= bytes;
-    return st;
+    return st;  // the session (and its reservation) is released here
   }
   {
     absl::MutexLock slock(&session->mu_);
@@ -495,7 +535,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindLocked(const std::s
   // A recently ended id gets its own story: expired, closed, freed.
   auto ended = ended_.find(id);
   if (ended != ended_.end()) return ended->second;
-  return absl::NotFoundError(absl::StrCat("unknown session id \"", id, "\""));
+  return absl::NotFoundError(absl::StrCat("unknown session id ", QuoteForMessage(id)));
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const std::string& id) {
@@ -540,6 +580,7 @@ void SessionManager::EraseLocked(const std::string& id, absl::string_view reason
   sessions_.erase(it);
   kv_in_use_ -= s->kv_bytes_;
   s->End(ended);
+  s->held_.Release();
   ended_[id] = ended;
   ended_order_.push_back(id);
   while (ended_order_.size() > kMaxEndedIds) {
@@ -605,7 +646,10 @@ int SessionManager::ReapIdle(absl::Time now) {
     // A session busy in a step is not idle: skip it rather than wait.
     if (!s->mu_.TryLock()) continue;
     const absl::Duration idle = now - s->last_active_;
+    const bool attached = s->attached_;
     s->mu_.Unlock();
+    // A stream holds it: it is in use however long its client thinks.
+    if (attached) continue;
     if (idle > s->idle_ttl_) {
       expired.emplace_back(id,
                            absl::NotFoundError(absl::StrFormat(

@@ -9,6 +9,7 @@
 #ifndef ROPEATTN_SERVER_SESSIONS_H_
 #define ROPEATTN_SERVER_SESSIONS_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -31,6 +32,7 @@
 #include "core/tensor.h"
 #include "ropeattn/v1/attention.pb.h"
 #include "server/convert.h"
+#include "server/cost.h"
 #include "server/model.h"
 #include "server/options.h"
 
@@ -60,6 +62,14 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
                                                  const ServerOptions& options,
                                                  const ModelRegistry& models);
 
+// The cost model's view of a session (server/cost.h): what it holds, and
+// what a step of it costs.
+SessionDims SessionDimsOf(const SessionConfig& config);
+// A step's cost from its wire tensors' shapes (InvalidArgument for a
+// malformed tensor or shape, as the step itself would say), at `position`.
+absl::StatusOr<Cost> PriceStep(const SessionConfig& config, const v1::Step& step, int64_t position,
+                               int threads);
+
 class Session {
  public:
   const std::string& id() const { return id_; }
@@ -70,18 +80,23 @@ class Session {
   // Appends q/k/v tokens ([1, T, ...] wire tensors) at the next positions and
   // writes the attention output. On any error the session is unchanged.
   // FailedPrecondition if the session was closed; OutOfRange past max_context.
-  absl::Status Step(const v1::Step& step, int threads, v1::StepResult* result);
+  // `stop` (may be null) ends a long step between tiles.
+  absl::Status Step(const v1::Step& step, int threads, const StopToken* stop,
+                    v1::StepResult* result);
   // Rolls back to `position` tokens (0 <= position <= current).
   absl::Status Truncate(int64_t position);
   int64_t position() const;
-  // Bytes charged to the KV budget.
+  // The position without taking the session's lock (for pricing a step
+  // while another operation may hold it); exact between operations.
+  int64_t position_hint() const { return position_hint_.load(std::memory_order_relaxed); }
+  // Bytes of session state charged to the memory budget.
   int64_t kv_bytes() const { return kv_bytes_; }
   void FillInfo(v1::SessionInfo* info) const;
 
  private:
   friend class SessionManager;
   Session(std::string id, std::shared_ptr<const SessionConfig> config, bool resumable,
-          absl::Duration idle_ttl, int64_t kv_bytes);
+          absl::Duration idle_ttl, MemoryBudget::Reservation held);
   absl::Status Allocate();
   // Copies another session's history (a fork); both must share the config.
   absl::Status CopyStateFrom(Session& other);
@@ -97,6 +112,8 @@ class Session {
   const bool resumable_;
   const absl::Duration idle_ttl_;
   const int64_t kv_bytes_;
+  MemoryBudget::Reservation held_;  // released when the manager erases it
+  std::atomic<int64_t> position_hint_{0};
 
   mutable absl::Mutex mu_;
   absl::Status ended_ ABSL_GUARDED_BY(mu_);  // non-OK once closed or reaped
@@ -118,12 +135,15 @@ class Session {
 
 class SessionManager {
  public:
-  SessionManager(const ServerOptions& options, Metrics* metrics);
+  // `budget` (not owned) holds every session's state next to in-flight
+  // requests' buffers.
+  SessionManager(const ServerOptions& options, Metrics* metrics, MemoryBudget* budget);
   ~SessionManager();  // stops the reaper
 
   // A new session, attached to the calling stream. ResourceExhausted when
-  // max_sessions are open or the KV budget cannot hold it (the message says
-  // how much it needs and how much is free); others keep working.
+  // max_sessions are open or the memory budget cannot hold its state (the
+  // message says how much it needs and how much is free); others keep
+  // working.
   absl::StatusOr<std::shared_ptr<Session>> Open(std::shared_ptr<const SessionConfig> config);
   // Re-attaches a resumable session. NotFound for an unknown id or one that
   // expired or was closed (the message says which); FailedPrecondition if it
@@ -140,7 +160,9 @@ class SessionManager {
                                                 bool resumable, uint32_t idle_ttl_seconds);
   absl::StatusOr<v1::SessionInfo> Info(const std::string& id) const;
   std::vector<v1::SessionInfo> List() const;
-  // Reaps sessions idle past their TTL now (the reaper thread calls this).
+  // Reaps detached sessions idle past their TTL now (the reaper thread calls
+  // this). A session attached to a stream never expires; its TTL counts from
+  // its detach or its last accepted operation, whichever is later.
   int ReapIdle(absl::Time now);
   // Frees every session (server shutdown).
   void CloseAll();
@@ -168,9 +190,10 @@ class SessionManager {
 
   const ServerOptions options_;
   Metrics* const metrics_;
+  MemoryBudget* const budget_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
-  int64_t kv_in_use_ ABSL_GUARDED_BY(mu_) = 0;  // includes reservations
+  int64_t kv_in_use_ ABSL_GUARDED_BY(mu_) = 0;  // held bytes of admitted sessions
   int reserved_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reaped_ ABSL_GUARDED_BY(mu_) = 0;
   // Recently ended ids, so a late caller learns "expired" or "closed" rather

@@ -594,14 +594,14 @@ TEST_F(CliTest, InfoHumanAndJson) {
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   EXPECT_THAT(r.out, HasSubstr("version"));
   EXPECT_THAT(r.out, HasSubstr("cpu"));
-  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("/ ", options.kv_budget_bytes, " bytes")));
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("/ ", options.memory_budget_bytes, " bytes")));
   EXPECT_THAT(r.out, HasSubstr(absl::StrCat("of max ", options.max_sessions)));
 
   r = Cli({"info", "--json"});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   // proto3 JSON: int64 as strings, int32 as numbers.
   EXPECT_THAT(r.out,
-              HasSubstr(absl::StrCat("\"kv_budget_bytes\": \"", options.kv_budget_bytes, "\"")));
+              HasSubstr(absl::StrCat("\"kv_budget_bytes\": \"", options.memory_budget_bytes, "\"")));
   EXPECT_THAT(r.out, HasSubstr(absl::StrCat("\"max_sessions\": ", options.max_sessions)));
   EXPECT_THAT(r.out, HasSubstr("\"open_sessions\": "));
 }
@@ -1108,7 +1108,7 @@ TEST_F(CliTest, EmbedWritesTheLibrarysEmbeddings) {
   r = Cli({"embed", "--model", "demo", "--tokens", "1,300"});
   EXPECT_EQ(r.exit_code, 3) << Describe(r);
   ExpectOneErrorLine(r, "embed", "INVALID_ARGUMENT");
-  EXPECT_THAT(r.err, AllOf(HasSubstr("300"), HasSubstr("index 1")));
+  EXPECT_THAT(r.err, AllOf(HasSubstr("300"), HasSubstr("token_ids[1]")));
 
   r = Cli({"embed", "--tokens", "1"});
   EXPECT_EQ(r.exit_code, 64) << Describe(r);

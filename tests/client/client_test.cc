@@ -206,7 +206,7 @@ TEST_F(ClientTest, GetServerInfo) {
   EXPECT_FALSE(info->version().empty());
   EXPECT_EQ(info->max_sessions(), o.max_sessions);
   EXPECT_EQ(info->max_message_bytes(), o.max_message_bytes);
-  EXPECT_EQ(info->kv_budget_bytes(), o.kv_budget_bytes);
+  EXPECT_EQ(info->kv_budget_bytes(), o.memory_budget_bytes);
   EXPECT_EQ(info->default_max_context(), o.default_max_context);
   EXPECT_EQ(info->open_sessions(), 0);
 }
@@ -1093,13 +1093,13 @@ TEST_F(ClientTest, EmbedOutOfVocabularyIsInvalidArgumentNamingIdAndIndex) {
   auto response = client_->Embed(request);
   EXPECT_EQ(response.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(response.status().message()),
-              ::testing::AllOf(HasSubstr("256"), HasSubstr("index 3")));
+              ::testing::AllOf(HasSubstr("256"), HasSubstr("token_ids[3]")));
 
   request.set_token_ids(3, -1);
   response = client_->Embed(request);
   EXPECT_EQ(response.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(response.status().message()),
-              ::testing::AllOf(HasSubstr("-1"), HasSubstr("index 3")));
+              ::testing::AllOf(HasSubstr("-1"), HasSubstr("token_ids[3]")));
 
   request.set_model("no-such-model");
   request.set_token_ids(3, 0);

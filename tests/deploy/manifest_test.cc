@@ -398,14 +398,14 @@ Problems CheckServerDeployment(const YAML::Node& deployment) {
     p.push_back("cpu limit " + std::to_string(*cpu_lim) +
                 " != compute_workers * threads_per_call = " + std::to_string(want_cpu));
   }
-  const int64_t budget = FlagInt(flags, "kv_budget_bytes", defaults.kv_budget_bytes);
+  const int64_t budget = FlagInt(flags, "memory_budget_bytes", defaults.memory_budget_bytes);
   const int64_t queue = FlagInt(flags, "queue_depth", defaults.queue_depth);
   const int64_t message = FlagInt(flags, "max_message_bytes", defaults.max_message_bytes);
-  if (flags.find("kv_budget_bytes") == flags.end()) {
-    p.push_back("args lack --kv_budget_bytes (the memory limit is derived from it)");
+  if (flags.find("memory_budget_bytes") == flags.end()) {
+    p.push_back("args lack --memory_budget_bytes (the memory limit is derived from it)");
   }
   if (mem_lim && *mem_lim < static_cast<double>(budget)) {
-    p.push_back("memory limit " + std::to_string(*mem_lim) + " < --kv_budget_bytes " +
+    p.push_back("memory limit " + std::to_string(*mem_lim) + " < --memory_budget_bytes " +
                 std::to_string(budget));
   }
   // The stated arithmetic: budget + base + (workers + queue) x 2 x message
@@ -890,8 +890,8 @@ TEST(ChecksCatch, MissingOrWrongProbes) {
 TEST(ChecksCatch, ResourcesNotMatchingTheFlags) {
   EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { RemoveKey(c, "resources"); }),
               HasProblemContaining("resources need"));
-  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { ReplaceArg(c, "kv_budget_bytes", "8589934592"); }),
-              HasProblemContaining("< --kv_budget_bytes"));
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { ReplaceArg(c, "memory_budget_bytes", "8589934592"); }),
+              HasProblemContaining("< --memory_budget_bytes"));
   EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { c["resources"]["limits"]["memory"] = "4200Mi"; }),
               HasProblemContaining("budget + overhead"));
   EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { ReplaceArg(c, "queue_depth", "64"); }),

@@ -152,7 +152,7 @@ TEST_F(LayerTest, EmbedReturnsTableRowsAndRejectsOutOfVocabularyIds) {
   grpc::Status st = stub_->Embed(&ctx2, req, &resp);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(st.error_message(),
-              HasSubstr(absl::StrCat("token id ", c.vocab_size, " at index 4")));
+              HasSubstr(absl::StrCat("token_ids[4] = ", c.vocab_size, " is outside")));
 }
 
 TEST_F(LayerTest, AttendAndDecodeInLayerModeMatchTheReference) {

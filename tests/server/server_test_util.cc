@@ -16,7 +16,7 @@ server::ServerOptions TestServerOptions() {
   o.queue_depth = 64;
   o.max_message_bytes = 64 << 20;
   o.max_sessions = 64;
-  o.kv_budget_bytes = int64_t{256} << 20;
+  o.memory_budget_bytes = int64_t{256} << 20;
   o.default_max_context = 512;
   o.reap_interval_seconds = 0.05;
   o.shutdown_grace_seconds = 2;

@@ -321,7 +321,7 @@ TEST_F(SessionTest, ServerInfoReportsLimits) {
   grpc::ClientContext ctx;
   v1::ServerInfo info;
   ASSERT_TRUE(stub_->GetServerInfo(&ctx, {}, &info).ok());
-  EXPECT_EQ(info.kv_budget_bytes(), TestServerOptions().kv_budget_bytes);
+  EXPECT_EQ(info.kv_budget_bytes(), TestServerOptions().memory_budget_bytes);
   EXPECT_EQ(info.max_sessions(), TestServerOptions().max_sessions);
   EXPECT_EQ(info.open_sessions(), 0);
   EXPECT_THAT(info.capabilities(), ::testing::Contains("rope:yarn"));
@@ -504,7 +504,7 @@ TEST_F(SessionTest, BudgetExhaustionRefusesOnlyTheNewSession) {
   EXPECT_FALSE(big.rw()->Read(&resp));
   grpc::Status st = big.Finish();
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_THAT(st.error_message(), HasSubstr("KV budget"));
+  EXPECT_THAT(st.error_message(), HasSubstr("memory budget exhausted"));
   // The first session keeps working.
   v1::DecodeResponse r = ok.Step(seq, 2, 4, 2);
   ASSERT_TRUE(r.has_step());

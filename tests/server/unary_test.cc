@@ -472,8 +472,12 @@ TEST(RunAttendTest, EmptyBatchOrKeysGiveZerosWithoutTouchingHugeDims) {
 
 // --- Encode against the reference ---
 
+// As the service does: price, check against the default limits, then run.
 absl::StatusOr<v1::EncodeResponse> Encode(const v1::EncodeRequest& request) {
   v1::EncodeResponse response;
+  absl::StatusOr<Cost> cost = PriceEncode(request);
+  if (!cost.ok()) return cost.status();
+  if (absl::Status st = CheckCost(*cost, CostLimits(), "Encode"); !st.ok()) return st;
   absl::Status status = RunEncode(request, &response, ComputeOptions{kThreads});
   if (!status.ok()) return status;
   return response;
@@ -874,6 +878,9 @@ v1::AttendRequest GoodAttend() {
 
 absl::Status AttendStatus(const v1::AttendRequest& request) {
   v1::AttendResponse response;
+  absl::StatusOr<Cost> cost = PriceAttend(request, kThreads);
+  if (!cost.ok()) return cost.status();
+  if (absl::Status st = CheckCost(*cost, CostLimits(), "Attend"); !st.ok()) return st;
   return RunAttend(request, &response, ComputeOptions{kThreads});
 }
 
@@ -1060,7 +1067,7 @@ TEST(BadInputTest, MoreQueriesThanKeysNeedOffsetsWhenPositionsMatter) {
 TEST(BadInputTest, BadSpecScalars) {
   v1::AttendRequest r = GoodAttend();
   r.mutable_spec()->set_scale(-1.0);
-  EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "spec.scale must be finite and >= 0, got -1");
+  EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "spec.scale must be finite and in [0, 10000], got -1");
   r = GoodAttend();
   r.mutable_spec()->set_softcap(std::nan(""));
   EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "spec.softcap");
@@ -1139,7 +1146,7 @@ TEST(BadInputTest, EncodeOps) {
   r.mutable_sinusoidal()->set_d_model(1 << 10);
   EXPECT_STATUS(Encode(r).status(), kResourceExhausted, "sinusoidal table [1048576, 1024]");
   r.mutable_sinusoidal()->set_num_positions(int64_t{1} << 62);
-  EXPECT_STATUS(Encode(r).status(), kResourceExhausted, "more than 2^63");
+  EXPECT_STATUS(Encode(r).status(), kOutOfRange, "sinusoidal.first_position = 0");
   r.mutable_sinusoidal()->set_num_positions(-1);
   EXPECT_STATUS(Encode(r).status(), kInvalidArgument, "sinusoidal.num_positions must be >= 0");
   r.mutable_sinusoidal()->set_num_positions(4);
@@ -1150,13 +1157,13 @@ TEST(BadInputTest, EncodeOps) {
   r.mutable_rope_frequencies()->set_head_dim(0);
   EXPECT_STATUS(Encode(r).status(), kInvalidArgument, "rope_frequencies.head_dim must be > 0");
   r.mutable_rope_frequencies()->set_head_dim(int64_t{1} << 40);
-  EXPECT_STATUS(Encode(r).status(), kResourceExhausted,
+  EXPECT_STATUS(Encode(r).status(), kInvalidArgument,
                 "rope_frequencies.head_dim is 1099511627776; RoPE ops take at most 65536");
 
   r.Clear();
   r.mutable_rope_cos_sin()->set_head_dim(8);
   r.mutable_rope_cos_sin()->add_positions((int64_t{1} << 40) + 1);
-  EXPECT_STATUS(Encode(r).status(), kOutOfRange, "rope_cos_sin: positions[0]");
+  EXPECT_STATUS(Encode(r).status(), kOutOfRange, "rope_cos_sin.positions[0]");
   r.mutable_rope_cos_sin()->set_positions(0, -1);
   EXPECT_STATUS(Encode(r).status(), kInvalidArgument, "positions[0] must be >= 0");
 
@@ -1193,8 +1200,10 @@ TEST(BadInputTest, EncodeOps) {
   r.mutable_t5()->set_max_distance(0);
   r.mutable_t5()->set_q_len(1);
   r.mutable_t5()->set_k_len(1);
+  r.mutable_t5()->set_q_len(2);  // positions 2^40 and 2^40 + 1: one past the bound
   r.mutable_t5()->set_q_offset(int64_t{1} << 40);
-  EXPECT_STATUS(Encode(r).status(), kOutOfRange, "t5: positions past 2^40");
+  EXPECT_STATUS(Encode(r).status(), kOutOfRange, "t5.q_offset = 1099511627776");
+  r.mutable_t5()->set_q_len(1);
   r.mutable_t5()->set_q_offset(0);
   *r.mutable_t5()->mutable_table() = Wire(RandomTensor(DType::kF32, {5, 2}, 1));
   EXPECT_STATUS(Encode(r).status(), kInvalidArgument, "t5.table must have shape [num_buckets=6");

@@ -1,0 +1,283 @@
+#include "server/cost.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace ropeattn::server {
+namespace {
+
+// The prefill kernel's query rows per task and the decode kernel's query-row
+// ceiling (core/attention.cc): they size the score buffers.
+constexpr int64_t kPrefillRows = 128;
+constexpr int64_t kDecodeMaxQueries = 16;
+
+std::string Bytes(int64_t n) {
+  if (n == kInt64Max) return "more than 2^63 bytes";
+  if (n >= (int64_t{1} << 30)) return absl::StrFormat("%d bytes (%.1f GiB)", n, n / 1073741824.0);
+  if (n >= (int64_t{1} << 20)) return absl::StrFormat("%d bytes (%.1f MiB)", n, n / 1048576.0);
+  return absl::StrFormat("%d bytes", n);
+}
+
+std::string Count(int64_t n) {
+  return n == kInt64Max ? std::string("more than 2^63") : absl::StrCat(n);
+}
+
+int64_t Sum(std::initializer_list<int64_t> xs) {
+  int64_t s = 0;
+  for (int64_t x : xs) s = SatAdd(s, x);
+  return s;
+}
+
+// cos + sin f32 rows for `positions` positions of a rotary_dim rotation.
+int64_t RopeTableBytes(int64_t positions, int64_t rotary_dim) {
+  return SatProduct({positions, rotary_dim / 2, 2, 4});
+}
+
+// Score and accumulator buffers of one attention call (core/attention.cc):
+// the decode kernel keeps every row's scores, the prefill kernel one tile
+// per thread; the prefill also packs the visible K/V once.
+int64_t AttentionScratchBytes(int64_t batch, int64_t heads, int64_t kv_heads, int64_t q_len,
+                              int64_t k_len, int64_t head_dim, int64_t v_dim, DType kv_dtype,
+                              int threads) {
+  const int64_t rows = SatProduct({batch, heads, q_len});
+  if (q_len <= kDecodeMaxQueries) {
+    return Sum({SatProduct({rows, std::max<int64_t>(k_len, 1), 4}),
+                SatProduct({threads, rows, v_dim, 4}), SatProduct({rows, head_dim, 4})});
+  }
+  const int64_t pack =
+      SatProduct({batch, kv_heads, k_len, SatAdd(head_dim, v_dim), DTypeSize(kv_dtype)});
+  const int64_t tiles =
+      SatProduct({threads, kPrefillRows, SatAdd(SatMul(k_len, 2), SatAdd(head_dim, v_dim)), 4});
+  return SatAdd(pack, tiles);
+}
+
+}  // namespace
+
+int64_t DenseBytes(int64_t elements, DType dtype) {
+  return SatMul(elements, static_cast<int64_t>(DTypeSize(dtype)));
+}
+
+absl::Status CheckCost(const Cost& cost, const CostLimits& limits, absl::string_view method) {
+  if (cost.reply_bytes > limits.max_message_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "%s: the answer (%s) would be %s, above the message limit of %d bytes "
+        "(--max_message_bytes); ask for less per request",
+        method, cost.reply_what, Bytes(cost.reply_bytes), limits.max_message_bytes));
+  }
+  if (cost.compute > limits.max_request_compute) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "%s: %s costs %s compute units, above the per-request bound of %d "
+        "(--max_request_compute); split the request",
+        method, cost.compute_what, Count(cost.compute), limits.max_request_compute));
+  }
+  return absl::OkStatus();
+}
+
+Cost AttendCost(const AttendDims& d) {
+  Cost c;
+  const int64_t out_el = SatProduct({d.batch, d.q_len, d.heads, d.v_dim});
+  const int64_t pairs = SatProduct({d.batch, d.heads, d.q_len, d.k_len});
+  const int64_t probs_el = d.return_probs ? pairs : 0;
+  const int64_t out_bytes = DenseBytes(out_el, d.out_dtype);
+  c.reply_bytes = Sum({out_bytes, SatMul(probs_el, 4), kReplyOverheadBytes});
+  c.reply_what = absl::StrFormat("out [%d, %d, %d, %d] %s", d.batch, d.q_len, d.heads, d.v_dim,
+                                 DTypeName(d.out_dtype));
+  if (d.return_probs) {
+    absl::StrAppendFormat(&c.reply_what, " + probs [%d, %d, %d, %d] f32", d.batch, d.heads,
+                          d.q_len, d.k_len);
+  }
+  const int64_t rope_rows = std::min<int64_t>(d.rope_positions, int64_t{1} << 16);
+  c.transient_bytes =
+      // The request as received and its aligned copy.
+      Sum({SatMul(d.wire_bytes, 2), out_bytes, SatMul(probs_el, 4), c.reply_bytes,
+           d.rope_rotary_dim > 0 ? RopeTableBytes(rope_rows, d.rope_rotary_dim) : 0,
+           SatProduct({SatAdd(d.heads, 1), d.t5_rel_positions, 4}),
+           SatProduct({d.batch, d.q_len, 16}),
+           AttentionScratchBytes(d.batch, d.heads, d.kv_heads, d.q_len, d.k_len, d.head_dim,
+                                 d.v_dim, d.kv_dtype, d.threads)});
+  const int64_t rope_el =
+      d.rope_rotary_dim > 0
+          ? SatAdd(SatProduct({d.batch, d.q_len, d.heads, d.rope_rotary_dim / 2}),
+                   SatProduct({d.batch, d.k_len, d.kv_heads, d.rope_rotary_dim / 2}))
+          : 0;
+  const int64_t elements =
+      Sum({LoopSteps({d.batch, d.q_len, d.heads}), LoopSteps({d.batch, d.k_len, d.kv_heads}),
+           rope_el, out_el, probs_el, SatMul(d.heads, d.t5_rel_positions)});
+  // Each pair also costs its softmax (scale, max, exp, sum): one element step.
+  c.compute = SatAdd(SatMul(pairs, Sum({d.head_dim, d.v_dim, kElementWeight})),
+                     SatMul(elements, kElementWeight));
+  c.compute_what = absl::StrFormat(
+      "the attention [batch %d x heads %d x Sq %d x Sk %d] over head_dim %d + v_dim %d%s", d.batch,
+      d.heads, d.q_len, d.k_len, d.head_dim, d.v_dim,
+      d.t5_rel_positions > 0
+          ? absl::StrFormat(" with a T5 bias table of %d relative positions", d.t5_rel_positions)
+          : std::string());
+  return c;
+}
+
+Cost LayerAttendCost(const LayerDims& d) {
+  Cost c;
+  const int64_t tokens = SatMul(d.batch, d.seq);
+  const int64_t q_el = SatProduct({tokens, d.heads, d.head_dim});
+  const int64_t kv_el = SatProduct({tokens, d.kv_heads, d.head_dim});
+  const int64_t out_el = SatMul(tokens, d.hidden);
+  c.reply_bytes = SatAdd(DenseBytes(out_el, d.out_dtype), kReplyOverheadBytes);
+  c.reply_what = absl::StrFormat("out [%d, %d, %d] %s", d.batch, d.seq, d.hidden,
+                                 DTypeName(d.out_dtype));
+  const int64_t rope_rows = std::min<int64_t>(d.rope_positions, 8192);
+  c.transient_bytes =
+      Sum({SatMul(DenseBytes(out_el, d.hidden_dtype), 2),  // hidden, received and copied
+           SatMul(Sum({q_el, kv_el, kv_el, q_el}), 4),  // q, k, v, attention out
+           SatMul(out_el, 8),                           // projected out (+ cast)
+           c.reply_bytes,
+           d.rope_rotary_dim > 0 ? RopeTableBytes(rope_rows, d.rope_rotary_dim) : 0,
+           AttentionScratchBytes(d.batch, d.heads, d.kv_heads, d.seq, d.seq, d.head_dim,
+                                 d.head_dim, DType::kF32, d.threads)});
+  const int64_t proj = SatMul(SatProduct({tokens, d.hidden, d.head_dim}),
+                              Sum({d.heads, d.kv_heads, d.kv_heads, d.heads}));
+  const int64_t pairs = SatProduct({d.batch, d.heads, d.seq, d.seq});
+  const int64_t elements = Sum({LoopSteps({d.batch, d.seq, d.heads}), q_el, kv_el, out_el});
+  c.compute = Sum({proj, SatMul(pairs, SatAdd(SatMul(d.head_dim, 2), kElementWeight)),
+                   SatMul(elements, kElementWeight)});
+  c.compute_what = absl::StrFormat(
+      "the layer [batch %d x seq %d, hidden %d, %d heads over %d kv heads of %d]", d.batch, d.seq,
+      d.hidden, d.heads, d.kv_heads, d.head_dim);
+  return c;
+}
+
+Cost EmbedCost(int64_t tokens, int64_t hidden, DType out_dtype, bool adds_positions) {
+  Cost c;
+  const int64_t el = SatMul(tokens, hidden);
+  c.reply_bytes = SatAdd(DenseBytes(el, out_dtype), kReplyOverheadBytes);
+  c.reply_what = absl::StrFormat("embeddings [%d tokens, %d] %s", tokens, hidden,
+                                 DTypeName(out_dtype));
+  c.transient_bytes = Sum({SatMul(el, 4), DenseBytes(el, out_dtype), c.reply_bytes,
+                           SatMul(tokens, 16), SatMul(hidden, 8)});
+  c.compute = SatMul(SatMul(LoopSteps({tokens, hidden}), adds_positions ? 2 : 1), kElementWeight);
+  c.compute_what = absl::StrFormat("embedding %d tokens of %d", tokens, hidden);
+  return c;
+}
+
+Cost EncodeCost(const EncodeDims& d) {
+  Cost c;
+  c.reply_bytes = SatAdd(d.out_bytes, kReplyOverheadBytes);
+  c.reply_what = d.what;
+  c.transient_bytes =
+      Sum({SatMul(d.in_bytes, 2), SatMul(d.out_bytes, 2), d.scratch_bytes, kReplyOverheadBytes});
+  c.compute = SatMul(d.loop_steps, kElementWeight);
+  c.compute_what = d.what;
+  return c;
+}
+
+Cost SessionOpenCost(const SessionDims& d) {
+  Cost c;
+  const int64_t rows = d.kv_cache_layout
+                           ? SatMul((SatAdd(d.max_context, 63)) / 64, 64)
+                           : d.max_context;
+  if (d.linear) {
+    // LinearAttentionState: S [kv_heads, head_dim, v_dim] and z [kv_heads,
+    // head_dim], fp64.
+    c.held_bytes = SatProduct({d.kv_heads, d.head_dim, SatAdd(d.v_dim, 1), 8});
+  } else {
+    c.held_bytes = SatProduct(
+        {rows, d.kv_heads, SatAdd(d.head_dim, d.v_dim), static_cast<int64_t>(DTypeSize(d.kv_dtype))});
+    if (d.rope_length_dependent) {
+      c.held_bytes = SatAdd(c.held_bytes, SatProduct({d.max_context, d.kv_heads, d.head_dim, 4}));
+    }
+  }
+  if (d.rope_rotary_dim > 0 && !d.rope_length_dependent) {
+    c.held_bytes = SatAdd(
+        c.held_bytes,
+        RopeTableBytes(std::min(d.max_context, d.rope_table_positions), d.rope_rotary_dim));
+  }
+  c.held_what = absl::StrFormat(
+      "%s state for max_context %d x %d kv heads x (head_dim %d + v_dim %d) %s",
+      d.linear ? "linear-attention" : "KV", d.max_context, d.kv_heads, d.head_dim, d.v_dim,
+      DTypeName(d.kv_dtype));
+  return c;
+}
+
+Cost StepCost(const SessionDims& s, const StepDims& d) {
+  Cost c;
+  const int64_t new_len = SatAdd(d.position, d.tokens);
+  const int64_t q_el = SatProduct({d.tokens, d.heads, s.head_dim});
+  const int64_t kv_el = SatMul(SatMul(d.tokens, s.kv_heads), SatAdd(s.head_dim, s.v_dim));
+  const int64_t out_el = SatProduct({d.tokens, d.heads, s.v_dim});
+  const int64_t answer_el = d.hidden > 0 ? SatMul(d.tokens, d.hidden) : out_el;
+  c.reply_bytes = SatAdd(DenseBytes(answer_el, d.out_dtype), kReplyOverheadBytes);
+  c.reply_what = d.hidden > 0 ? absl::StrFormat("out [1, %d, %d] %s", d.tokens, d.hidden,
+                                                DTypeName(d.out_dtype))
+                              : absl::StrFormat("out [1, %d, %d, %d] %s", d.tokens, d.heads,
+                                                s.v_dim, DTypeName(d.out_dtype));
+  int64_t attention = 0;
+  if (!s.linear) {
+    attention = AttentionScratchBytes(1, d.heads, s.kv_heads, d.tokens, new_len, s.head_dim,
+                                      s.v_dim, s.kv_dtype, d.threads);
+    if (s.kv_cache_layout && d.tokens > kDecodeMaxQueries) {
+      // A long step on a KvCache copies its rows out before the prefill.
+      attention = SatAdd(attention, SatProduct({new_len, s.kv_heads, SatAdd(s.head_dim, s.v_dim), 4}));
+    }
+    if (s.rope_length_dependent) {  // re-rotation of the cached keys
+      attention = SatAdd(attention, SatProduct({new_len, s.kv_heads, s.head_dim, 4}));
+    }
+  }
+  c.transient_bytes = Sum({SatMul(d.wire_bytes, 2), SatMul(SatAdd(q_el, kv_el), 8), SatMul(out_el, 8),
+                           SatMul(answer_el, 8), c.reply_bytes, attention});
+  int64_t compute = 0;
+  if (s.linear) {
+    compute = SatProduct({d.tokens, d.heads, s.head_dim, SatAdd(s.v_dim, 1), 2});
+  } else {
+    compute = SatMul(SatProduct({d.heads, d.tokens, new_len}),
+                     Sum({s.head_dim, s.v_dim, kElementWeight}));
+  }
+  if (d.hidden > 0) {
+    compute = SatAdd(compute, SatMul(SatProduct({d.tokens, d.hidden, s.head_dim}),
+                                     Sum({d.heads, s.kv_heads, s.kv_heads, d.heads})));
+  }
+  c.compute = SatAdd(compute, SatMul(Sum({q_el, kv_el, out_el, answer_el}), kElementWeight));
+  c.compute_what = absl::StrFormat("a step of %d tokens at position %d (%d heads)", d.tokens,
+                                   d.position, d.heads);
+  return c;
+}
+
+MemoryBudget::Reservation& MemoryBudget::Reservation::operator=(Reservation&& o) noexcept {
+  if (this != &o) {
+    Release();
+    budget_ = std::exchange(o.budget_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+  }
+  return *this;
+}
+
+void MemoryBudget::Reservation::Release() {
+  if (budget_ != nullptr && bytes_ > 0) {
+    absl::MutexLock lock(&budget_->mu_);
+    budget_->in_use_ -= bytes_;
+  }
+  budget_ = nullptr;
+  bytes_ = 0;
+}
+
+absl::StatusOr<MemoryBudget::Reservation> MemoryBudget::Reserve(int64_t bytes,
+                                                                absl::string_view what) {
+  bytes = std::max<int64_t>(bytes, 0);
+  absl::MutexLock lock(&mu_);
+  if (bytes > budget_ - in_use_) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "memory budget exhausted: %s needs %s, %s of the %s budget are free "
+        "(--memory_budget_bytes); retry later or ask for less",
+        what, Bytes(bytes), Bytes(budget_ - in_use_), Bytes(budget_)));
+  }
+  in_use_ += bytes;
+  return Reservation(this, bytes);
+}
+
+int64_t MemoryBudget::in_use() const {
+  absl::MutexLock lock(&mu_);
+  return in_use_;
+}
+
+}  // namespace ropeattn::server

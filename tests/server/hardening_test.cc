@@ -1,0 +1,350 @@
+// Issue 11's findings, one regression test each, through a real server on a
+// loopback port: requests of a few bytes that crashed, pinned or ballooned
+// the landed server. Each case asserts the exact code and that the message
+// names the field, then that the server still answers a valid call.
+#include <chrono>
+#include <cmath>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "ropeattn/v1/attention.grpc.pb.h"
+#include "server/server.h"
+#include "tests/server/server_test_util.h"
+
+namespace ropeattn::testing {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+v1::Tensor ZeroWire(v1::DType dtype, std::initializer_list<int64_t> dims) {
+  v1::Tensor t;
+  t.set_dtype(dtype);
+  int64_t n = 1;
+  for (int64_t d : dims) {
+    t.add_shape(d);
+    n *= d;
+  }
+  t.set_data(std::string(n * (dtype == v1::DTYPE_BF16 ? 2 : 4), '\0'));
+  return t;
+}
+
+class HardeningTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = StartTestServer(TestServerOptions());
+    ASSERT_NE(server_, nullptr);
+    stub_ = TestStub(server_->port());
+  }
+
+  grpc::Status Attend(const v1::AttendRequest& r, v1::AttendResponse* out = nullptr,
+                      absl::Duration deadline = absl::Seconds(30)) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+    v1::AttendResponse local;
+    return stub_->Attend(&ctx, r, out != nullptr ? out : &local);
+  }
+  grpc::Status Encode(const v1::EncodeRequest& r, v1::EncodeResponse* out = nullptr) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    v1::EncodeResponse local;
+    return stub_->Encode(&ctx, r, out != nullptr ? out : &local);
+  }
+
+  // A small valid Attend answers OK with finite numbers: the server is fine.
+  void ExpectServerStillWorks() {
+    v1::AttendRequest r;
+    r.mutable_spec()->set_heads(2);
+    r.mutable_spec()->set_head_dim(4);
+    *r.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, 3, 2, 4});
+    *r.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, 3, 2, 4});
+    v1::Tensor v = ZeroWire(v1::DTYPE_F32, {1, 3, 2, 4});
+    float* f = reinterpret_cast<float*>(v.mutable_data()->data());
+    for (int i = 0; i < 24; ++i) f[i] = static_cast<float>(i % 4);
+    *r.mutable_v() = v;
+    v1::AttendResponse out;
+    const grpc::Status st = Attend(r, &out);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    const float* o = reinterpret_cast<const float*>(out.out().data().data());
+    // Equal keys: the mean of the values, which is 0, 1, 2, 3 per channel.
+    for (int i = 0; i < 24; ++i) EXPECT_FLOAT_EQ(o[i], static_cast<float>(i % 4));
+  }
+
+  std::unique_ptr<server::Server> server_;
+  std::unique_ptr<v1::AttentionService::Stub> stub_;
+};
+
+// Crash: layer mode with a zero dim and a huge other dim built buffers from
+// the huge one. Now: an empty answer of that shape, at once.
+TEST_F(HardeningTest, LayerModeEmptyHiddenWithHugeOtherDim) {
+  for (auto dims : {std::pair<int64_t, int64_t>{0, int64_t{1} << 40},
+                    std::pair<int64_t, int64_t>{int64_t{1} << 40, 0}}) {
+    v1::AttendRequest r;
+    r.mutable_layer()->set_model("demo");
+    r.mutable_layer()->mutable_hidden()->set_dtype(v1::DTYPE_F32);
+    r.mutable_layer()->mutable_hidden()->add_shape(dims.first);
+    r.mutable_layer()->mutable_hidden()->add_shape(dims.second);
+    r.mutable_layer()->mutable_hidden()->add_shape(128);  // the demo's hidden_size
+    v1::AttendResponse out;
+    const grpc::Status st = Attend(r, &out, absl::Seconds(5));
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_THAT(out.out().shape(), ::testing::ElementsAre(dims.first, dims.second, 128));
+    EXPECT_TRUE(out.out().data().empty());
+  }
+  ExpectServerStillWorks();
+}
+
+// Crash: T5 with thousands of heads and far q_offsets sized a table of heads
+// x relative positions (1 TiB). Now the table is priced (compute and
+// memory) before anything is allocated; the core bounds it too.
+TEST_F(HardeningTest, T5ManyHeadsFarOffsetsIsRefusedNotAllocated) {
+  auto request = [](int64_t heads, int64_t far) {
+    v1::AttendRequest r;
+    r.mutable_spec()->set_heads(heads);
+    r.mutable_spec()->set_head_dim(1);
+    *r.mutable_spec()->mutable_t5()->mutable_table() = ZeroWire(v1::DTYPE_F32, {32, heads});
+    *r.mutable_q() = ZeroWire(v1::DTYPE_F32, {2, 1, heads, 1});
+    *r.mutable_k() = ZeroWire(v1::DTYPE_F32, {2, 1, heads, 1});
+    *r.mutable_v() = ZeroWire(v1::DTYPE_F32, {2, 1, heads, 1});
+    r.add_q_offsets(0);
+    r.add_q_offsets(far);
+    return r;
+  };
+  grpc::Status st = Attend(request(4096, int64_t{1} << 30));
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("heads 4096"));
+  st = Attend(request(16, int64_t{1} << 23));
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("memory budget exhausted"));
+  ExpectServerStillWorks();
+}
+
+// Crash: a linear-attention open with dims near 2^20 overflowed the byte
+// count, which went negative and passed the budget.
+TEST_F(HardeningTest, LinearOpenWithHugeDimsIsPricedWithoutOverflow) {
+  grpc::ClientContext ctx;
+  auto stream = stub_->Decode(&ctx);
+  v1::DecodeRequest req;
+  v1::OpenSession* open = req.mutable_open();
+  open->set_kind(v1::ATTENTION_KIND_LINEAR);
+  open->mutable_spec()->set_heads(int64_t{1} << 20);
+  open->mutable_spec()->set_head_dim(int64_t{1} << 20);
+  open->set_v_dim(int64_t{1} << 20);
+  ASSERT_TRUE(stream->Write(req));
+  v1::DecodeResponse resp;
+  EXPECT_FALSE(stream->Read(&resp));
+  const grpc::Status st = stream->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("memory budget exhausted"));
+  EXPECT_THAT(st.error_message(), HasSubstr("linear-attention state"));
+  ExpectServerStillWorks();
+}
+
+// Pinned workers: ALiBi / T5 biases of q_len 2^40 and k_len 0 looped over
+// 2^40 empty rows. Now priced by every loop level and refused at once.
+TEST_F(HardeningTest, EncodeBiasWithHugeQLenAndNoKeysIsRefusedAtOnce) {
+  const absl::Time start = absl::Now();
+  v1::EncodeRequest a;
+  a.mutable_alibi()->set_heads(8);
+  a.mutable_alibi()->set_q_len(int64_t{1} << 40);
+  grpc::Status st = Encode(a);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("alibi bias [8, 1099511627776, 0]"));
+  v1::EncodeRequest t;
+  t.mutable_t5()->set_q_len(int64_t{1} << 40);
+  st = Encode(t);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("t5 bucket grid [1099511627776, 0]"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  ExpectServerStillWorks();
+}
+
+// Memory: an Embed of 2 MiB asked for a 1 GiB answer, built in full before
+// the message limit was checked. Now the answer is priced first.
+TEST_F(HardeningTest, EmbedAnswerAboveTheMessageLimitIsRefusedBeforeWork) {
+  v1::EmbedRequest r;
+  r.set_model("demo");
+  // 2^20 ids x hidden 128 x 4 bytes = 512 MiB answer for a ~1 MiB request.
+  for (int i = 0; i < (1 << 20); ++i) r.add_token_ids(i % 256);
+  grpc::ClientContext ctx;
+  v1::EmbedResponse out;
+  const grpc::Status st = stub_->Embed(&ctx, r, &out);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("embeddings [1048576 tokens, 128]"));
+  EXPECT_THAT(st.error_message(), HasSubstr("--max_message_bytes"));
+  ExpectServerStillWorks();
+}
+
+// Memory: a session's RoPE table is charged with its KV.
+TEST_F(HardeningTest, SessionChargeIncludesTheRopeTable) {
+  auto open_kv_bytes = [&](bool rope) {
+    grpc::ClientContext ctx;
+    auto stream = stub_->Decode(&ctx);
+    v1::DecodeRequest req;
+    v1::OpenSession* open = req.mutable_open();
+    open->mutable_spec()->set_heads(4);
+    open->mutable_spec()->set_head_dim(64);
+    if (rope) open->mutable_spec()->mutable_rope();
+    open->set_max_context(256);
+    EXPECT_TRUE(stream->Write(req));
+    v1::DecodeResponse resp;
+    EXPECT_TRUE(stream->Read(&resp));
+    stream->WritesDone();
+    stream->Finish();
+    return resp.opened().kv_bytes();
+  };
+  const int64_t plain = open_kv_bytes(false);
+  const int64_t with_rope = open_kv_bytes(true);
+  // 256 positions x 32 pairs x (cos + sin) x 4 bytes.
+  EXPECT_EQ(with_rope - plain, 256 * 32 * 2 * 4);
+}
+
+// Sessions: an attached session outlives its idle TTL (the reaper runs
+// every 50 ms in tests); the TTL counts from detach.
+TEST_F(HardeningTest, AttachedSessionIsNeverReaped) {
+  grpc::ClientContext ctx;
+  auto stream = stub_->Decode(&ctx);
+  v1::DecodeRequest req;
+  v1::OpenSession* open = req.mutable_open();
+  open->mutable_spec()->set_heads(1);
+  open->mutable_spec()->set_head_dim(4);
+  open->set_idle_ttl_seconds(1);
+  open->set_resumable(true);
+  ASSERT_TRUE(stream->Write(req));
+  v1::DecodeResponse resp;
+  ASSERT_TRUE(stream->Read(&resp));
+  const std::string id = resp.opened().session_id();
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  v1::DecodeRequest step;
+  step.mutable_step()->set_seq(1);
+  *step.mutable_step()->mutable_q() = ZeroWire(v1::DTYPE_F32, {1, 1, 1, 4});
+  *step.mutable_step()->mutable_k() = ZeroWire(v1::DTYPE_F32, {1, 1, 1, 4});
+  *step.mutable_step()->mutable_v() = ZeroWire(v1::DTYPE_F32, {1, 1, 1, 4});
+  ASSERT_TRUE(stream->Write(step));
+  ASSERT_TRUE(stream->Read(&resp));
+  EXPECT_TRUE(resp.has_step()) << resp.error().message();
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+  // Detached now: reaped within its TTL plus the reaper's interval.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1600));
+  grpc::ClientContext info_ctx;
+  v1::GetSessionRequest get;
+  get.set_session_id(id);
+  v1::SessionInfo info;
+  const grpc::Status st = stub_->GetSession(&info_ctx, get, &info);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(st.error_message(), HasSubstr("expired"));
+}
+
+// Values: a huge YaRN attention_factor gave OK with +-Inf; an open with
+// scale 1e300 was accepted and every later step failed.
+TEST_F(HardeningTest, FloatParametersOutsideTheirRangeAreInvalid) {
+  v1::EncodeRequest r;
+  v1::EncodeRequest::RopeCosSin* cs = r.mutable_rope_cos_sin();
+  cs->set_head_dim(8);
+  cs->add_positions(3);
+  v1::RopeScaling* sc = cs->mutable_rope()->mutable_scaling();
+  sc->set_rope_type("yarn");
+  sc->set_factor(4);
+  sc->set_original_max_position_embeddings(16);
+  sc->set_attention_factor(1e300);
+  grpc::Status st = Encode(r);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("rope_cos_sin.rope.scaling.attention_factor"));
+  sc->set_attention_factor(1000);  // the top of the range: finite answers
+  v1::EncodeResponse out;
+  st = Encode(r, &out);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  const float* c = reinterpret_cast<const float*>(out.cos().data().data());
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(std::isfinite(c[i]));
+
+  grpc::ClientContext ctx;
+  auto stream = stub_->Decode(&ctx);
+  v1::DecodeRequest req;
+  req.mutable_open()->mutable_spec()->set_heads(1);
+  req.mutable_open()->mutable_spec()->set_head_dim(4);
+  req.mutable_open()->mutable_spec()->set_scale(1e300);
+  ASSERT_TRUE(stream->Write(req));
+  v1::DecodeResponse resp;
+  EXPECT_FALSE(stream->Read(&resp));
+  st = stream->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("spec.scale"));
+}
+
+// Values: a 1 MiB session id came back in a 1 MiB status trailer.
+TEST_F(HardeningTest, ErrorMessagesQuoteOnlyAShortPrefixOfClientStrings) {
+  const std::string id(1 << 20, 'x');
+  grpc::ClientContext ctx;
+  v1::GetSessionRequest get;
+  get.set_session_id(id);
+  v1::SessionInfo info;
+  grpc::Status st = stub_->GetSession(&ctx, get, &info);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_LT(st.error_message().size(), 256u);
+  EXPECT_THAT(st.error_message(), HasSubstr("(1048576 bytes)"));
+
+  v1::EncodeRequest r;
+  r.mutable_rope_frequencies()->set_head_dim(8);
+  r.mutable_rope_frequencies()->mutable_rope()->mutable_scaling()->set_rope_type(
+      std::string(1 << 20, 'y'));
+  st = Encode(r);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_LT(st.error_message().size(), 512u);
+  EXPECT_THAT(st.error_message(), HasSubstr("rope_type"));
+
+  v1::EmbedRequest e;
+  e.set_model(std::string(1 << 20, 'z'));
+  grpc::ClientContext ectx;
+  v1::EmbedResponse eout;
+  st = stub_->Embed(&ectx, e, &eout);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_LT(st.error_message().size(), 512u);
+}
+
+// Pinned workers: a long Attend whose deadline passes stops between tiles,
+// answers DEADLINE_EXCEEDED, and frees its worker for the next call.
+TEST(HardeningDeadlineTest, LongAttendStopsAtItsDeadline) {
+  server::ServerOptions o = TestServerOptions();
+  o.memory_budget_bytes = int64_t{2} << 30;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  v1::AttendRequest r;
+  r.mutable_spec()->set_heads(8);
+  r.mutable_spec()->set_head_dim(128);
+  constexpr int64_t kLen = 4096;
+  *r.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, kLen, 8, 128});
+  *r.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, kLen, 8, 128});
+  *r.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, kLen, 8, 128});
+  // Each is ~2e10 multiply-adds (most of a second of a core); twenty run to
+  // the end would keep both workers busy for seconds after the loop. Each
+  // stops within a tile of its 50 ms deadline instead.
+  for (int i = 0; i < 20; ++i) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(50)));
+    v1::AttendResponse out;
+    EXPECT_EQ(stub->Attend(&ctx, r, &out).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  // A small call right after is not queued behind abandoned work.
+  v1::AttendRequest small;
+  small.mutable_spec()->set_heads(1);
+  small.mutable_spec()->set_head_dim(4);
+  *small.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, 1, 1, 4});
+  *small.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, 1, 1, 4});
+  *small.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, 1, 1, 4});
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+  v1::AttendResponse out;
+  const grpc::Status st = stub->Attend(&ctx, small, &out);
+  EXPECT_TRUE(st.ok()) << st.error_code() << " " << st.error_message();
+}
+
+}  // namespace
+}  // namespace ropeattn::testing
