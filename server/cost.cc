@@ -48,7 +48,7 @@ int64_t AttentionScratchBytes(int64_t batch, int64_t heads, int64_t kv_heads, in
                 SatProduct({threads, rows, v_dim, 4}), SatProduct({rows, head_dim, 4})});
   }
   const int64_t pack =
-      SatProduct({batch, kv_heads, k_len, SatAdd(head_dim, v_dim), DTypeSize(kv_dtype)});
+      SatProduct({batch, kv_heads, k_len, SatAdd(head_dim, v_dim), static_cast<int64_t>(DTypeSize(kv_dtype))});
   const int64_t tiles =
       SatProduct({threads, kPrefillRows, SatAdd(SatMul(k_len, 2), SatAdd(head_dim, v_dim)), 4});
   return SatAdd(pack, tiles);
