@@ -1,5 +1,6 @@
 #include "server/server.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <string>
@@ -10,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "core/attention.h"
+#include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -226,8 +228,28 @@ void Server::Shutdown(absl::Duration grace) {
   m.service->BeginShutdown();
   // No new connections (the kernel refuses them once the socket is closed).
   m.listener->Stop();
-  // In-flight calls get `grace`; then gRPC cancels what is left.
-  m.grpc_server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  // In-flight calls get `grace`. gRPC's own Shutdown (GOAWAY, then wait)
+  // also waits for calls it never ends itself (a client's health Watch) and,
+  // after a large answer, for connections to finish the GOAWAY exchange:
+  // seconds, often the whole grace. So it runs beside a wait for this
+  // service's own calls; once those are answered, gRPC gets kFlushTime to
+  // deliver the last bytes and end the rest gracefully, then whatever is
+  // left is cancelled. (Cancelling at once would reset connections whose
+  // final answer is still in the socket.) Cancelling repeats until gRPC's
+  // Shutdown returns: one that lands before that Shutdown began is lost.
+  constexpr absl::Duration kFlushTime = absl::Seconds(1);
+  const absl::Time deadline = absl::Now() + grace;
+  absl::Notification stopped;
+  std::thread stopping([&m, &stopped, deadline] {
+    m.grpc_server->Shutdown(absl::ToChronoTime(deadline));
+    stopped.Notify();
+  });
+  m.service->WaitForCalls(deadline);
+  stopped.WaitForNotificationWithDeadline(std::min(deadline, absl::Now() + kFlushTime));
+  while (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(50))) {
+    grpc_server_cancel_all_calls(m.grpc_server->c_server());
+  }
+  stopping.join();
   m.executor->Shutdown();
   m.sessions->CloseAll();
   m.http.reset();

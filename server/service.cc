@@ -62,13 +62,22 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext* ctx) {
 // alive until gRPC is done with the call, answer included.
 class ComputeCall : public grpc::ServerUnaryReactor {
  public:
-  explicit ComputeCall(const grpc::CallbackServerContext* ctx) { stop_.set_deadline(DeadlineOf(ctx)); }
+  ComputeCall(AttentionServiceImpl* service, const grpc::CallbackServerContext* ctx)
+      : service_(service) {
+    stop_.set_deadline(DeadlineOf(ctx));
+    service_->CallStarted();
+  }
   void OnCancel() override { stop_.Cancel(); }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    AttentionServiceImpl* service = service_;
+    delete this;  // the reservation goes before the call counts as ended
+    service->CallEnded();
+  }
   StopToken& stop() { return stop_; }
   void Hold(MemoryBudget::Reservation r) { reservation_ = std::move(r); }
 
  private:
+  AttentionServiceImpl* const service_;
   StopToken stop_;
   MemoryBudget::Reservation reservation_;
 };
@@ -79,7 +88,7 @@ template <typename PriceFn, typename RunFn>
 grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServerContext* ctx,
                                                               const char* method, PriceFn price,
                                                               RunFn run) {
-  auto* call = new ComputeCall(ctx);
+  auto* call = new ComputeCall(this, ctx);
   const absl::Time start = absl::Now();
   auto refuse = [&](const absl::Status& status) {
     metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
@@ -594,6 +603,25 @@ void AttentionServiceImpl::Register(DecodeReactor* r) {
 void AttentionServiceImpl::Unregister(DecodeReactor* r) {
   absl::MutexLock lock(&mu_);
   streams_.erase(r);
+}
+
+void AttentionServiceImpl::CallStarted() {
+  absl::MutexLock lock(&mu_);
+  ++unary_calls_;
+}
+
+void AttentionServiceImpl::CallEnded() {
+  absl::MutexLock lock(&mu_);
+  --unary_calls_;
+}
+
+bool AttentionServiceImpl::WaitForCalls(absl::Time deadline) {
+  auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return streams_.empty() && unary_calls_ == 0;
+  };
+  const bool done = mu_.LockWhenWithDeadline(absl::Condition(&idle), deadline);
+  mu_.Unlock();
+  return done;
 }
 
 void AttentionServiceImpl::BeginShutdown() {

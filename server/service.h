@@ -64,6 +64,16 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   void BeginShutdown();
   bool draining() const { return draining_.load(); }
 
+  // Waits until every call of this service (Decode streams and unary
+  // compute calls, answers included) is done, or until `deadline`; true
+  // when none is left. Calls of other services (health Watch, reflection)
+  // are not counted: gRPC does not end those itself.
+  bool WaitForCalls(absl::Time deadline);
+
+  // A unary compute call's lifetime, reactor creation to OnDone.
+  void CallStarted();
+  void CallEnded();
+
  private:
   friend class DecodeReactor;
   // Prices the request (`price`), checks the cost against the limits and
@@ -85,7 +95,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   std::atomic<bool> draining_{false};
   absl::Mutex mu_;
   absl::flat_hash_set<DecodeReactor*> streams_ ABSL_GUARDED_BY(mu_);
-  absl::CondVar streams_gone_;
+  int64_t unary_calls_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace ropeattn::server

@@ -501,6 +501,8 @@ TEST(MultiReplicaTest, SigtermedReplicaAnswersItsInFlightStepTurnsNotServingAndE
   const v1::Tensor k = *RandomTensor(v1::DTYPE_F32, {1, kT, kH, kD}, 2);
   const v1::Tensor v = *RandomTensor(v1::DTYPE_F32, {1, kT, kH, kD}, 3);
 
+  const absl::StatusOr<v1::ServerInfo> before = client->GetServerInfo();
+  ASSERT_TRUE(before.ok()) << before.status();
   std::atomic<bool> answered{false};
   std::chrono::steady_clock::time_point answered_at;
   absl::StatusOr<v1::StepResult> result;
@@ -515,7 +517,19 @@ TEST(MultiReplicaTest, SigtermedReplicaAnswersItsInFlightStepTurnsNotServingAndE
       if (t.joinable()) t.join();
     }
   } joiner{stepper};
-  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  // In flight means admitted: the server has the whole message and has
+  // reserved the step's transient memory (ServerInfo.memory_bytes_in_use
+  // grows past the session's own bytes). Before that the 24 MiB may still be
+  // on the wire, and a stream still receiving is drained like an idle one.
+  const auto admit_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  for (;;) {
+    absl::StatusOr<v1::ServerInfo> info = client->GetServerInfo();
+    ASSERT_TRUE(info.ok()) << info.status();
+    if (info->memory_bytes_in_use() > before->memory_bytes_in_use()) break;
+    ASSERT_FALSE(answered.load()) << "the step finished before it was seen admitted";
+    ASSERT_LT(std::chrono::steady_clock::now(), admit_deadline) << "the step was never admitted";
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
   ASSERT_FALSE(answered.load()) << "the step finished before SIGTERM; make it bigger";
   const auto killed_at = std::chrono::steady_clock::now();
   ASSERT_EQ(kill(server->pid(), SIGTERM), 0);
