@@ -316,6 +316,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
     }
     if (!service_->executor_->TrySubmit([this] { Process(); })) {
       op_memory_.Release();
+      ticket_.Release();
       service_->metrics_->RecordRejected("Decode");
       Refuse(absl::ResourceExhaustedError(
           QueueFull(*service_->executor_, "Decode").error_message()));
@@ -408,6 +409,22 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   // is written. An open's state is reserved by the session manager before
   // it allocates; a fork's likewise.
   absl::Status Admit() {
+    // An open's session state (and a fork's) is reserved here: a slot and
+    // its held bytes, before the allocation is queued.
+    if (request_.has_open() && session_ == nullptr) {
+      RA_ASSIGN_OR_RETURN(SessionConfig config,
+                          ResolveOpenSession(request_.open(), service_->options_,
+                                             *service_->models_));
+      RA_ASSIGN_OR_RETURN(ticket_, service_->sessions_->Reserve(
+                                       std::make_shared<const SessionConfig>(std::move(config))));
+      return absl::OkStatus();
+    }
+    if (request_.has_fork() && session_ != nullptr) {
+      RA_ASSIGN_OR_RETURN(ticket_, service_->sessions_->ReserveFork(
+                                       session_, /*resumable=*/true,
+                                       request_.fork().idle_ttl_seconds()));
+      return absl::OkStatus();
+    }
     if (request_.has_step() && session_ != nullptr) {
       const SessionConfig& c = session_->config();
       RA_ASSIGN_OR_RETURN(const Cost cost,
@@ -461,6 +478,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   void Process() {
     // Cancelled, or past its deadline, while it waited: not started.
     if (stop_.ShouldStop()) {
+      ticket_.Release();
       service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(stop_.status().code()),
                                         0.0);
       FinishOnce(ToGrpcStatus(stop_.status()));
@@ -485,13 +503,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
         }
         absl::StatusOr<std::shared_ptr<Session>> s;
         if (request_.has_open()) {
-          auto config = ResolveOpenSession(request_.open(), service_->options_, *service_->models_);
-          if (!config.ok()) {
-            s = config.status();
-          } else {
-            s = service_->sessions_->Open(
-                std::make_shared<const SessionConfig>(*std::move(config)));
-          }
+          s = service_->sessions_->Open(std::move(ticket_));  // reserved in Admit
         } else {
           s = service_->sessions_->Attach(request_.attach().session_id());
         }
@@ -528,8 +540,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
           if (status.ok()) session_->FillInfo(response_.mutable_truncated());
         } else if (request_.has_fork()) {
           method = "Decode.Fork";
-          auto fork = service_->sessions_->Fork(session_, /*resumable=*/true,
-                                                request_.fork().idle_ttl_seconds());
+          auto fork = service_->sessions_->Fork(session_, std::move(ticket_));  // reserved in Admit
           status = fork.status();
           if (fork.ok()) {
             service_->sessions_->Detach(*fork, /*stream_cancelled=*/false);
@@ -583,6 +594,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   bool close_after_write_ = false;
   StopToken stop_;                        // the stream's: cancel or deadline
   MemoryBudget::Reservation op_memory_;  // the current operation's buffers
+  // An open's or fork's reserved session room (Admit), used by Process.
+  SessionManager::Ticket ticket_;
   std::atomic<int> refs_{1};  // gRPC's, released in OnDone
   std::atomic<bool> finished_{false};
   std::atomic<bool> cancelled_{false};

@@ -479,37 +479,95 @@ void SessionManager::PublishLocked() {
   metrics_->SetKvBytes(kv_in_use_, budget_->budget());
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionManager::Admit(
-    std::shared_ptr<const SessionConfig> config, bool resumable, absl::Duration ttl) {
-  const Cost cost = SessionOpenCost(SessionDimsOf(*config));
-  MemoryBudget::Reservation held;
+SessionManager::Ticket& SessionManager::Ticket::operator=(Ticket&& other) noexcept {
+  if (this != &other) {
+    Release();
+    manager_ = std::exchange(other.manager_, nullptr);
+    config_ = std::move(other.config_);
+    resumable_ = other.resumable_;
+    ttl_ = other.ttl_;
+    held_ = std::move(other.held_);
+  }
+  return *this;
+}
+
+void SessionManager::Ticket::Release() {
+  if (manager_ != nullptr) manager_->ReleaseTicket(this);
+}
+
+void SessionManager::ReleaseTicket(Ticket* ticket) {
   {
     absl::MutexLock lock(&mu_);
-    const int open = static_cast<int>(sessions_.size()) + reserved_sessions_;
-    if (open >= options_.max_sessions) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "the server already holds its maximum of %d sessions; close one or retry later",
-          options_.max_sessions));
-    }
-    // Reserved before anything is allocated; released if allocation fails.
-    absl::StatusOr<MemoryBudget::Reservation> r =
-        budget_->Reserve(cost.held_bytes, absl::StrCat("the session's ", cost.held_what));
-    if (!r.ok()) {
-      return absl::Status(r.status().code(),
-                          absl::StrCat(r.status().message(), "; lower max_context or close sessions"));
-    }
-    held = *std::move(r);
-    kv_in_use_ += held.bytes();
-    ++reserved_sessions_;
+    --reserved_sessions_;
+    kv_in_use_ -= ticket->held_.bytes();
+    PublishLocked();
   }
-  const int64_t bytes = held.bytes();
-  auto session =
-      std::shared_ptr<Session>(new Session(NewId(), config, resumable, ttl, std::move(held)));
+  ticket->manager_ = nullptr;
+  ticket->held_.Release();
+  ticket->config_.reset();
+}
+
+absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
+    std::shared_ptr<const SessionConfig> config, bool resumable, absl::Duration ttl) {
+  const Cost cost = SessionOpenCost(SessionDimsOf(*config));
+  Ticket ticket;
+  absl::MutexLock lock(&mu_);
+  const int open = static_cast<int>(sessions_.size()) + reserved_sessions_;
+  if (open >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "the server already holds its maximum of %d sessions (--max_sessions); close one or "
+        "retry later",
+        options_.max_sessions));
+  }
+  absl::StatusOr<MemoryBudget::Reservation> r =
+      budget_->Reserve(cost.held_bytes, absl::StrCat("the session's ", cost.held_what));
+  if (!r.ok()) {
+    return absl::Status(r.status().code(),
+                        absl::StrCat(r.status().message(), "; lower max_context or close sessions"));
+  }
+  ticket.held_ = *std::move(r);
+  kv_in_use_ += ticket.held_.bytes();
+  ++reserved_sessions_;
+  ticket.manager_ = this;
+  ticket.config_ = std::move(config);
+  ticket.resumable_ = resumable;
+  ticket.ttl_ = ttl;
+  PublishLocked();
+  return ticket;
+}
+
+absl::StatusOr<SessionManager::Ticket> SessionManager::Reserve(
+    std::shared_ptr<const SessionConfig> config) {
+  const bool resumable = config->resumable;
+  const absl::Duration ttl = config->idle_ttl;
+  return ReserveRoom(std::move(config), resumable, ttl);
+}
+
+absl::Duration SessionManager::ForkTtl(uint32_t idle_ttl_seconds) const {
+  return absl::Seconds(idle_ttl_seconds == 0
+                           ? options_.default_idle_ttl_seconds
+                           : std::min(idle_ttl_seconds, options_.max_idle_ttl_seconds));
+}
+
+absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveFork(
+    const std::shared_ptr<Session>& source, bool resumable, uint32_t idle_ttl_seconds) {
+  return ReserveRoom(source->config_, resumable, ForkTtl(idle_ttl_seconds));
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {
+  if (!ticket.valid()) return absl::FailedPreconditionError("no room reserved for the session");
+  const int64_t bytes = ticket.held_.bytes();
+  auto session = std::shared_ptr<Session>(new Session(NewId(), ticket.config_, ticket.resumable_,
+                                                      ticket.ttl_, std::move(ticket.held_)));
+  // The slot now belongs to the session (or is freed below); the bytes
+  // moved with the reservation.
+  ticket.manager_ = nullptr;
   absl::Status st = session->Allocate();
   absl::MutexLock lock(&mu_);
   --reserved_sessions_;
   if (!st.ok()) {
     kv_in_use_ -= bytes;
+    PublishLocked();
     return st;  // the session (and its reservation) is released here
   }
   {
@@ -524,9 +582,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Admit(
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(
     std::shared_ptr<const SessionConfig> config) {
-  const bool resumable = config->resumable;
-  const absl::Duration ttl = config->idle_ttl;
-  return Admit(std::move(config), resumable, ttl);
+  RA_ASSIGN_OR_RETURN(Ticket ticket, Reserve(std::move(config)));
+  return Open(std::move(ticket));
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindLocked(const std::string& id) const {
@@ -604,11 +661,16 @@ absl::StatusOr<v1::SessionInfo> SessionManager::Close(const std::string& id,
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Fork(
     const std::shared_ptr<Session>& source, bool resumable, uint32_t idle_ttl_seconds) {
-  const uint32_t ttl = idle_ttl_seconds == 0
-                           ? options_.default_idle_ttl_seconds
-                           : std::min(idle_ttl_seconds, options_.max_idle_ttl_seconds);
-  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> fork,
-                      Admit(source->config_, resumable, absl::Seconds(ttl)));
+  RA_ASSIGN_OR_RETURN(Ticket ticket, ReserveFork(source, resumable, idle_ttl_seconds));
+  return Fork(source, std::move(ticket));
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Fork(
+    const std::shared_ptr<Session>& source, Ticket ticket) {
+  if (ticket.valid() && ticket.config_ != source->config_) {
+    return absl::FailedPreconditionError("the reserved room is for another session's fork");
+  }
+  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> fork, Open(std::move(ticket)));
   absl::Status st = fork->CopyStateFrom(*source);
   if (!st.ok()) {
     absl::MutexLock lock(&mu_);

@@ -145,6 +145,37 @@ class SessionManager {
   // message says how much it needs and how much is free); others keep
   // working.
   absl::StatusOr<std::shared_ptr<Session>> Open(std::shared_ptr<const SessionConfig> config);
+
+  // The room a new session needs, a session slot and its held bytes (the
+  // cost model's SessionOpenCost), reserved before anything is allocated or
+  // queued: the stream reserves on the gRPC thread, then allocates on the
+  // executor. A ticket dropped unused gives its room back.
+  class Ticket {
+   public:
+    Ticket() = default;
+    Ticket(Ticket&& other) noexcept { *this = std::move(other); }
+    Ticket& operator=(Ticket&& other) noexcept;
+    ~Ticket() { Release(); }
+    bool valid() const { return manager_ != nullptr; }
+    void Release();
+
+   private:
+    friend class SessionManager;
+    SessionManager* manager_ = nullptr;
+    std::shared_ptr<const SessionConfig> config_;
+    bool resumable_ = false;
+    absl::Duration ttl_;
+    MemoryBudget::Reservation held_;
+  };
+  // ResourceExhausted (naming max_sessions or the memory budget) when the
+  // room is not there.
+  absl::StatusOr<Ticket> Reserve(std::shared_ptr<const SessionConfig> config);
+  absl::StatusOr<Ticket> ReserveFork(const std::shared_ptr<Session>& source, bool resumable,
+                                     uint32_t idle_ttl_seconds);
+  // Allocates a reserved session, attached to the caller.
+  absl::StatusOr<std::shared_ptr<Session>> Open(Ticket ticket);
+  absl::StatusOr<std::shared_ptr<Session>> Fork(const std::shared_ptr<Session>& source,
+                                                Ticket ticket);
   // Re-attaches a resumable session. NotFound for an unknown id or one that
   // expired or was closed (the message says which); FailedPrecondition if it
   // is not resumable or another stream holds it.
@@ -175,8 +206,11 @@ class SessionManager {
  private:
   // Reserves room for a session and creates it (allocating its memory
   // outside the manager's lock), attached to the caller.
-  absl::StatusOr<std::shared_ptr<Session>> Admit(std::shared_ptr<const SessionConfig> config,
-                                                 bool resumable, absl::Duration ttl);
+  absl::StatusOr<Ticket> ReserveRoom(std::shared_ptr<const SessionConfig> config, bool resumable,
+                                     absl::Duration ttl);
+  // Gives back a ticket's slot and bytes (a ticket not turned into a session).
+  void ReleaseTicket(Ticket* ticket);
+  absl::Duration ForkTtl(uint32_t idle_ttl_seconds) const;
   // The session with `id`, or NotFound for an unknown id, or the status an
   // ended one left behind (expired, closed, freed).
   absl::StatusOr<std::shared_ptr<Session>> FindLocked(const std::string& id) const

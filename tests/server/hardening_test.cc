@@ -6,6 +6,7 @@
 #include <cmath>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -344,6 +345,107 @@ TEST(HardeningDeadlineTest, LongAttendStopsAtItsDeadline) {
   v1::AttendResponse out;
   const grpc::Status st = stub->Attend(&ctx, small, &out);
   EXPECT_TRUE(st.ok()) << st.error_code() << " " << st.error_message();
+}
+
+// A Decode open is priced on the gRPC thread, before it is queued: with every
+// worker busy and the queue full, an open whose state cannot fit the memory
+// budget hears that at once (it used to wait for a worker, or hear "queue
+// full"), and one that fits but finds max_sessions taken likewise.
+TEST(HardeningOpenTest, OpenIsPricedBeforeItIsQueued) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.queue_depth = 1;
+  o.max_sessions = 2;
+  o.memory_budget_bytes = int64_t{1} << 30;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+
+  // Two sessions held, so max_sessions (2) is reached once the first check
+  // below (a session too big for the budget) is done.
+  grpc::ClientContext held_ctx[2];
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> held[2];
+  auto hold = [&](int i) {
+    held[i] = stub->Decode(&held_ctx[i]);
+    v1::DecodeRequest req;
+    req.mutable_open()->mutable_spec()->set_heads(1);
+    req.mutable_open()->mutable_spec()->set_head_dim(4);
+    ASSERT_TRUE(held[i]->Write(req));
+    v1::DecodeResponse resp;
+    ASSERT_TRUE(held[i]->Read(&resp));
+    ASSERT_TRUE(resp.has_opened()) << resp.DebugString();
+  };
+  hold(0);
+
+  // Two long Attends: one on the only worker, one in the only queue slot.
+  v1::AttendRequest big;
+  big.mutable_spec()->set_heads(8);
+  big.mutable_spec()->set_head_dim(128);
+  constexpr int64_t kLen = 2048;
+  *big.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, kLen, 8, 128});
+  *big.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, kLen, 8, 128});
+  *big.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, kLen, 8, 128});
+  std::vector<std::thread> busy;
+  auto fill_queue = [&] {
+    for (auto& t : busy) t.join();
+    busy.clear();
+    for (int i = 0; i < 2; ++i) {
+      busy.emplace_back([&] {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+        v1::AttendResponse out;
+        stub->Attend(&ctx, big, &out);
+      });
+    }
+    const absl::Time give_up = absl::Now() + absl::Seconds(30);
+    for (;;) {
+      grpc::ClientContext ctx;
+      v1::ServerInfo info;
+      ASSERT_TRUE(stub->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+      if (info.queue_depth() == 1) break;
+      ASSERT_LT(absl::Now(), give_up) << "the queue never filled";
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  };
+  fill_queue();
+
+  auto open_once = [&](int64_t max_context) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    auto stream = stub->Decode(&ctx);
+    v1::DecodeRequest req;
+    req.mutable_open()->mutable_spec()->set_heads(32);
+    req.mutable_open()->mutable_spec()->set_head_dim(128);
+    req.mutable_open()->set_max_context(max_context);
+    EXPECT_TRUE(stream->Write(req));
+    v1::DecodeResponse resp;
+    EXPECT_FALSE(stream->Read(&resp));
+    return stream->Finish();
+  };
+  // 2 x 65536 x 32 x 128 x 4 bytes = 2 GiB of KV: above the 1 GiB budget.
+  grpc::Status st = open_once(65536);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("memory budget"));
+  EXPECT_THAT(st.error_message(), Not(HasSubstr("queue")));
+  // A small one fits the budget but not max_sessions.
+  for (auto& t : busy) t.join();
+  busy.clear();
+  hold(1);
+  fill_queue();
+  st = open_once(16);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("max_sessions"));
+  {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    ASSERT_TRUE(stub->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+    EXPECT_EQ(info.open_sessions(), 2);
+  }
+  for (auto& t : busy) t.join();
+  for (auto& h : held) {
+    h->WritesDone();
+    h->Finish();
+  }
 }
 
 }  // namespace
