@@ -91,6 +91,12 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
     c.model = r.model;
     c.layer = r.layer;
   } else {
+    if (open.spec().has_t5()) {
+      // As the proto says: a session has no T5 path. Refused, not computed
+      // without its bias.
+      return absl::UnimplementedError(
+          "open.spec.t5: T5 relative biases are not supported in decoding sessions; use Attend");
+    }
     RA_ASSIGN_OR_RETURN(c.spec, ResolveSpec(open.spec()));
     c.spec_proto = open.spec();
   }
