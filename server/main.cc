@@ -1,6 +1,7 @@
 // ropeattn-server: serves ropeattn.v1.AttentionService, gRPC health and
 // reflection, and Prometheus metrics. Runs with no arguments on built-in
 // defaults; every limit has a flag (see --help).
+#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 
@@ -74,6 +75,15 @@ ABSL_FLAG(double, shutdown_grace_seconds, kDefaults.shutdown_grace_seconds,
           "On SIGTERM/SIGINT: time in-flight calls get to finish before they are cancelled");
 
 int main(int argc, char** argv) {
+  // Buffers of 4 MiB and more (KV caches, RoPE tables, request tensors) are
+  // mapped on their own and unmapped when freed, so a closed session or a
+  // finished large request gives its memory back to the system at once.
+  // glibc's default threshold grows with the largest buffer freed (up to
+  // 32 MiB); past it such buffers come from the heap, fragment it, and the
+  // process holds its high-water mark (measured: peak RSS 100+ MiB higher
+  // under the memory test's load, and RSS near the budget after every
+  // session closed).
+  mallopt(M_MMAP_THRESHOLD, 4 << 20);
   // --help lists this file's flags (absl's default looks for a file named
   // after the binary).
   absl::FlagsUsageConfig usage;

@@ -1,5 +1,7 @@
 #include "server/server.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -94,6 +96,9 @@ struct Server::Impl {
       }
       if (stop_health.HasBeenNotified()) return;
       SetServing(result->load() == 1 && !forced_not_serving.load());
+      // Freed memory in the allocator's arenas (gRPC's message slices, small
+      // per-call buffers) goes back to the system, not only to the budget.
+      malloc_trim(0);
     }
   }
 };
