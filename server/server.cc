@@ -226,6 +226,13 @@ void Server::Shutdown(absl::Duration grace) {
     if (m.shut_down) return;
     m.shut_down = true;
   }
+  if (m.grpc_server == nullptr) {  // Start failed before gRPC started
+    if (m.listener) m.listener->Stop();
+    if (m.executor) m.executor->Shutdown();
+    if (m.sessions) m.sessions->CloseAll();
+    m.done.Notify();
+    return;
+  }
   // Load balancers see NOT_SERVING before anything stops.
   m.stop_health.Notify();
   if (m.health_thread.joinable()) m.health_thread.join();
