@@ -32,6 +32,9 @@ ABSL_FLAG(std::string, address, kDefaults.address,
 ABSL_FLAG(int, max_connections, kDefaults.max_connections,
           "Concurrent gRPC connections; more are closed at accept. 0: the fd soft limit (raised "
           "to the hard limit at start) minus 256, at least 16");
+ABSL_FLAG(double, handshake_timeout_seconds, kDefaults.handshake_timeout_seconds,
+          "A connection that has not started HTTP/2 (preface and SETTINGS) within this many "
+          "seconds is closed, so silent sockets cannot hold connection slots");
 ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
           "Prometheus /metrics HTTP listen address host:port; empty disables it");
 ABSL_FLAG(int, metrics_port, -1,
@@ -125,6 +128,7 @@ int main(int argc, char** argv) {
   ropeattn::server::ServerOptions o;
   o.address = absl::GetFlag(FLAGS_address);
   o.max_connections = absl::GetFlag(FLAGS_max_connections);
+  o.handshake_timeout_seconds = absl::GetFlag(FLAGS_handshake_timeout_seconds);
   o.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
     o.metrics_address = absl::StrCat("127.0.0.1:", absl::GetFlag(FLAGS_metrics_port));

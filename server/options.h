@@ -22,6 +22,10 @@ struct ServerOptions {
   // have room; at least 16. A value above that lets accept() run out of fds:
   // the server survives it (it sheds connections) but it is not advised.
   int max_connections = 0;
+  // A connection that has not completed its HTTP/2 start (the client's
+  // preface and SETTINGS) within this many seconds is closed: an idle socket
+  // that never speaks holds a connection slot no longer than this.
+  double handshake_timeout_seconds = 10;
   // Prometheus /metrics listen address; empty disables the endpoint.
   std::string metrics_address = "127.0.0.1:9464";
   // Compute workers of the executor (each runs one request at a time).

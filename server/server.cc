@@ -104,6 +104,10 @@ struct Server::Impl {
 };
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+  if (!(options.handshake_timeout_seconds > 0 && options.handshake_timeout_seconds <= 3600)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "handshake_timeout_seconds must be in (0, 3600], got %g", options.handshake_timeout_seconds));
+  }
   if (options.compute_workers < 1 || options.threads_per_call < 1 || options.queue_depth < 1 ||
       options.max_sessions < 1 || options.memory_budget_bytes < 0 ||
       options.max_request_compute < 1 || options.max_message_bytes < 1024 ||
@@ -186,6 +190,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   // HTTP/2 hardening for gRPC 1.51's known weaknesses (serving.md).
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 256);
   builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, 16 * 1024);
+  // gRPC's default gives a silent connection 120 s to send its preface.
+  builder.AddChannelArgument(
+      GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+      static_cast<int>(std::lround(options.handshake_timeout_seconds * 1000)));
   builder.RegisterService(m.service.get());
   m.grpc_server = builder.BuildAndStart();
   if (m.grpc_server == nullptr) {

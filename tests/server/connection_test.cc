@@ -441,5 +441,47 @@ TEST(ConnectionFloodTest, ConnectionsPastTheCapAreClosedAtOnce) {
   EXPECT_TRUE(serving);
 }
 
+// Silent sockets: a connection that never sends its HTTP/2 preface is closed
+// after --handshake_timeout_seconds (gRPC's default would hold it 120 s), so
+// such sockets cannot keep the connection slots; after they are closed, new
+// connections are served again.
+TEST(ConnectionFloodTest, SilentConnectionsAreClosedAfterTheHandshakeTimeout) {
+  constexpr int kCap = 4;
+  auto server = ServerProcess::Start(
+      kFdLimit, {absl::StrCat("--max_connections=", kCap), "--handshake_timeout_seconds=1"});
+  ASSERT_NE(server, nullptr);
+  std::vector<int> fds;
+  for (int i = 0; i < kCap; ++i) {
+    const int fd = ConnectRaw(server->port());
+    ASSERT_GE(fd, 0);
+    fds.push_back(fd);
+    EXPECT_EQ(AwaitFate(fd, std::chrono::milliseconds(1000)), Fate::kServed) << "connection " << i;
+  }
+  // Each is closed by the server: the next read sees the end (or a reset).
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  int closed = 0;
+  for (int fd : fds) {
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          give_up - std::chrono::steady_clock::now());
+      if (left.count() <= 0) break;
+      const Fate fate = AwaitFate(fd, left);
+      if (fate == Fate::kClosed) {
+        ++closed;
+        break;
+      }
+      if (fate == Fate::kSilent) break;
+      // kServed: more of the server's frames (its GOAWAY); read on.
+    }
+    close(fd);
+  }
+  EXPECT_EQ(closed, kCap) << "silent connections still held after 10 s";
+  // Slots are free again: a real client is served.
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status st = CheckHealth(server->port(), &response);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
 }  // namespace
 }  // namespace ropeattn::testing
