@@ -545,16 +545,18 @@ uint64_t ReadLittleEndian64(const uint8_t* p) {
   return v;
 }
 
-// Validates one file completely (header, every tensor's dtype size, shape,
-// bounds and overlap) and adds its tensors to `table`.
-absl::Status IndexSafetensors(const MappedFile& file, TensorTable* table) {
-  const std::string& fname = file.name();
-  if (file.size() < 8) {
+// Validates one file's bytes completely (header, every tensor's dtype size,
+// shape, bounds and overlap) and adds its tensors to `table`; their records
+// point at `file` (null for ParseSafetensors, which maps nothing).
+absl::Status IndexSafetensorsBytes(absl::string_view bytes, const std::string& fname,
+                                   const MappedFile* file, TensorTable* table) {
+  const uint8_t* const data = reinterpret_cast<const uint8_t*>(bytes.data());
+  if (bytes.size() < 8) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: file is %d bytes, too short for the 8-byte header length", fname, file.size()));
+        "%s: file is %d bytes, too short for the 8-byte header length", fname, bytes.size()));
   }
-  const uint64_t header_len = ReadLittleEndian64(file.data());
-  const uint64_t room = file.size() - 8;
+  const uint64_t header_len = ReadLittleEndian64(data);
+  const uint64_t room = bytes.size() - 8;
   if (header_len > room) {
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: header length %d exceeds the file (%d bytes after the length field)",
@@ -564,8 +566,8 @@ absl::Status IndexSafetensors(const MappedFile& file, TensorTable* table) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: header length %d is above the %d-byte limit", fname, header_len, kMaxHeaderBytes));
   }
-  const absl::string_view header_text(reinterpret_cast<const char*>(file.data()) + 8, header_len);
-  const uint8_t* buffer = file.data() + 8 + header_len;
+  const absl::string_view header_text(bytes.data() + 8, header_len);
+  const uint8_t* buffer = data + 8 + header_len;
   const uint64_t buffer_size = room - header_len;
 
   RA_ASSIGN_OR_RETURN(json header, ParseJson(header_text, fname, "header"));
@@ -599,7 +601,7 @@ absl::Status IndexSafetensors(const MappedFile& file, TensorTable* table) {
         return bad("data_offsets must be [begin, end] with non-negative integers");
       }
       TensorRecord rec;
-      rec.file = &file;
+      rec.file = file;
       rec.dtype = dtype_it->get<std::string>();
       const int elem = DtypeBytes(rec.dtype);
       if (elem == 0) return bad(absl::StrCat("unknown dtype ", rec.dtype));
@@ -635,8 +637,9 @@ absl::Status IndexSafetensors(const MappedFile& file, TensorTable* table) {
       rec.num_bytes = static_cast<int64_t>(span);
       auto [slot, inserted] = table->emplace(name, std::move(rec));
       if (!inserted) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(fname, ": tensor ", name, " is also in ", slot->second.file->name()));
+        return absl::InvalidArgumentError(absl::StrCat(
+            fname, ": tensor ", name, " is also in ",
+            slot->second.file != nullptr ? slot->second.file->name() : fname));
       }
       if (span > 0) extents.push_back({begin, end, &slot->first});
     }
@@ -656,6 +659,11 @@ absl::Status IndexSafetensors(const MappedFile& file, TensorTable* table) {
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status IndexSafetensors(const MappedFile& file, TensorTable* table) {
+  const absl::string_view bytes(reinterpret_cast<const char*>(file.data()), file.size());
+  return IndexSafetensorsBytes(bytes, file.name(), &file, table);
 }
 
 // Exact binary16 -> binary32 (every f16 value, subnormals, inf and NaN
@@ -799,6 +807,25 @@ absl::StatusOr<WeightSource> OpenWeights(const std::string& dir) {
 }
 
 }  // namespace
+
+absl::StatusOr<std::vector<SafetensorsTensor>> ParseSafetensors(absl::string_view bytes,
+                                                                 absl::string_view file_name) {
+  TensorTable table;
+  RA_RETURN_IF_ERROR(IndexSafetensorsBytes(bytes, std::string(file_name), nullptr, &table));
+  const uint8_t* const data = reinterpret_cast<const uint8_t*>(bytes.data());
+  std::vector<SafetensorsTensor> out;
+  out.reserve(table.size());
+  for (auto& [name, rec] : table) {
+    SafetensorsTensor t;
+    t.name = name;
+    t.dtype = std::move(rec.dtype);
+    t.shape = std::move(rec.shape);
+    t.offset = static_cast<uint64_t>(rec.data - data);
+    t.num_bytes = rec.num_bytes;
+    out.push_back(std::move(t));
+  }
+  return out;
+}
 
 struct Model::Storage {
   std::vector<std::unique_ptr<MappedFile>> files;

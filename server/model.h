@@ -103,6 +103,23 @@ struct ModelConfig {
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
                                              absl::string_view file_name);
 
+// The tensors of one safetensors file, validated as Model::Load validates
+// every file it maps: header length within the file (and at most 100 MB),
+// header JSON, each tensor's dtype, shape and data_offsets inside the data
+// buffer with end - begin equal to the shape's bytes, no two tensors
+// overlapping. `bytes` is the whole file; InvalidArgument naming `file_name`
+// and the tensor otherwise. Sorted by name; `offset` is from the start of
+// `bytes`. Nothing is mapped or copied.
+struct SafetensorsTensor {
+  std::string name;
+  std::string dtype;  // "F32", "BF16", "I64", ...
+  Dims shape;
+  uint64_t offset = 0;
+  int64_t num_bytes = 0;
+};
+absl::StatusOr<std::vector<SafetensorsTensor>> ParseSafetensors(absl::string_view bytes,
+                                                                 absl::string_view file_name);
+
 // One attention layer's weights, Hugging Face layout: W [out, in] row-major.
 struct LayerWeights {
   ConstTensorView q_proj, k_proj, v_proj, o_proj;  // required
