@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "core/cpu.h"
@@ -597,16 +598,26 @@ float ExpSubMaxSum(float* x, int64_t n, float max) {
 float RowMax(const float* x, int64_t n) {
   int64_t i = 0;
   float m = x[0];
+  bool nan = false;
   if (n >= 8) {
     __m256 mv = _mm256_loadu_ps(x);
-    for (i = 8; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + i));
+    __m256 unordered = _mm256_cmp_ps(mv, mv, _CMP_UNORD_Q);
+    for (i = 8; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      mv = _mm256_max_ps(mv, v);
+    }
+    nan = _mm256_movemask_ps(unordered) != 0;
     __m128 lo = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
     lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
     lo = _mm_max_ss(lo, _mm_movehdup_ps(lo));
     m = _mm_cvtss_f32(lo);
   }
-  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
-  return m;
+  for (; i < n; ++i) {
+    nan |= std::isnan(x[i]);
+    m = x[i] > m ? x[i] : m;
+  }
+  return nan || std::isnan(m) ? std::numeric_limits<float>::quiet_NaN() : m;
 }
 
 void ScaleInPlace(float* x, int64_t n, float s) {

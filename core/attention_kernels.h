@@ -66,7 +66,8 @@ void SoftcapInPlace(float* x, int64_t n, float cap);
 // (finite). Accuracy ~2 ulp; arguments below -87 give 0.
 float ExpSubMaxSum(float* x, int64_t n, float max);
 
-// max over x[0..n), n >= 1.
+// max over x[0..n), n >= 1; NaN when any x[i] is NaN (a logit of inf - inf:
+// callers report overflow rather than exponentiate it).
 float RowMax(const float* x, int64_t n);
 
 // x[i] *= s
