@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/limits.h"
 
 namespace ropeattn {
 
@@ -47,7 +48,10 @@ Dims RowMajorStrides(absl::Span<const int64_t> dims) {
   int64_t s = 1;
   for (int i = static_cast<int>(dims.size()) - 1; i >= 0; --i) {
     strides[i] = s;
-    s *= dims[i];
+    // Saturating: past a zero dim the other dims are not bounded by any byte
+    // count ([0, 2^62, 128] holds no element), and no stride of an empty
+    // tensor is ever used.
+    s = SatMul(s, dims[i]);
   }
   return strides;
 }

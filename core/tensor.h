@@ -158,7 +158,8 @@ class Tensor {
 // the same dtype is a plain copy).
 absl::StatusOr<Tensor> CastTensor(const ConstTensorView& view, DType dtype);
 
-// Dense row-major strides for dims.
+// Dense row-major strides for dims (saturating at int64 max: only an empty
+// tensor can get there, and its strides are never used).
 Dims RowMajorStrides(absl::Span<const int64_t> dims);
 
 // --- Validation helpers: each returns InvalidArgument naming `name`. ---
