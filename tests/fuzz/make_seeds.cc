@@ -246,6 +246,17 @@ void EncodeSeeds() {
     op->set_inverse(true);
     Rope(op->mutable_rope(), "ntk", 2);
     Write(t, "rope-apply-offsets", r);
+    // Regression: an empty x whose other dims overflow int64 strides (UBSan).
+    {
+      v1::EncodeRequest e = r;
+      v1::Tensor* x = e.mutable_rope_apply()->mutable_x();
+      x->Clear();
+      x->set_dtype(v1::DTYPE_F32);
+      for (int64_t d : {int64_t{1}, int64_t{0}, int64_t{1} << 61, int64_t{8}}) x->add_shape(d);
+      e.mutable_rope_apply()->clear_offsets();
+      e.mutable_rope_apply()->add_offsets(0);
+      Write(t, "regression-rope-apply-empty-huge", e);
+    }
     op->clear_offsets();
     for (int64_t p = 0; p < 6; ++p) op->add_positions(p * 3);
     op->set_inverse(false);
@@ -443,6 +454,13 @@ void EmbedSeeds() {
   Write(t, "batch-bf16", r);
   r.set_token_ids(3, 256);
   Write(t, "id-past-vocab", r);
+  {  // regression: an empty [0, 2^62 + 1] batch overflowed the answer's strides (UBSan)
+    v1::EmbedRequest e;
+    e.set_model("demo");
+    e.add_shape(0);
+    e.add_shape((int64_t{1} << 62) + 1);
+    Write(t, "regression-empty-huge-shape", e);
+  }
   r.set_model("nope");
   Write(t, "unknown-model", r);
 }
