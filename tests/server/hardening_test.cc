@@ -4,6 +4,9 @@
 // names the field, then that the server still answers a valid call.
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <cstdlib>
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,6 +37,31 @@ v1::Tensor ZeroWire(v1::DType dtype, std::initializer_list<int64_t> dims) {
   }
   t.set_data(std::string(n * (dtype == v1::DTYPE_BF16 ? 2 : 4), '\0'));
   return t;
+}
+
+// A "Vm...:  N kB" line of /proc/self/status, in bytes (-1 if missing).
+int64_t ProcStatusBytes(const char* key) {
+  FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  int64_t kb = -1;
+  const size_t n = std::strlen(key);
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::strncmp(line, key, n) == 0) {
+      kb = std::strtoll(line + n, nullptr, 10);
+      break;
+    }
+  }
+  std::fclose(f);
+  return kb < 0 ? -1 : kb * 1024;
+}
+
+// Resets VmHWM to the current RSS (Linux: "5" to /proc/self/clear_refs).
+void ResetPeakRss() {
+  FILE* f = std::fopen("/proc/self/clear_refs", "w");
+  ASSERT_NE(f, nullptr);
+  std::fputs("5", f);
+  std::fclose(f);
 }
 
 class HardeningTest : public ::testing::Test {
@@ -117,7 +145,13 @@ TEST_F(HardeningTest, T5ManyHeadsFarOffsetsIsRefusedNotAllocated) {
     r.add_q_offsets(far);
     return r;
   };
-  grpc::Status st = Attend(request(4096, int64_t{1} << 30));
+  // 2^25 relative positions: under the landed server's cap on positions
+  // alone (2^26), which ignored the head count; x 4096 heads it allocated
+  // 2^37 floats and aborted with bad_alloc.
+  grpc::Status st = Attend(request(4096, int64_t{1} << 25));
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("heads 4096"));
+  st = Attend(request(4096, int64_t{1} << 30));
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
   EXPECT_THAT(st.error_message(), HasSubstr("heads 4096"));
   st = Attend(request(16, int64_t{1} << 23));
@@ -173,12 +207,21 @@ TEST_F(HardeningTest, EmbedAnswerAboveTheMessageLimitIsRefusedBeforeWork) {
   r.set_model("demo");
   // 2^20 ids x hidden 128 x 4 bytes = 512 MiB answer for a ~1 MiB request.
   for (int i = 0; i < (1 << 20); ++i) r.add_token_ids(i % 256);
+  // The server runs in this process: reset its peak RSS (VmHWM), then check
+  // the peak after the call. The landed server built the 512 MiB answer (and
+  // its serialized copy) before gRPC refused it: ~1 GiB of peak.
+  const int64_t rss_before = ProcStatusBytes("VmRSS:");
+  ResetPeakRss();
   grpc::ClientContext ctx;
   v1::EmbedResponse out;
   const grpc::Status st = stub_->Embed(&ctx, r, &out);
+  const int64_t peak = ProcStatusBytes("VmHWM:");
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
   EXPECT_THAT(st.error_message(), HasSubstr("embeddings [1048576 tokens, 128]"));
   EXPECT_THAT(st.error_message(), HasSubstr("--max_message_bytes"));
+  // The request itself (~3 MiB on the wire, parsed) and gRPC's buffers only.
+  EXPECT_LT(peak - rss_before, int64_t{64} << 20)
+      << "peak RSS grew by " << (peak - rss_before) / (1 << 20) << " MiB";
   ExpectServerStillWorks();
 }
 
@@ -265,7 +308,12 @@ TEST_F(HardeningTest, FloatParametersOutsideTheirRangeAreInvalid) {
   const float* c = reinterpret_cast<const float*>(out.cos().data().data());
   for (int i = 0; i < 4; ++i) EXPECT_TRUE(std::isfinite(c[i]));
 
+  const float* sn = reinterpret_cast<const float*>(out.sin().data().data());
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(std::isfinite(sn[i]));
+
+  // The landed server accepted this open, then failed every step.
   grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
   auto stream = stub_->Decode(&ctx);
   v1::DecodeRequest req;
   req.mutable_open()->mutable_spec()->set_heads(1);
@@ -273,7 +321,8 @@ TEST_F(HardeningTest, FloatParametersOutsideTheirRangeAreInvalid) {
   req.mutable_open()->mutable_spec()->set_scale(1e300);
   ASSERT_TRUE(stream->Write(req));
   v1::DecodeResponse resp;
-  EXPECT_FALSE(stream->Read(&resp));
+  EXPECT_FALSE(stream->Read(&resp)) << "opened: " << resp.DebugString();
+  stream->WritesDone();
   st = stream->Finish();
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(st.error_message(), HasSubstr("spec.scale"));
@@ -313,27 +362,35 @@ TEST_F(HardeningTest, ErrorMessagesQuoteOnlyAShortPrefixOfClientStrings) {
 // answers DEADLINE_EXCEEDED, and frees its worker for the next call.
 TEST(HardeningDeadlineTest, LongAttendStopsAtItsDeadline) {
   server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
   o.memory_budget_bytes = int64_t{2} << 30;
   auto server = StartTestServer(o);
   ASSERT_NE(server, nullptr);
   auto stub = TestStub(server->port());
+  // Small on the wire (8 MiB a tensor, received well inside the deadline),
+  // long to compute: 2^15 x 2^15 query-key pairs x 64, seconds of a core.
   v1::AttendRequest r;
-  r.mutable_spec()->set_heads(8);
-  r.mutable_spec()->set_head_dim(128);
-  constexpr int64_t kLen = 4096;
-  *r.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, kLen, 8, 128});
-  *r.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, kLen, 8, 128});
-  *r.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, kLen, 8, 128});
-  // Each is ~2e10 multiply-adds (most of a second of a core); twenty run to
-  // the end would keep both workers busy for seconds after the loop. Each
-  // stops within a tile of its 50 ms deadline instead.
-  for (int i = 0; i < 20; ++i) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(50)));
-    v1::AttendResponse out;
-    EXPECT_EQ(stub->Attend(&ctx, r, &out).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  r.mutable_spec()->set_heads(1);
+  r.mutable_spec()->set_head_dim(64);
+  constexpr int64_t kLen = 32768;
+  *r.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, kLen, 1, 64});
+  *r.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, kLen, 1, 64});
+  *r.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, kLen, 1, 64});
+  // The first starts on the only worker and stops within a tile of its
+  // 200 ms deadline; the second, past its deadline in the queue, never
+  // starts. Run to the end they would hold the worker for seconds.
+  std::vector<std::thread> calls;
+  for (int i = 0; i < 2; ++i) {
+    calls.emplace_back([&] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(200)));
+      v1::AttendResponse out;
+      EXPECT_EQ(stub->Attend(&ctx, r, &out).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+    });
   }
-  // A small call right after is not queued behind abandoned work.
+  for (auto& t : calls) t.join();
+  // A small call right after finds the worker free (the landed server kept
+  // it busy computing an abandoned answer, and this one timed out).
   v1::AttendRequest small;
   small.mutable_spec()->set_heads(1);
   small.mutable_spec()->set_head_dim(4);
@@ -341,7 +398,7 @@ TEST(HardeningDeadlineTest, LongAttendStopsAtItsDeadline) {
   *small.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, 1, 1, 4});
   *small.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, 1, 1, 4});
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
   v1::AttendResponse out;
   const grpc::Status st = stub->Attend(&ctx, small, &out);
   EXPECT_TRUE(st.ok()) << st.error_code() << " " << st.error_message();
