@@ -59,6 +59,13 @@ absl::Status ErrnoStatus(int err, absl::string_view what, absl::string_view path
       return absl::PermissionDeniedError(msg);
     case ENOMEM:
       return absl::ResourceExhaustedError(msg);
+    // The name itself is unusable (a shard named in an index can be anything
+    // without a '/'): a broken checkpoint, not a server fault.
+    case ENAMETOOLONG:
+    case ELOOP:
+    case EISDIR:
+    case EINVAL:
+      return absl::InvalidArgumentError(msg);
     default:
       return absl::InternalError(msg);
   }
