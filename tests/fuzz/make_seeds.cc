@@ -515,6 +515,10 @@ void SafetensorsSeeds() {
   truncated.resize(truncated.size() - 5);
   Write(t, "truncated", truncated);
   Write(t, "index", TinyIndex());
+  // Regression: a shard name past NAME_MAX made Load answer INTERNAL.
+  Write(t, "regression-index-long-shard-name",
+        absl::StrCat(R"({"weight_map":{"model.embed_tokens.weight":")", std::string(300, 'x'),
+                     R"(.safetensors"}})"));
 }
 
 }  // namespace
