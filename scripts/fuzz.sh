@@ -46,7 +46,7 @@ for t in "${targets[@]}"; do
       -rss_limit_mb=4096 -malloc_limit_mb=1024 -print_final_stats=1 \
       -artifact_prefix="$artifacts/$t-" "${extra[@]}" "$scratch/corpus" "tests/fuzz/corpus/$t" \
       >"$log" 2>&1 < /dev/null; then
-    grep -E "^#[0-9]+ +DONE" "$log" | tail -1 || true
+    grep -E "^#[0-9]+[[:space:]]+DONE" "$log" | tail -1 || true
     passed=$((passed + 1))
   else
     tail -n 60 "$log"
