@@ -69,23 +69,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const server::ModelRegistry& models = DemoRegistry();
   static server::MemoryBudget budget(kBudgetBytes);
 
-  absl::StatusOr<server::Cost> cost = request.has_layer()
-                                          ? server::PriceLayerAttend(models, request, kThreads)
-                                          : server::PriceAttend(request, kThreads);
-  if (!cost.ok()) {
-    CheckRefusal(cost.status());
-    return 0;
-  }
-  if (absl::Status st = server::CheckCost(*cost, FuzzLimits(), "Attend"); !st.ok()) {
-    CheckCostRefusal(st);
-    return 0;
-  }
-  absl::StatusOr<server::MemoryBudget::Reservation> held =
-      budget.Reserve(cost->transient_bytes, "this Attend request");
-  if (!held.ok()) {
-    CheckCostRefusal(held.status());
-    return 0;
-  }
+  const std::optional<Admitted> admitted =
+      Admit(request.has_layer() ? server::PriceLayerAttend(models, request, kThreads)
+                                : server::PriceAttend(request, kThreads),
+            "Attend", budget);
+  if (!admitted) return 0;
+  const server::Cost* cost = &admitted->cost;
   v1::AttendResponse response;
   HeapMeter::Start();
   const server::ComputeOptions options{kThreads, nullptr};

@@ -28,21 +28,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const server::ModelRegistry& models = DemoRegistry();
   static server::MemoryBudget budget(kBudgetBytes);
 
-  absl::StatusOr<server::Cost> cost = server::PriceEmbed(models, request);
-  if (!cost.ok()) {
-    CheckRefusal(cost.status());
-    return 0;
-  }
-  if (absl::Status st = server::CheckCost(*cost, FuzzLimits(), "Embed"); !st.ok()) {
-    CheckCostRefusal(st);
-    return 0;
-  }
-  absl::StatusOr<server::MemoryBudget::Reservation> held =
-      budget.Reserve(cost->transient_bytes, "this Embed request");
-  if (!held.ok()) {
-    CheckCostRefusal(held.status());
-    return 0;
-  }
+  const std::optional<Admitted> admitted =
+      Admit(server::PriceEmbed(models, request), "Embed", budget);
+  if (!admitted) return 0;
+  const server::Cost* cost = &admitted->cost;
   v1::EmbedResponse response;
   HeapMeter::Start();
   const absl::Status status = server::RunEmbed(models, request, &response);

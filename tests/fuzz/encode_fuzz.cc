@@ -96,21 +96,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!request.ParseFromArray(data, static_cast<int>(size))) return -1;
   static server::MemoryBudget budget(kBudgetBytes);
 
-  absl::StatusOr<server::Cost> cost = server::PriceEncode(request);
-  if (!cost.ok()) {
-    CheckRefusal(cost.status());
-    return 0;
-  }
-  if (absl::Status st = server::CheckCost(*cost, FuzzLimits(), "Encode"); !st.ok()) {
-    CheckCostRefusal(st);
-    return 0;
-  }
-  absl::StatusOr<server::MemoryBudget::Reservation> held =
-      budget.Reserve(cost->transient_bytes, "this Encode request");
-  if (!held.ok()) {
-    CheckCostRefusal(held.status());
-    return 0;
-  }
+  const std::optional<Admitted> admitted =
+      Admit(server::PriceEncode(request), "Encode", budget);
+  if (!admitted) return 0;
+  const server::Cost* cost = &admitted->cost;
   v1::EncodeResponse response;
   HeapMeter::Start();
   const absl::Status status =

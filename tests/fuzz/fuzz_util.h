@@ -14,7 +14,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "google/protobuf/stubs/logging.h"
@@ -108,6 +110,32 @@ inline void CheckCostRefusal(const absl::Status& s) {
 
 // A wire tensor in an answer: a known dtype, non-negative dims, exactly
 // product(shape) * dtype size bytes, every element finite.
+// What the server does before Run: the price (a refusal is checked), the
+// limits (a refusal must be RESOURCE_EXHAUSTED), then the transient bytes
+// reserved from `budget`. nullopt: refused, nothing to run.
+struct Admitted {
+  server::Cost cost;
+  server::MemoryBudget::Reservation held;
+};
+inline std::optional<Admitted> Admit(const absl::StatusOr<server::Cost>& cost,
+                                     const char* method, server::MemoryBudget& budget) {
+  if (!cost.ok()) {
+    CheckRefusal(cost.status());
+    return std::nullopt;
+  }
+  if (absl::Status st = server::CheckCost(*cost, FuzzLimits(), method); !st.ok()) {
+    CheckCostRefusal(st);
+    return std::nullopt;
+  }
+  absl::StatusOr<server::MemoryBudget::Reservation> held =
+      budget.Reserve(cost->transient_bytes, std::string("this ") + method + " request");
+  if (!held.ok()) {
+    CheckCostRefusal(held.status());
+    return std::nullopt;
+  }
+  return Admitted{*cost, *std::move(held)};
+}
+
 inline void CheckAnswerTensor(const v1::Tensor& t, const char* name) {
   if (t.ByteSizeLong() == 0) return;  // unset
   FUZZ_CHECK(t.dtype() == v1::DTYPE_F32 || t.dtype() == v1::DTYPE_BF16, name);
