@@ -108,8 +108,6 @@ inline void CheckCostRefusal(const absl::Status& s) {
   FUZZ_CHECK(s.code() == absl::StatusCode::kResourceExhausted, Describe(s));
 }
 
-// A wire tensor in an answer: a known dtype, non-negative dims, exactly
-// product(shape) * dtype size bytes, every element finite.
 // What the server does before Run: the price (a refusal is checked), the
 // limits (a refusal must be RESOURCE_EXHAUSTED), then the transient bytes
 // reserved from `budget`. nullopt: refused, nothing to run.
@@ -136,6 +134,8 @@ inline std::optional<Admitted> Admit(const absl::StatusOr<server::Cost>& cost,
   return Admitted{*cost, *std::move(held)};
 }
 
+// A wire tensor in an answer: a known dtype, non-negative dims, exactly
+// product(shape) * dtype size bytes, every element finite.
 inline void CheckAnswerTensor(const v1::Tensor& t, const char* name) {
   if (t.ByteSizeLong() == 0) return;  // unset
   FUZZ_CHECK(t.dtype() == v1::DTYPE_F32 || t.dtype() == v1::DTYPE_BF16, name);
