@@ -43,7 +43,8 @@ absl::StatusOr<int64_t> RaiseFdLimitToHard();
 // The current RLIMIT_NOFILE soft limit (INT64_MAX when unlimited).
 absl::StatusOr<int64_t> FdSoftLimit();
 // The connection cap for a requested `max_connections`: itself when > 0;
-// for 0, the fd soft limit minus kFdReserve, at least kMinDerivedConnections.
+// for 0, the fd soft limit minus kFdReserve minus the fds open now (own or
+// inherited), at least kMinDerivedConnections.
 // InvalidArgument when negative.
 absl::StatusOr<int> ResolveMaxConnections(int max_connections);
 

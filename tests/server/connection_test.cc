@@ -15,6 +15,7 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -190,11 +191,29 @@ TEST(ListenerTest, AddressesAndOptions) {
   }
   EXPECT_EQ(server::Listener::Listen("127.0.0.1:0", -1).status().code(),
             absl::StatusCode::kInvalidArgument);
-  // 0 derives the cap from the fd limit, with a floor.
+  // 0 derives the cap from the fd limit less a reserve and less the fds
+  // already open (100 more open fds: 100 fewer connections), with a floor.
   const int64_t soft = server::FdSoftLimit().value();
   const int derived = server::ResolveMaxConnections(0).value();
-  EXPECT_EQ(derived, std::max<int64_t>(server::kMinDerivedConnections,
-                                       std::min<int64_t>(INT32_MAX, soft - server::kFdReserve)));
+  EXPECT_LE(derived, std::max<int64_t>(server::kMinDerivedConnections,
+                                       std::min<int64_t>(INT32_MAX, soft - server::kFdReserve - 3)));
+  {
+    // Under a soft limit of 1024 (restored after), far from the floor.
+    rlimit saved{};
+    ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+    ASSERT_GE(saved.rlim_max, 1024u);
+    rlimit small = saved;
+    small.rlim_cur = 1024;
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &small), 0);
+    const int before = server::ResolveMaxConnections(0).value();
+    std::vector<int> held;
+    for (int i = 0; i < 100; ++i) held.push_back(open("/dev/null", O_RDONLY | O_CLOEXEC));
+    const int with_held = server::ResolveMaxConnections(0).value();
+    for (int fd : held) close(fd);
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+    EXPECT_LE(before, 1024 - server::kFdReserve - 3);  // stdio at least
+    EXPECT_EQ(with_held, before - 100);
+  }
   EXPECT_EQ(server::ResolveMaxConnections(5).value(), 5);
   auto listener = server::Listener::Listen("127.0.0.1:0", 0);
   ASSERT_TRUE(listener.ok()) << listener.status();
@@ -230,8 +249,9 @@ class ServerProcess {
       const rlimit lim{static_cast<rlim_t>(fd_limit), static_cast<rlim_t>(fd_limit)};
       if (setrlimit(RLIMIT_NOFILE, &lim) != 0) _exit(126);
       dup2(out_pipe[1], STDOUT_FILENO);
-      close(out_pipe[0]);
-      close(out_pipe[1]);
+      // Only stdio: fds the test runner left open (CI harnesses do) would
+      // count against the 128 and shift every number below.
+      close_range(3, ~0U, 0);
       execv(ROPEATTN_SERVER_PATH, argv.data());
       _exit(127);
     }
