@@ -9,6 +9,9 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libmicrohttpd-dev nlohmann-json3-dev libyaml-cpp-dev
+  # TLS: the server checks that a certificate and its key belong together
+  # (libcrypto); tests make their certificates with the openssl command.
+  libssl-dev openssl
   # Fuzzing (scripts/fuzz.sh): clang, its libFuzzer / ASan / UBSan runtimes,
   # and its OpenMP runtime.
   clang-14 libclang-rt-14-dev libomp-14-dev
