@@ -1,7 +1,14 @@
 // Structural checks of the Kubernetes manifests in deploy/k8s: the properties
 // the deployment relies on (probes, resources derived from the flags, the
 // drain arithmetic, security context, ports, session-aware routing in Envoy,
-// a complete kustomization). Each check is a function returning the list of
+// a complete kustomization) and its security (docs/security.md): TLS from
+// callers to Envoy and mutual TLS from Envoy to the pods with certificates
+// reloaded from mounted Secrets, the pods' TLS and token flags naming
+// mounted Secret keys, exec probes that speak TLS, a NetworkPolicy that
+// admits the gRPC port from Envoy only and the metrics port from the
+// monitoring namespace only, no Service straight to the pods' gRPC port,
+// cert-manager Certificates behind every mounted Secret, and no token in the
+// repository. Each check is a function returning the list of
 // problems it found; the tests run them on the real manifests (no problems
 // expected) and on copies broken on purpose (the problem must be reported),
 // so a manifest edit that breaks a property fails the suite.
@@ -146,6 +153,8 @@ struct Manifests {
   std::map<std::string, YAML::Node> objects;      // "Kind/name" -> object
   YAML::Node envoy;                               // envoy.yaml (generator file)
   std::string envoy_configmap_name;
+  // Every file of Envoy's ConfigMap (envoy.yaml, the SDS files), by key.
+  std::map<std::string, YAML::Node> envoy_files;
 };
 
 std::string FirstEnvoyConfigFile(const YAML::Node& kustomization, std::string* configmap_name) {
@@ -209,6 +218,24 @@ const Manifests& Load() {
     if (!envoy_file.empty() && fs::exists(dir / envoy_file)) {
       out->envoy.reset(YAML::LoadFile((dir / envoy_file).string()));
     }
+    const YAML::Node gens = Get(out->kustomization, {"configMapGenerator"});
+    if (gens.IsDefined() && gens.IsSequence()) {
+      for (const YAML::Node& g : gens) {
+        if (Str(Get(g, {"name"})) != out->envoy_configmap_name) continue;
+        const YAML::Node files = Get(g, {"files"});
+        if (!files.IsDefined() || !files.IsSequence()) continue;
+        for (const YAML::Node& f : files) {
+          std::string key = Str(f), file = Str(f);
+          if (const size_t eq = file.find('='); eq != std::string::npos) {
+            key = file.substr(0, eq);
+            file = file.substr(eq + 1);
+          } else {
+            key = fs::path(file).filename().string();
+          }
+          if (fs::exists(dir / file)) out->envoy_files[key].reset(YAML::LoadFile((dir / file).string()));
+        }
+      }
+    }
     return out;
   }();
   return *m;
@@ -222,7 +249,14 @@ YAML::Node Object(const std::string& kind_name) {
 
 YAML::Node ServerDeployment() { return Object("Deployment/ropeattn"); }
 YAML::Node HeadlessService() { return Object("Service/ropeattn-headless"); }
-YAML::Node ClusterIpService() { return Object("Service/ropeattn"); }
+std::vector<YAML::Node> ObjectsOfKind(const std::string& kind) {
+  std::vector<YAML::Node> out;
+  for (const auto& [key, obj] : Load().objects) {
+    if (key.rfind(kind + "/", 0) == 0) out.push_back(YAML::Clone(obj));
+  }
+  return out;
+}
+YAML::Node EnvoyDeployment() { return Object("Deployment/ropeattn-envoy"); }
 YAML::Node EnvoyConfig() { return YAML::Clone(Load().envoy); }
 
 // ---------------------------------------------------------------------------
@@ -292,6 +326,115 @@ std::optional<double> PreStopSleep(const YAML::Node& container) {
   return std::nullopt;
 }
 
+// Flags of a command line from index `from` on: "--name=value" or
+// "--name value"; a "--name" followed by another flag (or last) is "true".
+std::map<std::string, std::string> CommandFlags(const YAML::Node& cmd, size_t from) {
+  std::map<std::string, std::string> flags;
+  if (!cmd.IsDefined() || !cmd.IsSequence()) return flags;
+  for (size_t i = from; i < cmd.size(); ++i) {
+    const std::string s = Str(cmd[i]);
+    if (s.rfind("--", 0) != 0) continue;
+    const size_t eq = s.find('=');
+    if (eq != std::string::npos) {
+      flags[s.substr(2, eq - 2)] = s.substr(eq + 1);
+    } else if (i + 1 < cmd.size() && Str(cmd[i + 1]).rfind("--", 0) != 0) {
+      flags[s.substr(2)] = Str(cmd[i + 1]);
+      ++i;
+    } else {
+      flags[s.substr(2)] = "true";
+    }
+  }
+  return flags;
+}
+
+std::string Basename(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+// A file a container reads from a mounted volume.
+struct MountedFile {
+  std::string mount_path;   // the volumeMount's mountPath
+  YAML::Node volume;        // the pod volume it mounts
+  std::string secret;       // volume.secret.secretName, "" if not a Secret
+  std::string configmap;    // volume.configMap.name, "" if not a ConfigMap
+  std::string key;          // the Secret / ConfigMap key the file is
+  bool sub_path = false;    // mounted with subPath (never updated)
+};
+
+// The volume mount of `container` (in pod spec `pod`) that holds `file` (an
+// absolute path): the mount with the longest mountPath that is a parent of
+// it. nullopt if no mount holds it.
+std::optional<MountedFile> MountOf(const YAML::Node& pod, const YAML::Node& container,
+                                   const std::string& file) {
+  std::optional<MountedFile> best;
+  const YAML::Node mounts = Get(container, {"volumeMounts"});
+  if (!mounts.IsDefined() || !mounts.IsSequence()) return best;
+  for (const YAML::Node& m : mounts) {
+    std::string path = Str(Get(m, {"mountPath"}));
+    while (path.size() > 1 && path.back() == '/') path.pop_back();
+    const std::string sub_path = Str(Get(m, {"subPath"}));
+    // A single file mounted with subPath: the mountPath is the file.
+    const bool the_file = !sub_path.empty() && path == file;
+    if (!the_file && (path.empty() || file.size() <= path.size() + 1 || file.compare(0, path.size(), path) != 0 ||
+                      file[path.size()] != '/')) {
+      continue;
+    }
+    if (best && best->mount_path.size() >= path.size()) continue;
+    MountedFile mf;
+    mf.mount_path = path;
+    mf.volume.reset(FindBy(Get(pod, {"volumes"}), "name", Str(Get(m, {"name"}))));
+    mf.secret = Str(Get(mf.volume, {"secret", "secretName"}));
+    mf.configmap = Str(Get(mf.volume, {"configMap", "name"}));
+    mf.sub_path = Get(m, {"subPath"}).IsDefined() || Get(m, {"subPathExpr"}).IsDefined();
+    const std::string rel = the_file ? sub_path : file.substr(path.size() + 1);
+    // With items, the file is an item's path and its key the item's key.
+    const YAML::Node items = Get(mf.volume, {mf.secret.empty() ? "configMap" : "secret", "items"});
+    if (items.IsDefined() && items.IsSequence()) {
+      for (const YAML::Node& it : items) {
+        if (Str(Get(it, {"path"})) == rel) mf.key = Str(Get(it, {"key"}));
+      }
+    } else if (rel.find('/') == std::string::npos) {
+      mf.key = rel;
+    }
+    best = mf;
+  }
+  return best;
+}
+
+// Problems with a file that must come from key `want_key` of a mounted
+// Secret that is updated in place (whole-volume mount, no subPath). `what`
+// names the file in messages. Sets *secret to the Secret's name.
+Problems CheckSecretFile(const YAML::Node& pod, const YAML::Node& container, const std::string& what,
+                         const std::string& file, const std::string& want_key,
+                         std::string* secret = nullptr) {
+  if (file.empty() || file[0] != '/') return {what + " must be an absolute path, got \"" + file + "\""};
+  const auto m = MountOf(pod, container, file);
+  if (!m) return {what + " " + file + " is not under any volumeMount"};
+  Problems p;
+  if (m->secret.empty()) p.push_back(what + " " + file + " is not in a mounted Secret");
+  if (m->sub_path) p.push_back(what + " " + file + " is mounted with subPath (never updated: rotation stops)");
+  if (m->key.empty()) {
+    p.push_back(what + " " + file + " is no key of the volume mounted at " + m->mount_path);
+  } else if (!want_key.empty() && m->key != want_key) {
+    p.push_back(what + " " + file + " is key " + m->key + " of Secret " + m->secret + ", want " + want_key);
+  }
+  if (secret != nullptr) *secret = m->secret;
+  return p;
+}
+
+// The server's TLS and auth flags, the Secret key each must be, and the
+// Secret each is expected in ("" = any).
+struct SecretFlag {
+  const char* flag;
+  const char* key;
+};
+constexpr SecretFlag kServerSecretFlags[] = {{"tls_cert_file", "tls.crt"},
+                                             {"tls_key_file", "tls.key"},
+                                             {"tls_client_ca_file", "ca.crt"},
+                                             {"auth_tokens_file", "tokens"}};
+constexpr char kTokensSecret[] = "ropeattn-auth-tokens";
+
 Problems CheckServerDeployment(const YAML::Node& deployment) {
   Problems p;
   if (!deployment.IsDefined()) return {"no Deployment named ropeattn"};
@@ -331,7 +474,11 @@ Problems CheckServerDeployment(const YAML::Node& deployment) {
                 std::to_string(PortOf(defaults.metrics_address)));
   }
 
-  // Probes.
+  // Probes: the kubelet's grpc: probe speaks plaintext only, so with TLS
+  // on (--tls_cert_file) each probe must be an exec of the image's CLI,
+  // `ropeattn health`, with TLS (and a client certificate under mTLS).
+  const bool server_tls = flags.count("tls_cert_file") > 0;
+  const bool server_mtls = flags.count("tls_client_ca_file") > 0;
   const auto probe_problem = [&](const std::string& kind, const std::string& want_service) {
     const YAML::Node probe = Get(c, {kind});
     if (!probe.IsDefined()) {
@@ -339,16 +486,66 @@ Problems CheckServerDeployment(const YAML::Node& deployment) {
       return;
     }
     const YAML::Node grpc = Get(probe, {"grpc"});
-    if (!grpc.IsDefined()) {
-      p.push_back(kind + " is not a gRPC probe");
+    const YAML::Node cmd = Get(probe, {"exec", "command"});
+    int port = -1;
+    std::string service;
+    if (grpc.IsDefined()) {
+      if (server_tls) {
+        p.push_back(kind + " is a grpc: probe, which cannot speak TLS (use exec: ropeattn health)");
+      }
+      port = static_cast<int>(Num(Get(grpc, {"port"})).value_or(-1));
+      service = Str(Get(grpc, {"service"}));  // absent == ""
+    } else if (cmd.IsDefined() && cmd.IsSequence() && cmd.size() >= 2 &&
+               Basename(Str(cmd[0])) == "ropeattn" && Str(cmd[1]) == "health") {
+      const auto probe_flags = CommandFlags(cmd, 2);
+      const auto flag = [&](const std::string& name, const std::string& fallback) {
+        const auto it = probe_flags.find(name);
+        return it == probe_flags.end() ? fallback : it->second;
+      };
+      const std::string target = flag("target", "127.0.0.1:50051");  // the CLI's default
+      port = PortOf(target);
+      const std::string host = target.substr(0, target.rfind(':'));
+      if (host != "127.0.0.1" && host != "localhost") {
+        p.push_back(kind + " --target " + target + " is not this pod's loopback");
+      }
+      service = flag("service", "");
+      if (server_tls) {
+        const std::string ca = flag("tls_ca_file", "");
+        if (ca.empty()) {
+          p.push_back(kind + " does not verify the server's certificate (--tls_ca_file)");
+        } else {
+          for (std::string& s : CheckSecretFile(pod, c, kind + " --tls_ca_file", ca, "ca.crt")) p.push_back(s);
+        }
+      }
+      if (server_mtls) {
+        const std::string cert = flag("tls_cert_file", "");
+        const std::string key = flag("tls_key_file", "");
+        if (cert.empty() || key.empty()) {
+          p.push_back(kind + " presents no client certificate (--tls_cert_file, --tls_key_file), which "
+                      "--tls_client_ca_file requires");
+        } else {
+          for (std::string& s : CheckSecretFile(pod, c, kind + " --tls_cert_file", cert, "tls.crt")) p.push_back(s);
+          for (std::string& s : CheckSecretFile(pod, c, kind + " --tls_key_file", key, "tls.key")) p.push_back(s);
+        }
+      }
+      if (probe_flags.count("token") > 0) {
+        p.push_back(kind + " passes --token: health needs none, and a command line is visible to all");
+      }
+      // The CLI's own deadline (default 30 s) must end before the kubelet's
+      // timeout, so a hung server is an answer, not a killed probe.
+      const double deadline = std::atof(flag("deadline_seconds", "30").c_str());
+      const double timeout = Num(Get(probe, {"timeoutSeconds"})).value_or(1);
+      if (!(deadline > 0 && deadline < timeout)) {
+        p.push_back(kind + " --deadline_seconds " + flag("deadline_seconds", "30") +
+                    " must be > 0 and below timeoutSeconds " + std::to_string(timeout));
+      }
+    } else {
+      p.push_back(kind + " is not a gRPC health probe (grpc:, or exec: ropeattn health)");
       return;
     }
-    const auto port = Num(Get(grpc, {"port"}));
-    if (!port || static_cast<int>(*port) != grpc_port) {
-      p.push_back(kind + " port " + Str(Get(grpc, {"port"}), "(none)") + " != gRPC port " +
-                  std::to_string(grpc_port));
+    if (port != grpc_port) {
+      p.push_back(kind + " port " + std::to_string(port) + " != gRPC port " + std::to_string(grpc_port));
     }
-    const std::string service = Str(Get(grpc, {"service"}));  // absent == ""
     if (service != want_service) {
       p.push_back(kind + " service \"" + service + "\", want \"" + want_service + "\"");
     }
@@ -356,6 +553,33 @@ Problems CheckServerDeployment(const YAML::Node& deployment) {
   probe_problem("startupProbe", "");
   probe_problem("livenessProbe", "");
   probe_problem("readinessProbe", kServiceName);
+
+  // TLS and authentication: every flag names a key of a mounted Secret
+  // (updated in place on rotation), tokens need TLS.
+  for (const SecretFlag& f : kServerSecretFlags) {
+    const auto it = flags.find(f.flag);
+    if (it == flags.end()) {
+      p.push_back(std::string("args lack --") + f.flag);
+      continue;
+    }
+    std::string secret;
+    for (std::string& s : CheckSecretFile(pod, c, std::string("--") + f.flag, it->second, f.key, &secret)) {
+      p.push_back(s);
+    }
+    if (std::string(f.flag) == "auth_tokens_file" && !secret.empty() && secret != kTokensSecret) {
+      p.push_back("--auth_tokens_file is in Secret " + secret + ", want " + kTokensSecret);
+    }
+  }
+  {
+    if (flags.count("tls_cert_file") && flags.count("tls_key_file")) {
+      const auto cm = MountOf(pod, c, flags.at("tls_cert_file"));
+      const auto km = MountOf(pod, c, flags.at("tls_key_file"));
+      if (cm && km && cm->secret != km->secret) {
+        p.push_back("--tls_cert_file and --tls_key_file come from different Secrets (" + cm->secret + ", " +
+                    km->secret + "): a rotation would pair a new certificate with an old key");
+      }
+    }
+  }
 
   // Drain arithmetic.
   const double grace = FlagDouble(flags, "shutdown_grace_seconds", defaults.shutdown_grace_seconds);
@@ -479,40 +703,40 @@ bool ServiceReachesGrpc(const YAML::Node& svc, const YAML::Node& deployment, int
   return false;
 }
 
-Problems CheckServices(const YAML::Node& cluster_ip, const YAML::Node& headless,
-                       const YAML::Node& deployment) {
+// Every Service that selects the server pods. Only the headless one may
+// reach their gRPC port (for Envoy, which the NetworkPolicy alone admits):
+// no Service sends callers straight to the pods.
+Problems CheckServices(const std::vector<YAML::Node>& services, const YAML::Node& deployment) {
   Problems p;
-  int port = -1;
-  if (!cluster_ip.IsDefined()) {
-    p.push_back("no Service ropeattn");
-  } else {
-    const std::string type = Str(Get(cluster_ip, {"spec", "type"}), "ClusterIP");
-    if (type != "ClusterIP") p.push_back("Service ropeattn type " + type + ", want ClusterIP");
-    if (Str(Get(cluster_ip, {"spec", "clusterIP"})) == "None") {
-      p.push_back("Service ropeattn must not be headless");
-    }
-    if (!SelectorMatchesPods(Get(cluster_ip, {"spec", "selector"}), deployment)) {
-      p.push_back("Service ropeattn selector does not match the server pods");
-    }
-    if (!ServiceReachesGrpc(cluster_ip, deployment, &port)) {
-      p.push_back("Service ropeattn has no port to the gRPC container port");
+  YAML::Node headless(YAML::NodeType::Undefined);
+  for (const YAML::Node& svc : services) {
+    const std::string name = Str(Get(svc, {"metadata", "name"}));
+    if (name == "ropeattn-headless") headless.reset(svc);
+    if (!SelectorMatchesPods(Get(svc, {"spec", "selector"}), deployment)) continue;
+    int port = -1;
+    if (name != "ropeattn-headless" && ServiceReachesGrpc(svc, deployment, &port)) {
+      p.push_back("Service " + name + " sends callers straight to the pods' gRPC port (" +
+                  std::to_string(port) + "); only ropeattn-headless may, for Envoy");
     }
   }
   if (!headless.IsDefined()) {
     p.push_back("no Service ropeattn-headless");
-  } else {
-    if (Str(Get(headless, {"spec", "clusterIP"})) != "None") {
-      p.push_back("Service ropeattn-headless must have clusterIP: None");
-    }
-    if (IsTrue(Get(headless, {"spec", "publishNotReadyAddresses"}))) {
-      p.push_back("headless Service must not publish not-ready pods (draining pods stay on the ring)");
-    }
-    if (!SelectorMatchesPods(Get(headless, {"spec", "selector"}), deployment)) {
-      p.push_back("Service ropeattn-headless selector does not match the server pods");
-    }
-    if (!ServiceReachesGrpc(headless, deployment, &port)) {
-      p.push_back("Service ropeattn-headless has no port to the gRPC container port");
-    }
+    return p;
+  }
+  if (Str(Get(headless, {"spec", "clusterIP"})) != "None") {
+    p.push_back("Service ropeattn-headless must have clusterIP: None");
+  }
+  const std::string type = Str(Get(headless, {"spec", "type"}), "ClusterIP");
+  if (type != "ClusterIP") p.push_back("Service ropeattn-headless type " + type + ", want ClusterIP (headless)");
+  if (IsTrue(Get(headless, {"spec", "publishNotReadyAddresses"}))) {
+    p.push_back("headless Service must not publish not-ready pods (draining pods stay on the ring)");
+  }
+  if (!SelectorMatchesPods(Get(headless, {"spec", "selector"}), deployment)) {
+    p.push_back("Service ropeattn-headless selector does not match the server pods");
+  }
+  int port = -1;
+  if (!ServiceReachesGrpc(headless, deployment, &port)) {
+    p.push_back("Service ropeattn-headless has no port to the gRPC container port");
   }
   return p;
 }
@@ -549,6 +773,138 @@ Problems CheckHpaAndPdb(const YAML::Node& hpa, const YAML::Node& pdb, const YAML
     if (!(max_unavailable && *max_unavailable == 1) && !(min_available && *min_available >= 1)) {
       p.push_back("PDB needs maxUnavailable: 1 or minAvailable >= 1");
     }
+  }
+  return p;
+}
+
+// ---------------------------------------------------------------------------
+// NetworkPolicy.
+
+constexpr char kMonitoringNamespace[] = "monitoring";
+
+// Whether a LabelSelector selects the pods of `deployment`. An empty
+// selector ({}) selects every pod; matchExpressions are not evaluated and
+// count as "does not select" (the checks below then report the rule).
+bool LabelSelectorSelects(const YAML::Node& selector, const YAML::Node& deployment) {
+  if (!selector.IsDefined()) return false;
+  if (Get(selector, {"matchExpressions"}).IsDefined()) return false;
+  const YAML::Node labels = Get(deployment, {"spec", "template", "metadata", "labels"});
+  const YAML::Node ml = Get(selector, {"matchLabels"});
+  if (!ml.IsDefined() || !ml.IsMap()) return true;
+  for (const auto& kv : ml) {
+    if (Str(Get(labels, {kv.first.Scalar()})) != Str(kv.second)) return false;
+  }
+  return true;
+}
+
+// A NetworkPolicyPeer: the Envoy pods of this namespace, the monitoring
+// namespace, or something else (described).
+enum class Peer { kEnvoy, kMonitoring, kOther };
+Peer ClassifyPeer(const YAML::Node& peer, const YAML::Node& server, const YAML::Node& envoy,
+                  std::string* what) {
+  const YAML::Node pods = Get(peer, {"podSelector"});
+  const YAML::Node ns = Get(peer, {"namespaceSelector"});
+  if (Get(peer, {"ipBlock"}).IsDefined()) {
+    *what = "an ipBlock";
+    return Peer::kOther;
+  }
+  if (ns.IsDefined()) {
+    const YAML::Node ml = Get(ns, {"matchLabels"});
+    const bool monitoring = !Get(ns, {"matchExpressions"}).IsDefined() && ml.IsDefined() && ml.IsMap() &&
+                            Str(Get(ml, {"kubernetes.io/metadata.name"})) == kMonitoringNamespace;
+    *what = monitoring ? "the monitoring namespace" : "a namespaceSelector other than the monitoring namespace";
+    return monitoring ? Peer::kMonitoring : Peer::kOther;
+  }
+  if (pods.IsDefined()) {
+    const bool only_envoy = Get(pods, {"matchLabels"}).IsDefined() && LabelSelectorSelects(pods, envoy) &&
+                            !LabelSelectorSelects(pods, server);
+    *what = only_envoy ? "the Envoy pods" : "a podSelector that is not the Envoy pods alone";
+    return only_envoy ? Peer::kEnvoy : Peer::kOther;
+  }
+  *what = "an empty peer";
+  return Peer::kOther;
+}
+
+// Ingress to the server pods: isolated (some policy selects them for
+// Ingress), the gRPC port admitted from the Envoy pods only, the metrics
+// port from the monitoring namespace only, no other port at all.
+Problems CheckNetworkPolicies(const std::vector<YAML::Node>& policies, const YAML::Node& server,
+                              const YAML::Node& envoy) {
+  Problems p;
+  const YAML::Node c = MainContainer(server);
+  const int grpc = ContainerPort(c, "grpc");
+  const int metrics = ContainerPort(c, "metrics");
+  bool isolated = false, grpc_from_envoy = false, metrics_from_monitoring = false;
+  for (const YAML::Node& np : policies) {
+    const std::string name = "NetworkPolicy " + Str(Get(np, {"metadata", "name"}));
+    if (!LabelSelectorSelects(Get(np, {"spec", "podSelector"}), server)) continue;
+    const YAML::Node types = Get(np, {"spec", "policyTypes"});
+    bool ingress_type = !types.IsDefined();  // absent: Ingress is implied
+    if (types.IsDefined() && types.IsSequence()) {
+      for (const YAML::Node& t : types) ingress_type |= Str(t) == "Ingress";
+    }
+    if (!ingress_type) continue;
+    isolated = true;
+    const YAML::Node rules = Get(np, {"spec", "ingress"});
+    if (!rules.IsDefined() || !rules.IsSequence()) continue;
+    for (const YAML::Node& rule : rules) {
+      // Ports the rule admits: all (no ports), or the listed TCP ports.
+      bool all_ports = false, grpc_admitted = false, metrics_admitted = false, other = false;
+      const YAML::Node ports = Get(rule, {"ports"});
+      if (!ports.IsDefined() || !ports.IsSequence() || ports.size() == 0) {
+        all_ports = true;
+      } else {
+        for (const YAML::Node& pe : ports) {
+          const YAML::Node port = Get(pe, {"port"});
+          if (!port.IsDefined() || Str(Get(pe, {"protocol"}), "TCP") != "TCP") {
+            other = true;
+            continue;
+          }
+          int lo = static_cast<int>(Num(port).value_or(-1));
+          if (lo < 0) lo = ContainerPort(c, Str(port));  // a named port
+          const int hi = static_cast<int>(Num(Get(pe, {"endPort"})).value_or(lo));
+          grpc_admitted |= lo <= grpc && grpc <= hi;
+          metrics_admitted |= lo <= metrics && metrics <= hi;
+          other |= lo < 0 || hi > lo || (lo != grpc && lo != metrics);
+        }
+      }
+      if (all_ports || other) p.push_back(name + " admits ports other than " + std::to_string(grpc) + " and " +
+                                          std::to_string(metrics) + " to the server pods");
+      grpc_admitted |= all_ports;
+      metrics_admitted |= all_ports;
+      std::vector<std::pair<Peer, std::string>> peers;
+      const YAML::Node from = Get(rule, {"from"});
+      if (!from.IsDefined() || !from.IsSequence() || from.size() == 0) {
+        peers.emplace_back(Peer::kOther, "every source (no from)");
+      } else {
+        for (const YAML::Node& peer : from) {
+          std::string what;
+          const Peer kind = ClassifyPeer(peer, server, envoy, &what);
+          peers.emplace_back(kind, what);
+        }
+      }
+      for (const auto& [kind, what] : peers) {
+        if (grpc_admitted) {
+          if (kind == Peer::kEnvoy) {
+            grpc_from_envoy = true;
+          } else {
+            p.push_back(name + " admits port " + std::to_string(grpc) + " from " + what);
+          }
+        }
+        if (metrics_admitted) {
+          if (kind == Peer::kMonitoring) {
+            metrics_from_monitoring = true;
+          } else {
+            p.push_back(name + " admits port " + std::to_string(metrics) + " from " + what);
+          }
+        }
+      }
+    }
+  }
+  if (!isolated) p.push_back("no NetworkPolicy selects the server pods for Ingress (every source admitted)");
+  if (!grpc_from_envoy) p.push_back("no NetworkPolicy admits port " + std::to_string(grpc) + " from the Envoy pods");
+  if (!metrics_from_monitoring) {
+    p.push_back("no NetworkPolicy admits port " + std::to_string(metrics) + " from the monitoring namespace");
   }
   return p;
 }
@@ -722,6 +1078,417 @@ Problems CheckEnvoy(const YAML::Node& envoy, const YAML::Node& headless, int lis
   return p;
 }
 
+// ---------------------------------------------------------------------------
+// Envoy's TLS: downstream TLS on the listener, upstream mutual TLS to the
+// pods, certificates through file-based SDS (reloaded on rotation) from
+// mounted Secrets, the caller's authorization header left alone.
+
+struct EnvoyTlsInputs {
+  YAML::Node envoy;                               // envoy.yaml
+  std::map<std::string, YAML::Node> files;        // ConfigMap keys -> content
+  YAML::Node deployment;                          // Deployment ropeattn-envoy
+  std::string configmap_name;
+};
+
+EnvoyTlsInputs RealEnvoyTlsInputs() {
+  EnvoyTlsInputs in;
+  in.envoy.reset(EnvoyConfig());
+  for (const auto& [k, v] : Load().envoy_files) in.files[k].reset(YAML::Clone(v));
+  in.deployment.reset(Object("Deployment/ropeattn-envoy"));
+  in.configmap_name = Load().envoy_configmap_name;
+  return in;
+}
+
+// The SDS Secret resource an SdsSecretConfig names, read from the file-based
+// SDS file in Envoy's ConfigMap; problems (prefixed by `what`) if it is not
+// file-based SDS, not in the mounted ConfigMap, or not that one resource.
+YAML::Node SdsResource(const EnvoyTlsInputs& in, const YAML::Node& sds, const std::string& what, Problems* p) {
+  const YAML::Node none(YAML::NodeType::Undefined);
+  const std::string name = Str(Get(sds, {"name"}));
+  const YAML::Node config = Get(sds, {"sds_config"});
+  if (!config.IsDefined()) {
+    p->push_back(what + " \"" + name + "\" is a static secret: read once, never reloaded (use file-based SDS)");
+    return none;
+  }
+  std::string path = Str(Get(config, {"path_config_source", "path"}));
+  if (path.empty()) path = Str(Get(config, {"path"}));
+  if (path.empty()) {
+    p->push_back(what + " \"" + name + "\" is not file-based SDS (sds_config.path_config_source.path)");
+    return none;
+  }
+  const YAML::Node pod = Get(in.deployment, {"spec", "template", "spec"});
+  const YAML::Node c = FindBy(Get(pod, {"containers"}), "name", "envoy");
+  const auto m = MountOf(pod, c, path);
+  if (!m || m->configmap != in.configmap_name || m->configmap.empty()) {
+    p->push_back(what + " SDS file " + path + " is not in Envoy's mounted ConfigMap " + in.configmap_name);
+    return none;
+  }
+  const auto it = in.files.find(m->key);
+  if (it == in.files.end()) {
+    p->push_back(what + " SDS file " + path + ": ConfigMap " + in.configmap_name + " has no key " + m->key);
+    return none;
+  }
+  const YAML::Node resources = Get(it->second, {"resources"});
+  if (!resources.IsDefined() || !resources.IsSequence() || resources.size() != 1) {
+    p->push_back(what + " SDS file " + m->key + " must hold exactly one resource");
+    return none;
+  }
+  const YAML::Node r = resources[0];
+  if (Str(Get(r, {"@type"})) != "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret") {
+    p->push_back(what + " SDS file " + m->key + " does not hold a tls.v3.Secret");
+  }
+  if (Str(Get(r, {"name"})) != name) {
+    p->push_back(what + " SDS file " + m->key + " names secret \"" + Str(Get(r, {"name"})) + "\", want \"" +
+                 name + "\" (Envoy rejects the update)");
+  }
+  return r;
+}
+
+// A file Envoy reads through SDS: in a mounted Secret as `key`; its watched
+// directory (if set) is the Secret's mount, where the kubelet's atomic swap
+// happens. Returns the Secret's name.
+std::string CheckEnvoySecretFile(const EnvoyTlsInputs& in, const std::string& what, const std::string& file,
+                                 const std::string& key, const YAML::Node& watched, Problems* p) {
+  const YAML::Node pod = Get(in.deployment, {"spec", "template", "spec"});
+  const YAML::Node c = FindBy(Get(pod, {"containers"}), "name", "envoy");
+  std::string secret;
+  for (std::string& s : CheckSecretFile(pod, c, what, file, key, &secret)) p->push_back(s);
+  const auto m = MountOf(pod, c, file);
+  const std::string dir = Str(Get(watched, {"path"}));
+  if (m && !dir.empty() && dir != m->mount_path) {
+    p->push_back(what + ": watched_directory " + dir + " is not the Secret's mount " + m->mount_path +
+                 " (the kubelet's atomic swap would go unseen)");
+  }
+  return secret;
+}
+
+// A TlsCertificate delivered by SDS: chain and key from one mounted Secret.
+void CheckSdsCertificate(const EnvoyTlsInputs& in, const YAML::Node& resource, const std::string& what,
+                         Problems* p) {
+  const YAML::Node cert = Get(resource, {"tls_certificate"});
+  if (!cert.IsDefined()) {
+    p->push_back(what + ": the SDS resource has no tls_certificate");
+    return;
+  }
+  const YAML::Node watched = Get(cert, {"watched_directory"});
+  const std::string a = CheckEnvoySecretFile(in, what + " certificate_chain",
+                                             Str(Get(cert, {"certificate_chain", "filename"})), "tls.crt", watched, p);
+  const std::string b = CheckEnvoySecretFile(in, what + " private_key",
+                                             Str(Get(cert, {"private_key", "filename"})), "tls.key", watched, p);
+  if (!a.empty() && !b.empty() && a != b) p->push_back(what + ": certificate and key from different Secrets");
+}
+
+// The certificates of a CommonTlsContext: at least one, each via file-based
+// SDS (inline tls_certificates are read once and never reloaded).
+void CheckTlsCertificates(const EnvoyTlsInputs& in, const YAML::Node& common, const std::string& what,
+                          Problems* p) {
+  if (Get(common, {"tls_certificates"}).IsDefined()) {
+    p->push_back(what + ": inline tls_certificates are read once, never reloaded (use file-based SDS)");
+  }
+  const YAML::Node sds = Get(common, {"tls_certificate_sds_secret_configs"});
+  if (!sds.IsDefined() || !sds.IsSequence() || sds.size() == 0) {
+    p->push_back(what + " has no certificate (tls_certificate_sds_secret_configs)");
+    return;
+  }
+  for (const YAML::Node& s : sds) {
+    const YAML::Node r = SdsResource(in, s, what, p);
+    if (r.IsDefined()) CheckSdsCertificate(in, r, what, p);
+  }
+}
+
+// The transport socket's typed_config if it is Envoy's TLS socket of `type`.
+YAML::Node TlsContext(const YAML::Node& holder, const std::string& type) {
+  const YAML::Node ts = Get(holder, {"transport_socket"});
+  if (Str(Get(ts, {"typed_config", "@type"})) != "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3." + type) {
+    return YAML::Node(YAML::NodeType::Undefined);
+  }
+  return Get(ts, {"typed_config"});
+}
+
+// Every header removal or addition that touches `authorization`, anywhere
+// in the config (route, virtual host, route config, filters).
+void FindAuthorizationEdits(const YAML::Node& n, const std::string& where, Problems* p) {
+  if (!n.IsDefined()) return;
+  const auto is_auth = [](std::string h) {
+    std::transform(h.begin(), h.end(), h.begin(), ::tolower);
+    return h == "authorization";
+  };
+  if (n.IsMap()) {
+    for (const auto& kv : n) {
+      const std::string key = kv.first.Scalar();
+      const YAML::Node v = kv.second;
+      if (key == "request_headers_to_remove" && v.IsSequence()) {
+        for (const YAML::Node& h : v) {
+          if (is_auth(Str(h))) p->push_back("Envoy removes the caller's authorization header (" + where + ")");
+        }
+      }
+      if (key == "request_headers_to_add" && v.IsSequence()) {
+        for (const YAML::Node& h : v) {
+          if (is_auth(Str(Get(h, {"header", "key"})))) {
+            p->push_back("Envoy rewrites the caller's authorization header (" + where + ")");
+          }
+        }
+      }
+      FindAuthorizationEdits(v, where.empty() ? key : where + "." + key, p);
+    }
+  } else if (n.IsSequence()) {
+    for (const YAML::Node& item : n) FindAuthorizationEdits(item, where, p);
+  }
+}
+
+// SAN matchers Envoy applies to the pods' certificate: (san_type, exact).
+std::vector<std::pair<std::string, std::string>> UpstreamSanMatchers(const EnvoyTlsInputs& in,
+                                                                     const std::string& cluster_name) {
+  std::vector<std::pair<std::string, std::string>> out;
+  const YAML::Node cluster = FindBy(Get(in.envoy, {"static_resources", "clusters"}), "name", cluster_name);
+  const YAML::Node common = Get(TlsContext(cluster, "UpstreamTlsContext"), {"common_tls_context"});
+  std::vector<YAML::Node> contexts = {Get(common, {"validation_context"}),
+                                      Get(common, {"combined_validation_context", "default_validation_context"})};
+  Problems ignored;
+  for (const YAML::Node& sds : {Get(common, {"validation_context_sds_secret_config"}),
+                                Get(common, {"combined_validation_context", "validation_context_sds_secret_config"})}) {
+    if (sds.IsDefined()) contexts.push_back(Get(SdsResource(in, sds, "", &ignored), {"validation_context"}));
+  }
+  for (const YAML::Node& vc : contexts) {
+    const YAML::Node ms = Get(vc, {"match_typed_subject_alt_names"});
+    if (!ms.IsDefined() || !ms.IsSequence()) continue;
+    for (const YAML::Node& m : ms) {
+      out.emplace_back(Str(Get(m, {"san_type"})), Str(Get(m, {"matcher", "exact"})));
+    }
+  }
+  return out;
+}
+
+Problems CheckEnvoyTls(const EnvoyTlsInputs& in, int listener_port, const std::string& cluster_name) {
+  Problems p;
+  // Downstream: every filter chain of the callers' listener is TLS.
+  const YAML::Node listener = ListenerOnPort(in.envoy, listener_port);
+  const YAML::Node chains = Get(listener, {"filter_chains"});
+  if (!chains.IsDefined() || !chains.IsSequence() || chains.size() == 0) {
+    p.push_back("no Envoy listener with filter chains on port " + std::to_string(listener_port));
+  } else {
+    for (const YAML::Node& chain : chains) {
+      const YAML::Node ctx = TlsContext(chain, "DownstreamTlsContext");
+      if (!ctx.IsDefined()) {
+        p.push_back("a filter chain of listener :" + std::to_string(listener_port) +
+                    " has no downstream TLS transport socket (callers' traffic in plaintext)");
+        continue;
+      }
+      CheckTlsCertificates(in, Get(ctx, {"common_tls_context"}), "downstream TLS", &p);
+    }
+  }
+  // Upstream: mutual TLS to the pods, the pods verified.
+  const YAML::Node cluster = FindBy(Get(in.envoy, {"static_resources", "clusters"}), "name", cluster_name);
+  const YAML::Node up = TlsContext(cluster, "UpstreamTlsContext");
+  if (!up.IsDefined()) {
+    p.push_back("cluster " + cluster_name + " has no upstream TLS transport socket (the pods require TLS)");
+  } else {
+    const YAML::Node common = Get(up, {"common_tls_context"});
+    CheckTlsCertificates(in, common, "upstream client certificate", &p);
+    // The trusted CA: file-based SDS (it rotates too).
+    YAML::Node sds = Get(common, {"combined_validation_context", "validation_context_sds_secret_config"});
+    if (!sds.IsDefined()) sds.reset(Get(common, {"validation_context_sds_secret_config"}));
+    if (Get(common, {"validation_context", "trusted_ca"}).IsDefined() ||
+        Get(common, {"combined_validation_context", "default_validation_context", "trusted_ca"}).IsDefined()) {
+      p.push_back("upstream validation context: an inline trusted_ca is read once, never reloaded (use SDS)");
+    }
+    if (!sds.IsDefined()) {
+      p.push_back("cluster " + cluster_name + " has no validation context for the pods' certificate");
+    } else {
+      const YAML::Node r = SdsResource(in, sds, "upstream validation context", &p);
+      const YAML::Node vc = Get(r, {"validation_context"});
+      if (r.IsDefined() && !Get(vc, {"trusted_ca", "filename"}).IsDefined()) {
+        p.push_back("upstream validation context has no trusted_ca file (the pods would not be verified)");
+      } else if (r.IsDefined()) {
+        CheckEnvoySecretFile(in, "upstream trusted_ca", Str(Get(vc, {"trusted_ca", "filename"})), "ca.crt",
+                             Get(vc, {"watched_directory"}), &p);
+      }
+    }
+    if (UpstreamSanMatchers(in, cluster_name).empty()) {
+      p.push_back("upstream validation context has no match_typed_subject_alt_names (any certificate of the CA "
+                  "would pass as a pod)");
+    }
+  }
+  FindAuthorizationEdits(in.envoy, "", &p);
+  return p;
+}
+
+// ---------------------------------------------------------------------------
+// Certificates (cert-manager).
+
+bool Contains(const YAML::Node& seq, const std::string& value) {
+  if (!seq.IsDefined() || !seq.IsSequence()) return false;
+  for (const YAML::Node& v : seq) {
+    if (Str(v) == value) return true;
+  }
+  return false;
+}
+
+// The Secret holding the certificate chain of the first SDS certificate of
+// a CommonTlsContext, "" if it cannot be resolved (CheckEnvoyTls reports).
+std::string EnvoyCertificateSecret(const EnvoyTlsInputs& in, const YAML::Node& common) {
+  const YAML::Node sds = Get(common, {"tls_certificate_sds_secret_configs"});
+  if (!sds.IsDefined() || !sds.IsSequence() || sds.size() == 0) return "";
+  Problems ignored;
+  const YAML::Node r = SdsResource(in, sds[0], "", &ignored);
+  const std::string file = Str(Get(r, {"tls_certificate", "certificate_chain", "filename"}));
+  const YAML::Node pod = Get(in.deployment, {"spec", "template", "spec"});
+  const auto m = MountOf(pod, FindBy(Get(pod, {"containers"}), "name", "envoy"), file);
+  return m ? m->secret : "";
+}
+
+// Every mounted TLS Secret is issued by a Certificate of the kustomization;
+// the pods' and Envoy's client certificates share one CA issuer (each side
+// verifies the other with its ca.crt); the pods' certificate has the SANs
+// the probes dial and Envoy checks, and the usages each side needs.
+Problems CheckCertificates(const std::map<std::string, YAML::Node>& objects, const YAML::Node& server,
+                           const EnvoyTlsInputs& envoy, int listener_port, const std::string& cluster_name) {
+  Problems p;
+  std::map<std::string, YAML::Node> by_secret;  // secretName -> Certificate
+  for (const auto& [key, obj] : objects) {
+    if (key.rfind("Certificate/", 0) == 0) by_secret[Str(Get(obj, {"spec", "secretName"}))].reset(obj);
+  }
+  const auto issuer = [&](const YAML::Node& cert) {
+    const std::string kind = Str(Get(cert, {"spec", "issuerRef", "kind"}), "Issuer");
+    return kind + "/" + Str(Get(cert, {"spec", "issuerRef", "name"}));
+  };
+  // Every certificate's issuer exists (a ClusterIssuer is cluster-wide: not
+  // checked), and CA issuers sign with an isCA certificate's Secret.
+  for (const auto& [secret, cert] : by_secret) {
+    const std::string ref = issuer(cert);
+    if (ref.rfind("Issuer/", 0) != 0) continue;
+    const auto it = objects.find(ref);
+    if (it == objects.end()) {
+      p.push_back("Certificate " + Str(Get(cert, {"metadata", "name"})) + ": issuer " + ref + " is not in the manifests");
+      continue;
+    }
+    const std::string ca_secret = Str(Get(it->second, {"spec", "ca", "secretName"}));
+    if (!ca_secret.empty()) {
+      const auto ca = by_secret.find(ca_secret);
+      if (ca == by_secret.end() || !IsTrue(Get(ca->second, {"spec", "isCA"}))) {
+        p.push_back(ref + " signs with Secret " + ca_secret + ", which no isCA Certificate issues");
+      }
+    }
+  }
+  // Every Secret mounted by the two Deployments, but the tokens, is issued.
+  for (const YAML::Node& d : {server, envoy.deployment}) {
+    const YAML::Node vols = Get(d, {"spec", "template", "spec", "volumes"});
+    if (!vols.IsDefined() || !vols.IsSequence()) continue;
+    for (const YAML::Node& v : vols) {
+      const std::string secret = Str(Get(v, {"secret", "secretName"}));
+      if (secret.empty() || secret == kTokensSecret) continue;
+      if (by_secret.count(secret) == 0) {
+        p.push_back("Secret " + secret + " (mounted by Deployment " + Str(Get(d, {"metadata", "name"})) +
+                    ") is issued by no Certificate");
+      }
+    }
+  }
+  // The pods' certificate.
+  const YAML::Node c = MainContainer(server);
+  const YAML::Node pod = Get(server, {"spec", "template", "spec"});
+  const auto flags = Flags(c);
+  const auto cert_mount = flags.count("tls_cert_file") ? MountOf(pod, c, flags.at("tls_cert_file")) : std::nullopt;
+  const auto server_cert = cert_mount ? by_secret.find(cert_mount->secret) : by_secret.end();
+  const YAML::Node up_common =
+      Get(TlsContext(FindBy(Get(envoy.envoy, {"static_resources", "clusters"}), "name", cluster_name),
+                     "UpstreamTlsContext"),
+          {"common_tls_context"});
+  const std::string envoy_client_secret = EnvoyCertificateSecret(envoy, up_common);
+  const auto envoy_client = by_secret.find(envoy_client_secret);
+  if (server_cert == by_secret.end()) {
+    p.push_back("the pods' certificate (--tls_cert_file) is issued by no Certificate");
+  } else {
+    const YAML::Node spec = Get(server_cert->second, {"spec"});
+    const YAML::Node usages = Get(spec, {"usages"});
+    if (usages.IsDefined() && !Contains(usages, "server auth")) {
+      p.push_back("the pods' Certificate lacks usage \"server auth\"");
+    }
+    // The probes dial loopback with this certificate as their client cert.
+    for (const char* kind : {"startupProbe", "livenessProbe", "readinessProbe"}) {
+      const YAML::Node cmd = Get(c, {kind, "exec", "command"});
+      if (!cmd.IsDefined()) continue;
+      const auto pf = CommandFlags(cmd, 2);
+      const std::string target = pf.count("target") ? pf.at("target") : "127.0.0.1:50051";
+      const std::string host = target.substr(0, target.rfind(':'));
+      const bool ip = !host.empty() && std::isdigit(static_cast<unsigned char>(host[0]));
+      if (!Contains(Get(spec, {ip ? "ipAddresses" : "dnsNames"}), host)) {
+        p.push_back(std::string(kind) + " dials " + host + ", which is no SAN of the pods' Certificate");
+      }
+      if (pf.count("tls_cert_file") && usages.IsDefined() && !Contains(usages, "client auth")) {
+        p.push_back(std::string(kind) + " presents the pods' certificate as a client certificate: it needs "
+                    "usage \"client auth\"");
+      }
+    }
+    // Envoy accepts it: one of its SAN matchers is a SAN of the certificate.
+    bool accepted = false;
+    for (const auto& [type, value] : UpstreamSanMatchers(envoy, cluster_name)) {
+      accepted |= (type == "URI" && Contains(Get(spec, {"uris"}), value)) ||
+                  (type == "DNS" && Contains(Get(spec, {"dnsNames"}), value)) ||
+                  (type == "IP_ADDRESS" && Contains(Get(spec, {"ipAddresses"}), value));
+    }
+    if (!accepted) p.push_back("no SAN of the pods' Certificate matches Envoy's upstream SAN matchers");
+    if (envoy_client != by_secret.end() && issuer(envoy_client->second) != issuer(server_cert->second)) {
+      p.push_back("the pods' certificate and Envoy's client certificate have different issuers: each side "
+                  "verifies the other with its own ca.crt, so they must share the internal CA");
+    }
+  }
+  if (envoy_client == by_secret.end()) {
+    p.push_back("Envoy's upstream client certificate is issued by no Certificate");
+  } else {
+    const YAML::Node usages = Get(envoy_client->second, {"spec", "usages"});
+    if (usages.IsDefined() && !Contains(usages, "client auth")) {
+      p.push_back("Envoy's client Certificate lacks usage \"client auth\"");
+    }
+  }
+  std::string down_secret;
+  const YAML::Node chains = Get(ListenerOnPort(envoy.envoy, listener_port), {"filter_chains"});
+  if (chains.IsDefined() && chains.IsSequence() && chains.size() > 0) {
+    down_secret = EnvoyCertificateSecret(envoy, Get(TlsContext(chains[0], "DownstreamTlsContext"),
+                                                    {"common_tls_context"}));
+  }
+  const auto down = by_secret.find(down_secret);
+  if (down == by_secret.end()) {
+    p.push_back("Envoy's serving certificate is issued by no Certificate");
+  } else if (Get(down->second, {"spec", "usages"}).IsDefined() &&
+             !Contains(Get(down->second, {"spec", "usages"}), "server auth")) {
+    p.push_back("Envoy's serving Certificate lacks usage \"server auth\"");
+  }
+  return p;
+}
+
+// The example tokens Secret documents the layout and holds no token, and
+// no Secret at all is applied from the repository (kubectl apply -k would
+// overwrite the real tokens).
+Problems CheckTokensExample(const fs::path& example, const std::map<std::string, YAML::Node>& objects) {
+  Problems p;
+  for (const auto& [key, obj] : objects) {
+    if (key.rfind("Secret/", 0) == 0) p.push_back("kustomization applies " + key + ": secrets are never committed");
+  }
+  if (!fs::exists(example)) return {"missing " + example.string()};
+  const YAML::Node s = YAML::LoadFile(example.string());
+  if (Str(Get(s, {"kind"})) != "Secret" || Str(Get(s, {"metadata", "name"})) != kTokensSecret) {
+    p.push_back(example.filename().string() + " is not Secret " + kTokensSecret);
+  }
+  const YAML::Node tokens = Get(s, {"stringData", "tokens"});
+  if (!tokens.IsDefined()) p.push_back(example.filename().string() + " has no stringData key tokens");
+  std::string text = Str(tokens);
+  size_t start = 0;
+  int line_no = 0;
+  while (start <= text.size()) {
+    const size_t nl = text.find('\n', start);
+    std::string line = text.substr(start, nl == std::string::npos ? std::string::npos : nl - start);
+    ++line_no;
+    const size_t first = line.find_first_not_of(" \t\r");
+    if (first != std::string::npos && line[first] != '#') {
+      p.push_back(example.filename().string() + " line " + std::to_string(line_no) +
+                  " of tokens is not a comment: the example must hold no token");
+    }
+    if (nl == std::string::npos) break;
+    start = nl + 1;
+  }
+  return p;
+}
+
 // The Envoy Deployment mounts the generated ConfigMap and exposes the
 // listener port through its Service.
 Problems CheckEnvoyWiring(const YAML::Node& envoy_deployment, const YAML::Node& envoy_service,
@@ -810,8 +1577,24 @@ TEST(Manifests, KustomizationListsEveryManifest) {
 
 TEST(Manifests, ServerDeployment) { EXPECT_THAT(CheckServerDeployment(ServerDeployment()), IsEmpty()); }
 
-TEST(Manifests, Services) {
-  EXPECT_THAT(CheckServices(ClusterIpService(), HeadlessService(), ServerDeployment()), IsEmpty());
+TEST(Manifests, Services) { EXPECT_THAT(CheckServices(ObjectsOfKind("Service"), ServerDeployment()), IsEmpty()); }
+
+TEST(Manifests, NetworkPolicy) {
+  EXPECT_THAT(CheckNetworkPolicies(ObjectsOfKind("NetworkPolicy"), ServerDeployment(), EnvoyDeployment()),
+              IsEmpty());
+}
+
+TEST(Manifests, EnvoyTls) { EXPECT_THAT(CheckEnvoyTls(RealEnvoyTlsInputs(), 50051, "ropeattn"), IsEmpty()); }
+
+TEST(Manifests, Certificates) {
+  EXPECT_THAT(CheckCertificates(Load().objects, ServerDeployment(), RealEnvoyTlsInputs(), 50051, "ropeattn"),
+              IsEmpty());
+}
+
+TEST(Manifests, TokensSecretIsAnExampleOnly) {
+  EXPECT_THAT(CheckTokensExample(fs::path(ROPEATTN_DEPLOY_K8S_DIR) / "examples" / "ropeattn-auth-tokens.example.yaml",
+                                 Load().objects),
+              IsEmpty());
 }
 
 TEST(Manifests, HpaAndPdb) {
@@ -863,28 +1646,152 @@ Problems MutateServer(const std::function<void(YAML::Node& deployment, YAML::Nod
   return CheckServerDeployment(d);
 }
 
+// The index of `--flag=` / `--flag` in an exec probe's command, or -1.
+int ProbeArg(YAML::Node c, const std::string& probe, const std::string& flag) {
+  YAML::Node cmd = c[probe]["exec"]["command"];
+  for (size_t i = 0; i < cmd.size(); ++i) {
+    const std::string a = cmd[i].as<std::string>();
+    if (a == "--" + flag || a.rfind("--" + flag + "=", 0) == 0) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+void SetProbeArg(YAML::Node c, const std::string& probe, const std::string& flag, const std::string& value) {
+  YAML::Node cmd = c[probe]["exec"]["command"];
+  const int i = ProbeArg(c, probe, flag);
+  if (i >= 0) {
+    cmd[i] = "--" + flag + "=" + value;
+  } else {
+    cmd.push_back("--" + flag + "=" + value);
+  }
+}
+
+void RemoveProbeArg(YAML::Node c, const std::string& probe, const std::string& flag) {
+  YAML::Node cmd = c[probe]["exec"]["command"];
+  YAML::Node kept(YAML::NodeType::Sequence);
+  for (size_t i = 0; i < cmd.size(); ++i) {
+    const std::string a = cmd[i].as<std::string>();
+    if (a == "--" + flag || a.rfind("--" + flag + "=", 0) == 0) continue;
+    kept.push_back(a);
+  }
+  c[probe]["exec"]["command"] = kept;
+}
+
 TEST(ChecksCatch, MissingOrWrongProbes) {
   EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { RemoveKey(c, "readinessProbe"); }),
               HasProblemContaining("readinessProbe missing"));
   EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { RemoveKey(c, "startupProbe"); }),
               HasProblemContaining("startupProbe missing"));
-  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) {
-                c["readinessProbe"]["grpc"]["service"] = "";
-              }),
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { RemoveProbeArg(c, "readinessProbe", "service"); }),
               HasProblemContaining("readinessProbe service"));
-  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) {
-                c["livenessProbe"]["grpc"]["service"] = kServiceName;
-              }),
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { SetProbeArg(c, "livenessProbe", "service", kServiceName); }),
               HasProblemContaining("livenessProbe service"));
-  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { c["livenessProbe"]["grpc"]["port"] = 9464; }),
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) {
+                SetProbeArg(c, "livenessProbe", "target", "127.0.0.1:9464");
+              }),
               HasProblemContaining("livenessProbe port"));
   EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) {
-                RemoveKey(c["readinessProbe"], "grpc");
+                SetProbeArg(c, "livenessProbe", "target", "ropeattn-headless:50051");
+              }),
+              HasProblemContaining("is not this pod's loopback"));
+  // The "--flag value" spelling is understood too.
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) {
+                RemoveProbeArg(c, "livenessProbe", "target");
+                c["livenessProbe"]["exec"]["command"].push_back("--target");
+                c["livenessProbe"]["exec"]["command"].push_back("127.0.0.1:50052");
+              }),
+              HasProblemContaining("livenessProbe port"));
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) {
+                RemoveKey(c["readinessProbe"], "exec");
                 c["readinessProbe"]["tcpSocket"]["port"] = 50051;
               }),
-              HasProblemContaining("readinessProbe is not a gRPC probe"));
+              HasProblemContaining("readinessProbe is not a gRPC health probe"));
+  // With TLS on, the kubelet's plaintext grpc: probe cannot work.
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) {
+                RemoveKey(c["readinessProbe"], "exec");
+                c["readinessProbe"]["grpc"]["port"] = 50051;
+                c["readinessProbe"]["grpc"]["service"] = kServiceName;
+              }),
+              HasProblemContaining("readinessProbe is a grpc: probe, which cannot speak TLS"));
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { RemoveProbeArg(c, "livenessProbe", "tls_ca_file"); }),
+              HasProblemContaining("livenessProbe does not verify the server's certificate"));
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { RemoveProbeArg(c, "startupProbe", "tls_key_file"); }),
+              HasProblemContaining("startupProbe presents no client certificate"));
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) {
+                SetProbeArg(c, "readinessProbe", "tls_ca_file", "/etc/ssl/certs/ca-certificates.crt");
+              }),
+              HasProblemContaining("readinessProbe --tls_ca_file /etc/ssl/certs/ca-certificates.crt is not under"));
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { SetProbeArg(c, "readinessProbe", "token", "x"); }),
+              HasProblemContaining("passes --token"));
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { RemoveProbeArg(c, "livenessProbe", "deadline_seconds"); }),
+              HasProblemContaining("livenessProbe --deadline_seconds 30 must be > 0 and below timeoutSeconds"));
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { c["readinessProbe"]["timeoutSeconds"] = 2; }),
+              HasProblemContaining("below timeoutSeconds"));
   EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { c["livenessProbe"]["failureThreshold"] = 1; }),
               HasProblemContaining("livenessProbe gives up"));
+  // Without TLS (flags and mounts gone), a grpc: probe is fine again.
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) {
+                for (const char* flag : {"tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"}) {
+                  YAML::Node kept(YAML::NodeType::Sequence);
+                  for (YAML::Node a : c["args"]) {
+                    if (a.as<std::string>().rfind(std::string("--") + flag + "=", 0) != 0) kept.push_back(a);
+                  }
+                  c["args"] = kept;
+                }
+                RemoveKey(c["readinessProbe"], "exec");
+                c["readinessProbe"]["grpc"]["port"] = 50051;
+                c["readinessProbe"]["grpc"]["service"] = kServiceName;
+              }),
+              ::testing::Not(HasProblemContaining("readinessProbe")));
+}
+
+TEST(ChecksCatch, TlsAndTokenFlagsAndMounts) {
+  for (const char* flag : {"tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"}) {
+    EXPECT_THAT(MutateServer([&](YAML::Node&, YAML::Node c) {
+                  YAML::Node kept(YAML::NodeType::Sequence);
+                  for (YAML::Node a : c["args"]) {
+                    if (a.as<std::string>().rfind(std::string("--") + flag + "=", 0) != 0) kept.push_back(a);
+                  }
+                  c["args"] = kept;
+                }),
+                HasProblemContaining(std::string("args lack --") + flag))
+        << flag;
+  }
+  // A path no volume holds, or the wrong key of the Secret.
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { ReplaceArg(c, "tls_cert_file", "/etc/tls/tls.crt"); }),
+              HasProblemContaining("--tls_cert_file /etc/tls/tls.crt is not under any volumeMount"));
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) {
+                ReplaceArg(c, "tls_client_ca_file", "/etc/ropeattn/tls/tls.crt");
+              }),
+              HasProblemContaining("is key tls.crt of Secret ropeattn-server-tls, want ca.crt"));
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) { ReplaceArg(c, "auth_tokens_file", "/etc/ropeattn/auth/t"); }),
+              HasProblemContaining("is no key of the volume mounted at /etc/ropeattn/auth"));
+  // Mounted from a ConfigMap, or with subPath (never updated).
+  EXPECT_THAT(MutateServer([](YAML::Node& d, YAML::Node) {
+                for (YAML::Node v : d["spec"]["template"]["spec"]["volumes"]) {
+                  if (v["name"].as<std::string>() == "auth-tokens") {
+                    v.remove("secret");
+                    v["configMap"]["name"] = "tokens";
+                  }
+                }
+              }),
+              HasProblemContaining("--auth_tokens_file /etc/ropeattn/auth/tokens is not in a mounted Secret"));
+  EXPECT_THAT(MutateServer([](YAML::Node&, YAML::Node c) {
+                for (YAML::Node m : c["volumeMounts"]) {
+                  if (m["name"].as<std::string>() == "server-tls") {
+                    m["mountPath"] = "/etc/ropeattn/tls/tls.key";
+                    m["subPath"] = "tls.key";
+                  }
+                }
+                ReplaceArg(c, "tls_key_file", "/etc/ropeattn/tls/tls.key");
+              }),
+              HasProblemContaining("subPath"));
+  EXPECT_THAT(MutateServer([](YAML::Node& d, YAML::Node) {
+                for (YAML::Node v : d["spec"]["template"]["spec"]["volumes"]) {
+                  if (v["name"].as<std::string>() == "auth-tokens") v["secret"]["secretName"] = "other";
+                }
+              }),
+              HasProblemContaining("--auth_tokens_file is in Secret other, want ropeattn-auth-tokens"));
 }
 
 TEST(ChecksCatch, ResourcesNotMatchingTheFlags) {
@@ -968,15 +1875,126 @@ TEST(ChecksCatch, PortsDisagreeing) {
               HasProblemContaining("0.0.0.0"));
 }
 
+std::vector<YAML::Node> WithService(std::vector<YAML::Node> services, const std::string& name,
+                                    const std::function<void(YAML::Node svc)>& f) {
+  for (YAML::Node& svc : services) {
+    if (svc["metadata"]["name"].as<std::string>() == name) f(svc);
+  }
+  return services;
+}
+
 TEST(ChecksCatch, Services) {
-  YAML::Node headless = HeadlessService();
-  RemoveKey(headless["spec"], "clusterIP");
-  EXPECT_THAT(CheckServices(ClusterIpService(), headless, ServerDeployment()),
+  const auto deployment = ServerDeployment();
+  EXPECT_THAT(CheckServices(WithService(ObjectsOfKind("Service"), "ropeattn-headless",
+                                        [](YAML::Node svc) { RemoveKey(svc["spec"], "clusterIP"); }),
+                            deployment),
               HasProblemContaining("clusterIP: None"));
-  YAML::Node svc = ClusterIpService();
-  svc["spec"]["selector"]["app.kubernetes.io/component"] = "envoy";
-  EXPECT_THAT(CheckServices(svc, HeadlessService(), ServerDeployment()),
+  EXPECT_THAT(CheckServices(WithService(ObjectsOfKind("Service"), "ropeattn-headless",
+                                        [](YAML::Node svc) {
+                                          svc["spec"]["selector"]["app.kubernetes.io/component"] = "envoy";
+                                        }),
+                            deployment),
               HasProblemContaining("selector does not match"));
+  // The old ClusterIP Service with its gRPC port, by name or by number.
+  EXPECT_THAT(CheckServices(WithService(ObjectsOfKind("Service"), "ropeattn-metrics",
+                                        [](YAML::Node svc) {
+                                          YAML::Node port;
+                                          port["name"] = "grpc";
+                                          port["port"] = 50051;
+                                          port["targetPort"] = "grpc";
+                                          svc["spec"]["ports"].push_back(port);
+                                        }),
+                            deployment),
+              HasProblemContaining("Service ropeattn-metrics sends callers straight to the pods' gRPC port"));
+  EXPECT_THAT(CheckServices(WithService(ObjectsOfKind("Service"), "ropeattn-metrics",
+                                        [](YAML::Node svc) {
+                                          YAML::Node port;
+                                          port["port"] = 443;
+                                          port["targetPort"] = 50051;
+                                          svc["spec"]["ports"].push_back(port);
+                                        }),
+                            deployment),
+              HasProblemContaining("sends callers straight"));
+  // A Service of Envoy's pods is none of this check's business.
+  EXPECT_THAT(CheckServices(ObjectsOfKind("Service"), deployment), IsEmpty());
+}
+
+YAML::Node ServerPolicy(std::vector<YAML::Node>& policies) {
+  for (YAML::Node& np : policies) {
+    if (np["metadata"]["name"].as<std::string>() == "ropeattn-server") return np;
+  }
+  ADD_FAILURE() << "no NetworkPolicy ropeattn-server";
+  return YAML::Node();
+}
+
+Problems MutatePolicies(const std::function<void(std::vector<YAML::Node>& policies)>& f) {
+  std::vector<YAML::Node> policies = ObjectsOfKind("NetworkPolicy");
+  f(policies);
+  return CheckNetworkPolicies(policies, ServerDeployment(), EnvoyDeployment());
+}
+
+TEST(ChecksCatch, NetworkPolicy) {
+  EXPECT_THAT(MutatePolicies([](std::vector<YAML::Node>& ps) { ps.clear(); }),
+              HasProblemContaining("no NetworkPolicy selects the server pods"));
+  EXPECT_THAT(MutatePolicies([](std::vector<YAML::Node>& ps) {
+                ServerPolicy(ps)["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] = "envoy";
+              }),
+              HasProblemContaining("no NetworkPolicy selects the server pods"));
+  // gRPC from anyone in the namespace, or from every pod of the app.
+  EXPECT_THAT(MutatePolicies([](std::vector<YAML::Node>& ps) {
+                ServerPolicy(ps)["spec"]["ingress"][0]["from"][0]["podSelector"] = YAML::Node(YAML::NodeType::Map);
+              }),
+              HasProblemContaining("admits port 50051 from a podSelector that is not the Envoy pods alone"));
+  EXPECT_THAT(MutatePolicies([](std::vector<YAML::Node>& ps) {
+                ServerPolicy(ps)["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"].remove(
+                    "app.kubernetes.io/component");
+              }),
+              HasProblemContaining("admits port 50051 from a podSelector"));
+  EXPECT_THAT(MutatePolicies([](std::vector<YAML::Node>& ps) {
+                ServerPolicy(ps)["spec"]["ingress"][0].remove("from");
+              }),
+              HasProblemContaining("admits port 50051 from every source"));
+  EXPECT_THAT(MutatePolicies([](std::vector<YAML::Node>& ps) {
+                YAML::Node peer;
+                peer["ipBlock"]["cidr"] = "0.0.0.0/0";
+                ServerPolicy(ps)["spec"]["ingress"][0]["from"].push_back(peer);
+              }),
+              HasProblemContaining("admits port 50051 from an ipBlock"));
+  // gRPC from the monitoring namespace; metrics from Envoy.
+  EXPECT_THAT(MutatePolicies([](std::vector<YAML::Node>& ps) {
+                ServerPolicy(ps)["spec"]["ingress"][1]["ports"][0]["port"] = 50051;
+              }),
+              HasProblemContaining("admits port 50051 from the monitoring namespace"));
+  EXPECT_THAT(MutatePolicies([](std::vector<YAML::Node>& ps) {
+                ServerPolicy(ps)["spec"]["ingress"][0]["ports"][0]["port"] = "metrics";
+              }),
+              HasProblemContaining("admits port 9464 from the Envoy pods"));
+  EXPECT_THAT(MutatePolicies([](std::vector<YAML::Node>& ps) {
+                ServerPolicy(ps)["spec"]["ingress"][1]["from"][0]["namespaceSelector"]["matchLabels"]
+                                ["kubernetes.io/metadata.name"] = "default";
+              }),
+              HasProblemContaining("no NetworkPolicy admits port 9464 from the monitoring namespace"));
+  // A rule without ports admits every port.
+  EXPECT_THAT(MutatePolicies([](std::vector<YAML::Node>& ps) { ServerPolicy(ps)["spec"]["ingress"][0].remove("ports"); }),
+              HasProblemContaining("admits ports other than 50051 and 9464"));
+  EXPECT_THAT(MutatePolicies([](std::vector<YAML::Node>& ps) {
+                ServerPolicy(ps)["spec"]["ingress"][0]["ports"][0]["port"] = 8080;
+              }),
+              HasProblemContaining("no NetworkPolicy admits port 50051 from the Envoy pods"));
+  // A second policy that opens the gRPC port to everyone is caught too.
+  EXPECT_THAT(MutatePolicies([](std::vector<YAML::Node>& ps) {
+                YAML::Node extra = YAML::Clone(ServerPolicy(ps));
+                extra["metadata"]["name"] = "allow-all";
+                extra["spec"]["ingress"][0].remove("from");
+                ps.push_back(extra);
+              }),
+              HasProblemContaining("NetworkPolicy allow-all admits port 50051 from every source"));
+  // Named ports are resolved against the container's.
+  EXPECT_THAT(MutatePolicies([](std::vector<YAML::Node>& ps) {
+                ServerPolicy(ps)["spec"]["ingress"][0]["ports"][0]["port"] = "grpc";
+                ServerPolicy(ps)["spec"]["ingress"][1]["ports"][0]["port"] = "metrics";
+              }),
+              IsEmpty());
 }
 
 TEST(ChecksCatch, HpaAndPdb) {
@@ -1103,6 +2121,197 @@ TEST(ChecksCatch, EnvoyWiring) {
   int port = -1;
   EXPECT_THAT(CheckEnvoyWiring(d, Object("Service/ropeattn-envoy"), Load().envoy_configmap_name, &port),
               HasProblemContaining("do not mount ConfigMap"));
+}
+
+Problems MutateEnvoyTls(const std::function<void(EnvoyTlsInputs& in)>& f) {
+  EnvoyTlsInputs in = RealEnvoyTlsInputs();
+  f(in);
+  return CheckEnvoyTls(in, 50051, "ropeattn");
+}
+
+YAML::Node Listener50051(YAML::Node envoy) {
+  for (YAML::Node l : envoy["static_resources"]["listeners"]) {
+    if (l["address"]["socket_address"]["port_value"].as<int>() == 50051) return l;
+  }
+  ADD_FAILURE() << "no listener on 50051";
+  return YAML::Node();
+}
+
+YAML::Node UpstreamCommon(YAML::Node envoy) {
+  return EnvoyCluster(envoy)["transport_socket"]["typed_config"]["common_tls_context"];
+}
+
+TEST(ChecksCatch, EnvoyDownstreamTls) {
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                Listener50051(in.envoy)["filter_chains"][0].remove("transport_socket");
+              }),
+              HasProblemContaining("has no downstream TLS transport socket"));
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                Listener50051(in.envoy)["filter_chains"][0]["transport_socket"]["typed_config"]["@type"] =
+                    "type.googleapis.com/envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer";
+              }),
+              HasProblemContaining("has no downstream TLS transport socket"));
+  // Inline certificates are never reloaded.
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                YAML::Node common =
+                    Listener50051(in.envoy)["filter_chains"][0]["transport_socket"]["typed_config"]["common_tls_context"];
+                common.remove("tls_certificate_sds_secret_configs");
+                YAML::Node cert;
+                cert["certificate_chain"]["filename"] = "/etc/envoy-tls/downstream/tls.crt";
+                cert["private_key"]["filename"] = "/etc/envoy-tls/downstream/tls.key";
+                common["tls_certificates"].push_back(cert);
+              }),
+              HasProblemContaining("downstream TLS: inline tls_certificates are read once"));
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                Listener50051(in.envoy)["filter_chains"][0]["transport_socket"]["typed_config"]["common_tls_context"]
+                                       ["tls_certificate_sds_secret_configs"][0]
+                                           .remove("sds_config");
+              }),
+              HasProblemContaining("is a static secret"));
+  // The SDS file: not in the ConfigMap, another secret's name, a file not
+  // in a mounted Secret, a watched directory that is not the mount.
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) { in.files.erase("envoy-sds-downstream-cert.yaml"); }),
+              HasProblemContaining("has no key envoy-sds-downstream-cert.yaml"));
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                in.files["envoy-sds-downstream-cert.yaml"]["resources"][0]["name"] = "server_cert";
+              }),
+              HasProblemContaining("names secret \"server_cert\", want \"downstream_cert\""));
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                in.files["envoy-sds-downstream-cert.yaml"]["resources"][0]["tls_certificate"]["private_key"]
+                        ["filename"] = "/etc/envoy/key.pem";
+              }),
+              HasProblemContaining("downstream TLS private_key /etc/envoy/key.pem is not in a mounted Secret"));
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                in.files["envoy-sds-downstream-cert.yaml"]["resources"][0]["tls_certificate"]["watched_directory"]
+                        ["path"] = "/etc/envoy-tls";
+              }),
+              HasProblemContaining("is not the Secret's mount /etc/envoy-tls/downstream"));
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                for (YAML::Node m : in.deployment["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]) {
+                  if (m["name"].as<std::string>() == "downstream-tls") m["mountPath"] = "/etc/tls";
+                }
+              }),
+              HasProblemContaining("certificate_chain /etc/envoy-tls/downstream/tls.crt is not under any volumeMount"));
+}
+
+TEST(ChecksCatch, EnvoyUpstreamMutualTls) {
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) { EnvoyCluster(in.envoy).remove("transport_socket"); }),
+              HasProblemContaining("cluster ropeattn has no upstream TLS transport socket"));
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                UpstreamCommon(in.envoy).remove("tls_certificate_sds_secret_configs");
+              }),
+              HasProblemContaining("upstream client certificate has no certificate"));
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) { UpstreamCommon(in.envoy).remove("combined_validation_context"); }),
+              HasProblemContaining("has no validation context"));
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                UpstreamCommon(in.envoy)["combined_validation_context"]["default_validation_context"].remove(
+                    "match_typed_subject_alt_names");
+              }),
+              HasProblemContaining("no match_typed_subject_alt_names"));
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                in.files["envoy-sds-internal-ca.yaml"]["resources"][0]["validation_context"].remove("trusted_ca");
+              }),
+              HasProblemContaining("has no trusted_ca file"));
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                in.files["envoy-sds-internal-ca.yaml"]["resources"][0]["validation_context"]["trusted_ca"]
+                        ["filename"] = "/etc/envoy-tls/upstream/tls.crt";
+              }),
+              HasProblemContaining("is key tls.crt of Secret ropeattn-envoy-upstream-tls, want ca.crt"));
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                YAML::Node dvc = UpstreamCommon(in.envoy)["combined_validation_context"]["default_validation_context"];
+                dvc["trusted_ca"]["filename"] = "/etc/envoy-tls/upstream/ca.crt";
+              }),
+              HasProblemContaining("an inline trusted_ca is read once"));
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                for (YAML::Node v : in.deployment["spec"]["template"]["spec"]["volumes"]) {
+                  if (v["name"].as<std::string>() == "upstream-tls") {
+                    v.remove("secret");
+                    v["emptyDir"] = YAML::Node(YAML::NodeType::Map);
+                  }
+                }
+              }),
+              HasProblemContaining("upstream client certificate certificate_chain /etc/envoy-tls/upstream/tls.crt is "
+                                   "not in a mounted Secret"));
+}
+
+TEST(ChecksCatch, EnvoyForwardsAuthorization) {
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                EnvoyHcm(in.envoy)["route_config"]["request_headers_to_remove"].push_back("Authorization");
+              }),
+              HasProblemContaining("Envoy removes the caller's authorization header (static_resources."));
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                YAML::Node h;
+                h["header"]["key"] = "authorization";
+                h["header"]["value"] = "Bearer shared";
+                EnvoyHcm(in.envoy)["route_config"]["virtual_hosts"][0]["request_headers_to_add"].push_back(h);
+              }),
+              HasProblemContaining("Envoy rewrites the caller's authorization header"));
+}
+
+Problems MutateCertificates(const std::function<void(std::map<std::string, YAML::Node>& objects)>& f) {
+  std::map<std::string, YAML::Node> objects;
+  for (const auto& [k, v] : Load().objects) objects[k].reset(YAML::Clone(v));
+  f(objects);
+  return CheckCertificates(objects, objects["Deployment/ropeattn"], RealEnvoyTlsInputs(), 50051, "ropeattn");
+}
+
+TEST(ChecksCatch, Certificates) {
+  EXPECT_THAT(MutateCertificates([](auto& o) { o.erase("Certificate/ropeattn-server-tls"); }),
+              HasProblemContaining("Secret ropeattn-server-tls (mounted by Deployment ropeattn) is issued by no "
+                                   "Certificate"));
+  EXPECT_THAT(MutateCertificates([](auto& o) { o.erase("Certificate/ropeattn-envoy-tls"); }),
+              HasProblemContaining("Envoy's serving certificate is issued by no Certificate"));
+  EXPECT_THAT(MutateCertificates([](auto& o) { o.erase("Issuer/ropeattn-ca"); }),
+              HasProblemContaining("issuer Issuer/ropeattn-ca is not in the manifests"));
+  EXPECT_THAT(MutateCertificates([](auto& o) { o["Certificate/ropeattn-ca"]["spec"].remove("isCA"); }),
+              HasProblemContaining("Issuer/ropeattn-ca signs with Secret ropeattn-ca, which no isCA Certificate"));
+  EXPECT_THAT(MutateCertificates([](auto& o) {
+                o["Certificate/ropeattn-envoy-upstream-tls"]["spec"]["issuerRef"]["name"] = "ropeattn-selfsigned";
+              }),
+              HasProblemContaining("different issuers"));
+  EXPECT_THAT(MutateCertificates([](auto& o) { o["Certificate/ropeattn-server-tls"]["spec"].remove("ipAddresses"); }),
+              HasProblemContaining("readinessProbe dials 127.0.0.1, which is no SAN of the pods' Certificate"));
+  EXPECT_THAT(MutateCertificates([](auto& o) {
+                o["Certificate/ropeattn-server-tls"]["spec"]["uris"][0] = "spiffe://ropeattn/other";
+              }),
+              HasProblemContaining("no SAN of the pods' Certificate matches Envoy's upstream SAN matchers"));
+  EXPECT_THAT(MutateCertificates([](auto& o) {
+                YAML::Node usages(YAML::NodeType::Sequence);
+                usages.push_back("digital signature");
+                usages.push_back("server auth");
+                o["Certificate/ropeattn-server-tls"]["spec"]["usages"] = usages;
+              }),
+              HasProblemContaining("needs usage \"client auth\""));
+  EXPECT_THAT(MutateCertificates([](auto& o) {
+                YAML::Node usages(YAML::NodeType::Sequence);
+                usages.push_back("server auth");
+                o["Certificate/ropeattn-envoy-upstream-tls"]["spec"]["usages"] = usages;
+              }),
+              HasProblemContaining("Envoy's client Certificate lacks usage \"client auth\""));
+}
+
+TEST(ChecksCatch, TokensNeverCommitted) {
+  const fs::path dir = fs::temp_directory_path() / "ropeattn_manifest_test_tokens";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const fs::path example = dir / "example.yaml";
+  const auto write = [&](const std::string& text) {
+    std::FILE* f = std::fopen(example.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs(text.c_str(), f);
+    std::fclose(f);
+  };
+  write("apiVersion: v1\nkind: Secret\nmetadata:\n  name: ropeattn-auth-tokens\nstringData:\n"
+        "  tokens: |\n    # a comment\n\n    0123456789abcdef alice\n");
+  EXPECT_THAT(CheckTokensExample(example, {}), HasProblemContaining("line 3 of tokens is not a comment"));
+  write("apiVersion: v1\nkind: Secret\nmetadata:\n  name: ropeattn-auth-tokens\nstringData:\n"
+        "  tokens: |\n    # only comments\n");
+  EXPECT_THAT(CheckTokensExample(example, {}), IsEmpty());
+  std::map<std::string, YAML::Node> objects;
+  objects["Secret/ropeattn-auth-tokens"] = YAML::Load("kind: Secret");
+  EXPECT_THAT(CheckTokensExample(example, objects),
+              HasProblemContaining("kustomization applies Secret/ropeattn-auth-tokens"));
+  fs::remove_all(dir);
 }
 
 }  // namespace
