@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds the ropeattn container image with buildah (no Docker engine needed),
-# then smoke-tests it: starts ropeattn-server from the image, probes it with
-# the image's own `ropeattn` CLI (health, a short decode, /metrics), prints
-# the image size and cleans up.
+# then smoke-tests it: starts ropeattn-server from the image with TLS and a
+# bearer token (a throwaway CA, certificate and tokens file made with the
+# host's openssl), probes it with the image's own `ropeattn` CLI (health, a
+# short decode, info; refused without a token or without TLS; /metrics),
+# prints the image size and cleans up.
 #
 #   bash deploy/build-image.sh            # build + test, then remove the image
 #   bash deploy/build-image.sh --keep     # build + test, keep ropeattn:latest
@@ -14,7 +16,8 @@
 #     machine's apt sources use, then `buildah from scratch` + copy + commit;
 #  3. `buildah bud` of ./Dockerfile as ropeattn:latest (layer cache on, so a
 #     re-run only rebuilds what changed);
-#  4. runs the server from the image on a free loopback port and probes it;
+#  4. runs the server from the image on a free loopback port, with TLS and
+#     a token, and probes it;
 #  5. prints the image size; 6. removes its containers (and the image unless
 #     --keep). Any failure exits non-zero with a message saying which step.
 #
@@ -31,7 +34,7 @@ KEEP=0
 for arg in "$@"; do
   case "$arg" in
     --keep) KEEP=1 ;;
-    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "build-image: unknown argument '$arg' (try --help)" >&2; exit 64 ;;
   esac
 done
@@ -77,6 +80,7 @@ cleanup() {
     bah rmi "$IMAGE" >/dev/null 2>&1 && echo "build-image: removed $IMAGE (pass --keep to keep it)"
   fi
   [ -n "${log:-}" ] && rm -f "$log"
+  [ -n "${PKI:-}" ] && rm -rf "$PKI"
   [ -n "$WORKDIR_TMP" ] && $SUDO rm -rf "$WORKDIR_TMP"
   exit $rc
 }
@@ -188,23 +192,70 @@ BUILT=1
 timed build "$t"
 
 # ------------------------------------------------------------- 4. smoke test
-STEP="start the server from $IMAGE"
+# The server runs from the image WITH TLS AND A TOKEN, as in Kubernetes: a
+# throwaway CA, server certificate and tokens file are made with the host's
+# openssl (not in the image) and copied into the containers.
+STEP="make a test CA, server certificate and tokens file (openssl)"
 t=$(now)
+command -v openssl >/dev/null || die "openssl not found on the host (apt-get install openssl)"
+PKI="$(mktemp -d /var/tmp/ropeattn-smoke-pki.XXXXXX)"
+(
+  set -e
+  cd "$PKI"
+  cat > ext.cnf <<'EXT'
+[server]
+basicConstraints = critical, CA:FALSE
+keyUsage = critical, digitalSignature
+extendedKeyUsage = serverAuth
+subjectAltName = DNS:localhost, IP:127.0.0.1
+authorityKeyIdentifier = keyid
+EXT
+  # EC P-256 keys, one day of validity: the certificates live as long as
+  # this run.
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 \
+    -subj "/CN=ropeattn smoke-test CA" -keyout ca.key -out ca.crt \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
+  openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes \
+    -subj "/CN=localhost" -keyout server.key -out server.csr
+  openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -set_serial "0x$(openssl rand -hex 8)" \
+    -days 1 -extfile ext.cnf -extensions server -out server.crt
+  openssl verify -CAfile ca.crt server.crt
+  # Two principals; the tokens are random per run and never leave $PKI and
+  # the throwaway containers.
+  printf '# smoke test: TOKEN PRINCIPAL [admin]\n%s smoke-user\n%s smoke-admin admin\n' \
+    "$(openssl rand -hex 32)" "$(openssl rand -hex 32)" > tokens
+  chmod 0644 ca.crt server.crt tokens
+  chmod 0600 ca.key server.key
+) >"$PKI/openssl.log" 2>&1 || { cat "$PKI/openssl.log" >&2; die "openssl failed (log above)"; }
+TOKEN="$(awk '$2 == "smoke-user" {print $1}' "$PKI/tokens")"
+[ -n "$TOKEN" ] || die "no token in the generated tokens file"
+openssl x509 -in "$PKI/server.crt" -noout -ext subjectAltName 2>/dev/null | grep -q 'IP Address:127.0.0.1' \
+  || die "server certificate lacks the IP SAN 127.0.0.1"
+
+STEP="start the server from $IMAGE (TLS + token)"
 [ "$(bah inspect --type image --format '{{.Docker.Config.User}}' "$IMAGE")" = "10001:10001" ] \
   || die "image user is not 10001:10001"
 bah inspect --type image --format '{{.Docker.Config.Healthcheck}}' "$IMAGE" | grep -q "ropeattn health" \
   || die "image has no HEALTHCHECK running ropeattn health"
 srv="$(bah from --pull=never "$IMAGE")"; CONTAINERS+=("$srv")
 cli="$(bah from --pull=never "$IMAGE")"; CONTAINERS+=("$cli")
+# The server's container gets its certificate, key and the tokens (readable
+# by uid 10001 only); the CLI's container only the CA certificate. The token
+# reaches the CLI on its command line / environment, as a caller's would.
+bah copy --chown 10001:10001 --chmod 0400 "$srv" "$PKI/server.crt" "$PKI/server.key" "$PKI/tokens" /tmp/tls/ >/dev/null \
+  || die "copying the server's certificate, key and tokens into its container failed"
+bah copy --chmod 0444 "$cli" "$PKI/ca.crt" /tmp/tls/ >/dev/null || die "copying the CA into the CLI's container failed"
 log="$(mktemp /var/tmp/ropeattn-server.XXXXXX.log)"
 # chroot isolation shares the host network: port 0 lets the server pick free
 # loopback ports, which it prints at start.
 bah run --isolation chroot "$srv" -- \
-  ropeattn-server --address=127.0.0.1:0 --metrics_address=127.0.0.1:0 >"$log" 2>&1 &
+  ropeattn-server --address=127.0.0.1:0 --metrics_address=127.0.0.1:0 \
+    --tls_cert_file=/tmp/tls/server.crt --tls_key_file=/tmp/tls/server.key \
+    --auth_tokens_file=/tmp/tls/tokens >"$log" 2>&1 &
 SERVER_PID=$!
 port=""; mport=""
 for _ in $(seq 1 120); do
-  line="$(grep -m1 'listening on' "$log" || true)"
+  line="$(grep -m1 '^ropeattn-server listening on' "$log" || true)"
   if [ -n "$line" ]; then
     port="$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' <<<"$line")"
     mport="$(sed -n 's#.*http://127.0.0.1:\([0-9]*\)/metrics.*#\1#p' <<<"$line")"
@@ -216,28 +267,54 @@ done
 [ -n "$port" ] || { cat "$log" >&2; die "ropeattn-server did not report its port within 60 s"; }
 echo "build-image: $(head -n 1 "$log")"
 target="127.0.0.1:$port"
+# The image's CLI over TLS, verifying the server against the test CA.
+ropeattn_tls() { bah run --isolation chroot "$cli" -- ropeattn "$1" --target "$target" --tls_ca_file /tmp/tls/ca.crt "${@:2}"; }
 
-STEP="probe the server with the image's ropeattn CLI"
+STEP="probe the server with the image's ropeattn CLI (TLS + token)"
 ok=0
 for _ in $(seq 1 30); do
-  if bah run --isolation chroot "$cli" -- ropeattn health --target "$target" --deadline_seconds 3 >/dev/null 2>&1; then ok=1; break; fi
+  # Health needs no token (probes and load balancers carry none).
+  if ropeattn_tls health --deadline_seconds 3 >/dev/null 2>&1; then ok=1; break; fi
   sleep 1
 done
-[ "$ok" -eq 1 ] || { cat "$log" >&2; die "ropeattn health never reported SERVING"; }
-echo "build-image: ropeattn health -> $(bah run --isolation chroot "$cli" -- ropeattn health --target "$target")"
+[ "$ok" -eq 1 ] || { cat "$log" >&2; ropeattn_tls health --deadline_seconds 3 >&2 || true; die "ropeattn health over TLS never reported SERVING"; }
+echo "build-image: ropeattn health (TLS, no token) -> $(ropeattn_tls health)"
 uid="$(bah run --isolation chroot "$cli" -- id -u)"
 [ "$uid" = "10001" ] || die "container runs as uid $uid, expected 10001"
-echo "build-image: ropeattn decode (short session):"
-bah run --isolation chroot "$cli" -- ropeattn decode --target "$target" \
+echo "build-image: ropeattn decode (TLS + token, short session):"
+ropeattn_tls decode --token "$TOKEN" \
   --heads 8 --kv_heads 2 --head_dim 64 --context 64 --steps 8 | sed 's/^/    /' \
-  || die "ropeattn decode failed"
+  || die "ropeattn decode with TLS and a token failed"
+# The token from the environment, as the CLI's help recommends.
+info="$(bah run --isolation chroot --env "ROPEATTN_TOKEN=$TOKEN" "$cli" -- \
+          ropeattn info --target "$target" --tls_ca_file /tmp/tls/ca.crt)" \
+  || die "ropeattn info with TLS and \$ROPEATTN_TOKEN failed"
+echo "build-image: ropeattn info (TLS + \$ROPEATTN_TOKEN) -> $(head -n 1 <<<"$info")"
+
+STEP="check that calls without a valid token, or without TLS, are refused"
+# The CLI exits with the gRPC status code: 16 = UNAUTHENTICATED.
+rc=0; out="$(ropeattn_tls info 2>&1)" || rc=$?
+[ "$rc" -eq 16 ] || die "ropeattn info without a token exited $rc, want 16 (UNAUTHENTICATED): $out"
+echo "build-image: ropeattn info without a token -> exit $rc: $out"
+rc=0; out="$(ropeattn_tls info --token "not-$TOKEN" 2>&1)" || rc=$?
+[ "$rc" -eq 16 ] || die "ropeattn info with an unknown token exited $rc, want 16 (UNAUTHENTICATED): $out"
+echo "build-image: ropeattn info with an unknown token -> exit $rc"
+rc=0; out="$(ropeattn_tls decode --heads 8 --kv_heads 2 --head_dim 64 --context 64 --steps 2 2>&1)" || rc=$?
+[ "$rc" -eq 16 ] || die "ropeattn decode without a token exited $rc, want 16 (UNAUTHENTICATED): $out"
+echo "build-image: ropeattn decode without a token -> exit $rc"
+# Plaintext to the TLS port: the handshake fails, nothing is served.
+rc=0; out="$(bah run --isolation chroot "$cli" -- ropeattn health --target "$target" --deadline_seconds 3 2>&1)" || rc=$?
+[ "$rc" -ne 0 ] || die "a plaintext health check of the TLS port succeeded"
+echo "build-image: ropeattn health in plaintext -> exit $rc (refused)"
 if [ -n "$mport" ]; then
   exec 3<>"/dev/tcp/127.0.0.1/$mport" || die "cannot connect to /metrics on port $mport"
   printf 'GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
   metrics="$(cat <&3)"; exec 3<&-
   grep -q '^ropeattn_' <<<"$metrics" || die "GET /metrics returned no ropeattn_ series"
-  echo "build-image: GET /metrics -> $(grep -c '^ropeattn_' <<<"$metrics") ropeattn_ samples"
+  grep -qF "$TOKEN" <<<"$metrics" && die "GET /metrics shows a token"
+  echo "build-image: GET /metrics -> $(grep -c '^ropeattn_' <<<"$metrics") ropeattn_ samples (no token)"
 fi
+grep -qF "$TOKEN" "$log" && die "the server log shows a token"
 STEP="stop the server"
 # `buildah run` does not forward signals (it SIGKILLs its child), so send
 # SIGTERM to the server process itself (chroot isolation shares the host PID
