@@ -25,11 +25,13 @@ FROM debian:bookworm-slim
 
 # Exactly the shared libraries the two binaries link (checked with ldd):
 # gRPC C++ / core, Protobuf, Abseil, oneDNN (+ its OpenCL loader dependency),
-# the GNU OpenMP runtime, libmicrohttpd (/metrics) and the C++ runtime.
+# the GNU OpenMP runtime, libmicrohttpd (/metrics), OpenSSL's libcrypto (the
+# server checks that a TLS certificate and its key belong together) and the
+# C++ runtime.
 RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
         libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 \
-        libdnnl2 ocl-icd-libopencl1 libgomp1 libmicrohttpd12 libstdc++6 \
+        libdnnl2 ocl-icd-libopencl1 libgomp1 libmicrohttpd12 libssl3 libstdc++6 \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /var/log/apt /var/log/dpkg.log \
  && groupadd --gid 10001 ropeattn \
  && useradd --uid 10001 --gid 10001 --home-dir /nonexistent \
@@ -48,7 +50,11 @@ USER 10001:10001
 # gRPC (Attend, Encode, Decode, health, reflection) and Prometheus /metrics.
 EXPOSE 50051 9464
 
-# The server's health is SERVING only while its compute canary passes.
+# The server's health is SERVING only while its compute canary passes. This
+# check speaks plaintext, like the default command below; a container run
+# with --tls_cert_file needs its own (e.g. docker run --health-cmd "ropeattn
+# health --tls_ca_file ... --deadline_seconds 3"; Kubernetes ignores
+# HEALTHCHECK and uses the exec probes in deploy/k8s).
 HEALTHCHECK --interval=30s --timeout=5s --start-period=20s --retries=3 \
     CMD ["ropeattn", "health", "--target", "127.0.0.1:50051", "--deadline_seconds", "3"]
 
