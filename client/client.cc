@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/credentials.h"
 #include "client/ring.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -283,6 +284,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
         absl::StrCat("max_retries must be >= 0, got ", options.max_retries));
   }
   if (absl::Status s = CheckRoutingKey(options.routing_key); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      ChannelCredentialsFor(options);
+  if (!credentials.ok()) return credentials.status();
   for (size_t i = 0; i < options.targets.size(); ++i) {
     if (options.targets[i].empty()) {
       return absl::InvalidArgumentError(absl::StrCat("targets[", i, "] must not be empty"));
@@ -312,7 +316,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
       options.targets.empty() ? std::vector<std::string>{options.target} : options.targets;
   for (const std::string& target : targets) {
     Replica replica;
-    replica.channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+    // The same credentials for every target: one TLS setup, one token.
+    replica.channel = grpc::CreateCustomChannel(target, *credentials, args);
     replica.stub = v1::AttentionService::NewStub(replica.channel);
     client->replicas_.push_back(std::move(replica));
   }

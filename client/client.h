@@ -74,6 +74,32 @@ struct ClientOptions {
   //   below and RecoverableSession).
   // When empty, the Client talks to `target` alone, as it always did.
   std::vector<std::string> targets;
+
+  // TLS (docs/security.md). TLS is on when any of the three tls_* fields is
+  // set, and then every channel (each of `targets`) uses it; all empty (the
+  // default): plaintext. The server's name is checked against the host of
+  // the target, so a target written as an IP address needs an IP SAN.
+  // Files are read once, by Connect (a rotated file needs a new Client).
+  // Connect returns InvalidArgument, naming the field and the file, for a
+  // file that cannot be read or holds no PEM block of the kind below.
+  //
+  // PEM CA certificates that verify the server (a bundle may hold several).
+  // Empty with TLS on: gRPC's default roots (the system's, or the file in
+  // $GRPC_DEFAULT_SSL_ROOTS_FILE_PATH).
+  std::string tls_ca_file;
+  // Mutual TLS: this client's PEM certificate chain and its unencrypted PEM
+  // private key, both or neither (InvalidArgument otherwise). Without
+  // tls_ca_file the server is verified against the default roots.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // Bearer token, sent as "authorization: Bearer <token>" on every call
+  // (unary calls, Decode streams, Health). Empty (the default): none. Needs
+  // TLS (InvalidArgument otherwise: on plaintext anyone on the path could
+  // read it), and must be printable ASCII without spaces (it is a header
+  // value; InvalidArgument otherwise). No status or log of this library
+  // contains it. A server that does not know it answers UNAUTHENTICATED
+  // (never retried).
+  std::string token;
 };
 
 // Recovering a session whose replica died (multi-target clients).
@@ -108,7 +134,11 @@ class Client {
  public:
   // Creates the channel (connection is lazy; use Health to probe).
   // InvalidArgument for an empty target, non-positive limits, negative
-  // max_retries or a non-printable routing_key.
+  // max_retries, a non-printable routing_key, or a TLS or token setting that
+  // cannot work (see tls_ca_file .. token: a token without TLS, a certificate
+  // without its key, an unreadable or non-PEM file). A server whose
+  // certificate does not verify, or that refuses this client's certificate,
+  // is not seen here: calls then fail with UNAVAILABLE (the handshake failed).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
   ~Client();
 
