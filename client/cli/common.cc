@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <limits>
 #include <set>
@@ -28,6 +29,17 @@ ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address, host:port.");
 ABSL_FLAG(double, deadline_seconds, 30, "Deadline of each call (each Decode operation), seconds.");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{256} << 20,
           "Largest message either way; at least what the server sends (server default 256 MiB).");
+ABSL_FLAG(std::string, tls_ca_file, "",
+          "TLS: PEM CA certificates that verify the server. Any --tls_* flag turns TLS on; with "
+          "TLS on and this empty, the system's roots.");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "Mutual TLS: this client's PEM certificate chain (with --tls_key_file).");
+ABSL_FLAG(std::string, tls_key_file, "",
+          "Mutual TLS: the unencrypted PEM private key of --tls_cert_file.");
+ABSL_FLAG(std::string, token, "",
+          "Bearer token sent as `authorization: Bearer <token>` on every call; needs TLS. Not "
+          "given: $ROPEATTN_TOKEN if set (preferred: a command line is visible to other users; "
+          "--token= sends none). Not embed's --tokens (token ids).");
 
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the random inputs (q, k, v use seed, seed+1, seed+2).");
 ABSL_FLAG(int64_t, batch, 1, "Batch size B of random inputs.");
@@ -78,8 +90,12 @@ ABSL_FLAG(std::string, hidden, "",
 namespace ropeattn::cli {
 namespace {
 
-constexpr absl::string_view kConnectionFlags[] = {"target", "deadline_seconds",
-                                                  "max_message_bytes"};
+constexpr absl::string_view kConnectionFlags[] = {
+    "target",      "deadline_seconds", "max_message_bytes",
+    "tls_ca_file", "tls_cert_file",    "tls_key_file",
+    "token"};
+// Where --token comes from when it is not given.
+constexpr char kTokenEnv[] = "ROPEATTN_TOKEN";
 constexpr absl::string_view kRopeFlags[] = {
     "rope_type", "rope_factor", "theta", "original_max_positions", "rope_layout", "rotary_dim"};
 constexpr absl::string_view kAttentionSpecFlags[] = {"heads",
@@ -292,7 +308,23 @@ absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags() {
   }
   options.deadline = absl::Seconds(deadline);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  return client::Client::Connect(options);
+  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
+  // --token wins even when empty, so `--token=` sends none whatever the
+  // environment holds.
+  const char* env_token = std::getenv(kTokenEnv);
+  const bool token_from_env = !FlagGiven("token") && env_token != nullptr && *env_token != '\0';
+  options.token = token_from_env ? env_token : absl::GetFlag(FLAGS_token);
+  absl::StatusOr<std::unique_ptr<client::Client>> client = client::Client::Connect(options);
+  if (!client.ok() && token_from_env && absl::StartsWith(client.status().message(), "token")) {
+    // The user may not know the variable is set; the message still never
+    // shows its value.
+    return absl::Status(client.status().code(),
+                        absl::StrCat(client.status().message(), " (the token is $", kTokenEnv,
+                                     " from the environment; --token= sends none)"));
+  }
+  return client;
 }
 
 const char* CodeName(absl::StatusCode code) {

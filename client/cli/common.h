@@ -4,7 +4,9 @@
 // defined once, here (common.cc), and each subcommand names the flags it
 // accepts. The ones every server-talking subcommand shares:
 //   --target (default 127.0.0.1:50051), --deadline_seconds (default 30),
-//   --max_message_bytes (default 256 MiB, matching the server).
+//   --max_message_bytes (default 256 MiB, matching the server),
+//   --tls_ca_file, --tls_cert_file, --tls_key_file, --token (ClientOptions'
+//   TLS and token fields; --token defaults to $ROPEATTN_TOKEN).
 // The attention / RoPE / input flags below are shared by attend, encode,
 // decode and plot.
 #ifndef ROPEATTN_CLIENT_CLI_COMMON_H_
@@ -26,6 +28,10 @@
 ABSL_DECLARE_FLAG(std::string, target);
 ABSL_DECLARE_FLAG(double, deadline_seconds);
 ABSL_DECLARE_FLAG(int64_t, max_message_bytes);
+ABSL_DECLARE_FLAG(std::string, tls_ca_file);
+ABSL_DECLARE_FLAG(std::string, tls_cert_file);
+ABSL_DECLARE_FLAG(std::string, tls_key_file);
+ABSL_DECLARE_FLAG(std::string, token);
 
 // Shapes and inputs (attend, decode, encode rope_apply, plot attention).
 ABSL_DECLARE_FLAG(uint64_t, seed);
@@ -71,8 +77,9 @@ namespace ropeattn::cli {
 
 inline constexpr int kUsageError = 64;
 
-// Names of the connection flags (target, deadline_seconds, max_message_bytes)
-// every server-talking subcommand accepts.
+// Names of the connection flags (target, deadline_seconds, max_message_bytes,
+// tls_ca_file, tls_cert_file, tls_key_file, token) every server-talking
+// subcommand accepts.
 absl::Span<const absl::string_view> ConnectionFlags();
 // The flags built by RopeSpecFromFlags / AttentionSpecFromFlags.
 absl::Span<const absl::string_view> RopeFlags();
@@ -101,7 +108,10 @@ std::optional<std::vector<std::string>> ParseSubcommand(int argc, char** argv,
 // True when the flag was given on this command line.
 bool FlagGiven(absl::string_view name);
 
-// A client for --target with the shared flags applied.
+// A client for --target with the connection flags applied; the token is
+// --token if given (even empty), else $ROPEATTN_TOKEN. Connect's
+// InvalidArgument for a bad TLS or token setting (a token without TLS names
+// ROPEATTN_TOKEN when the token came from it).
 absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags();
 
 // Prints "ropeattn <cmd>: <CODE_NAME>: <message>" to stderr and returns the

@@ -47,6 +47,9 @@ void PrintUsage(std::ostream& out) {
     out << "  " << sub.name << std::string(10 - std::strlen(sub.name), ' ') << sub.summary << "\n";
   }
   out << "\n'ropeattn <subcommand> --help' lists the subcommand's flags.\n"
+         "Every subcommand that talks to a server takes --target, --deadline_seconds,\n"
+         "--max_message_bytes and, for TLS, --tls_ca_file, --tls_cert_file, --tls_key_file\n"
+         "and --token (a bearer token; default $ROPEATTN_TOKEN).\n"
          "Exit code: 0 on success, the gRPC status code of a failure, 64 for a usage error.\n";
 }
 

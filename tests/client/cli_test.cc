@@ -22,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
@@ -61,8 +62,10 @@ std::string MakeTempDir() {
 }
 
 // Runs ROPEATTN_CLI_PATH with `args`; stdout and stderr go to files (no pipe
-// can fill up), killed after 120 s.
-RunResult RunCli(const std::vector<std::string>& args) {
+// can fill up), killed after 120 s. The child's environment is this
+// process's without ROPEATTN_TOKEN (a token in the runner's environment must
+// not change what a test sees), plus `env` ("NAME=value" each).
+RunResult RunCli(const std::vector<std::string>& args, const std::vector<std::string>& env = {}) {
   static const std::string dir = MakeTempDir();
   static int counter = 0;
   const std::string out_path = absl::StrCat(dir, "/run", counter, ".out");
@@ -75,13 +78,20 @@ RunResult RunCli(const std::vector<std::string>& args) {
   std::vector<std::string> copies = args;
   for (std::string& arg : copies) argv.push_back(arg.data());
   argv.push_back(nullptr);
+  std::vector<std::string> env_copies = env;
+  std::vector<char*> envp;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (!absl::StartsWith(*e, "ROPEATTN_TOKEN=")) envp.push_back(*e);
+  }
+  for (std::string& e : env_copies) envp.push_back(e.data());
+  envp.push_back(nullptr);
   RunResult result;
   const pid_t pid = fork();
   if (pid == 0) {
     // Only async-signal-safe calls between fork and exec (the parent has threads).
     dup2(out_fd, 1);
     dup2(err_fd, 2);
-    execv(argv[0], argv.data());
+    execve(argv[0], argv.data(), envp.data());
     _exit(127);
   }
   close(out_fd);
@@ -441,9 +451,9 @@ class CliTest : public ::testing::Test {
   std::string Path(absl::string_view name) const { return absl::StrCat(dir_, "/", name); }
 
   // `ropeattn <args[0]> --target=<server> <args[1..]>`.
-  static RunResult Cli(std::vector<std::string> args) {
+  static RunResult Cli(std::vector<std::string> args, const std::vector<std::string>& env = {}) {
     args.insert(args.begin() + 1, absl::StrCat("--target=", Target()));
-    return RunCli(args);
+    return RunCli(args, env);
   }
 
   static std::unique_ptr<client::Client> Client() {
@@ -551,6 +561,73 @@ TEST_F(CliTest, UsageErrorsExit64WithOneLine) {
   ExpectOneErrorLine(r, "encode", "USAGE");
 }
 
+// --- TLS and token flags: help and what is refused before any call. ---
+
+// The help text of `flag` in `help` (the indented lines below its name),
+// unwrapped: words joined by single spaces.
+std::string FlagHelp(const std::string& help, const std::string& flag) {
+  const size_t at = help.find(absl::StrCat("  ", flag, "\n"));
+  if (at == std::string::npos) return "";
+  const size_t end = help.find("\n  --", at + 1);
+  const std::string text = help.substr(at, end == std::string::npos ? std::string::npos : end - at);
+  return absl::StrJoin(absl::StrSplit(text, absl::ByAnyChar(" \n"), absl::SkipEmpty()), " ");
+}
+
+TEST_F(CliTest, EveryServerSubcommandTakesTheTlsAndTokenFlags) {
+  for (const char* command : {"health", "info", "sessions", "models", "embed", "attend", "encode",
+                              "decode", "plot", "bench"}) {
+    RunResult r = RunCli({command, "--help"});
+    EXPECT_EQ(r.exit_code, 0) << command << "\n" << Describe(r);
+    for (const char* flag : {"--tls_ca_file", "--tls_cert_file", "--tls_key_file", "--token"}) {
+      EXPECT_THAT(r.out, HasSubstr(absl::StrCat("  ", flag, "\n"))) << command << " " << flag;
+    }
+    const std::string token_help = FlagHelp(r.out, "--token");
+    EXPECT_THAT(token_help,
+                AllOf(HasSubstr("Bearer"), HasSubstr("ROPEATTN_TOKEN"), HasSubstr("needs TLS")))
+        << command;
+  }
+  // embed has both: the bearer token and the token ids, told apart.
+  RunResult r = RunCli({"embed", "--help"});
+  EXPECT_THAT(FlagHelp(r.out, "--token"), HasSubstr("Not embed's --tokens (token ids)"));
+  EXPECT_THAT(FlagHelp(r.out, "--tokens"), AllOf(HasSubstr("token ids"), Not(HasSubstr("Bearer"))));
+  r = RunCli({"--help"});
+  EXPECT_THAT(r.out, AllOf(HasSubstr("--tls_ca_file"), HasSubstr("ROPEATTN_TOKEN")));
+}
+
+TEST_F(CliTest, TokenWithoutTlsIsRefusedAndNeverPrinted) {
+  const std::string token = "cli-tok-51d0e7";
+  RunResult r = Cli({"info", absl::StrCat("--token=", token)});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  ExpectOneErrorLine(r, "info", "INVALID_ARGUMENT");
+  EXPECT_THAT(r.err, HasSubstr("token needs TLS"));
+  EXPECT_THAT(r.out + r.err, Not(HasSubstr(token)));
+
+  // From the environment: the same refusal, saying where the token came from.
+  r = Cli({"health"}, {absl::StrCat("ROPEATTN_TOKEN=", token)});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  ExpectOneErrorLine(r, "health", "INVALID_ARGUMENT");
+  EXPECT_THAT(r.err, AllOf(HasSubstr("token needs TLS"), HasSubstr("$ROPEATTN_TOKEN")));
+  EXPECT_THAT(r.out + r.err, Not(HasSubstr(token)));
+
+  // --token= overrides the environment: no token, plaintext is fine.
+  r = Cli({"health", "--token="}, {absl::StrCat("ROPEATTN_TOKEN=", token)});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_EQ(r.out, "SERVING\n");
+}
+
+TEST_F(CliTest, BadTlsFlagsAreInvalidArgumentNamingTheFile) {
+  const std::string missing = Path("no-such-ca.pem");
+  RunResult r = Cli({"health", absl::StrCat("--tls_ca_file=", missing)});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  ExpectOneErrorLine(r, "health", "INVALID_ARGUMENT");
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("tls_ca_file \"", missing, "\" cannot be read")));
+
+  r = Cli({"bench", "--concurrency=1", "--tls_cert_file=/dev/null"});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  ExpectOneErrorLine(r, "bench", "INVALID_ARGUMENT");
+  EXPECT_THAT(r.err, HasSubstr("tls_cert_file is set, tls_key_file is empty"));
+}
+
 // --- health / info / sessions. ---
 
 TEST_F(CliTest, HealthServing) {
@@ -600,8 +677,8 @@ TEST_F(CliTest, InfoHumanAndJson) {
   r = Cli({"info", "--json"});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   // proto3 JSON: int64 as strings, int32 as numbers.
-  EXPECT_THAT(r.out,
-              HasSubstr(absl::StrCat("\"kv_budget_bytes\": \"", options.memory_budget_bytes, "\"")));
+  EXPECT_THAT(
+      r.out, HasSubstr(absl::StrCat("\"kv_budget_bytes\": \"", options.memory_budget_bytes, "\"")));
   EXPECT_THAT(r.out, HasSubstr(absl::StrCat("\"max_sessions\": ", options.max_sessions)));
   EXPECT_THAT(r.out, HasSubstr("\"open_sessions\": "));
 }
