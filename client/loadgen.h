@@ -29,6 +29,13 @@
 //   request. In open loop, sessions arrive at rate / steps_per_session per
 //   second so that the offered step rate is `rate`.
 //
+// Connections: every request and session goes through the Client passed in
+// (the load generator opens no channel of its own), so that Client's
+// ClientOptions apply to all of them with the same meaning: target(s), TLS
+// (tls_ca_file, tls_cert_file, tls_key_file) and the bearer token. A server
+// that refuses the token shows in ProbeWorkload as UNAUTHENTICATED, before
+// any measurement.
+//
 // Thread-safety: RunLoad and RunPoint block the calling thread and run their
 // own worker threads; the Client is shared by them (it is thread-safe).
 #ifndef ROPEATTN_CLIENT_LOADGEN_H_
