@@ -134,6 +134,14 @@ int PortOf(const std::string& address) {
   }
 }
 
+bool Contains(const YAML::Node& seq, const std::string& value) {
+  if (!seq.IsDefined() || !seq.IsSequence()) return false;
+  for (const YAML::Node& v : seq) {
+    if (Str(v) == value) return true;
+  }
+  return false;
+}
+
 // Finds the first element of a sequence whose `key` equals `value`.
 YAML::Node FindBy(const YAML::Node& seq, const std::string& key, const std::string& value) {
   if (seq.IsDefined() && seq.IsSequence()) {
@@ -1275,6 +1283,9 @@ Problems CheckEnvoyTls(const EnvoyTlsInputs& in, int listener_port, const std::s
         continue;
       }
       CheckTlsCertificates(in, Get(ctx, {"common_tls_context"}), "downstream TLS", &p);
+      if (!Contains(Get(ctx, {"common_tls_context", "alpn_protocols"}), "h2")) {
+        p.push_back("downstream TLS does not offer ALPN h2 (gRPC clients refuse a TLS server without it)");
+      }
     }
   }
   // Upstream: mutual TLS to the pods, the pods verified.
@@ -1285,6 +1296,9 @@ Problems CheckEnvoyTls(const EnvoyTlsInputs& in, int listener_port, const std::s
   } else {
     const YAML::Node common = Get(up, {"common_tls_context"});
     CheckTlsCertificates(in, common, "upstream client certificate", &p);
+    if (!Contains(Get(common, {"alpn_protocols"}), "h2")) {
+      p.push_back("upstream TLS does not offer ALPN h2 (the gRPC server refuses a TLS client without it)");
+    }
     // The trusted CA: file-based SDS (it rotates too).
     YAML::Node sds = Get(common, {"combined_validation_context", "validation_context_sds_secret_config"});
     if (!sds.IsDefined()) sds.reset(Get(common, {"validation_context_sds_secret_config"}));
@@ -1315,14 +1329,6 @@ Problems CheckEnvoyTls(const EnvoyTlsInputs& in, int listener_port, const std::s
 
 // ---------------------------------------------------------------------------
 // Certificates (cert-manager).
-
-bool Contains(const YAML::Node& seq, const std::string& value) {
-  if (!seq.IsDefined() || !seq.IsSequence()) return false;
-  for (const YAML::Node& v : seq) {
-    if (Str(v) == value) return true;
-  }
-  return false;
-}
 
 // The Secret holding the certificate chain of the first SDS certificate of
 // a CommonTlsContext, "" if it cannot be resolved (CheckEnvoyTls reports).
@@ -2192,6 +2198,16 @@ TEST(ChecksCatch, EnvoyDownstreamTls) {
                 }
               }),
               HasProblemContaining("certificate_chain /etc/envoy-tls/downstream/tls.crt is not under any volumeMount"));
+}
+
+TEST(ChecksCatch, EnvoyAlpn) {
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) { UpstreamCommon(in.envoy).remove("alpn_protocols"); }),
+              HasProblemContaining("upstream TLS does not offer ALPN h2"));
+  EXPECT_THAT(MutateEnvoyTls([](EnvoyTlsInputs& in) {
+                Listener50051(in.envoy)["filter_chains"][0]["transport_socket"]["typed_config"]["common_tls_context"]
+                                       ["alpn_protocols"][0] = "http/1.1";
+              }),
+              HasProblemContaining("downstream TLS does not offer ALPN h2"));
 }
 
 TEST(ChecksCatch, EnvoyUpstreamMutualTls) {
