@@ -141,6 +141,14 @@ absl::StatusOr<int> ResolveMaxConnections(int max_connections) {
   return static_cast<int>(std::min<int64_t>(derived, INT_MAX));
 }
 
+bool IsLoopbackHost(const std::string& host) {
+  in_addr v4{};
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) return IN6_IS_ADDR_LOOPBACK(&v6);
+  return host == "localhost";
+}
+
 absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& address) {
   const absl::string_view text = address;
   ListenAddress out;

@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/cpu.h"
+#include "server/auth.h"
 #include "server/listener.h"
 #include "server/options.h"
 #include "server/server.h"
@@ -76,6 +77,25 @@ ABSL_FLAG(std::string, model, "",
           "built-in demo model is served as \"demo\"");
 ABSL_FLAG(double, shutdown_grace_seconds, kDefaults.shutdown_grace_seconds,
           "On SIGTERM/SIGINT: time in-flight calls get to finish before they are cancelled");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "TLS: the server's certificate chain (PEM); with --tls_key_file. Re-read when it "
+          "changes (new handshakes see the new one); empty: plaintext");
+ABSL_FLAG(std::string, tls_key_file, "", "TLS: the private key (PEM) of --tls_cert_file");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "Mutual TLS: client certificates are required and verified against these CA "
+          "certificates (PEM). Without --auth_tokens_file a certificate's URI SAN (else DNS SAN) "
+          "is the caller's principal");
+ABSL_FLAG(std::string, auth_tokens_file, "",
+          "Bearer tokens: lines 'TOKEN PRINCIPAL [admin]', '#' comments; every call but health "
+          "then needs 'authorization: Bearer TOKEN' metadata. Needs TLS. Re-read when it changes");
+ABSL_FLAG(int, credentials_reload_seconds, kDefaults.credentials_reload_seconds,
+          "How often the certificate, key, CA and tokens files are checked for changes (1..3600)");
+ABSL_FLAG(bool, reflection, kDefaults.reflection,
+          "Serve grpc.reflection.v1alpha.ServerReflection (what grpcurl uses without .proto files)");
+ABSL_FLAG(int, principal_max_sessions, kDefaults.principal_max_sessions,
+          "With authentication: sessions one principal may hold at once");
+ABSL_FLAG(int64_t, principal_memory_bytes, kDefaults.principal_memory_bytes,
+          "With authentication: bytes of session state one principal may hold");
 
 int main(int argc, char** argv) {
   // Buffers of 4 MiB and more (KV caches, RoPE tables, request tensors) are
@@ -150,6 +170,14 @@ int main(int argc, char** argv) {
   o.max_idle_ttl_seconds = absl::GetFlag(FLAGS_max_idle_ttl_seconds);
   o.shutdown_grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
   o.models = models;
+  o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  o.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
+  o.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
+  o.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  o.credentials_reload_seconds = absl::GetFlag(FLAGS_credentials_reload_seconds);
+  o.reflection = absl::GetFlag(FLAGS_reflection);
+  o.principal_max_sessions = absl::GetFlag(FLAGS_principal_max_sessions);
+  o.principal_memory_bytes = absl::GetFlag(FLAGS_principal_memory_bytes);
 
   // Block the shutdown signals in every thread (they inherit this mask), then
   // take them synchronously here.
@@ -199,6 +227,18 @@ int main(int argc, char** argv) {
                  "a reserve of %d fds): a connection flood can make accept() run out of fds "
                  "(the server sheds connections then)\n",
                  *max_connections, *derived, static_cast<int>(ropeattn::server::kFdReserve));
+  }
+  if (!ropeattn::server::TlsConfigured(o) && !ropeattn::server::AuthConfigured(o)) {
+    const absl::StatusOr<ropeattn::server::ListenAddress> listen =
+        ropeattn::server::ParseListenAddress(o.address);
+    if (listen.ok() && !ropeattn::server::IsLoopbackHost(listen->host)) {
+      std::fprintf(stderr,
+                   "ropeattn-server: warning: listening on %s with no TLS and no authentication: "
+                   "anyone who can reach this port can read traffic, and use, list and close "
+                   "every session. Set --tls_cert_file/--tls_key_file and --auth_tokens_file "
+                   "(or --tls_client_ca_file); see docs/security.md\n",
+                   o.address.c_str());
+    }
   }
   std::fflush(stdout);
 

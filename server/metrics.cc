@@ -69,7 +69,11 @@ struct Data {
   uint64_t sessions_opened = 0;
   uint64_t decode_steps = 0;
   uint64_t decode_tokens = 0;
+  std::array<uint64_t, 3> auth_refused{};  // as Metrics::kAuthRefusalReasons
+  std::array<uint64_t, 2> quota_refused{};  // as kQuotas
 };
+
+constexpr const char* kQuotas[] = {"memory", "sessions"};
 
 // Finds or creates the entry for `key`, folding new keys into "other" once
 // the map is full so label cardinality stays bounded.
@@ -184,6 +188,20 @@ void Metrics::RecordRequest(absl::string_view method, int grpc_code, double seco
 void Metrics::RecordRejected(absl::string_view method) {
   absl::MutexLock lock(&state_->mu);
   ++BoundedEntry(state_->data.methods, method).rejected;
+}
+
+void Metrics::RecordAuthRefused(absl::string_view reason) {
+  absl::MutexLock lock(&state_->mu);
+  for (size_t i = 0; i < state_->data.auth_refused.size(); ++i) {
+    if (reason == kAuthRefusalReasons[i]) ++state_->data.auth_refused[i];
+  }
+}
+
+void Metrics::RecordQuotaRefused(absl::string_view quota) {
+  absl::MutexLock lock(&state_->mu);
+  for (size_t i = 0; i < state_->data.quota_refused.size(); ++i) {
+    if (quota == kQuotas[i]) ++state_->data.quota_refused[i];
+  }
 }
 
 void Metrics::SetConnectionSource(std::function<ConnectionCounts()> source) {
@@ -333,6 +351,22 @@ std::string Metrics::RenderPrometheus() const {
                   "\n");
   absl::StrAppend(&out, "ropeattn_connections_refused_total{reason=\"over_cap\"} ",
                   conn.refused_over_cap, "\n");
+
+  AppendFamilyHeader(&out, "ropeattn_auth_refused_total",
+                     "Calls refused UNAUTHENTICATED, by reason (missing_token, invalid_token, "
+                     "no_identity: a client certificate without a URI or DNS name).",
+                     "counter");
+  for (size_t i = 0; i < d.auth_refused.size(); ++i) {
+    absl::StrAppend(&out, "ropeattn_auth_refused_total{reason=\"", kAuthRefusalReasons[i], "\"} ",
+                    d.auth_refused[i], "\n");
+  }
+  AppendFamilyHeader(&out, "ropeattn_quota_refused_total",
+                     "Session opens and forks refused by a per-principal quota, by quota.",
+                     "counter");
+  for (size_t i = 0; i < d.quota_refused.size(); ++i) {
+    absl::StrAppend(&out, "ropeattn_quota_refused_total{quota=\"", kQuotas[i], "\"} ",
+                    d.quota_refused[i], "\n");
+  }
   return out;
 }
 

@@ -58,6 +58,14 @@ class Metrics {
   // ropeattn_decode_steps_total (+1) and ropeattn_decode_tokens_total
   // (+tokens; negative counts as 0 since counters never go down).
   void RecordStep(int64_t tokens);
+  // Calls refused by authentication (ropeattn_auth_refused_total{reason}):
+  // reason is one of kAuthRefusalReasons; others are ignored.
+  static constexpr const char* kAuthRefusalReasons[] = {"invalid_token", "missing_token",
+                                                        "no_identity"};
+  void RecordAuthRefused(absl::string_view reason);
+  // Session opens and forks refused by a per-principal quota
+  // (ropeattn_quota_refused_total{quota}): "sessions" or "memory".
+  void RecordQuotaRefused(absl::string_view quota);
   // The gRPC listener's connections: ropeattn_connections_accepted_total and
   // ropeattn_connections_refused_total{reason} with reason "over_cap" (the
   // connection cap) or "no_fd" (accept ran out of fds); always rendered, from

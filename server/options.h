@@ -56,6 +56,27 @@ struct ServerOptions {
   double reap_interval_seconds = 1.0;
   // Graceful shutdown: time in-flight work gets before the server cancels it.
   double shutdown_grace_seconds = 10.0;
+  // TLS (docs/security.md): the server's certificate chain and private key,
+  // PEM files, both or neither. Re-read when they change.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // Mutual TLS: client certificates are required and verified against the
+  // CA certificates in this PEM file (needs tls_cert_file). Without a tokens
+  // file, a certificate's identity (URI SAN, else DNS SAN) is the principal.
+  std::string tls_client_ca_file;
+  // Bearer tokens, one per line "TOKEN PRINCIPAL [admin]", '#' starts a
+  // comment; every call but health needs one. Needs TLS. Re-read on change.
+  std::string auth_tokens_file;
+  // How often the certificate, key, CA and tokens files are checked for
+  // changes, in seconds (1 .. 3600).
+  int credentials_reload_seconds = 10;
+  // grpc.reflection.v1alpha.ServerReflection (grpcurl without .proto files).
+  bool reflection = true;
+  // Per-principal quotas, applied when authentication is configured (a
+  // tokens file or a client CA): sessions held (reserved ones included) and
+  // their held bytes (the memory budget's session part).
+  int principal_max_sessions = 64;
+  int64_t principal_memory_bytes = int64_t{1} << 30;
   // Models to serve: (name, checkpoint directory). Empty: the built-in demo
   // model, named "demo".
   std::vector<std::pair<std::string, std::string>> models;

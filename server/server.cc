@@ -8,6 +8,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
@@ -17,6 +18,9 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/impl/server_builder_option.h"
+#include "grpcpp/impl/server_builder_plugin.h"
+#include "server/auth.h"
 #include "server/cost.h"
 #include "server/executor.h"
 #include "server/listener.h"
@@ -53,10 +57,25 @@ bool CanaryComputesCorrectly() {
   return true;
 }
 
+// Removes gRPC's reflection plugin from a ServerBuilder (--reflection=false).
+class WithoutReflection : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments* /*args*/) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
+                                  [](const std::unique_ptr<grpc::ServerBuilderPlugin>& p) {
+                                    return absl::StrContains(p->name(), "reflection");
+                                  }),
+                   plugins->end());
+  }
+};
+
 }  // namespace
 
 struct Server::Impl {
   std::unique_ptr<ModelRegistry> models;
+  // Before the grpc::Server: its credentials hold a reference too.
+  std::shared_ptr<Authenticator> authenticator;
   std::unique_ptr<Metrics> metrics;
   std::unique_ptr<MemoryBudget> budget;
   std::unique_ptr<Executor> executor;
@@ -120,6 +139,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
         options.max_sessions, options.memory_budget_bytes, options.max_request_compute,
         options.max_message_bytes));
   }
+  absl::Status security = CheckSecurityOptions(options);
+  if (!security.ok()) return security;
   if (!CanaryComputesCorrectly()) {
     return absl::InternalError("the compute self-test failed at start-up; not serving");
   }
@@ -165,6 +186,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
                                                      m.metrics.get(), m.models.get(),
                                                      m.budget.get());
 
+  absl::StatusOr<std::shared_ptr<Authenticator>> authenticator =
+      Authenticator::Create(options, m.metrics.get());
+  if (!authenticator.ok()) return authenticator.status();
+  m.authenticator = *std::move(authenticator);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   m.listener = *std::move(listener);
@@ -173,8 +198,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return Metrics::ConnectionCounts{l->accepted(), l->refused_over_cap(), l->refused_no_fd()};
   });
   grpc::ServerBuilder builder;
-  // TLS plugs in here: the acceptor takes any ServerCredentials.
-  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  // Plaintext, TLS or mutual TLS, with the token / certificate
+  // authenticator attached when authentication is configured.
+  std::shared_ptr<grpc::ServerCredentials> credentials =
+      MakeServerCredentials(options, m.authenticator);
   m.acceptor = builder.experimental().AddExternalConnectionAcceptor(
       grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
@@ -194,6 +221,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   builder.AddChannelArgument(
       GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
       static_cast<int>(std::lround(options.handshake_timeout_seconds * 1000)));
+  // The reflection plugin, once initialised, is offered to every builder in
+  // the process; this one drops it when reflection is off.
+  if (!options.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   builder.RegisterService(m.service.get());
   m.grpc_server = builder.BuildAndStart();
   if (m.grpc_server == nullptr) {
@@ -273,6 +303,7 @@ void Server::Shutdown(absl::Duration grace) {
   m.executor->Shutdown();
   m.sessions->CloseAll();
   m.http.reset();
+  m.authenticator->Stop();
   m.done.Notify();
 }
 

@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "core/cpu.h"
+#include "server/auth.h"
 #include "server/convert.h"
 #include "server/handlers.h"
 #include "server/layer.h"
@@ -42,9 +43,14 @@ AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options, Executo
       metrics_(metrics),
       models_(models),
       budget_(budget),
-      limits_{options.max_message_bytes, options.max_request_compute} {}
+      limits_{options.max_message_bytes, options.max_request_compute},
+      auth_configured_(AuthConfigured(options)) {}
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
+
+absl::StatusOr<Principal> AttentionServiceImpl::CallerOf(const grpc::ServerContextBase& ctx) const {
+  return PrincipalOf(ctx, auth_configured_);
+}
 
 namespace {
 
@@ -191,7 +197,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(grpc::CallbackServerC
                                                            const v1::GetSessionRequest* request,
                                                            v1::SessionInfo* response) {
   const absl::Time start = absl::Now();
-  auto info = sessions_->Info(request->session_id());
+  absl::StatusOr<Principal> caller = CallerOf(*ctx);
+  absl::StatusOr<v1::SessionInfo> info =
+      caller.ok() ? sessions_->Info(request->session_id(), *caller) : caller.status();
   absl::Status status = info.status();
   if (info.ok()) *response = *std::move(info);
   metrics_->RecordRequest("GetSession", static_cast<int>(status.code()), SecondsSince(start));
@@ -204,10 +212,16 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListSessions(grpc::CallbackServe
                                                              const v1::ListSessionsRequest* request,
                                                              v1::ListSessionsResponse* response) {
   const absl::Time start = absl::Now();
-  for (v1::SessionInfo& info : sessions_->List()) *response->add_sessions() = std::move(info);
-  metrics_->RecordRequest("ListSessions", 0, SecondsSince(start));
+  absl::StatusOr<Principal> caller = CallerOf(*ctx);
+  if (caller.ok()) {
+    for (v1::SessionInfo& info : sessions_->List(*caller)) {
+      *response->add_sessions() = std::move(info);
+    }
+  }
+  metrics_->RecordRequest("ListSessions", static_cast<int>(caller.status().code()),
+                          SecondsSince(start));
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
+  reactor->Finish(ToGrpcStatus(caller.status()));
   return reactor;
 }
 
@@ -215,7 +229,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServe
                                                              const v1::CloseSessionRequest* request,
                                                              v1::CloseSessionResponse* response) {
   const absl::Time start = absl::Now();
-  auto info = sessions_->Close(request->session_id(), "closed");
+  absl::StatusOr<Principal> caller = CallerOf(*ctx);
+  absl::StatusOr<v1::SessionInfo> info =
+      caller.ok() ? sessions_->Close(request->session_id(), "closed", *caller) : caller.status();
   absl::Status status = info.status();
   if (info.ok()) *response->mutable_session() = *std::move(info);
   metrics_->RecordRequest("CloseSession", static_cast<int>(status.code()), SecondsSince(start));
@@ -289,7 +305,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
 class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse> {
  public:
   DecodeReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
-      : service_(service), ctx_(ctx) {
+      : service_(service), ctx_(ctx), principal_(service->CallerOf(*ctx)) {
     stop_.set_deadline(DeadlineOf(ctx));
     service_->Register(this);
     StartRead(&request_);
@@ -306,6 +322,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
     }
     if (service_->draining()) {
       FinishOnce(ShuttingDown());
+      return;
+    }
+    if (!principal_.ok()) {
+      FinishOnce(ToGrpcStatus(principal_.status()));
       return;
     }
     // Priced and checked here, before anything is allocated or queued.
@@ -416,13 +436,14 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
                           ResolveOpenSession(request_.open(), service_->options_,
                                              *service_->models_));
       RA_ASSIGN_OR_RETURN(ticket_, service_->sessions_->Reserve(
-                                       std::make_shared<const SessionConfig>(std::move(config))));
+                                       std::make_shared<const SessionConfig>(std::move(config)),
+                                       *principal_));
       return absl::OkStatus();
     }
     if (request_.has_fork() && session_ != nullptr) {
       RA_ASSIGN_OR_RETURN(ticket_, service_->sessions_->ReserveFork(
                                        session_, /*resumable=*/true,
-                                       request_.fork().idle_ttl_seconds()));
+                                       request_.fork().idle_ttl_seconds(), *principal_));
       return absl::OkStatus();
     }
     if (request_.has_step() && session_ != nullptr) {
@@ -505,7 +526,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
         if (request_.has_open()) {
           s = service_->sessions_->Open(std::move(ticket_));  // reserved in Admit
         } else {
-          s = service_->sessions_->Attach(request_.attach().session_id());
+          s = service_->sessions_->Attach(request_.attach().session_id(), *principal_);
         }
         if (!s.ok()) {
           status = s.status();
@@ -548,7 +569,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
           }
         } else {
           method = "Decode.Close";
-          auto info = service_->sessions_->Close(session_->id(), "closed");
+          auto info = service_->sessions_->Close(session_->id(), "closed", *principal_);
           status = info.status();
           if (info.ok()) {
             *response_.mutable_closed() = *std::move(info);
@@ -588,6 +609,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
 
   AttentionServiceImpl* const service_;
   grpc::CallbackServerContext* const ctx_;
+  // Who opened the stream: its sessions belong to this principal.
+  const absl::StatusOr<Principal> principal_;
   v1::DecodeRequest request_;
   v1::DecodeResponse response_;
   std::shared_ptr<Session> session_;

@@ -15,6 +15,7 @@
 #include "server/metrics.h"
 #include "server/model.h"
 #include "server/options.h"
+#include "server/principal.h"
 #include "server/sessions.h"
 
 namespace ropeattn::server {
@@ -74,6 +75,10 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   void CallStarted();
   void CallEnded();
 
+  // The principal of a call (server/auth.h): anonymous when authentication
+  // is not configured.
+  absl::StatusOr<Principal> CallerOf(const grpc::ServerContextBase& ctx) const;
+
  private:
   friend class DecodeReactor;
   // Prices the request (`price`), checks the cost against the limits and
@@ -92,6 +97,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   const ModelRegistry* const models_;
   MemoryBudget* const budget_;
   const CostLimits limits_;
+  const bool auth_configured_;
   std::atomic<bool> draining_{false};
   absl::Mutex mu_;
   absl::flat_hash_set<DecodeReactor*> streams_ ABSL_GUARDED_BY(mu_);

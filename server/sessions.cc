@@ -199,9 +199,10 @@ namespace {
 
 }  // namespace
 
-Session::Session(std::string id, std::shared_ptr<const SessionConfig> config, bool resumable,
-                 absl::Duration idle_ttl, MemoryBudget::Reservation held)
+Session::Session(std::string id, std::string owner, std::shared_ptr<const SessionConfig> config,
+                 bool resumable, absl::Duration idle_ttl, MemoryBudget::Reservation held)
     : id_(std::move(id)),
+      owner_(std::move(owner)),
       config_(std::move(config)),
       resumable_(resumable),
       idle_ttl_(idle_ttl),
@@ -492,6 +493,7 @@ SessionManager::Ticket& SessionManager::Ticket::operator=(Ticket&& other) noexce
     config_ = std::move(other.config_);
     resumable_ = other.resumable_;
     ttl_ = other.ttl_;
+    owner_ = std::move(other.owner_);
     held_ = std::move(other.held_);
   }
   return *this;
@@ -506,6 +508,7 @@ void SessionManager::ReleaseTicket(Ticket* ticket) {
     absl::MutexLock lock(&mu_);
     --reserved_sessions_;
     kv_in_use_ -= ticket->held_.bytes();
+    UncountLocked(ticket->owner_, ticket->held_.bytes());
     PublishLocked();
   }
   ticket->manager_ = nullptr;
@@ -513,8 +516,17 @@ void SessionManager::ReleaseTicket(Ticket* ticket) {
   ticket->config_.reset();
 }
 
+void SessionManager::UncountLocked(const std::string& owner, int64_t bytes) {
+  auto it = usage_.find(owner);
+  if (it == usage_.end()) return;
+  --it->second.sessions;
+  it->second.bytes -= bytes;
+  if (it->second.sessions <= 0) usage_.erase(it);
+}
+
 absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
-    std::shared_ptr<const SessionConfig> config, bool resumable, absl::Duration ttl) {
+    std::shared_ptr<const SessionConfig> config, bool resumable, absl::Duration ttl,
+    const Principal& owner) {
   const Cost cost = SessionOpenCost(SessionDimsOf(*config));
   Ticket ticket;
   absl::MutexLock lock(&mu_);
@@ -525,6 +537,28 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
         "retry later",
         options_.max_sessions));
   }
+  // Quotas bind authenticated principals (without authentication every
+  // caller is the one anonymous principal, bound by the server's limits).
+  const auto used = usage_.find(owner.name);
+  const Usage usage = used == usage_.end() ? Usage{} : used->second;
+  if (owner.authenticated) {
+    if (usage.sessions >= options_.principal_max_sessions) {
+      if (metrics_ != nullptr) metrics_->RecordQuotaRefused("sessions");
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "principal %s already holds its quota of %d sessions (--principal_max_sessions); "
+          "close one first",
+          QuoteForMessage(owner.name), options_.principal_max_sessions));
+    }
+    if (cost.held_bytes > options_.principal_memory_bytes - usage.bytes) {
+      if (metrics_ != nullptr) metrics_->RecordQuotaRefused("memory");
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "principal %s: the session's %s needs %d bytes, but only %d of its quota of %d "
+          "(--principal_memory_bytes) are free; lower max_context or close sessions",
+          QuoteForMessage(owner.name), cost.held_what, cost.held_bytes,
+          std::max<int64_t>(0, options_.principal_memory_bytes - usage.bytes),
+          options_.principal_memory_bytes));
+    }
+  }
   absl::StatusOr<MemoryBudget::Reservation> r =
       budget_->Reserve(cost.held_bytes, absl::StrCat("the session's ", cost.held_what));
   if (!r.ok()) {
@@ -534,6 +568,10 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
   ticket.held_ = *std::move(r);
   kv_in_use_ += ticket.held_.bytes();
   ++reserved_sessions_;
+  Usage& counted = usage_[owner.name];
+  ++counted.sessions;
+  counted.bytes += ticket.held_.bytes();
+  ticket.owner_ = owner.name;
   ticket.manager_ = this;
   ticket.config_ = std::move(config);
   ticket.resumable_ = resumable;
@@ -543,10 +581,10 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
 }
 
 absl::StatusOr<SessionManager::Ticket> SessionManager::Reserve(
-    std::shared_ptr<const SessionConfig> config) {
+    std::shared_ptr<const SessionConfig> config, const Principal& owner) {
   const bool resumable = config->resumable;
   const absl::Duration ttl = config->idle_ttl;
-  return ReserveRoom(std::move(config), resumable, ttl);
+  return ReserveRoom(std::move(config), resumable, ttl, owner);
 }
 
 absl::Duration SessionManager::ForkTtl(uint32_t idle_ttl_seconds) const {
@@ -556,15 +594,17 @@ absl::Duration SessionManager::ForkTtl(uint32_t idle_ttl_seconds) const {
 }
 
 absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveFork(
-    const std::shared_ptr<Session>& source, bool resumable, uint32_t idle_ttl_seconds) {
-  return ReserveRoom(source->config_, resumable, ForkTtl(idle_ttl_seconds));
+    const std::shared_ptr<Session>& source, bool resumable, uint32_t idle_ttl_seconds,
+    const Principal& owner) {
+  return ReserveRoom(source->config_, resumable, ForkTtl(idle_ttl_seconds), owner);
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {
   if (!ticket.valid()) return absl::FailedPreconditionError("no room reserved for the session");
   const int64_t bytes = ticket.held_.bytes();
-  auto session = std::shared_ptr<Session>(new Session(NewId(), ticket.config_, ticket.resumable_,
-                                                      ticket.ttl_, std::move(ticket.held_)));
+  auto session =
+      std::shared_ptr<Session>(new Session(NewId(), ticket.owner_, ticket.config_,
+                                           ticket.resumable_, ticket.ttl_, std::move(ticket.held_)));
   // The slot now belongs to the session (or is freed below); the bytes
   // moved with the reservation.
   ticket.manager_ = nullptr;
@@ -573,6 +613,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {
   --reserved_sessions_;
   if (!st.ok()) {
     kv_in_use_ -= bytes;
+    UncountLocked(session->owner_, bytes);
     PublishLocked();
     return st;  // the session (and its reservation) is released here
   }
@@ -587,23 +628,33 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(
-    std::shared_ptr<const SessionConfig> config) {
-  RA_ASSIGN_OR_RETURN(Ticket ticket, Reserve(std::move(config)));
+    std::shared_ptr<const SessionConfig> config, const Principal& owner) {
+  RA_ASSIGN_OR_RETURN(Ticket ticket, Reserve(std::move(config), owner));
   return Open(std::move(ticket));
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindLocked(const std::string& id) const {
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindLocked(const std::string& id,
+                                                                    const Principal& caller,
+                                                                    bool admin_may) const {
+  const auto visible = [&](const std::string& owner) {
+    return owner == caller.name || (admin_may && caller.admin);
+  };
   auto it = sessions_.find(id);
-  if (it != sessions_.end()) return it->second;
-  // A recently ended id gets its own story: expired, closed, freed.
+  if (it != sessions_.end() && visible(it->second->owner_)) return it->second;
+  // A recently ended id gets its own story (expired, closed, freed), told to
+  // its owner only.
   auto ended = ended_.find(id);
-  if (ended != ended_.end()) return ended->second;
+  if (it == sessions_.end() && ended != ended_.end() && visible(ended->second.owner)) {
+    return ended->second.status;
+  }
+  // The same words whether the id never existed or belongs to someone else.
   return absl::NotFoundError(absl::StrCat("unknown session id ", QuoteForMessage(id)));
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const std::string& id) {
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const std::string& id,
+                                                                const Principal& caller) {
   absl::MutexLock lock(&mu_);
-  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> found, FindLocked(id));
+  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> found, FindLocked(id, caller, /*admin_may=*/false));
   Session& s = *found;
   absl::MutexLock slock(&s.mu_);
   if (!s.resumable_) {
@@ -642,9 +693,10 @@ void SessionManager::EraseLocked(const std::string& id, absl::string_view reason
   std::shared_ptr<Session> s = it->second;
   sessions_.erase(it);
   kv_in_use_ -= s->kv_bytes_;
+  UncountLocked(s->owner_, s->kv_bytes_);
   s->End(ended);
   s->held_.Release();
-  ended_[id] = ended;
+  ended_[id] = Ended{ended, s->owner_};
   ended_order_.push_back(id);
   while (ended_order_.size() > kMaxEndedIds) {
     ended_.erase(ended_order_.front());
@@ -655,9 +707,10 @@ void SessionManager::EraseLocked(const std::string& id, absl::string_view reason
 }
 
 absl::StatusOr<v1::SessionInfo> SessionManager::Close(const std::string& id,
-                                                      const std::string& reason) {
+                                                      const std::string& reason,
+                                                      const Principal& caller) {
   absl::MutexLock lock(&mu_);
-  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> found, FindLocked(id));
+  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> found, FindLocked(id, caller, /*admin_may=*/true));
   v1::SessionInfo info;
   found->FillInfo(&info);
   EraseLocked(id, reason,
@@ -666,8 +719,9 @@ absl::StatusOr<v1::SessionInfo> SessionManager::Close(const std::string& id,
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Fork(
-    const std::shared_ptr<Session>& source, bool resumable, uint32_t idle_ttl_seconds) {
-  RA_ASSIGN_OR_RETURN(Ticket ticket, ReserveFork(source, resumable, idle_ttl_seconds));
+    const std::shared_ptr<Session>& source, bool resumable, uint32_t idle_ttl_seconds,
+    const Principal& owner) {
+  RA_ASSIGN_OR_RETURN(Ticket ticket, ReserveFork(source, resumable, idle_ttl_seconds, owner));
   return Fork(source, std::move(ticket));
 }
 
@@ -686,18 +740,20 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Fork(
   return fork;
 }
 
-absl::StatusOr<v1::SessionInfo> SessionManager::Info(const std::string& id) const {
+absl::StatusOr<v1::SessionInfo> SessionManager::Info(const std::string& id,
+                                                     const Principal& caller) const {
   absl::MutexLock lock(&mu_);
-  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> found, FindLocked(id));
+  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> found, FindLocked(id, caller, /*admin_may=*/true));
   v1::SessionInfo info;
   found->FillInfo(&info);
   return info;
 }
 
-std::vector<v1::SessionInfo> SessionManager::List() const {
+std::vector<v1::SessionInfo> SessionManager::List(const Principal& caller) const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::SessionInfo> out;
   for (const auto& [id, s] : sessions_) {
+    if (s->owner_ != caller.name && !caller.admin) continue;
     out.emplace_back();
     s->FillInfo(&out.back());
   }

@@ -35,6 +35,7 @@
 #include "server/cost.h"
 #include "server/model.h"
 #include "server/options.h"
+#include "server/principal.h"
 
 namespace ropeattn::server {
 
@@ -73,6 +74,8 @@ absl::StatusOr<Cost> PriceStep(const SessionConfig& config, const v1::Step& step
 class Session {
  public:
   const std::string& id() const { return id_; }
+  // The principal that opened (or forked) it: only it may use the session.
+  const std::string& owner() const { return owner_; }
   const SessionConfig& config() const { return *config_; }
   bool resumable() const { return resumable_; }
   absl::Duration idle_ttl() const { return idle_ttl_; }
@@ -95,8 +98,8 @@ class Session {
 
  private:
   friend class SessionManager;
-  Session(std::string id, std::shared_ptr<const SessionConfig> config, bool resumable,
-          absl::Duration idle_ttl, MemoryBudget::Reservation held);
+  Session(std::string id, std::string owner, std::shared_ptr<const SessionConfig> config,
+          bool resumable, absl::Duration idle_ttl, MemoryBudget::Reservation held);
   absl::Status Allocate();
   // Copies another session's history (a fork); both must share the config.
   absl::Status CopyStateFrom(Session& other);
@@ -108,6 +111,7 @@ class Session {
   absl::Status PrepareRope(int64_t new_len) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string id_;
+  const std::string owner_;
   const std::shared_ptr<const SessionConfig> config_;
   const bool resumable_;
   const absl::Duration idle_ttl_;
@@ -133,6 +137,13 @@ class Session {
   std::optional<LinearAttentionState> linear_ ABSL_GUARDED_BY(mu_);
 };
 
+// Ownership (docs/security.md): every call that names a session by id takes
+// the caller's principal. A session of another principal answers exactly
+// like an id that never existed (NotFound "unknown session id ..."), and the
+// story of an ended session (expired, closed) is told to its owner only. An
+// admin may Info, List and Close any session, never Attach another's.
+// Per-principal quotas (options.principal_max_sessions and
+// principal_memory_bytes) apply to authenticated principals.
 class SessionManager {
  public:
   // `budget` (not owned) holds every session's state next to in-flight
@@ -144,7 +155,8 @@ class SessionManager {
   // max_sessions are open or the memory budget cannot hold its state (the
   // message says how much it needs and how much is free); others keep
   // working.
-  absl::StatusOr<std::shared_ptr<Session>> Open(std::shared_ptr<const SessionConfig> config);
+  absl::StatusOr<std::shared_ptr<Session>> Open(std::shared_ptr<const SessionConfig> config,
+                                                const Principal& owner);
 
   // The room a new session needs, a session slot and its held bytes (the
   // cost model's SessionOpenCost), reserved before anything is allocated or
@@ -165,13 +177,16 @@ class SessionManager {
     std::shared_ptr<const SessionConfig> config_;
     bool resumable_ = false;
     absl::Duration ttl_;
+    std::string owner_;
     MemoryBudget::Reservation held_;
   };
-  // ResourceExhausted (naming max_sessions or the memory budget) when the
-  // room is not there.
-  absl::StatusOr<Ticket> Reserve(std::shared_ptr<const SessionConfig> config);
+  // ResourceExhausted (naming max_sessions, the memory budget, or the
+  // owner's quota) when the room is not there. The new session will belong
+  // to `owner`.
+  absl::StatusOr<Ticket> Reserve(std::shared_ptr<const SessionConfig> config,
+                                 const Principal& owner);
   absl::StatusOr<Ticket> ReserveFork(const std::shared_ptr<Session>& source, bool resumable,
-                                     uint32_t idle_ttl_seconds);
+                                     uint32_t idle_ttl_seconds, const Principal& owner);
   // Allocates a reserved session, attached to the caller.
   absl::StatusOr<std::shared_ptr<Session>> Open(Ticket ticket);
   absl::StatusOr<std::shared_ptr<Session>> Fork(const std::shared_ptr<Session>& source,
@@ -179,18 +194,21 @@ class SessionManager {
   // Re-attaches a resumable session. NotFound for an unknown id or one that
   // expired or was closed (the message says which); FailedPrecondition if it
   // is not resumable or another stream holds it.
-  absl::StatusOr<std::shared_ptr<Session>> Attach(const std::string& id);
+  absl::StatusOr<std::shared_ptr<Session>> Attach(const std::string& id, const Principal& caller);
   // The stream holding the session ended (`reason`: "disconnected" or
   // "closed"): a non-resumable session is freed at once, a resumable one
   // stays until its idle TTL.
   void Detach(const std::shared_ptr<Session>& session, bool stream_cancelled);
   // Closes and frees a session (from the stream or an operator).
-  absl::StatusOr<v1::SessionInfo> Close(const std::string& id, const std::string& reason);
+  absl::StatusOr<v1::SessionInfo> Close(const std::string& id, const std::string& reason,
+                                        const Principal& caller);
   // A copy of `source`'s history as a new session (attached to the caller).
   absl::StatusOr<std::shared_ptr<Session>> Fork(const std::shared_ptr<Session>& source,
-                                                bool resumable, uint32_t idle_ttl_seconds);
-  absl::StatusOr<v1::SessionInfo> Info(const std::string& id) const;
-  std::vector<v1::SessionInfo> List() const;
+                                                bool resumable, uint32_t idle_ttl_seconds,
+                                                const Principal& owner);
+  absl::StatusOr<v1::SessionInfo> Info(const std::string& id, const Principal& caller) const;
+  // The caller's sessions (an admin: all), sorted by id.
+  std::vector<v1::SessionInfo> List(const Principal& caller) const;
   // Reaps detached sessions idle past their TTL now (the reaper thread calls
   // this). A session attached to a stream never expires; its TTL counts from
   // its detach or its last accepted operation, whichever is later.
@@ -207,14 +225,20 @@ class SessionManager {
   // Reserves room for a session and creates it (allocating its memory
   // outside the manager's lock), attached to the caller.
   absl::StatusOr<Ticket> ReserveRoom(std::shared_ptr<const SessionConfig> config, bool resumable,
-                                     absl::Duration ttl);
+                                     absl::Duration ttl, const Principal& owner);
   // Gives back a ticket's slot and bytes (a ticket not turned into a session).
   void ReleaseTicket(Ticket* ticket);
   absl::Duration ForkTtl(uint32_t idle_ttl_seconds) const;
   // The session with `id`, or NotFound for an unknown id, or the status an
   // ended one left behind (expired, closed, freed).
-  absl::StatusOr<std::shared_ptr<Session>> FindLocked(const std::string& id) const
+  // Another principal's session (unless `admin_may` and the caller is an
+  // admin) is reported as unknown.
+  absl::StatusOr<std::shared_ptr<Session>> FindLocked(const std::string& id,
+                                                      const Principal& caller,
+                                                      bool admin_may) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives back one session and `bytes` of an owner's quota usage.
+  void UncountLocked(const std::string& owner, int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes a session; `reason` is the metrics label, `ended` what later
   // callers of the id are told.
   void EraseLocked(const std::string& id, absl::string_view reason, const absl::Status& ended)
@@ -232,7 +256,18 @@ class SessionManager {
   uint64_t reaped_ ABSL_GUARDED_BY(mu_) = 0;
   // Recently ended ids, so a late caller learns "expired" or "closed" rather
   // than "unknown". Bounded.
-  absl::flat_hash_map<std::string, absl::Status> ended_ ABSL_GUARDED_BY(mu_);
+  struct Ended {
+    absl::Status status;
+    std::string owner;
+  };
+  absl::flat_hash_map<std::string, Ended> ended_ ABSL_GUARDED_BY(mu_);
+  // Sessions (reserved ones included) and held bytes per authenticated
+  // owner, for the per-principal quotas.
+  struct Usage {
+    int sessions = 0;
+    int64_t bytes = 0;
+  };
+  absl::flat_hash_map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> ended_order_ ABSL_GUARDED_BY(mu_);
   absl::Notification stop_;
   std::thread reaper_;

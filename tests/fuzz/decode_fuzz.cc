@@ -48,6 +48,8 @@ namespace {
 
 using server::Session;
 using server::SessionManager;
+// One anonymous caller (ownership is exercised by tests/server/security_test.cc).
+const server::Principal kCaller{};
 
 constexpr int kStreams = 4;
 constexpr int kMaxOps = 64;
@@ -126,12 +128,13 @@ class Driver {
       RA_ASSIGN_OR_RETURN(server::SessionConfig config,
                           server::ResolveOpenSession(r.open(), w_.options, DemoRegistry()));
       s.open_config = std::make_shared<const server::SessionConfig>(std::move(config));
-      RA_ASSIGN_OR_RETURN(s.ticket, w_.sessions.Reserve(s.open_config));
+      RA_ASSIGN_OR_RETURN(s.ticket, w_.sessions.Reserve(s.open_config, kCaller));
       return absl::OkStatus();
     }
     if (r.has_fork() && s.session != nullptr) {
       RA_ASSIGN_OR_RETURN(s.ticket, w_.sessions.ReserveFork(s.session, /*resumable=*/true,
-                                                            r.fork().idle_ttl_seconds()));
+                                                            r.fork().idle_ttl_seconds(),
+                                                            kCaller));
       return absl::OkStatus();
     }
     if (r.has_step() && s.session != nullptr) {
@@ -199,7 +202,7 @@ class Driver {
           HeapMeter::Check(held, "Decode.Open");
           if (opened.ok()) CheckHeld(**opened);
         } else {
-          opened = w_.sessions.Attach(r.attach().session_id());
+          opened = w_.sessions.Attach(r.attach().session_id(), kCaller);
         }
         if (!opened.ok()) {
           status = opened.status();
@@ -250,7 +253,7 @@ class Driver {
             ids_.push_back((*fork)->id());
           }
         } else {
-          auto info = w_.sessions.Close(s.session->id(), "closed");
+          auto info = w_.sessions.Close(s.session->id(), "closed", kCaller);
           status = info.status();
           if (info.ok()) s.close_after_write = true;
         }
@@ -319,7 +322,7 @@ class Driver {
 
   void OperatorClose(Stream& s) {
     if (s.session == nullptr) return;
-    absl::StatusOr<v1::SessionInfo> info = w_.sessions.Close(s.session->id(), "closed");
+    absl::StatusOr<v1::SessionInfo> info = w_.sessions.Close(s.session->id(), "closed", kCaller);
     if (!info.ok()) CheckRefusal(info.status());
   }
 
@@ -328,13 +331,13 @@ class Driver {
   void Reap() {
     std::vector<std::string> held;
     for (const Stream& s : streams_) {
-      if (s.session != nullptr && w_.sessions.Info(s.session->id()).ok()) {
+      if (s.session != nullptr && w_.sessions.Info(s.session->id(), kCaller).ok()) {
         held.push_back(s.session->id());
       }
     }
     w_.sessions.ReapIdle(absl::Now() + absl::Hours(2));
     for (const std::string& id : held) {
-      absl::StatusOr<v1::SessionInfo> info = w_.sessions.Info(id);
+      absl::StatusOr<v1::SessionInfo> info = w_.sessions.Info(id, kCaller);
       FUZZ_CHECK(info.ok(), "the reaper took a session a stream holds: " + info.status().ToString());
       FUZZ_CHECK(info->attached(), "a session a stream holds is not attached");
     }
@@ -350,7 +353,7 @@ class Driver {
                                              " != session state " + std::to_string(kv));
     FUZZ_CHECK(w_.budget.in_use() <= w_.budget.budget(), "budget overdrawn");
     int64_t sum = 0;
-    const std::vector<v1::SessionInfo> list = w_.sessions.List();
+    const std::vector<v1::SessionInfo> list = w_.sessions.List(kCaller);
     for (const v1::SessionInfo& info : list) {
       sum += info.kv_bytes();
       FUZZ_CHECK(info.position() >= 0 && info.position() <= info.max_context(),

@@ -328,7 +328,9 @@ const std::vector<std::string> kAllFamilies = {"ropeattn_requests_total",
                                                "ropeattn_decode_steps_total",
                                                "ropeattn_decode_tokens_total",
                                                "ropeattn_connections_accepted_total",
-                                               "ropeattn_connections_refused_total"};
+                                               "ropeattn_connections_refused_total",
+                                               "ropeattn_auth_refused_total",
+                                               "ropeattn_quota_refused_total"};
 
 // ---------------------------------------------------------------------------
 // The parser itself must reject what Prometheus would, or the format tests
@@ -396,6 +398,12 @@ TEST(MetricsRenderTest, EmptyRegistryHasEveryFamilyInOrder) {
   EXPECT_EQ(e.Get("ropeattn_connections_accepted_total"), 0.0);
   for (const char* reason : {"over_cap", "no_fd"}) {
     EXPECT_EQ(e.Get("ropeattn_connections_refused_total", {{"reason", reason}}), 0.0) << reason;
+  }
+  for (const char* reason : {"invalid_token", "missing_token", "no_identity"}) {
+    EXPECT_EQ(e.Get("ropeattn_auth_refused_total", {{"reason", reason}}), 0.0) << reason;
+  }
+  for (const char* quota : {"memory", "sessions"}) {
+    EXPECT_EQ(e.Get("ropeattn_quota_refused_total", {{"quota", quota}}), 0.0) << quota;
   }
 }
 

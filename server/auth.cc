@@ -1,0 +1,374 @@
+#include "server/auth.h"
+
+#include <openssl/bio.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "grpcpp/security/tls_certificate_provider.h"
+#include "grpcpp/security/tls_credentials_options.h"
+#include "server/metrics.h"
+
+namespace ropeattn::server {
+namespace {
+
+// Health is open to everyone: probes and load balancers carry no token.
+constexpr absl::string_view kHealthPrefix = "/grpc.health.v1.Health/";
+constexpr size_t kMaxPrincipalChars = 128;
+// A tokens file is small; a huge one is a mistake (or an attack on start-up).
+constexpr int64_t kMaxTokensFileBytes = 1 << 20;
+
+bool IsPrincipalChar(char c) {
+  return absl::ascii_isalnum(static_cast<unsigned char>(c)) ||
+         absl::string_view("._:/@+-").find(c) != absl::string_view::npos;
+}
+
+bool IsTokenChar(char c) { return c > 0x20 && c < 0x7f; }
+
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path, const char* flag) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read ", path));
+  }
+  if (st.st_size > kMaxTokensFileBytes * 16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, ": ", path, " is ", st.st_size, " bytes, too large"));
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// inode, size and mtime (ns): a replaced or rewritten file gets a new one.
+std::string FileIdentity(const std::string& path) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) return "";
+  return absl::StrCat(st.st_dev, ":", st.st_ino, ":", st.st_size, ":", st.st_mtim.tv_sec, ".",
+                      st.st_mtim.tv_nsec);
+}
+
+// Compares all of `stored`, whatever `given` holds: the time does not tell
+// how many leading bytes matched.
+bool ConstantTimeEquals(absl::string_view given, absl::string_view stored) {
+  unsigned char diff = given.size() == stored.size() ? 0 : 1;
+  for (size_t i = 0; i < stored.size(); ++i) {
+    const unsigned char g = i < given.size() ? static_cast<unsigned char>(given[i]) : 0;
+    diff |= g ^ static_cast<unsigned char>(stored[i]);
+  }
+  return diff == 0;
+}
+
+struct BioDeleter {
+  void operator()(BIO* b) const { BIO_free(b); }
+};
+struct X509Deleter {
+  void operator()(X509* x) const { X509_free(x); }
+};
+struct KeyDeleter {
+  void operator()(EVP_PKEY* k) const { EVP_PKEY_free(k); }
+};
+
+std::unique_ptr<X509, X509Deleter> ParseCert(const std::string& pem) {
+  std::unique_ptr<BIO, BioDeleter> bio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
+  if (bio == nullptr) return nullptr;
+  return std::unique_ptr<X509, X509Deleter>(PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr));
+}
+
+absl::Status CheckCertAndKey(const ServerOptions& o) {
+  absl::StatusOr<std::string> cert = ReadWholeFile(o.tls_cert_file, "tls_cert_file");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadWholeFile(o.tls_key_file, "tls_key_file");
+  if (!key.ok()) return key.status();
+  auto x509 = ParseCert(*cert);
+  if (x509 == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_cert_file: ", o.tls_cert_file, " holds no PEM certificate"));
+  }
+  std::unique_ptr<BIO, BioDeleter> bio(
+      BIO_new_mem_buf(key->data(), static_cast<int>(key->size())));
+  std::unique_ptr<EVP_PKEY, KeyDeleter> pkey(
+      bio == nullptr ? nullptr : PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr));
+  if (pkey == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls_key_file: ", o.tls_key_file, " holds no PEM private key (or it is encrypted)"));
+  }
+  if (X509_check_private_key(x509.get(), pkey.get()) != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--tls_key_file: the key in ", o.tls_key_file,
+                                                   " does not belong to the certificate in ",
+                                                   o.tls_cert_file));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool AuthConfigured(const ServerOptions& options) {
+  return !options.auth_tokens_file.empty() || !options.tls_client_ca_file.empty();
+}
+
+absl::StatusOr<std::vector<TokenEntry>> ParseTokens(absl::string_view text,
+                                                    absl::string_view file) {
+  std::vector<TokenEntry> out;
+  int line_no = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_no;
+    const size_t hash = line.find('#');
+    if (hash != absl::string_view::npos) line = line.substr(0, hash);
+    std::vector<absl::string_view> fields =
+        absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty());
+    if (fields.empty()) continue;
+    const auto bad = [&](absl::string_view what) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--auth_tokens_file: ", file, " line ", line_no, ": ", what));
+    };
+    if (fields.size() < 2 || fields.size() > 3) {
+      return bad(absl::StrCat("expected TOKEN PRINCIPAL [admin], got ", fields.size(), " fields"));
+    }
+    for (char c : fields[0]) {
+      if (!IsTokenChar(c)) return bad("the token has a character outside printable ASCII");
+    }
+    if (fields[1].size() > kMaxPrincipalChars) {
+      return bad(absl::StrCat("the principal name is longer than ", kMaxPrincipalChars));
+    }
+    for (char c : fields[1]) {
+      if (!IsPrincipalChar(c)) {
+        return bad("the principal name may hold only letters, digits and ._:/@+-");
+      }
+    }
+    if (fields.size() == 3 && fields[2] != "admin") {
+      return bad(absl::StrCat("the third field must be \"admin\", got \"",
+                              fields[2].substr(0, 32), "\""));
+    }
+    for (const TokenEntry& e : out) {
+      if (e.token == fields[0]) return bad("this token is already listed on an earlier line");
+    }
+    TokenEntry entry;
+    entry.token = std::string(fields[0]);
+    entry.principal.name = std::string(fields[1]);
+    entry.principal.admin = fields.size() == 3;
+    entry.principal.authenticated = true;
+    out.push_back(std::move(entry));
+  }
+  if (out.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--auth_tokens_file: ", file, " lists no token"));
+  }
+  return out;
+}
+
+absl::Status CheckSecurityOptions(const ServerOptions& o) {
+  if (o.credentials_reload_seconds < 1 || o.credentials_reload_seconds > 3600) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "credentials_reload_seconds must be in [1, 3600], got ", o.credentials_reload_seconds));
+  }
+  if (o.principal_max_sessions < 1 || o.principal_memory_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "principal_max_sessions must be >= 1 and principal_memory_bytes >= 0, got ",
+        o.principal_max_sessions, " and ", o.principal_memory_bytes));
+  }
+  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        o.tls_cert_file.empty() ? "--tls_key_file needs --tls_cert_file (the server's certificate)"
+                                : "--tls_cert_file needs --tls_key_file (its private key)");
+  }
+  if (!TlsConfigured(o)) {
+    if (!o.tls_client_ca_file.empty()) {
+      return absl::InvalidArgumentError(
+          "--tls_client_ca_file needs --tls_cert_file and --tls_key_file (mutual TLS is TLS)");
+    }
+    if (!o.auth_tokens_file.empty()) {
+      return absl::InvalidArgumentError(
+          "--auth_tokens_file needs TLS (--tls_cert_file and --tls_key_file): a bearer token "
+          "on a plaintext connection can be read by anyone on the path");
+    }
+    return absl::OkStatus();
+  }
+  absl::Status pair = CheckCertAndKey(o);
+  if (!pair.ok()) return pair;
+  if (!o.tls_client_ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadWholeFile(o.tls_client_ca_file, "tls_client_ca_file");
+    if (!ca.ok()) return ca.status();
+    if (ParseCert(*ca) == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tls_client_ca_file: ", o.tls_client_ca_file, " holds no PEM certificate"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+Authenticator::Authenticator(const ServerOptions& options, Metrics* metrics)
+    : tokens_file_(options.auth_tokens_file),
+      certificate_identities_(options.auth_tokens_file.empty() &&
+                              !options.tls_client_ca_file.empty()),
+      reload_seconds_(options.credentials_reload_seconds),
+      metrics_(metrics) {}
+
+absl::StatusOr<std::shared_ptr<Authenticator>> Authenticator::Create(const ServerOptions& options,
+                                                                     Metrics* metrics) {
+  std::shared_ptr<Authenticator> a(new Authenticator(options, metrics));
+  if (!a->tokens_file_.empty()) {
+    const std::string identity = FileIdentity(a->tokens_file_);
+    absl::StatusOr<std::string> text = ReadWholeFile(a->tokens_file_, "auth_tokens_file");
+    if (!text.ok()) return text.status();
+    absl::StatusOr<std::vector<TokenEntry>> parsed = ParseTokens(*text, a->tokens_file_);
+    if (!parsed.ok()) return parsed.status();
+    {
+      absl::MutexLock lock(&a->mu_);
+      a->tokens_ = *std::move(parsed);
+      a->file_identity_ = identity;
+    }
+    Authenticator* self = a.get();
+    a->reloader_ = std::thread([self] {
+      while (!self->stop_.WaitForNotificationWithTimeout(absl::Seconds(self->reload_seconds_))) {
+        self->ReloadIfChanged().IgnoreError();
+      }
+    });
+  }
+  return a;
+}
+
+Authenticator::~Authenticator() { Stop(); }
+
+void Authenticator::Stop() {
+  if (!stop_.HasBeenNotified()) stop_.Notify();
+  if (reloader_.joinable()) reloader_.join();
+}
+
+absl::Status Authenticator::ReloadIfChanged() {
+  if (tokens_file_.empty()) return absl::OkStatus();
+  const std::string identity = FileIdentity(tokens_file_);
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (identity == file_identity_) return absl::OkStatus();
+  }
+  absl::StatusOr<std::string> text = ReadWholeFile(tokens_file_, "auth_tokens_file");
+  absl::StatusOr<std::vector<TokenEntry>> parsed =
+      text.ok() ? ParseTokens(*text, tokens_file_) : text.status();
+  absl::MutexLock lock(&mu_);
+  file_identity_ = identity;  // a broken file is reported once, not every interval
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "ropeattn-server: keeping the previous tokens: %s\n",
+                 std::string(parsed.status().message()).c_str());
+    return parsed.status();
+  }
+  tokens_ = *std::move(parsed);
+  std::fprintf(stderr, "ropeattn-server: re-read %s: %zu tokens\n", tokens_file_.c_str(),
+               tokens_.size());
+  return absl::OkStatus();
+}
+
+const TokenEntry* Authenticator::Find(absl::string_view token) const {
+  const TokenEntry* found = nullptr;
+  for (const TokenEntry& e : tokens_) {
+    const bool equal = ConstantTimeEquals(token, e.token);
+    if (equal) found = &e;
+  }
+  return found;
+}
+
+grpc::Status Authenticator::Process(const InputMetadata& md, grpc::AuthContext* context,
+                                    OutputMetadata* consumed, OutputMetadata* /*response*/) {
+  const auto path = md.find(":path");
+  if (path != md.end() && absl::StartsWith(absl::string_view(path->second.data(),
+                                                             path->second.size()),
+                                           kHealthPrefix)) {
+    return grpc::Status::OK;
+  }
+  const auto refuse = [this](const char* reason, const std::string& message) {
+    if (metrics_ != nullptr) metrics_->RecordAuthRefused(reason);
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, message);
+  };
+  Principal principal;
+  if (certificate_identities_) {
+    // The first URI SAN (a SPIFFE id, say), else the first DNS SAN.
+    std::string identity;
+    for (const char* property : {"peer_uri", "peer_dns"}) {
+      std::vector<grpc::string_ref> values = context->FindPropertyValues(property);
+      if (!values.empty()) {
+        identity.assign(values.front().data(), values.front().size());
+        break;
+      }
+    }
+    if (identity.empty()) {
+      return refuse("no_identity",
+                    "the client certificate names no principal: it needs a URI or DNS "
+                    "subjectAltName");
+    }
+    principal.name = identity.substr(0, kMaxPrincipalChars);
+  } else {
+    const auto auth = md.find("authorization");
+    if (auth == md.end()) {
+      return refuse("missing_token", "this server needs authorization: Bearer <token> metadata");
+    }
+    const absl::string_view value(auth->second.data(), auth->second.size());
+    constexpr absl::string_view kScheme = "bearer ";
+    if (value.size() <= kScheme.size() ||
+        !absl::EqualsIgnoreCase(value.substr(0, kScheme.size()), kScheme)) {
+      return refuse("invalid_token",
+                    "the authorization metadata must be \"Bearer <token>\"");
+    }
+    const absl::string_view token = absl::StripAsciiWhitespace(value.substr(kScheme.size()));
+    {
+      absl::ReaderMutexLock lock(&mu_);
+      const TokenEntry* entry = Find(token);
+      if (entry == nullptr) return refuse("invalid_token", "the bearer token is not valid");
+      principal = entry->principal;
+    }
+    // Handlers (and anything they log) never see the token.
+    consumed->insert({"authorization", std::string(value)});
+  }
+  context->AddProperty(kPrincipalProperty, principal.name);
+  if (principal.admin) context->AddProperty(kAdminProperty, "1");
+  return grpc::Status::OK;
+}
+
+std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(
+    const ServerOptions& options, const std::shared_ptr<Authenticator>& authenticator) {
+  if (!TlsConfigured(options)) return grpc::InsecureServerCredentials();
+  const unsigned refresh = static_cast<unsigned>(options.credentials_reload_seconds);
+  auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      options.tls_key_file, options.tls_cert_file, options.tls_client_ca_file, refresh);
+  grpc::experimental::TlsServerCredentialsOptions tls(provider);
+  tls.watch_identity_key_cert_pairs();
+  if (!options.tls_client_ca_file.empty()) {
+    tls.watch_root_certs();
+    tls.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  } else {
+    tls.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  }
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::experimental::TlsServerCredentials(tls);
+  if (authenticator != nullptr && AuthConfigured(options)) {
+    creds->SetAuthMetadataProcessor(authenticator);
+  }
+  return creds;
+}
+
+absl::StatusOr<Principal> PrincipalOf(const grpc::ServerContextBase& ctx, bool auth_configured) {
+  Principal p;
+  if (!auth_configured) return p;
+  const std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context();
+  std::vector<grpc::string_ref> names =
+      auth == nullptr ? std::vector<grpc::string_ref>{}
+                      : auth->FindPropertyValues(Authenticator::kPrincipalProperty);
+  if (names.empty()) return absl::UnauthenticatedError("this call carries no principal");
+  p.name.assign(names.front().data(), names.front().size());
+  p.admin = !auth->FindPropertyValues(Authenticator::kAdminProperty).empty();
+  p.authenticated = true;
+  return p;
+}
+
+}  // namespace ropeattn::server

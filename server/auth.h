@@ -1,0 +1,115 @@
+// Transport security and authentication (docs/security.md): the server's
+// TLS credentials, the bearer-token table, and the gRPC metadata processor
+// that gives every call (but health) a principal before any handler runs.
+//
+// Thread-safety: an Authenticator is called by gRPC on many threads at once
+// and by its own reload thread; its token table is swapped under a mutex.
+#ifndef ROPEATTN_SERVER_AUTH_H_
+#define ROPEATTN_SERVER_AUTH_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/security/auth_metadata_processor.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_context.h"
+#include "server/options.h"
+#include "server/principal.h"
+
+namespace ropeattn::server {
+
+class Metrics;
+
+// Whether calls need a principal: a tokens file or a client CA is set.
+bool AuthConfigured(const ServerOptions& options);
+// Whether the server speaks TLS.
+inline bool TlsConfigured(const ServerOptions& options) { return !options.tls_cert_file.empty(); }
+
+// One line of the tokens file.
+struct TokenEntry {
+  std::string token;
+  Principal principal;
+};
+// Parses a tokens file: lines "TOKEN PRINCIPAL [admin]", '#' starts a
+// comment, blank lines skipped. A token is printable ASCII without spaces; a
+// principal is 1..128 of [A-Za-z0-9._:/@+-]. InvalidArgument naming `file`
+// and the line number (never the token) for anything else, a token listed
+// twice, or a file with no token at all.
+absl::StatusOr<std::vector<TokenEntry>> ParseTokens(absl::string_view text,
+                                                    absl::string_view file);
+
+// Checks the security options before anything listens: cert and key both or
+// neither, each readable and PEM, the key belonging to the certificate, the
+// client CA parseable, a client CA or tokens file only with TLS, the reload
+// interval in range. InvalidArgument naming the flag and the file.
+absl::Status CheckSecurityOptions(const ServerOptions& options);
+
+// The AuthMetadataProcessor on the server's TLS credentials. Health calls
+// pass without a principal; every other call gets the properties
+// kPrincipalProperty (and kAdminProperty for admins) or UNAUTHENTICATED.
+class Authenticator : public grpc::AuthMetadataProcessor {
+ public:
+  static constexpr char kPrincipalProperty[] = "ropeattn.principal";
+  static constexpr char kAdminProperty[] = "ropeattn.admin";
+
+  // Reads the tokens file (if any) and starts the thread that re-reads it
+  // every credentials_reload_seconds when it changed. `metrics` (not owned,
+  // may be null) counts refusals.
+  static absl::StatusOr<std::shared_ptr<Authenticator>> Create(const ServerOptions& options,
+                                                               Metrics* metrics);
+  ~Authenticator() override;
+  // Stops the reload thread (idempotent).
+  void Stop();
+
+  bool IsBlocking() const override { return false; }
+  grpc::Status Process(const InputMetadata& auth_metadata, grpc::AuthContext* context,
+                       OutputMetadata* consumed_auth_metadata,
+                       OutputMetadata* response_metadata) override;
+
+  // Re-reads the tokens file now if its identity (inode, size, mtime)
+  // changed. A file that fails to parse keeps the previous table (logged).
+  // Returns the parse status of a re-read, OK when nothing changed.
+  absl::Status ReloadIfChanged();
+
+ private:
+  Authenticator(const ServerOptions& options, Metrics* metrics);
+  // The entry whose token equals `token`, compared in constant time against
+  // every entry; nullptr if none.
+  const TokenEntry* Find(absl::string_view token) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
+  const std::string tokens_file_;
+  const bool certificate_identities_;  // mTLS without a tokens file
+  const int reload_seconds_;
+  Metrics* const metrics_;
+  mutable absl::Mutex mu_;
+  std::vector<TokenEntry> tokens_ ABSL_GUARDED_BY(mu_);
+  std::string file_identity_ ABSL_GUARDED_BY(mu_);
+  absl::Notification stop_;
+  std::thread reloader_;
+};
+
+// The credentials the server listens with: plaintext without TLS; TLS from
+// gRPC's FileWatcherCertificateProvider (files re-read every
+// credentials_reload_seconds: new handshakes see a rotated certificate,
+// open connections keep theirs) with client certificates required and
+// verified when tls_client_ca_file is set; `authenticator` attached when
+// authentication is configured.
+std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(
+    const ServerOptions& options, const std::shared_ptr<Authenticator>& authenticator);
+
+// The principal of a call, from the properties the Authenticator set. When
+// authentication is not configured, the anonymous principal. Unauthenticated
+// (a call the processor did not see: should not happen) otherwise.
+absl::StatusOr<Principal> PrincipalOf(const grpc::ServerContextBase& ctx, bool auth_configured);
+
+}  // namespace ropeattn::server
+
+#endif  // ROPEATTN_SERVER_AUTH_H_

@@ -1,0 +1,723 @@
+// TLS, mutual TLS, bearer tokens, session ownership and per-principal quotas
+// (docs/security.md), against a real server on a loopback port with real
+// handshakes; every certificate is made at test time with openssl
+// (tests/tools/test_certs.h).
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "reflection_wire.grpc.pb.h"
+#include "server/auth.h"
+#include "server/metrics.h"
+#include "server/sessions.h"
+#include "server/server.h"
+#include "tests/server/server_test_util.h"
+#include "tests/tools/test_certs.h"
+
+namespace ropeattn {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+using testing::CertFiles;
+using testing::TestCa;
+
+constexpr char kAliceToken[] = "tok-alice-6f1d2c";
+constexpr char kBobToken[] = "tok-bob-93ab07";
+constexpr char kAdminToken[] = "tok-ops-5520ee";
+
+// How a test client connects.
+struct Creds {
+  bool tls = true;
+  std::string roots;        // PEM; the test CA
+  std::string cert, key;    // client certificate (mutual TLS)
+  std::string token;        // bearer token
+};
+
+std::shared_ptr<grpc::Channel> Channel(int port, const Creds& c) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  // A fresh connection per channel: no sharing of subchannels (and their
+  // handshakes) between channels with different credentials.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  const std::string target = absl::StrCat("127.0.0.1:", port);
+  if (!c.tls) return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  // The server certificate names localhost (and 127.0.0.1).
+  args.SetSslTargetNameOverride("localhost");
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = c.roots;
+  ssl.pem_cert_chain = c.cert;
+  ssl.pem_private_key = c.key;
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::SslCredentials(ssl);
+  if (!c.token.empty()) {
+    creds = grpc::CompositeChannelCredentials(creds, grpc::AccessTokenCredentials(c.token));
+  }
+  return grpc::CreateCustomChannel(target, creds, args);
+}
+
+grpc::ClientContext* WithDeadline(grpc::ClientContext* ctx, int seconds = 5) {
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+  return ctx;
+}
+
+grpc::Status Health(int port, const Creds& c) {
+  auto stub = grpc::health::v1::Health::NewStub(Channel(port, c));
+  grpc::ClientContext ctx;
+  grpc::health::v1::HealthCheckResponse response;
+  return stub->Check(WithDeadline(&ctx), {}, &response);
+}
+
+grpc::Status Info(int port, const Creds& c) {
+  auto stub = v1::AttentionService::NewStub(Channel(port, c));
+  grpc::ClientContext ctx;
+  v1::ServerInfo info;
+  return stub->GetServerInfo(WithDeadline(&ctx), {}, &info);
+}
+
+// One query over two equal keys: out = mean of the value rows (2, 3, 2, 3).
+grpc::Status SmallAttend(int port, const Creds& c, v1::AttendResponse* response) {
+  v1::AttendRequest req;
+  req.mutable_spec()->set_heads(1);
+  req.mutable_spec()->set_head_dim(4);
+  const auto set = [](v1::Tensor* t, std::vector<int64_t> shape, std::vector<float> values) {
+    t->set_dtype(v1::DTYPE_F32);
+    for (int64_t d : shape) t->add_shape(d);
+    t->set_data(std::string(reinterpret_cast<const char*>(values.data()), values.size() * 4));
+  };
+  set(req.mutable_q(), {1, 1, 1, 4}, {1, 0, 1, 0});
+  set(req.mutable_k(), {1, 2, 1, 4}, {0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5});
+  set(req.mutable_v(), {1, 2, 1, 4}, {1, 2, 1, 2, 3, 4, 3, 4});
+  auto stub = v1::AttentionService::NewStub(Channel(port, c));
+  grpc::ClientContext ctx;
+  return stub->Attend(WithDeadline(&ctx), req, response);
+}
+
+v1::Tensor Ones(int64_t tokens, int64_t heads, int64_t dim, float value) {
+  v1::Tensor t;
+  t.set_dtype(v1::DTYPE_F32);
+  for (int64_t d : {int64_t{1}, tokens, heads, dim}) t.add_shape(d);
+  std::vector<float> v(tokens * heads * dim, value);
+  t.set_data(std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
+  return t;
+}
+
+// A Decode stream: open or attach, then operations, each answered in order.
+class Stream {
+ public:
+  Stream(int port, const Creds& c)
+      : stub_(v1::AttentionService::NewStub(Channel(port, c))) {
+    ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    rw_ = stub_->Decode(&ctx_);
+  }
+  // Sends `req` and reads one answer; false when the stream ended (then
+  // Finish() has the status).
+  bool Call(const v1::DecodeRequest& req, v1::DecodeResponse* resp) {
+    return rw_->Write(req) && rw_->Read(resp);
+  }
+  bool Open(int64_t max_context, bool resumable, v1::DecodeResponse* resp) {
+    v1::DecodeRequest req;
+    v1::OpenSession* open = req.mutable_open();
+    open->mutable_spec()->set_heads(2);
+    open->mutable_spec()->set_head_dim(8);
+    open->set_max_context(max_context);
+    open->set_resumable(resumable);
+    return Call(req, resp);
+  }
+  bool Attach(const std::string& id, v1::DecodeResponse* resp) {
+    v1::DecodeRequest req;
+    req.mutable_attach()->set_session_id(id);
+    return Call(req, resp);
+  }
+  bool Step(uint64_t seq, float value, v1::DecodeResponse* resp) {
+    v1::DecodeRequest req;
+    v1::Step* step = req.mutable_step();
+    step->set_seq(seq);
+    *step->mutable_q() = Ones(1, 2, 8, value);
+    *step->mutable_k() = Ones(1, 2, 8, value);
+    *step->mutable_v() = Ones(1, 2, 8, value);
+    return Call(req, resp);
+  }
+  grpc::Status Finish() {
+    rw_->WritesDone();
+    v1::DecodeResponse drain;
+    while (rw_->Read(&drain)) {
+    }
+    return rw_->Finish();
+  }
+
+ private:
+  std::unique_ptr<v1::AttentionService::Stub> stub_;
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> rw_;
+};
+
+// An id a principal does not own gets exactly the answer of an id that
+// never existed; with the ids taken out, the messages must be equal.
+std::string WithoutId(const std::string& message, const std::string& id) {
+  return absl::StrReplaceAll(message, {{id, "<id>"}});
+}
+constexpr char kNeverExisted[] = "0123456789abcdef0123456789abcdef";
+
+class SecurityTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing::MakeTempDir("ropeattn_security_");
+    ASSERT_FALSE(dir_.empty());
+    auto ca = TestCa::Create(dir_ + "/ca", "test-ca");
+    ASSERT_TRUE(ca.ok()) << ca.status();
+    ca_ = std::make_unique<TestCa>(*std::move(ca));
+    auto server_cert = ca_->IssueServer("server");
+    ASSERT_TRUE(server_cert.ok()) << server_cert.status();
+    server_cert_ = *server_cert;
+    tokens_file_ = dir_ + "/tokens";
+    ASSERT_TRUE(testing::WriteFileAtomically(
+                    tokens_file_, absl::StrCat("# principal tokens\n", kAliceToken, " alice\n",
+                                               kBobToken, " bob   # a comment\n\n", kAdminToken,
+                                               " ops admin\n"))
+                    .ok());
+  }
+  void TearDown() override {
+    server_.reset();
+    if (!dir_.empty()) std::system(absl::StrCat("rm -rf ", dir_).c_str());
+  }
+
+  server::ServerOptions TlsOptions() const {
+    server::ServerOptions o = testing::TestServerOptions();
+    o.tls_cert_file = server_cert_.cert_file;
+    o.tls_key_file = server_cert_.key_file;
+    o.credentials_reload_seconds = 1;
+    return o;
+  }
+  server::ServerOptions TokenOptions() const {
+    server::ServerOptions o = TlsOptions();
+    o.auth_tokens_file = tokens_file_;
+    return o;
+  }
+  Creds As(const char* token) const {
+    Creds c;
+    c.roots = ca_->cert_pem();
+    c.token = token;
+    return c;
+  }
+  int Start(const server::ServerOptions& o) {
+    server_ = testing::StartTestServer(o);
+    return server_ == nullptr ? 0 : server_->port();
+  }
+
+  std::string dir_;
+  std::unique_ptr<TestCa> ca_;
+  CertFiles server_cert_;
+  std::string tokens_file_;
+  std::unique_ptr<server::Server> server_;
+};
+
+// ------------------------------------------------------------ handshakes --
+
+TEST_F(SecurityTest, TokensRightOnesAcceptedWrongOrMissingRefused) {
+  const int port = Start(TokenOptions());
+  ASSERT_GT(port, 0);
+  v1::AttendResponse attend;
+  const grpc::Status ok = SmallAttend(port, As(kAliceToken), &attend);
+  ASSERT_TRUE(ok.ok()) << ok.error_message();
+  ASSERT_EQ(attend.out().data().size(), 16u);
+  float out[4];
+  std::memcpy(out, attend.out().data().data(), 16);
+  EXPECT_FLOAT_EQ(out[0], 2.0f);
+  EXPECT_FLOAT_EQ(out[1], 3.0f);
+  EXPECT_TRUE(Info(port, As(kAdminToken)).ok());
+
+  const grpc::Status wrong = Info(port, As("tok-alice-6f1d2d"));  // one byte off
+  EXPECT_EQ(wrong.error_code(), grpc::StatusCode::UNAUTHENTICATED) << wrong.error_message();
+  EXPECT_THAT(wrong.error_message(), Not(HasSubstr("tok-")));
+  const grpc::Status prefix = Info(port, As("tok-alice"));
+  EXPECT_EQ(prefix.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  const grpc::Status missing = Info(port, As(""));
+  EXPECT_EQ(missing.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(missing.error_message(), HasSubstr("Bearer"));
+  // Compute calls and streams are refused the same way.
+  EXPECT_EQ(SmallAttend(port, As(""), &attend).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  {
+    Stream s(port, As("nope"));
+    v1::DecodeResponse r;
+    EXPECT_FALSE(s.Open(16, false, &r));
+    EXPECT_EQ(s.Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  // Health needs no token (probes and load balancers carry none).
+  EXPECT_TRUE(Health(port, As("")).ok());
+  // Reflection is a call like any other.
+  {
+    auto refl = grpc::reflection::v1alpha::ServerReflection::NewStub(Channel(port, As("")));
+    grpc::ClientContext ctx;
+    auto rw = refl->ServerReflectionInfo(WithDeadline(&ctx));
+    grpc::reflection::v1alpha::ServerReflectionRequest req;
+    req.set_list_services("");
+    rw->Write(req);
+    rw->WritesDone();
+    grpc::reflection::v1alpha::ServerReflectionResponse resp;
+    EXPECT_FALSE(rw->Read(&resp));
+    EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  // A plaintext client cannot talk to a TLS server at all.
+  Creds plain;
+  plain.tls = false;
+  EXPECT_EQ(Health(port, plain).error_code(), grpc::StatusCode::UNAVAILABLE);
+  // Refusals are counted; the metrics never show a token.
+  const std::string metrics = server_->metrics().RenderPrometheus();
+  EXPECT_THAT(metrics, Not(HasSubstr("tok-")));
+  EXPECT_THAT(metrics, Not(HasSubstr("alice")));
+  EXPECT_THAT(metrics, HasSubstr("ropeattn_auth_refused_total{reason=\"missing_token\"} 3"));
+  EXPECT_THAT(metrics, HasSubstr("ropeattn_auth_refused_total{reason=\"invalid_token\"} 3"));
+}
+
+TEST_F(SecurityTest, MutualTlsAcceptsOnlyCertificatesOfTheClientCa) {
+  auto other_ca = TestCa::Create(dir_ + "/other", "other-ca");
+  ASSERT_TRUE(other_ca.ok()) << other_ca.status();
+  auto alice = ca_->Issue("alice", "URI:spiffe://test/alice", /*client=*/true);
+  auto bob = ca_->Issue("bob", "DNS:bob.test", /*client=*/true);
+  auto stranger = other_ca->Issue("stranger", "URI:spiffe://test/alice", /*client=*/true);
+  auto expired = ca_->Issue("expired", "URI:spiffe://test/alice", /*client=*/true, /*days=*/-1);
+  auto nameless = ca_->Issue("nameless", "", /*client=*/true);
+  ASSERT_TRUE(alice.ok() && bob.ok() && stranger.ok() && expired.ok() && nameless.ok());
+  server::ServerOptions o = TlsOptions();
+  o.tls_client_ca_file = ca_->cert_file();
+  const int port = Start(o);
+  ASSERT_GT(port, 0);
+  const auto with = [&](const CertFiles* cert) {
+    Creds c = As("");
+    if (cert != nullptr) {
+      c.cert = cert->cert_pem;
+      c.key = cert->key_pem;
+    }
+    return c;
+  };
+  EXPECT_TRUE(Info(port, with(&*alice)).ok());
+  EXPECT_TRUE(Info(port, with(&*bob)).ok());
+  // The handshake itself fails: no call reaches the server.
+  for (const auto& [what, cert] :
+       std::vector<std::pair<std::string, const CertFiles*>>{
+           {"another CA", &*stranger}, {"expired", &*expired}, {"none", nullptr}}) {
+    const grpc::Status st = Info(port, with(cert));
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << what << ": " << st.error_message();
+    EXPECT_EQ(Health(port, with(cert)).error_code(), grpc::StatusCode::UNAVAILABLE) << what;
+  }
+  // A certificate of the right CA that names nobody.
+  const grpc::Status no_name = Info(port, with(&*nameless));
+  EXPECT_EQ(no_name.error_code(), grpc::StatusCode::UNAUTHENTICATED) << no_name.error_message();
+
+  // The certificate's identity is the principal: alice's session is not
+  // bob's to see.
+  Stream mine(port, with(&*alice));
+  v1::DecodeResponse opened;
+  ASSERT_TRUE(mine.Open(16, true, &opened));
+  ASSERT_TRUE(opened.has_opened()) << opened.DebugString();
+  const std::string id = opened.opened().session_id();
+  auto as_alice = v1::AttentionService::NewStub(Channel(port, with(&*alice)));
+  auto as_bob = v1::AttentionService::NewStub(Channel(port, with(&*bob)));
+  v1::ListSessionsResponse list;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(as_alice->ListSessions(WithDeadline(&ctx), {}, &list).ok());
+    ASSERT_EQ(list.sessions_size(), 1);
+    EXPECT_EQ(list.sessions(0).session_id(), id);
+  }
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(as_bob->ListSessions(WithDeadline(&ctx), {}, &list).ok());
+    EXPECT_EQ(list.sessions_size(), 0);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::GetSessionRequest req;
+    req.set_session_id(id);
+    v1::SessionInfo info;
+    EXPECT_EQ(as_bob->GetSession(WithDeadline(&ctx), req, &info).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+  EXPECT_TRUE(mine.Finish().ok());
+}
+
+// ------------------------------------------------------- ownership matrix --
+
+// Every session operation by bob on alice's sessions, attached and
+// detached: 0 successes, each NOT_FOUND with the words of an unknown id.
+TEST_F(SecurityTest, AnotherPrincipalGetsNotFoundForEveryOperation) {
+  const int port = Start(TokenOptions());
+  ASSERT_GT(port, 0);
+  // Alice: one session attached to a live stream, one detached (resumable,
+  // its stream ended).
+  Stream attached(port, As(kAliceToken));
+  v1::DecodeResponse r;
+  ASSERT_TRUE(attached.Open(16, true, &r));
+  ASSERT_TRUE(r.has_opened()) << r.DebugString();
+  const std::string attached_id = r.opened().session_id();
+  ASSERT_TRUE(attached.Step(1, 0.5f, &r));
+  ASSERT_TRUE(r.has_step()) << r.DebugString();
+  std::string detached_id;
+  {
+    Stream s(port, As(kAliceToken));
+    ASSERT_TRUE(s.Open(16, true, &r));
+    detached_id = r.opened().session_id();
+    ASSERT_TRUE(s.Step(1, 0.25f, &r));
+    ASSERT_TRUE(s.Finish().ok());
+  }
+  // What an id that never existed gets, per operation.
+  auto as_bob = v1::AttentionService::NewStub(Channel(port, As(kBobToken)));
+  const auto get = [&](const std::string& id) {
+    grpc::ClientContext ctx;
+    v1::GetSessionRequest req;
+    req.set_session_id(id);
+    v1::SessionInfo info;
+    return as_bob->GetSession(WithDeadline(&ctx), req, &info);
+  };
+  const auto close = [&](const std::string& id) {
+    grpc::ClientContext ctx;
+    v1::CloseSessionRequest req;
+    req.set_session_id(id);
+    v1::CloseSessionResponse resp;
+    return as_bob->CloseSession(WithDeadline(&ctx), req, &resp);
+  };
+  const auto attach = [&](const std::string& id) {
+    Stream s(port, As(kBobToken));
+    v1::DecodeResponse resp;
+    if (s.Attach(id, &resp)) {
+      ADD_FAILURE() << "bob attached to " << id << ": " << resp.DebugString();
+      // Any operation would then read alice's keys and values.
+      s.Step(1, 0.0f, &resp);
+    }
+    return s.Finish();
+  };
+  int operations = 0, successes = 0;
+  for (const auto& [name, op] :
+       std::vector<std::pair<std::string, std::function<grpc::Status(const std::string&)>>>{
+           {"GetSession", get}, {"CloseSession", close}, {"Decode.Attach", attach}}) {
+    const grpc::Status unknown = op(kNeverExisted);
+    ASSERT_EQ(unknown.error_code(), grpc::StatusCode::NOT_FOUND) << name;
+    for (const std::string& id : {attached_id, detached_id}) {
+      const grpc::Status st = op(id);
+      ++operations;
+      successes += st.ok() ? 1 : 0;
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND) << name << " " << id;
+      EXPECT_EQ(WithoutId(st.error_message(), id),
+                WithoutId(unknown.error_message(), kNeverExisted))
+          << name << ": the answer must not tell that the id exists";
+    }
+  }
+  EXPECT_EQ(operations, 6);
+  EXPECT_EQ(successes, 0);
+  // Bob's list has nothing of alice's.
+  {
+    grpc::ClientContext ctx;
+    v1::ListSessionsResponse list;
+    ASSERT_TRUE(as_bob->ListSessions(WithDeadline(&ctx), {}, &list).ok());
+    EXPECT_EQ(list.sessions_size(), 0);
+  }
+  // Alice's sessions are untouched: her stream steps on, the detached one
+  // re-attaches at its position.
+  ASSERT_TRUE(attached.Step(2, 0.5f, &r));
+  ASSERT_TRUE(r.has_step()) << r.DebugString();
+  EXPECT_EQ(r.step().position(), 2);
+  {
+    Stream s(port, As(kAliceToken));
+    ASSERT_TRUE(s.Attach(detached_id, &r));
+    ASSERT_TRUE(r.has_opened()) << r.DebugString();
+    EXPECT_EQ(r.opened().position(), 1);
+    EXPECT_TRUE(s.Finish().ok());
+  }
+  // A session alice closed: alice hears "closed", bob still hears "unknown".
+  auto as_alice = v1::AttentionService::NewStub(Channel(port, As(kAliceToken)));
+  {
+    grpc::ClientContext ctx;
+    v1::CloseSessionRequest req;
+    req.set_session_id(detached_id);
+    v1::CloseSessionResponse resp;
+    ASSERT_TRUE(as_alice->CloseSession(WithDeadline(&ctx), req, &resp).ok());
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::GetSessionRequest req;
+    req.set_session_id(detached_id);
+    v1::SessionInfo info;
+    const grpc::Status st = as_alice->GetSession(WithDeadline(&ctx), req, &info);
+    EXPECT_THAT(st.error_message(), HasSubstr("closed"));
+  }
+  const grpc::Status bob_closed = get(detached_id);
+  EXPECT_EQ(bob_closed.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(bob_closed.error_message(), Not(HasSubstr("closed")));
+  EXPECT_TRUE(attached.Finish().ok());
+}
+
+TEST_F(SecurityTest, AdminListsAndClosesAllButCannotAttach) {
+  const int port = Start(TokenOptions());
+  ASSERT_GT(port, 0);
+  std::vector<std::string> ids;
+  for (const char* token : {kAliceToken, kBobToken}) {
+    Stream s(port, As(token));
+    v1::DecodeResponse r;
+    ASSERT_TRUE(s.Open(16, true, &r));
+    ids.push_back(r.opened().session_id());
+    ASSERT_TRUE(s.Finish().ok());
+  }
+  auto as_admin = v1::AttentionService::NewStub(Channel(port, As(kAdminToken)));
+  {
+    grpc::ClientContext ctx;
+    v1::ListSessionsResponse list;
+    ASSERT_TRUE(as_admin->ListSessions(WithDeadline(&ctx), {}, &list).ok());
+    EXPECT_EQ(list.sessions_size(), 2);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::GetSessionRequest req;
+    req.set_session_id(ids[0]);
+    v1::SessionInfo info;
+    EXPECT_TRUE(as_admin->GetSession(WithDeadline(&ctx), req, &info).ok());
+  }
+  {
+    Stream s(port, As(kAdminToken));
+    v1::DecodeResponse r;
+    EXPECT_FALSE(s.Attach(ids[0], &r)) << r.DebugString();
+    EXPECT_EQ(s.Finish().error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  for (const std::string& id : ids) {
+    grpc::ClientContext ctx;
+    v1::CloseSessionRequest req;
+    req.set_session_id(id);
+    v1::CloseSessionResponse resp;
+    EXPECT_TRUE(as_admin->CloseSession(WithDeadline(&ctx), req, &resp).ok());
+  }
+  EXPECT_EQ(server_->sessions().open_sessions(), 0);
+}
+
+// --------------------------------------------------------------- quotas --
+
+TEST_F(SecurityTest, QuotasBindOnePrincipalAndNotAnother) {
+  server::ServerOptions o = TokenOptions();
+  o.principal_max_sessions = 2;
+  // A 16-token session of 2 heads x 8 dims is a few KiB; a 100000-token one
+  // is several MiB: past a 1 MiB quota, well inside the server's budget.
+  o.principal_memory_bytes = 1 << 20;
+  const int port = Start(o);
+  ASSERT_GT(port, 0);
+  v1::DecodeResponse r;
+  {
+    Stream big(port, As(kAliceToken));
+    EXPECT_FALSE(big.Open(100000, true, &r)) << r.DebugString();
+    const grpc::Status st = big.Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr("principal_memory_bytes"));
+  }
+  std::vector<std::unique_ptr<Stream>> alice;
+  for (int i = 0; i < 2; ++i) {
+    alice.push_back(std::make_unique<Stream>(port, As(kAliceToken)));
+    ASSERT_TRUE(alice.back()->Open(16, false, &r));
+    ASSERT_TRUE(r.has_opened()) << r.DebugString();
+  }
+  {
+    Stream third(port, As(kAliceToken));
+    EXPECT_FALSE(third.Open(16, false, &r));
+    const grpc::Status st = third.Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(st.error_message(), HasSubstr("principal_max_sessions"));
+    EXPECT_THAT(st.error_message(), HasSubstr("alice"));
+  }
+  // Bob is unaffected by alice's quota.
+  std::vector<std::unique_ptr<Stream>> bob;
+  for (int i = 0; i < 2; ++i) {
+    bob.push_back(std::make_unique<Stream>(port, As(kBobToken)));
+    ASSERT_TRUE(bob.back()->Open(16, false, &r));
+    ASSERT_TRUE(r.has_opened()) << r.DebugString();
+  }
+  // One of alice's ends: she has room again.
+  EXPECT_TRUE(alice.back()->Finish().ok());
+  alice.pop_back();
+  {
+    Stream again(port, As(kAliceToken));
+    ASSERT_TRUE(again.Open(16, false, &r));
+    EXPECT_TRUE(r.has_opened()) << r.DebugString();
+    EXPECT_TRUE(again.Finish().ok());
+  }
+  const std::string metrics = server_->metrics().RenderPrometheus();
+  EXPECT_THAT(metrics, HasSubstr("ropeattn_quota_refused_total{quota=\"sessions\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("ropeattn_quota_refused_total{quota=\"memory\"} 1"));
+  for (auto& s : alice) EXPECT_TRUE(s->Finish().ok());
+  for (auto& s : bob) EXPECT_TRUE(s->Finish().ok());
+}
+
+// ------------------------------------------------------------- rotation --
+
+// The certificate files are replaced (a new CA, a new key) while a stream
+// is open: the stream continues; new handshakes see the new certificate.
+// Tokens added and revoked in the file take effect without a restart.
+TEST_F(SecurityTest, RotationKeepsOpenStreamsAndNewHandshakesSeeTheNewCertificate) {
+  const int port = Start(TokenOptions());
+  ASSERT_GT(port, 0);
+  Stream open(port, As(kAliceToken));
+  v1::DecodeResponse r;
+  ASSERT_TRUE(open.Open(64, false, &r));
+  ASSERT_TRUE(open.Step(1, 0.5f, &r));
+  ASSERT_TRUE(r.has_step());
+
+  auto new_ca = TestCa::Create(dir_ + "/ca2", "test-ca-2");
+  ASSERT_TRUE(new_ca.ok()) << new_ca.status();
+  auto new_cert = new_ca->IssueServer("server2");
+  ASSERT_TRUE(new_cert.ok()) << new_cert.status();
+  // Key first, then certificate, each replaced atomically (a key/cert pair
+  // that does not match in between is skipped by gRPC's watcher).
+  ASSERT_TRUE(testing::WriteFileAtomically(server_cert_.key_file, new_cert->key_pem).ok());
+  ASSERT_TRUE(testing::WriteFileAtomically(server_cert_.cert_file, new_cert->cert_pem).ok());
+  ASSERT_TRUE(testing::WriteFileAtomically(
+                  tokens_file_, absl::StrCat(kBobToken, " bob\ntok-carol-new carol\n"))
+                  .ok());
+  Creds new_roots = As(kBobToken);
+  new_roots.roots = new_ca->cert_pem();
+  bool rotated = false;
+  for (const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+       !rotated && std::chrono::steady_clock::now() < end;) {
+    rotated = Info(port, new_roots).ok();
+    if (!rotated) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  ASSERT_TRUE(rotated) << "no handshake with the new certificate within 10 s";
+  // Old roots no longer verify the server.
+  EXPECT_EQ(Info(port, As(kBobToken)).error_code(), grpc::StatusCode::UNAVAILABLE);
+  // The stream opened before the rotation still steps.
+  for (uint64_t seq = 2; seq <= 4; ++seq) {
+    ASSERT_TRUE(open.Step(seq, 0.5f, &r));
+    ASSERT_TRUE(r.has_step()) << r.DebugString();
+    EXPECT_EQ(r.step().position(), static_cast<int64_t>(seq));
+  }
+  EXPECT_TRUE(open.Finish().ok());
+  // The token file changed too: carol is in, alice is out.
+  bool carol = false;
+  Creds as_carol = new_roots;
+  as_carol.token = "tok-carol-new";
+  for (const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+       !carol && std::chrono::steady_clock::now() < end;) {
+    carol = Info(port, as_carol).ok();
+    if (!carol) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_TRUE(carol);
+  Creds as_alice = new_roots;
+  as_alice.token = kAliceToken;
+  EXPECT_EQ(Info(port, as_alice).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  // A broken file keeps the last good table (a typo locks nobody out).
+  ASSERT_TRUE(testing::WriteFileAtomically(tokens_file_, "only-one-field\n").ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  EXPECT_TRUE(Info(port, as_carol).ok());
+}
+
+// ------------------------------------------------------------- start-up --
+
+TEST_F(SecurityTest, BadSecurityOptionsFailStartNamingTheFlagAndFile) {
+  auto other = ca_->IssueServer("other");
+  ASSERT_TRUE(other.ok());
+  const auto start_error = [](const server::ServerOptions& o) {
+    auto s = server::Server::Start(o);
+    return s.ok() ? absl::OkStatus() : s.status();
+  };
+  server::ServerOptions o = TlsOptions();
+  o.tls_key_file = other->key_file;  // not this certificate's key
+  absl::Status st = start_error(o);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("does not belong"));
+  EXPECT_THAT(st.message(), HasSubstr(other->key_file));
+
+  o = TlsOptions();
+  o.tls_cert_file = dir_ + "/missing.pem";
+  st = start_error(o);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("--tls_cert_file"));
+
+  o = testing::TestServerOptions();
+  o.auth_tokens_file = tokens_file_;  // tokens on plaintext
+  st = start_error(o);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("needs TLS"));
+
+  o = testing::TestServerOptions();
+  o.tls_client_ca_file = ca_->cert_file();
+  EXPECT_EQ(start_error(o).code(), absl::StatusCode::kInvalidArgument);
+
+  o = TokenOptions();
+  ASSERT_TRUE(testing::WriteFileAtomically(tokens_file_, "secret-1 alice\nsecret-2 bob root\n").ok());
+  st = start_error(o);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("line 2"));
+  EXPECT_THAT(st.message(), Not(HasSubstr("secret-")));
+  ASSERT_TRUE(testing::WriteFileAtomically(tokens_file_, "same alice\nsame bob\n").ok());
+  EXPECT_EQ(start_error(o).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(TokenFileTest, ParsesPrincipalsRolesAndComments) {
+  auto parsed = server::ParseTokens("# c\n\n a1 alice\nb2\tbob admin # ops\n", "f");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ASSERT_EQ(parsed->size(), 2u);
+  EXPECT_EQ((*parsed)[0].token, "a1");
+  EXPECT_EQ((*parsed)[0].principal.name, "alice");
+  EXPECT_FALSE((*parsed)[0].principal.admin);
+  EXPECT_EQ((*parsed)[1].principal.name, "bob");
+  EXPECT_TRUE((*parsed)[1].principal.admin);
+  for (const char* bad : {"", "# only a comment\n", "tok\n", "t p admin extra\n", "t p root\n",
+                          "t bad\"name\n", "t\x01x p\n"}) {
+    EXPECT_EQ(server::ParseTokens(bad, "f").status().code(), absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+}
+
+// ----------------------------------------------------------- reflection --
+
+TEST_F(SecurityTest, ReflectionCanBeTurnedOff) {
+  server::ServerOptions o = testing::TestServerOptions();
+  o.reflection = false;
+  const int port = Start(o);
+  ASSERT_GT(port, 0);
+  auto refl = grpc::reflection::v1alpha::ServerReflection::NewStub(testing::TestChannel(port));
+  grpc::ClientContext ctx;
+  auto rw = refl->ServerReflectionInfo(WithDeadline(&ctx));
+  grpc::reflection::v1alpha::ServerReflectionRequest req;
+  req.set_list_services("");
+  rw->Write(req);
+  rw->WritesDone();
+  grpc::reflection::v1alpha::ServerReflectionResponse resp;
+  EXPECT_FALSE(rw->Read(&resp));
+  EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  // The service itself still answers.
+  auto stub = testing::TestStub(port);
+  grpc::ClientContext info_ctx;
+  v1::ServerInfo info;
+  EXPECT_TRUE(stub->GetServerInfo(WithDeadline(&info_ctx), {}, &info).ok());
+}
+
+// A server on a non-loopback address with no TLS and no authentication
+// says so at start; on loopback it does not.
+TEST(SecurityWarningTest, PlaintextOnANonLoopbackAddressWarns) {
+  const auto first_lines = [](const std::string& address) {
+    const std::string cmd = absl::StrCat("timeout -s KILL 3 ", ROPEATTN_SERVER_PATH,
+                                         " --address=", address, " --metrics_address= 2>&1");
+    FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    char line[1024];
+    // The warning comes right after the two start-up lines.
+    for (int i = 0; i < 3 && p != nullptr && fgets(line, sizeof(line), p) != nullptr; ++i) {
+      out += line;
+    }
+    if (p != nullptr) pclose(p);
+    return out;
+  };
+  EXPECT_THAT(first_lines("0.0.0.0:0"), HasSubstr("no TLS and no authentication"));
+  EXPECT_THAT(first_lines("127.0.0.1:0"), Not(HasSubstr("no TLS and no authentication")));
+}
+
+}  // namespace
+}  // namespace ropeattn
