@@ -29,6 +29,7 @@
 #include "client/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/client/tls_test_util.h"
 #include "tests/server/server_test_util.h"
 
 namespace ropeattn {
@@ -1282,6 +1283,136 @@ TEST_F(CliTest, LayerModeDecodeLastStepEqualsOneShotAttend) {
                      Path("missing.npy")});
   EXPECT_EQ(r.exit_code, 5) << Describe(r);
   ExpectOneErrorLine(r, "decode", "NOT_FOUND");
+}
+
+// --- TLS, tokens and mutual TLS against real servers. ---
+
+// A server with TLS and a tokens file, and one with mutual TLS, for the suite.
+class CliTlsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    absl::StatusOr<testing::TlsMaterial> m = testing::MakeTlsMaterial("ropeattn_cli_tls_");
+    ASSERT_TRUE(m.ok()) << m.status();
+    material_ = new testing::TlsMaterial(*std::move(m));
+    tokens_server_ =
+        testing::StartTestServer(testing::TlsServerOptions(*material_, false, true)).release();
+    mtls_server_ =
+        testing::StartTestServer(testing::TlsServerOptions(*material_, true, false)).release();
+  }
+  static void TearDownTestSuite() {
+    delete tokens_server_;
+    delete mtls_server_;
+    delete material_;
+    tokens_server_ = mtls_server_ = nullptr;
+    material_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(tokens_server_, nullptr);
+    ASSERT_NE(mtls_server_, nullptr);
+  }
+
+  static std::string Target(const server::Server* server) {
+    return absl::StrCat("--target=127.0.0.1:", server->port());
+  }
+  static std::string Ca() { return absl::StrCat("--tls_ca_file=", material_->ca_file); }
+  // `ropeattn <args[0]> --target=<tokens server> --tls_ca_file=<ca> <args[1..]>`.
+  static RunResult TokensCli(std::vector<std::string> args,
+                             const std::vector<std::string>& env = {}) {
+    args.insert(args.begin() + 1, {Target(tokens_server_), Ca()});
+    return RunCli(args, env);
+  }
+  static std::string EnvToken(const char* token) { return absl::StrCat("ROPEATTN_TOKEN=", token); }
+
+  static testing::TlsMaterial* material_;
+  static server::Server* tokens_server_;
+  static server::Server* mtls_server_;
+};
+
+testing::TlsMaterial* CliTlsTest::material_ = nullptr;
+server::Server* CliTlsTest::tokens_server_ = nullptr;
+server::Server* CliTlsTest::mtls_server_ = nullptr;
+
+TEST_F(CliTlsTest, HealthAndInfoWithCaAndToken) {
+  // Health needs no token (probes carry none), only TLS.
+  RunResult r = TokensCli({"health"});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_EQ(r.out, "SERVING\n");
+
+  r = TokensCli({"info", absl::StrCat("--token=", testing::kAliceToken)});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, AllOf(HasSubstr("version"), HasSubstr("cpu")));
+  EXPECT_EQ(r.err, "");
+
+  // The token from the environment.
+  r = TokensCli({"info", "--json"}, {EnvToken(testing::kAliceToken)});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("\"version\""));
+  r = TokensCli({"health"}, {EnvToken(testing::kAliceToken)});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+
+  // --token wins over the environment.
+  r = TokensCli({"info", absl::StrCat("--token=", testing::kAliceToken)},
+                {EnvToken(testing::kUnknownToken)});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+}
+
+TEST_F(CliTlsTest, MissingOrUnknownTokenIsUnauthenticated) {
+  RunResult r = TokensCli({"info"});
+  EXPECT_EQ(r.exit_code, 16) << Describe(r);
+  ExpectOneErrorLine(r, "info", "UNAUTHENTICATED");
+
+  r = TokensCli({"info", absl::StrCat("--token=", testing::kUnknownToken)});
+  EXPECT_EQ(r.exit_code, 16) << Describe(r);
+  ExpectOneErrorLine(r, "info", "UNAUTHENTICATED");
+  EXPECT_THAT(r.out + r.err, Not(HasSubstr(testing::kUnknownToken)));
+
+  r = TokensCli({"sessions"}, {EnvToken(testing::kUnknownToken)});
+  EXPECT_EQ(r.exit_code, 16) << Describe(r);
+  EXPECT_THAT(r.out + r.err, Not(HasSubstr(testing::kUnknownToken)));
+
+  // --token= sends none, whatever the environment holds.
+  r = TokensCli({"info", "--token="}, {EnvToken(testing::kAliceToken)});
+  EXPECT_EQ(r.exit_code, 16) << Describe(r);
+
+  // Plaintext to a TLS server: the handshake fails.
+  r = RunCli({"health", Target(tokens_server_), "--deadline_seconds=5"});
+  EXPECT_EQ(r.exit_code, 14) << Describe(r);
+  ExpectOneErrorLine(r, "health", "UNAVAILABLE");
+}
+
+TEST_F(CliTlsTest, AttendDecodeAndSessionsCarryTheToken) {
+  const std::string dir = MakeTempDir();
+  const std::string out = absl::StrCat(dir, "/out.npy");
+  const std::vector<std::string> env = {EnvToken(testing::kAliceToken)};
+  RunResult r = TokensCli(
+      {"attend", "--heads=2", "--head_dim=8", "--q_len=4", "--causal", "--out", out}, env);
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  absl::StatusOr<v1::Tensor> tensor = client::ReadNpy(out);
+  ASSERT_TRUE(tensor.ok()) << tensor.status();
+  EXPECT_THAT(tensor->shape(), ElementsAre(1, 4, 2, 8));
+
+  // A Decode stream: open, prefill, steps, close.
+  r = TokensCli({"decode", "--steps=2", "--context=3", "--heads=2", "--head_dim=8"}, env);
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("step    2"));
+  r = TokensCli({"decode", "--steps=2", "--context=3", "--heads=2", "--head_dim=8"});
+  EXPECT_EQ(r.exit_code, 16) << Describe(r);
+
+  r = TokensCli({"sessions"}, env);
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+}
+
+TEST_F(CliTlsTest, MutualTlsWithAClientCertificate) {
+  const testing::CertFiles& cert = material_->client;
+  RunResult r =
+      RunCli({"info", Target(mtls_server_), Ca(), absl::StrCat("--tls_cert_file=", cert.cert_file),
+              absl::StrCat("--tls_key_file=", cert.key_file)});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("version"));
+
+  r = RunCli({"health", Target(mtls_server_), Ca(), "--deadline_seconds=5"});
+  EXPECT_EQ(r.exit_code, 14) << Describe(r);
+  ExpectOneErrorLine(r, "health", "UNAVAILABLE");
 }
 
 }  // namespace
