@@ -20,6 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/client/tls_test_util.h"
 #include "tests/server/server_test_util.h"
 
 namespace ropeattn::client {
@@ -323,11 +324,13 @@ std::string ReadAll(const std::string& path) {
   return ss.str();
 }
 
-CliRun RunCli(const std::string& args) {
+// `env`: "NAME=value ..." set for the child.
+CliRun RunCli(const std::string& args, const std::string& env = "") {
   const std::string dir = ::testing::TempDir();
   const std::string out = dir + "/bench_stdout.txt", err = dir + "/bench_stderr.txt";
-  const std::string command =
-      absl::StrCat(ROPEATTN_CLI_PATH, " bench ", args, " >", out, " 2>", err, " </dev/null");
+  // No ROPEATTN_TOKEN from the runner's environment: tests set their own.
+  const std::string command = absl::StrCat("env -u ROPEATTN_TOKEN ", env, " ", ROPEATTN_CLI_PATH,
+                                           " bench ", args, " >", out, " 2>", err, " </dev/null");
   CliRun run;
   const int status = std::system(command.c_str());
   run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -601,6 +604,96 @@ TEST(BenchCliTest, LayerModeCountsOkRequests) {
                                    " --model demo --layer 7 --window_seconds 0.3"));
   EXPECT_EQ(run.exit_code, 11) << run.err;
   EXPECT_NE(run.err.find("ropeattn bench: OUT_OF_RANGE: "), std::string::npos) << run.err;
+}
+
+// --- Over TLS with a bearer token (docs/security.md). ---
+
+// A server with TLS and a tokens file, and a client of it with `token`.
+struct TlsSetup {
+  testing::TlsMaterial material;
+  std::unique_ptr<server::Server> server;
+  std::unique_ptr<Client> client;
+};
+
+std::unique_ptr<TlsSetup> StartTls(const std::string& token) {
+  auto setup = std::make_unique<TlsSetup>();
+  absl::StatusOr<testing::TlsMaterial> m = testing::MakeTlsMaterial("ropeattn_loadgen_tls_");
+  EXPECT_TRUE(m.ok()) << m.status();
+  if (!m.ok()) return nullptr;
+  setup->material = *std::move(m);
+  setup->server = testing::StartTestServer(
+      testing::TlsServerOptions(setup->material, /*client_ca=*/false, /*tokens=*/true));
+  if (setup->server == nullptr) return nullptr;
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", setup->server->port());
+  options.tls_ca_file = setup->material.ca_file;
+  options.token = token;
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  EXPECT_TRUE(client.ok()) << client.status();
+  if (!client.ok()) return nullptr;
+  setup->client = *std::move(client);
+  return setup;
+}
+
+TEST(LoadgenTest, ClosedLoopOverTlsWithATokenHasNoErrors) {
+  std::unique_ptr<TlsSetup> tls = StartTls(testing::kAliceToken);
+  ASSERT_NE(tls, nullptr);
+  LoadSpec spec = SmallAttend(LoadMode::kClosed);
+  spec.concurrency = {1, 2};
+  auto results = RunLoad(*tls->client, spec);
+  ASSERT_TRUE(results.ok()) << results.status();
+  ASSERT_EQ(results->size(), 2u);
+  for (const PointResult& r : *results) {
+    CheckPoint(spec, r, spec.attend.batch * spec.attend.q_len);
+    EXPECT_GT(r.ok, 0);
+    EXPECT_EQ(r.errors, 0) << FormatCodes(r.codes);
+  }
+  // Decode sessions (streams) carry the token too.
+  spec = SmallDecode(LoadMode::kClosed);
+  spec.concurrency = {2};
+  results = RunLoad(*tls->client, spec);
+  ASSERT_TRUE(results.ok()) << results.status();
+  ASSERT_EQ(results->size(), 1u);
+  EXPECT_GT((*results)[0].ok, 0);
+  EXPECT_EQ((*results)[0].errors, 0) << FormatCodes((*results)[0].codes);
+}
+
+TEST(LoadgenTest, AnUnknownTokenFailsTheProbe) {
+  std::unique_ptr<TlsSetup> tls = StartTls(testing::kUnknownToken);
+  ASSERT_NE(tls, nullptr);
+  auto results = RunLoad(*tls->client, SmallAttend(LoadMode::kClosed));
+  EXPECT_EQ(results.status().code(), absl::StatusCode::kUnauthenticated) << results.status();
+  EXPECT_THAT(results.status().ToString(),
+              ::testing::Not(::testing::HasSubstr(testing::kUnknownToken)));
+}
+
+TEST(BenchCliTest, OverTlsWithTheTokenFromTheEnvironment) {
+  std::unique_ptr<TlsSetup> tls = StartTls(testing::kAliceToken);
+  ASSERT_NE(tls, nullptr);
+  const std::string csv = ::testing::TempDir() + "/bench_tls.csv";
+  std::remove(csv.c_str());
+  const std::string flags = absl::StrCat(
+      "--target=127.0.0.1:", tls->server->port(), " --tls_ca_file=", tls->material.ca_file,
+      " --workload attend --mode closed --concurrency 1,2 --window_seconds 0.25"
+      " --warmup_seconds 0.1 --max_windows 3 --heads 2 --kv_heads 1 --head_dim 16 --q_len 4"
+      " --k_len 32 --csv ",
+      csv);
+  CliRun run = RunCli(flags, absl::StrCat("ROPEATTN_TOKEN=", testing::kAliceToken));
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  std::vector<std::string> lines = absl::StrSplit(ReadAll(csv), '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 3u) << ReadAll(csv);
+  for (int row = 1; row <= 2; ++row) {
+    const std::vector<std::string> fields = absl::StrSplit(lines[row], ',');
+    ASSERT_EQ(fields.size(), 20u) << lines[row];
+    EXPECT_NE(fields[14], "0") << lines[row];  // ok
+    EXPECT_EQ(fields[15], "0") << lines[row];  // errors
+  }
+  EXPECT_EQ(run.out.find(testing::kAliceToken), std::string::npos);
+
+  // No token: the probe is refused before any measurement.
+  run = RunCli(flags);
+  EXPECT_EQ(run.exit_code, 16) << run.err;
+  EXPECT_NE(run.err.find("UNAUTHENTICATED"), std::string::npos) << run.err;
 }
 
 }  // namespace
