@@ -84,8 +84,10 @@ struct ClientOptions {
   // file that cannot be read or holds no PEM block of the kind below.
   //
   // PEM CA certificates that verify the server (a bundle may hold several).
-  // Empty with TLS on: gRPC's default roots (the system's, or the file in
-  // $GRPC_DEFAULT_SSL_ROOTS_FILE_PATH).
+  // Empty with TLS on (a client certificate set): gRPC's default roots (the
+  // system's, or the file in $GRPC_DEFAULT_SSL_ROOTS_FILE_PATH). For a
+  // server with a public certificate and no client certificate, name the
+  // system bundle here (Debian: /etc/ssl/certs/ca-certificates.crt).
   std::string tls_ca_file;
   // Mutual TLS: this client's PEM certificate chain and its unencrypted PEM
   // private key, both or neither (InvalidArgument otherwise). Without

@@ -31,7 +31,8 @@ ABSL_FLAG(int64_t, max_message_bytes, int64_t{256} << 20,
           "Largest message either way; at least what the server sends (server default 256 MiB).");
 ABSL_FLAG(std::string, tls_ca_file, "",
           "TLS: PEM CA certificates that verify the server. Any --tls_* flag turns TLS on; with "
-          "TLS on and this empty, the system's roots.");
+          "TLS on and this empty, the system's roots. A public server without mutual TLS: "
+          "/etc/ssl/certs/ca-certificates.crt.");
 ABSL_FLAG(std::string, tls_cert_file, "",
           "Mutual TLS: this client's PEM certificate chain (with --tls_key_file).");
 ABSL_FLAG(std::string, tls_key_file, "",
