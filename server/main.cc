@@ -221,7 +221,9 @@ int main(int argc, char** argv) {
               fd_limit_before.ok() ? absl::StrCat(*fd_limit_before).c_str() : "unknown",
               *max_connections);
   const absl::StatusOr<int> derived = ropeattn::server::ResolveMaxConnections(0);
-  if (derived.ok() && *max_connections > *derived) {
+  // Only a cap the operator chose can be too high (the derived one was
+  // taken before gRPC opened its own fds, so it differs from this by those).
+  if (o.max_connections > 0 && derived.ok() && *max_connections > *derived) {
     std::fprintf(stderr,
                  "ropeattn-server: warning: --max_connections=%d is above %d (the fd limit minus "
                  "a reserve of %d fds): a connection flood can make accept() run out of fds "
