@@ -8,6 +8,13 @@
 //   rpc/layer_decode_step/demo/ctx1024  one layer-mode step on the built-in
 //                                 demo model (projections + RoPE + attention
 //                                 + output projection) at 1k context
+//   rpc/tls/health_check          the same round trips on a second server
+//   rpc/tls/attend_small          with TLS and a bearer token (same options
+//                                 otherwise): what TLS costs per call
+//   rpc/connect/plaintext         a new channel's first health check: TCP,
+//   rpc/connect/tls               HTTP/2 setup (and the TLS handshake with an
+//                                 EC P-256 certificate) plus one round trip
+//                                 (certificates made at start with openssl)
 //
 // Each iteration is one synchronous round trip; Google Benchmark reports the
 // mean, and the p50/p99 counters come from every iteration's own timing.
@@ -18,9 +25,11 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -59,15 +68,83 @@ server::Server& TheServer() {
   return *s;
 }
 
-std::shared_ptr<grpc::Channel> Channel() {
-  static std::shared_ptr<grpc::Channel> ch = [] {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(256 << 20);
-    args.SetMaxSendMessageSize(256 << 20);
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// A CA, a server certificate for localhost and a tokens file, made once with
+// the openssl command line in a temporary directory.
+struct TlsFiles {
+  std::string dir, ca_pem;
+  static constexpr char kToken[] = "bench-token-0123456789abcdef";
+};
+const TlsFiles& Tls() {
+  static TlsFiles* files = [] {
+    auto* f = new TlsFiles();
+    char pattern[] = "/tmp/ropeattn_bench_tlsXXXXXX";
+    if (mkdtemp(pattern) == nullptr) std::abort();
+    f->dir = pattern;
+    const std::string d = f->dir;
+    const std::string ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+    const std::string cmd =
+        "set -e; cd " + d + "; openssl req -x509 " + ec +
+        " -days 2 -subj /CN=bench-ca -keyout ca.key -out ca.pem; openssl req " + ec +
+        " -subj /CN=localhost -keyout server.key -out server.csr; printf "
+        "'subjectAltName=DNS:localhost\\n' > san.ext; openssl x509 -req -in server.csr -CA "
+        "ca.pem -CAkey ca.key -set_serial 1 -days 2 -extfile san.ext -out server.pem; echo '" +
+        std::string(TlsFiles::kToken) + " bench' > tokens";
+    if (std::system(("(" + cmd + ") >/dev/null 2>&1").c_str()) != 0) std::abort();
+    f->ca_pem = ReadAll(d + "/ca.pem");
+    return f;
+  }();
+  return *files;
+}
+
+server::Server& TheTlsServer() {
+  static server::Server* s = [] {
+    server::ServerOptions o;
+    o.address = "127.0.0.1:0";
+    o.metrics_address = "";
+    o.compute_workers = 1;
+    o.threads_per_call = Threads();
+    o.default_max_context = 8192;
+    o.tls_cert_file = Tls().dir + "/server.pem";
+    o.tls_key_file = Tls().dir + "/server.key";
+    o.auth_tokens_file = Tls().dir + "/tokens";
+    auto started = server::Server::Start(o);
+    if (!started.ok()) std::abort();
+    return started->release();
+  }();
+  return *s;
+}
+
+std::shared_ptr<grpc::Channel> NewChannel(bool tls) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(256 << 20);
+  args.SetMaxSendMessageSize(256 << 20);
+  // Its own connection, never one another channel opened.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  if (!tls) {
     return grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(TheServer().port()),
                                      grpc::InsecureChannelCredentials(), args);
-  }();
-  return ch;
+  }
+  args.SetSslTargetNameOverride("localhost");
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = Tls().ca_pem;
+  return grpc::CreateCustomChannel(
+      "127.0.0.1:" + std::to_string(TheTlsServer().port()),
+      grpc::CompositeChannelCredentials(grpc::SslCredentials(ssl),
+                                        grpc::AccessTokenCredentials(TlsFiles::kToken)),
+      args);
+}
+
+std::shared_ptr<grpc::Channel> Channel(bool tls = false) {
+  static std::shared_ptr<grpc::Channel> plain = NewChannel(false);
+  static std::shared_ptr<grpc::Channel> secure = NewChannel(true);
+  return tls ? secure : plain;
 }
 
 v1::Tensor RandomWire(std::vector<int64_t> shape, uint32_t seed) {
@@ -108,11 +185,9 @@ void Timed(benchmark::State& state, Body&& body) {
   }
 }
 
-void BM_Health(benchmark::State& state) {
-  // The generic stub: grpc.health.v1.Health/Check with an empty request
-  // (an empty HealthCheckRequest is zero bytes on the wire).
-  grpc::GenericStub generic(Channel());
-  Timed(state, [&] {
+// grpc.health.v1.Health/Check with an empty request (an empty
+// HealthCheckRequest is zero bytes on the wire) through the generic stub.
+bool HealthCheck(grpc::GenericStub& generic) {
     grpc::ClientContext ctx;
     grpc::ByteBuffer req, resp;
     grpc::Slice empty;
@@ -131,11 +206,28 @@ void BM_Health(benchmark::State& state) {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return done; });
     return status.ok();
-  });
 }
 
-void BM_AttendSmall(benchmark::State& state) {
-  auto stub = v1::AttentionService::NewStub(Channel());
+// `tls`: over TLS with a bearer token, on the TLS server.
+void Health(benchmark::State& state, bool tls) {
+  grpc::GenericStub generic(Channel(tls));
+  Timed(state, [&] { return HealthCheck(generic); });
+}
+void BM_Health(benchmark::State& state) { Health(state, false); }
+void BM_HealthTls(benchmark::State& state) { Health(state, true); }
+
+// A new channel (its own connection) and its first call, each iteration.
+void Connect(benchmark::State& state, bool tls) {
+  Timed(state, [&] {
+    grpc::GenericStub generic(NewChannel(tls));
+    return HealthCheck(generic);
+  });
+}
+void BM_ConnectPlaintext(benchmark::State& state) { Connect(state, false); }
+void BM_ConnectTls(benchmark::State& state) { Connect(state, true); }
+
+void AttendSmall(benchmark::State& state, bool tls) {
+  auto stub = v1::AttentionService::NewStub(Channel(tls));
   v1::AttendRequest req;
   v1::AttentionSpec* spec = req.mutable_spec();
   spec->set_heads(8);
@@ -152,6 +244,8 @@ void BM_AttendSmall(benchmark::State& state) {
     return stub->Attend(&ctx, req, &resp).ok();
   });
 }
+void BM_AttendSmall(benchmark::State& state) { AttendSmall(state, false); }
+void BM_AttendSmallTls(benchmark::State& state) { AttendSmall(state, true); }
 
 void BM_DecodeStep(benchmark::State& state) {
   const int64_t context = state.range(0);
@@ -278,6 +372,22 @@ BENCHMARK(ropeattn::BM_Health)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(ropeattn::BM_AttendSmall)
     ->Name("rpc/attend_small")
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(ropeattn::BM_HealthTls)
+    ->Name("rpc/tls/health_check")
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(ropeattn::BM_AttendSmallTls)
+    ->Name("rpc/tls/attend_small")
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(ropeattn::BM_ConnectPlaintext)
+    ->Name("rpc/connect/plaintext")
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(ropeattn::BM_ConnectTls)
+    ->Name("rpc/connect/tls")
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(ropeattn::BM_DecodeStep)
