@@ -417,6 +417,12 @@ TEST_F(SecurityTest, AnotherPrincipalGetsNotFoundForEveryOperation) {
   }
   EXPECT_EQ(operations, 6);
   EXPECT_EQ(successes, 0);
+  // The metrics name no session and no principal.
+  const std::string metrics = server_->metrics().RenderPrometheus();
+  for (const std::string& secret : {attached_id, detached_id, std::string("alice"),
+                                    std::string("bob"), std::string(kAliceToken)}) {
+    EXPECT_THAT(metrics, Not(HasSubstr(secret)));
+  }
   // Bob's list has nothing of alice's.
   {
     grpc::ClientContext ctx;
