@@ -265,7 +265,7 @@ for _ in $(seq 1 120); do
   sleep 0.5
 done
 [ -n "$port" ] || { cat "$log" >&2; die "ropeattn-server did not report its port within 60 s"; }
-echo "build-image: $(head -n 1 "$log")"
+echo "build-image: $line"
 target="127.0.0.1:$port"
 # The image's CLI over TLS, verifying the server against the test CA.
 ropeattn_tls() { bah run --isolation chroot "$cli" -- ropeattn "$1" --target "$target" --tls_ca_file /tmp/tls/ca.crt "${@:2}"; }
@@ -295,7 +295,7 @@ STEP="check that calls without a valid token, or without TLS, are refused"
 # The CLI exits with the gRPC status code: 16 = UNAUTHENTICATED.
 rc=0; out="$(ropeattn_tls info 2>&1)" || rc=$?
 [ "$rc" -eq 16 ] || die "ropeattn info without a token exited $rc, want 16 (UNAUTHENTICATED): $out"
-echo "build-image: ropeattn info without a token -> exit $rc: $out"
+echo "build-image: ropeattn info without a token -> exit $rc: $(grep -m1 '^ropeattn info:' <<<"$out")"
 rc=0; out="$(ropeattn_tls info --token "not-$TOKEN" 2>&1)" || rc=$?
 [ "$rc" -eq 16 ] || die "ropeattn info with an unknown token exited $rc, want 16 (UNAUTHENTICATED): $out"
 echo "build-image: ropeattn info with an unknown token -> exit $rc"
