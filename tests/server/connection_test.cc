@@ -60,21 +60,10 @@ bool IsServing(int port) {
 // One query over two keys with equal scores: the answer is the mean of the
 // two value rows, (1+3)/2 = 2 and (2+4)/2 = 3 in every pair.
 grpc::Status SmallAttend(int port, v1::AttendResponse* response) {
-  v1::AttendRequest req;
-  req.mutable_spec()->set_heads(1);
-  req.mutable_spec()->set_head_dim(4);
-  const auto set = [](v1::Tensor* t, std::vector<int64_t> shape, std::vector<float> values) {
-    t->set_dtype(v1::DTYPE_F32);
-    for (int64_t d : shape) t->add_shape(d);
-    t->set_data(std::string(reinterpret_cast<const char*>(values.data()), values.size() * 4));
-  };
-  set(req.mutable_q(), {1, 1, 1, 4}, {1, 0, 1, 0});
-  set(req.mutable_k(), {1, 2, 1, 4}, {0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5});
-  set(req.mutable_v(), {1, 2, 1, 4}, {1, 2, 1, 2, 3, 4, 3, 4});
   auto stub = v1::AttentionService::NewStub(TestChannel(port));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  return stub->Attend(&ctx, req, response);
+  return stub->Attend(&ctx, testing::SmallAttendRequest(), response);
 }
 
 // A TCP connection to 127.0.0.1:port; -1 if it did not complete within 2 s.

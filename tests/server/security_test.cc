@@ -89,20 +89,29 @@ grpc::Status Info(int port, const Creds& c) {
 
 // One query over two equal keys: out = mean of the value rows (2, 3, 2, 3).
 grpc::Status SmallAttend(int port, const Creds& c, v1::AttendResponse* response) {
-  v1::AttendRequest req;
-  req.mutable_spec()->set_heads(1);
-  req.mutable_spec()->set_head_dim(4);
-  const auto set = [](v1::Tensor* t, std::vector<int64_t> shape, std::vector<float> values) {
-    t->set_dtype(v1::DTYPE_F32);
-    for (int64_t d : shape) t->add_shape(d);
-    t->set_data(std::string(reinterpret_cast<const char*>(values.data()), values.size() * 4));
-  };
-  set(req.mutable_q(), {1, 1, 1, 4}, {1, 0, 1, 0});
-  set(req.mutable_k(), {1, 2, 1, 4}, {0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5});
-  set(req.mutable_v(), {1, 2, 1, 4}, {1, 2, 1, 2, 3, 4, 3, 4});
   auto stub = v1::AttentionService::NewStub(Channel(port, c));
   grpc::ClientContext ctx;
-  return stub->Attend(WithDeadline(&ctx), req, response);
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  return stub->Attend(&ctx, testing::SmallAttendRequest(), response);
+}
+
+// Reflection's list_services: the stream's status (OK only if it answered
+// with the list).
+grpc::Status ListServices(const std::shared_ptr<grpc::Channel>& channel) {
+  auto refl = grpc::reflection::v1alpha::ServerReflection::NewStub(channel);
+  grpc::ClientContext ctx;
+  auto rw = refl->ServerReflectionInfo(WithDeadline(&ctx));
+  grpc::reflection::v1alpha::ServerReflectionRequest req;
+  req.set_list_services("");
+  rw->Write(req);
+  rw->WritesDone();
+  grpc::reflection::v1alpha::ServerReflectionResponse resp;
+  const bool answered = rw->Read(&resp) && resp.has_list_services_response();
+  while (rw->Read(&resp)) {
+  }
+  const grpc::Status st = rw->Finish();
+  if (st.ok() && !answered) return grpc::Status(grpc::StatusCode::UNKNOWN, "no list");
+  return st;
 }
 
 v1::Tensor Ones(int64_t tokens, int64_t heads, int64_t dim, float value) {
@@ -258,18 +267,8 @@ TEST_F(SecurityTest, TokensRightOnesAcceptedWrongOrMissingRefused) {
   // Health needs no token (probes and load balancers carry none).
   EXPECT_TRUE(Health(port, As("")).ok());
   // Reflection is a call like any other.
-  {
-    auto refl = grpc::reflection::v1alpha::ServerReflection::NewStub(Channel(port, As("")));
-    grpc::ClientContext ctx;
-    auto rw = refl->ServerReflectionInfo(WithDeadline(&ctx));
-    grpc::reflection::v1alpha::ServerReflectionRequest req;
-    req.set_list_services("");
-    rw->Write(req);
-    rw->WritesDone();
-    grpc::reflection::v1alpha::ServerReflectionResponse resp;
-    EXPECT_FALSE(rw->Read(&resp));
-    EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  }
+  EXPECT_EQ(ListServices(Channel(port, As(""))).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(ListServices(Channel(port, As(kBobToken))).ok());
   // A plaintext client cannot talk to a TLS server at all.
   Creds plain;
   plain.tls = false;
@@ -688,16 +687,7 @@ TEST_F(SecurityTest, ReflectionCanBeTurnedOff) {
   o.reflection = false;
   const int port = Start(o);
   ASSERT_GT(port, 0);
-  auto refl = grpc::reflection::v1alpha::ServerReflection::NewStub(testing::TestChannel(port));
-  grpc::ClientContext ctx;
-  auto rw = refl->ServerReflectionInfo(WithDeadline(&ctx));
-  grpc::reflection::v1alpha::ServerReflectionRequest req;
-  req.set_list_services("");
-  rw->Write(req);
-  rw->WritesDone();
-  grpc::reflection::v1alpha::ServerReflectionResponse resp;
-  EXPECT_FALSE(rw->Read(&resp));
-  EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_EQ(ListServices(testing::TestChannel(port)).error_code(), grpc::StatusCode::UNIMPLEMENTED);
   // The service itself still answers.
   auto stub = testing::TestStub(port);
   grpc::ClientContext info_ctx;

@@ -72,4 +72,19 @@ std::vector<double> WireToDoubles(const v1::Tensor& t) {
   return out;
 }
 
+v1::AttendRequest SmallAttendRequest() {
+  v1::AttendRequest req;
+  req.mutable_spec()->set_heads(1);
+  req.mutable_spec()->set_head_dim(4);
+  const auto set = [](v1::Tensor* t, std::vector<int64_t> shape, std::vector<float> values) {
+    t->set_dtype(v1::DTYPE_F32);
+    for (int64_t d : shape) t->add_shape(d);
+    t->set_data(std::string(reinterpret_cast<const char*>(values.data()), values.size() * 4));
+  };
+  set(req.mutable_q(), {1, 1, 1, 4}, {1, 0, 1, 0});
+  set(req.mutable_k(), {1, 2, 1, 4}, {0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5});
+  set(req.mutable_v(), {1, 2, 1, 4}, {1, 2, 1, 2, 3, 4, 3, 4});
+  return req;
+}
+
 }  // namespace ropeattn::testing

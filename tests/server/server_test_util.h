@@ -23,6 +23,10 @@ std::unique_ptr<server::Server> StartTestServer(const server::ServerOptions& opt
 std::shared_ptr<grpc::Channel> TestChannel(int port, int64_t max_message_bytes = 256 << 20);
 std::unique_ptr<v1::AttentionService::Stub> TestStub(int port);
 
+// One query over two keys with equal scores (1 head, head_dim 4): the
+// answer is the mean of the two value rows, (2, 3, 2, 3).
+v1::AttendRequest SmallAttendRequest();
+
 // Fills a wire tensor from a core tensor.
 v1::Tensor ToWire(const ConstTensorView& t);
 // Reads a wire tensor into doubles (row-major).
