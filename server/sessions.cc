@@ -4,6 +4,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -208,6 +209,7 @@ Session::Session(std::string id, std::string owner, std::shared_ptr<const Sessio
       idle_ttl_(idle_ttl),
       kv_bytes_(held.bytes()),
       held_(std::move(held)) {
+  absl::MutexLock lock(&meta_mu_);
   last_active_ = absl::Now();
 }
 
@@ -246,7 +248,12 @@ absl::Status Session::Allocate() {
 
 absl::Status Session::CopyStateFrom(Session& other) {
   absl::MutexLock other_lock(&other.mu_);
-  RA_RETURN_IF_ERROR(other.ended_);
+  // Closed while this fork waited for it: the closer left its state for us
+  // to free.
+  absl::Cleanup free_other_if_ended = [&other]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (!other.Ended().ok()) other.FreeStateLocked();
+  };
+  RA_RETURN_IF_ERROR(other.Ended());
   absl::MutexLock lock(&mu_);
   position_ = other.position_;
   position_hint_.store(position_, std::memory_order_relaxed);
@@ -272,20 +279,35 @@ absl::Status Session::CopyStateFrom(Session& other) {
 }
 
 void Session::End(absl::Status status) {
-  absl::MutexLock lock(&mu_);
-  if (ended_.ok()) ended_ = std::move(status);
-  // Free the memory now; the object may live on in a stream's reference.
+  {
+    absl::MutexLock lock(&meta_mu_);
+    if (ended_.ok()) ended_ = std::move(status);
+  }
+  // Free the memory now if no operation holds the state; the object may
+  // live on in a stream's reference. A running operation frees it as it
+  // finishes (it checks Ended() on its way out).
+  if (mu_.TryLock()) {
+    FreeStateLocked();
+    mu_.Unlock();
+  }
+}
+
+void Session::FreeStateLocked() {
   k_cache_ = Tensor();
   v_cache_ = Tensor();
   kv_.reset();
   k_raw_ = Tensor();
   linear_.reset();
+  rotator_.reset();
+  held_.Release();
 }
 
-int64_t Session::position() const {
-  absl::MutexLock lock(&mu_);
-  return position_;
+absl::Status Session::Ended() const {
+  absl::MutexLock lock(&meta_mu_);
+  return ended_;
 }
+
+int64_t Session::position() const { return position_hint_.load(std::memory_order_relaxed); }
 
 absl::Status Session::PrepareRope(int64_t new_len) {
   const SessionConfig& c = *config_;
@@ -319,8 +341,15 @@ absl::Status Session::PrepareRope(int64_t new_len) {
 absl::Status Session::Step(const v1::Step& step, int threads, const StopToken* stop,
                            v1::StepResult* result) {
   absl::MutexLock lock(&mu_);
-  RA_RETURN_IF_ERROR(ended_);
-  last_active_ = absl::Now();
+  // Closed while this step ran: the closer could not free the state.
+  absl::Cleanup free_if_ended = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (!Ended().ok()) FreeStateLocked();
+  };
+  {
+    absl::MutexLock meta(&meta_mu_);
+    RA_RETURN_IF_ERROR(ended_);
+    last_active_ = absl::Now();
+  }
   const SessionConfig& c = *config_;
   const ResolvedSpec& s = c.spec;
   Tensor q, k, v;
@@ -411,10 +440,15 @@ absl::Status Session::Step(const v1::Step& step, int threads, const StopToken* s
     RA_ASSIGN_OR_RETURN(Tensor projected, ProjectOutput(*c.model, c.layer, out.view(), threads));
     RA_ASSIGN_OR_RETURN(out, CastTensor(projected.view(), c.out_dtype));
   }
+  {
+    absl::MutexLock meta(&meta_mu_);
+    // Ended while computing: the answer would be of a session that is gone.
+    RA_RETURN_IF_ERROR(ended_);
+    ++steps_;
+    last_active_ = absl::Now();
+  }
   position_ = new_len;
   position_hint_.store(position_, std::memory_order_relaxed);
-  ++steps_;
-  last_active_ = absl::Now();
   result->set_seq(step.seq());
   result->set_position(position_);
   TensorToProto(out.view(), result->mutable_out());
@@ -423,8 +457,14 @@ absl::Status Session::Step(const v1::Step& step, int threads, const StopToken* s
 
 absl::Status Session::Truncate(int64_t position) {
   absl::MutexLock lock(&mu_);
-  RA_RETURN_IF_ERROR(ended_);
-  last_active_ = absl::Now();
+  absl::Cleanup free_if_ended = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (!Ended().ok()) FreeStateLocked();
+  };
+  {
+    absl::MutexLock meta(&meta_mu_);
+    RA_RETURN_IF_ERROR(ended_);
+    last_active_ = absl::Now();
+  }
   if (config_->linear) {
     return absl::UnimplementedError(
         "linear-attention sessions cannot be truncated: their state is a running sum");
@@ -439,10 +479,10 @@ absl::Status Session::Truncate(int64_t position) {
 }
 
 void Session::FillInfo(v1::SessionInfo* info) const {
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&meta_mu_);
   const SessionConfig& c = *config_;
   info->set_session_id(id_);
-  info->set_position(position_);
+  info->set_position(position_hint_.load(std::memory_order_relaxed));
   info->set_max_context(c.max_context);
   info->set_kind(c.linear ? v1::ATTENTION_KIND_LINEAR : v1::ATTENTION_KIND_SOFTMAX);
   info->set_kv_dtype(DTypeToProto(c.kv_dtype));
@@ -618,7 +658,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {
     return st;  // the session (and its reservation) is released here
   }
   {
-    absl::MutexLock slock(&session->mu_);
+    absl::MutexLock slock(&session->meta_mu_);
     session->attached_ = true;
   }
   sessions_.emplace(session->id(), session);
@@ -656,7 +696,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const std::strin
   absl::MutexLock lock(&mu_);
   RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> found, FindLocked(id, caller, /*admin_may=*/false));
   Session& s = *found;
-  absl::MutexLock slock(&s.mu_);
+  absl::MutexLock slock(&s.meta_mu_);
   if (!s.resumable_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "session ", id, " is not resumable: only resumable sessions can be re-attached"));
@@ -681,7 +721,7 @@ void SessionManager::Detach(const std::shared_ptr<Session>& session, bool stream
             "session ", session->id(), " was freed when its stream ended (it was not resumable)")));
     return;
   }
-  absl::MutexLock slock(&session->mu_);
+  absl::MutexLock slock(&session->meta_mu_);
   session->attached_ = false;
   session->last_active_ = absl::Now();
 }
@@ -694,8 +734,7 @@ void SessionManager::EraseLocked(const std::string& id, absl::string_view reason
   sessions_.erase(it);
   kv_in_use_ -= s->kv_bytes_;
   UncountLocked(s->owner_, s->kv_bytes_);
-  s->End(ended);
-  s->held_.Release();
+  s->End(ended);  // frees its memory now, or as its running step ends
   ended_[id] = Ended{ended, s->owner_};
   ended_order_.push_back(id);
   while (ended_order_.size() > kMaxEndedIds) {
@@ -767,11 +806,13 @@ int SessionManager::ReapIdle(absl::Time now) {
   absl::MutexLock lock(&mu_);
   std::vector<std::pair<std::string, absl::Status>> expired;
   for (const auto& [id, s] : sessions_) {
-    // A session busy in a step is not idle: skip it rather than wait.
-    if (!s->mu_.TryLock()) continue;
-    const absl::Duration idle = now - s->last_active_;
-    const bool attached = s->attached_;
-    s->mu_.Unlock();
+    absl::Duration idle;
+    bool attached;
+    {
+      absl::MutexLock slock(&s->meta_mu_);
+      idle = now - s->last_active_;
+      attached = s->attached_;
+    }
     // A stream holds it: it is in use however long its client thinks.
     if (attached) continue;
     if (idle > s->idle_ttl_) {
@@ -811,7 +852,7 @@ int SessionManager::attached_sessions() const {
   absl::MutexLock lock(&mu_);
   int n = 0;
   for (const auto& [id, s] : sessions_) {
-    absl::MutexLock slock(&s->mu_);
+    absl::MutexLock slock(&s->meta_mu_);
     n += s->attached_ ? 1 : 0;
   }
   return n;

@@ -3,8 +3,13 @@
 //
 // Ownership and threading: the SessionManager owns sessions through
 // shared_ptr; a stream or an operator call holds a reference while it works.
-// Each Session serializes its own operations with its mutex, so a step, an
-// operator's CloseSession and a fork of the same session never interleave.
+// Each Session has two locks (docs/scheduler.md): `mu_` serializes the
+// operations on its state (a step holds it for the whole computation; a
+// fork of the session holds it while copying), `meta_mu_` guards the
+// metadata and is only ever held for a moment. Control calls (info, list,
+// attach, detach, close, reaping) take `meta_mu_` only, so they never wait
+// for a running step. Lock order: SessionManager::mu_ -> meta_mu_, and
+// mu_ -> meta_mu_; never SessionManager::mu_ -> mu_.
 // Nothing of one session is reachable from another: forks copy.
 #ifndef ROPEATTN_SERVER_SESSIONS_H_
 #define ROPEATTN_SERVER_SESSIONS_H_
@@ -103,8 +108,15 @@ class Session {
   absl::Status Allocate();
   // Copies another session's history (a fork); both must share the config.
   absl::Status CopyStateFrom(Session& other);
-  // Marks the session ended; later operations fail with `status`.
+  // Marks the session ended; later operations fail with `status`. Frees
+  // the state (and gives its memory back to the budget) at once when no
+  // operation runs, else the running one does so as it finishes. Never
+  // waits for a step.
   void End(absl::Status status);
+  // Frees the state buffers and the budget hold.
+  void FreeStateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether End was called (the status it left).
+  absl::Status Ended() const;
   // Keys are cached rotated; for length-dependent rules (dynamic NTK,
   // LongRoPE) the raw keys are kept too and the cache is re-rotated whenever
   // the frequencies for the new length differ from the ones in use.
@@ -116,15 +128,18 @@ class Session {
   const bool resumable_;
   const absl::Duration idle_ttl_;
   const int64_t kv_bytes_;
-  MemoryBudget::Reservation held_;  // released when the manager erases it
   std::atomic<int64_t> position_hint_{0};
 
-  mutable absl::Mutex mu_;
-  absl::Status ended_ ABSL_GUARDED_BY(mu_);  // non-OK once closed or reaped
-  bool attached_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Time last_active_ ABSL_GUARDED_BY(mu_);
-  uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
+  // The state's lock: held for a whole operation.
+  mutable absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(meta_mu_);
+  MemoryBudget::Reservation held_ ABSL_GUARDED_BY(mu_);  // released with the state
   int64_t position_ ABSL_GUARDED_BY(mu_) = 0;
+  // The metadata's lock: held for a moment, never while computing.
+  mutable absl::Mutex meta_mu_;
+  absl::Status ended_ ABSL_GUARDED_BY(meta_mu_);  // non-OK once closed or reaped
+  bool attached_ ABSL_GUARDED_BY(meta_mu_) = false;
+  absl::Time last_active_ ABSL_GUARDED_BY(meta_mu_);
+  uint64_t steps_ ABSL_GUARDED_BY(meta_mu_) = 0;
   // Softmax sessions: f32 ones keep a KvCache, bf16 ones token-major
   // [1, max_context, kv_heads, head_dim / v_dim] tensors.
   std::optional<KvCache> kv_ ABSL_GUARDED_BY(mu_);

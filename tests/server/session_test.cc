@@ -700,6 +700,133 @@ TEST_F(SessionTest, OperatorCloseEndsTheSessionsStream) {
   EXPECT_EQ(server_->sessions().kv_bytes_in_use(), 0);
 }
 
+// Control calls take only a session's metadata lock: while a long step
+// holds the session's state, GetSession of that very session, ListSessions,
+// CloseSession of another session and GetServerInfo all answer before the
+// step does; a CloseSession of the stepping session itself answers at once
+// too, the step's stream then ends FAILED_PRECONDITION and the session's
+// memory is back in the budget.
+TEST_F(SessionTest, ControlCallsAnswerWhileAStepRuns) {
+  // One step of 2048 tokens, 32 heads over 8, head_dim 128, on one kernel
+  // thread: about a second of compute, priced at ~0.6 GiB of buffers.
+  server::ServerOptions o = TestServerOptions();
+  o.memory_budget_bytes = int64_t{2} << 30;
+  server_->Shutdown(absl::Seconds(1));
+  server_ = StartTestServer(o);
+  ASSERT_NE(server_, nullptr);
+  stub_ = TestStub(server_->port());
+  const Config c{"gqa_long", 32, 8, 128, 128, "default"};
+  constexpr int64_t kTokens = 2048;
+  const Sequence seq = MakeSequence(c, 2 * kTokens, 11);
+  Stream busy(stub_.get());
+  const std::string busy_id = busy.Open(MakeOpen(c, 2 * kTokens)).session_id();
+  Stream other(stub_.get());
+  const std::string other_id = other.Open(MakeOpen(Config{"small"}, 16, true)).session_id();
+  ASSERT_TRUE(other.Finish().ok());  // detached, resumable
+  const int64_t baseline = server_->sessions().kv_bytes_in_use();
+
+  using SteadyClock = std::chrono::steady_clock;
+  const auto step_async = [&](int64_t first, uint64_t seq_no, SteadyClock::time_point* done,
+                              v1::DecodeResponse* resp) {
+    return std::thread([&, first, seq_no, done, resp] {
+      v1::DecodeRequest req;
+      v1::Step* st = req.mutable_step();
+      st->set_seq(seq_no);
+      *st->mutable_q() = ToWire(seq.q.cview().Slice(1, first, kTokens));
+      *st->mutable_k() = ToWire(seq.k.cview().Slice(1, first, kTokens));
+      *st->mutable_v() = ToWire(seq.v.cview().Slice(1, first, kTokens));
+      if (busy.rw()->Write(req) && busy.rw()->Read(resp)) {
+        *done = SteadyClock::now();
+      } else {
+        *done = SteadyClock::now();
+        resp->Clear();
+      }
+    });
+  };
+  const auto memory_in_use = [&] {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    return stub_->GetServerInfo(&ctx, {}, &info).ok() ? info.memory_bytes_in_use() : -1;
+  };
+  const int64_t idle_memory = memory_in_use();
+  // Waits until the server has admitted the step (its buffers reserved).
+  const auto await_running = [&] {
+    return Eventually([&] { return memory_in_use() > idle_memory; });
+  };
+
+  SteadyClock::time_point step_done{};
+  v1::DecodeResponse step_resp;
+  std::thread stepping = step_async(0, 1, &step_done, &step_resp);
+  if (!await_running()) {
+    stepping.join();
+    FAIL() << "the step was never seen running: " << step_resp.DebugString().substr(0, 400);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // well inside the step
+  std::vector<std::pair<std::string, SteadyClock::time_point>> answered;
+  {
+    grpc::ClientContext ctx;
+    v1::GetSessionRequest req;
+    req.set_session_id(busy_id);
+    v1::SessionInfo info;
+    EXPECT_TRUE(stub_->GetSession(&ctx, req, &info).ok());
+    EXPECT_EQ(info.position(), 0) << "the step is still running";
+    answered.emplace_back("GetSession(stepping session)", SteadyClock::now());
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::ListSessionsResponse list;
+    EXPECT_TRUE(stub_->ListSessions(&ctx, {}, &list).ok());
+    EXPECT_EQ(list.sessions_size(), 2);
+    answered.emplace_back("ListSessions", SteadyClock::now());
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    EXPECT_TRUE(stub_->GetServerInfo(&ctx, {}, &info).ok());
+    answered.emplace_back("GetServerInfo", SteadyClock::now());
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::CloseSessionRequest req;
+    req.set_session_id(other_id);
+    v1::CloseSessionResponse resp;
+    EXPECT_TRUE(stub_->CloseSession(&ctx, req, &resp).ok());
+    answered.emplace_back("CloseSession(another session)", SteadyClock::now());
+  }
+  stepping.join();
+  ASSERT_TRUE(step_resp.has_step()) << step_resp.DebugString();
+  EXPECT_EQ(step_resp.step().position(), kTokens);
+  for (const auto& [what, when] : answered) {
+    EXPECT_LT(when, step_done) << what << " waited for the step";
+  }
+
+  // Now close the stepping session in the middle of its next step.
+  SteadyClock::time_point second_done{};
+  v1::DecodeResponse second_resp;
+  std::thread second = step_async(kTokens, 2, &second_done, &second_resp);
+  if (!await_running()) {
+    second.join();
+    FAIL() << "the second step was never seen running: "
+           << second_resp.DebugString().substr(0, 400);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  SteadyClock::time_point closed_at;
+  {
+    grpc::ClientContext ctx;
+    v1::CloseSessionRequest req;
+    req.set_session_id(busy_id);
+    v1::CloseSessionResponse resp;
+    EXPECT_TRUE(stub_->CloseSession(&ctx, req, &resp).ok());
+    closed_at = SteadyClock::now();
+  }
+  second.join();
+  EXPECT_LT(closed_at, second_done) << "CloseSession waited for the step";
+  EXPECT_FALSE(second_resp.has_step()) << "a step of a closed session answered";
+  EXPECT_EQ(busy.AwaitServerEnd().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_TRUE(Eventually([&] { return server_->sessions().kv_bytes_in_use() == 0; }));
+  EXPECT_LE(server_->sessions().kv_bytes_in_use(), baseline);
+}
+
 TEST_F(SessionTest, OversizeMessageIsRefusedAndTheServerStaysUp) {
   // The test server allows 64 MiB; the client allows more, so the server is
   // the one that refuses.
