@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up, builds, and runs every test (CI runs exactly this).
-#   bash scripts/test.sh            all tests, then the fuzz step
+#   bash scripts/test.sh            the fuzz step, then all tests
 #   LABEL=core bash scripts/test.sh only tests with that ctest label (no fuzz step)
 #   LABEL=fuzz bash scripts/test.sh only the fuzz step
 # The fuzz step (scripts/fuzz.sh, README "Fuzzing") builds the libFuzzer

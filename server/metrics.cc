@@ -48,13 +48,31 @@ constexpr int kUnknownCode = 2;
 constexpr const char* kCloseReasons[] = {"closed", "disconnected", "reaped", "shutdown"};
 constexpr absl::string_view kOverflowLabel = "other";
 
-struct MethodStats {
-  std::array<uint64_t, kNumCodes> by_code{};
+struct Histogram {
   // Per-bucket (not cumulative) counts; the last entry is (10 s, +Inf).
   std::array<uint64_t, kNumBounds + 1> buckets{};
   double sum_seconds = 0;
   uint64_t count = 0;
+
+  void Add(double seconds) {
+    if (!std::isfinite(seconds) || seconds < 0) seconds = 0;
+    // lower_bound finds the first bound >= seconds: le is inclusive, so
+    // exactly 1 ms belongs in le="0.001".
+    const int bucket = static_cast<int>(
+        std::lower_bound(kBucketBounds, kBucketBounds + kNumBounds, seconds) - kBucketBounds);
+    ++buckets[bucket];
+    sum_seconds += seconds;
+    ++count;
+  }
+};
+
+struct MethodStats {
+  std::array<uint64_t, kNumCodes> by_code{};
+  Histogram latency;  // whole request
+  Histogram queue;    // waiting for a compute worker
+  Histogram compute;  // on the worker
   uint64_t rejected = 0;
+  uint64_t abandoned = 0;
 };
 
 // Everything Metrics records; copied whole for a render so formatting runs
@@ -63,6 +81,7 @@ struct Data {
   absl::flat_hash_map<std::string, MethodStats> methods;
   absl::flat_hash_map<std::string, uint64_t> closed_by_reason;
   int64_t queue_depth = 0;
+  int64_t running = 0;
   int64_t sessions_open = 0;
   int64_t kv_bytes_used = 0;
   int64_t kv_bytes_budget = 0;
@@ -172,17 +191,30 @@ void Metrics::RegisterMethod(absl::string_view method) {
 
 void Metrics::RecordRequest(absl::string_view method, int grpc_code, double seconds) {
   if (grpc_code < 0 || grpc_code >= kNumCodes) grpc_code = kUnknownCode;
-  if (!std::isfinite(seconds) || seconds < 0) seconds = 0;
-  // lower_bound finds the first bound >= seconds: le is inclusive, so
-  // exactly 1 ms belongs in le="0.001".
-  const int bucket = static_cast<int>(
-      std::lower_bound(kBucketBounds, kBucketBounds + kNumBounds, seconds) - kBucketBounds);
   absl::MutexLock lock(&state_->mu);
   MethodStats& stats = BoundedEntry(state_->data.methods, method);
   ++stats.by_code[grpc_code];
-  ++stats.buckets[bucket];
-  stats.sum_seconds += seconds;
-  ++stats.count;
+  stats.latency.Add(seconds);
+}
+
+void Metrics::RecordQueueTime(absl::string_view method, double seconds) {
+  absl::MutexLock lock(&state_->mu);
+  BoundedEntry(state_->data.methods, method).queue.Add(seconds);
+}
+
+void Metrics::RecordComputeTime(absl::string_view method, double seconds) {
+  absl::MutexLock lock(&state_->mu);
+  BoundedEntry(state_->data.methods, method).compute.Add(seconds);
+}
+
+void Metrics::RecordAbandoned(absl::string_view method) {
+  absl::MutexLock lock(&state_->mu);
+  ++BoundedEntry(state_->data.methods, method).abandoned;
+}
+
+void Metrics::SetRunning(int64_t running) {
+  absl::MutexLock lock(&state_->mu);
+  state_->data.running = running;
 }
 
 void Metrics::RecordRejected(absl::string_view method) {
@@ -277,23 +309,34 @@ std::string Metrics::RenderPrometheus() const {
     }
   }
 
-  AppendFamilyHeader(&out, "ropeattn_request_duration_seconds",
-                     "Request latency in seconds, by method.", "histogram");
-  for (size_t i = 0; i < methods.size(); ++i) {
-    const MethodStats& s = d.methods[methods[i]];
-    uint64_t cumulative = 0;
-    for (int b = 0; b < kNumBounds; ++b) {
-      cumulative += s.buckets[b];
-      absl::StrAppend(&out, "ropeattn_request_duration_seconds_bucket{method=\"", escaped[i],
-                      "\",le=\"", le[b], "\"} ", cumulative, "\n");
+  // One histogram family per method, cumulative buckets as the format wants.
+  const auto append_histogram = [&](absl::string_view family, absl::string_view help,
+                                    Histogram MethodStats::*which) {
+    AppendFamilyHeader(&out, family, help, "histogram");
+    for (size_t i = 0; i < methods.size(); ++i) {
+      const Histogram& h = d.methods[methods[i]].*which;
+      uint64_t cumulative = 0;
+      for (int b = 0; b < kNumBounds; ++b) {
+        cumulative += h.buckets[b];
+        absl::StrAppend(&out, family, "_bucket{method=\"", escaped[i], "\",le=\"", le[b], "\"} ",
+                        cumulative, "\n");
+      }
+      absl::StrAppend(&out, family, "_bucket{method=\"", escaped[i], "\",le=\"+Inf\"} ", h.count,
+                      "\n");
+      absl::StrAppend(&out, family, "_sum{method=\"", escaped[i], "\"} ",
+                      FormatDouble(h.sum_seconds), "\n");
+      absl::StrAppend(&out, family, "_count{method=\"", escaped[i], "\"} ", h.count, "\n");
     }
-    absl::StrAppend(&out, "ropeattn_request_duration_seconds_bucket{method=\"", escaped[i],
-                    "\",le=\"+Inf\"} ", s.count, "\n");
-    absl::StrAppend(&out, "ropeattn_request_duration_seconds_sum{method=\"", escaped[i], "\"} ",
-                    FormatDouble(s.sum_seconds), "\n");
-    absl::StrAppend(&out, "ropeattn_request_duration_seconds_count{method=\"", escaped[i], "\"} ",
-                    s.count, "\n");
-  }
+  };
+  append_histogram("ropeattn_request_duration_seconds", "Request latency in seconds, by method.",
+                   &MethodStats::latency);
+  append_histogram("ropeattn_queue_seconds",
+                   "Time requests waited for a compute worker, in seconds, by method (computed "
+                   "requests and those abandoned while queued).",
+                   &MethodStats::queue);
+  append_histogram("ropeattn_compute_seconds",
+                   "Time requests ran on a compute worker, in seconds, by method.",
+                   &MethodStats::compute);
 
   AppendFamilyHeader(&out, "ropeattn_rejected_total",
                      "Requests refused at once because the compute queue was full, by method.",
@@ -303,9 +346,21 @@ std::string Metrics::RenderPrometheus() const {
                     d.methods[methods[i]].rejected, "\n");
   }
 
+  AppendFamilyHeader(&out, "ropeattn_abandoned_total",
+                     "Requests cancelled by their caller or past their deadline while queued: "
+                     "never computed, by method.",
+                     "counter");
+  for (size_t i = 0; i < methods.size(); ++i) {
+    absl::StrAppend(&out, "ropeattn_abandoned_total{method=\"", escaped[i], "\"} ",
+                    d.methods[methods[i]].abandoned, "\n");
+  }
+
   AppendFamilyHeader(&out, "ropeattn_queue_depth", "Requests waiting for a compute worker.",
                      "gauge");
   absl::StrAppend(&out, "ropeattn_queue_depth ", d.queue_depth, "\n");
+
+  AppendFamilyHeader(&out, "ropeattn_running", "Requests computing on a worker now.", "gauge");
+  absl::StrAppend(&out, "ropeattn_running ", d.running, "\n");
 
   AppendFamilyHeader(&out, "ropeattn_sessions_open", "Sessions currently open.", "gauge");
   absl::StrAppend(&out, "ropeattn_sessions_open ", d.sessions_open, "\n");

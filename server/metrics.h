@@ -44,8 +44,18 @@ class Metrics {
   // A request refused because the queue was full: ropeattn_rejected_total{method}.
   // Does not touch requests_total; the caller records that if it wants to.
   void RecordRejected(absl::string_view method);
-  // ropeattn_queue_depth (gauge).
+  // A computed request's wait for a worker and its time on the worker:
+  // ropeattn_queue_seconds{method} and ropeattn_compute_seconds{method}
+  // (histograms, the same buckets as the latency one).
+  void RecordQueueTime(absl::string_view method, double seconds);
+  void RecordComputeTime(absl::string_view method, double seconds);
+  // A request cancelled or past its deadline while it waited, so never
+  // computed: ropeattn_abandoned_total{method}.
+  void RecordAbandoned(absl::string_view method);
+  // ropeattn_queue_depth and ropeattn_running (gauges): waiting for a
+  // worker, and computing now.
   void SetQueueDepth(int64_t depth);
+  void SetRunning(int64_t running);
   // Sessions: ropeattn_sessions_open (gauge), ropeattn_sessions_opened_total,
   // ropeattn_sessions_closed_total{reason} with reason in
   // "closed" | "disconnected" | "reaped" | "shutdown" (these four are always

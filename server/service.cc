@@ -48,6 +48,16 @@ AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options, Executo
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
+AttentionServiceImpl::ComputeScope::ComputeScope(AttentionServiceImpl* service, const char* method)
+    : service_(service), method_(method), start_(absl::Now()) {
+  service_->metrics_->SetRunning(service_->computing_.fetch_add(1) + 1);
+}
+
+AttentionServiceImpl::ComputeScope::~ComputeScope() {
+  service_->metrics_->RecordComputeTime(method_, SecondsSince(start_));
+  service_->metrics_->SetRunning(service_->computing_.fetch_sub(1) - 1);
+}
+
 absl::StatusOr<Principal> AttentionServiceImpl::CallerOf(const grpc::ServerContextBase& ctx) const {
   return PrincipalOf(ctx, auth_configured_);
 }
@@ -109,10 +119,17 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
       budget_->Reserve(cost->transient_bytes, absl::StrCat("this ", method, " request"));
   if (!held.ok()) return refuse(held.status());
   call->Hold(*std::move(held));
-  const bool queued = executor_->TrySubmit([this, call, method, start, run]() mutable {
+  const absl::Time queued_at = absl::Now();
+  const bool queued = executor_->TrySubmit([this, call, method, start, queued_at, run]() mutable {
+    metrics_->RecordQueueTime(method, SecondsSince(queued_at));
     // A call cancelled or past its deadline while it waited is not started.
     absl::Status status = call->stop().status();
-    if (status.ok()) status = run(&call->stop());
+    if (!status.ok()) {
+      metrics_->RecordAbandoned(method);
+    } else {
+      ComputeScope computing(this, method);
+      status = run(&call->stop());
+    }
     // Stopped mid-way: the stop's own code, not the kernel's.
     if (!status.ok() && call->stop().ShouldStop()) status = call->stop().status();
     metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
@@ -334,6 +351,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       Refuse(admitted);
       return;
     }
+    queued_at_ = absl::Now();
     if (!service_->executor_->TrySubmit([this] { Process(); })) {
       op_memory_.Release();
       ticket_.Release();
@@ -497,8 +515,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
 
   // Runs on the executor.
   void Process() {
+    service_->metrics_->RecordQueueTime(MethodOf(request_), SecondsSince(queued_at_));
     // Cancelled, or past its deadline, while it waited: not started.
     if (stop_.ShouldStop()) {
+      service_->metrics_->RecordAbandoned(MethodOf(request_));
       ticket_.Release();
       service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(stop_.status().code()),
                                         0.0);
@@ -506,6 +526,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       return;
     }
     const absl::Time start = absl::Now();
+    AttentionServiceImpl::ComputeScope computing(service_, MethodOf(request_));
     response_.Clear();
     const uint64_t seq = SeqOf(request_);
     response_.set_seq(seq);
@@ -611,6 +632,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   grpc::CallbackServerContext* const ctx_;
   // Who opened the stream: its sessions belong to this principal.
   const absl::StatusOr<Principal> principal_;
+  absl::Time queued_at_;  // when the current operation was queued
   v1::DecodeRequest request_;
   v1::DecodeResponse response_;
   std::shared_ptr<Session> session_;

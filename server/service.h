@@ -75,6 +75,21 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   void CallStarted();
   void CallEnded();
 
+  // One request or decode operation on a compute worker, start to end:
+  // ropeattn_compute_seconds{method} and the ropeattn_running gauge.
+  class ComputeScope {
+   public:
+    ComputeScope(AttentionServiceImpl* service, const char* method);
+    ~ComputeScope();
+    ComputeScope(const ComputeScope&) = delete;
+    ComputeScope& operator=(const ComputeScope&) = delete;
+
+   private:
+    AttentionServiceImpl* const service_;
+    const char* const method_;
+    const absl::Time start_;
+  };
+
   // The principal of a call (server/auth.h): anonymous when authentication
   // is not configured.
   absl::StatusOr<Principal> CallerOf(const grpc::ServerContextBase& ctx) const;
@@ -99,6 +114,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   const CostLimits limits_;
   const bool auth_configured_;
   std::atomic<bool> draining_{false};
+  std::atomic<int64_t> computing_{0};
   absl::Mutex mu_;
   absl::flat_hash_set<DecodeReactor*> streams_ ABSL_GUARDED_BY(mu_);
   int64_t unary_calls_ ABSL_GUARDED_BY(mu_) = 0;

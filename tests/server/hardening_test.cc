@@ -18,6 +18,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "ropeattn/v1/attention.grpc.pb.h"
+#include "server/metrics.h"
 #include "server/server.h"
 #include "tests/server/server_test_util.h"
 
@@ -402,6 +403,21 @@ TEST(HardeningDeadlineTest, LongAttendStopsAtItsDeadline) {
   v1::AttendResponse out;
   const grpc::Status st = stub->Attend(&ctx, small, &out);
   EXPECT_TRUE(st.ok()) << st.error_code() << " " << st.error_message();
+  // Only the first long call and the small one were computed; the second
+  // was abandoned in the queue (or, if its deadline passed before it even
+  // reached the service, never queued), never started either way.
+  const std::string metrics = server->metrics().RenderPrometheus();
+  const auto sample = [&](const std::string& series) -> int64_t {
+    const size_t at = metrics.find("\n" + series + " ");
+    return at == std::string::npos ? -1 : std::atoll(metrics.c_str() + at + series.size() + 2);
+  };
+  const int64_t computed = sample("ropeattn_compute_seconds_count{method=\"Attend\"}");
+  const int64_t abandoned = sample("ropeattn_abandoned_total{method=\"Attend\"}");
+  EXPECT_EQ(computed, 2);
+  EXPECT_LE(abandoned, 1);
+  EXPECT_GE(abandoned, 0);
+  EXPECT_EQ(sample("ropeattn_queue_seconds_count{method=\"Attend\"}"), computed + abandoned);
+  EXPECT_EQ(sample("ropeattn_running"), 0);
 }
 
 // A Decode open is priced on the gRPC thread, before it is queued: with every

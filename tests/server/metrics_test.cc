@@ -318,8 +318,12 @@ Exposition ParseValid(const std::string& text) {
 
 const std::vector<std::string> kAllFamilies = {"ropeattn_requests_total",
                                                "ropeattn_request_duration_seconds",
+                                               "ropeattn_queue_seconds",
+                                               "ropeattn_compute_seconds",
                                                "ropeattn_rejected_total",
+                                               "ropeattn_abandoned_total",
                                                "ropeattn_queue_depth",
+                                               "ropeattn_running",
                                                "ropeattn_sessions_open",
                                                "ropeattn_sessions_opened_total",
                                                "ropeattn_sessions_closed_total",
