@@ -316,7 +316,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
 // ------------------------------------------------------------ Decode --
 
 // One Decode stream. Strictly one operation at a time: read a message, run it
-// on the executor, write the answer, only then read the next. So steps are
+// (on the executor; attach, truncate and close inline), write the answer,
+// only then read the next. So steps are
 // answered in order, at most one write is ever queued (a slow reader cannot
 // grow server memory), and a session is never used by two steps at once.
 class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse> {
@@ -352,6 +353,13 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       return;
     }
     queued_at_ = absl::Now();
+    // Bookkeeping that never waits for compute (attach, truncate, close take
+    // only the manager's lock and session metadata, or this stream's own
+    // idle session) is answered here, not queued behind running steps.
+    if (request_.has_attach() || request_.has_truncate() || request_.has_close()) {
+      Process();
+      return;
+    }
     if (!service_->executor_->TrySubmit([this] { Process(); })) {
       op_memory_.Release();
       ticket_.Release();

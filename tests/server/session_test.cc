@@ -711,6 +711,7 @@ TEST_F(SessionTest, ControlCallsAnswerWhileAStepRuns) {
   // thread: about a second of compute, priced at ~0.6 GiB of buffers.
   server::ServerOptions o = TestServerOptions();
   o.memory_budget_bytes = int64_t{2} << 30;
+  o.compute_workers = 1;  // the step holds the only worker
   server_->Shutdown(absl::Seconds(1));
   server_ = StartTestServer(o);
   ASSERT_NE(server_, nullptr);
@@ -763,6 +764,20 @@ TEST_F(SessionTest, ControlCallsAnswerWhileAStepRuns) {
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(100));  // well inside the step
   std::vector<std::pair<std::string, SteadyClock::time_point>> answered;
+  // The step publishes its position when its computation ends: a position
+  // of 0 right after a control call's answer means that call did not wait.
+  std::vector<std::string> still_computing;
+  const auto check_still_computing = [&] {
+    grpc::ClientContext ctx;
+    v1::GetSessionRequest req;
+    req.set_session_id(busy_id);
+    v1::SessionInfo info;
+    if (stub_->GetSession(&ctx, req, &info).ok() && info.position() == 0) {
+      still_computing.push_back(answered.back().first);
+    } else {
+      ADD_FAILURE() << answered.back().first << " was answered only after the step computed";
+    }
+  };
   {
     grpc::ClientContext ctx;
     v1::GetSessionRequest req;
@@ -771,6 +786,7 @@ TEST_F(SessionTest, ControlCallsAnswerWhileAStepRuns) {
     EXPECT_TRUE(stub_->GetSession(&ctx, req, &info).ok());
     EXPECT_EQ(info.position(), 0) << "the step is still running";
     answered.emplace_back("GetSession(stepping session)", SteadyClock::now());
+    check_still_computing();
   }
   {
     grpc::ClientContext ctx;
@@ -778,20 +794,38 @@ TEST_F(SessionTest, ControlCallsAnswerWhileAStepRuns) {
     EXPECT_TRUE(stub_->ListSessions(&ctx, {}, &list).ok());
     EXPECT_EQ(list.sessions_size(), 2);
     answered.emplace_back("ListSessions", SteadyClock::now());
+    check_still_computing();
   }
   {
     grpc::ClientContext ctx;
     v1::ServerInfo info;
     EXPECT_TRUE(stub_->GetServerInfo(&ctx, {}, &info).ok());
     answered.emplace_back("GetServerInfo", SteadyClock::now());
+    check_still_computing();
+  }
+  {
+    // A Decode attach (and the stream's own close) with the only worker busy.
+    Stream attach(stub_.get());
+    EXPECT_EQ(attach.Attach(other_id).session_id(), other_id);
+    answered.emplace_back("Decode attach", SteadyClock::now());
+    check_still_computing();
+    v1::DecodeRequest close;
+    close.mutable_close()->set_seq(1);
+    EXPECT_TRUE(attach.Send(close).has_closed());
+    answered.emplace_back("Decode close", SteadyClock::now());
+    check_still_computing();
+    EXPECT_TRUE(attach.Finish().ok());
   }
   {
     grpc::ClientContext ctx;
     v1::CloseSessionRequest req;
     req.set_session_id(other_id);
     v1::CloseSessionResponse resp;
-    EXPECT_TRUE(stub_->CloseSession(&ctx, req, &resp).ok());
+    // Closed already by its stream: the operator hears it was closed.
+    EXPECT_EQ(stub_->CloseSession(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
     answered.emplace_back("CloseSession(another session)", SteadyClock::now());
+    check_still_computing();
   }
   stepping.join();
   ASSERT_TRUE(step_resp.has_step()) << step_resp.DebugString();
@@ -799,6 +833,7 @@ TEST_F(SessionTest, ControlCallsAnswerWhileAStepRuns) {
   for (const auto& [what, when] : answered) {
     EXPECT_LT(when, step_done) << what << " waited for the step";
   }
+  EXPECT_EQ(still_computing.size(), answered.size());
 
   // Now close the stepping session in the middle of its next step.
   SteadyClock::time_point second_done{};
