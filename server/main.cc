@@ -47,6 +47,10 @@ ABSL_FLAG(int, threads_per_call, kDefaults.threads_per_call,
           "the machine's cores");
 ABSL_FLAG(int, queue_depth, kDefaults.queue_depth,
           "Requests that may wait for a worker; beyond it calls get RESOURCE_EXHAUSTED at once");
+ABSL_FLAG(double, max_queue_delay_seconds, kDefaults.max_queue_delay_seconds,
+          "A request whose estimated wait for a worker is longer, or that cannot finish inside "
+          "its deadline, is refused at once with RESOURCE_EXHAUSTED and trailing metadata "
+          "retry-after-ms; 0 turns the wait limit off");
 ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
           "Largest gRPC message either way, in bytes (default 256 MiB: room for a "
           "[1, 8192, 32, 128] f32 prefill)");
@@ -156,6 +160,7 @@ int main(int argc, char** argv) {
   o.compute_workers = absl::GetFlag(FLAGS_compute_workers);
   o.threads_per_call = absl::GetFlag(FLAGS_threads_per_call);
   o.queue_depth = absl::GetFlag(FLAGS_queue_depth);
+  o.max_queue_delay_seconds = absl::GetFlag(FLAGS_max_queue_delay_seconds);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   o.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);

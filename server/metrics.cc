@@ -339,7 +339,9 @@ std::string Metrics::RenderPrometheus() const {
                    &MethodStats::compute);
 
   AppendFamilyHeader(&out, "ropeattn_rejected_total",
-                     "Requests refused at once because the compute queue was full, by method.",
+                     "Requests refused at once (shed): the compute queue was full, or admission found they "
+                     "could not finish inside their deadline or would wait past "
+                     "--max_queue_delay_seconds; by method.",
                      "counter");
   for (size_t i = 0; i < methods.size(); ++i) {
     absl::StrAppend(&out, "ropeattn_rejected_total{method=\"", escaped[i], "\"} ",

@@ -41,7 +41,8 @@ class Metrics {
   // Negative or non-finite `seconds` are recorded as 0 (they would poison
   // _sum forever).
   void RecordRequest(absl::string_view method, int grpc_code, double seconds);
-  // A request refused because the queue was full: ropeattn_rejected_total{method}.
+  // A request refused at once (queue full, or by admission):
+  // ropeattn_rejected_total{method}.
   // Does not touch requests_total; the caller records that if it wants to.
   void RecordRejected(absl::string_view method);
   // A computed request's wait for a worker and its time on the worker:

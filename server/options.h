@@ -35,6 +35,11 @@ struct ServerOptions {
   // Requests waiting for a worker beyond the running ones; a full queue
   // answers RESOURCE_EXHAUSTED at once.
   int queue_depth = 64;
+  // A request whose estimated wait for a worker (the priced compute ahead
+  // of it at this server's measured rate, server/admission.h) is longer is
+  // refused at once with RESOURCE_EXHAUSTED and a retry-after-ms hint; so
+  // is one that cannot finish inside its deadline. 0: no wait limit.
+  double max_queue_delay_seconds = 5;
   // Largest message either way. 256 MiB holds a [1, 8192, 32, 128] f32
   // q, k and v prefill with room to spare.
   int64_t max_message_bytes = int64_t{256} << 20;

@@ -127,6 +127,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::InvalidArgumentError(absl::StrFormat(
         "handshake_timeout_seconds must be in (0, 3600], got %g", options.handshake_timeout_seconds));
   }
+  if (!(options.max_queue_delay_seconds >= 0 && options.max_queue_delay_seconds <= 3600)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "max_queue_delay_seconds must be in [0, 3600], got %g", options.max_queue_delay_seconds));
+  }
   if (options.compute_workers < 1 || options.threads_per_call < 1 || options.queue_depth < 1 ||
       options.max_sessions < 1 || options.memory_budget_bytes < 0 ||
       options.max_request_compute < 1 || options.max_message_bytes < 1024 ||

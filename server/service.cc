@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "core/cpu.h"
+#include "server/admission.h"
 #include "server/auth.h"
 #include "server/convert.h"
 #include "server/handlers.h"
@@ -44,7 +45,8 @@ AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options, Executo
       models_(models),
       budget_(budget),
       limits_{options.max_message_bytes, options.max_request_compute},
-      auth_configured_(AuthConfigured(options)) {}
+      auth_configured_(AuthConfigured(options)),
+      admission_(options.compute_workers, absl::Seconds(options.max_queue_delay_seconds)) {}
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
@@ -115,20 +117,40 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
   absl::StatusOr<Cost> cost = price();
   if (!cost.ok()) return refuse(cost.status());
   if (absl::Status st = CheckCost(*cost, limits_, method); !st.ok()) return refuse(st);
+  // Can it finish inside its deadline, and is the wait for a worker short
+  // enough? Refused now rather than computed for a caller who gave up.
+  absl::Duration retry_after;
+  if (absl::Status st =
+          admission_.Admit(method, cost->compute, DeadlineOf(ctx), absl::Now(), &retry_after);
+      !st.ok()) {
+    ctx->AddTrailingMetadata("retry-after-ms",
+                             absl::StrCat(absl::ToInt64Milliseconds(retry_after)));
+    metrics_->RecordRejected(method);
+    return refuse(st);
+  }
+  const int64_t compute = cost->compute;
   absl::StatusOr<MemoryBudget::Reservation> held =
       budget_->Reserve(cost->transient_bytes, absl::StrCat("this ", method, " request"));
-  if (!held.ok()) return refuse(held.status());
+  if (!held.ok()) {
+    admission_.Finished(compute, -1);
+    return refuse(held.status());
+  }
   call->Hold(*std::move(held));
   const absl::Time queued_at = absl::Now();
-  const bool queued = executor_->TrySubmit([this, call, method, start, queued_at, run]() mutable {
+  const bool queued =
+      executor_->TrySubmit([this, call, method, start, queued_at, compute, run]() mutable {
     metrics_->RecordQueueTime(method, SecondsSince(queued_at));
     // A call cancelled or past its deadline while it waited is not started.
     absl::Status status = call->stop().status();
     if (!status.ok()) {
       metrics_->RecordAbandoned(method);
+      admission_.Finished(compute, -1);
     } else {
       ComputeScope computing(this, method);
+      const absl::Time ran = absl::Now();
       status = run(&call->stop());
+      // Only a request run to its end teaches the rate.
+      admission_.Finished(compute, status.ok() ? SecondsSince(ran) : -1);
     }
     // Stopped mid-way: the stop's own code, not the kernel's.
     if (!status.ok() && call->stop().ShouldStop()) status = call->stop().status();
@@ -136,6 +158,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
     call->Finish(ToGrpcStatus(status));
   });
   if (!queued) {
+    admission_.Finished(compute, -1);
     metrics_->RecordRejected(method);
     metrics_->RecordRequest(method, grpc::StatusCode::RESOURCE_EXHAUSTED, SecondsSince(start));
     call->Finish(QueueFull(*executor_, method));
@@ -361,6 +384,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       return;
     }
     if (!service_->executor_->TrySubmit([this] { Process(); })) {
+      AdmittedDone(-1);
       op_memory_.Release();
       ticket_.Release();
       service_->metrics_->RecordRejected("Decode");
@@ -478,8 +502,17 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
                           PriceStep(c, request_.step(), session_->position_hint(),
                                     service_->options_.threads_per_call));
       RA_RETURN_IF_ERROR(CheckCost(cost, service_->limits_, "Decode.Step"));
-      RA_ASSIGN_OR_RETURN(op_memory_,
-                          service_->budget_->Reserve(cost.transient_bytes, "this decode step"));
+      absl::Duration retry_after;
+      RA_RETURN_IF_ERROR(service_->admission_.Admit("Decode.Step", cost.compute, stop_.deadline(),
+                                                    absl::Now(), &retry_after));
+      absl::StatusOr<MemoryBudget::Reservation> held =
+          service_->budget_->Reserve(cost.transient_bytes, "this decode step");
+      if (!held.ok()) {
+        service_->admission_.Finished(cost.compute, -1);
+        return held.status();
+      }
+      op_memory_ = *std::move(held);
+      op_compute_ = cost.compute;
     }
     return absl::OkStatus();
   }
@@ -526,6 +559,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
     service_->metrics_->RecordQueueTime(MethodOf(request_), SecondsSince(queued_at_));
     // Cancelled, or past its deadline, while it waited: not started.
     if (stop_.ShouldStop()) {
+      AdmittedDone(-1);
       service_->metrics_->RecordAbandoned(MethodOf(request_));
       ticket_.Release();
       service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(stop_.status().code()),
@@ -577,8 +611,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
           break;
         }
         if (request_.has_step()) {
+          const absl::Time ran = absl::Now();
           status = session_->Step(request_.step(), service_->options_.threads_per_call, &stop_,
                                   response_.mutable_step());
+          AdmittedDone(status.ok() ? SecondsSince(ran) : -1);
           if (!status.ok() && stop_.ShouldStop()) status = stop_.status();
           if (status.ok()) {
             service_->metrics_->RecordStep(
@@ -621,6 +657,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
         stream_fatal = session_ == nullptr;
         break;
     }
+    AdmittedDone(-1);  // a step that never reached its session
     service_->metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
     if (!status.ok()) {
       if (stream_fatal) {
@@ -641,6 +678,14 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   // Who opened the stream: its sessions belong to this principal.
   const absl::StatusOr<Principal> principal_;
   absl::Time queued_at_;  // when the current operation was queued
+  int64_t op_compute_ = -1;  // the current step's admitted compute, -1: none
+  // The admitted step left the queue (ran for `seconds`, or -1: did not run
+  // to its end).
+  void AdmittedDone(double seconds) {
+    if (op_compute_ < 0) return;
+    service_->admission_.Finished(op_compute_, seconds);
+    op_compute_ = -1;
+  }
   v1::DecodeRequest request_;
   v1::DecodeResponse response_;
   std::shared_ptr<Session> session_;

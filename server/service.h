@@ -10,6 +10,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "ropeattn/v1/attention.grpc.pb.h"
+#include "server/admission.h"
 #include "server/cost.h"
 #include "server/executor.h"
 #include "server/metrics.h"
@@ -113,6 +114,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   MemoryBudget* const budget_;
   const CostLimits limits_;
   const bool auth_configured_;
+  Admission admission_;  // by time: deadline and --max_queue_delay_seconds
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> computing_{0};
   absl::Mutex mu_;

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <string>
+#include <atomic>
 #include <thread>
 #include <vector>
 
@@ -418,6 +419,89 @@ TEST(HardeningDeadlineTest, LongAttendStopsAtItsDeadline) {
   EXPECT_GE(abandoned, 0);
   EXPECT_EQ(sample("ropeattn_queue_seconds_count{method=\"Attend\"}"), computed + abandoned);
   EXPECT_EQ(sample("ropeattn_running"), 0);
+}
+
+// Admission by time: once the server has measured its rate, a request that
+// cannot finish inside its deadline behind the running work is refused at
+// once (RESOURCE_EXHAUSTED, trailing retry-after-ms), not queued and left to
+// expire; and with --max_queue_delay_seconds, one whose wait would be longer
+// is refused likewise. The running request is unaffected.
+TEST(HardeningAdmissionTest, RequestsThatCannotMakeItAreRefusedAtOnce) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.threads_per_call = 1;
+  o.memory_budget_bytes = int64_t{2} << 30;
+  o.max_queue_delay_seconds = 0.3;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  const auto attend = [](int64_t len) {
+    v1::AttendRequest r;
+    r.mutable_spec()->set_heads(1);
+    r.mutable_spec()->set_head_dim(64);
+    *r.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
+    *r.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
+    *r.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
+    return r;
+  };
+  // Teach the server its rate: a few requests of some tens of ms each.
+  for (int i = 0; i < 4; ++i) {
+    grpc::ClientContext ctx;
+    v1::AttendResponse out;
+    ASSERT_TRUE(stub->Attend(&ctx, attend(3072), &out).ok());
+  }
+  const v1::AttendRequest long_request = attend(12288);  // ~16x one teaching request
+  const auto running_now = [&] {
+    const std::string m = server->metrics().RenderPrometheus();
+    const size_t at = m.find("\nropeattn_running ");
+    return at == std::string::npos ? -1 : std::atoll(m.c_str() + at + 18);
+  };
+  std::atomic<bool> long_done{false};
+  grpc::Status long_status;
+  std::thread running([&] {
+    grpc::ClientContext ctx;
+    v1::AttendResponse out;
+    long_status = stub->Attend(&ctx, long_request, &out);
+    long_done = true;
+  });
+  for (int i = 0; i < 500 && running_now() != 1; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_EQ(running_now(), 1);
+  // Behind it, the same work with a 100 ms deadline cannot make it.
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(100)));
+    v1::AttendResponse out;
+    const grpc::Status st = stub->Attend(&ctx, long_request, &out);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr("cannot finish inside its deadline"));
+    const auto& trailers = ctx.GetServerTrailingMetadata();
+    EXPECT_NE(trailers.find("retry-after-ms"), trailers.end());
+    EXPECT_FALSE(long_done.load()) << "refused only after the running request ended";
+  }
+  // With no deadline, the wait behind it passes --max_queue_delay_seconds.
+  {
+    grpc::ClientContext ctx;
+    v1::AttendResponse out;
+    const grpc::Status st = stub->Attend(&ctx, long_request, &out);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr("max_queue_delay_seconds"));
+    const auto& trailers = ctx.GetServerTrailingMetadata();
+    const auto hint = trailers.find("retry-after-ms");
+    ASSERT_NE(hint, trailers.end());
+    EXPECT_GT(std::atoll(std::string(hint->second.data(), hint->second.size()).c_str()), 0);
+    EXPECT_FALSE(long_done.load());
+  }
+  running.join();
+  EXPECT_TRUE(long_status.ok()) << long_status.error_message();
+  // Idle again: a small request with a deadline is admitted.
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::AttendResponse out;
+  EXPECT_TRUE(stub->Attend(&ctx, attend(16), &out).ok());
+  const std::string m = server->metrics().RenderPrometheus();
+  EXPECT_THAT(m, HasSubstr("ropeattn_rejected_total{method=\"Attend\"} 2"));
 }
 
 // A Decode open is priced on the gRPC thread, before it is queued: with every
