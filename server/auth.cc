@@ -280,60 +280,83 @@ const TokenEntry* Authenticator::Find(absl::string_view token) const {
   return found;
 }
 
-grpc::Status Authenticator::Process(const InputMetadata& md, grpc::AuthContext* context,
-                                    OutputMetadata* consumed, OutputMetadata* /*response*/) {
-  const auto path = md.find(":path");
-  if (path != md.end() && absl::StartsWith(absl::string_view(path->second.data(),
-                                                             path->second.size()),
-                                           kHealthPrefix)) {
-    return grpc::Status::OK;
-  }
-  const auto refuse = [this](const char* reason, const std::string& message) {
-    if (metrics_ != nullptr) metrics_->RecordAuthRefused(reason);
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, message);
-  };
+absl::StatusOr<Principal> Authenticator::Resolve(bool present, absl::string_view value,
+                                                 const grpc::AuthContext* context,
+                                                 const char** reason) const {
   Principal principal;
+  principal.authenticated = true;
   if (certificate_identities_) {
-    // The first URI SAN (a SPIFFE id, say), else the first DNS SAN.
+    // The first URI SAN (a SPIFFE id, say), else the first DNS SAN: set at
+    // the handshake, the same for every call on the connection.
     std::string identity;
     for (const char* property : {"peer_uri", "peer_dns"}) {
-      std::vector<grpc::string_ref> values = context->FindPropertyValues(property);
+      std::vector<grpc::string_ref> values =
+          context == nullptr ? std::vector<grpc::string_ref>{}
+                             : context->FindPropertyValues(property);
       if (!values.empty()) {
         identity.assign(values.front().data(), values.front().size());
         break;
       }
     }
     if (identity.empty()) {
-      return refuse("no_identity",
-                    "the client certificate names no principal: it needs a URI or DNS "
-                    "subjectAltName");
+      *reason = "no_identity";
+      return absl::UnauthenticatedError(
+          "the client certificate names no principal: it needs a URI or DNS subjectAltName");
     }
     principal.name = identity.substr(0, kMaxPrincipalChars);
-  } else {
-    const auto auth = md.find("authorization");
-    if (auth == md.end()) {
-      return refuse("missing_token", "this server needs authorization: Bearer <token> metadata");
-    }
-    const absl::string_view value(auth->second.data(), auth->second.size());
-    constexpr absl::string_view kScheme = "bearer ";
-    if (value.size() <= kScheme.size() ||
-        !absl::EqualsIgnoreCase(value.substr(0, kScheme.size()), kScheme)) {
-      return refuse("invalid_token",
-                    "the authorization metadata must be \"Bearer <token>\"");
-    }
-    const absl::string_view token = absl::StripAsciiWhitespace(value.substr(kScheme.size()));
-    {
-      absl::ReaderMutexLock lock(&mu_);
-      const TokenEntry* entry = Find(token);
-      if (entry == nullptr) return refuse("invalid_token", "the bearer token is not valid");
-      principal = entry->principal;
-    }
-    // Handlers (and anything they log) never see the token.
-    consumed->insert({"authorization", std::string(value)});
+    return principal;
   }
-  context->AddProperty(kPrincipalProperty, principal.name);
-  if (principal.admin) context->AddProperty(kAdminProperty, "1");
-  return grpc::Status::OK;
+  if (!present) {
+    *reason = "missing_token";
+    return absl::UnauthenticatedError("this server needs authorization: Bearer <token> metadata");
+  }
+  constexpr absl::string_view kScheme = "bearer ";
+  if (value.size() <= kScheme.size() ||
+      !absl::EqualsIgnoreCase(value.substr(0, kScheme.size()), kScheme)) {
+    *reason = "invalid_token";
+    return absl::UnauthenticatedError("the authorization metadata must be \"Bearer <token>\"");
+  }
+  const absl::string_view token = absl::StripAsciiWhitespace(value.substr(kScheme.size()));
+  absl::ReaderMutexLock lock(&mu_);
+  const TokenEntry* entry = Find(token);
+  if (entry == nullptr) {
+    *reason = "invalid_token";
+    return absl::UnauthenticatedError("the bearer token is not valid");
+  }
+  return entry->principal;
+}
+
+grpc::Status Authenticator::Process(const InputMetadata& md, grpc::AuthContext* context,
+                                    OutputMetadata* /*consumed*/, OutputMetadata* /*response*/) {
+  const auto path = md.find(":path");
+  if (path != md.end() && absl::StartsWith(absl::string_view(path->second.data(),
+                                                             path->second.size()),
+                                           kHealthPrefix)) {
+    return grpc::Status::OK;
+  }
+  const auto auth = md.find("authorization");
+  const char* reason = "";
+  absl::StatusOr<Principal> principal =
+      Resolve(auth != md.end(),
+              auth == md.end() ? absl::string_view()
+                               : absl::string_view(auth->second.data(), auth->second.size()),
+              context, &reason);
+  if (principal.ok()) return grpc::Status::OK;
+  if (metrics_ != nullptr) metrics_->RecordAuthRefused(reason);
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(principal.status().message()));
+}
+
+absl::StatusOr<Principal> Authenticator::Identify(const grpc::ServerContextBase& ctx) const {
+  // The call's own metadata (never a property of the shared connection).
+  const std::multimap<grpc::string_ref, grpc::string_ref>& md = ctx.client_metadata();
+  const auto auth = md.find("authorization");
+  std::shared_ptr<const grpc::AuthContext> context;
+  if (certificate_identities_) context = ctx.auth_context();
+  const char* reason = "";
+  return Resolve(auth != md.end(),
+                 auth == md.end() ? absl::string_view()
+                                  : absl::string_view(auth->second.data(), auth->second.size()),
+                 context.get(), &reason);
 }
 
 std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(
@@ -357,18 +380,5 @@ std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(
   return creds;
 }
 
-absl::StatusOr<Principal> PrincipalOf(const grpc::ServerContextBase& ctx, bool auth_configured) {
-  Principal p;
-  if (!auth_configured) return p;
-  const std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context();
-  std::vector<grpc::string_ref> names =
-      auth == nullptr ? std::vector<grpc::string_ref>{}
-                      : auth->FindPropertyValues(Authenticator::kPrincipalProperty);
-  if (names.empty()) return absl::UnauthenticatedError("this call carries no principal");
-  p.name.assign(names.front().data(), names.front().size());
-  p.admin = !auth->FindPropertyValues(Authenticator::kAdminProperty).empty();
-  p.authenticated = true;
-  return p;
-}
 
 }  // namespace ropeattn::server

@@ -52,14 +52,15 @@ absl::StatusOr<std::vector<TokenEntry>> ParseTokens(absl::string_view text,
 // interval in range. InvalidArgument naming the flag and the file.
 absl::Status CheckSecurityOptions(const ServerOptions& options);
 
-// The AuthMetadataProcessor on the server's TLS credentials. Health calls
-// pass without a principal; every other call gets the properties
-// kPrincipalProperty (and kAdminProperty for admins) or UNAUTHENTICATED.
+// The AuthMetadataProcessor on the server's TLS credentials: every call but
+// health without a principal is refused UNAUTHENTICATED before any handler
+// (ours or reflection) runs. It records nothing: the AuthContext gRPC 1.51
+// hands a processor belongs to the connection, shared by every call on it
+// (behind Envoy, by every caller), so a property added there would leak one
+// call's principal to the next. Handlers call Identify, which reads the
+// call's own metadata.
 class Authenticator : public grpc::AuthMetadataProcessor {
  public:
-  static constexpr char kPrincipalProperty[] = "ropeattn.principal";
-  static constexpr char kAdminProperty[] = "ropeattn.admin";
-
   // Reads the tokens file (if any) and starts the thread that re-reads it
   // every credentials_reload_seconds when it changed. `metrics` (not owned,
   // may be null) counts refusals.
@@ -74,6 +75,11 @@ class Authenticator : public grpc::AuthMetadataProcessor {
                        OutputMetadata* consumed_auth_metadata,
                        OutputMetadata* response_metadata) override;
 
+  // The principal of one call: from its own bearer token (its client
+  // metadata), else, with mutual TLS and no tokens file, from the
+  // connection's client certificate. Unauthenticated otherwise.
+  absl::StatusOr<Principal> Identify(const grpc::ServerContextBase& ctx) const;
+
   // Re-reads the tokens file now if its identity (inode, size, mtime)
   // changed. A file that fails to parse keeps the previous table (logged).
   // Returns the parse status of a re-read, OK when nothing changed.
@@ -84,6 +90,10 @@ class Authenticator : public grpc::AuthMetadataProcessor {
   // The entry whose token equals `token`, compared in constant time against
   // every entry; nullptr if none.
   const TokenEntry* Find(absl::string_view token) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The principal for an `authorization` metadata value (`present` false:
+  // none sent) or for a certificate identity; `reason` says why not.
+  absl::StatusOr<Principal> Resolve(bool present, absl::string_view authorization,
+                                    const grpc::AuthContext* context, const char** reason) const;
 
   const std::string tokens_file_;
   const bool certificate_identities_;  // mTLS without a tokens file
@@ -105,10 +115,6 @@ class Authenticator : public grpc::AuthMetadataProcessor {
 std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(
     const ServerOptions& options, const std::shared_ptr<Authenticator>& authenticator);
 
-// The principal of a call, from the properties the Authenticator set. When
-// authentication is not configured, the anonymous principal. Unauthenticated
-// (a call the processor did not see: should not happen) otherwise.
-absl::StatusOr<Principal> PrincipalOf(const grpc::ServerContextBase& ctx, bool auth_configured);
 
 }  // namespace ropeattn::server
 

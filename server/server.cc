@@ -186,14 +186,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   m.executor = std::make_unique<Executor>(options.compute_workers, options.queue_depth);
   m.budget = std::make_unique<MemoryBudget>(options.memory_budget_bytes);
   m.sessions = std::make_unique<SessionManager>(options, m.metrics.get(), m.budget.get());
-  m.service = std::make_unique<AttentionServiceImpl>(options, m.executor.get(), m.sessions.get(),
-                                                     m.metrics.get(), m.models.get(),
-                                                     m.budget.get());
-
   absl::StatusOr<std::shared_ptr<Authenticator>> authenticator =
       Authenticator::Create(options, m.metrics.get());
   if (!authenticator.ok()) return authenticator.status();
   m.authenticator = *std::move(authenticator);
+  m.service = std::make_unique<AttentionServiceImpl>(options, m.executor.get(), m.sessions.get(),
+                                                     m.metrics.get(), m.models.get(),
+                                                     m.budget.get(), m.authenticator.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   m.listener = *std::move(listener);

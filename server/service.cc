@@ -37,7 +37,8 @@ grpc::Status QueueFull(const Executor& executor, const char* method) {
 
 AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options, Executor* executor,
                                            SessionManager* sessions, Metrics* metrics,
-                                           const ModelRegistry* models, MemoryBudget* budget)
+                                           const ModelRegistry* models, MemoryBudget* budget,
+                                           const Authenticator* authenticator)
     : options_(options),
       executor_(executor),
       sessions_(sessions),
@@ -46,6 +47,7 @@ AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options, Executo
       budget_(budget),
       limits_{options.max_message_bytes, options.max_request_compute},
       auth_configured_(AuthConfigured(options)),
+      authenticator_(authenticator),
       admission_(options.compute_workers, absl::Seconds(options.max_queue_delay_seconds)) {}
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
@@ -60,8 +62,20 @@ AttentionServiceImpl::ComputeScope::~ComputeScope() {
   service_->metrics_->SetRunning(service_->computing_.fetch_sub(1) - 1);
 }
 
+std::string AttentionServiceImpl::FairShareKey(const grpc::ServerContextBase& ctx) const {
+  if (auth_configured_) {
+    absl::StatusOr<Principal> p = CallerOf(ctx);
+    if (p.ok()) return absl::StrCat("principal:", p->name);
+  }
+  // Without authentication every caller is anonymous: one share per
+  // connection.
+  return absl::StrCat("peer:", ctx.peer());
+}
+
 absl::StatusOr<Principal> AttentionServiceImpl::CallerOf(const grpc::ServerContextBase& ctx) const {
-  return PrincipalOf(ctx, auth_configured_);
+  if (!auth_configured_) return Principal{};
+  if (authenticator_ == nullptr) return absl::InternalError("no authenticator");
+  return authenticator_->Identify(ctx);
 }
 
 namespace {
@@ -129,6 +143,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
     return refuse(st);
   }
   const int64_t compute = cost->compute;
+  const std::string share = FairShareKey(*ctx);
   absl::StatusOr<MemoryBudget::Reservation> held =
       budget_->Reserve(cost->transient_bytes, absl::StrCat("this ", method, " request"));
   if (!held.ok()) {
@@ -138,7 +153,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
   call->Hold(*std::move(held));
   const absl::Time queued_at = absl::Now();
   const bool queued =
-      executor_->TrySubmit([this, call, method, start, queued_at, compute, run]() mutable {
+      executor_->TrySubmit(share, compute,
+                           [this, call, method, start, queued_at, compute, run]() mutable {
     metrics_->RecordQueueTime(method, SecondsSince(queued_at));
     // A call cancelled or past its deadline while it waited is not started.
     absl::Status status = call->stop().status();
@@ -346,7 +362,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
 class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse> {
  public:
   DecodeReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
-      : service_(service), ctx_(ctx), principal_(service->CallerOf(*ctx)) {
+      : service_(service),
+        ctx_(ctx),
+        principal_(service->CallerOf(*ctx)),
+        share_(service->FairShareKey(*ctx)) {
     stop_.set_deadline(DeadlineOf(ctx));
     service_->Register(this);
     StartRead(&request_);
@@ -383,7 +402,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       Process();
       return;
     }
-    if (!service_->executor_->TrySubmit([this] { Process(); })) {
+    if (!service_->executor_->TrySubmit(share_, std::max<int64_t>(1, op_compute_),
+                                        [this] { Process(); })) {
       AdmittedDone(-1);
       op_memory_.Release();
       ticket_.Release();
@@ -677,6 +697,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   grpc::CallbackServerContext* const ctx_;
   // Who opened the stream: its sessions belong to this principal.
   const absl::StatusOr<Principal> principal_;
+  const std::string share_;  // the executor's fair-queueing key
   absl::Time queued_at_;  // when the current operation was queued
   int64_t op_compute_ = -1;  // the current step's admitted compute, -1: none
   // The admitted step left the queue (ran for `seconds`, or -1: did not run

@@ -21,14 +21,18 @@
 
 namespace ropeattn::server {
 
+class Authenticator;
 class DecodeReactor;
 
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
   // `budget` (not owned) is the server-wide memory budget requests reserve
   // their transient bytes from (sessions reserve theirs through `sessions`).
+  // `authenticator` (not owned, may be null when authentication is not
+  // configured) names each call's principal.
   AttentionServiceImpl(const ServerOptions& options, Executor* executor, SessionManager* sessions,
-                       Metrics* metrics, const ModelRegistry* models, MemoryBudget* budget);
+                       Metrics* metrics, const ModelRegistry* models, MemoryBudget* budget,
+                       const Authenticator* authenticator);
   ~AttentionServiceImpl() override;
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx,
@@ -94,6 +98,9 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // The principal of a call (server/auth.h): anonymous when authentication
   // is not configured.
   absl::StatusOr<Principal> CallerOf(const grpc::ServerContextBase& ctx) const;
+  // The executor's fair-queueing key of a call: its principal when
+  // authentication is configured, else its connection (peer address).
+  std::string FairShareKey(const grpc::ServerContextBase& ctx) const;
 
  private:
   friend class DecodeReactor;
@@ -114,6 +121,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   MemoryBudget* const budget_;
   const CostLimits limits_;
   const bool auth_configured_;
+  const Authenticator* const authenticator_;
   Admission admission_;  // by time: deadline and --max_queue_delay_seconds
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> computing_{0};

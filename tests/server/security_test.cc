@@ -4,6 +4,7 @@
 // (tests/tools/test_certs.h).
 #include <sys/wait.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -462,6 +463,64 @@ TEST_F(SecurityTest, AnotherPrincipalGetsNotFoundForEveryOperation) {
   EXPECT_EQ(bob_closed.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_THAT(bob_closed.error_message(), Not(HasSubstr("closed")));
   EXPECT_TRUE(attached.Finish().ok());
+}
+
+// Behind a proxy, calls of many principals share one connection. Each call
+// is its own principal (gRPC's AuthContext belongs to the connection, so
+// nothing about a caller may be stored there), also under concurrency.
+TEST_F(SecurityTest, PrincipalsSharingOneConnectionStaySeparate) {
+  const int port = Start(TokenOptions());
+  ASSERT_GT(port, 0);
+  // One channel with TLS only; each call brings its own token.
+  auto stub = v1::AttentionService::NewStub(Channel(port, As("")));
+  const auto as = [](grpc::ClientContext* ctx, const char* token) {
+    ctx->set_credentials(grpc::AccessTokenCredentials(token));
+    return WithDeadline(ctx);
+  };
+  grpc::ClientContext open_ctx;
+  auto rw = stub->Decode(as(&open_ctx, kAliceToken));
+  v1::DecodeRequest open;
+  open.mutable_open()->mutable_spec()->set_heads(2);
+  open.mutable_open()->mutable_spec()->set_head_dim(8);
+  open.mutable_open()->set_max_context(16);
+  v1::DecodeResponse opened;
+  ASSERT_TRUE(rw->Write(open) && rw->Read(&opened));
+  ASSERT_TRUE(opened.has_opened()) << opened.DebugString();
+  const std::string id = opened.opened().session_id();
+  const auto listed = [&](const char* token) {
+    grpc::ClientContext ctx;
+    v1::ListSessionsResponse list;
+    const grpc::Status st = stub->ListSessions(as(&ctx, token), {}, &list);
+    return st.ok() ? list.sessions_size() : -1;
+  };
+  EXPECT_EQ(listed(kAliceToken), 1);
+  EXPECT_EQ(listed(kBobToken), 0);
+  {
+    grpc::ClientContext ctx;
+    v1::GetSessionRequest req;
+    req.set_session_id(id);
+    v1::SessionInfo info;
+    EXPECT_EQ(stub->GetSession(as(&ctx, kBobToken), req, &info).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+  // Many calls of both at once over the same connection.
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 40; ++i) {
+        const bool alice = (i + t) % 2 == 0;
+        if (listed(alice ? kAliceToken : kBobToken) != (alice ? 1 : 0)) ++wrong;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(wrong.load(), 0);
+  rw->WritesDone();
+  v1::DecodeResponse drain;
+  while (rw->Read(&drain)) {
+  }
+  EXPECT_TRUE(rw->Finish().ok());
 }
 
 TEST_F(SecurityTest, AdminListsAndClosesAllButCannotAttach) {
