@@ -1,5 +1,6 @@
 #include "server/executor.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace ropeattn::server {
@@ -12,11 +13,37 @@ Executor::Executor(int workers, int queue_capacity) : capacity_(queue_capacity) 
 
 Executor::~Executor() { Shutdown(); }
 
-bool Executor::TrySubmit(absl::AnyInvocable<void() &&> task) {
+bool Executor::TrySubmit(const std::string& key, int64_t compute,
+                         absl::AnyInvocable<void() &&> task) {
   absl::MutexLock lock(&mu_);
-  if (stopping_ || static_cast<int64_t>(queue_.size()) >= capacity_) return false;
-  queue_.push_back(std::move(task));
+  if (stopping_ || waiting_ >= capacity_) return false;
+  // A caller that had nothing waiting starts from the current virtual time:
+  // idling earns no credit.
+  auto last = last_tag_.find(key);
+  const double start = last == last_tag_.end() || queues_.find(key) == queues_.end()
+                           ? virtual_time_
+                           : std::max(virtual_time_, last->second);
+  const double tag = start + static_cast<double>(std::max<int64_t>(1, compute));
+  last_tag_[key] = tag;
+  queues_[key].push_back(Task{tag, std::move(task)});
+  ++waiting_;
   return true;
+}
+
+Executor::Task Executor::PopLocked() {
+  auto best = queues_.end();
+  for (auto it = queues_.begin(); it != queues_.end(); ++it) {
+    if (best == queues_.end() || it->second.front().tag < best->second.front().tag) best = it;
+  }
+  Task task = std::move(best->second.front());
+  best->second.pop_front();
+  if (best->second.empty()) {
+    last_tag_.erase(best->first);
+    queues_.erase(best);
+  }
+  --waiting_;
+  virtual_time_ = std::max(virtual_time_, task.tag);
+  return task;
 }
 
 void Executor::Shutdown() {
@@ -33,7 +60,7 @@ void Executor::Shutdown() {
 
 int64_t Executor::queue_depth() const {
   absl::MutexLock lock(&mu_);
-  return static_cast<int64_t>(queue_.size());
+  return waiting_;
 }
 
 int64_t Executor::running() const {
@@ -47,11 +74,10 @@ void Executor::WorkerLoop() {
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]()
-                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || waiting_ > 0; };
       mu_.Await(absl::Condition(&ready));
-      if (queue_.empty()) return;  // stopping and drained
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      if (waiting_ == 0) return;  // stopping and drained
+      task = PopLocked().run;
       ++running_;
     }
     std::move(task)();

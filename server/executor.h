@@ -2,15 +2,24 @@
 // not block (gRFC L67), so every kernel call is handed to these threads; a
 // full queue is refused at once so overload turns into RESOURCE_EXHAUSTED,
 // not into unbounded latency.
+//
+// Order: weighted fair queueing across callers (docs/scheduler.md). Each
+// task carries its caller's key and its priced compute; a task's finish tag
+// is max(virtual time, its caller's last tag) + compute, and workers take
+// the waiting task with the smallest tag (self-clocked fair queueing). A
+// caller with a deep queue of heavy work therefore waits behind its own
+// work, not in front of a light caller's; one caller's tasks stay FIFO.
 #ifndef ROPEATTN_SERVER_EXECUTOR_H_
 #define ROPEATTN_SERVER_EXECUTOR_H_
 
 #include <cstdint>
 #include <deque>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/synchronization/mutex.h"
 
@@ -22,9 +31,12 @@ class Executor {
   Executor(int workers, int queue_capacity);
   ~Executor();  // Shutdown()
 
-  // Queues a task; false (task dropped, not run) when the queue is full or
-  // the executor is shutting down. Thread-safe.
-  bool TrySubmit(absl::AnyInvocable<void() &&> task);
+  // Queues a task of caller `key` costing `compute` (>= 1 is used); false
+  // (task dropped, not run) when the queue is full or the executor is
+  // shutting down. Thread-safe.
+  bool TrySubmit(const std::string& key, int64_t compute, absl::AnyInvocable<void() &&> task);
+  // The same for the server's own small tasks (its own key, cost 1).
+  bool TrySubmit(absl::AnyInvocable<void() &&> task) { return TrySubmit("", 1, std::move(task)); }
 
   // Stops accepting, runs every queued task, joins the workers. Idempotent.
   void Shutdown();
@@ -37,9 +49,21 @@ class Executor {
  private:
   void WorkerLoop();
 
+  struct Task {
+    double tag;  // virtual finish time
+    absl::AnyInvocable<void() &&> run;
+  };
+  // The waiting task with the smallest tag, removed; its caller's queue is
+  // dropped once empty.
+  Task PopLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const int capacity_;
   mutable absl::Mutex mu_;
-  std::deque<absl::AnyInvocable<void() &&>> queue_ ABSL_GUARDED_BY(mu_);
+  // Per caller, FIFO; callers with nothing waiting have no entry.
+  absl::flat_hash_map<std::string, std::deque<Task>> queues_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, double> last_tag_ ABSL_GUARDED_BY(mu_);
+  int64_t waiting_ ABSL_GUARDED_BY(mu_) = 0;
+  double virtual_time_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t running_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <string>
+#include <algorithm>
 #include <atomic>
 #include <thread>
 #include <vector>
@@ -502,6 +503,70 @@ TEST(HardeningAdmissionTest, RequestsThatCannotMakeItAreRefusedAtOnce) {
   EXPECT_TRUE(stub->Attend(&ctx, attend(16), &out).ok());
   const std::string m = server->metrics().RenderPrometheus();
   EXPECT_THAT(m, HasSubstr("ropeattn_rejected_total{method=\"Attend\"} 2"));
+}
+
+// Fair queueing: a caller with a deep queue of heavy work waits behind its
+// own work, not in front of another caller's light request. Without
+// authentication each connection is its own caller.
+TEST(HardeningFairnessTest, AHeavyCallerDoesNotStarveALightOne) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.threads_per_call = 1;
+  o.memory_budget_bytes = int64_t{2} << 30;
+  o.max_queue_delay_seconds = 0;  // queue everything: this is about order
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  const auto channel = [&] {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own
+    return grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", server->port()),
+                                     grpc::InsecureChannelCredentials(), args);
+  };
+  auto heavy = v1::AttentionService::NewStub(channel());
+  auto light = v1::AttentionService::NewStub(channel());
+  const auto attend = [](int64_t len) {
+    v1::AttendRequest r;
+    r.mutable_spec()->set_heads(1);
+    r.mutable_spec()->set_head_dim(64);
+    *r.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
+    *r.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
+    *r.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
+    return r;
+  };
+  const v1::AttendRequest big = attend(6144);
+  absl::Mutex mu;
+  std::vector<std::string> finished;  // in completion order
+  std::vector<std::thread> calls;
+  for (int i = 0; i < 4; ++i) {
+    calls.emplace_back([&, i] {
+      grpc::ClientContext ctx;
+      v1::AttendResponse out;
+      EXPECT_TRUE(heavy->Attend(&ctx, big, &out).ok());
+      absl::MutexLock lock(&mu);
+      finished.push_back(absl::StrCat("heavy", i));
+    });
+  }
+  // Wait until one heavy request runs and the other three wait.
+  for (int i = 0; i < 1000 && server->metrics().RenderPrometheus().find(
+                                  "\nropeattn_queue_depth 3\n") == std::string::npos;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_NE(server->metrics().RenderPrometheus().find("\nropeattn_queue_depth 3\n"),
+            std::string::npos);
+  {
+    grpc::ClientContext ctx;
+    v1::AttendResponse out;
+    EXPECT_TRUE(light->Attend(&ctx, attend(16), &out).ok());
+    absl::MutexLock lock(&mu);
+    finished.push_back("light");
+  }
+  for (auto& t : calls) t.join();
+  ASSERT_EQ(finished.size(), 5u);
+  // Only the heavy request that was already running may finish first.
+  const auto light_at = std::find(finished.begin(), finished.end(), "light") - finished.begin();
+  EXPECT_LE(light_at, 1) << "the light request waited behind the heavy caller's queue";
 }
 
 // A Decode open is priced on the gRPC thread, before it is queued: with every
