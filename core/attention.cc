@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <vector>
 
@@ -581,98 +582,172 @@ void DecodeValuesDense(const Plan& p, const DecodeLayout& L, const float* scores
   }
 }
 
-absl::Status RunDecode(const Plan& p) {
-  const DecodeLayout L = PlanDecode(p);
-  const int64_t d = p.head_dim, dv = p.v_dim;
-  // Query rows in f32, in row order.
-  // The calling thread's buffers, reused across calls: fresh multi-hundred-KiB
-  // allocations would page-fault on every decode step.
-  // Inside the parallel region only raw pointers are used: a thread_local
-  // named there would be each worker's own (empty) instance.
-  thread_local std::vector<float> qf_buf, scores_buf, acc_buf;
-  qf_buf.resize(L.rows * d);
-  float* const qf = qf_buf.data();
-  for (int64_t b = 0; b < p.batch; ++b) {
-    for (int64_t h = 0; h < p.heads; ++h) {
-      for (int64_t i = 0; i < p.q_len; ++i) {
-        float* dst = qf + ((b * p.heads + h) * p.q_len + i) * d;
-        if (p.q_dtype == DType::kF32) {
-          std::memcpy(dst, RowPtr<float>(p.q, b, i, h), d * sizeof(float));
-        } else {
-          internal::BF16ToF32(RowPtr<uint16_t>(p.q, b, i, h), dst, d);
-        }
-      }
-    }
-  }
-  // Every score that is read was written first (rows read only their range).
-  scores_buf.resize(L.rows * std::max<int64_t>(L.n_max, 1));
-  float* const scores = scores_buf.data();
-  const int threads = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(p.threads, std::max<int64_t>(L.chunks, 1))));
-  acc_buf.assign(static_cast<size_t>(threads) * L.rows * dv, 0.0f);
-  float* const acc = acc_buf.data();
+// One decode computation of a pass: a call of its own, or one job of
+// AttendBatch. Its key chunks are cut into `parts` contiguous runs; part t's
+// partial output sums its chunks in order and the parts are summed in order
+// at the end. The cut depends only on the plan (its own thread count), never
+// on how many threads run the pass or what else is in it, so a job gives the
+// same bits alone or batched with others.
+struct DecodeRun {
+  const Plan* p = nullptr;
+  DecodeLayout L;
+  int64_t parts = 1;
+  float* qf = nullptr;      // [rows, head_dim]: the query rows in f32, row order
+  float* scores = nullptr;  // [rows, n_max]
+  float* acc = nullptr;     // [parts, rows, v_dim], zeroed
   FirstError err;
-  auto locate = [&](int64_t c, int64_t* b, int64_t* t0, int64_t* t1) {
+
+  int64_t PartBegin(int64_t t) const { return L.chunks * t / parts; }
+  void Locate(int64_t c, int64_t* b, int64_t* t0, int64_t* t1) const {
     int64_t bb = 0;
     while (L.chunk_begin[bb + 1] <= c) ++bb;
     *b = bb;
     const int64_t start = L.ulo[bb] / L.align * L.align + (c - L.chunk_begin[bb]) * L.chunk;
     *t0 = std::max(L.ulo[bb], start);
     *t1 = std::min(L.uhi[bb], start + L.chunk);
-  };
-  const bool f32 = p.kv_dtype == DType::kF32;
-#pragma omp parallel num_threads(threads)
-  {
-    omp_set_num_threads(1);
-    // Static schedule: each thread streams one contiguous stretch of keys.
-#pragma omp for schedule(static)
-    for (int64_t c = 0; c < L.chunks; ++c) {
+  }
+  void Scores(int64_t t) {
+    const bool f32 = p->kv_dtype == DType::kF32;
+    for (int64_t c = PartBegin(t); c < PartBegin(t + 1); ++c) {
       int64_t b, t0, t1;
-      locate(c, &b, &t0, &t1);
-      if (p.cache != nullptr) {
-        DecodeScoresTiles(p, L, qf, scores, t0, t1);
+      Locate(c, &b, &t0, &t1);
+      if (p->cache != nullptr) {
+        DecodeScoresTiles(*p, L, qf, scores, t0, t1);
       } else if (f32) {
-        DecodeScoresChunk<float>(p, L, qf, scores, b, t0, t1);
+        DecodeScoresChunk<float>(*p, L, qf, scores, b, t0, t1);
       } else {
-        DecodeScoresChunk<uint16_t>(p, L, qf, scores, b, t0, t1);
+        DecodeScoresChunk<uint16_t>(*p, L, qf, scores, b, t0, t1);
       }
-    }
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < L.rows; ++r) {
-      const int64_t i = r % p.q_len, h = (r / p.q_len) % p.heads, b = r / (p.q_len * p.heads);
-      const int64_t lo = L.lo[b * p.q_len + i], hi = L.hi[b * p.q_len + i];
-      float* x = scores + r * L.n_max + (lo - L.ulo[b]);
-      if (!FinishRow(p, b, h, i, lo, x, hi - lo)) {
-        err.Set(OverflowError(b, h, i));
-        continue;
-      }
-      WriteProbsRow(p, b, h, i, lo, x, hi - lo);
-    }
-    float* my_acc = acc + static_cast<size_t>(omp_get_thread_num()) * L.rows * dv;
-#pragma omp for schedule(static)
-    for (int64_t c = 0; c < L.chunks; ++c) {
-      int64_t b, t0, t1;
-      locate(c, &b, &t0, &t1);
-      if (p.cache != nullptr) {
-        DecodeValuesDense(p, L, scores, my_acc, t0, t1);
-      } else if (f32) {
-        DecodeValuesChunk<float>(p, L, scores, my_acc, b, t0, t1);
-      } else {
-        DecodeValuesChunk<uint16_t>(p, L, scores, my_acc, b, t0, t1);
-      }
-    }
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < L.rows; ++r) {
-      float* sum = acc + r * dv;
-      for (int th = 1; th < threads; ++th) {
-        const float* part = acc + (static_cast<size_t>(th) * L.rows + r) * dv;
-        for (int64_t x = 0; x < dv; ++x) sum[x] += part[x];
-      }
-      const int64_t i = r % p.q_len, h = (r / p.q_len) % p.heads, b = r / (p.q_len * p.heads);
-      WriteOutRow(p, b, i, h, sum);
     }
   }
-  return err.Get();
+  void Finish(int64_t r) {
+    const Plan& q = *p;
+    const int64_t i = r % q.q_len, h = (r / q.q_len) % q.heads, b = r / (q.q_len * q.heads);
+    const int64_t lo = L.lo[b * q.q_len + i], hi = L.hi[b * q.q_len + i];
+    float* x = scores + r * L.n_max + (lo - L.ulo[b]);
+    if (!FinishRow(q, b, h, i, lo, x, hi - lo)) {
+      err.Set(OverflowError(b, h, i));
+      return;
+    }
+    WriteProbsRow(q, b, h, i, lo, x, hi - lo);
+  }
+  void Values(int64_t t) {
+    const bool f32 = p->kv_dtype == DType::kF32;
+    float* part_acc = acc + t * L.rows * p->v_dim;
+    for (int64_t c = PartBegin(t); c < PartBegin(t + 1); ++c) {
+      int64_t b, t0, t1;
+      Locate(c, &b, &t0, &t1);
+      if (p->cache != nullptr) {
+        DecodeValuesDense(*p, L, scores, part_acc, t0, t1);
+      } else if (f32) {
+        DecodeValuesChunk<float>(*p, L, scores, part_acc, b, t0, t1);
+      } else {
+        DecodeValuesChunk<uint16_t>(*p, L, scores, part_acc, b, t0, t1);
+      }
+    }
+  }
+  void Reduce(int64_t r) {
+    const Plan& q = *p;
+    const int64_t dv = q.v_dim;
+    float* sum = acc + r * dv;
+    for (int64_t t = 1; t < parts; ++t) {
+      const float* part = acc + (t * L.rows + r) * dv;
+      for (int64_t x = 0; x < dv; ++x) sum[x] += part[x];
+    }
+    const int64_t i = r % q.q_len, h = (r / q.q_len) % q.heads, b = r / (q.q_len * q.heads);
+    WriteOutRow(q, b, i, h, sum);
+  }
+};
+
+// Plans run i of `plans` into runs[i], with buffers from the calling
+// thread's pool (reused across calls: fresh multi-hundred-KiB allocations
+// would page-fault on every decode step). Inside the parallel region only
+// raw pointers are used: a thread_local named there would be each worker's
+// own (empty) instance.
+void PrepareDecodeRuns(absl::Span<const Plan* const> plans, std::deque<DecodeRun>& runs) {
+  thread_local std::vector<std::vector<float>> pool;
+  if (pool.size() < 3 * plans.size()) pool.resize(3 * plans.size());
+  runs.clear();  // a deque: FirstError is not movable
+  for (size_t n = 0; n < plans.size(); ++n) {
+    const Plan& p = *plans[n];
+    runs.emplace_back();
+    DecodeRun& run = runs.back();
+    run.p = &p;
+    run.L = PlanDecode(p);
+    const DecodeLayout& L = run.L;
+    const int64_t d = p.head_dim, dv = p.v_dim;
+    run.parts = std::max<int64_t>(1, std::min<int64_t>(p.threads, L.chunks));
+    std::vector<float>& qf = pool[3 * n];
+    std::vector<float>& scores = pool[3 * n + 1];
+    std::vector<float>& acc = pool[3 * n + 2];
+    qf.resize(L.rows * d);
+    for (int64_t b = 0; b < p.batch; ++b) {
+      for (int64_t h = 0; h < p.heads; ++h) {
+        for (int64_t i = 0; i < p.q_len; ++i) {
+          float* dst = qf.data() + ((b * p.heads + h) * p.q_len + i) * d;
+          if (p.q_dtype == DType::kF32) {
+            std::memcpy(dst, RowPtr<float>(p.q, b, i, h), d * sizeof(float));
+          } else {
+            internal::BF16ToF32(RowPtr<uint16_t>(p.q, b, i, h), dst, d);
+          }
+        }
+      }
+    }
+    // Every score that is read was written first (rows read only their range).
+    scores.resize(L.rows * std::max<int64_t>(L.n_max, 1));
+    acc.assign(static_cast<size_t>(run.parts) * L.rows * dv, 0.0f);
+    run.qf = qf.data();
+    run.scores = scores.data();
+    run.acc = acc.data();
+  }
+}
+
+// Every run's work items - (run, part) for the two streaming passes, (run,
+// row) for the softmax and the final sums - in one parallel region of at
+// most `threads` threads.
+void RunDecodePass(std::deque<DecodeRun>& runs, int threads) {
+  std::vector<int64_t> part_at{0}, row_at{0};
+  for (const DecodeRun& r : runs) {
+    part_at.push_back(part_at.back() + r.parts);
+    row_at.push_back(row_at.back() + r.L.rows);
+  }
+  const int64_t parts = part_at.back(), rows = row_at.back();
+  auto which = [](const std::vector<int64_t>& at, int64_t item) {
+    return static_cast<size_t>(std::upper_bound(at.begin(), at.end(), item) - at.begin() - 1);
+  };
+  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, parts)));
+#pragma omp parallel num_threads(n)
+  {
+    omp_set_num_threads(1);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < parts; ++it) {
+      const size_t r = which(part_at, it);
+      runs[r].Scores(it - part_at[r]);
+    }
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < rows; ++it) {
+      const size_t r = which(row_at, it);
+      runs[r].Finish(it - row_at[r]);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < parts; ++it) {
+      const size_t r = which(part_at, it);
+      runs[r].Values(it - part_at[r]);
+    }
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < rows; ++it) {
+      const size_t r = which(row_at, it);
+      runs[r].Reduce(it - row_at[r]);
+    }
+  }
+}
+
+absl::Status RunDecode(const Plan& p) {
+  const Plan* plans[1] = {&p};
+  std::deque<DecodeRun> runs;
+  PrepareDecodeRuns(plans, runs);
+  RunDecodePass(runs, p.threads);
+  return runs[0].err.Get();
 }
 
 // --------------------------------------------------------------- prefill --
@@ -880,8 +955,12 @@ absl::Status Attend(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   return CheckResultFinite(out);
 }
 
-absl::Status AttendCache(ConstTensorView q, const KvCache& cache, int64_t length,
-                         const AttentionOptions& options, TensorView out, TensorView probs) {
+namespace {
+
+// The plan of an AttendCache call (shapes checked), and the path it takes.
+absl::StatusOr<Plan> MakeCachePlan(const ConstTensorView& q, const KvCache& cache, int64_t length,
+                                   const AttentionOptions& options, const TensorView& out,
+                                   const TensorView& probs) {
   RA_RETURN_IF_ERROR(CheckBSHD(q, "q"));
   RA_RETURN_IF_ERROR(CheckBSHD(out, "out"));
   if (q.dim(0) != 1) {
@@ -907,24 +986,83 @@ absl::Status AttendCache(ConstTensorView q, const KvCache& cache, int64_t length
   p.kv_dtype = DType::kF32;
   p.cache = &cache;
   RA_RETURN_IF_ERROR(PlanCommon(q, options, out, probs, p));
-  if (p.q_len == 0 || p.heads == 0) return absl::OkStatus();
-  AttentionPath path = ChooseAttentionPath(p.q_len, p.heads, p.kv_heads, !probs.empty_view());
+  return p;
+}
+
+AttentionPath PathOf(const Plan& p, const AttentionOptions& options, bool probs) {
+  AttentionPath path = ChooseAttentionPath(p.q_len, p.heads, p.kv_heads, probs);
   if (options.force_path == AttentionOptions::Path::kDecode) path = AttentionPath::kDecode;
   if (options.force_path == AttentionOptions::Path::kPrefill) path = AttentionPath::kPrefill;
-  if (p.head_dim == 0 || p.v_dim == 0) path = AttentionPath::kDecode;
-  if (path == AttentionPath::kPrefill) {
-    // A long step: its GEMMs cost far more than one copy of the rows.
-    RA_ASSIGN_OR_RETURN(Tensor k, Tensor::Create(DType::kF32, {1, length, p.kv_heads, p.head_dim}));
-    RA_ASSIGN_OR_RETURN(Tensor v, Tensor::Create(DType::kF32, {1, length, p.kv_heads, p.v_dim}));
-    RA_RETURN_IF_ERROR(cache.ReadK(0, k.view()));
-    RA_RETURN_IF_ERROR(cache.ReadV(0, v.view()));
-    AttentionOptions o = options;
-    o.check_finite = false;
-    o.force_path = AttentionOptions::Path::kPrefill;
-    return Attend(q, k.cview(), v.cview(), o, out, probs);
+  if (p.head_dim == 0 || p.v_dim == 0) path = AttentionPath::kDecode;  // oneDNN dislikes 0-dims
+  return path;
+}
+
+// A long step against a cache: its GEMMs cost far more than one copy of the rows.
+absl::Status CachePrefill(const ConstTensorView& q, const KvCache& cache, int64_t length,
+                          const AttentionOptions& options, const TensorView& out,
+                          const TensorView& probs) {
+  RA_ASSIGN_OR_RETURN(Tensor k,
+                      Tensor::Create(DType::kF32, {1, length, cache.kv_heads(), cache.head_dim()}));
+  RA_ASSIGN_OR_RETURN(Tensor v,
+                      Tensor::Create(DType::kF32, {1, length, cache.kv_heads(), cache.v_dim()}));
+  RA_RETURN_IF_ERROR(cache.ReadK(0, k.view()));
+  RA_RETURN_IF_ERROR(cache.ReadV(0, v.view()));
+  AttentionOptions o = options;
+  o.check_finite = false;
+  o.force_path = AttentionOptions::Path::kPrefill;
+  return Attend(q, k.cview(), v.cview(), o, out, probs);
+}
+
+}  // namespace
+
+absl::Status AttendCache(ConstTensorView q, const KvCache& cache, int64_t length,
+                         const AttentionOptions& options, TensorView out, TensorView probs) {
+  RA_ASSIGN_OR_RETURN(Plan p, MakeCachePlan(q, cache, length, options, out, probs));
+  if (p.q_len == 0 || p.heads == 0) return absl::OkStatus();
+  if (PathOf(p, options, !probs.empty_view()) == AttentionPath::kPrefill) {
+    return CachePrefill(q, cache, length, options, out, probs);
   }
   RA_RETURN_IF_ERROR(RunDecode(p));
   return CheckResultFinite(out);
+}
+
+void AttendBatch(absl::Span<AttentionJob> jobs, int threads) {
+  std::vector<Plan> plans(jobs.size());
+  std::vector<const Plan*> decode;
+  std::vector<AttentionJob*> decode_jobs;
+  for (size_t n = 0; n < jobs.size(); ++n) {
+    AttentionJob& j = jobs[n];
+    absl::StatusOr<Plan> plan =
+        j.cache != nullptr
+            ? MakeCachePlan(j.q, *j.cache, j.cache_length, j.options, j.out, TensorView())
+            : MakePlan(j.q, j.k, j.v, j.options, j.out, TensorView());
+    if (!plan.ok()) {
+      j.status = plan.status();
+      continue;
+    }
+    plans[n] = *std::move(plan);
+    const Plan& p = plans[n];
+    j.status = absl::OkStatus();
+    if (p.batch == 0 || p.q_len == 0 || p.heads == 0) continue;
+    if (PathOf(p, j.options, false) == AttentionPath::kPrefill) {
+      // A prompt: its own tiled GEMM pass, one after another.
+      j.status = j.cache != nullptr
+                     ? CachePrefill(j.q, *j.cache, j.cache_length, j.options, j.out, TensorView())
+                     : RunPrefill(p);
+      if (j.status.ok()) j.status = CheckResultFinite(j.out);
+      continue;
+    }
+    decode.push_back(&p);
+    decode_jobs.push_back(&j);
+  }
+  if (decode.empty()) return;
+  std::deque<DecodeRun> runs;
+  PrepareDecodeRuns(decode, runs);
+  RunDecodePass(runs, threads);
+  for (size_t n = 0; n < decode.size(); ++n) {
+    decode_jobs[n]->status = runs[n].err.Get();
+    if (decode_jobs[n]->status.ok()) decode_jobs[n]->status = CheckResultFinite(decode_jobs[n]->out);
+  }
 }
 
 }  // namespace ropeattn

@@ -100,6 +100,26 @@ absl::Status AttendCache(ConstTensorView q, const KvCache& cache, int64_t length
                          const AttentionOptions& options, TensorView out,
                          TensorView probs = TensorView());
 
+// One attention computation of a batched pass (AttendBatch): q/k/v as for
+// Attend, or q against keys [0, cache_length) of a KvCache as for
+// AttendCache (then k and v are not used). No probabilities.
+struct AttentionJob {
+  ConstTensorView q, k, v;
+  const KvCache* cache = nullptr;
+  int64_t cache_length = 0;
+  AttentionOptions options;  // options.num_threads plans the job as a solo call would
+  TensorView out;
+  absl::Status status;  // written: what Attend / AttendCache would return
+};
+// Runs jobs (the decode steps of many sessions, say) as one parallel pass of
+// at most `threads` threads over (job, key range) work items, instead of one
+// parallel region per job. Jobs small enough for the decode kernel share the
+// pass; longer ones (prompts) run their prefill one after another. Each job's
+// output and status are bit-identical to its solo Attend / AttendCache call
+// with the same arguments: how a job's keys are cut into partial sums depends
+// only on the job. Jobs must not share an output.
+void AttendBatch(absl::Span<AttentionJob> jobs, int threads);
+
 // Which kernel Attend uses for a shape (exposed for tests and benchmarks).
 enum class AttentionPath {
   kDecode,   // few queries per kv head: one streaming pass over K and V

@@ -177,6 +177,37 @@ absl::StatusOr<Tensor> CastTensor(const ConstTensorView& view, DType dtype) {
   return out;
 }
 
+absl::Status CopyRows(const ConstTensorView& src, const TensorView& dst) {
+  if (absl::Status s = CheckBSHD(src, "source"); !s.ok()) return s;
+  if (absl::Status s = CheckBSHD(dst, "destination"); !s.ok()) return s;
+  if (src.dims() != dst.dims()) {
+    return absl::InvalidArgumentError(absl::StrFormat("cannot copy %s rows into %s",
+                                                      DimsToString(src.dims()),
+                                                      DimsToString(dst.dims())));
+  }
+  const int64_t row = src.dim(2) * src.dim(3);
+  for (int64_t b = 0; b < src.dim(0); ++b) {
+    for (int64_t t = 0; t < src.dim(1); ++t) {
+      const int64_t so = b * src.stride(0) + t * src.stride(1);
+      const int64_t d_o = b * dst.stride(0) + t * dst.stride(1);
+      if (src.dtype() == dst.dtype()) {
+        const size_t es = DTypeSize(src.dtype());
+        std::memcpy(static_cast<char*>(dst.raw()) + d_o * es,
+                    static_cast<const char*>(src.raw()) + so * es, row * es);
+      } else if (dst.dtype() == DType::kBF16) {
+        const float* s = src.data<float>() + so;
+        uint16_t* d = dst.data<uint16_t>() + d_o;
+        for (int64_t i = 0; i < row; ++i) d[i] = FloatToBF16(s[i]);
+      } else {
+        const uint16_t* s = src.data<uint16_t>() + so;
+        float* d = dst.data<float>() + d_o;
+        for (int64_t i = 0; i < row; ++i) d[i] = BF16ToFloat(s[i]);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 TensorView Tensor::view() { return TensorView(buffer_.get(), dtype_, dims_); }
 ConstTensorView Tensor::view() const { return ConstTensorView(buffer_.get(), dtype_, dims_); }
 

@@ -158,6 +158,12 @@ class Tensor {
 // the same dtype is a plain copy).
 absl::StatusOr<Tensor> CastTensor(const ConstTensorView& view, DType dtype);
 
+// Copies a [batch, seq, heads, dim] view into another of the same dims
+// (both with packed innermost axes, any batch and seq strides), converting
+// f32 <-> bf16 (round to nearest even). InvalidArgument if the dims differ
+// or a view is not rank 4 with packed [heads, dim].
+absl::Status CopyRows(const ConstTensorView& src, const TensorView& dst);
+
 // Dense row-major strides for dims (saturating at int64 max: only an empty
 // tensor can get there, and its strides are never used).
 Dims RowMajorStrides(absl::Span<const int64_t> dims);

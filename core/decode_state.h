@@ -1,0 +1,126 @@
+// A decoding session's state in the core: its keys and values (or its
+// linear-attention running sums), its position, and the RoPE it applies,
+// with the storage chosen once at creation (docs/scheduler.md, "The decode
+// path"). The server's Session adds ownership, locking and lifetimes; every
+// byte of computation is here.
+//
+// A step appends T tokens at positions position() .. position()+T-1: q and k
+// are rotated there (RoPE), k and v are written into the storage, and the
+// queries attend causally to every token so far (softmax), or update and read
+// the running sums (linear). Steps of many states can run as one parallel pass
+// (StepMany); each state's result is bit-identical to its own Step.
+#ifndef ROPEATTN_CORE_DECODE_STATE_H_
+#define ROPEATTN_CORE_DECODE_STATE_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/attention.h"
+#include "core/kv_cache.h"
+#include "core/linear_attention.h"
+#include "core/rope.h"
+#include "core/stop.h"
+#include "core/tensor.h"
+
+namespace ropeattn {
+
+struct DecodeStateConfig {
+  int64_t heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t v_dim = 0;
+  int64_t max_context = 0;  // tokens the state holds at most
+  DType kv_dtype = DType::kF32;
+  bool linear = false;  // linear attention (running sums) instead of softmax
+  std::optional<RopeConfig> rope;
+  // Softmax: scale, window, softcap and bias (causal is implied). Whatever
+  // the bias points into must outlive the state.
+  AttentionOptions attention;
+  // Precomputed cos/sin rows; positions past it are computed on the fly
+  // (exactly, in fp64), so this only trades memory for speed.
+  int64_t rope_table_positions = 8192;
+};
+
+class DecodeState {
+ public:
+  // Where a softmax state keeps K/V: f32 in a KvCache where its decode is
+  // the faster one (KvCacheDecodeIsFaster), else token-major
+  // [1, max_context, kv_heads, dim] tensors of kv_dtype.
+  enum class Storage { kLinear, kKvCache, kTokenMajor };
+  static Storage StorageFor(const DecodeStateConfig& config);
+
+  // Allocates the state (zero tokens). InvalidArgument for bad sizes,
+  // ResourceExhausted when memory runs out, RoPE errors as RopeRotator's.
+  static absl::StatusOr<DecodeState> Create(DecodeStateConfig config);
+
+  DecodeState(DecodeState&&) = default;
+  DecodeState& operator=(DecodeState&&) = default;
+
+  const DecodeStateConfig& config() const { return config_; }
+  Storage storage() const { return storage_; }
+  int64_t position() const { return position_; }
+
+  // One step. q [1, T, heads, head_dim], k [1, T, kv_heads, head_dim],
+  // v [1, T, kv_heads, v_dim] (f32 or bf16, any batch and sequence strides),
+  // out [1, T, heads, v_dim] (f32 or bf16, written). Errors leave the state
+  // unchanged: InvalidArgument for a wrong shape or a non-finite input
+  // (naming `<names>q`, `<names>k` or `<names>v` and the index), OutOfRange
+  // past max_context, the stop token's status if it fired.
+  struct Job {
+    DecodeState* state = nullptr;
+    ConstTensorView q, k, v;
+    TensorView out;
+    const StopToken* stop = nullptr;
+    std::string names;     // prefix for the tensors' names in errors, e.g. "step."
+    absl::Status status;   // written by StepMany
+  };
+  absl::Status Step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
+                    int threads, const StopToken* stop = nullptr, std::string names = "");
+  // The steps of distinct states in one pass of at most `threads` threads;
+  // `plan_threads` is the thread count each job's attention is planned for
+  // (its solo Step's `threads`), which fixes its bits. Sets every job's
+  // status; a failed job leaves its state unchanged and the others go on.
+  static void StepMany(absl::Span<Job> jobs, int threads, int plan_threads);
+
+  // Rolls back to `position` tokens (0 <= position <= position()).
+  // Unimplemented for linear states (a running sum cannot forget).
+  absl::Status Truncate(int64_t position);
+  // Copies `other`'s history (a fork); `other` must have this config's
+  // shapes and storage (InvalidArgument otherwise).
+  absl::Status CopyFrom(const DecodeState& other);
+  // Bytes held by the storage.
+  int64_t byte_size() const;
+
+ private:
+  explicit DecodeState(DecodeStateConfig config) : config_(std::move(config)) {}
+  // Validates a job and writes its tokens into rows position() ..: fills
+  // the attention job (softmax) or runs the whole step (linear). On error
+  // nothing the state reads has changed (rows past position() are scratch).
+  absl::Status Prepare(Job& job, int plan_threads, AttentionJob* attention, Tensor* q_scratch,
+                       bool* done);
+  // Length-dependent RoPE (dynamic NTK, LongRoPE): the frequencies for
+  // `new_len` tokens; the cached keys are rotated again from their raw values
+  // whenever they change.
+  absl::Status PrepareRope(int64_t new_len);
+  bool LengthDependent() const;
+
+  DecodeStateConfig config_;
+  Storage storage_ = Storage::kTokenMajor;
+  int64_t position_ = 0;
+  int64_t step_offset_ = 0;  // the preparing step's first position (its queries' offset)
+  std::optional<KvCache> kv_;           // kKvCache
+  Tensor k_cache_, v_cache_;            // kTokenMajor
+  Tensor k_raw_;                        // unrotated keys, length-dependent RoPE only
+  std::optional<LinearAttentionState> linear_;  // kLinear
+  std::optional<RopeRotator> rotator_;
+  std::vector<double> rotator_freqs_;  // what rotator_ was built from (length-dependent)
+};
+
+}  // namespace ropeattn
+
+#endif  // ROPEATTN_CORE_DECODE_STATE_H_

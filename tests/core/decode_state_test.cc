@@ -1,0 +1,352 @@
+// DecodeState (core/decode_state.h) and AttendBatch (core/attention.h): a
+// session's steps against the fp64 reference, and the batched pass against
+// solo calls, bit for bit.
+#include "core/decode_state.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/attention.h"
+#include "core/kv_cache.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+#include "tests/reference/attention_ref.h"
+#include "tests/reference/rope_ref.h"
+
+namespace ropeattn {
+namespace {
+
+using ::ropeattn::testing::AllClose;
+using ::ropeattn::testing::RandomTensor;
+using ::ropeattn::testing::ToDoubles;
+using ::testing::HasSubstr;
+
+bool SameBytes(const Tensor& a, const Tensor& b) {
+  return a.byte_size() == b.byte_size() &&
+         std::memcmp(a.data<char>(), b.data<char>(), a.byte_size()) == 0;
+}
+
+// ------------------------------------------------------------ AttendBatch --
+
+struct BatchCase {
+  DType kv = DType::kF32;
+  int64_t q_len = 1, k_len = 100, heads = 8, kv_heads = 2, d = 64;
+  bool cache = false;  // keys from a KvCache
+  int64_t window = 0;
+  double softcap = 0;
+  bool alibi = false;
+};
+
+struct BatchInputs {
+  Tensor q, k, v;
+  KvCache cache;
+  AttentionOptions options;
+  std::vector<double> slopes;
+};
+
+BatchInputs MakeBatchInputs(const BatchCase& c, uint64_t seed) {
+  BatchInputs in;
+  in.q = RandomTensor(DType::kF32, {1, c.q_len, c.heads, c.d}, seed);
+  in.k = RandomTensor(c.kv, {1, c.k_len, c.kv_heads, c.d}, seed + 1);
+  in.v = RandomTensor(c.kv, {1, c.k_len, c.kv_heads, c.d}, seed + 2);
+  if (c.cache) {
+    in.cache = KvCache::Create(c.kv_heads, c.d, c.d, c.k_len).value();
+    EXPECT_TRUE(in.cache.WriteK(0, in.k.cview()).ok());
+    EXPECT_TRUE(in.cache.WriteV(0, in.v.cview()).ok());
+  }
+  in.options.causal = true;
+  in.options.window = c.window;
+  in.options.softcap = c.softcap;
+  in.options.num_threads = 2;
+  if (c.alibi) {
+    in.options.bias.kind = BiasKind::kAlibi;
+    for (int64_t h = 0; h < c.heads; ++h) in.options.bias.alibi_slopes.push_back(0.05 * (h + 1));
+  }
+  return in;
+}
+
+absl::Status Solo(const BatchCase& c, BatchInputs& in, Tensor& out) {
+  if (c.cache) return AttendCache(in.q.cview(), in.cache, c.k_len, in.options, out.view());
+  return Attend(in.q.cview(), in.k.cview(), in.v.cview(), in.options, out.view());
+}
+
+// Jobs of every kind - token-major f32 and bf16 keys, a KvCache, GQA and
+// MHA, windows, soft-caps, ALiBi, and a prompt long enough for the prefill
+// path - give in one pass exactly the bytes each gives alone, whatever the
+// pass's thread count.
+TEST(AttendBatchTest, EveryJobIsBitIdenticalToItsSoloCall) {
+  std::vector<BatchCase> cases(8);
+  cases[1].kv = DType::kBF16;
+  cases[2].cache = true;
+  cases[2].k_len = 300;
+  cases[3].kv_heads = 8;
+  cases[3].window = 17;
+  cases[4].softcap = 5.0;
+  cases[4].alibi = true;
+  cases[5].q_len = 40;  // prefill
+  cases[5].k_len = 90;
+  cases[6].q_len = 3;
+  cases[6].k_len = 1000;
+  cases[7].cache = true;
+  cases[7].q_len = 2;
+  cases[7].k_len = 64;
+  std::vector<BatchInputs> inputs;
+  std::vector<Tensor> solo;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    inputs.push_back(MakeBatchInputs(cases[i], 100 + 10 * i));
+    solo.push_back(Tensor::Create(DType::kF32, {1, cases[i].q_len, cases[i].heads, cases[i].d})
+                       .value());
+    ASSERT_TRUE(Solo(cases[i], inputs[i], solo[i]).ok()) << i;
+  }
+  for (int threads : {1, 2, 3}) {
+    std::vector<Tensor> outs;
+    std::vector<AttentionJob> jobs(cases.size());
+    for (size_t i = 0; i < cases.size(); ++i) {
+      outs.push_back(Tensor::Create(DType::kF32, solo[i].dims()).value());
+      AttentionJob& j = jobs[i];
+      j.q = inputs[i].q.cview();
+      if (cases[i].cache) {
+        j.cache = &inputs[i].cache;
+        j.cache_length = cases[i].k_len;
+      } else {
+        j.k = inputs[i].k.cview();
+        j.v = inputs[i].v.cview();
+      }
+      j.options = inputs[i].options;
+      j.out = outs[i].view();
+    }
+    AttendBatch(absl::MakeSpan(jobs), threads);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      ASSERT_TRUE(jobs[i].status.ok()) << i << ": " << jobs[i].status;
+      EXPECT_TRUE(SameBytes(outs[i], solo[i])) << "job " << i << " with " << threads << " threads";
+    }
+  }
+}
+
+// A bad job reports its own error; the others are computed as usual.
+TEST(AttendBatchTest, ABadJobFailsAloneNamingWhatIsWrong) {
+  BatchCase c;
+  BatchInputs good = MakeBatchInputs(c, 7);
+  Tensor want = Tensor::Create(DType::kF32, {1, 1, 8, 64}).value();
+  ASSERT_TRUE(Solo(c, good, want).ok());
+  Tensor bad_q = RandomTensor(DType::kF32, {1, 1, 6, 64}, 9);  // 6 heads over 2 kv heads: fine
+  Tensor bad_out = Tensor::Create(DType::kF32, {1, 1, 8, 64}).value();  // but out has 8
+  Tensor out = Tensor::Create(DType::kF32, {1, 1, 8, 64}).value();
+  std::vector<AttentionJob> jobs(2);
+  jobs[0].q = bad_q.cview();
+  jobs[0].k = good.k.cview();
+  jobs[0].v = good.v.cview();
+  jobs[0].options = good.options;
+  jobs[0].out = bad_out.view();
+  jobs[1].q = good.q.cview();
+  jobs[1].k = good.k.cview();
+  jobs[1].v = good.v.cview();
+  jobs[1].options = good.options;
+  jobs[1].out = out.view();
+  AttendBatch(absl::MakeSpan(jobs), 2);
+  EXPECT_EQ(jobs[0].status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(jobs[0].status.message()), HasSubstr("out"));
+  ASSERT_TRUE(jobs[1].status.ok()) << jobs[1].status;
+  EXPECT_TRUE(SameBytes(out, want));
+}
+
+// ------------------------------------------------------------ DecodeState --
+
+DecodeStateConfig BaseConfig() {
+  DecodeStateConfig c;
+  c.heads = 8;
+  c.kv_heads = 2;
+  c.head_dim = 32;
+  c.v_dim = 32;
+  c.max_context = 64;
+  RopeConfig rope;
+  rope.head_dim = 32;
+  c.rope = rope;
+  return c;
+}
+
+struct StepTensors {
+  Tensor q, k, v;
+};
+StepTensors RandomStep(const DecodeStateConfig& c, int64_t tokens, uint64_t seed,
+                       DType dtype = DType::kF32) {
+  return {RandomTensor(dtype, {1, tokens, c.heads, c.head_dim}, seed),
+          RandomTensor(dtype, {1, tokens, c.kv_heads, c.head_dim}, seed + 1),
+          RandomTensor(dtype, {1, tokens, c.kv_heads, c.v_dim}, seed + 2)};
+}
+
+// Steps of 1, 5 and 2 tokens, each against the fp64 reference of RoPE at
+// the absolute positions followed by causal attention over every token so
+// far (relative tolerance 1e-5 in f32).
+TEST(DecodeStateTest, StepsMatchTheFp64Reference) {
+  for (DType kv : {DType::kF32, DType::kBF16}) {
+    DecodeStateConfig c = BaseConfig();
+    c.kv_dtype = kv;
+    DecodeState state = DecodeState::Create(c).value();
+    std::vector<double> keys, values;  // rotated keys and values so far, as stored
+    int64_t pos = 0;
+    uint64_t seed = 40;
+    for (int64_t tokens : {1, 5, 2}) {
+      StepTensors s = RandomStep(c, tokens, seed += 3);
+      Tensor out = Tensor::Create(DType::kF32, {1, tokens, c.heads, c.v_dim}).value();
+      ASSERT_TRUE(state.Step(s.q.cview(), s.k.cview(), s.v.cview(), out.view(), 2).ok());
+      ref::RotateRefParams r;
+      r.seq = tokens;
+      r.head_dim = r.rotary_dim = c.head_dim;
+      r.inv_freq = ref::DefaultInvFreq(c.head_dim, 10000.0);
+      for (int64_t t = 0; t < tokens; ++t) r.positions.push_back(pos + t);
+      r.heads = c.heads;
+      const std::vector<double> q = ref::Rotate(r, ToDoubles(s.q.cview()));
+      r.heads = c.kv_heads;
+      std::vector<double> k = ref::Rotate(r, ToDoubles(s.k.cview()));
+      std::vector<double> v = ToDoubles(s.v.cview());
+      if (kv == DType::kBF16) {  // the cache holds keys and values rounded once
+        for (double& x : k) x = BF16ToFloat(FloatToBF16(static_cast<float>(x)));
+        for (double& x : v) x = BF16ToFloat(FloatToBF16(static_cast<float>(x)));
+      }
+      keys.insert(keys.end(), k.begin(), k.end());
+      values.insert(values.end(), v.begin(), v.end());
+      ref::AttentionRefParams p;
+      p.q_len = tokens;
+      p.k_len = pos + tokens;
+      p.heads = c.heads;
+      p.kv_heads = c.kv_heads;
+      p.head_dim = c.head_dim;
+      p.v_dim = c.v_dim;
+      p.causal = true;
+      p.q_offsets = {pos};
+      const ref::AttentionRefResult want = ref::Attention(p, q, keys, values);
+      EXPECT_TRUE(AllClose(ToDoubles(out.cview()), want.out,
+                           kv == DType::kF32 ? testing::kF32Tol : testing::kBF16Tol))
+          << DTypeName(kv) << " step at " << pos;
+      pos += tokens;
+      EXPECT_EQ(state.position(), pos);
+    }
+  }
+}
+
+// Distinct states of every kind stepped together give exactly what each
+// gives stepped alone, step after step.
+TEST(DecodeStateTest, StepManyIsBitIdenticalToStepAlone) {
+  std::vector<DecodeStateConfig> configs;
+  configs.push_back(BaseConfig());
+  configs.push_back(BaseConfig());
+  configs.back().kv_dtype = DType::kBF16;
+  configs.push_back(BaseConfig());
+  configs.back().linear = true;
+  configs.push_back(BaseConfig());
+  configs.back().rope->scaling.type = RopeScalingType::kDynamicNtk;
+  configs.back().rope->scaling.factor = 2.0;
+  configs.back().rope->scaling.original_max_positions = 4;  // re-rotates as it grows
+  configs.push_back(BaseConfig());
+  configs.back().attention.window = 3;
+  configs.back().kv_heads = 8;
+  configs.push_back(BaseConfig());
+  configs.back().rope.reset();
+  configs.back().attention.softcap = 2.0;
+  std::vector<DecodeState> alone, together;
+  for (const DecodeStateConfig& c : configs) {
+    alone.push_back(DecodeState::Create(c).value());
+    together.push_back(DecodeState::Create(c).value());
+  }
+  for (int round = 0; round < 4; ++round) {
+    const int64_t tokens = round == 1 ? 3 : 1;
+    std::vector<StepTensors> in;
+    std::vector<Tensor> solo_out, batch_out;
+    std::vector<DecodeState::Job> jobs(configs.size());
+    for (size_t i = 0; i < configs.size(); ++i) {
+      in.push_back(RandomStep(configs[i], tokens, 500 + 10 * i + 100 * round));
+      const Dims dims = {1, tokens, configs[i].heads, configs[i].v_dim};
+      solo_out.push_back(Tensor::Create(DType::kF32, dims).value());
+      batch_out.push_back(Tensor::Create(DType::kF32, dims).value());
+      ASSERT_TRUE(alone[i]
+                      .Step(in[i].q.cview(), in[i].k.cview(), in[i].v.cview(),
+                            solo_out[i].view(), 2)
+                      .ok());
+      jobs[i].state = &together[i];
+      jobs[i].q = in[i].q.cview();
+      jobs[i].k = in[i].k.cview();
+      jobs[i].v = in[i].v.cview();
+      jobs[i].out = batch_out[i].view();
+    }
+    DecodeState::StepMany(absl::MakeSpan(jobs), 2, 2);
+    for (size_t i = 0; i < configs.size(); ++i) {
+      ASSERT_TRUE(jobs[i].status.ok()) << i << ": " << jobs[i].status;
+      EXPECT_TRUE(SameBytes(batch_out[i], solo_out[i])) << "state " << i << ", round " << round;
+      EXPECT_EQ(together[i].position(), alone[i].position());
+    }
+  }
+}
+
+// A refused step changes nothing: the next good step answers as on a state
+// that never saw the bad one. Errors name the tensor (with the caller's
+// prefix) and the index of a non-finite value.
+TEST(DecodeStateTest, RefusedStepsLeaveTheStateUnchanged) {
+  const DecodeStateConfig c = BaseConfig();
+  DecodeState state = DecodeState::Create(c).value();
+  DecodeState fresh = DecodeState::Create(c).value();
+  StepTensors first = RandomStep(c, 2, 1);
+  Tensor out = Tensor::Create(DType::kF32, {1, 2, 8, 32}).value();
+  ASSERT_TRUE(state.Step(first.q.cview(), first.k.cview(), first.v.cview(), out.view(), 2).ok());
+  ASSERT_TRUE(fresh.Step(first.q.cview(), first.k.cview(), first.v.cview(), out.view(), 2).ok());
+
+  StepTensors bad = RandomStep(c, 1, 2);
+  bad.v.data<float>()[5] = std::nanf("");
+  Tensor out1 = Tensor::Create(DType::kF32, {1, 1, 8, 32}).value();
+  absl::Status s = state.Step(bad.q.cview(), bad.k.cview(), bad.v.cview(), out1.view(), 2,
+                              nullptr, "step.");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("step.v[0, 0, 0, 5] is NaN"));
+  Tensor wrong_k = RandomTensor(DType::kF32, {1, 1, 3, 32}, 3);
+  s = state.Step(bad.q.cview(), wrong_k.cview(), bad.q.cview(), out1.view(), 2, nullptr, "step.");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("step.k must have shape [1, 1, 2, 32]"));
+  StepTensors too_long = RandomStep(c, 63, 4);
+  Tensor out63 = Tensor::Create(DType::kF32, {1, 63, 8, 32}).value();
+  s = state.Step(too_long.q.cview(), too_long.k.cview(), too_long.v.cview(), out63.view(), 2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(state.position(), 2);
+
+  StepTensors next = RandomStep(c, 1, 5);
+  Tensor a = Tensor::Create(DType::kF32, {1, 1, 8, 32}).value();
+  Tensor b = Tensor::Create(DType::kF32, {1, 1, 8, 32}).value();
+  ASSERT_TRUE(state.Step(next.q.cview(), next.k.cview(), next.v.cview(), a.view(), 2).ok());
+  ASSERT_TRUE(fresh.Step(next.q.cview(), next.k.cview(), next.v.cview(), b.view(), 2).ok());
+  EXPECT_TRUE(SameBytes(a, b));
+}
+
+// Truncate rolls back; a copy (a fork) continues exactly like its source.
+TEST(DecodeStateTest, TruncateAndCopyContinueExactly) {
+  DecodeStateConfig c = BaseConfig();
+  c.rope->scaling.type = RopeScalingType::kDynamicNtk;  // the raw keys are copied too
+  c.rope->scaling.factor = 2.0;
+  c.rope->scaling.original_max_positions = 3;
+  DecodeState a = DecodeState::Create(c).value();
+  StepTensors s1 = RandomStep(c, 4, 11), s2 = RandomStep(c, 2, 12), s3 = RandomStep(c, 1, 13);
+  Tensor o4 = Tensor::Create(DType::kF32, {1, 4, 8, 32}).value();
+  Tensor o2 = Tensor::Create(DType::kF32, {1, 2, 8, 32}).value();
+  ASSERT_TRUE(a.Step(s1.q.cview(), s1.k.cview(), s1.v.cview(), o4.view(), 2).ok());
+  DecodeState b = DecodeState::Create(c).value();
+  ASSERT_TRUE(b.CopyFrom(a).ok());
+  EXPECT_EQ(b.position(), 4);
+  // a goes on with s2 and is truncated back; b never saw s2.
+  ASSERT_TRUE(a.Step(s2.q.cview(), s2.k.cview(), s2.v.cview(), o2.view(), 2).ok());
+  ASSERT_TRUE(a.Truncate(4).ok());
+  EXPECT_EQ(a.Truncate(5).code(), absl::StatusCode::kOutOfRange);
+  Tensor x = Tensor::Create(DType::kF32, {1, 1, 8, 32}).value();
+  Tensor y = Tensor::Create(DType::kF32, {1, 1, 8, 32}).value();
+  ASSERT_TRUE(a.Step(s3.q.cview(), s3.k.cview(), s3.v.cview(), x.view(), 2).ok());
+  ASSERT_TRUE(b.Step(s3.q.cview(), s3.k.cview(), s3.v.cview(), y.view(), 2).ok());
+  EXPECT_TRUE(SameBytes(x, y));
+
+  DecodeStateConfig linear = BaseConfig();
+  linear.linear = true;
+  DecodeState l = DecodeState::Create(linear).value();
+  EXPECT_EQ(l.Truncate(0).code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(l.CopyFrom(a).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace ropeattn
