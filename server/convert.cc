@@ -164,6 +164,31 @@ absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& tensor, absl::string_vi
   return out;
 }
 
+absl::StatusOr<ConstTensorView> ViewOfWireTensor(const v1::Tensor& tensor, absl::string_view name,
+                                                 Tensor* copy) {
+  RA_ASSIGN_OR_RETURN(const WireShape w, ParseWireShape(tensor, name));
+  const char* data = tensor.data().data();
+  if (reinterpret_cast<uintptr_t>(data) % DTypeSize(w.dtype) == 0) {
+    return ConstTensorView(data, w.dtype, w.dims);
+  }
+  RA_ASSIGN_OR_RETURN(*copy, TensorFromProto(tensor, name));
+  return copy->cview();
+}
+
+absl::StatusOr<TensorView> WireTensorForWriting(DType dtype, absl::Span<const int64_t> dims,
+                                                v1::Tensor* out) {
+  RA_ASSIGN_OR_RETURN(const int64_t n, NumElements(dims));
+  out->Clear();
+  out->set_dtype(DTypeToProto(dtype));
+  for (int64_t d : dims) out->add_shape(d);
+  std::string* data = out->mutable_data();
+  data->resize(static_cast<size_t>(n) * DTypeSize(dtype));
+  if (reinterpret_cast<uintptr_t>(data->data()) % DTypeSize(dtype) != 0) {
+    return absl::InternalError("a response buffer is not aligned for its dtype");
+  }
+  return TensorView(data->data(), dtype, Dims(dims.begin(), dims.end()));
+}
+
 void TensorToProto(const ConstTensorView& view, v1::Tensor* out) {
   out->Clear();
   out->set_dtype(DTypeToProto(view.dtype()));

@@ -71,6 +71,16 @@ v1::DType DTypeToProto(DType dtype);
 // taken as little-endian: the build refuses big-endian hosts.
 inline constexpr int kMaxWireRank = 8;
 absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& tensor, absl::string_view name);
+// A wire tensor as a core view without a copy: over the message's own bytes
+// when they are aligned for the dtype (heap strings always are), else over
+// a copy made into `copy`. Validated as TensorFromProto. The view lives as
+// long as the message (and `copy`).
+absl::StatusOr<ConstTensorView> ViewOfWireTensor(const v1::Tensor& tensor, absl::string_view name,
+                                                 Tensor* copy);
+// Sizes `out` for a dense tensor of `dtype` and `dims` and returns a view of
+// its bytes to write the values into (little-endian, row-major).
+absl::StatusOr<TensorView> WireTensorForWriting(DType dtype, absl::Span<const int64_t> dims,
+                                                v1::Tensor* out);
 // Core view (any strides) -> wire tensor (dense, little-endian).
 void TensorToProto(const ConstTensorView& view, v1::Tensor* out);
 

@@ -5,7 +5,8 @@
 
 namespace ropeattn::server {
 
-Executor::Executor(int workers, int queue_capacity) : capacity_(queue_capacity) {
+Executor::Executor(int workers, int queue_capacity, int max_batch, BatchRunner runner)
+    : capacity_(queue_capacity), max_batch_(std::max(1, max_batch)), runner_(std::move(runner)) {
   for (int i = 0; i < std::max(1, workers); ++i) {
     threads_.emplace_back([this] { WorkerLoop(); });
   }
@@ -16,6 +17,16 @@ Executor::~Executor() { Shutdown(); }
 bool Executor::TrySubmit(const std::string& key, int64_t compute,
                          absl::AnyInvocable<void() &&> task) {
   absl::MutexLock lock(&mu_);
+  return PushLocked(key, compute, Task{0, std::move(task), nullptr});
+}
+
+bool Executor::TrySubmitBatch(const std::string& key, int64_t compute, BatchTask* task) {
+  if (!runner_ || task == nullptr) return false;
+  absl::MutexLock lock(&mu_);
+  return PushLocked(key, compute, Task{0, nullptr, task});
+}
+
+bool Executor::PushLocked(const std::string& key, int64_t compute, Task task) {
   if (stopping_ || waiting_ >= capacity_) return false;
   // A caller that had nothing waiting starts from the current virtual time:
   // idling earns no credit.
@@ -25,16 +36,19 @@ bool Executor::TrySubmit(const std::string& key, int64_t compute,
                            : std::max(virtual_time_, last->second);
   const double tag = start + static_cast<double>(std::max<int64_t>(1, compute));
   last_tag_[key] = tag;
-  queues_[key].push_back(Task{tag, std::move(task)});
+  task.tag = tag;
+  queues_[key].push_back(std::move(task));
   ++waiting_;
   return true;
 }
 
-Executor::Task Executor::PopLocked() {
+bool Executor::PopLocked(bool batch_only, Task* out) {
   auto best = queues_.end();
   for (auto it = queues_.begin(); it != queues_.end(); ++it) {
+    if (batch_only && it->second.front().batch == nullptr) continue;
     if (best == queues_.end() || it->second.front().tag < best->second.front().tag) best = it;
   }
+  if (best == queues_.end()) return false;
   Task task = std::move(best->second.front());
   best->second.pop_front();
   if (best->second.empty()) {
@@ -43,7 +57,8 @@ Executor::Task Executor::PopLocked() {
   }
   --waiting_;
   virtual_time_ = std::max(virtual_time_, task.tag);
-  return task;
+  *out = std::move(task);
+  return true;
 }
 
 void Executor::Shutdown() {
@@ -69,20 +84,34 @@ int64_t Executor::running() const {
 }
 
 void Executor::WorkerLoop() {
+  std::vector<BatchTask*> batch;
   while (true) {
-    absl::AnyInvocable<void() &&> task;
+    Task task;
+    batch.clear();
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]()
                        ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || waiting_ > 0; };
       mu_.Await(absl::Condition(&ready));
       if (waiting_ == 0) return;  // stopping and drained
-      task = PopLocked().run;
-      ++running_;
+      PopLocked(/*batch_only=*/false, &task);
+      if (task.batch != nullptr) {
+        // Every step ready now joins this pass.
+        batch.push_back(task.batch);
+        Task more;
+        while (static_cast<int>(batch.size()) < max_batch_ && PopLocked(true, &more)) {
+          batch.push_back(more.batch);
+        }
+      }
+      running_ += batch.empty() ? 1 : static_cast<int64_t>(batch.size());
     }
-    std::move(task)();
+    if (batch.empty()) {
+      std::move(task.run)();
+    } else {
+      runner_(absl::MakeConstSpan(batch));
+    }
     absl::MutexLock lock(&mu_);
-    --running_;
+    running_ -= batch.empty() ? 1 : static_cast<int64_t>(batch.size());
   }
 }
 

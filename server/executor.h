@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,13 +23,29 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 
 namespace ropeattn::server {
 
+// A task that can run in one pass with others of its kind (the decode steps
+// of different sessions, docs/scheduler.md "Cross-session decode batching").
+// The executor does not look inside; its batch runner does.
+class BatchTask {
+ public:
+  virtual ~BatchTask() = default;
+};
+
 class Executor {
  public:
-  // `workers` threads; at most `queue_capacity` tasks wait beyond the running.
-  Executor(int workers, int queue_capacity);
+  // Runs the batch tasks a worker took together, on that worker.
+  using BatchRunner = std::function<void(absl::Span<BatchTask* const>)>;
+
+  // `workers` threads; at most `queue_capacity` tasks wait beyond the
+  // running. With a runner, a worker that takes a batch task also takes
+  // every other batch task then at the head of a caller's queue (smallest
+  // finish tags first, up to `max_batch` in all) and hands them to the
+  // runner at once: continuous batching, under the same fair queueing.
+  Executor(int workers, int queue_capacity, int max_batch = 1, BatchRunner runner = nullptr);
   ~Executor();  // Shutdown()
 
   // Queues a task of caller `key` costing `compute` (>= 1 is used); false
@@ -37,6 +54,9 @@ class Executor {
   bool TrySubmit(const std::string& key, int64_t compute, absl::AnyInvocable<void() &&> task);
   // The same for the server's own small tasks (its own key, cost 1).
   bool TrySubmit(absl::AnyInvocable<void() &&> task) { return TrySubmit("", 1, std::move(task)); }
+  // Queues a batch task (not owned: it must live until the runner has
+  // seen it). False as TrySubmit.
+  bool TrySubmitBatch(const std::string& key, int64_t compute, BatchTask* task);
 
   // Stops accepting, runs every queued task, joins the workers. Idempotent.
   void Shutdown();
@@ -52,12 +72,18 @@ class Executor {
   struct Task {
     double tag;  // virtual finish time
     absl::AnyInvocable<void() &&> run;
+    BatchTask* batch = nullptr;  // instead of run
   };
-  // The waiting task with the smallest tag, removed; its caller's queue is
-  // dropped once empty.
-  Task PopLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool PushLocked(const std::string& key, int64_t compute, Task task)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The waiting task with the smallest tag (only batch tasks when
+  // `batch_only`), removed; its caller's queue is dropped once empty. False
+  // when there is none.
+  bool PopLocked(bool batch_only, Task* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int capacity_;
+  const int max_batch_;
+  const BatchRunner runner_;
   mutable absl::Mutex mu_;
   // Per caller, FIFO; callers with nothing waiting have no entry.
   absl::flat_hash_map<std::string, std::deque<Task>> queues_ ABSL_GUARDED_BY(mu_);

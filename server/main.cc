@@ -51,6 +51,9 @@ ABSL_FLAG(double, max_queue_delay_seconds, kDefaults.max_queue_delay_seconds,
           "A request whose estimated wait for a worker is longer, or that cannot finish inside "
           "its deadline, is refused at once with RESOURCE_EXHAUSTED and trailing metadata "
           "retry-after-ms; 0 turns the wait limit off");
+ABSL_FLAG(int, max_decode_batch, kDefaults.max_decode_batch,
+          "Decode steps of different sessions that are ready together run as one parallel pass, "
+          "this many at most; 1 computes every step on its own; [1, 1024]");
 ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
           "Largest gRPC message either way, in bytes (default 256 MiB: room for a "
           "[1, 8192, 32, 128] f32 prefill)");
@@ -161,6 +164,7 @@ int main(int argc, char** argv) {
   o.threads_per_call = absl::GetFlag(FLAGS_threads_per_call);
   o.queue_depth = absl::GetFlag(FLAGS_queue_depth);
   o.max_queue_delay_seconds = absl::GetFlag(FLAGS_max_queue_delay_seconds);
+  o.max_decode_batch = absl::GetFlag(FLAGS_max_decode_batch);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   o.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);

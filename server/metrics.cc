@@ -33,6 +33,8 @@ namespace {
 constexpr double kBucketBounds[] = {50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
                                     50e-3, 0.1,    0.25,   0.5,    1.0,  2.5,    5.0,  10.0};
 constexpr int kNumBounds = sizeof(kBucketBounds) / sizeof(kBucketBounds[0]);
+constexpr int64_t kBatchBounds[] = {1, 2, 4, 8, 16, 32, 64};
+constexpr int kNumBatchBounds = sizeof(kBatchBounds) / sizeof(kBatchBounds[0]);
 
 // Numbering as in grpc::StatusCode and absl::StatusCode (identical); kept
 // here so the metrics library does not link gRPC.
@@ -88,6 +90,10 @@ struct Data {
   uint64_t sessions_opened = 0;
   uint64_t decode_steps = 0;
   uint64_t decode_tokens = 0;
+  // Decode batch sizes: per-bucket counts for le 1, 2, 4, ..., 64, +Inf.
+  std::array<uint64_t, kNumBatchBounds + 1> batch_buckets{};
+  uint64_t batch_sum = 0;
+  uint64_t batch_count = 0;
   std::array<uint64_t, 3> auth_refused{};  // as Metrics::kAuthRefusalReasons
   std::array<uint64_t, 2> quota_refused{};  // as kQuotas
 };
@@ -267,6 +273,17 @@ void Metrics::SetKvBytes(int64_t used, int64_t budget) {
   state_->data.kv_bytes_budget = budget;
 }
 
+void Metrics::RecordDecodeBatch(int64_t steps) {
+  if (steps < 1) return;
+  absl::MutexLock lock(&state_->mu);
+  Data& d = state_->data;
+  int b = 0;
+  while (b < kNumBatchBounds && steps > kBatchBounds[b]) ++b;
+  ++d.batch_buckets[b];
+  d.batch_sum += static_cast<uint64_t>(steps);
+  ++d.batch_count;
+}
+
 void Metrics::RecordStep(int64_t tokens) {
   absl::MutexLock lock(&state_->mu);
   ++state_->data.decode_steps;
@@ -395,6 +412,21 @@ std::string Metrics::RenderPrometheus() const {
   AppendFamilyHeader(&out, "ropeattn_decode_tokens_total", "Tokens processed by decode steps.",
                      "counter");
   absl::StrAppend(&out, "ropeattn_decode_tokens_total ", d.decode_tokens, "\n");
+
+  AppendFamilyHeader(&out, "ropeattn_decode_batch_size",
+                     "Decode steps (of different sessions) computed together in one pass.",
+                     "histogram");
+  {
+    uint64_t cumulative = 0;
+    for (int b = 0; b < kNumBatchBounds; ++b) {
+      cumulative += d.batch_buckets[b];
+      absl::StrAppend(&out, "ropeattn_decode_batch_size_bucket{le=\"", kBatchBounds[b], "\"} ",
+                      cumulative, "\n");
+    }
+    absl::StrAppend(&out, "ropeattn_decode_batch_size_bucket{le=\"+Inf\"} ", d.batch_count, "\n");
+    absl::StrAppend(&out, "ropeattn_decode_batch_size_sum ", d.batch_sum, "\n");
+    absl::StrAppend(&out, "ropeattn_decode_batch_size_count ", d.batch_count, "\n");
+  }
 
   AppendFamilyHeader(&out, "ropeattn_connections_accepted_total",
                      "gRPC connections accepted and handed to gRPC since start.", "counter");

@@ -69,6 +69,10 @@ class Metrics {
   // ropeattn_decode_steps_total (+1) and ropeattn_decode_tokens_total
   // (+tokens; negative counts as 0 since counters never go down).
   void RecordStep(int64_t tokens);
+  // One pass of the decode scheduler: ropeattn_decode_batch_size, a
+  // histogram of how many sessions' steps ran together (buckets 1, 2, 4,
+  // ..., 64). Sizes below 1 are ignored.
+  void RecordDecodeBatch(int64_t steps);
   // Calls refused by authentication (ropeattn_auth_refused_total{reason}):
   // reason is one of kAuthRefusalReasons; others are ignored.
   static constexpr const char* kAuthRefusalReasons[] = {"invalid_token", "missing_token",

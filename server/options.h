@@ -40,6 +40,9 @@ struct ServerOptions {
   // refused at once with RESOURCE_EXHAUSTED and a retry-after-ms hint; so
   // is one that cannot finish inside its deadline. 0: no wait limit.
   double max_queue_delay_seconds = 5;
+  // Decode steps of different sessions computed together in one parallel
+  // pass at most (continuous batching, docs/scheduler.md); 1 turns it off.
+  int max_decode_batch = 64;
   // Largest message either way. 256 MiB holds a [1, 8192, 32, 128] f32
   // q, k and v prefill with room to spare.
   int64_t max_message_bytes = int64_t{256} << 20;

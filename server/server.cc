@@ -131,6 +131,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::InvalidArgumentError(absl::StrFormat(
         "max_queue_delay_seconds must be in [0, 3600], got %g", options.max_queue_delay_seconds));
   }
+  if (options.max_decode_batch < 1 || options.max_decode_batch > 1024) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "max_decode_batch must be in [1, 1024], got %d", options.max_decode_batch));
+  }
   if (options.compute_workers < 1 || options.threads_per_call < 1 || options.queue_depth < 1 ||
       options.max_sessions < 1 || options.memory_budget_bytes < 0 ||
       options.max_request_compute < 1 || options.max_message_bytes < 1024 ||
@@ -183,7 +187,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
         "GetServerInfo", "ListModels", "GetModel", "Embed"}) {
     m.metrics->RegisterMethod(method);
   }
-  m.executor = std::make_unique<Executor>(options.compute_workers, options.queue_depth);
+  // Decode steps reach the service's batch runner; the service exists
+  // before anything is queued.
+  m.executor = std::make_unique<Executor>(
+      options.compute_workers, options.queue_depth, options.max_decode_batch,
+      [&m](absl::Span<BatchTask* const> steps) { m.service->RunDecodeSteps(steps); });
   m.budget = std::make_unique<MemoryBudget>(options.memory_budget_bytes);
   m.sessions = std::make_unique<SessionManager>(options, m.metrics.get(), m.budget.get());
   absl::StatusOr<std::shared_ptr<Authenticator>> authenticator =

@@ -1,5 +1,8 @@
 #include "server/service.h"
 
+#include <algorithm>
+#include <array>
+#include <deque>
 #include <memory>
 #include <string>
 #include <utility>
@@ -13,6 +16,7 @@
 #include "server/admission.h"
 #include "server/auth.h"
 #include "server/convert.h"
+#include "server/decode_wire.h"
 #include "server/handlers.h"
 #include "server/layer.h"
 #include "core/status_macros.h"
@@ -359,7 +363,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
 // only then read the next. So steps are
 // answered in order, at most one write is ever queued (a slow reader cannot
 // grow server memory), and a session is never used by two steps at once.
-class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse> {
+class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>,
+                      public BatchTask {
  public:
   DecodeReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
       : service_(service),
@@ -402,8 +407,13 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       Process();
       return;
     }
-    if (!service_->executor_->TrySubmit(share_, std::max<int64_t>(1, op_compute_),
-                                        [this] { Process(); })) {
+    // A step joins whatever other sessions' steps are ready when a worker
+    // takes it (AttentionServiceImpl::RunDecodeSteps); the rest run alone.
+    const int64_t compute = std::max<int64_t>(1, op_compute_);
+    const bool queued = request_.has_step()
+                            ? service_->executor_->TrySubmitBatch(share_, compute, this)
+                            : service_->executor_->TrySubmit(share_, compute, [this] { Process(); });
+    if (!queued) {
       AdmittedDone(-1);
       op_memory_.Release();
       ticket_.Release();
@@ -575,18 +585,97 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   }
 
   // Runs on the executor.
+  // Cancelled, or past its deadline, while it waited: not started, and
+  // answered here (true).
+  bool AbandonIfStopped() {
+    if (!stop_.ShouldStop()) return false;
+    AdmittedDone(-1);
+    service_->metrics_->RecordAbandoned(MethodOf(request_));
+    ticket_.Release();
+    service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(stop_.status().code()),
+                                      0.0);
+    FinishOnce(ToGrpcStatus(stop_.status()));
+    return true;
+  }
+
+  // Writes the answer to the operation in response_ (or its error), or
+  // ends the stream when nothing is left to serve.
+  void Answer(const char* method, const absl::Status& status, absl::Time start,
+              bool stream_fatal) {
+    // The session itself is gone (closed by an operator, reaped): the
+    // stream has nothing left to serve.
+    if (!status.ok() && session_ != nullptr &&
+        (status.code() == absl::StatusCode::kNotFound ||
+         status.code() == absl::StatusCode::kUnavailable ||
+         (status.code() == absl::StatusCode::kFailedPrecondition &&
+          absl::StrContains(status.message(), "was closed")))) {
+      stream_fatal = true;
+    }
+    AdmittedDone(-1);  // a step that never reached its session
+    service_->metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
+    if (!status.ok()) {
+      if (stream_fatal) {
+        FinishOnce(ToGrpcStatus(status));
+        return;
+      }
+      response_.clear_msg();
+      v1::StepError* e = response_.mutable_error();
+      e->set_seq(SeqOf(request_));
+      e->set_code(static_cast<int>(status.code()));
+      e->set_message(CapStatusMessage(status.message()));
+    }
+    StartWrite(&response_);
+  }
+
+ public:
+  // A queued step, on the executor (RunDecodeSteps): the wire translated
+  // into `step`, or answered here (false: abandoned, or refused before it
+  // computes).
+  bool BeginStep(SessionStep* step) {
+    service_->metrics_->RecordQueueTime("Decode.Step", SecondsSince(queued_at_));
+    if (AbandonIfStopped()) return false;
+    step_start_ = absl::Now();
+    response_.Clear();
+    response_.set_seq(SeqOf(request_));
+    if (session_ == nullptr) {
+      Answer("Decode.Step",
+             absl::InvalidArgumentError(
+                 "the first message of a Decode stream must be `open` or `attach`"),
+             step_start_, /*stream_fatal=*/true);
+      return false;
+    }
+    absl::StatusOr<StepInput> in =
+        StepInputFromProto(session_->config(), request_.step(), wire_copies_);
+    if (!in.ok()) {
+      Answer("Decode.Step", in.status(), step_start_, /*stream_fatal=*/false);
+      return false;
+    }
+    step->session = session_.get();
+    step->in = *std::move(in);
+    step->output = StepOutputInto(response_.mutable_step()->mutable_out());
+    step->stop = &stop_;
+    return true;
+  }
+  // The step computed (`seconds`: its share of the pass).
+  void EndStep(const SessionStep& step, double seconds) {
+    AdmittedDone(step.status.ok() ? seconds : -1);
+    absl::Status status = step.status;
+    // Stopped mid-way: the stop's own code, not the kernel's.
+    if (!status.ok() && stop_.ShouldStop()) status = stop_.status();
+    if (status.ok()) {
+      service_->metrics_->RecordStep(step.tokens);
+      response_.mutable_step()->set_seq(SeqOf(request_));
+      response_.mutable_step()->set_position(step.position);
+    }
+    for (Tensor& t : wire_copies_) t = Tensor();
+    Answer("Decode.Step", status, step_start_, /*stream_fatal=*/false);
+  }
+  int64_t op_compute() const { return op_compute_; }
+
+ private:
   void Process() {
     service_->metrics_->RecordQueueTime(MethodOf(request_), SecondsSince(queued_at_));
-    // Cancelled, or past its deadline, while it waited: not started.
-    if (stop_.ShouldStop()) {
-      AdmittedDone(-1);
-      service_->metrics_->RecordAbandoned(MethodOf(request_));
-      ticket_.Release();
-      service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(stop_.status().code()),
-                                        0.0);
-      FinishOnce(ToGrpcStatus(stop_.status()));
-      return;
-    }
+    if (AbandonIfStopped()) return;
     const absl::Time start = absl::Now();
     AttentionServiceImpl::ComputeScope computing(service_, MethodOf(request_));
     response_.Clear();
@@ -630,17 +719,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
           stream_fatal = true;
           break;
         }
-        if (request_.has_step()) {
-          const absl::Time ran = absl::Now();
-          status = session_->Step(request_.step(), service_->options_.threads_per_call, &stop_,
-                                  response_.mutable_step());
-          AdmittedDone(status.ok() ? SecondsSince(ran) : -1);
-          if (!status.ok() && stop_.ShouldStop()) status = stop_.status();
-          if (status.ok()) {
-            service_->metrics_->RecordStep(
-                request_.step().q().shape_size() > 1 ? request_.step().q().shape(1) : 0);
-          }
-        } else if (request_.has_truncate()) {
+        if (request_.has_truncate()) {
           method = "Decode.Truncate";
           status = session_->Truncate(request_.truncate().position());
           if (status.ok()) session_->FillInfo(response_.mutable_truncated());
@@ -652,6 +731,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
             service_->sessions_->Detach(*fork, /*stream_cancelled=*/false);
             (*fork)->FillInfo(response_.mutable_forked());
           }
+        } else if (request_.has_step()) {
+          status = absl::InternalError("a decode step reached the control path");
         } else {
           method = "Decode.Close";
           auto info = service_->sessions_->Close(session_->id(), "closed", *principal_);
@@ -661,15 +742,6 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
             close_after_write_ = true;
           }
         }
-        // The session itself is gone (closed by an operator, reaped): the
-        // stream has nothing left to serve.
-        if (!status.ok() && session_ != nullptr &&
-            (status.code() == absl::StatusCode::kNotFound ||
-             status.code() == absl::StatusCode::kUnavailable ||
-             (status.code() == absl::StatusCode::kFailedPrecondition &&
-              absl::StrContains(status.message(), "was closed")))) {
-          stream_fatal = true;
-        }
         break;
       }
       default:
@@ -677,20 +749,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
         stream_fatal = session_ == nullptr;
         break;
     }
-    AdmittedDone(-1);  // a step that never reached its session
-    service_->metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
-    if (!status.ok()) {
-      if (stream_fatal) {
-        FinishOnce(ToGrpcStatus(status));
-        return;
-      }
-      response_.clear_msg();
-      v1::StepError* e = response_.mutable_error();
-      e->set_seq(seq);
-      e->set_code(static_cast<int>(status.code()));
-      e->set_message(CapStatusMessage(status.message()));
-    }
-    StartWrite(&response_);
+    Answer(method, status, start, stream_fatal);
   }
 
   AttentionServiceImpl* const service_;
@@ -709,6 +768,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   }
   v1::DecodeRequest request_;
   v1::DecodeResponse response_;
+  absl::Time step_start_;                // when the current step left the queue
+  std::array<Tensor, 3> wire_copies_;    // a step's misaligned wire tensors, copied
   std::shared_ptr<Session> session_;
   bool close_after_write_ = false;
   StopToken stop_;                        // the stream's: cancel or deadline
@@ -721,6 +782,39 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   absl::Mutex mu_;
   bool busy_ ABSL_GUARDED_BY(mu_) = false;
 };
+
+void AttentionServiceImpl::RunDecodeSteps(absl::Span<BatchTask* const> tasks) {
+  std::vector<DecodeReactor*> streams;
+  std::vector<SessionStep> steps;
+  streams.reserve(tasks.size());
+  steps.reserve(tasks.size());
+  for (BatchTask* task : tasks) {
+    auto* stream = static_cast<DecodeReactor*>(task);
+    SessionStep step;
+    if (!stream->BeginStep(&step)) continue;
+    streams.push_back(stream);
+    steps.push_back(std::move(step));
+  }
+  if (steps.empty()) return;
+  metrics_->RecordDecodeBatch(static_cast<int64_t>(steps.size()));
+  double seconds = 0;
+  {
+    std::deque<ComputeScope> computing;
+    for (size_t i = 0; i < steps.size(); ++i) computing.emplace_back(this, "Decode.Step");
+    const absl::Time start = absl::Now();
+    Session::StepMany(absl::MakeSpan(steps), options_.threads_per_call);
+    seconds = SecondsSince(start);
+  }
+  // Each step's share of the pass, by its priced compute, teaches the
+  // admission its rate.
+  int64_t total = 0;
+  for (DecodeReactor* s : streams) total += std::max<int64_t>(1, s->op_compute());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const double share = static_cast<double>(std::max<int64_t>(1, streams[i]->op_compute())) /
+                         static_cast<double>(std::max<int64_t>(1, total));
+    streams[i]->EndStep(steps[i], seconds * share);
+  }
+}
 
 grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* AttentionServiceImpl::Decode(
     grpc::CallbackServerContext* ctx) {

@@ -102,6 +102,10 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // authentication is configured, else its connection (peer address).
   std::string FairShareKey(const grpc::ServerContextBase& ctx) const;
 
+  // The executor's batch runner: decode steps (of different sessions)
+  // taken together, computed as one pass (docs/scheduler.md).
+  void RunDecodeSteps(absl::Span<BatchTask* const> steps);
+
  private:
   friend class DecodeReactor;
   // Prices the request (`price`), checks the cost against the limits and

@@ -1,6 +1,8 @@
 #include "server/sessions.h"
 
 #include <algorithm>
+#include <array>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 
@@ -21,141 +23,32 @@ constexpr size_t kMaxEndedIds = 4096;
 // the fly (exactly, in fp64), so this only trades memory for speed.
 constexpr int64_t kRopeTablePositions = 8192;
 
-// f32 softmax sessions keep K/V in a core KvCache where its decode is the
-// faster one (AVX-512 machines, docs/core-design.md); bf16 caches, and all
-// caches on AVX2-only machines, stay token-major. Decided once per session.
-bool UsesKvCache(const SessionConfig& c) {
-  return !c.linear && c.kv_dtype == DType::kF32 && KvCacheDecodeIsFaster();
-}
-
-bool LengthDependent(const RopeConfig& rope) {
-  return rope.scaling.type == RopeScalingType::kDynamicNtk ||
-         rope.scaling.type == RopeScalingType::kLongRope;
-}
-
-// A dense f32 copy of a [1, T, H, D] tensor (RoPE rotates in fp32).
-absl::StatusOr<Tensor> ToF32(const Tensor& t) { return CastTensor(t.view(), DType::kF32); }
-
-// Copies rows of a dense [1, T, H, D] f32 tensor into cache rows
-// [first, first + T) of a [1, C, H, D] tensor of `dtype`.
-void StoreRows(const Tensor& src, TensorView cache, int64_t first) {
-  const int64_t row = src.dim(2) * src.dim(3);
-  const int64_t n = src.dim(1) * row;
-  const float* s = src.data<float>();
-  if (cache.dtype() == DType::kF32) {
-    std::memcpy(cache.data<float>() + first * row, s, n * sizeof(float));
-  } else {
-    uint16_t* d = cache.data<uint16_t>() + first * row;
-    for (int64_t i = 0; i < n; ++i) d[i] = FloatToBF16(s[i]);
-  }
-}
-
-absl::Status CheckStepTensor(const Tensor& t, absl::string_view name, int64_t tokens, int64_t heads,
-                             int64_t dim) {
-  if (t.rank() != 4 || t.dim(0) != 1 || t.dim(1) != tokens || t.dim(2) != heads ||
-      t.dim(3) != dim) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s must have shape [1, %d, %d, %d] ([batch 1, tokens, heads, dim]), got %s", name, tokens,
-        heads, dim, DimsToString(t.dims())));
-  }
-  return CheckFinite(t.view(), name);
-}
-
 }  // namespace
 
-absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
-                                                 const ServerOptions& options,
-                                                 const ModelRegistry& models) {
-  SessionConfig c;
-  if (!open.model().empty()) {
-    // Layer mode: the model's attention geometry and RoPE; only the mask and
-    // logit options come from the spec.
-    RA_ASSIGN_OR_RETURN(ResolvedLayer r, ResolveLayer(models, open.model(), open.layer()));
-    const v1::AttentionSpec& in = open.spec();
-    if (in.heads() != 0 || in.kv_heads() != 0 || in.head_dim() != 0 ||
-        in.positional_case() != v1::AttentionSpec::POSITIONAL_NOT_SET || open.v_dim() != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "open.spec heads, kv_heads, head_dim, positional scheme and open.v_dim come from model ",
-          open.model(), " in layer mode: leave them unset"));
-    }
-    if (open.kind() == v1::ATTENTION_KIND_LINEAR) {
-      return absl::UnimplementedError("layer mode serves softmax attention only");
-    }
-    const ModelConfig& mc = r.model->config();
-    v1::AttentionSpec spec = in;
-    spec.set_heads(mc.num_heads);
-    spec.set_kv_heads(mc.num_kv_heads);
-    spec.set_head_dim(mc.head_dim);
-    RA_ASSIGN_OR_RETURN(c.spec, ResolveSpec(spec));
-    c.spec.rope = mc.rope;
-    c.spec_proto = spec;
-    c.model = r.model;
-    c.layer = r.layer;
-  } else {
-    if (open.spec().has_t5()) {
-      // As the proto says: a session has no T5 path. Refused, not computed
-      // without its bias.
-      return absl::UnimplementedError(
-          "open.spec.t5: T5 relative biases are not supported in decoding sessions; use Attend");
-    }
-    RA_ASSIGN_OR_RETURN(c.spec, ResolveSpec(open.spec()));
-    c.spec_proto = open.spec();
-  }
-  c.spec.options.causal = true;
-  RA_ASSIGN_OR_RETURN(c.kv_dtype, DTypeFromProto(open.kv_dtype(), "open.kv_dtype", DType::kF32));
-  RA_ASSIGN_OR_RETURN(c.out_dtype, DTypeFromProto(open.out_dtype(), "open.out_dtype", DType::kF32));
-  switch (open.kind()) {
-    case v1::ATTENTION_KIND_UNSPECIFIED:
-    case v1::ATTENTION_KIND_SOFTMAX:
-      c.linear = false;
-      break;
-    case v1::ATTENTION_KIND_LINEAR:
-      c.linear = true;
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrFormat("open.kind has unknown value %d", static_cast<int>(open.kind())));
-  }
-  if (open.v_dim() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("open.v_dim must be >= 0, got %d", open.v_dim()));
-  }
-  c.v_dim = open.v_dim() == 0 || c.model ? c.spec.head_dim : open.v_dim();
-  if (c.linear) {
-    if (open.spec().has_alibi() || open.spec().has_t5() || open.spec().window() != 0 ||
-        open.spec().softcap() != 0) {
-      return absl::UnimplementedError(
-          "linear-attention sessions support RoPE only: no ALiBi, T5, window or softcap");
-    }
-    if (c.spec.rope && LengthDependent(*c.spec.rope)) {
-      return absl::UnimplementedError(absl::StrCat(
-          "linear-attention sessions cannot use rope_type \"",
-          RopeScalingTypeName(c.spec.rope->scaling.type),
-          "\": its frequencies change with the length, and a running sum cannot be re-rotated"));
-    }
-  }
-  if (open.max_context() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("open.max_context must be >= 0, got %d", open.max_context()));
-  }
-  c.max_context = open.max_context() == 0 ? options.default_max_context : open.max_context();
-  if (c.max_context > options.max_context_limit) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("open.max_context %d exceeds the server's limit of %d tokens",
-                        c.max_context, options.max_context_limit));
-  }
-  const uint32_t ttl = open.idle_ttl_seconds() == 0
-                           ? options.default_idle_ttl_seconds
-                           : std::min(open.idle_ttl_seconds(), options.max_idle_ttl_seconds);
-  c.idle_ttl = absl::Seconds(ttl);
-  c.resumable = open.resumable();
-  return c;
+bool LengthDependentRope(const SessionConfig& c) {
+  return c.spec.rope && (c.spec.rope->scaling.type == RopeScalingType::kDynamicNtk ||
+                         c.spec.rope->scaling.type == RopeScalingType::kLongRope);
+}
+
+DecodeStateConfig StateConfigOf(const SessionConfig& c) {
+  DecodeStateConfig d;
+  d.heads = c.spec.heads;
+  d.kv_heads = c.spec.kv_heads;
+  d.head_dim = c.spec.head_dim;
+  d.v_dim = c.v_dim;
+  d.max_context = c.max_context;
+  d.kv_dtype = c.kv_dtype;
+  d.linear = c.linear;
+  d.rope = c.spec.rope;
+  d.attention = c.spec.options;
+  d.rope_table_positions = kRopeTablePositions;
+  return d;
 }
 
 SessionDims SessionDimsOf(const SessionConfig& c) {
   SessionDims d;
   d.linear = c.linear;
-  d.kv_cache_layout = UsesKvCache(c);
+  d.kv_cache_layout = DecodeState::StorageFor(StateConfigOf(c)) == DecodeState::Storage::kKvCache;
   d.kv_heads = c.spec.kv_heads;
   d.head_dim = c.spec.head_dim;
   d.v_dim = c.v_dim;
@@ -163,42 +56,13 @@ SessionDims SessionDimsOf(const SessionConfig& c) {
   d.kv_dtype = c.kv_dtype;
   if (c.spec.rope) {
     d.rope_rotary_dim = c.spec.rope->effective_rotary_dim();
-    d.rope_length_dependent = LengthDependent(*c.spec.rope);
+    d.rope_length_dependent = LengthDependentRope(c);
     d.rope_table_positions = kRopeTablePositions;
   }
   return d;
 }
 
-absl::StatusOr<Cost> PriceStep(const SessionConfig& c, const v1::Step& step, int64_t position,
-                               int threads) {
-  StepDims d;
-  d.heads = c.spec.heads;
-  d.position = position;
-  d.out_dtype = c.out_dtype;
-  d.threads = threads;
-  if (c.model) {
-    RA_ASSIGN_OR_RETURN(const WireShape h, ParseWireShape(step.hidden(), "step.hidden"));
-    d.tokens = h.rank() == 3 ? h.dim(1) : 0;
-    d.hidden = c.model->config().hidden_size;
-    d.wire_bytes = h.bytes;
-  } else {
-    RA_ASSIGN_OR_RETURN(const WireShape q, ParseWireShape(step.q(), "step.q"));
-    RA_ASSIGN_OR_RETURN(const WireShape k, ParseWireShape(step.k(), "step.k"));
-    RA_ASSIGN_OR_RETURN(const WireShape v, ParseWireShape(step.v(), "step.v"));
-    d.tokens = q.rank() >= 2 ? q.dim(1) : 0;
-    d.wire_bytes = SatAdd(SatAdd(q.bytes, k.bytes), v.bytes);
-  }
-  // Past max_context the step is refused before any work (OutOfRange, by
-  // the step itself); price it at the context it may reach.
-  d.tokens = std::min(d.tokens, std::max<int64_t>(c.max_context - position, 0));
-  return StepCost(SessionDimsOf(c), d);
-}
-
 // ------------------------------------------------------------- Session --
-
-namespace {
-
-}  // namespace
 
 Session::Session(std::string id, std::string owner, std::shared_ptr<const SessionConfig> config,
                  bool resumable, absl::Duration idle_ttl, MemoryBudget::Reservation held)
@@ -215,34 +79,8 @@ Session::Session(std::string id, std::string owner, std::shared_ptr<const Sessio
 
 absl::Status Session::Allocate() {
   absl::MutexLock lock(&mu_);
-  const SessionConfig& c = *config_;
-  const ResolvedSpec& s = c.spec;
-  if (c.linear) {
-    RA_ASSIGN_OR_RETURN(LinearAttentionState st,
-                        LinearAttentionState::Create(1, s.kv_heads, s.head_dim, c.v_dim));
-    linear_.emplace(std::move(st));
-  } else {
-    if (UsesKvCache(c)) {
-      RA_ASSIGN_OR_RETURN(KvCache kv,
-                          KvCache::Create(s.kv_heads, s.head_dim, c.v_dim, c.max_context));
-      kv_.emplace(std::move(kv));
-    } else {
-      RA_ASSIGN_OR_RETURN(k_cache_,
-                          Tensor::Create(c.kv_dtype, {1, c.max_context, s.kv_heads, s.head_dim}));
-      RA_ASSIGN_OR_RETURN(v_cache_,
-                          Tensor::Create(c.kv_dtype, {1, c.max_context, s.kv_heads, c.v_dim}));
-    }
-    if (s.rope && LengthDependent(*s.rope)) {
-      RA_ASSIGN_OR_RETURN(k_raw_,
-                          Tensor::Create(DType::kF32, {1, c.max_context, s.kv_heads, s.head_dim}));
-    }
-  }
-  if (s.rope && !LengthDependent(*s.rope)) {
-    RA_ASSIGN_OR_RETURN(
-        RopeRotator r,
-        RopeRotator::Create(*s.rope, c.max_context, std::min(c.max_context, kRopeTablePositions)));
-    rotator_.emplace(std::move(r));
-  }
+  RA_ASSIGN_OR_RETURN(DecodeState state, DecodeState::Create(StateConfigOf(*config_)));
+  state_.emplace(std::move(state));
   return absl::OkStatus();
 }
 
@@ -255,26 +93,9 @@ absl::Status Session::CopyStateFrom(Session& other) {
   };
   RA_RETURN_IF_ERROR(other.Ended());
   absl::MutexLock lock(&mu_);
-  position_ = other.position_;
-  position_hint_.store(position_, std::memory_order_relaxed);
-  if (config_->linear) {
-    linear_ = other.linear_;
-    return absl::OkStatus();
-  }
-  const auto copy_rows = [&](const Tensor& from, Tensor& to) {
-    if (from.num_elements() == 0) return;
-    const size_t row = from.dim(2) * from.dim(3) * DTypeSize(from.dtype());
-    std::memcpy(to.data<char>(), from.data<char>(), position_ * row);
-  };
-  if (kv_.has_value() != other.kv_.has_value()) {
-    return absl::InternalError("a fork and its parent hold different KV cache layouts");
-  }
-  if (kv_) RA_RETURN_IF_ERROR(kv_->CopyFrom(*other.kv_, position_));
-  copy_rows(other.k_cache_, k_cache_);
-  copy_rows(other.v_cache_, v_cache_);
-  copy_rows(other.k_raw_, k_raw_);
-  if (other.rotator_) rotator_ = other.rotator_;
-  rotator_freqs_ = other.rotator_freqs_;
+  if (!state_ || !other.state_) return absl::InternalError("a fork found a freed session state");
+  RA_RETURN_IF_ERROR(state_->CopyFrom(*other.state_));
+  position_hint_.store(state_->position(), std::memory_order_relaxed);
   return absl::OkStatus();
 }
 
@@ -293,12 +114,7 @@ void Session::End(absl::Status status) {
 }
 
 void Session::FreeStateLocked() {
-  k_cache_ = Tensor();
-  v_cache_ = Tensor();
-  kv_.reset();
-  k_raw_ = Tensor();
-  linear_.reset();
-  rotator_.reset();
+  state_.reset();
   held_.Release();
 }
 
@@ -309,136 +125,69 @@ absl::Status Session::Ended() const {
 
 int64_t Session::position() const { return position_hint_.load(std::memory_order_relaxed); }
 
-absl::Status Session::PrepareRope(int64_t new_len) {
-  const SessionConfig& c = *config_;
-  if (!c.spec.rope || !LengthDependent(*c.spec.rope)) return absl::OkStatus();
-  RA_ASSIGN_OR_RETURN(RopeFrequencies f, ComputeRopeFrequencies(*c.spec.rope, new_len));
-  std::vector<double> key = f.inv_freq;
-  key.push_back(f.attention_factor);
-  if (rotator_ && key == rotator_freqs_) return absl::OkStatus();
-  // Frequencies changed (dynamic NTK past L0, LongRoPE crossing its switch):
-  // rotate every cached key again from its raw value, so the whole cache is
-  // exactly what a one-shot pass over new_len tokens would hold. No table:
-  // the rotator may change again next step.
-  RA_ASSIGN_OR_RETURN(RopeRotator r, RopeRotator::FromFrequencies(*c.spec.rope, f, 0));
-  if (position_ > 0) {
-    const int64_t row = c.spec.kv_heads * c.spec.head_dim;
-    RA_ASSIGN_OR_RETURN(
-        Tensor keys, Tensor::Create(DType::kF32, {1, position_, c.spec.kv_heads, c.spec.head_dim}));
-    std::memcpy(keys.data<float>(), k_raw_.data<float>(), position_ * row * sizeof(float));
-    RA_RETURN_IF_ERROR(r.Apply(keys.view(), Positions{}, RopeDirection::kForward, 1));
-    if (kv_) {
-      RA_RETURN_IF_ERROR(kv_->WriteK(0, keys.cview()));
-    } else {
-      StoreRows(keys, k_cache_.view(), 0);
-    }
-  }
-  rotator_.emplace(std::move(r));
-  rotator_freqs_ = std::move(key);
-  return absl::OkStatus();
-}
-
-absl::Status Session::Step(const v1::Step& step, int threads, const StopToken* stop,
-                           v1::StepResult* result) {
-  absl::MutexLock lock(&mu_);
-  // Closed while this step ran: the closer could not free the state.
-  absl::Cleanup free_if_ended = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (!Ended().ok()) FreeStateLocked();
-  };
+absl::Status Session::BeginStepLocked(SessionStep& step, int threads, std::array<Tensor, 4>& owned,
+                                      DecodeState::Job* job) {
   {
     absl::MutexLock meta(&meta_mu_);
     RA_RETURN_IF_ERROR(ended_);
     last_active_ = absl::Now();
   }
+  if (!state_) return absl::FailedPreconditionError("the session's state was freed");
   const SessionConfig& c = *config_;
-  const ResolvedSpec& s = c.spec;
-  Tensor q, k, v;
+  job->state = &*state_;
+  job->stop = step.stop;
+  job->names = "step.";
   if (c.model) {
     // Layer mode: project the hidden states with the layer's weights.
-    if (step.has_q() || step.has_k() || step.has_v()) {
-      return absl::InvalidArgumentError(
-          "this session is in layer mode: steps carry `hidden`, not q/k/v");
-    }
-    RA_ASSIGN_OR_RETURN(Tensor hidden, TensorFromProto(step.hidden(), "step.hidden"));
+    const ConstTensorView& hidden = step.in.hidden;
     const int64_t hs = c.model->config().hidden_size;
     if (hidden.rank() != 3 || hidden.dim(0) != 1 || hidden.dim(1) < 1 || hidden.dim(2) != hs) {
       return absl::InvalidArgumentError(
           absl::StrFormat("step.hidden must have shape [1, tokens >= 1, %d], got %s", hs,
                           DimsToString(hidden.dims())));
     }
-    RA_RETURN_IF_ERROR(CheckFinite(hidden.view(), "step.hidden"));
-    RA_ASSIGN_OR_RETURN(Projections p, ProjectQKV(*c.model, c.layer, hidden.view(), threads));
-    q = std::move(p.q);
-    k = std::move(p.k);
-    v = std::move(p.v);
-  } else {
-    if (step.has_hidden()) {
-      return absl::InvalidArgumentError(
-          "step.hidden is for layer-mode sessions; this session takes q/k/v");
+    RA_RETURN_IF_ERROR(CheckFinite(hidden, "step.hidden"));
+    if (hidden.dim(1) > c.max_context - state_->position()) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "a step of %d tokens at position %d would exceed the session's max_context of %d",
+          hidden.dim(1), state_->position(), c.max_context));
     }
-    RA_ASSIGN_OR_RETURN(q, TensorFromProto(step.q(), "step.q"));
-    RA_ASSIGN_OR_RETURN(k, TensorFromProto(step.k(), "step.k"));
-    RA_ASSIGN_OR_RETURN(v, TensorFromProto(step.v(), "step.v"));
+    RA_ASSIGN_OR_RETURN(Projections p, ProjectQKV(*c.model, c.layer, hidden, threads));
+    owned[0] = std::move(p.q);
+    owned[1] = std::move(p.k);
+    owned[2] = std::move(p.v);
+    job->q = owned[0].cview();
+    job->k = owned[1].cview();
+    job->v = owned[2].cview();
+    // Attended into f32, projected afterwards.
+    RA_ASSIGN_OR_RETURN(owned[3], Tensor::Create(DType::kF32, {1, hidden.dim(1), c.spec.heads,
+                                                               c.v_dim}));
+    job->out = owned[3].view();
+    return absl::OkStatus();
   }
-  const int64_t tokens = q.rank() >= 2 ? q.dim(1) : 0;
-  if (tokens < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("step.q must have shape [1, tokens >= 1, %d, %d], got %s", s.heads,
-                        s.head_dim, DimsToString(q.dims())));
+  job->q = step.in.q;
+  job->k = step.in.k;
+  job->v = step.in.v;
+  // The answer's own bytes, when the step can be computed at all (else the
+  // core names what is wrong before it looks at the output).
+  const ConstTensorView& q = step.in.q;
+  if (q.rank() == 4 && q.dim(1) >= 1 && q.dim(1) <= c.max_context - state_->position()) {
+    const int64_t dims[4] = {1, q.dim(1), c.spec.heads, c.v_dim};
+    RA_ASSIGN_OR_RETURN(job->out, step.output(c.out_dtype, dims));
   }
-  RA_RETURN_IF_ERROR(CheckStepTensor(q, "step.q", tokens, s.heads, s.head_dim));
-  RA_RETURN_IF_ERROR(CheckStepTensor(k, "step.k", tokens, s.kv_heads, s.head_dim));
-  RA_RETURN_IF_ERROR(CheckStepTensor(v, "step.v", tokens, s.kv_heads, c.v_dim));
-  if (position_ + tokens > c.max_context) {
-    return absl::OutOfRangeError(absl::StrFormat(
-        "a step of %d tokens at position %d would exceed the session's max_context of %d", tokens,
-        position_, c.max_context));
-  }
-  const int64_t new_len = position_ + tokens;
-  // Layer mode attends into f32 and projects afterwards.
-  RA_ASSIGN_OR_RETURN(Tensor out, Tensor::Create(c.model ? DType::kF32 : c.out_dtype,
-                                                 {1, tokens, s.heads, c.v_dim}));
+  return absl::OkStatus();
+}
 
-  if (c.linear) {
-    LinearAttentionOptions lo;
-    lo.rope = rotator_ ? &*rotator_ : nullptr;
-    lo.num_threads = threads;
-    RA_RETURN_IF_ERROR(linear_->Step(q.view(), k.view(), v.view(), lo, out.view()));
-  } else {
-    RA_ASSIGN_OR_RETURN(Tensor qf, ToF32(q));
-    RA_ASSIGN_OR_RETURN(Tensor kf, ToF32(k));
-    RA_ASSIGN_OR_RETURN(Tensor vf, ToF32(v));
-    const int64_t offsets[1] = {position_};
-    const Positions at{{}, absl::MakeConstSpan(offsets)};
-    if (s.rope) {
-      RA_RETURN_IF_ERROR(PrepareRope(new_len));
-      if (k_raw_.num_elements() > 0) StoreRows(kf, k_raw_.view(), position_);
-      RA_RETURN_IF_ERROR(rotator_->Apply(qf.view(), at, RopeDirection::kForward, 1));
-      RA_RETURN_IF_ERROR(rotator_->Apply(kf.view(), at, RopeDirection::kForward, 1));
-    }
-    // Rows past position_ are scratch until position_ moves, so writing them
-    // before the attention succeeds loses nothing on error.
-    AttentionOptions o = s.options;
-    o.causal = true;
-    o.q_offsets = absl::MakeConstSpan(offsets);
-    o.check_finite = false;  // new rows were checked above, old ones when appended
-    o.num_threads = threads;
-    o.stop = stop;
-    if (kv_) {
-      RA_RETURN_IF_ERROR(kv_->WriteK(position_, kf.cview()));
-      RA_RETURN_IF_ERROR(kv_->WriteV(position_, vf.cview()));
-      RA_RETURN_IF_ERROR(AttendCache(qf.view(), *kv_, new_len, o, out.view()));
-    } else {
-      StoreRows(kf, k_cache_.view(), position_);
-      StoreRows(vf, v_cache_.view(), position_);
-      ConstTensorView kc = k_cache_.cview().Slice(1, 0, new_len);
-      ConstTensorView vc = v_cache_.cview().Slice(1, 0, new_len);
-      RA_RETURN_IF_ERROR(Attend(qf.view(), kc, vc, o, out.view()));
-    }
-  }
+absl::Status Session::EndStepLocked(SessionStep& step, int threads, const DecodeState::Job& job,
+                                    const Tensor& attended) {
+  RA_RETURN_IF_ERROR(job.status);
+  const SessionConfig& c = *config_;
   if (c.model) {
-    RA_ASSIGN_OR_RETURN(Tensor projected, ProjectOutput(*c.model, c.layer, out.view(), threads));
-    RA_ASSIGN_OR_RETURN(out, CastTensor(projected.view(), c.out_dtype));
+    RA_ASSIGN_OR_RETURN(Tensor projected,
+                        ProjectOutput(*c.model, c.layer, attended.cview(), threads));
+    RA_ASSIGN_OR_RETURN(Tensor cast, CastTensor(projected.cview(), c.out_dtype));
+    RA_ASSIGN_OR_RETURN(TensorView out, step.output(c.out_dtype, cast.dims()));
+    std::memcpy(out.raw(), cast.data<char>(), cast.byte_size());  // `out` is dense
   }
   {
     absl::MutexLock meta(&meta_mu_);
@@ -447,12 +196,43 @@ absl::Status Session::Step(const v1::Step& step, int threads, const StopToken* s
     ++steps_;
     last_active_ = absl::Now();
   }
-  position_ = new_len;
-  position_hint_.store(position_, std::memory_order_relaxed);
-  result->set_seq(step.seq());
-  result->set_position(position_);
-  TensorToProto(out.view(), result->mutable_out());
+  step.tokens = job.q.dim(1);
+  step.position = state_->position();
+  position_hint_.store(step.position, std::memory_order_relaxed);
   return absl::OkStatus();
+}
+
+void Session::StepMany(absl::Span<SessionStep> steps, int threads) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  // Distinct sessions, locked in address order (a fork locks its parent
+  // and then its new, unpublished self: no cycle).
+  std::vector<size_t> order(steps.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return steps[a].session < steps[b].session; });
+  for (size_t i : order) steps[i].session->mu_.Lock();
+  std::vector<std::array<Tensor, 4>> owned(steps.size());
+  std::vector<DecodeState::Job> jobs;
+  std::vector<size_t> job_of(steps.size(), SIZE_MAX);
+  jobs.reserve(steps.size());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    DecodeState::Job job;
+    steps[i].status = steps[i].session->BeginStepLocked(steps[i], threads, owned[i], &job);
+    if (!steps[i].status.ok()) continue;
+    job_of[i] = jobs.size();
+    jobs.push_back(std::move(job));
+  }
+  DecodeState::StepMany(absl::MakeSpan(jobs), threads, threads);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (job_of[i] == SIZE_MAX) continue;
+    steps[i].status =
+        steps[i].session->EndStepLocked(steps[i], threads, jobs[job_of[i]], owned[i][3]);
+  }
+  for (size_t i : order) {
+    Session* s = steps[i].session;
+    // Closed while this step ran: the closer could not free the state.
+    if (!s->Ended().ok()) s->FreeStateLocked();
+    s->mu_.Unlock();
+  }
 }
 
 absl::Status Session::Truncate(int64_t position) {
@@ -465,16 +245,9 @@ absl::Status Session::Truncate(int64_t position) {
     RA_RETURN_IF_ERROR(ended_);
     last_active_ = absl::Now();
   }
-  if (config_->linear) {
-    return absl::UnimplementedError(
-        "linear-attention sessions cannot be truncated: their state is a running sum");
-  }
-  if (position < 0 || position > position_) {
-    return absl::OutOfRangeError(absl::StrFormat(
-        "truncate position %d is outside [0, %d] (the session's length)", position, position_));
-  }
-  position_ = position;
-  position_hint_.store(position_, std::memory_order_relaxed);
+  if (!state_) return absl::FailedPreconditionError("the session's state was freed");
+  RA_RETURN_IF_ERROR(state_->Truncate(position));
+  position_hint_.store(state_->position(), std::memory_order_relaxed);
   return absl::OkStatus();
 }
 

@@ -14,9 +14,11 @@
 #ifndef ROPEATTN_SERVER_SESSIONS_H_
 #define ROPEATTN_SERVER_SESSIONS_H_
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -31,9 +33,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
-#include "core/kv_cache.h"
-#include "core/linear_attention.h"
-#include "core/rope.h"
+#include "core/decode_state.h"
+#include "core/stop.h"
 #include "core/tensor.h"
 #include "ropeattn/v1/attention.pb.h"
 #include "server/convert.h"
@@ -63,18 +64,37 @@ struct SessionConfig {
   bool resumable = false;
 };
 
-// Validates an OpenSession against the server's limits.
-absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
-                                                 const ServerOptions& options,
-                                                 const ModelRegistry& models);
-
 // The cost model's view of a session (server/cost.h): what it holds, and
 // what a step of it costs.
 SessionDims SessionDimsOf(const SessionConfig& config);
-// A step's cost from its wire tensors' shapes (InvalidArgument for a
-// malformed tensor or shape, as the step itself would say), at `position`.
-absl::StatusOr<Cost> PriceStep(const SessionConfig& config, const v1::Step& step, int64_t position,
-                               int threads);
+// The core's view of a session: what DecodeState computes with.
+DecodeStateConfig StateConfigOf(const SessionConfig& config);
+// Whether `config` can use length-dependent RoPE (dynamic NTK, LongRoPE).
+bool LengthDependentRope(const SessionConfig& config);
+
+class Session;
+
+// One step of a session in core terms: the Decode handler translates the
+// wire into these views (docs/scheduler.md, "The decode path").
+struct StepInput {
+  ConstTensorView q, k, v;  // sessions that take q/k/v
+  ConstTensorView hidden;   // layer-mode sessions: [1, tokens, hidden_size]
+};
+// Where a step's answer goes: called at most once with the output's dtype
+// and dims, returns the view the session writes it to (for the Decode
+// handler, the answer message's own bytes).
+using StepOutput = std::function<absl::StatusOr<TensorView>(DType, absl::Span<const int64_t>)>;
+
+// One session's step in a pass of many (Session::StepMany).
+struct SessionStep {
+  Session* session = nullptr;
+  StepInput in;
+  StepOutput output;
+  const StopToken* stop = nullptr;  // may be null; ends a long step between tiles
+  absl::Status status;              // written
+  int64_t position = 0;             // written: the session's length after an OK step
+  int64_t tokens = 0;               // written: tokens appended by an OK step
+};
 
 class Session {
  public:
@@ -85,12 +105,14 @@ class Session {
   bool resumable() const { return resumable_; }
   absl::Duration idle_ttl() const { return idle_ttl_; }
 
-  // Appends q/k/v tokens ([1, T, ...] wire tensors) at the next positions and
-  // writes the attention output. On any error the session is unchanged.
-  // FailedPrecondition if the session was closed; OutOfRange past max_context.
-  // `stop` (may be null) ends a long step between tiles.
-  absl::Status Step(const v1::Step& step, int threads, const StopToken* stop,
-                    v1::StepResult* result);
+  // Steps of distinct sessions, computed as one parallel pass of `threads`
+  // threads (each session's attention planned for `threads` as alone, so
+  // its answer is bit-identical to a step run by itself). Each step appends
+  // its tokens at the session's next positions and writes the attention
+  // output (layer mode: projected). On error a session is unchanged:
+  // FailedPrecondition if it was closed, OutOfRange past max_context,
+  // InvalidArgument for malformed tensors.
+  static void StepMany(absl::Span<SessionStep> steps, int threads);
   // Rolls back to `position` tokens (0 <= position <= current).
   absl::Status Truncate(int64_t position);
   int64_t position() const;
@@ -117,10 +139,11 @@ class Session {
   void FreeStateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether End was called (the status it left).
   absl::Status Ended() const;
-  // Keys are cached rotated; for length-dependent rules (dynamic NTK,
-  // LongRoPE) the raw keys are kept too and the cache is re-rotated whenever
-  // the frequencies for the new length differ from the ones in use.
-  absl::Status PrepareRope(int64_t new_len) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The parts of a step around the shared pass, under mu_.
+  absl::Status BeginStepLocked(SessionStep& step, int threads, std::array<Tensor, 4>& owned,
+                               DecodeState::Job* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status EndStepLocked(SessionStep& step, int threads, const DecodeState::Job& job,
+                             const Tensor& attended) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string id_;
   const std::string owner_;
@@ -133,23 +156,14 @@ class Session {
   // The state's lock: held for a whole operation.
   mutable absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(meta_mu_);
   MemoryBudget::Reservation held_ ABSL_GUARDED_BY(mu_);  // released with the state
-  int64_t position_ ABSL_GUARDED_BY(mu_) = 0;
+  // The computing state (KV or running sums, position, RoPE); empty once freed.
+  std::optional<DecodeState> state_ ABSL_GUARDED_BY(mu_);
   // The metadata's lock: held for a moment, never while computing.
   mutable absl::Mutex meta_mu_;
   absl::Status ended_ ABSL_GUARDED_BY(meta_mu_);  // non-OK once closed or reaped
   bool attached_ ABSL_GUARDED_BY(meta_mu_) = false;
   absl::Time last_active_ ABSL_GUARDED_BY(meta_mu_);
   uint64_t steps_ ABSL_GUARDED_BY(meta_mu_) = 0;
-  // Softmax sessions: f32 ones keep a KvCache, bf16 ones token-major
-  // [1, max_context, kv_heads, head_dim / v_dim] tensors.
-  std::optional<KvCache> kv_ ABSL_GUARDED_BY(mu_);
-  Tensor k_cache_ ABSL_GUARDED_BY(mu_);
-  Tensor v_cache_ ABSL_GUARDED_BY(mu_);
-  Tensor k_raw_ ABSL_GUARDED_BY(mu_);  // unrotated keys, length-dependent RoPE only
-  std::optional<RopeRotator> rotator_ ABSL_GUARDED_BY(mu_);
-  std::vector<double> rotator_freqs_ ABSL_GUARDED_BY(mu_);
-  // Linear sessions.
-  std::optional<LinearAttentionState> linear_ ABSL_GUARDED_BY(mu_);
 };
 
 // Ownership (docs/security.md): every call that names a session by id takes

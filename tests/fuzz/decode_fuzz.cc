@@ -39,6 +39,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
 #include "core/status_macros.h"
+#include "server/decode_wire.h"
 #include "server/layer.h"
 #include "server/sessions.h"
 #include "tests/fuzz/fuzz_util.h"
@@ -227,8 +228,8 @@ class Driver {
         if (r.has_step()) {
           const int64_t before = s.session->position();
           HeapMeter::Start();
-          status = s.session->Step(r.step(), w_.options.threads_per_call, nullptr,
-                                   response.mutable_step());
+          status = server::StepFromProto(*s.session, r.step(), w_.options.threads_per_call,
+                                         nullptr, response.mutable_step());
           HeapMeter::Check(step_cost.transient_bytes, "Decode.Step");
           if (status.ok()) CheckStep(*s.session, r.step(), response, step_cost, before);
         } else if (r.has_truncate()) {

@@ -672,3 +672,193 @@ TEST(HardeningOpenTest, OpenIsPricedBeforeItIsQueued) {
 
 }  // namespace
 }  // namespace ropeattn::testing
+
+// ------------------------------------------------ cross-session batching --
+
+namespace ropeattn::testing {
+namespace {
+
+// Random f32 or bf16 wire bytes (deterministic for a seed).
+v1::Tensor RandomWire(v1::DType dtype, std::initializer_list<int64_t> dims, uint32_t seed) {
+  v1::Tensor t;
+  t.set_dtype(dtype);
+  int64_t n = 1;
+  for (int64_t d : dims) {
+    t.add_shape(d);
+    n *= d;
+  }
+  std::string bytes;
+  uint32_t x = seed * 2654435761u + 12345u;
+  for (int64_t i = 0; i < n; ++i) {
+    x = x * 1664525u + 1013904223u;
+    const float f = static_cast<float>(x >> 8) / static_cast<float>(1 << 24) * 2.0f - 1.0f;
+    if (dtype == v1::DTYPE_BF16) {
+      const uint16_t b = FloatToBF16(f);
+      bytes.append(reinterpret_cast<const char*>(&b), 2);
+    } else {
+      bytes.append(reinterpret_cast<const char*>(&f), 4);
+    }
+  }
+  t.set_data(std::move(bytes));
+  return t;
+}
+
+struct BatchSession {
+  v1::OpenSession open;
+  int64_t heads, kv_heads, dim;
+  v1::DType dtype;
+};
+
+std::vector<BatchSession> BatchSessions() {
+  std::vector<BatchSession> out;
+  for (int i = 0; i < 6; ++i) {
+    BatchSession s;
+    s.heads = 8;
+    s.kv_heads = i % 2 == 0 ? 2 : 8;
+    s.dim = 32;
+    s.dtype = i == 3 ? v1::DTYPE_BF16 : v1::DTYPE_F32;
+    v1::AttentionSpec* spec = s.open.mutable_spec();
+    spec->set_heads(s.heads);
+    spec->set_kv_heads(s.kv_heads);
+    spec->set_head_dim(s.dim);
+    if (i != 4) spec->mutable_rope()->set_theta(10000);
+    if (i == 2) spec->set_window(5);
+    if (i == 4) spec->mutable_alibi();
+    if (i == 3) s.open.set_kv_dtype(v1::DTYPE_BF16);
+    if (i == 5) s.open.set_kind(v1::ATTENTION_KIND_LINEAR);
+    s.open.set_max_context(64);
+    out.push_back(s);
+  }
+  return out;
+}
+
+// One session on its own stream: opens it, then answers steps.
+class BatchStream {
+ public:
+  BatchStream(v1::AttentionService::Stub* stub, const BatchSession& s, int index)
+      : s_(s), index_(index) {
+    ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    rw_ = stub->Decode(&ctx_);
+    v1::DecodeRequest open;
+    *open.mutable_open() = s.open;
+    v1::DecodeResponse r;
+    EXPECT_TRUE(rw_->Write(open) && rw_->Read(&r) && r.has_opened()) << r.DebugString();
+  }
+  ~BatchStream() {
+    rw_->WritesDone();
+    v1::DecodeResponse drain;
+    while (rw_->Read(&drain)) {
+    }
+    rw_->Finish();
+  }
+  // Step `i` (3 tokens for step 0, 1 after): the answer's bytes.
+  std::string Step(int i) {
+    const int64_t t = i == 0 ? 3 : 1;
+    const uint32_t seed = static_cast<uint32_t>(1000 * index_ + 3 * i);
+    v1::DecodeRequest req;
+    v1::Step* st = req.mutable_step();
+    st->set_seq(i);
+    *st->mutable_q() = RandomWire(s_.dtype, {1, t, s_.heads, s_.dim}, seed);
+    *st->mutable_k() = RandomWire(s_.dtype, {1, t, s_.kv_heads, s_.dim}, seed + 1);
+    *st->mutable_v() = RandomWire(s_.dtype, {1, t, s_.kv_heads, s_.dim}, seed + 2);
+    v1::DecodeResponse r;
+    if (!rw_->Write(req) || !rw_->Read(&r) || !r.has_step()) {
+      ADD_FAILURE() << "session " << index_ << " step " << i << ": " << r.DebugString();
+      return "";
+    }
+    return r.step().out().data();
+  }
+
+ private:
+  const BatchSession s_;
+  const int index_;
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> rw_;
+};
+
+double MetricValue(const std::string& text, const std::string& series) {
+  const size_t at = text.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::atof(text.c_str() + at + series.size() + 2);
+}
+
+// Steps of different sessions that wait together are computed in one pass
+// (the batch-size histogram records it), and every answer - softmax f32 and
+// bf16, GQA and MHA, windowed, ALiBi, linear - is bit-identical to what the
+// same session answers stepping alone.
+TEST(HardeningBatchingTest, WaitingStepsShareAPassAndAnswerExactlyAsAlone) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.threads_per_call = 2;
+  o.max_queue_delay_seconds = 0;  // queue everything
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  const std::vector<BatchSession> sessions = BatchSessions();
+  constexpr int kSteps = 6;
+  const int n = static_cast<int>(sessions.size());
+
+  // Alone: one session at a time, one step at a time.
+  std::vector<std::vector<std::string>> alone(n);
+  for (int s = 0; s < n; ++s) {
+    BatchStream stream(stub.get(), sessions[s], s);
+    for (int i = 0; i < kSteps; ++i) alone[s].push_back(stream.Step(i));
+  }
+  const std::string before = server->metrics().RenderPrometheus();
+
+  // Together: the worker is kept busy by a long Attend while every session
+  // sends its first step, so they all wait and leave the queue as one pass.
+  std::vector<std::unique_ptr<BatchStream>> streams;
+  for (int s = 0; s < n; ++s) {
+    streams.push_back(std::make_unique<BatchStream>(stub.get(), sessions[s], s));
+  }
+  std::thread heavy([&] {
+    v1::AttendRequest big;
+    big.mutable_spec()->set_heads(1);
+    big.mutable_spec()->set_head_dim(64);
+    *big.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, 4096, 1, 64});
+    *big.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, 4096, 1, 64});
+    *big.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, 4096, 1, 64});
+    auto own = TestStub(server->port());
+    grpc::ClientContext ctx;
+    v1::AttendResponse out;
+    EXPECT_TRUE(own->Attend(&ctx, big, &out).ok());
+  });
+  for (int i = 0; i < 2000 && MetricValue(server->metrics().RenderPrometheus(),
+                                          "ropeattn_running") != 1;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::vector<std::vector<std::string>> together(n);
+  std::vector<std::thread> threads;
+  for (int s = 0; s < n; ++s) {
+    threads.emplace_back([&, s] {
+      for (int i = 0; i < kSteps; ++i) together[s].push_back(streams[s]->Step(i));
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  heavy.join();
+  streams.clear();
+  for (int s = 0; s < n; ++s) {
+    ASSERT_EQ(together[s].size(), alone[s].size());
+    for (int i = 0; i < kSteps; ++i) {
+      EXPECT_FALSE(alone[s][i].empty());
+      EXPECT_TRUE(together[s][i] == alone[s][i]) << "session " << s << " step " << i;
+    }
+  }
+  // Alone, every pass held one step; together, at least one held more than four.
+  const std::string after = server->metrics().RenderPrometheus();
+  EXPECT_EQ(MetricValue(before, "ropeattn_decode_batch_size_bucket{le=\"1\"}"),
+            MetricValue(before, "ropeattn_decode_batch_size_count"));
+  const double passes = MetricValue(after, "ropeattn_decode_batch_size_count") -
+                        MetricValue(before, "ropeattn_decode_batch_size_count");
+  const double small = MetricValue(after, "ropeattn_decode_batch_size_bucket{le=\"4\"}") -
+                       MetricValue(before, "ropeattn_decode_batch_size_bucket{le=\"4\"}");
+  EXPECT_LT(small, passes) << after;
+  EXPECT_EQ(MetricValue(after, "ropeattn_decode_batch_size_sum") -
+                MetricValue(before, "ropeattn_decode_batch_size_sum"),
+            n * kSteps);
+}
+
+}  // namespace
+}  // namespace ropeattn::testing

@@ -331,6 +331,7 @@ const std::vector<std::string> kAllFamilies = {"ropeattn_requests_total",
                                                "ropeattn_kv_bytes_budget",
                                                "ropeattn_decode_steps_total",
                                                "ropeattn_decode_tokens_total",
+                                               "ropeattn_decode_batch_size",
                                                "ropeattn_connections_accepted_total",
                                                "ropeattn_connections_refused_total",
                                                "ropeattn_auth_refused_total",
@@ -506,6 +507,10 @@ TEST(MetricsRenderTest, GaugesAndCounters) {
   metrics.RecordStep(4);
   metrics.RecordStep(1);
   metrics.RecordStep(-3);  // counts the step, not negative tokens
+  metrics.RecordDecodeBatch(1);
+  metrics.RecordDecodeBatch(3);
+  metrics.RecordDecodeBatch(100);
+  metrics.RecordDecodeBatch(0);  // ignored
   metrics.RecordRejected("Attend");
   metrics.RecordRejected("Attend");
   int64_t accepted = 0;  // read at render time, not when the source is set
@@ -525,6 +530,13 @@ TEST(MetricsRenderTest, GaugesAndCounters) {
   EXPECT_EQ(e.Get("ropeattn_kv_bytes_budget"), static_cast<double>(int64_t{4} << 30));
   EXPECT_EQ(e.Get("ropeattn_decode_steps_total"), 3.0);
   EXPECT_EQ(e.Get("ropeattn_decode_tokens_total"), 5.0);
+  EXPECT_EQ(e.Get("ropeattn_decode_batch_size_bucket", {{"le", "1"}}), 1.0);
+  EXPECT_EQ(e.Get("ropeattn_decode_batch_size_bucket", {{"le", "2"}}), 1.0);
+  EXPECT_EQ(e.Get("ropeattn_decode_batch_size_bucket", {{"le", "4"}}), 2.0);
+  EXPECT_EQ(e.Get("ropeattn_decode_batch_size_bucket", {{"le", "64"}}), 2.0);
+  EXPECT_EQ(e.Get("ropeattn_decode_batch_size_bucket", {{"le", "+Inf"}}), 3.0);
+  EXPECT_EQ(e.Get("ropeattn_decode_batch_size_sum"), 104.0);
+  EXPECT_EQ(e.Get("ropeattn_decode_batch_size_count"), 3.0);
   EXPECT_EQ(e.Get("ropeattn_rejected_total", {{"method", "Attend"}}), 2.0);
 }
 

@@ -1,0 +1,174 @@
+#include "server/decode_wire.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/status_macros.h"
+#include "server/convert.h"
+#include "server/layer.h"
+
+namespace ropeattn::server {
+
+absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
+                                                 const ServerOptions& options,
+                                                 const ModelRegistry& models) {
+  SessionConfig c;
+  if (!open.model().empty()) {
+    // Layer mode: the model's attention geometry and RoPE; only the mask and
+    // logit options come from the spec.
+    RA_ASSIGN_OR_RETURN(ResolvedLayer r, ResolveLayer(models, open.model(), open.layer()));
+    const v1::AttentionSpec& in = open.spec();
+    if (in.heads() != 0 || in.kv_heads() != 0 || in.head_dim() != 0 ||
+        in.positional_case() != v1::AttentionSpec::POSITIONAL_NOT_SET || open.v_dim() != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "open.spec heads, kv_heads, head_dim, positional scheme and open.v_dim come from model ",
+          open.model(), " in layer mode: leave them unset"));
+    }
+    if (open.kind() == v1::ATTENTION_KIND_LINEAR) {
+      return absl::UnimplementedError("layer mode serves softmax attention only");
+    }
+    const ModelConfig& mc = r.model->config();
+    v1::AttentionSpec spec = in;
+    spec.set_heads(mc.num_heads);
+    spec.set_kv_heads(mc.num_kv_heads);
+    spec.set_head_dim(mc.head_dim);
+    RA_ASSIGN_OR_RETURN(c.spec, ResolveSpec(spec));
+    c.spec.rope = mc.rope;
+    c.spec_proto = spec;
+    c.model = r.model;
+    c.layer = r.layer;
+  } else {
+    if (open.spec().has_t5()) {
+      // As the proto says: a session has no T5 path. Refused, not computed
+      // without its bias.
+      return absl::UnimplementedError(
+          "open.spec.t5: T5 relative biases are not supported in decoding sessions; use Attend");
+    }
+    RA_ASSIGN_OR_RETURN(c.spec, ResolveSpec(open.spec()));
+    c.spec_proto = open.spec();
+  }
+  c.spec.options.causal = true;
+  RA_ASSIGN_OR_RETURN(c.kv_dtype, DTypeFromProto(open.kv_dtype(), "open.kv_dtype", DType::kF32));
+  RA_ASSIGN_OR_RETURN(c.out_dtype, DTypeFromProto(open.out_dtype(), "open.out_dtype", DType::kF32));
+  switch (open.kind()) {
+    case v1::ATTENTION_KIND_UNSPECIFIED:
+    case v1::ATTENTION_KIND_SOFTMAX:
+      c.linear = false;
+      break;
+    case v1::ATTENTION_KIND_LINEAR:
+      c.linear = true;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrFormat("open.kind has unknown value %d", static_cast<int>(open.kind())));
+  }
+  if (open.v_dim() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("open.v_dim must be >= 0, got %d", open.v_dim()));
+  }
+  c.v_dim = open.v_dim() == 0 || c.model ? c.spec.head_dim : open.v_dim();
+  if (c.linear) {
+    if (open.spec().has_alibi() || open.spec().has_t5() || open.spec().window() != 0 ||
+        open.spec().softcap() != 0) {
+      return absl::UnimplementedError(
+          "linear-attention sessions support RoPE only: no ALiBi, T5, window or softcap");
+    }
+    if (LengthDependentRope(c)) {
+      return absl::UnimplementedError(absl::StrCat(
+          "linear-attention sessions cannot use rope_type \"",
+          RopeScalingTypeName(c.spec.rope->scaling.type),
+          "\": its frequencies change with the length, and a running sum cannot be re-rotated"));
+    }
+  }
+  if (open.max_context() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("open.max_context must be >= 0, got %d", open.max_context()));
+  }
+  c.max_context = open.max_context() == 0 ? options.default_max_context : open.max_context();
+  if (c.max_context > options.max_context_limit) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("open.max_context %d exceeds the server's limit of %d tokens",
+                        c.max_context, options.max_context_limit));
+  }
+  const uint32_t ttl = open.idle_ttl_seconds() == 0
+                           ? options.default_idle_ttl_seconds
+                           : std::min(open.idle_ttl_seconds(), options.max_idle_ttl_seconds);
+  c.idle_ttl = absl::Seconds(ttl);
+  c.resumable = open.resumable();
+  return c;
+}
+
+absl::StatusOr<Cost> PriceStep(const SessionConfig& c, const v1::Step& step, int64_t position,
+                               int threads) {
+  StepDims d;
+  d.heads = c.spec.heads;
+  d.position = position;
+  d.out_dtype = c.out_dtype;
+  d.threads = threads;
+  if (c.model) {
+    RA_ASSIGN_OR_RETURN(const WireShape h, ParseWireShape(step.hidden(), "step.hidden"));
+    d.tokens = h.rank() == 3 ? h.dim(1) : 0;
+    d.hidden = c.model->config().hidden_size;
+    d.wire_bytes = h.bytes;
+  } else {
+    RA_ASSIGN_OR_RETURN(const WireShape q, ParseWireShape(step.q(), "step.q"));
+    RA_ASSIGN_OR_RETURN(const WireShape k, ParseWireShape(step.k(), "step.k"));
+    RA_ASSIGN_OR_RETURN(const WireShape v, ParseWireShape(step.v(), "step.v"));
+    d.tokens = q.rank() >= 2 ? q.dim(1) : 0;
+    d.wire_bytes = SatAdd(SatAdd(q.bytes, k.bytes), v.bytes);
+  }
+  // Past max_context the step is refused before any work (OutOfRange, by
+  // the step itself); price it at the context it may reach.
+  d.tokens = std::min(d.tokens, std::max<int64_t>(c.max_context - position, 0));
+  return StepCost(SessionDimsOf(c), d);
+}
+
+absl::StatusOr<StepInput> StepInputFromProto(const SessionConfig& c, const v1::Step& step,
+                                             std::array<Tensor, 3>& copies) {
+  StepInput in;
+  if (c.model) {
+    if (step.has_q() || step.has_k() || step.has_v()) {
+      return absl::InvalidArgumentError(
+          "this session is in layer mode: steps carry `hidden`, not q/k/v");
+    }
+    RA_ASSIGN_OR_RETURN(in.hidden, ViewOfWireTensor(step.hidden(), "step.hidden", &copies[0]));
+    return in;
+  }
+  if (step.has_hidden()) {
+    return absl::InvalidArgumentError(
+        "step.hidden is for layer-mode sessions; this session takes q/k/v");
+  }
+  RA_ASSIGN_OR_RETURN(in.q, ViewOfWireTensor(step.q(), "step.q", &copies[0]));
+  RA_ASSIGN_OR_RETURN(in.k, ViewOfWireTensor(step.k(), "step.k", &copies[1]));
+  RA_ASSIGN_OR_RETURN(in.v, ViewOfWireTensor(step.v(), "step.v", &copies[2]));
+  return in;
+}
+
+StepOutput StepOutputInto(v1::Tensor* out) {
+  return [out](DType dtype, absl::Span<const int64_t> dims) -> absl::StatusOr<TensorView> {
+    return WireTensorForWriting(dtype, dims, out);
+  };
+}
+
+absl::Status StepFromProto(Session& session, const v1::Step& step, int threads,
+                           const StopToken* stop, v1::StepResult* result) {
+  std::array<Tensor, 3> copies;
+  SessionStep s;
+  s.session = &session;
+  RA_ASSIGN_OR_RETURN(s.in, StepInputFromProto(session.config(), step, copies));
+  s.output = StepOutputInto(result->mutable_out());
+  s.stop = stop;
+  Session::StepMany(absl::MakeSpan(&s, 1), threads);
+  if (!s.status.ok()) {
+    result->Clear();  // no half-written answer
+    return s.status;
+  }
+  result->set_seq(step.seq());
+  result->set_position(s.position);
+  return absl::OkStatus();
+}
+
+}  // namespace ropeattn::server

@@ -1,0 +1,50 @@
+// The Decode stream's wire, translated (docs/scheduler.md, "The decode
+// path"): an OpenSession into a SessionConfig, a Step into core tensor views
+// over the message's own bytes, and a step's answer written straight into
+// the response message. Sessions (server/sessions.h) never see a Step.
+#ifndef ROPEATTN_SERVER_DECODE_WIRE_H_
+#define ROPEATTN_SERVER_DECODE_WIRE_H_
+
+#include <array>
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "core/tensor.h"
+#include "ropeattn/v1/attention.pb.h"
+#include "server/cost.h"
+#include "server/model.h"
+#include "server/options.h"
+#include "server/sessions.h"
+
+namespace ropeattn::server {
+
+// Validates an OpenSession against the server's limits.
+absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
+                                                 const ServerOptions& options,
+                                                 const ModelRegistry& models);
+
+// A step's cost from its wire tensors' shapes (InvalidArgument for a
+// malformed tensor or shape, as the step itself would say), at `position`.
+absl::StatusOr<Cost> PriceStep(const SessionConfig& config, const v1::Step& step, int64_t position,
+                               int threads);
+
+// The step's tensors as core views: over the message's bytes where they are
+// aligned for their dtype (the usual case), else over copies kept in
+// `copies`. InvalidArgument naming the field for a malformed tensor, or for
+// a step of the wrong kind (hidden for a q/k/v session, or the reverse).
+absl::StatusOr<StepInput> StepInputFromProto(const SessionConfig& config, const v1::Step& step,
+                                             std::array<Tensor, 3>& copies);
+
+// A StepOutput that sizes `out` (dtype, shape, bytes) once and hands back a
+// view of its bytes, so the session writes its answer in place.
+StepOutput StepOutputInto(v1::Tensor* out);
+
+// One step of one session from the wire, alone (tests and fuzzers; the
+// Decode handler batches steps through Session::StepMany): the answer's
+// tensor, seq and position in `result`.
+absl::Status StepFromProto(Session& session, const v1::Step& step, int threads,
+                           const StopToken* stop, v1::StepResult* result);
+
+}  // namespace ropeattn::server
+
+#endif  // ROPEATTN_SERVER_DECODE_WIRE_H_
