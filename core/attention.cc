@@ -59,6 +59,7 @@ struct Plan {
   const KvCache* cache = nullptr;  // AttendCache: keys [0, k_len) of a session cache
   TensorView out, probs;
   int threads;
+  int plan_threads;  // what the decode kernel's key cut is planned for
 
   // Visible keys [lo, hi) of query i in batch row b.
   void KeyRange(int64_t b, int64_t i, int64_t* lo, int64_t* hi) const {
@@ -174,6 +175,11 @@ absl::Status PlanCommon(const ConstTensorView& q, const AttentionOptions& o, con
         absl::StrFormat("num_threads must be >= 1, got %d", o.num_threads));
   }
   p.threads = o.num_threads;
+  if (o.plan_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("plan_threads must be >= 0, got %d", o.plan_threads));
+  }
+  p.plan_threads = o.plan_threads > 0 ? o.plan_threads : o.num_threads;
 
   if (!o.q_offsets.empty() && static_cast<int64_t>(o.q_offsets.size()) != p.batch) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -445,7 +451,7 @@ struct DecodeLayout {
 // second pair of query rows finds them in L2: chunks are whole tiles, as long
 // as 512 keys, short enough that every thread gets work.
 int64_t CacheChunk(const Plan& p, int64_t n) {
-  const int64_t per_thread = (n + p.threads - 1) / std::max(1, p.threads);
+  const int64_t per_thread = (n + p.plan_threads - 1) / std::max(1, p.plan_threads);
   const int64_t tiles = (per_thread + KvCache::kTile - 1) / KvCache::kTile;
   return std::clamp<int64_t>(tiles, 1, 8) * KvCache::kTile;
 }
@@ -676,7 +682,7 @@ void PrepareDecodeRuns(absl::Span<const Plan* const> plans, std::deque<DecodeRun
     run.L = PlanDecode(p);
     const DecodeLayout& L = run.L;
     const int64_t d = p.head_dim, dv = p.v_dim;
-    run.parts = std::max<int64_t>(1, std::min<int64_t>(p.threads, L.chunks));
+    run.parts = std::max<int64_t>(1, std::min<int64_t>(p.plan_threads, L.chunks));
     std::vector<float>& qf = pool[3 * n];
     std::vector<float>& scores = pool[3 * n + 1];
     std::vector<float>& acc = pool[3 * n + 2];

@@ -62,6 +62,10 @@ struct AttentionOptions {
   bool check_finite = true;
   // Threads for this call (>= 1). The call never uses more.
   int num_threads = 1;
+  // The thread count the decode kernel cuts its keys for (0: num_threads).
+  // Its partial sums, and so the result's last bits, depend on this number
+  // only: a call planned for 2 gives the same bytes run on 1 thread or on 2.
+  int plan_threads = 0;
   // Tests and benchmarks may force a kernel; normally ChooseAttentionPath decides.
   enum class Path { kAuto, kDecode, kPrefill };
   Path force_path = Path::kAuto;

@@ -205,7 +205,8 @@ absl::Status DecodeState::Prepare(Job& job, int plan_threads, AttentionJob* atte
   o.q_offsets = absl::MakeConstSpan(&step_offset_, 1);
   o.key_lengths = {};
   o.check_finite = false;  // new rows were checked above, old ones when appended
-  o.num_threads = plan_threads;
+  o.num_threads = plan_threads;  // a prompt's prefill; the decode pass has its own threads
+  o.plan_threads = plan_threads;
   o.stop = job.stop;
   attention->out = job.out;
   return absl::OkStatus();

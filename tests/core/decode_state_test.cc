@@ -125,6 +125,31 @@ TEST(AttendBatchTest, EveryJobIsBitIdenticalToItsSoloCall) {
   }
 }
 
+// A call planned for 2 threads answers the same bytes run on 1 (the key cut
+// follows plan_threads); planned for 1, it may differ in the last bits.
+TEST(AttendBatchTest, PlanThreadsFixTheBytesWhateverThreadsRun) {
+  for (bool cache : {false, true}) {
+    BatchCase c;
+    c.k_len = 1000;
+    c.cache = cache;
+    BatchInputs in = MakeBatchInputs(c, 31);
+    Tensor two = Tensor::Create(DType::kF32, {1, 1, 8, 64}).value();
+    ASSERT_TRUE(Solo(c, in, two).ok());  // num_threads 2
+    in.options.num_threads = 1;
+    in.options.plan_threads = 2;
+    Tensor one = Tensor::Create(DType::kF32, {1, 1, 8, 64}).value();
+    ASSERT_TRUE(Solo(c, in, one).ok());
+    EXPECT_TRUE(SameBytes(one, two)) << (cache ? "cache" : "tensors");
+  }
+  BatchCase c;
+  BatchInputs in = MakeBatchInputs(c, 32);
+  in.options.plan_threads = -1;
+  Tensor out = Tensor::Create(DType::kF32, {1, 1, 8, 64}).value();
+  const absl::Status s = Solo(c, in, out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("plan_threads"));
+}
+
 // A bad job reports its own error; the others are computed as usual.
 TEST(AttendBatchTest, ABadJobFailsAloneNamingWhatIsWrong) {
   BatchCase c;
