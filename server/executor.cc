@@ -1,14 +1,23 @@
 #include "server/executor.h"
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <utility>
 
 namespace ropeattn::server {
 
-Executor::Executor(int workers, int queue_capacity, int max_batch, BatchRunner runner)
+Executor::Executor(int workers, int queue_capacity, int max_batch, BatchRunner runner,
+                   int nice)
     : capacity_(queue_capacity), max_batch_(std::max(1, max_batch)), runner_(std::move(runner)) {
   for (int i = 0; i < std::max(1, workers); ++i) {
-    threads_.emplace_back([this] { WorkerLoop(); });
+    threads_.emplace_back([this, nice] {
+      // Linux keeps a nice value per thread, and the kernel threads of this
+      // worker's parallel regions (created from it) inherit it.
+      if (nice > 0) setpriority(PRIO_PROCESS, static_cast<id_t>(gettid()), nice);
+      WorkerLoop();
+    });
   }
 }
 
@@ -24,6 +33,20 @@ bool Executor::TrySubmitBatch(const std::string& key, int64_t compute, BatchTask
   if (!runner_ || task == nullptr) return false;
   absl::MutexLock lock(&mu_);
   return PushLocked(key, compute, Task{0, nullptr, task});
+}
+
+bool Executor::TryRunInline(absl::FunctionRef<void()> task) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_ || waiting_ > 0 || running_ >= static_cast<int64_t>(threads_.size())) {
+      return false;
+    }
+    ++running_;
+  }
+  task();
+  absl::MutexLock lock(&mu_);
+  --running_;
+  return true;
 }
 
 bool Executor::PushLocked(const std::string& key, int64_t compute, Task task) {

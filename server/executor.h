@@ -22,6 +22,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 
@@ -45,7 +46,12 @@ class Executor {
   // every other batch task then at the head of a caller's queue (smallest
   // finish tags first, up to `max_batch` in all) and hands them to the
   // runner at once: continuous batching, under the same fair queueing.
-  Executor(int workers, int queue_capacity, int max_batch = 1, BatchRunner runner = nullptr);
+  // `nice` > 0 lowers the workers' scheduling priority (and that of their
+  // kernel threads), so the gRPC threads answering control calls and health
+  // checks get a core at once while compute saturates the machine; idle
+  // cores still go to compute.
+  Executor(int workers, int queue_capacity, int max_batch = 1, BatchRunner runner = nullptr,
+           int nice = 0);
   ~Executor();  // Shutdown()
 
   // Queues a task of caller `key` costing `compute` (>= 1 is used); false
@@ -57,6 +63,11 @@ class Executor {
   // Queues a batch task (not owned: it must live until the runner has
   // seen it). False as TrySubmit.
   bool TrySubmitBatch(const std::string& key, int64_t compute, BatchTask* task);
+  // Runs `task` on the calling thread, now, if a worker is free and nothing
+  // waits (it then counts as running on that worker); false otherwise, and
+  // the task is not run. For requests so small that handing them to a
+  // worker thread would cost more than computing them.
+  bool TryRunInline(absl::FunctionRef<void()> task);
 
   // Stops accepting, runs every queued task, joins the workers. Idempotent.
   void Shutdown();

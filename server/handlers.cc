@@ -303,6 +303,7 @@ absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* res
   o.key_lengths = absl::MakeConstSpan(request.key_lengths().data(), request.key_lengths_size());
   o.check_finite = true;
   o.num_threads = threads;
+  o.plan_threads = options.plan_threads;
   o.stop = options.stop;
   RA_ASSIGN_OR_RETURN(Tensor out,
                       Tensor::Create(plan.out_dtype, {d.batch, d.q_len, d.heads, d.v_dim}));

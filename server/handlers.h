@@ -20,6 +20,9 @@ namespace ropeattn::server {
 struct ComputeOptions {
   int threads = 1;                  // core num_threads for this request
   const StopToken* stop = nullptr;  // long kernels stop between tiles when it fires
+  // The thread count results are planned for (core plan_threads; 0: threads):
+  // a request run on fewer threads than planned still answers the same bytes.
+  int plan_threads = 0;
 };
 
 // Attend (q/k/v given; layer mode is RunLayerAttend in layer.h): validates

@@ -16,6 +16,7 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_cat.h"
 #include "core/cpu.h"
 #include "server/auth.h"
@@ -54,6 +55,9 @@ ABSL_FLAG(double, max_queue_delay_seconds, kDefaults.max_queue_delay_seconds,
 ABSL_FLAG(int, max_decode_batch, kDefaults.max_decode_batch,
           "Decode steps of different sessions that are ready together run as one parallel pass, "
           "this many at most; 1 computes every step on its own; [1, 1024]");
+ABSL_FLAG(int, compute_nice, kDefaults.compute_nice,
+          "Nice value of the compute workers (0..19): gRPC threads answering health and control "
+          "calls preempt compute; 0 gives them the same priority");
 ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
           "Largest gRPC message either way, in bytes (default 256 MiB: room for a "
           "[1, 8192, 32, 128] f32 prefill)");
@@ -114,6 +118,9 @@ int main(int argc, char** argv) {
   // under the memory test's load, and RSS near the budget after every
   // session closed).
   mallopt(M_MMAP_THRESHOLD, 4 << 20);
+  // Abseil's debug-build deadlock detection (on in Debian's build) records
+  // every lock in a graph: a few percent of a small call's time. Tests keep it.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   // --help lists this file's flags (absl's default looks for a file named
   // after the binary).
   absl::FlagsUsageConfig usage;
@@ -165,6 +172,7 @@ int main(int argc, char** argv) {
   o.queue_depth = absl::GetFlag(FLAGS_queue_depth);
   o.max_queue_delay_seconds = absl::GetFlag(FLAGS_max_queue_delay_seconds);
   o.max_decode_batch = absl::GetFlag(FLAGS_max_decode_batch);
+  o.compute_nice = absl::GetFlag(FLAGS_compute_nice);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   o.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);

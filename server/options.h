@@ -43,6 +43,10 @@ struct ServerOptions {
   // Decode steps of different sessions computed together in one parallel
   // pass at most (continuous batching, docs/scheduler.md); 1 turns it off.
   int max_decode_batch = 64;
+  // Nice value of the compute workers and their kernel threads (0..19): the
+  // gRPC threads (control calls, health, I/O) run at the process's own
+  // priority and preempt compute; 0 keeps them equal.
+  int compute_nice = 10;
   // Largest message either way. 256 MiB holds a [1, 8192, 32, 128] f32
   // q, k and v prefill with room to spare.
   int64_t max_message_bytes = int64_t{256} << 20;

@@ -79,6 +79,7 @@ struct Server::Impl {
   std::unique_ptr<Metrics> metrics;
   std::unique_ptr<MemoryBudget> budget;
   std::unique_ptr<Executor> executor;
+  std::unique_ptr<Executor> control;  // opens and forks (service.h)
   std::unique_ptr<SessionManager> sessions;
   std::unique_ptr<AttentionServiceImpl> service;
   std::unique_ptr<grpc::Server> grpc_server;
@@ -130,6 +131,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (!(options.max_queue_delay_seconds >= 0 && options.max_queue_delay_seconds <= 3600)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "max_queue_delay_seconds must be in [0, 3600], got %g", options.max_queue_delay_seconds));
+  }
+  if (options.compute_nice < 0 || options.compute_nice > 19) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("compute_nice must be in [0, 19], got %d", options.compute_nice));
   }
   if (options.max_decode_batch < 1 || options.max_decode_batch > 1024) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -191,14 +196,17 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   // before anything is queued.
   m.executor = std::make_unique<Executor>(
       options.compute_workers, options.queue_depth, options.max_decode_batch,
-      [&m](absl::Span<BatchTask* const> steps) { m.service->RunDecodeSteps(steps); });
+      [&m](absl::Span<BatchTask* const> steps) { m.service->RunDecodeSteps(steps); },
+      options.compute_nice);
   m.budget = std::make_unique<MemoryBudget>(options.memory_budget_bytes);
   m.sessions = std::make_unique<SessionManager>(options, m.metrics.get(), m.budget.get());
   absl::StatusOr<std::shared_ptr<Authenticator>> authenticator =
       Authenticator::Create(options, m.metrics.get());
   if (!authenticator.ok()) return authenticator.status();
   m.authenticator = *std::move(authenticator);
-  m.service = std::make_unique<AttentionServiceImpl>(options, m.executor.get(), m.sessions.get(),
+  m.control = std::make_unique<Executor>(1, options.queue_depth);
+  m.service = std::make_unique<AttentionServiceImpl>(options, m.executor.get(), m.control.get(),
+                                                     m.sessions.get(),
                                                      m.metrics.get(), m.models.get(),
                                                      m.budget.get(), m.authenticator.get());
   grpc::EnableDefaultHealthCheckService(true);
@@ -227,6 +235,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 3);
   // HTTP/2 hardening for gRPC 1.51's known weaknesses (serving.md).
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 256);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 4 << 20);
   builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, 16 * 1024);
   // gRPC's default gives a silent connection 120 s to send its preface.
   builder.AddChannelArgument(
@@ -278,6 +287,7 @@ void Server::Shutdown(absl::Duration grace) {
   if (m.grpc_server == nullptr) {  // Start failed before gRPC started
     if (m.listener) m.listener->Stop();
     if (m.executor) m.executor->Shutdown();
+    if (m.control) m.control->Shutdown();
     if (m.sessions) m.sessions->CloseAll();
     m.done.Notify();
     return;
@@ -312,6 +322,7 @@ void Server::Shutdown(absl::Duration grace) {
   }
   stopping.join();
   m.executor->Shutdown();
+  m.control->Shutdown();
   m.sessions->CloseAll();
   m.http.reset();
   m.authenticator->Stop();

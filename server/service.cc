@@ -40,11 +40,13 @@ grpc::Status QueueFull(const Executor& executor, const char* method) {
 // ------------------------------------------------------------- unary --
 
 AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options, Executor* executor,
-                                           SessionManager* sessions, Metrics* metrics,
-                                           const ModelRegistry* models, MemoryBudget* budget,
+                                           Executor* control, SessionManager* sessions,
+                                           Metrics* metrics, const ModelRegistry* models,
+                                           MemoryBudget* budget,
                                            const Authenticator* authenticator)
     : options_(options),
       executor_(executor),
+      control_(control),
       sessions_(sessions),
       metrics_(metrics),
       models_(models),
@@ -123,7 +125,7 @@ class ComputeCall : public grpc::ServerUnaryReactor {
 template <typename PriceFn, typename RunFn>
 grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServerContext* ctx,
                                                               const char* method, PriceFn price,
-                                                              RunFn run) {
+                                                              RunFn run, bool may_inline) {
   auto* call = new ComputeCall(this, ctx);
   const absl::Time start = absl::Now();
   auto refuse = [&](const absl::Status& status) {
@@ -156,9 +158,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
   }
   call->Hold(*std::move(held));
   const absl::Time queued_at = absl::Now();
-  const bool queued =
-      executor_->TrySubmit(share, compute,
-                           [this, call, method, start, queued_at, compute, run]() mutable {
+  // The request on `threads` kernel threads, its answer planned for
+  // threads_per_call either way (the same bytes inline or on a worker).
+  auto body = [this, call, method, start, queued_at, compute, run](int threads) mutable {
     metrics_->RecordQueueTime(method, SecondsSince(queued_at));
     // A call cancelled or past its deadline while it waited is not started.
     absl::Status status = call->stop().status();
@@ -168,7 +170,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
     } else {
       ComputeScope computing(this, method);
       const absl::Time ran = absl::Now();
-      status = run(&call->stop());
+      status = run(&call->stop(), threads);
       // Only a request run to its end teaches the rate.
       admission_.Finished(compute, status.ok() ? SecondsSince(ran) : -1);
     }
@@ -176,7 +178,15 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
     if (!status.ok() && call->stop().ShouldStop()) status = call->stop().status();
     metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
     call->Finish(ToGrpcStatus(status));
-  });
+  };
+  // A small request finding a worker idle runs here, on one thread: two
+  // thread hand-offs would cost more than its compute (docs/scheduler.md).
+  if (may_inline && compute <= kInlineMaxCompute &&
+      executor_->TryRunInline([&body] { body(1); })) {
+    return call;
+  }
+  const bool queued = executor_->TrySubmit(
+      share, compute, [body, threads = options_.threads_per_call]() mutable { body(threads); });
   if (!queued) {
     admission_.Finished(compute, -1);
     metrics_->RecordRejected(method);
@@ -198,11 +208,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
         if (request->has_layer()) return PriceLayerAttend(*models, *request, threads);
         return PriceAttend(*request, threads);
       },
-      [request, response, threads, models](const StopToken* stop) {
-        const ComputeOptions o{threads, stop};
+      [request, response, plan = threads, models](const StopToken* stop, int threads) {
+        const ComputeOptions o{threads, stop, plan};
         if (request->has_layer()) return RunLayerAttend(*models, *request, response, o);
         return RunAttend(*request, response, o);
-      });
+      },
+      /*may_inline=*/!request->has_layer());
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Encode(grpc::CallbackServerContext* ctx,
@@ -211,9 +222,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Encode(grpc::CallbackServerConte
   const int threads = options_.threads_per_call;
   return RunOnExecutor(
       ctx, "Encode", [&] { return PriceEncode(*request); },
-      [request, response, threads](const StopToken* stop) {
-        return RunEncode(*request, response, ComputeOptions{threads, stop});
-      });
+      [request, response, plan = threads](const StopToken* stop, int threads) {
+        return RunEncode(*request, response, ComputeOptions{threads, stop, plan});
+      },
+      /*may_inline=*/true);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Embed(grpc::CallbackServerContext* ctx,
@@ -222,9 +234,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Embed(grpc::CallbackServerContex
   const ModelRegistry* models = models_;
   return RunOnExecutor(
       ctx, "Embed", [&] { return PriceEmbed(*models, *request); },
-      [request, response, models](const StopToken*) {
+      [request, response, models](const StopToken*, int) {
         return RunEmbed(*models, *request, response);
-      });
+      },
+      /*may_inline=*/true);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* ctx,
@@ -410,9 +423,13 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
     // A step joins whatever other sessions' steps are ready when a worker
     // takes it (AttentionServiceImpl::RunDecodeSteps); the rest run alone.
     const int64_t compute = std::max<int64_t>(1, op_compute_);
-    const bool queued = request_.has_step()
-                            ? service_->executor_->TrySubmitBatch(share_, compute, this)
-                            : service_->executor_->TrySubmit(share_, compute, [this] { Process(); });
+    // An open or a fork allocates or copies: off gRPC's threads, but not
+    // behind the kernels.
+    Executor* control = service_->control_;
+    const bool queued =
+        request_.has_step()
+            ? service_->executor_->TrySubmitBatch(share_, compute, this)
+            : control->TrySubmit(share_, compute, [this] { Process(); });
     if (!queued) {
       AdmittedDone(-1);
       op_memory_.Release();

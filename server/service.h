@@ -30,9 +30,12 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // their transient bytes from (sessions reserve theirs through `sessions`).
   // `authenticator` (not owned, may be null when authentication is not
   // configured) names each call's principal.
-  AttentionServiceImpl(const ServerOptions& options, Executor* executor, SessionManager* sessions,
-                       Metrics* metrics, const ModelRegistry* models, MemoryBudget* budget,
-                       const Authenticator* authenticator);
+  // `control` (not owned) runs a Decode stream's open and fork: they
+  // allocate or copy session state, so they leave gRPC's threads, but they
+  // never wait behind kernels on `executor`.
+  AttentionServiceImpl(const ServerOptions& options, Executor* executor, Executor* control,
+                       SessionManager* sessions, Metrics* metrics, const ModelRegistry* models,
+                       MemoryBudget* budget, const Authenticator* authenticator);
   ~AttentionServiceImpl() override;
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx,
@@ -111,14 +114,22 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // Prices the request (`price`), checks the cost against the limits and
   // reserves its transient bytes, then queues `run` (given the call's stop
   // token) on the executor. Refusals answer at once, nothing allocated.
+  // `run(stop, threads)` computes on `threads` kernel threads. With
+  // `may_inline`, a request priced at most kInlineMaxCompute that finds a
+  // worker idle and nobody waiting runs on the gRPC thread, on one kernel
+  // thread (its answer planned for threads_per_call all the same).
   template <typename PriceFn, typename RunFn>
   grpc::ServerUnaryReactor* RunOnExecutor(grpc::CallbackServerContext* ctx, const char* method,
-                                          PriceFn price, RunFn run);
+                                          PriceFn price, RunFn run, bool may_inline);
+  // About 100 us of one core: below it, two thread hand-offs cost more than
+  // the compute.
+  static constexpr int64_t kInlineMaxCompute = int64_t{1} << 20;
   void Register(DecodeReactor* r);
   void Unregister(DecodeReactor* r);
 
   const ServerOptions options_;
   Executor* const executor_;
+  Executor* const control_;
   SessionManager* const sessions_;
   Metrics* const metrics_;
   const ModelRegistry* const models_;

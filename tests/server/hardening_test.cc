@@ -7,6 +7,10 @@
 #include <cstring>
 #include <cstdlib>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
 #include <string>
 #include <algorithm>
 #include <atomic>
@@ -858,6 +862,159 @@ TEST(HardeningBatchingTest, WaitingStepsShareAPassAndAnswerExactlyAsAlone) {
   EXPECT_EQ(MetricValue(after, "ropeattn_decode_batch_size_sum") -
                 MetricValue(before, "ropeattn_decode_batch_size_sum"),
             n * kSteps);
+}
+
+}  // namespace
+}  // namespace ropeattn::testing
+
+// ------------------------------------- small calls inline, opens off-queue --
+
+namespace ropeattn::testing {
+namespace {
+
+v1::AttendRequest BigAttend(int64_t len) {
+  v1::AttendRequest big;
+  big.mutable_spec()->set_heads(1);
+  big.mutable_spec()->set_head_dim(64);
+  *big.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
+  *big.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
+  *big.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
+  return big;
+}
+
+// Keeps the only worker busy with a long Attend until destroyed.
+class BusyWorker {
+ public:
+  explicit BusyWorker(server::Server& server) : server_(server) {
+    thread_ = std::thread([this] {
+      auto stub = TestStub(server_.port());
+      grpc::ClientContext ctx;
+      v1::AttendResponse out;
+      EXPECT_TRUE(stub->Attend(&ctx, BigAttend(8192), &out).ok());
+      done_.store(true);
+    });
+    for (int i = 0; i < 2000 && MetricValue(server_.metrics().RenderPrometheus(),
+                                            "ropeattn_running") != 1;
+         ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  ~BusyWorker() { thread_.join(); }
+  bool done() const { return done_.load(); }
+
+ private:
+  server::Server& server_;
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
+
+// A small Attend runs on the gRPC thread when the worker is idle and waits
+// for the worker when it is busy; its answer is the same bytes either way
+// (its keys are cut for threads_per_call, not for the thread it ran on).
+TEST(HardeningInlineTest, SmallAttendAnswersTheSameBytesInlineAndQueued) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.threads_per_call = 2;
+  o.max_queue_delay_seconds = 0;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  v1::AttendRequest small;
+  small.mutable_spec()->set_heads(1);
+  small.mutable_spec()->set_head_dim(64);
+  small.mutable_spec()->mutable_rope();
+  *small.mutable_q() = RandomWire(v1::DTYPE_F32, {1, 1, 1, 64}, 1);
+  *small.mutable_k() = RandomWire(v1::DTYPE_F32, {1, 1000, 1, 64}, 2);
+  *small.mutable_v() = RandomWire(v1::DTYPE_F32, {1, 1000, 1, 64}, 3);
+  const auto call = [&] {
+    grpc::ClientContext ctx;
+    v1::AttendResponse out;
+    EXPECT_TRUE(stub->Attend(&ctx, small, &out).ok());
+    return out.out().data();
+  };
+  const auto queued_total = [&] {
+    return MetricValue(server->metrics().RenderPrometheus(),
+                       "ropeattn_queue_seconds_count{method=\"Attend\"}");
+  };
+  const std::string idle = call();
+  std::string queued;
+  {
+    BusyWorker busy(*server);
+    ASSERT_FALSE(busy.done());
+    queued = call();
+  }
+  EXPECT_FALSE(idle.empty());
+  EXPECT_TRUE(idle == queued);
+  // Three Attends timed in the queue histogram; only the small one sent
+  // while the long one ran waited more than 10 ms (for the worker).
+  EXPECT_EQ(queued_total(), 3);
+  EXPECT_EQ(MetricValue(server->metrics().RenderPrometheus(),
+                        "ropeattn_queue_seconds_bucket{method=\"Attend\",le=\"0.01\"}"),
+            2);
+}
+
+// Opening (and closing) a session never waits behind running kernels.
+TEST(HardeningInlineTest, OpenAnswersWhileTheWorkerIsBusy) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.max_queue_delay_seconds = 0;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  BusyWorker busy(*server);
+  grpc::ClientContext ctx;
+  auto rw = stub->Decode(&ctx);
+  v1::DecodeRequest open;
+  open.mutable_open()->mutable_spec()->set_heads(4);
+  open.mutable_open()->mutable_spec()->set_head_dim(16);
+  open.mutable_open()->set_max_context(64);
+  v1::DecodeResponse resp;
+  ASSERT_TRUE(rw->Write(open) && rw->Read(&resp));
+  EXPECT_TRUE(resp.has_opened()) << resp.DebugString();
+  v1::DecodeRequest close;
+  close.mutable_close();
+  ASSERT_TRUE(rw->Write(close) && rw->Read(&resp));
+  EXPECT_TRUE(resp.has_closed()) << resp.DebugString();
+  EXPECT_FALSE(busy.done());  // all of it while the long Attend still ran
+  rw->WritesDone();
+  while (rw->Read(&resp)) {
+  }
+  EXPECT_TRUE(rw->Finish().ok());
+}
+
+// The compute workers (and their kernel threads) run at --compute_nice;
+// out-of-range values are refused at start.
+TEST(HardeningInlineTest, ComputeWorkersRunAtTheirNiceValue) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.threads_per_call = 2;
+  o.compute_nice = 7;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  {
+    BusyWorker busy(*server);  // a long call: the worker's kernel threads exist
+  }
+  // Field 19 of /proc/self/task/TID/stat is the nice value.
+  int at_seven = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream in(entry.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t paren = stat.rfind(')');
+    if (paren == std::string::npos) continue;
+    std::istringstream fields(stat.substr(paren + 2));
+    std::string f;
+    for (int i = 3; i <= 19 && fields >> f; ++i) {
+      if (i == 19 && f == "7") ++at_seven;
+    }
+  }
+  EXPECT_GE(at_seven, 2);  // the worker and its second kernel thread
+  for (int bad : {-1, 20}) {
+    server::ServerOptions b = TestServerOptions();
+    b.compute_nice = bad;
+    auto refused = server::Server::Start(b);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("compute_nice"));
+  }
 }
 
 }  // namespace
