@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/copy_ceiling.h"
 #include "benchmark/benchmark.h"
 #include "core/attention.h"
 #include "core/cpu.h"
@@ -71,35 +72,10 @@ void RaiseCeiling(Ceiling which, double rate) {
   g_ceiling[which] = std::max(g_ceiling[which], rate);
 }
 
-constexpr int64_t kCopyBytes = int64_t{512} << 20;  // far beyond any L3
-
-// Allocated like every kernel input (core Tensor: huge-page backed), so the
-// ceiling and the kernels see the same memory system.
-struct CopyBuffers {
-  Tensor src_t = Tensor::Create(DType::kF32, {kCopyBytes / 4}).value();
-  Tensor dst_t = Tensor::Create(DType::kF32, {kCopyBytes / 4}).value();
-  struct Ptr {
-    char* p;
-    char* get() const { return p; }
-  };
-  Ptr src{src_t.data<char>()};
-  Ptr dst{dst_t.data<char>()};
-  CopyBuffers() {
-    std::memset(src.get(), 1, kCopyBytes);
-    std::memset(dst.get(), 2, kCopyBytes);
-  }
-};
-
-void ParallelCopy(CopyBuffers& b, int threads) {
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t chunk = (kCopyBytes / nt) & ~int64_t{4095};
-    const int64_t begin = t * chunk;
-    const int64_t end = t == nt - 1 ? kCopyBytes : begin + chunk;
-    std::memcpy(b.dst.get() + begin, b.src.get() + begin, end - begin);
-  }
-}
+using bench::BestCopyBandwidth;
+using bench::CopyBuffers;
+using bench::kCopyBytes;
+using bench::ParallelCopy;
 
 // Streams the source buffer with vector loads only (no writes). Not one of
 // the required ceilings: decode only reads, so this says how close it is to
@@ -110,7 +86,7 @@ float ParallelRead(const CopyBuffers& b, int threads) {
   {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t n = kCopyBytes / sizeof(float) / nt;
-    const float* p = reinterpret_cast<const float*>(b.src.get()) + t * n;
+    const float* p = reinterpret_cast<const float*>(b.src) + t * n;
     // 64 independent partial sums (eight 8-lane vectors once vectorized), so
     // the adds never wait on each other and only the loads can limit the
     // rate. Four scalar sums left it add-latency-bound: ~12% below this when
@@ -144,16 +120,7 @@ double EnsureCeiling(Ceiling which) {
   if (g_ceiling[which] > 0) return g_ceiling[which];
   const int threads = Threads();
   if (which == kCopy) {
-    CopyBuffers b;
-    ParallelCopy(b, threads);
-    double best = 0;
-    for (int r = 0; r < 5; ++r) {
-      auto t0 = Clock::now();
-      ParallelCopy(b, threads);
-      double s = std::chrono::duration<double>(Clock::now() - t0).count();
-      best = std::max(best, 2.0 * kCopyBytes / s);
-    }
-    g_ceiling[kCopy] = best;
+    g_ceiling[kCopy] = BestCopyBandwidth(threads);
   } else if (which == kRead) {
     CopyBuffers b;
     double best = 0;

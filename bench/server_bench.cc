@@ -21,8 +21,11 @@
 // Threads: the server uses ROPEATTN_BENCH_THREADS kernel threads per call
 // (default: all CPUs), one compute worker.
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -33,11 +36,15 @@
 #include <string>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "benchmark/benchmark.h"
+#include "bench/copy_ceiling.h"
 #include "core/cpu.h"
+#include "core/decode_state.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "ropeattn/v1/attention.grpc.pb.h"
+#include "server/metrics.h"
 #include "server/server.h"
 
 namespace ropeattn {
@@ -358,6 +365,354 @@ void BM_LayerDecodeStep(benchmark::State& state) {
   rw->Finish();
 }
 
+// ------------------------------------------------ the figures --
+
+// One series' value in the in-process server's own metrics text (-1: absent).
+double Metric(const std::string& text, const std::string& series) {
+  const size_t at = text.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::atof(text.c_str() + at + series.size() + 2);
+}
+
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
+}
+
+double Micros(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::micro>(b - a).count();
+}
+
+// The machine's copy bandwidth, measured once in this run (bench/copy_ceiling.h).
+double CopyCeiling() {
+  static const double ceiling = bench::BestCopyBandwidth(Threads());
+  return ceiling;
+}
+
+// Health and a small Attend alternately on one channel, so both see the
+// same moment of a noisy machine: the ratio of their medians, and the
+// server's own time for the Attend (handler entry to answer).
+void BM_PairedAttendSmall(benchmark::State& state) {
+  auto stub = v1::AttentionService::NewStub(Channel());
+  grpc::GenericStub generic(Channel());
+  v1::AttendRequest req;
+  v1::AttentionSpec* spec = req.mutable_spec();
+  spec->set_heads(8);
+  spec->set_kv_heads(8);
+  spec->set_head_dim(64);
+  spec->set_causal(true);
+  spec->mutable_rope();
+  *req.mutable_q() = RandomWire({1, 16, 8, 64}, 1);
+  *req.mutable_k() = RandomWire({1, 16, 8, 64}, 2);
+  *req.mutable_v() = RandomWire({1, 16, 8, 64}, 3);
+  std::vector<double> health, attend;
+  const std::string before = TheServer().metrics().RenderPrometheus();
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    if (!HealthCheck(generic)) return state.SkipWithError("health failed");
+    const auto t1 = Clock::now();
+    grpc::ClientContext ctx;
+    v1::AttendResponse resp;
+    if (!stub->Attend(&ctx, req, &resp).ok()) return state.SkipWithError("Attend failed");
+    const auto t2 = Clock::now();
+    health.push_back(Micros(t0, t1));
+    attend.push_back(Micros(t1, t2));
+  }
+  const std::string after = TheServer().metrics().RenderPrometheus();
+  const std::string sum = "ropeattn_request_duration_seconds_sum{method=\"Attend\"}";
+  const std::string count = "ropeattn_request_duration_seconds_count{method=\"Attend\"}";
+  const double n = Metric(after, count) - Metric(before, count);
+  state.counters["health_p50_us"] = Percentile(health, 0.5);
+  state.counters["attend_p50_us"] = Percentile(attend, 0.5);
+  state.counters["ratio_p50"] = Percentile(attend, 0.5) / Percentile(health, 0.5);
+  state.counters["server_attend_us"] =
+      n > 0 ? (Metric(after, sum) - Metric(before, sum)) / n * 1e6 : 0;
+}
+
+// A session's cache filled to `context` tokens of [32 heads over 8, d 128]
+// in chunks of 512 (the same random tokens for the RPC and the local copy).
+constexpr int64_t kHeads = 32, kKvHeads = 8, kHeadDim = 128;
+
+bool OpenFilled(grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>* rw,
+                int64_t context, uint32_t seed) {
+  v1::DecodeRequest open;
+  v1::OpenSession* o = open.mutable_open();
+  o->mutable_spec()->set_heads(kHeads);
+  o->mutable_spec()->set_kv_heads(kKvHeads);
+  o->mutable_spec()->set_head_dim(kHeadDim);
+  o->mutable_spec()->mutable_rope()->set_theta(500000);
+  o->set_max_context(context + 1024);
+  v1::DecodeResponse resp;
+  if (!rw->Write(open) || !rw->Read(&resp) || !resp.has_opened()) {
+    std::fprintf(stderr, "open: %s\n", resp.ShortDebugString().c_str());
+    return false;
+  }
+  for (int64_t pos = 0; pos < context; pos += 512) {
+    const int64_t n = std::min<int64_t>(512, context - pos);
+    v1::DecodeRequest step;
+    v1::Step* s = step.mutable_step();
+    *s->mutable_q() = RandomWire({1, n, kHeads, kHeadDim}, seed + 1);
+    *s->mutable_k() = RandomWire({1, n, kKvHeads, kHeadDim}, seed + 2);
+    *s->mutable_v() = RandomWire({1, n, kKvHeads, kHeadDim}, seed + 3);
+    if (!rw->Write(step) || !rw->Read(&resp) || !resp.has_step()) {
+      std::fprintf(stderr, "prefill: %s\n", resp.ShortDebugString().c_str());
+      return false;
+    }
+  }
+  return true;
+}
+
+Tensor WireToTensor(const v1::Tensor& t) {
+  Dims dims(t.shape().begin(), t.shape().end());
+  Tensor out = Tensor::Create(DType::kF32, dims).value();
+  std::memcpy(out.data<char>(), t.data().data(), t.data().size());
+  return out;
+}
+
+// Health, a one-token Decode step at `context`, and the same step computed
+// in this process on a DecodeState of the same shape (the kernel alone,
+// same thread count), alternately: what the service adds to a step, in
+// health round trips.
+void BM_PairedDecodeStep(benchmark::State& state) {
+  const int64_t context = state.range(0);
+  auto stub = v1::AttentionService::NewStub(Channel());
+  grpc::GenericStub generic(Channel());
+  grpc::ClientContext ctx;
+  auto rw = stub->Decode(&ctx);
+  if (!OpenFilled(rw.get(), context, 10)) return state.SkipWithError("open failed");
+  DecodeStateConfig c;
+  c.heads = kHeads;
+  c.kv_heads = kKvHeads;
+  c.head_dim = c.v_dim = kHeadDim;
+  c.max_context = context + 1024;
+  RopeConfig rope;
+  rope.head_dim = kHeadDim;
+  rope.theta = 500000;
+  c.rope = rope;
+  DecodeState local = DecodeState::Create(c).value();
+  for (int64_t pos = 0; pos < context; pos += 512) {
+    const int64_t n = std::min<int64_t>(512, context - pos);
+    Tensor q = WireToTensor(RandomWire({1, n, kHeads, kHeadDim}, 11));
+    Tensor k = WireToTensor(RandomWire({1, n, kKvHeads, kHeadDim}, 12));
+    Tensor v = WireToTensor(RandomWire({1, n, kKvHeads, kHeadDim}, 13));
+    Tensor o = Tensor::Create(DType::kF32, {1, n, kHeads, kHeadDim}).value();
+    if (!local.Step(q.cview(), k.cview(), v.cview(), o.view(), Threads()).ok()) std::abort();
+  }
+  v1::DecodeRequest step;
+  v1::Step* s = step.mutable_step();
+  *s->mutable_q() = RandomWire({1, 1, kHeads, kHeadDim}, 4);
+  *s->mutable_k() = RandomWire({1, 1, kKvHeads, kHeadDim}, 5);
+  *s->mutable_v() = RandomWire({1, 1, kKvHeads, kHeadDim}, 6);
+  Tensor q = WireToTensor(s->q()), k = WireToTensor(s->k()), v = WireToTensor(s->v());
+  Tensor o = Tensor::Create(DType::kF32, {1, 1, kHeads, kHeadDim}).value();
+  v1::DecodeRequest trunc;
+  trunc.mutable_truncate()->set_position(context);
+  v1::DecodeResponse resp;
+  std::vector<double> health, rpc, kernel;
+  int64_t steps = 0;
+  for (auto _ : state) {
+    if (++steps % 512 == 0) {  // keep the context fixed
+      if (!rw->Write(trunc) || !rw->Read(&resp)) return state.SkipWithError("truncate failed");
+    }
+    const auto t0 = Clock::now();
+    if (!HealthCheck(generic)) return state.SkipWithError("health failed");
+    const auto t1 = Clock::now();
+    if (!rw->Write(step) || !rw->Read(&resp) || !resp.has_step()) {
+      return state.SkipWithError("step failed");
+    }
+    const auto t2 = Clock::now();
+    if (!local.Step(q.cview(), k.cview(), v.cview(), o.view(), Threads()).ok()) std::abort();
+    const auto t3 = Clock::now();
+    if (!local.Truncate(context).ok()) std::abort();
+    health.push_back(Micros(t0, t1));
+    rpc.push_back(Micros(t1, t2));
+    kernel.push_back(Micros(t2, t3));
+  }
+  rw->WritesDone();
+  while (rw->Read(&resp)) {
+  }
+  rw->Finish();
+  const double h = Percentile(health, 0.5), r = Percentile(rpc, 0.5), k50 = Percentile(kernel, 0.5);
+  state.counters["health_p50_us"] = h;
+  state.counters["step_p50_us"] = r;
+  state.counters["kernel_p50_us"] = k50;
+  state.counters["overhead_over_health"] = (r - k50) / h;
+}
+
+// Every benchmark thread drives its own session (32 heads over 8, d 128,
+// f32) filled to `context`, one-token steps back to back: the aggregate
+// steps/s, and that times the K/V bytes a step reads, as a fraction of the
+// copy bandwidth measured in this run. The server batches the steps that
+// wait together.
+void BM_DecodeSessions(benchmark::State& state) {
+  const int64_t context = state.range(0);
+  const double ceiling = CopyCeiling();
+  auto stub = v1::AttentionService::NewStub(Channel());
+  grpc::ClientContext ctx;
+  auto rw = stub->Decode(&ctx);
+  const uint32_t seed = 100 + 10 * static_cast<uint32_t>(state.thread_index());
+  if (!OpenFilled(rw.get(), context, seed)) return state.SkipWithError("open failed");
+  v1::DecodeRequest step;
+  v1::Step* s = step.mutable_step();
+  *s->mutable_q() = RandomWire({1, 1, kHeads, kHeadDim}, seed + 4);
+  *s->mutable_k() = RandomWire({1, 1, kKvHeads, kHeadDim}, seed + 5);
+  *s->mutable_v() = RandomWire({1, 1, kKvHeads, kHeadDim}, seed + 6);
+  v1::DecodeRequest trunc;
+  trunc.mutable_truncate()->set_position(context);
+  v1::DecodeResponse resp;
+  const std::string before = state.thread_index() == 0 ? TheServer().metrics().RenderPrometheus()
+                                                       : std::string();
+  int64_t steps = 0;
+  for (auto _ : state) {
+    if (++steps % 512 == 0) {
+      state.PauseTiming();
+      const bool ok = rw->Write(trunc) && rw->Read(&resp);
+      state.ResumeTiming();
+      if (!ok) return state.SkipWithError("truncate failed");
+    }
+    if (!rw->Write(step) || !rw->Read(&resp) || !resp.has_step()) {
+      return state.SkipWithError("step failed");
+    }
+  }
+  rw->WritesDone();
+  while (rw->Read(&resp)) {
+  }
+  rw->Finish();
+  const double kv_bytes = static_cast<double>(context * kKvHeads * kHeadDim * 2 * 4);
+  const double n = static_cast<double>(state.iterations());
+  state.counters["steps_per_s"] = benchmark::Counter(n, benchmark::Counter::kIsRate);
+  state.counters["fraction_of_copy"] =
+      benchmark::Counter(n * kv_bytes / ceiling, benchmark::Counter::kIsRate);
+  if (state.thread_index() == 0) {
+    const std::string after = TheServer().metrics().RenderPrometheus();
+    const std::string sum = "ropeattn_decode_batch_size_sum", count = "ropeattn_decode_batch_size_count";
+    const double passes = Metric(after, count) - Metric(before, count);
+    state.counters["mean_batch"] = passes > 0 ? (Metric(after, sum) - Metric(before, sum)) / passes : 0;
+    state.counters["copy_ceiling"] = ceiling;
+  }
+}
+
+// Control calls while compute is saturated: two callers keep the worker
+// busy with 2048-token causal Attends (tens of ms each) and four sessions
+// step at 4k context; the measured thread's call's p50 / p99.
+class Saturation {
+ public:
+  Saturation() {
+    for (int i = 0; i < 2; ++i) {
+      threads_.emplace_back([this] {
+        auto stub = v1::AttentionService::NewStub(NewChannel(false));
+        v1::AttendRequest big;
+        big.mutable_spec()->set_heads(8);
+        big.mutable_spec()->set_head_dim(64);
+        big.mutable_spec()->set_causal(true);
+        *big.mutable_q() = RandomWire({1, 2048, 8, 64}, 21);
+        *big.mutable_k() = RandomWire({1, 2048, 8, 64}, 22);
+        *big.mutable_v() = RandomWire({1, 2048, 8, 64}, 23);
+        while (!stop_.load()) {
+          grpc::ClientContext ctx;
+          v1::AttendResponse out;
+          stub->Attend(&ctx, big, &out);
+          attends_.fetch_add(1);
+        }
+      });
+    }
+    for (int i = 0; i < 4; ++i) {
+      threads_.emplace_back([this, i] {
+        auto stub = v1::AttentionService::NewStub(NewChannel(false));
+        grpc::ClientContext ctx;
+        auto rw = stub->Decode(&ctx);
+        if (!OpenFilled(rw.get(), 4096, 200 + 10 * i)) return;
+        v1::DecodeRequest step;
+        v1::Step* s = step.mutable_step();
+        *s->mutable_q() = RandomWire({1, 1, kHeads, kHeadDim}, 7);
+        *s->mutable_k() = RandomWire({1, 1, kKvHeads, kHeadDim}, 8);
+        *s->mutable_v() = RandomWire({1, 1, kKvHeads, kHeadDim}, 9);
+        v1::DecodeRequest trunc;
+        trunc.mutable_truncate()->set_position(4096);
+        v1::DecodeResponse resp;
+        for (int64_t n = 1; !stop_.load(); ++n) {
+          if (!rw->Write(n % 512 == 0 ? trunc : step) || !rw->Read(&resp)) break;
+          steps_.fetch_add(1);
+        }
+        rw->WritesDone();
+        while (rw->Read(&resp)) {
+        }
+        rw->Finish();
+      });
+    }
+    // Saturated once the sessions are filled and stepping.
+    while (steps_.load() < 40) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ~Saturation() {
+    stop_.store(true);
+    for (std::thread& t : threads_) t.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> attends_{0}, steps_{0};
+  std::vector<std::thread> threads_;
+};
+
+template <typename Call>
+void UnderLoad(benchmark::State& state, Call call) {
+  Saturation load;
+  std::vector<double> us;
+  const std::string before = TheServer().metrics().RenderPrometheus();
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    if (!call()) return state.SkipWithError("call failed");
+    us.push_back(Micros(t0, Clock::now()));
+  }
+  const std::string after = TheServer().metrics().RenderPrometheus();
+  state.counters["p50_us"] = Percentile(us, 0.5);
+  state.counters["p99_us"] = Percentile(us, 0.99);
+  state.counters["running"] = Metric(after, "ropeattn_running");
+}
+
+void BM_HealthUnderLoad(benchmark::State& state) {
+  grpc::GenericStub generic(NewChannel(false));
+  UnderLoad(state, [&] { return HealthCheck(generic); });
+}
+void BM_ServerInfoUnderLoad(benchmark::State& state) {
+  auto stub = v1::AttentionService::NewStub(NewChannel(false));
+  UnderLoad(state, [&] {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    return stub->GetServerInfo(&ctx, {}, &info).ok();
+  });
+}
+void BM_ListSessionsUnderLoad(benchmark::State& state) {
+  auto stub = v1::AttentionService::NewStub(NewChannel(false));
+  UnderLoad(state, [&] {
+    grpc::ClientContext ctx;
+    v1::ListSessionsResponse out;
+    return stub->ListSessions(&ctx, {}, &out).ok();
+  });
+}
+// Open, attach-free: a new stream opens a small session and closes it.
+void BM_OpenCloseUnderLoad(benchmark::State& state) {
+  auto stub = v1::AttentionService::NewStub(NewChannel(false));
+  UnderLoad(state, [&] {
+    grpc::ClientContext ctx;
+    auto rw = stub->Decode(&ctx);
+    v1::DecodeRequest open;
+    open.mutable_open()->mutable_spec()->set_heads(4);
+    open.mutable_open()->mutable_spec()->set_head_dim(16);
+    open.mutable_open()->set_max_context(64);
+    v1::DecodeResponse resp;
+    if (!rw->Write(open) || !rw->Read(&resp) || !resp.has_opened()) return false;
+    v1::DecodeRequest close;
+    close.mutable_close();
+    if (!rw->Write(close) || !rw->Read(&resp) || !resp.has_closed()) return false;
+    rw->WritesDone();
+    while (rw->Read(&resp)) {
+    }
+    return rw->Finish().ok();
+  });
+}
+
 }  // namespace
 }  // namespace ropeattn
 
@@ -397,7 +752,47 @@ BENCHMARK(ropeattn::BM_DecodeStep)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
+BENCHMARK(ropeattn::BM_PairedAttendSmall)
+    ->Name("rpc/paired/attend_small_vs_health")
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(ropeattn::BM_PairedDecodeStep)
+    ->Name("rpc/paired/decode_step_vs_kernel/ctx")
+    ->Arg(4096)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(ropeattn::BM_DecodeSessions)
+    ->Name("rpc/decode_sessions/ctx")
+    ->Arg(1024)
+    ->Threads(1)
+    ->Threads(16)
+    ->Iterations(400)  // per thread; one run, so the sessions are filled once
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(ropeattn::BM_HealthUnderLoad)
+    ->Name("rpc/under_load/health_check")
+    ->MinTime(3.0)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(ropeattn::BM_ServerInfoUnderLoad)
+    ->Name("rpc/under_load/get_server_info")
+    ->MinTime(3.0)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(ropeattn::BM_ListSessionsUnderLoad)
+    ->Name("rpc/under_load/list_sessions")
+    ->MinTime(3.0)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(ropeattn::BM_OpenCloseUnderLoad)
+    ->Name("rpc/under_load/open_close_session")
+    ->MinTime(3.0)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
 int main(int argc, char** argv) {
+  // As the server binary does (server/main.cc).
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::AddCustomContext("cpu", ropeattn::CpuDescription());
