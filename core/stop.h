@@ -29,12 +29,14 @@ class StopToken {
   bool ShouldStop() const {
     return cancelled() || (deadline_ != absl::InfiniteFuture() && absl::Now() >= deadline_);
   }
-  // Cancelled, DeadlineExceeded, or OK when neither.
+  // DeadlineExceeded once the deadline has passed (gRPC cancels a call when
+  // its deadline passes: that call is counted as expired, not cancelled),
+  // else Cancelled, or OK when neither.
   absl::Status status() const {
-    if (cancelled()) return absl::CancelledError("the call was cancelled; computation stopped");
     if (deadline_ != absl::InfiniteFuture() && absl::Now() >= deadline_) {
       return absl::DeadlineExceededError("the call's deadline passed; computation stopped");
     }
+    if (cancelled()) return absl::CancelledError("the call was cancelled; computation stopped");
     return absl::OkStatus();
   }
 

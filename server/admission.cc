@@ -14,28 +14,49 @@ constexpr double kAlpha = 0.2;
 
 }  // namespace
 
-Admission::Admission(int workers, absl::Duration max_queue_delay)
-    : workers_(std::max(1, workers)), max_queue_delay_(max_queue_delay) {}
+Admission::Admission(int workers, absl::Duration max_queue_delay, double max_slowdown)
+    : workers_(std::max(1, workers)),
+      max_queue_delay_(max_queue_delay),
+      max_slowdown_(max_slowdown) {}
 
-std::optional<double> Admission::ServiceSeconds(int64_t compute) const {
+std::optional<double> Admission::Seconds(const Kind& k, int64_t compute) {
+  if (k.rate_samples < kMinSamples || k.units_per_second <= 0) return std::nullopt;
+  return k.overhead_seconds + static_cast<double>(std::max<int64_t>(0, compute)) /
+                                  k.units_per_second;
+}
+
+std::optional<double> Admission::ServiceSeconds(const char* method, int64_t compute) const {
   absl::MutexLock lock(&mu_);
-  if (rate_samples_ < kMinSamples || units_per_second_ <= 0) return std::nullopt;
-  return overhead_seconds_ + static_cast<double>(std::max<int64_t>(0, compute)) / units_per_second_;
+  auto it = kinds_.find(method);
+  if (it == kinds_.end()) return std::nullopt;
+  return Seconds(it->second, compute);
 }
 
 int64_t Admission::pending_compute() const {
   absl::MutexLock lock(&mu_);
-  return pending_;
+  int64_t total = 0;
+  for (const auto& [name, k] : kinds_) total += k.pending;
+  return total;
 }
 
 absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time deadline,
-                              absl::Time now, absl::Duration* retry_after) {
+                              absl::Time now, absl::Duration* retry_after,
+                              bool slowdown_applies) {
   compute = std::max<int64_t>(0, compute);
   absl::MutexLock lock(&mu_);
-  if (rate_samples_ >= kMinSamples && units_per_second_ > 0) {
-    // The work ahead spreads over every worker; this request then runs on one.
-    const double wait_s = static_cast<double>(pending_) / units_per_second_ / workers_;
-    const double service_s = overhead_seconds_ + static_cast<double>(compute) / units_per_second_;
+  Kind& own = kinds_[method];
+  if (const std::optional<double> own_service = Seconds(own, compute); own_service) {
+    // The work ahead spreads over every worker; this request then runs on
+    // one. Kinds whose rate is not known yet add nothing (the estimate
+    // never invents a wait).
+    double ahead = 0;
+    for (const auto& [name, k] : kinds_) {
+      if (k.pending > 0 && k.rate_samples >= kMinSamples && k.units_per_second > 0) {
+        ahead += static_cast<double>(k.pending) / k.units_per_second;
+      }
+    }
+    const double wait_s = ahead / workers_;
+    const double service_s = *own_service;
     const absl::Duration wait = absl::Seconds(wait_s);
     const absl::Duration service = absl::Seconds(service_s);
     if (deadline != absl::InfiniteFuture() && now + wait + service > deadline) {
@@ -56,25 +77,41 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
           method, wait_s * 1e3, absl::ToDoubleMilliseconds(max_queue_delay_),
           absl::ToDoubleMilliseconds(*retry_after)));
     }
+    if (slowdown_applies && max_slowdown_ > 0) {
+      const double limit_s = std::max(kMinSlowdownWaitSeconds, max_slowdown_ * service_s);
+      if (wait_s > limit_s) {
+        *retry_after = absl::Seconds(wait_s - limit_s);
+        return absl::ResourceExhaustedError(absl::StrFormat(
+            "%s: the estimated wait for a compute worker is %.0f ms, more than "
+            "--max_queue_slowdown (%g) times its own compute (%.1f ms); retry after about %.0f ms",
+            method, wait_s * 1e3, max_slowdown_, service_s * 1e3,
+            absl::ToDoubleMilliseconds(*retry_after)));
+      }
+    }
   }
-  pending_ += compute;
+  own.pending += compute;
   return absl::OkStatus();
 }
 
-void Admission::Finished(int64_t compute, double seconds) {
+void Admission::Finished(const char* method, int64_t compute, double seconds) {
   compute = std::max<int64_t>(0, compute);
   absl::MutexLock lock(&mu_);
-  pending_ = std::max<int64_t>(0, pending_ - compute);
+  Kind& k = kinds_[method];
+  k.pending = std::max<int64_t>(0, k.pending - compute);
   if (!(seconds >= 0) || !std::isfinite(seconds)) return;  // never ran
   if (seconds < kRateMinSeconds) {
-    overhead_seconds_ = overhead_seconds_ == 0 ? seconds
-                                               : (1 - kAlpha) * overhead_seconds_ + kAlpha * seconds;
+    k.overhead_seconds = k.overhead_seconds == 0
+                             ? seconds
+                             : (1 - kAlpha) * k.overhead_seconds + kAlpha * seconds;
     return;
   }
   if (compute == 0) return;
-  const double rate = static_cast<double>(compute) / seconds;
-  units_per_second_ = rate_samples_ == 0 ? rate : (1 - kAlpha) * units_per_second_ + kAlpha * rate;
-  ++rate_samples_;
+  // The fixed per-request time is not throughput.
+  const double busy = std::max(seconds - k.overhead_seconds, 0.5 * seconds);
+  const double rate = static_cast<double>(compute) / busy;
+  k.units_per_second =
+      k.rate_samples == 0 ? rate : (1 - kAlpha) * k.units_per_second + kAlpha * rate;
+  ++k.rate_samples;
 }
 
 }  // namespace ropeattn::server

@@ -10,8 +10,10 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -21,8 +23,14 @@ namespace ropeattn::server {
 class Admission {
  public:
   // `workers` compute in parallel; `max_queue_delay` (<= 0: no limit) caps
-  // the estimated wait of an admitted request.
-  Admission(int workers, absl::Duration max_queue_delay);
+  // the estimated wait of an admitted request; `max_slowdown` (<= 0: no
+  // limit) caps it relative to the request's own estimated compute: a
+  // request may wait at most max_slowdown times its service time (but
+  // always kMinSlowdownWait), so under overload a short request is not
+  // queued behind seconds of work, and the latency of what is admitted
+  // stays a small multiple of its size.
+  Admission(int workers, absl::Duration max_queue_delay, double max_slowdown = 0);
+  static constexpr double kMinSlowdownWaitSeconds = 0.05;
 
   // The decision for a request of `compute` units due by `deadline`
   // (InfiniteFuture: none). ResourceExhausted naming `method`, the
@@ -30,15 +38,18 @@ class Admission {
   // be admitted; OK otherwise (the request's compute then counts as pending
   // until Finished). Before enough work has been measured, every request is
   // admitted (the estimate would be a guess).
+  // `slowdown_applies`: whether max_slowdown applies (stateless calls; a
+  // decode step is not refused for another caller's long request).
   absl::Status Admit(const char* method, int64_t compute, absl::Time deadline, absl::Time now,
-                     absl::Duration* retry_after);
-  // An admitted request left the queue without running, or finished running
-  // for `seconds` (negative: it never ran); its compute is no longer pending.
-  void Finished(int64_t compute, double seconds);
+                     absl::Duration* retry_after, bool slowdown_applies = true);
+  // An admitted request of `method` left the queue without running, or
+  // finished running for `seconds` (negative: it never ran); its compute is
+  // no longer pending.
+  void Finished(const char* method, int64_t compute, double seconds);
 
-  // Estimated seconds `compute` units take on one worker; nullopt before
-  // the rate is known.
-  std::optional<double> ServiceSeconds(int64_t compute) const;
+  // Estimated seconds `compute` units of `method` take on one worker;
+  // nullopt before its rate is known.
+  std::optional<double> ServiceSeconds(const char* method, int64_t compute) const;
   int64_t pending_compute() const;
 
  private:
@@ -48,13 +59,23 @@ class Admission {
   static constexpr double kRateMinSeconds = 0.005;
   static constexpr int kMinSamples = 3;
 
+  // Each method learns its own rate: a decode step (memory-bound, small)
+  // and a prefill Attend (compute-bound) turn priced units into seconds at
+  // very different speeds, and a mixed average would misjudge both.
+  struct Kind {
+    double units_per_second = 0;  // EWMA over long requests
+    int rate_samples = 0;
+    double overhead_seconds = 0;  // EWMA over short requests
+    int64_t pending = 0;          // queued + running compute
+  };
+  // Estimated seconds of `kind` for `compute` units; nullopt before known.
+  static std::optional<double> Seconds(const Kind& kind, int64_t compute);
+
   const int workers_;
   const absl::Duration max_queue_delay_;
+  const double max_slowdown_;
   mutable absl::Mutex mu_;
-  double units_per_second_ ABSL_GUARDED_BY(mu_) = 0;  // EWMA over long requests
-  int rate_samples_ ABSL_GUARDED_BY(mu_) = 0;
-  double overhead_seconds_ ABSL_GUARDED_BY(mu_) = 0;  // EWMA over short requests
-  int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;          // queued + running compute
+  absl::flat_hash_map<std::string, Kind> kinds_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace ropeattn::server

@@ -52,6 +52,10 @@ ABSL_FLAG(double, max_queue_delay_seconds, kDefaults.max_queue_delay_seconds,
           "A request whose estimated wait for a worker is longer, or that cannot finish inside "
           "its deadline, is refused at once with RESOURCE_EXHAUSTED and trailing metadata "
           "retry-after-ms; 0 turns the wait limit off");
+ABSL_FLAG(double, max_queue_slowdown, kDefaults.max_queue_slowdown,
+          "A request whose estimated wait is more than this many times its own estimated "
+          "compute (and more than 50 ms) is refused at once with RESOURCE_EXHAUSTED and "
+          "retry-after-ms; 0 turns it off; [0, 1e6]");
 ABSL_FLAG(int, max_decode_batch, kDefaults.max_decode_batch,
           "Decode steps of different sessions that are ready together run as one parallel pass, "
           "this many at most; 1 computes every step on its own; [1, 1024]");
@@ -172,6 +176,7 @@ int main(int argc, char** argv) {
   o.queue_depth = absl::GetFlag(FLAGS_queue_depth);
   o.max_queue_delay_seconds = absl::GetFlag(FLAGS_max_queue_delay_seconds);
   o.max_decode_batch = absl::GetFlag(FLAGS_max_decode_batch);
+  o.max_queue_slowdown = absl::GetFlag(FLAGS_max_queue_slowdown);
   o.compute_nice = absl::GetFlag(FLAGS_compute_nice);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.max_sessions = absl::GetFlag(FLAGS_max_sessions);

@@ -40,6 +40,13 @@ struct ServerOptions {
   // refused at once with RESOURCE_EXHAUSTED and a retry-after-ms hint; so
   // is one that cannot finish inside its deadline. 0: no wait limit.
   double max_queue_delay_seconds = 5;
+  // A stateless request whose estimated wait is more than this many times
+  // its own estimated compute (and more than 50 ms) is refused likewise
+  // (decode steps are not: a session is not cut off for another caller's
+  // long request; the deadline and max_queue_delay still apply): under
+  // overload, admitted latency stays a small multiple of each request's
+  // size. 0: no such limit.
+  double max_queue_slowdown = 8;
   // Decode steps of different sessions computed together in one parallel
   // pass at most (continuous batching, docs/scheduler.md); 1 turns it off.
   int max_decode_batch = 64;

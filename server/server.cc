@@ -132,6 +132,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::InvalidArgumentError(absl::StrFormat(
         "max_queue_delay_seconds must be in [0, 3600], got %g", options.max_queue_delay_seconds));
   }
+  if (!(options.max_queue_slowdown >= 0 && options.max_queue_slowdown <= 1e6)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "max_queue_slowdown must be in [0, 1e6], got %g", options.max_queue_slowdown));
+  }
   if (options.compute_nice < 0 || options.compute_nice > 19) {
     return absl::InvalidArgumentError(
         absl::StrFormat("compute_nice must be in [0, 19], got %d", options.compute_nice));

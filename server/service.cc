@@ -54,7 +54,8 @@ AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options, Executo
       limits_{options.max_message_bytes, options.max_request_compute},
       auth_configured_(AuthConfigured(options)),
       authenticator_(authenticator),
-      admission_(options.compute_workers, absl::Seconds(options.max_queue_delay_seconds)) {}
+      admission_(options.compute_workers, absl::Seconds(options.max_queue_delay_seconds),
+                 options.max_queue_slowdown) {}
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
@@ -153,7 +154,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
   absl::StatusOr<MemoryBudget::Reservation> held =
       budget_->Reserve(cost->transient_bytes, absl::StrCat("this ", method, " request"));
   if (!held.ok()) {
-    admission_.Finished(compute, -1);
+    admission_.Finished(method, compute, -1);
     return refuse(held.status());
   }
   call->Hold(*std::move(held));
@@ -166,13 +167,13 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
     absl::Status status = call->stop().status();
     if (!status.ok()) {
       metrics_->RecordAbandoned(method);
-      admission_.Finished(compute, -1);
+      admission_.Finished(method, compute, -1);
     } else {
       ComputeScope computing(this, method);
       const absl::Time ran = absl::Now();
       status = run(&call->stop(), threads);
       // Only a request run to its end teaches the rate.
-      admission_.Finished(compute, status.ok() ? SecondsSince(ran) : -1);
+      admission_.Finished(method, compute, status.ok() ? SecondsSince(ran) : -1);
     }
     // Stopped mid-way: the stop's own code, not the kernel's.
     if (!status.ok() && call->stop().ShouldStop()) status = call->stop().status();
@@ -188,7 +189,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
   const bool queued = executor_->TrySubmit(
       share, compute, [body, threads = options_.threads_per_call]() mutable { body(threads); });
   if (!queued) {
-    admission_.Finished(compute, -1);
+    admission_.Finished(method, compute, -1);
     metrics_->RecordRejected(method);
     metrics_->RecordRequest(method, grpc::StatusCode::RESOURCE_EXHAUSTED, SecondsSince(start));
     call->Finish(QueueFull(*executor_, method));
@@ -551,11 +552,12 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       RA_RETURN_IF_ERROR(CheckCost(cost, service_->limits_, "Decode.Step"));
       absl::Duration retry_after;
       RA_RETURN_IF_ERROR(service_->admission_.Admit("Decode.Step", cost.compute, stop_.deadline(),
-                                                    absl::Now(), &retry_after));
+                                                    absl::Now(), &retry_after,
+                                                    /*slowdown_applies=*/false));
       absl::StatusOr<MemoryBudget::Reservation> held =
           service_->budget_->Reserve(cost.transient_bytes, "this decode step");
       if (!held.ok()) {
-        service_->admission_.Finished(cost.compute, -1);
+        service_->admission_.Finished("Decode.Step", cost.compute, -1);
         return held.status();
       }
       op_memory_ = *std::move(held);
@@ -780,7 +782,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   // to its end).
   void AdmittedDone(double seconds) {
     if (op_compute_ < 0) return;
-    service_->admission_.Finished(op_compute_, seconds);
+    service_->admission_.Finished("Decode.Step", op_compute_, seconds);
     op_compute_ = -1;
   }
   v1::DecodeRequest request_;

@@ -24,6 +24,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "ropeattn/v1/attention.grpc.pb.h"
+#include "server/admission.h"
 #include "server/metrics.h"
 #include "server/server.h"
 #include "tests/server/server_test_util.h"
@@ -33,6 +34,13 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
+
+// One series' value in a metrics text (-1: absent).
+double MetricValue(const std::string& text, const std::string& series) {
+  const size_t at = text.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::atof(text.c_str() + at + series.size() + 2);
+}
 
 v1::Tensor ZeroWire(v1::DType dtype, std::initializer_list<int64_t> dims) {
   v1::Tensor t;
@@ -509,6 +517,93 @@ TEST(HardeningAdmissionTest, RequestsThatCannotMakeItAreRefusedAtOnce) {
   EXPECT_THAT(m, HasSubstr("ropeattn_rejected_total{method=\"Attend\"} 2"));
 }
 
+// Each method learns its own rate: slow small decode steps (memory-bound,
+// overhead-heavy) do not make a queued compute-bound Attend look like hours
+// of work, and the wait ahead is the sum of each kind's pending work at its
+// own rate.
+TEST(HardeningAdmissionTest, EachMethodLearnsItsOwnRate) {
+  server::Admission a(1, absl::ZeroDuration());
+  for (int i = 0; i < 3; ++i) {
+    a.Finished("Decode.Step", 1000, 0.010);  // 1e5 units/s
+    a.Finished("Attend", 1000000000, 0.100);  // 1e10 units/s
+  }
+  ASSERT_TRUE(a.ServiceSeconds("Attend", 1000000000).has_value());
+  EXPECT_NEAR(*a.ServiceSeconds("Attend", 1000000000), 0.1, 0.01);
+  EXPECT_NEAR(*a.ServiceSeconds("Decode.Step", 1000), 0.01, 0.001);
+  EXPECT_FALSE(a.ServiceSeconds("Encode", 1).has_value());
+  const absl::Time now = absl::Now();
+  absl::Duration retry;
+  ASSERT_TRUE(a.Admit("Attend", 1000000000, absl::InfiniteFuture(), now, &retry).ok());
+  // About 0.1 s of Attend ahead and 0.01 s of its own: inside a 1 s deadline.
+  EXPECT_TRUE(a.Admit("Decode.Step", 1000, now + absl::Seconds(1), now, &retry).ok());
+  // Inside 50 ms it cannot be.
+  const absl::Status late = a.Admit("Decode.Step", 1000, now + absl::Milliseconds(50), now, &retry);
+  EXPECT_EQ(late.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(a.pending_compute(), 1000000000 + 1000);
+  a.Finished("Attend", 1000000000, -1);
+  a.Finished("Decode.Step", 1000, -1);
+  EXPECT_EQ(a.pending_compute(), 0);
+}
+
+// --max_queue_slowdown: behind a long running request, a short request
+// (whose wait would be many times its own compute) is refused at once
+// naming the flag, while a request as long as the running one is queued and
+// computed. Decode steps are not subject to it.
+TEST(HardeningAdmissionTest, ShortRequestsAreNotQueuedBehindSecondsOfWork) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.threads_per_call = 1;
+  o.memory_budget_bytes = int64_t{2} << 30;
+  o.max_queue_delay_seconds = 0;  // only the relative limit
+  o.max_queue_slowdown = 4;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  const auto attend = [](int64_t len) {
+    v1::AttendRequest r;
+    r.mutable_spec()->set_heads(1);
+    r.mutable_spec()->set_head_dim(64);
+    *r.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
+    *r.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
+    *r.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
+    return r;
+  };
+  for (int i = 0; i < 4; ++i) {  // teach the rate
+    grpc::ClientContext ctx;
+    v1::AttendResponse out;
+    ASSERT_TRUE(stub->Attend(&ctx, attend(3072), &out).ok());
+  }
+  const v1::AttendRequest long_request = attend(12288);
+  std::atomic<bool> long_done{false};
+  std::thread running([&] {
+    grpc::ClientContext ctx;
+    v1::AttendResponse out;
+    EXPECT_TRUE(stub->Attend(&ctx, long_request, &out).ok());
+    long_done = true;
+  });
+  for (int i = 0; i < 500 && MetricValue(server->metrics().RenderPrometheus(),
+                                         "ropeattn_running") != 1;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::AttendResponse out;
+    const grpc::Status st = stub->Attend(&ctx, attend(512), &out);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr("max_queue_slowdown"));
+    EXPECT_NE(ctx.GetServerTrailingMetadata().find("retry-after-ms"),
+              ctx.GetServerTrailingMetadata().end());
+    EXPECT_FALSE(long_done.load());
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::AttendResponse out;
+    EXPECT_TRUE(stub->Attend(&ctx, long_request, &out).ok());  // waited, then computed
+  }
+  running.join();
+}
+
 // Fair queueing: a caller with a deep queue of heavy work waits behind its
 // own work, not in front of another caller's light request. Without
 // authentication each connection is its own caller.
@@ -779,12 +874,6 @@ class BatchStream {
   grpc::ClientContext ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> rw_;
 };
-
-double MetricValue(const std::string& text, const std::string& series) {
-  const size_t at = text.find("\n" + series + " ");
-  if (at == std::string::npos) return -1;
-  return std::atof(text.c_str() + at + series.size() + 2);
-}
 
 // Steps of different sessions that wait together are computed in one pass
 // (the batch-size histogram records it), and every answer - softmax f32 and
