@@ -41,7 +41,8 @@ int64_t Admission::pending_compute() const {
 
 absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time deadline,
                               absl::Time now, absl::Duration* retry_after,
-                              bool slowdown_applies) {
+                              bool slowdown_applies,
+                              const absl::flat_hash_map<const char*, int64_t>* ahead_units) {
   compute = std::max<int64_t>(0, compute);
   absl::MutexLock lock(&mu_);
   Kind& own = kinds_[method];
@@ -50,10 +51,18 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
     // one. Kinds whose rate is not known yet add nothing (the estimate
     // never invents a wait).
     double ahead = 0;
-    for (const auto& [name, k] : kinds_) {
-      if (k.pending > 0 && k.rate_samples >= kMinSamples && k.units_per_second > 0) {
-        ahead += static_cast<double>(k.pending) / k.units_per_second;
+    const auto seconds_of = [&](const Kind& k, int64_t units) {
+      if (units > 0 && k.rate_samples >= kMinSamples && k.units_per_second > 0) {
+        ahead += static_cast<double>(units) / k.units_per_second;
       }
+    };
+    if (ahead_units != nullptr) {
+      for (const auto& [name, units] : *ahead_units) {
+        auto k = kinds_.find(name);
+        if (k != kinds_.end()) seconds_of(k->second, units);
+      }
+    } else {
+      for (const auto& [name, k] : kinds_) seconds_of(k, k.pending);
     }
     const double wait_s = ahead / workers_;
     const double service_s = *own_service;

@@ -40,8 +40,12 @@ class Admission {
   // admitted (the estimate would be a guess).
   // `slowdown_applies`: whether max_slowdown applies (stateless calls; a
   // decode step is not refused for another caller's long request).
+  // `ahead` (optional): the compute by method that would run before this
+  // request (Executor::WorkAhead, which knows the fair-queueing order);
+  // without it, all pending compute counts as ahead.
   absl::Status Admit(const char* method, int64_t compute, absl::Time deadline, absl::Time now,
-                     absl::Duration* retry_after, bool slowdown_applies = true);
+                     absl::Duration* retry_after, bool slowdown_applies = true,
+                     const absl::flat_hash_map<const char*, int64_t>* ahead = nullptr);
   // An admitted request of `method` left the queue without running, or
   // finished running for `seconds` (negative: it never ran); its compute is
   // no longer pending.

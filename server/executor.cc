@@ -24,15 +24,40 @@ Executor::Executor(int workers, int queue_capacity, int max_batch, BatchRunner r
 Executor::~Executor() { Shutdown(); }
 
 bool Executor::TrySubmit(const std::string& key, int64_t compute,
-                         absl::AnyInvocable<void() &&> task) {
+                         absl::AnyInvocable<void() &&> task, const char* kind) {
   absl::MutexLock lock(&mu_);
-  return PushLocked(key, compute, Task{0, std::move(task), nullptr});
+  return PushLocked(key, compute, Task{0, std::move(task), nullptr, 1, kind});
 }
 
-bool Executor::TrySubmitBatch(const std::string& key, int64_t compute, BatchTask* task) {
+bool Executor::TrySubmitBatch(const std::string& key, int64_t compute, BatchTask* task,
+                              const char* kind) {
   if (!runner_ || task == nullptr) return false;
   absl::MutexLock lock(&mu_);
-  return PushLocked(key, compute, Task{0, nullptr, task});
+  return PushLocked(key, compute, Task{0, nullptr, task, 1, kind});
+}
+
+double Executor::TagLocked(const std::string& key, int64_t compute) const {
+  // A caller that had nothing waiting starts from the current virtual time:
+  // idling earns no credit.
+  auto last = last_tag_.find(key);
+  const double start = last == last_tag_.end() || queues_.find(key) == queues_.end()
+                           ? virtual_time_
+                           : std::max(virtual_time_, last->second);
+  return start + static_cast<double>(std::max<int64_t>(1, compute));
+}
+
+absl::flat_hash_map<const char*, int64_t> Executor::WorkAhead(const std::string& key,
+                                                              int64_t compute) const {
+  absl::MutexLock lock(&mu_);
+  absl::flat_hash_map<const char*, int64_t> ahead = running_units_;
+  const double tag = TagLocked(key, compute);
+  for (const auto& [caller, tasks] : queues_) {
+    for (const Task& t : tasks) {
+      if (t.tag > tag) break;  // a caller's tags only grow
+      ahead[t.kind] += t.compute;
+    }
+  }
+  return ahead;
 }
 
 bool Executor::TryRunInline(absl::FunctionRef<void()> task) {
@@ -51,15 +76,10 @@ bool Executor::TryRunInline(absl::FunctionRef<void()> task) {
 
 bool Executor::PushLocked(const std::string& key, int64_t compute, Task task) {
   if (stopping_ || waiting_ >= capacity_) return false;
-  // A caller that had nothing waiting starts from the current virtual time:
-  // idling earns no credit.
-  auto last = last_tag_.find(key);
-  const double start = last == last_tag_.end() || queues_.find(key) == queues_.end()
-                           ? virtual_time_
-                           : std::max(virtual_time_, last->second);
-  const double tag = start + static_cast<double>(std::max<int64_t>(1, compute));
+  const double tag = TagLocked(key, compute);
   last_tag_[key] = tag;
   task.tag = tag;
+  task.compute = std::max<int64_t>(1, compute);
   queues_[key].push_back(std::move(task));
   ++waiting_;
   return true;
@@ -108,6 +128,7 @@ int64_t Executor::running() const {
 
 void Executor::WorkerLoop() {
   std::vector<BatchTask*> batch;
+  std::vector<std::pair<const char*, int64_t>> taken;  // kind, compute
   while (true) {
     Task task;
     batch.clear();
@@ -118,15 +139,19 @@ void Executor::WorkerLoop() {
       mu_.Await(absl::Condition(&ready));
       if (waiting_ == 0) return;  // stopping and drained
       PopLocked(/*batch_only=*/false, &task);
+      taken.clear();
+      taken.emplace_back(task.kind, task.compute);
       if (task.batch != nullptr) {
         // Every step ready now joins this pass.
         batch.push_back(task.batch);
         Task more;
         while (static_cast<int>(batch.size()) < max_batch_ && PopLocked(true, &more)) {
           batch.push_back(more.batch);
+          taken.emplace_back(more.kind, more.compute);
         }
       }
-      running_ += batch.empty() ? 1 : static_cast<int64_t>(batch.size());
+      running_ += static_cast<int64_t>(taken.size());
+      for (const auto& [kind, units] : taken) running_units_[kind] += units;
     }
     if (batch.empty()) {
       std::move(task.run)();
@@ -134,7 +159,10 @@ void Executor::WorkerLoop() {
       runner_(absl::MakeConstSpan(batch));
     }
     absl::MutexLock lock(&mu_);
-    running_ -= batch.empty() ? 1 : static_cast<int64_t>(batch.size());
+    running_ -= static_cast<int64_t>(taken.size());
+    for (const auto& [kind, units] : taken) {
+      if ((running_units_[kind] -= units) <= 0) running_units_.erase(kind);
+    }
   }
 }
 

@@ -57,12 +57,22 @@ class Executor {
   // Queues a task of caller `key` costing `compute` (>= 1 is used); false
   // (task dropped, not run) when the queue is full or the executor is
   // shutting down. Thread-safe.
-  bool TrySubmit(const std::string& key, int64_t compute, absl::AnyInvocable<void() &&> task);
+  // `kind` (a string literal, e.g. the method) groups tasks for WorkAhead.
+  bool TrySubmit(const std::string& key, int64_t compute, absl::AnyInvocable<void() &&> task,
+                 const char* kind = "");
   // The same for the server's own small tasks (its own key, cost 1).
   bool TrySubmit(absl::AnyInvocable<void() &&> task) { return TrySubmit("", 1, std::move(task)); }
   // Queues a batch task (not owned: it must live until the runner has
   // seen it). False as TrySubmit.
-  bool TrySubmitBatch(const std::string& key, int64_t compute, BatchTask* task);
+  bool TrySubmitBatch(const std::string& key, int64_t compute, BatchTask* task,
+                      const char* kind = "");
+  // The priced compute, by kind, that would run before a task of caller
+  // `key` costing `compute` submitted now: every running task (whole: an
+  // upper bound) and every waiting task with a smaller finish tag than the
+  // new one would get. A light caller behind a heavy caller's deep queue
+  // sees only the running work and about one task of each other caller.
+  absl::flat_hash_map<const char*, int64_t> WorkAhead(const std::string& key,
+                                                      int64_t compute) const;
   // Runs `task` on the calling thread, now, if a worker is free and nothing
   // waits (it then counts as running on that worker); false otherwise, and
   // the task is not run. For requests so small that handing them to a
@@ -84,7 +94,12 @@ class Executor {
     double tag;  // virtual finish time
     absl::AnyInvocable<void() &&> run;
     BatchTask* batch = nullptr;  // instead of run
+    int64_t compute = 1;
+    const char* kind = "";
   };
+  // The finish tag a task of `key` costing `compute` would get now.
+  double TagLocked(const std::string& key, int64_t compute) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool PushLocked(const std::string& key, int64_t compute, Task task)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The waiting task with the smallest tag (only batch tasks when
@@ -102,6 +117,8 @@ class Executor {
   int64_t waiting_ ABSL_GUARDED_BY(mu_) = 0;
   double virtual_time_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t running_ ABSL_GUARDED_BY(mu_) = 0;
+  // Priced compute of the running tasks, by kind.
+  absl::flat_hash_map<const char*, int64_t> running_units_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };

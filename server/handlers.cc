@@ -259,12 +259,24 @@ absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* res
   RA_ASSIGN_OR_RETURN(AttendPlan plan, PlanAttend(request, threads));
   ResolvedSpec& spec = plan.spec;
   const AttendDims& d = plan.dims;
-  RA_ASSIGN_OR_RETURN(Tensor q, TensorFromProto(request.q(), "q"));
-  RA_ASSIGN_OR_RETURN(Tensor k, TensorFromProto(request.k(), "k"));
-  RA_ASSIGN_OR_RETURN(Tensor v, TensorFromProto(request.v(), "v"));
+  // Read in place from the request's bytes; q and k are copied only to be
+  // rotated.
+  const bool rotate = spec.rope.has_value() && !plan.empty;
+  Tensor q_own, k_own, v_copy;
+  ConstTensorView q, k, v;
+  if (rotate) {
+    RA_ASSIGN_OR_RETURN(q_own, TensorFromProto(request.q(), "q"));
+    RA_ASSIGN_OR_RETURN(k_own, TensorFromProto(request.k(), "k"));
+    q = q_own.cview();
+    k = k_own.cview();
+  } else {
+    RA_ASSIGN_OR_RETURN(q, ViewOfWireTensor(request.q(), "q", &q_own));
+    RA_ASSIGN_OR_RETURN(k, ViewOfWireTensor(request.k(), "k", &k_own));
+  }
+  RA_ASSIGN_OR_RETURN(v, ViewOfWireTensor(request.v(), "v", &v_copy));
   if (plan.empty) {
-    RA_RETURN_IF_ERROR(CheckFinite(q.cview(), "q"));
-    RA_RETURN_IF_ERROR(CheckFinite(v.cview(), "v"));
+    RA_RETURN_IF_ERROR(CheckFinite(q, "q"));
+    RA_RETURN_IF_ERROR(CheckFinite(v, "v"));
     RA_ASSIGN_OR_RETURN(const Tensor out,
                         Tensor::Create(plan.out_dtype, {d.batch, d.q_len, d.heads, d.v_dim}));
     TensorToProto(out.cview(), response->mutable_out());
@@ -278,8 +290,8 @@ absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* res
   if (spec.rope.has_value()) {
     // Rotation mixes each channel pair, so a NaN would afterwards also show
     // at its partner's index: report the input's own first bad element.
-    RA_RETURN_IF_ERROR(CheckFinite(q.cview(), "q"));
-    RA_RETURN_IF_ERROR(CheckFinite(k.cview(), "k"));
+    RA_RETURN_IF_ERROR(CheckFinite(q, "q"));
+    RA_RETURN_IF_ERROR(CheckFinite(k, "k"));
     RA_ASSIGN_OR_RETURN(
         const RopeRotator rotator,
         WithContext(RopeRotator::Create(*spec.rope, plan.rope_seq_len,
@@ -290,12 +302,14 @@ absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* res
     Positions q_positions;
     q_positions.offsets = plan.offsets;
     RA_RETURN_IF_ERROR(Annotate(
-        rotator.Apply(q.view(), q_positions, RopeDirection::kForward, threads), "rotating q"));
+        rotator.Apply(q_own.view(), q_positions, RopeDirection::kForward, threads),
+        "rotating q"));
     RA_RETURN_IF_ERROR(Annotate(
-        rotator.Apply(k.view(), Positions(), RopeDirection::kForward, threads), "rotating k"));
+        rotator.Apply(k_own.view(), Positions(), RopeDirection::kForward, threads),
+        "rotating k"));
     // A huge attention factor can take finite q or k past the float range.
-    RA_RETURN_IF_ERROR(CheckFinite(q.cview(), "rotated q (spec.rope.scaling.attention_factor)"));
-    RA_RETURN_IF_ERROR(CheckFinite(k.cview(), "rotated k (spec.rope.scaling.attention_factor)"));
+    RA_RETURN_IF_ERROR(CheckFinite(q, "rotated q (spec.rope.scaling.attention_factor)"));
+    RA_RETURN_IF_ERROR(CheckFinite(k, "rotated k (spec.rope.scaling.attention_factor)"));
   }
 
   AttentionOptions& o = spec.options;
@@ -305,16 +319,17 @@ absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* res
   o.num_threads = threads;
   o.plan_threads = options.plan_threads;
   o.stop = options.stop;
-  RA_ASSIGN_OR_RETURN(Tensor out,
-                      Tensor::Create(plan.out_dtype, {d.batch, d.q_len, d.heads, d.v_dim}));
-  Tensor probs;
+  // Written straight into the answer's bytes.
+  const int64_t out_dims[4] = {d.batch, d.q_len, d.heads, d.v_dim};
+  RA_ASSIGN_OR_RETURN(TensorView out,
+                      WireTensorForWriting(plan.out_dtype, out_dims, response->mutable_out()));
+  TensorView probs;
   if (request.return_probs()) {
-    RA_ASSIGN_OR_RETURN(probs, Tensor::Create(DType::kF32, {d.batch, d.heads, d.q_len, d.k_len}));
+    const int64_t probs_dims[4] = {d.batch, d.heads, d.q_len, d.k_len};
+    RA_ASSIGN_OR_RETURN(probs,
+                        WireTensorForWriting(DType::kF32, probs_dims, response->mutable_probs()));
   }
-  RA_RETURN_IF_ERROR(Attend(q.cview(), k.cview(), v.cview(), o, out.view(),
-                            request.return_probs() ? probs.view() : TensorView()));
-  TensorToProto(out.cview(), response->mutable_out());
-  if (request.return_probs()) TensorToProto(probs.cview(), response->mutable_probs());
+  RA_RETURN_IF_ERROR(Attend(q, k, v, o, out, probs));
   return absl::OkStatus();
 }
 

@@ -140,9 +140,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
   if (absl::Status st = CheckCost(*cost, limits_, method); !st.ok()) return refuse(st);
   // Can it finish inside its deadline, and is the wait for a worker short
   // enough? Refused now rather than computed for a caller who gave up.
+  const std::string share = FairShareKey(*ctx);
   absl::Duration retry_after;
-  if (absl::Status st =
-          admission_.Admit(method, cost->compute, DeadlineOf(ctx), absl::Now(), &retry_after);
+  const auto ahead = executor_->WorkAhead(share, cost->compute);
+  if (absl::Status st = admission_.Admit(method, cost->compute, DeadlineOf(ctx), absl::Now(),
+                                         &retry_after, /*slowdown_applies=*/true, &ahead);
       !st.ok()) {
     ctx->AddTrailingMetadata("retry-after-ms",
                              absl::StrCat(absl::ToInt64Milliseconds(retry_after)));
@@ -150,7 +152,6 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
     return refuse(st);
   }
   const int64_t compute = cost->compute;
-  const std::string share = FairShareKey(*ctx);
   absl::StatusOr<MemoryBudget::Reservation> held =
       budget_->Reserve(cost->transient_bytes, absl::StrCat("this ", method, " request"));
   if (!held.ok()) {
@@ -187,7 +188,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
     return call;
   }
   const bool queued = executor_->TrySubmit(
-      share, compute, [body, threads = options_.threads_per_call]() mutable { body(threads); });
+      share, compute, [body, threads = options_.threads_per_call]() mutable { body(threads); },
+      method);
   if (!queued) {
     admission_.Finished(method, compute, -1);
     metrics_->RecordRejected(method);
@@ -429,8 +431,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
     Executor* control = service_->control_;
     const bool queued =
         request_.has_step()
-            ? service_->executor_->TrySubmitBatch(share_, compute, this)
-            : control->TrySubmit(share_, compute, [this] { Process(); });
+            ? service_->executor_->TrySubmitBatch(share_, compute, this, "Decode.Step")
+            : control->TrySubmit(share_, compute, [this] { Process(); }, MethodOf(request_));
     if (!queued) {
       AdmittedDone(-1);
       op_memory_.Release();
@@ -551,9 +553,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
                                     service_->options_.threads_per_call));
       RA_RETURN_IF_ERROR(CheckCost(cost, service_->limits_, "Decode.Step"));
       absl::Duration retry_after;
+      const auto ahead = service_->executor_->WorkAhead(share_, cost.compute);
       RA_RETURN_IF_ERROR(service_->admission_.Admit("Decode.Step", cost.compute, stop_.deadline(),
                                                     absl::Now(), &retry_after,
-                                                    /*slowdown_applies=*/false));
+                                                    /*slowdown_applies=*/false, &ahead));
       absl::StatusOr<MemoryBudget::Reservation> held =
           service_->budget_->Reserve(cost.transient_bytes, "this decode step");
       if (!held.ok()) {

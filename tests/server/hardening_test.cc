@@ -27,6 +27,7 @@
 #include "server/admission.h"
 #include "server/metrics.h"
 #include "server/server.h"
+#include "tests/core/test_util.h"
 #include "tests/server/server_test_util.h"
 
 namespace ropeattn::testing {
@@ -53,6 +54,18 @@ v1::Tensor ZeroWire(v1::DType dtype, std::initializer_list<int64_t> dims) {
   t.set_data(std::string(n * (dtype == v1::DTYPE_BF16 ? 2 : 4), '\0'));
   return t;
 }
+
+// An Attend of zeros: 1 head of 64 over `len` tokens (long to compute, cheap to make).
+v1::AttendRequest ZeroAttend(int64_t len) {
+  v1::AttendRequest big;
+  big.mutable_spec()->set_heads(1);
+  big.mutable_spec()->set_head_dim(64);
+  *big.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
+  *big.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
+  *big.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
+  return big;
+}
+
 
 // A "Vm...:  N kB" line of /proc/self/status, in bytes (-1 if missing).
 int64_t ProcStatusBytes(const char* key) {
@@ -427,7 +440,10 @@ TEST(HardeningDeadlineTest, LongAttendStopsAtItsDeadline) {
   };
   const int64_t computed = sample("ropeattn_compute_seconds_count{method=\"Attend\"}");
   const int64_t abandoned = sample("ropeattn_abandoned_total{method=\"Attend\"}");
-  EXPECT_EQ(computed, 2);
+  // The small one, and at most one long one (on a loaded machine the first
+  // may still be arriving when its deadline passes: then neither starts).
+  EXPECT_GE(computed, 1);
+  EXPECT_LE(computed, 2);
   EXPECT_LE(abandoned, 1);
   EXPECT_GE(abandoned, 0);
   EXPECT_EQ(sample("ropeattn_queue_seconds_count{method=\"Attend\"}"), computed + abandoned);
@@ -448,15 +464,7 @@ TEST(HardeningAdmissionTest, RequestsThatCannotMakeItAreRefusedAtOnce) {
   auto server = StartTestServer(o);
   ASSERT_NE(server, nullptr);
   auto stub = TestStub(server->port());
-  const auto attend = [](int64_t len) {
-    v1::AttendRequest r;
-    r.mutable_spec()->set_heads(1);
-    r.mutable_spec()->set_head_dim(64);
-    *r.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
-    *r.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
-    *r.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
-    return r;
-  };
+  const auto attend = ZeroAttend;
   // Teach the server its rate: a few requests of some tens of ms each.
   for (int i = 0; i < 4; ++i) {
     grpc::ClientContext ctx;
@@ -559,15 +567,7 @@ TEST(HardeningAdmissionTest, ShortRequestsAreNotQueuedBehindSecondsOfWork) {
   auto server = StartTestServer(o);
   ASSERT_NE(server, nullptr);
   auto stub = TestStub(server->port());
-  const auto attend = [](int64_t len) {
-    v1::AttendRequest r;
-    r.mutable_spec()->set_heads(1);
-    r.mutable_spec()->set_head_dim(64);
-    *r.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
-    *r.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
-    *r.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
-    return r;
-  };
+  const auto attend = ZeroAttend;
   for (int i = 0; i < 4; ++i) {  // teach the rate
     grpc::ClientContext ctx;
     v1::AttendResponse out;
@@ -604,6 +604,57 @@ TEST(HardeningAdmissionTest, ShortRequestsAreNotQueuedBehindSecondsOfWork) {
   running.join();
 }
 
+// The wait a request is admitted on follows the fair-queueing order: a
+// light caller behind a heavy caller's deep queue waits for the running
+// request only, so --max_queue_slowdown does not shed it for work it will
+// never wait for.
+TEST(HardeningAdmissionTest, ALightCallerIsNotShedForAHeavyCallersBacklog) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.threads_per_call = 1;
+  o.memory_budget_bytes = int64_t{2} << 30;
+  o.max_queue_delay_seconds = 0;
+  o.max_queue_slowdown = 8;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  const auto own_channel = [&] {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection, so a caller, of its own
+    return v1::AttentionService::NewStub(grpc::CreateCustomChannel(
+        absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials(), args));
+  };
+  auto heavy = own_channel();
+  auto light = own_channel();
+  const v1::AttendRequest unit = ZeroAttend(3072);
+  for (int i = 0; i < 4; ++i) {  // teach the rate
+    grpc::ClientContext ctx;
+    v1::AttendResponse out;
+    ASSERT_TRUE(heavy->Attend(&ctx, unit, &out).ok());
+  }
+  std::vector<std::thread> backlog;
+  for (int i = 0; i < 6; ++i) {
+    backlog.emplace_back([&] {
+      grpc::ClientContext ctx;
+      v1::AttendResponse out;
+      EXPECT_TRUE(heavy->Attend(&ctx, unit, &out).ok());
+    });
+  }
+  for (int i = 0; i < 2000 && MetricValue(server->metrics().RenderPrometheus(),
+                                          "ropeattn_queue_depth") < 5;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_GE(MetricValue(server->metrics().RenderPrometheus(), "ropeattn_queue_depth"), 5);
+  grpc::ClientContext ctx;
+  v1::AttendResponse out;
+  const grpc::Status st = light->Attend(&ctx, ZeroAttend(2048), &out);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  // Served ahead of the backlog, not after it.
+  EXPECT_GE(MetricValue(server->metrics().RenderPrometheus(), "ropeattn_queue_depth"), 1);
+  for (std::thread& t : backlog) t.join();
+}
+
 // Fair queueing: a caller with a deep queue of heavy work waits behind its
 // own work, not in front of another caller's light request. Without
 // authentication each connection is its own caller.
@@ -624,15 +675,7 @@ TEST(HardeningFairnessTest, AHeavyCallerDoesNotStarveALightOne) {
   };
   auto heavy = v1::AttentionService::NewStub(channel());
   auto light = v1::AttentionService::NewStub(channel());
-  const auto attend = [](int64_t len) {
-    v1::AttendRequest r;
-    r.mutable_spec()->set_heads(1);
-    r.mutable_spec()->set_head_dim(64);
-    *r.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
-    *r.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
-    *r.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
-    return r;
-  };
+  const auto attend = ZeroAttend;
   const v1::AttendRequest big = attend(6144);
   absl::Mutex mu;
   std::vector<std::string> finished;  // in completion order
@@ -779,27 +822,8 @@ namespace {
 
 // Random f32 or bf16 wire bytes (deterministic for a seed).
 v1::Tensor RandomWire(v1::DType dtype, std::initializer_list<int64_t> dims, uint32_t seed) {
-  v1::Tensor t;
-  t.set_dtype(dtype);
-  int64_t n = 1;
-  for (int64_t d : dims) {
-    t.add_shape(d);
-    n *= d;
-  }
-  std::string bytes;
-  uint32_t x = seed * 2654435761u + 12345u;
-  for (int64_t i = 0; i < n; ++i) {
-    x = x * 1664525u + 1013904223u;
-    const float f = static_cast<float>(x >> 8) / static_cast<float>(1 << 24) * 2.0f - 1.0f;
-    if (dtype == v1::DTYPE_BF16) {
-      const uint16_t b = FloatToBF16(f);
-      bytes.append(reinterpret_cast<const char*>(&b), 2);
-    } else {
-      bytes.append(reinterpret_cast<const char*>(&f), 4);
-    }
-  }
-  t.set_data(std::move(bytes));
-  return t;
+  return ToWire(
+      RandomTensor(dtype == v1::DTYPE_BF16 ? DType::kBF16 : DType::kF32, dims, seed).cview());
 }
 
 struct BatchSession {
@@ -961,15 +985,6 @@ TEST(HardeningBatchingTest, WaitingStepsShareAPassAndAnswerExactlyAsAlone) {
 namespace ropeattn::testing {
 namespace {
 
-v1::AttendRequest BigAttend(int64_t len) {
-  v1::AttendRequest big;
-  big.mutable_spec()->set_heads(1);
-  big.mutable_spec()->set_head_dim(64);
-  *big.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
-  *big.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
-  *big.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, len, 1, 64});
-  return big;
-}
 
 // Keeps the only worker busy with a long Attend until destroyed.
 class BusyWorker {
@@ -979,7 +994,7 @@ class BusyWorker {
       auto stub = TestStub(server_.port());
       grpc::ClientContext ctx;
       v1::AttendResponse out;
-      EXPECT_TRUE(stub->Attend(&ctx, BigAttend(8192), &out).ok());
+      EXPECT_TRUE(stub->Attend(&ctx, ZeroAttend(8192), &out).ok());
       done_.store(true);
     });
     for (int i = 0; i < 2000 && MetricValue(server_.metrics().RenderPrometheus(),
