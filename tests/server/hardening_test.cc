@@ -929,17 +929,13 @@ TEST(HardeningBatchingTest, WaitingStepsShareAPassAndAnswerExactlyAsAlone) {
   for (int s = 0; s < n; ++s) {
     streams.push_back(std::make_unique<BatchStream>(stub.get(), sessions[s], s));
   }
+  // About a second of compute: time for every session's first step to queue
+  // behind it even on a loaded machine.
   std::thread heavy([&] {
-    v1::AttendRequest big;
-    big.mutable_spec()->set_heads(1);
-    big.mutable_spec()->set_head_dim(64);
-    *big.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, 4096, 1, 64});
-    *big.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, 4096, 1, 64});
-    *big.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, 4096, 1, 64});
     auto own = TestStub(server->port());
     grpc::ClientContext ctx;
     v1::AttendResponse out;
-    EXPECT_TRUE(own->Attend(&ctx, big, &out).ok());
+    EXPECT_TRUE(own->Attend(&ctx, ZeroAttend(12288), &out).ok());
   });
   for (int i = 0; i < 2000 && MetricValue(server->metrics().RenderPrometheus(),
                                           "ropeattn_running") != 1;
