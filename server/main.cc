@@ -53,9 +53,10 @@ ABSL_FLAG(double, max_queue_delay_seconds, kDefaults.max_queue_delay_seconds,
           "its deadline, is refused at once with RESOURCE_EXHAUSTED and trailing metadata "
           "retry-after-ms; 0 turns the wait limit off");
 ABSL_FLAG(double, max_queue_slowdown, kDefaults.max_queue_slowdown,
-          "A request whose estimated wait is more than this many times its own estimated "
-          "compute (and more than 50 ms) is refused at once with RESOURCE_EXHAUSTED and "
-          "retry-after-ms; 0 turns it off; [0, 1e6]");
+          "A stateless request (Attend, Encode, Embed) whose estimated wait is more than this "
+          "many times its own estimated compute (and more than 50 ms) is refused at once with "
+          "RESOURCE_EXHAUSTED and retry-after-ms; decode steps are exempt; 0 turns it off; "
+          "[0, 1e6]");
 ABSL_FLAG(int, max_decode_batch, kDefaults.max_decode_batch,
           "Decode steps of different sessions that are ready together run as one parallel pass, "
           "this many at most; 1 computes every step on its own; [1, 1024]");
