@@ -19,7 +19,8 @@
 // Each iteration is one synchronous round trip; Google Benchmark reports the
 // mean, and the p50/p99 counters come from every iteration's own timing.
 // Threads: the server uses ROPEATTN_BENCH_THREADS kernel threads per call
-// (default: all CPUs), one compute worker.
+// (default: all CPUs), one compute worker, at ROPEATTN_BENCH_COMPUTE_NICE
+// (default: the server's --compute_nice default).
 #include <algorithm>
 #include <atomic>
 #include <thread>
@@ -68,6 +69,9 @@ server::Server& TheServer() {
     o.compute_workers = 1;
     o.threads_per_call = Threads();
     o.default_max_context = 8192;
+    if (const char* nice = std::getenv("ROPEATTN_BENCH_COMPUTE_NICE")) {
+      o.compute_nice = std::atoi(nice);
+    }
     auto started = server::Server::Start(o);
     if (!started.ok()) std::abort();
     return started->release();
