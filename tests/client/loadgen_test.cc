@@ -4,6 +4,7 @@
 #include "client/loadgen.h"
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -326,8 +327,12 @@ std::string ReadAll(const std::string& path) {
 
 // `env`: "NAME=value ..." set for the child.
 CliRun RunCli(const std::string& args, const std::string& env = "") {
+  // Names of this process's own: ctest runs other tests' processes at the
+  // same time, and a shared file let one test read another's output.
   const std::string dir = ::testing::TempDir();
-  const std::string out = dir + "/bench_stdout.txt", err = dir + "/bench_stderr.txt";
+  const std::string tag = std::to_string(getpid());
+  const std::string out = dir + "/bench_stdout_" + tag + ".txt",
+                    err = dir + "/bench_stderr_" + tag + ".txt";
   // No ROPEATTN_TOKEN from the runner's environment: tests set their own.
   const std::string command = absl::StrCat("env -u ROPEATTN_TOKEN ", env, " ", ROPEATTN_CLI_PATH,
                                            " bench ", args, " >", out, " 2>", err, " </dev/null");
