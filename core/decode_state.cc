@@ -23,11 +23,6 @@ absl::Status CheckStepTensor(const ConstTensorView& t, const std::string& name, 
   return CheckFinite(t, name);
 }
 
-bool IsLengthDependent(const std::optional<RopeConfig>& rope) {
-  return rope && (rope->scaling.type == RopeScalingType::kDynamicNtk ||
-                  rope->scaling.type == RopeScalingType::kLongRope);
-}
-
 }  // namespace
 
 DecodeState::Storage DecodeState::StorageFor(const DecodeStateConfig& c) {
@@ -36,7 +31,12 @@ DecodeState::Storage DecodeState::StorageFor(const DecodeStateConfig& c) {
   return Storage::kTokenMajor;
 }
 
-bool DecodeState::LengthDependent() const { return IsLengthDependent(config_.rope); }
+bool DecodeState::RopeIsLengthDependent(const std::optional<RopeConfig>& rope) {
+  return rope && (rope->scaling.type == RopeScalingType::kDynamicNtk ||
+                  rope->scaling.type == RopeScalingType::kLongRope);
+}
+
+bool DecodeState::LengthDependent() const { return RopeIsLengthDependent(config_.rope); }
 
 absl::StatusOr<DecodeState> DecodeState::Create(DecodeStateConfig config) {
   const DecodeStateConfig& c = config;

@@ -53,6 +53,9 @@ class DecodeState {
   // [1, max_context, kv_heads, dim] tensors of kv_dtype.
   enum class Storage { kLinear, kKvCache, kTokenMajor };
   static Storage StorageFor(const DecodeStateConfig& config);
+  // Whether a rule's frequencies depend on the length (dynamic NTK,
+  // LongRoPE): the state then keeps raw keys and re-rotates them.
+  static bool RopeIsLengthDependent(const std::optional<RopeConfig>& rope);
 
   // Allocates the state (zero tokens). InvalidArgument for bad sizes,
   // ResourceExhausted when memory runs out, RoPE errors as RopeRotator's.

@@ -10,7 +10,6 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "core/attention.h"
 #include "core/status_macros.h"
 #include "server/layer.h"
 #include "server/metrics.h"
@@ -26,8 +25,7 @@ constexpr int64_t kRopeTablePositions = 8192;
 }  // namespace
 
 bool LengthDependentRope(const SessionConfig& c) {
-  return c.spec.rope && (c.spec.rope->scaling.type == RopeScalingType::kDynamicNtk ||
-                         c.spec.rope->scaling.type == RopeScalingType::kLongRope);
+  return DecodeState::RopeIsLengthDependent(c.spec.rope);
 }
 
 DecodeStateConfig StateConfigOf(const SessionConfig& c) {
