@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -247,7 +248,8 @@ void BM_Rope(benchmark::State& state, RopeLayout layout) {
 // (AttendCache), or token-major tensors as a stateless Attend call passes them.
 enum class KvSource { kSessionCache, kTensors };
 
-void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv_heads, KvSource source) {
+void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv_heads, KvSource source,
+               BiasKind bias) {
   const int64_t kv = 4096, h = 32, d = 128;
   const int64_t cache_bytes = 2 * kv * kv_heads * d * static_cast<int64_t>(DTypeSize(kv_dtype));
   // Enough caches that the set is 4x the L3 (32 MiB here) or more.
@@ -272,6 +274,10 @@ void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv_heads, KvSour
   opt.causal = true;
   opt.check_finite = false;
   opt.num_threads = Threads();
+  if (bias == BiasKind::kAlibi) {
+    opt.bias.kind = BiasKind::kAlibi;
+    for (int64_t i = 1; i <= h; ++i) opt.bias.alibi_slopes.push_back(std::exp2(-8.0 * i / h));
+  }
   RunTimed(state, static_cast<double>(cache_bytes), "bytes_per_second", kCopy, [&](int64_t it) {
     const int c = static_cast<int>(it % copies);
     absl::Status st = source == KvSource::kSessionCache
@@ -332,6 +338,7 @@ void Register() {
     DType dtype;
     int64_t kv_heads;
     KvSource source;
+    BiasKind bias = BiasKind::kNone;
   };
   const DecodeCase decode_cases[] = {
       {"decode/f32/kv4096_h32_kvh32_d128", DType::kF32, 32, KvSource::kSessionCache},
@@ -339,9 +346,13 @@ void Register() {
       {"decode/bf16/kv4096_h32_kvh32_d128", DType::kBF16, 32, KvSource::kTensors},
       {"decode/f32/tensors/kv4096_h32_kvh32_d128", DType::kF32, 32, KvSource::kTensors},
       {"decode/f32/tensors/kv4096_h32_kvh8_d128", DType::kF32, 8, KvSource::kTensors},
+      {"decode/f32/alibi/kv4096_h32_kvh8_d128", DType::kF32, 8, KvSource::kSessionCache,
+       BiasKind::kAlibi},
+      {"decode/bf16/alibi/kv4096_h32_kvh32_d128", DType::kBF16, 32, KvSource::kTensors,
+       BiasKind::kAlibi},
   };
   for (const DecodeCase& c : decode_cases) {
-    benchmark::RegisterBenchmark(c.name, BM_Decode, c.dtype, c.kv_heads, c.source)
+    benchmark::RegisterBenchmark(c.name, BM_Decode, c.dtype, c.kv_heads, c.source, c.bias)
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
   }
