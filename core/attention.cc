@@ -48,7 +48,7 @@ struct Plan {
   std::vector<int64_t> q_offset;    // [batch]
   std::vector<int64_t> key_length;  // [batch]
   BiasKind bias_kind = BiasKind::kNone;
-  std::vector<float> alibi;  // [heads]
+  std::vector<double> alibi;  // [heads]
   const StopToken* stop = nullptr;
   // T5: bias per head for relative positions rel_min .. rel_min + rel_count - 1.
   int64_t rel_min = 0, rel_count = 0;
@@ -243,7 +243,7 @@ absl::Status PlanCommon(const ConstTensorView& q, const AttentionOptions& o, con
         if (!std::isfinite(bias.alibi_slopes[h])) {
           return absl::InvalidArgumentError(absl::StrFormat("alibi_slopes[%d] is not finite", h));
         }
-        p.alibi.push_back(static_cast<float>(bias.alibi_slopes[h]));
+        p.alibi.push_back(bias.alibi_slopes[h]);
       }
       break;
     }
@@ -331,11 +331,20 @@ bool FinishRow(const Plan& p, int64_t b, int64_t h, int64_t i, int64_t lo, float
   const int64_t pos = p.q_offset[b] + i;
   switch (p.bias_kind) {
     case BiasKind::kAlibi: {
-      const float slope = p.alibi[h];
+      // Softmax ignores a per-row constant, so the row's largest visible bias
+      // is subtracted first: -slope * (dist - ref), ref the nearest visible
+      // key's distance (the farthest one's for a negative slope). The
+      // difference is an exact integer and its product stays small where the
+      // probabilities are not negligible; -slope * dist itself near 5e5
+      // would carry an f32 step of 0.03 (positional-encodings.md 6.10).
+      const double slope = p.alibi[h];
+      const int64_t first = pos - lo, last = pos - (lo + n - 1);  // signed distances
+      const int64_t nearest = first >= 0 && last <= 0 ? 0 : std::min(std::abs(first), std::abs(last));
+      const int64_t ref = slope >= 0 ? nearest : std::max(std::abs(first), std::abs(last));
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) {
-        const float dist = static_cast<float>(std::abs(pos - (lo + j)));
-        x[j] -= slope * dist;
+        const double excess = static_cast<double>(std::abs(first - j) - ref);
+        x[j] -= static_cast<float>(slope * excess);
       }
       break;
     }

@@ -33,6 +33,15 @@ enum class BiasKind {
   kT5 = 2,      // t5_table [num_buckets, heads] with t5_config; bucket of (j - q_pos)
   kTensor = 3,  // tensor [heads, q_len, k_len] or [batch, heads, q_len, k_len], f32
 };
+// Precision: ALiBi is applied as -slope * (|q_pos - j| - r) with r the
+// distance of the row's largest visible bias (its nearest visible key; its
+// farthest for a negative slope), computed in fp64 from exact integers. The
+// softmax is unchanged by that per-row constant, and results and
+// probabilities keep f32 precision however far the query is from its keys
+// (-slope * 5e5 itself has an f32 step of 0.03). T5 biases are table entries
+// (bounded, no growth with distance) and tensor biases are the caller's f32
+// values: both are added as given.
+
 
 struct AttentionBias {
   BiasKind kind = BiasKind::kNone;

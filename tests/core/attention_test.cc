@@ -1283,5 +1283,135 @@ INSTANTIATE_TEST_SUITE_P(Kernels, AttendCacheTest,
                                                std::get<1>(info.param) ? "_avx512" : "_avx2");
                          });
 
+
+// --- Additive biases far from every visible key. ---
+//
+// With the query at 1e5 or 1e6 and the keys at 0..k_len-1, an ALiBi bias
+// -slope * distance near 3e5 has an f32 step of 0.03, far more than the
+// logits' own precision. Softmax is invariant to a per-row constant, so the
+// kernels shift each row's biases by its largest visible one; every path must
+// then match the fp64 reference (which computes the bias in fp64) as closely
+// as a bias-free call does.
+constexpr double kFarBiasTol = 1e-6;
+constexpr int64_t kFarPositions[] = {100000, 1000000};
+
+// A far case: batch 2, queries at pos and pos + 7, keys 0..299.
+Case FarCase(Path path, int64_t q_len, bool causal, int64_t pos) {
+  Case c;
+  c.path = path;
+  c.batch = 2;
+  c.q_len = q_len;
+  c.k_len = 300;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.head_dim = 64;
+  c.causal = causal;
+  c.q_offsets = {pos, pos + 7};
+  c.bias = BiasKind::kAlibi;
+  c.probs = true;
+  c.seed = 1300 + q_len + causal;
+  return c;
+}
+
+void ExpectFarMatch(const Case& c) {
+  SCOPED_TRACE(Describe(c));
+  const Inputs in = MakeInputs(c);
+  const Outputs r = RunAttend(c, in);
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  const ref::AttentionRefResult want = Reference(c, in);
+  EXPECT_TRUE(AllClose(ToDoubles(r.out.cview()), want.out, kFarBiasTol));
+  const std::vector<double> got = ToDoubles(r.probs.cview());
+  EXPECT_TRUE(AllClose(got, want.probs, kFarBiasTol));
+  ExpectMaskedProbsExactlyZero(got, want.visible);
+}
+
+TEST(FarBiasTest, AlibiFarFromEveryKeyMatchesFp64OnBothKernels) {
+  for (int64_t pos : kFarPositions) {
+    for (Path path : {Path::kDecode, Path::kPrefill}) {
+      for (bool causal : {true, false}) {
+        for (int64_t q_len : {int64_t{1}, int64_t{5}, int64_t{40}}) {
+          ExpectFarMatch(FarCase(path, q_len, causal, pos));
+        }
+      }
+    }
+  }
+}
+
+TEST(FarBiasTest, AlibiFarWithWindowPaddingSoftcapAndNegativeSlopes) {
+  for (int64_t pos : kFarPositions) {
+    for (Path path : {Path::kDecode, Path::kPrefill}) {
+      for (bool causal : {true, false}) {
+        Case c = FarCase(path, 5, causal, pos);
+        c.window = pos - 100;  // only keys past ~100 are within the window
+        ExpectFarMatch(c);
+        c = FarCase(path, 5, causal, pos);
+        c.key_lengths = {200, 251};
+        c.softcap = 5.0;
+        c.scale = 1.0;
+        ExpectFarMatch(c);
+      }
+    }
+  }
+  // A negative slope makes the farthest key the row's largest bias.
+  for (int64_t pos : kFarPositions) {
+    for (Path path : {Path::kDecode, Path::kPrefill}) {
+      Case c = FarCase(path, 3, true, pos);
+      SCOPED_TRACE(Describe(c));
+      Inputs in = MakeInputs(c);
+      for (double& s : in.alibi_slopes) s = -s / 64;
+      const Outputs r = RunAttend(c, in);
+      ASSERT_TRUE(r.status.ok()) << r.status;
+      const ref::AttentionRefResult want = Reference(c, in);
+      EXPECT_TRUE(AllClose(ToDoubles(r.out.cview()), want.out, kFarBiasTol));
+      EXPECT_TRUE(AllClose(ToDoubles(r.probs.cview()), want.probs, kFarBiasTol));
+    }
+  }
+}
+
+// AttendCache (decode kernel on the cache's tiles, or its prefill copy) and
+// AttendBatch (a decode job sharing the pass with a near one).
+TEST(FarBiasTest, AlibiFarMatchesFp64ThroughCacheAndBatch) {
+  for (int64_t pos : kFarPositions) {
+    for (Path path : {Path::kDecode, Path::kPrefill}) {
+      for (bool causal : {true, false}) {
+        Case c = FarCase(path, path == Path::kDecode ? 3 : 40, causal, pos);
+        c.batch = 1;
+        c.q_offsets = {pos};
+        SCOPED_TRACE(Describe(c));
+        const Inputs in = MakeInputs(c);
+        KvCache cache = KvCache::Create(c.kv_heads, c.head_dim, c.vd(), c.k_len).value();
+        ASSERT_TRUE(cache.WriteK(0, in.k.cview()).ok());
+        ASSERT_TRUE(cache.WriteV(0, in.v.cview()).ok());
+        Tensor out = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.vd()}).value();
+        Tensor probs = Tensor::Create(DType::kF32, {1, c.heads, c.q_len, c.k_len}).value();
+        const AttentionOptions o = MakeOptions(c, in);
+        ASSERT_TRUE(AttendCache(in.q.cview(), cache, c.k_len, o, out.view(), probs.view()).ok());
+        const ref::AttentionRefResult want = Reference(c, in);
+        EXPECT_TRUE(AllClose(ToDoubles(out.cview()), want.out, kFarBiasTol));
+        EXPECT_TRUE(AllClose(ToDoubles(probs.cview()), want.probs, kFarBiasTol));
+
+        Tensor batch_out = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.vd()}).value();
+        Tensor near_out = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.vd()}).value();
+        AttentionJob jobs[2];
+        jobs[0].q = in.q.cview();
+        jobs[0].cache = &cache;
+        jobs[0].cache_length = c.k_len;
+        jobs[0].options = o;
+        jobs[0].out = batch_out.view();
+        jobs[1].q = in.q.cview();
+        jobs[1].k = in.k.cview();
+        jobs[1].v = in.v.cview();
+        jobs[1].options = MakeOptions(c, in);
+        jobs[1].options.q_offsets = {};
+        jobs[1].out = near_out.view();
+        AttendBatch(absl::MakeSpan(jobs), 2);
+        ASSERT_TRUE(jobs[0].status.ok()) << jobs[0].status;
+        ASSERT_TRUE(jobs[1].status.ok()) << jobs[1].status;
+        EXPECT_TRUE(AllClose(ToDoubles(batch_out.cview()), want.out, kFarBiasTol));
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ropeattn
