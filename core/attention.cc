@@ -645,6 +645,9 @@ struct DecodeRun {
       return;
     }
     WriteProbsRow(q, b, h, i, lo, x, hi - lo);
+    // The bf16 contract (attention.h): P is rounded before P * V, as the
+    // prefill's bf16 GEMM takes it.
+    if (q.kv_dtype == DType::kBF16) internal::RoundToBF16InPlace(x, hi - lo);
   }
   void Values(int64_t t) {
     const bool f32 = p->kv_dtype == DType::kF32;
@@ -702,6 +705,8 @@ void PrepareDecodeRuns(absl::Span<const Plan* const> plans, std::deque<DecodeRun
           float* dst = qf.data() + ((b * p.heads + h) * p.q_len + i) * d;
           if (p.q_dtype == DType::kF32) {
             std::memcpy(dst, RowPtr<float>(p.q, b, i, h), d * sizeof(float));
+            // The bf16 contract (attention.h): q meets bf16 keys in bf16.
+            if (p.kv_dtype == DType::kBF16) internal::RoundToBF16InPlace(dst, d);
           } else {
             internal::BF16ToF32(RowPtr<uint16_t>(p.q, b, i, h), dst, d);
           }

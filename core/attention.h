@@ -84,6 +84,14 @@ struct AttentionOptions {
   const StopToken* stop = nullptr;
 };
 
+// Precision contract, the same on every kernel and for every query count:
+// sums accumulate in f32 and the softmax runs in f32. When k and v are bf16,
+// q is rounded to bf16 (a no-op for bf16 q) before q * k, and each
+// probability is rounded to bf16 (nearest even) before the P * V sum; the
+// probabilities returned in `probs` are the f32 ones, before that rounding.
+// When k and v are f32 nothing is rounded (bf16 q is widened exactly). A bf16
+// `out` is the f32 result rounded once.
+//
 // q:   [batch, q_len, heads, head_dim], f32 or bf16
 // k:   [batch, k_len, kv_heads, head_dim], f32 or bf16
 // v:   [batch, k_len, kv_heads, v_dim], same dtype as k

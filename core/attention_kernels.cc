@@ -652,6 +652,23 @@ void F32ToBF16(const float* src, uint16_t* dst, int64_t n) {
   }
 }
 
+void RoundToBF16InPlace(float* x, int64_t n) {
+  int64_t i = 0;
+  const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (; i + 8 <= n; i += 8) {
+    const __m256i a = _mm256_castps_si256(_mm256_loadu_ps(x + i));
+    const __m256i r = _mm256_add_epi32(
+        a, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(a, 16), one)));
+    _mm256_storeu_ps(x + i, _mm256_castsi256_ps(_mm256_and_si256(r, high)));
+  }
+  for (; i < n; ++i) {
+    uint32_t u = F2Bits(x[i]);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    x[i] = Bits2F(u & 0xffff0000u);
+  }
+}
+
 void BF16ToF32(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, LoadBF16x8(src + i));

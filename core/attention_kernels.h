@@ -76,6 +76,8 @@ void ScaleInPlace(float* x, int64_t n, float s);
 // dst[i] = bf16(src[i]), round to nearest even.
 void F32ToBF16(const float* src, uint16_t* dst, int64_t n);
 void BF16ToF32(const uint16_t* src, float* dst, int64_t n);
+// x[i] = float(bf16(x[i])), round to nearest even (as F32ToBF16).
+void RoundToBF16InPlace(float* x, int64_t n);
 
 }  // namespace ropeattn::internal
 

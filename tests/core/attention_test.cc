@@ -29,6 +29,7 @@ namespace ropeattn {
 namespace {
 
 using ::ropeattn::testing::AllClose;
+using ::ropeattn::testing::FromDoubles;
 using ::ropeattn::testing::kBF16Tol;
 using ::ropeattn::testing::kF32Tol;
 using ::ropeattn::testing::RandomTensor;
@@ -1409,6 +1410,70 @@ TEST(FarBiasTest, AlibiFarMatchesFp64ThroughCacheAndBatch) {
         ASSERT_TRUE(jobs[1].status.ok()) << jobs[1].status;
         EXPECT_TRUE(AllClose(ToDoubles(batch_out.cview()), want.out, kFarBiasTol));
       }
+    }
+  }
+}
+
+
+// --- The bf16 contract (core/attention.h): the same roundings for every
+// query count. ---
+//
+// With bf16 k and v, q is rounded to bf16 and each probability is rounded to
+// bf16 before P * V, on the decode kernel (16 queries here) as on the prefill
+// (17). The reference computes exactly that in fp64, so a kernel differs from
+// it by f32 accumulation (~1e-7) and by the few probabilities whose f32 value
+// lands on the other side of a bf16 rounding step than the fp64 one (3e-5 to
+// 6e-5 here): 2e-4. Leaving the probabilities unrounded is 1.6e-3 away.
+constexpr double kBF16ContractTol = 2e-4;
+
+TEST(BF16ContractTest, SixteenAndSeventeenQueriesRoundTheSameValues) {
+  EXPECT_EQ(ChooseAttentionPath(16, 4, 4, false), AttentionPath::kDecode);
+  EXPECT_EQ(ChooseAttentionPath(17, 4, 4, false), AttentionPath::kPrefill);
+  for (DType q_dtype : {DType::kBF16, DType::kF32}) {
+    for (bool causal : {true, false}) {
+      Case c;
+      c.dtype = DType::kBF16;
+      c.q_len = 17;
+      c.k_len = 300;
+      c.heads = 4;
+      c.kv_heads = 4;
+      c.causal = causal;
+      c.q_offsets = {250};
+      c.probs = true;
+      c.seed = 1400 + causal;
+      SCOPED_TRACE(absl::StrCat(Describe(c), " q dtype ", DTypeName(q_dtype)));
+      Inputs in = MakeInputs(c);
+      // An f32 q with values bf16 cannot hold: the contract rounds them.
+      if (q_dtype == DType::kF32) in.q = RandomTensor(DType::kF32, {1, 17, 4, 64}, 1402);
+      const std::vector<double> q_bf16 =
+          ToDoubles(FromDoubles(DType::kBF16, {1, 17, 4, 64}, ToDoubles(in.q.cview())).cview());
+      const std::vector<double> k = ToDoubles(in.k.cview()), v = ToDoubles(in.v.cview());
+
+      Tensor out[2], probs[2];
+      std::vector<double> want_out[2], want_probs[2];
+      for (int n = 0; n < 2; ++n) {
+        const int64_t q_len = n == 0 ? 16 : 17;
+        Case cn = c;
+        cn.q_len = q_len;
+        out[n] = Tensor::Create(DType::kF32, {1, q_len, 4, 64}).value();
+        probs[n] = Tensor::Create(DType::kF32, {1, 4, q_len, 300}).value();
+        const absl::Status s = Attend(in.q.cview().Slice(1, 0, q_len), in.k.cview(), in.v.cview(),
+                                      MakeOptions(cn, in), out[n].view(), probs[n].view());
+        ASSERT_TRUE(s.ok()) << s;
+        ref::AttentionRefParams params = MakeRefParams(cn, in);
+        params.bf16_probs = true;
+        const std::vector<double> q(q_bf16.begin(), q_bf16.begin() + q_len * 4 * 64);
+        const ref::AttentionRefResult want = ref::Attention(params, q, k, v);
+        want_out[n] = want.out;
+        want_probs[n] = want.probs;
+        EXPECT_TRUE(AllClose(ToDoubles(out[n].cview()), want.out, kBF16ContractTol))
+            << q_len << " queries";
+        EXPECT_TRUE(AllClose(ToDoubles(probs[n].cview()), want.probs, kF32Tol))
+            << q_len << " queries";
+      }
+      // The 16 shared rows agree between the two calls.
+      EXPECT_TRUE(AllClose(ToDoubles(out[0].cview()),
+                           ToDoubles(out[1].cview().Slice(1, 0, 16)), 2 * kBF16ContractTol));
     }
   }
 }

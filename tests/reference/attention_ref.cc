@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 
 #include "tests/reference/relative_bias_ref.h"
@@ -23,6 +25,18 @@ std::vector<double> MatMul(const std::vector<double>& a, const std::vector<doubl
 }
 
 namespace {
+
+// x rounded to f32, then to bf16 (round to nearest even), as a double.
+double RoundToBF16(double x) {
+  const float f = static_cast<float>(x);
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  u += 0x7fffu + ((u >> 16) & 1u);
+  u &= 0xffff0000u;
+  float r;
+  std::memcpy(&r, &u, sizeof(r));
+  return r;
+}
 
 // Whether key j is visible to the query at absolute position q_pos.
 bool Visible(const AttentionRefParams& p, int64_t q_pos, int64_t j, int64_t key_length) {
@@ -101,9 +115,10 @@ AttentionRefResult Attention(const AttentionRefParams& p, const std::vector<doub
           if (logits[j] == kNegInf) continue;
           const double prob = std::exp(logits[j] - max_logit) / denom;
           result.probs[((b * p.heads + h) * p.q_len + i) * p.k_len + j] = prob;
+          const double weight = p.bf16_probs ? RoundToBF16(prob) : prob;
           for (int64_t e = 0; e < p.v_dim; ++e) {
             result.out[((b * p.q_len + i) * p.heads + h) * p.v_dim + e] +=
-                prob * v[((b * p.k_len + j) * p.kv_heads + kvh) * p.v_dim + e];
+                weight * v[((b * p.k_len + j) * p.kv_heads + kvh) * p.v_dim + e];
           }
         }
       }

@@ -46,6 +46,11 @@ struct AttentionRefParams {
   // bias_per_batch.
   std::vector<double> bias_tensor;
   bool bias_per_batch = false;
+
+  // Round each probability to bf16 (nearest even, through f32) before the
+  // weighted sum of v, as a call with bf16 k and v does (core/attention.h).
+  // `probs` in the result stay unrounded.
+  bool bf16_probs = false;
 };
 
 struct AttentionRefResult {
