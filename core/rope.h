@@ -44,7 +44,8 @@ absl::StatusOr<RopeScalingType> ParseRopeScalingType(absl::string_view name);
 const char* RopeScalingTypeName(RopeScalingType type);
 const char* RopeLayoutName(RopeLayout layout);
 
-// Parameters of the scaling rule; fields a rule does not use are ignored.
+// Parameters of the scaling rule; fields a rule does not use are ignored
+// here (the wire layer refuses them: server/convert.h).
 struct RopeScaling {
   RopeScalingType type = RopeScalingType::kDefault;
   // f: linear, ntk, dynamic, yarn, longrope (for its attention factor), llama3.
@@ -60,17 +61,33 @@ struct RopeScaling {
   // many turns a pair makes over the length the model was trained on.
   double beta_fast = 32.0;
   double beta_slow = 1.0;
+  // yarn: whether the correction range is widened to whole pairs,
+  // low = max(floor(corr_dim(beta_fast)), 0) and
+  // high = min(ceil(corr_dim(beta_slow)), d - 1), as transformers does by
+  // default; false keeps both bounds fractional (still clamped to [0, d-1]).
+  // transformers' `truncate` key, default true.
+  bool truncate = true;
   // yarn, longrope: overrides the rule's computed attention factor.
   std::optional<double> attention_factor;
-  // yarn (DeepSeek style): both set => (0.1 m ln f + 1) / (0.1 m_all ln f + 1);
-  // otherwise the factor is 0.1 ln f + 1. Unlike Python truthiness in
-  // transformers, a value of 0 counts as set.
+  // yarn (DeepSeek style): both given and non-zero =>
+  // (0.1 m ln f + 1) / (0.1 m_all ln f + 1); otherwise the factor is
+  // 0.1 ln f + 1. As in transformers (`if mscale and mscale_all_dim`), a value
+  // of 0 counts as not given, and one of the two alone has no effect.
   std::optional<double> mscale;
   std::optional<double> mscale_all_dim;
   // longrope: per-pair extension factors, d/2 each; long ones apply when the
   // sequence length is strictly greater than original_max_positions.
   std::vector<double> short_factor;
   std::vector<double> long_factor;
+  // longrope: the model's max_position_embeddings, for configs that keep
+  // original_max_position_embeddings at the top level (Phi-3). When > 0 and
+  // attention_factor is not given, the attention factor is computed from
+  // f' = max_position_embeddings / original_max_positions instead of `factor`
+  // (transformers' _compute_longrope_parameters): 1 if f' <= 1, else
+  // sqrt(1 + ln f' / ln original_max_positions). 0: `factor` is used. The
+  // long/short switch still compares the length with original_max_positions.
+  // Must be >= 0.
+  int64_t max_position_embeddings = 0;
   // llama3
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
@@ -93,7 +110,8 @@ struct RopeConfig {
 // d/(d-2) needs two pairs), yarn beta_fast <= beta_slow or beta_slow <= 0,
 // a non-finite mscale, an attention_factor override that is not finite and
 // > 0, longrope factor lists of the wrong length or with non-positive
-// entries, longrope deriving its attention factor from L0 < 2, llama3
+// entries, a negative max_position_embeddings, longrope deriving its
+// attention factor from L0 < 2, llama3
 // low_freq_factor <= 0 or high_freq_factor <= low_freq_factor.
 absl::Status ValidateRopeConfig(const RopeConfig& config);
 

@@ -35,8 +35,13 @@ std::vector<double> YarnInvFreq(int64_t d, double base, const RopeScaling& s) {
   auto corr_dim = [&](double rotations) {
     return static_cast<double>(d) * std::log(l0 / (rotations * 2.0 * kPi)) / (2.0 * std::log(base));
   };
-  const double low = std::max(std::floor(corr_dim(s.beta_fast)), 0.0);
-  double high = std::min(std::ceil(corr_dim(s.beta_slow)), static_cast<double>(d - 1));
+  double low = corr_dim(s.beta_fast), high = corr_dim(s.beta_slow);
+  if (s.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(d - 1));
   // A zero-width ramp would divide by zero; transformers widens it the same way.
   if (low == high) high += 0.001;
 
@@ -55,17 +60,28 @@ std::vector<double> YarnInvFreq(int64_t d, double base, const RopeScaling& s) {
 double YarnAttentionFactor(const RopeScaling& s) {
   if (s.attention_factor.has_value()) return *s.attention_factor;
   const double ln_f = std::log(s.factor);
-  if (s.mscale.has_value() && s.mscale_all_dim.has_value()) {
+  // transformers: `if mscale and mscale_all_dim` (0 is not given).
+  if (s.mscale.value_or(0.0) != 0.0 && s.mscale_all_dim.value_or(0.0) != 0.0) {
     return (0.1 * *s.mscale * ln_f + 1.0) / (0.1 * *s.mscale_all_dim * ln_f + 1.0);
   }
   return 0.1 * ln_f + 1.0;
 }
 
+// The f of LongRoPE's attention factor: Phi-3 configs give it as how far
+// the context was extended, max_position_embeddings / L0, not as `factor`.
+double LongRopeExtension(const RopeScaling& s) {
+  if (s.max_position_embeddings > 0) {
+    return static_cast<double>(s.max_position_embeddings) /
+           static_cast<double>(s.original_max_positions);
+  }
+  return s.factor;
+}
+
 double LongRopeAttentionFactor(const RopeScaling& s) {
   if (s.attention_factor.has_value()) return *s.attention_factor;
-  if (s.factor <= 1.0) return 1.0;
-  return std::sqrt(1.0 +
-                   std::log(s.factor) / std::log(static_cast<double>(s.original_max_positions)));
+  const double f = LongRopeExtension(s);
+  if (f <= 1.0) return 1.0;
+  return std::sqrt(1.0 + std::log(f) / std::log(static_cast<double>(s.original_max_positions)));
 }
 
 std::vector<double> Llama3InvFreq(int64_t d, double base, const RopeScaling& s) {
@@ -259,8 +275,14 @@ absl::Status ValidateRopeConfig(const RopeConfig& config) {
           !st.ok()) {
         return st;
       }
+      if (s.max_position_embeddings < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("scaling.max_position_embeddings must be >= 0 (0: use factor), got %d",
+                            s.max_position_embeddings));
+      }
       // sqrt(1 + ln f / ln L0) is undefined for L0 = 1.
-      if (!s.attention_factor.has_value() && s.factor > 1.0 && s.original_max_positions < 2) {
+      if (!s.attention_factor.has_value() && LongRopeExtension(s) > 1.0 &&
+          s.original_max_positions < 2) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "longrope needs original_max_positions >= 2 to derive its attention factor, got %d",
             s.original_max_positions));

@@ -4,6 +4,7 @@
 //
 // Tolerance: frequencies are fp64 on both sides, so entries must agree to
 // 1e-12 relative (only libm ulp differences remain).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -79,6 +80,7 @@ RefFreqs Reference(const RopeConfig& c, int64_t seq_len) {
       y.attention_factor = s.attention_factor;
       y.mscale = s.mscale;
       y.mscale_all_dim = s.mscale_all_dim;
+      y.truncate = s.truncate;
       r.inv_freq = ref::YarnInvFreq(d, c.theta, y);
       r.attention_factor = ref::YarnAttentionFactor(y);
       break;
@@ -87,7 +89,8 @@ RefFreqs Reference(const RopeConfig& c, int64_t seq_len) {
       r.inv_freq = ref::LongRopeInvFreq(d, c.theta, s.short_factor, s.long_factor,
                                         s.original_max_positions, seq_len);
       r.attention_factor =
-          ref::LongRopeAttentionFactor(s.factor, s.original_max_positions, s.attention_factor);
+          ref::LongRopeAttentionFactor(s.factor, s.original_max_positions, s.attention_factor,
+                                       s.max_position_embeddings);
       break;
     case RopeScalingType::kLlama3:
       r.inv_freq = ref::Llama3InvFreq(d, c.theta, s.factor, s.low_freq_factor, s.high_freq_factor,
@@ -133,6 +136,9 @@ std::vector<RopeConfig> AllRuleConfigs() {
         out.push_back(y);
         y.scaling.attention_factor = 1.3;
         out.push_back(y);
+        y.scaling.attention_factor.reset();
+        y.scaling.truncate = false;
+        out.push_back(y);
         RopeConfig l = Config(head_dim, rotary_dim, theta, RopeScalingType::kLongRope);
         l.scaling.factor = 32.0;
         l.scaling.original_max_positions = 4096;
@@ -142,6 +148,9 @@ std::vector<RopeConfig> AllRuleConfigs() {
         l.scaling.factor = 0.5;  // factor <= 1: attention factor 1
         out.push_back(l);
         l.scaling.attention_factor = 1.1;
+        out.push_back(l);
+        l.scaling.attention_factor.reset();
+        l.scaling.max_position_embeddings = 131072;  // Phi-3: f' = 32 whatever factor says
         out.push_back(l);
       }
     }
@@ -406,12 +415,83 @@ TEST(RopeFrequenciesTest, YarnAttentionFactorRules) {
   EXPECT_NEAR(ComputeRopeFrequencies(c, 0).value().attention_factor, 1.0, 1e-15);
   c.scaling.attention_factor = 0.75;  // an override wins
   EXPECT_EQ(ComputeRopeFrequencies(c, 0).value().attention_factor, 0.75);
+  // As in transformers (`if mscale and mscale_all_dim`), 0 is not given.
+  c.scaling.attention_factor.reset();
+  c.scaling.mscale = 0.0;
+  c.scaling.mscale_all_dim = 1.0;
+  EXPECT_NEAR(ComputeRopeFrequencies(c, 0).value().attention_factor, 0.1 * std::log(4.0) + 1.0,
+              1e-15);
+  c.scaling.mscale = 1.0;
+  c.scaling.mscale_all_dim = 0.0;
+  EXPECT_NEAR(ComputeRopeFrequencies(c, 0).value().attention_factor, 0.1 * std::log(4.0) + 1.0,
+              1e-15);
   // factor 1: no interpolation at all, and no attention scaling.
   RopeConfig one = Config(64, 0, 10000.0, RopeScalingType::kYarn);
   one.scaling.original_max_positions = 2048;
   const RopeFrequencies f = ComputeRopeFrequencies(one, 0).value();
   EXPECT_EQ(f.attention_factor, 1.0);
   ExpectAllNear(f.inv_freq, ref::DefaultInvFreq(64, 10000.0), "yarn factor 1");
+}
+
+// transformers' find_correction_range with truncate=False: the bounds stay
+// fractional. d = 64, base 10000, L0 4096: corr_dim(32) = 15.86...,
+// corr_dim(1) = 30.95..., so truncation moves them to 15 and 31.
+TEST(RopeFrequenciesTest, YarnTruncateFalseKeepsFractionalCorrectionBounds) {
+  RopeConfig c = Config(64, 0, 10000.0, RopeScalingType::kYarn);
+  c.scaling.factor = 8.0;
+  c.scaling.original_max_positions = 4096;
+  const double kPi = 3.14159265358979323846;
+  auto corr_dim = [&](double r) {
+    return 64.0 * std::log(4096.0 / (r * 2.0 * kPi)) / (2.0 * std::log(10000.0));
+  };
+  const double low = corr_dim(32.0), high = corr_dim(1.0);
+  ASSERT_NE(low, std::floor(low));
+  ASSERT_NE(high, std::ceil(high));
+  const std::vector<double> base = ref::DefaultInvFreq(64, 10000.0);
+  for (bool truncate : {true, false}) {
+    c.scaling.truncate = truncate;
+    const double lo = truncate ? std::floor(low) : low, hi = truncate ? std::ceil(high) : high;
+    std::vector<double> want(32);
+    for (int j = 0; j < 32; ++j) {
+      const double ramp = std::clamp((j - lo) / (hi - lo), 0.0, 1.0);
+      want[j] = base[j] / 8.0 * ramp + base[j] * (1.0 - ramp);
+    }
+    const RopeFrequencies f = ComputeRopeFrequencies(c, 0).value();
+    ExpectAllNear(f.inv_freq, want, absl::StrCat("truncate ", truncate));
+    EXPECT_NEAR(f.attention_factor, 0.1 * std::log(8.0) + 1.0, 1e-15);
+  }
+  // Pair 16 lies inside [15.86, 30.95] either way but at a different ramp.
+  c.scaling.truncate = true;
+  const double truncated = ComputeRopeFrequencies(c, 0).value().inv_freq[16];
+  c.scaling.truncate = false;
+  EXPECT_NE(ComputeRopeFrequencies(c, 0).value().inv_freq[16], truncated);
+}
+
+// Phi-3: config.json has max_position_embeddings 131072 and (top level)
+// original_max_position_embeddings 4096; transformers then takes f = 32 for
+// the attention factor, whatever rope_scaling.factor says.
+TEST(RopeFrequenciesTest, LongRopeAttentionFactorFromMaxPositionEmbeddings) {
+  RopeConfig c = Config(32, 0, 10000.0, RopeScalingType::kLongRope);
+  c.scaling.original_max_positions = 4096;
+  c.scaling.short_factor = Factors(16, 0.01);
+  c.scaling.long_factor = Factors(16, 0.7);
+  c.scaling.max_position_embeddings = 131072;
+  const double want = std::sqrt(1.0 + std::log(32.0) / std::log(4096.0));
+  for (double factor : {1.0, 4.0}) {
+    c.scaling.factor = factor;
+    EXPECT_NEAR(ComputeRopeFrequencies(c, 0).value().attention_factor, want, 1e-15);
+    EXPECT_NEAR(ComputeRopeFrequencies(c, 5000).value().attention_factor, want, 1e-15);
+  }
+  c.scaling.max_position_embeddings = 4096;  // not extended: 1
+  EXPECT_EQ(ComputeRopeFrequencies(c, 0).value().attention_factor, 1.0);
+  c.scaling.max_position_embeddings = 131072;
+  c.scaling.attention_factor = 1.25;  // an override still wins
+  EXPECT_EQ(ComputeRopeFrequencies(c, 0).value().attention_factor, 1.25);
+  c.scaling.attention_factor.reset();
+  c.scaling.max_position_embeddings = -1;
+  const absl::Status s = ComputeRopeFrequencies(c, 0).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("max_position_embeddings"));
 }
 
 // --- Validation: each bad field gives InvalidArgument naming it. ---

@@ -52,9 +52,13 @@ std::vector<double> YarnInvFreq(int64_t d, double base, const YarnRefParams& par
   auto corr_dim = [&](double rotations) {
     return d * std::log(params.original_len / (rotations * 2.0 * kPi)) / (2.0 * std::log(base));
   };
-  double low = std::floor(corr_dim(params.beta_fast));
+  double low = corr_dim(params.beta_fast);
+  double high = corr_dim(params.beta_slow);
+  if (params.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
   if (low < 0) low = 0;
-  double high = std::ceil(corr_dim(params.beta_slow));
   if (high > d - 1) high = d - 1;
   if (low == high) high = high + 0.001;
 
@@ -76,7 +80,9 @@ std::vector<double> YarnInvFreq(int64_t d, double base, const YarnRefParams& par
 double YarnAttentionFactor(const YarnRefParams& params) {
   if (params.attention_factor.has_value()) return *params.attention_factor;
   double ln_f = std::log(params.factor);
-  if (params.mscale.has_value() && params.mscale_all_dim.has_value()) {
+  const bool mscale = params.mscale.has_value() && *params.mscale != 0;
+  const bool mscale_all_dim = params.mscale_all_dim.has_value() && *params.mscale_all_dim != 0;
+  if (mscale && mscale_all_dim) {
     return (0.1 * *params.mscale * ln_f + 1.0) / (0.1 * *params.mscale_all_dim * ln_f + 1.0);
   }
   return 0.1 * ln_f + 1.0;
@@ -93,10 +99,13 @@ std::vector<double> LongRopeInvFreq(int64_t d, double base, const std::vector<do
 }
 
 double LongRopeAttentionFactor(double factor, int64_t original_len,
-                               std::optional<double> override_factor) {
+                               std::optional<double> override_factor,
+                               int64_t max_position_embeddings) {
   if (override_factor.has_value()) return *override_factor;
-  if (factor <= 1.0) return 1.0;
-  return std::sqrt(1.0 + std::log(factor) / std::log(static_cast<double>(original_len)));
+  double f = factor;
+  if (max_position_embeddings > 0) f = static_cast<double>(max_position_embeddings) / original_len;
+  if (f <= 1.0) return 1.0;
+  return std::sqrt(1.0 + std::log(f) / std::log(static_cast<double>(original_len)));
 }
 
 std::vector<double> Llama3InvFreq(int64_t d, double base, double factor, double low_freq_factor,

@@ -30,7 +30,11 @@ struct YarnRefParams {
   int64_t original_len = 0;  // L0, used in the correction dims
   double beta_fast = 32.0;
   double beta_slow = 1.0;
+  // false: the correction range bounds are not floored / ceiled.
+  bool truncate = true;
   std::optional<double> attention_factor;
+  // Used only when both are given and non-zero (transformers'
+  // `if mscale and mscale_all_dim`).
   std::optional<double> mscale;
   std::optional<double> mscale_all_dim;
 };
@@ -42,9 +46,12 @@ double YarnAttentionFactor(const YarnRefParams& params);
 std::vector<double> LongRopeInvFreq(int64_t d, double base, const std::vector<double>& short_factor,
                                     const std::vector<double>& long_factor, int64_t original_len,
                                     int64_t seq_len);
-// override if given; else 1 when factor <= 1; else sqrt(1 + ln f / ln L0).
+// override if given; else 1 when f <= 1; else sqrt(1 + ln f / ln L0), where
+// f = max_position_embeddings / L0 when max_position_embeddings > 0 (Phi-3
+// configs), else factor.
 double LongRopeAttentionFactor(double factor, int64_t original_len,
-                               std::optional<double> override_factor);
+                               std::optional<double> override_factor,
+                               int64_t max_position_embeddings = 0);
 
 // Llama 3.1 wavelength-banded interpolation.
 std::vector<double> Llama3InvFreq(int64_t d, double base, double factor, double low_freq_factor,
