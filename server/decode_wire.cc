@@ -31,12 +31,22 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
       return absl::UnimplementedError("layer mode serves softmax attention only");
     }
     const ModelConfig& mc = r.model->config();
+    if (!mc.causal) {
+      return absl::UnimplementedError(absl::StrCat(
+          "model ", open.model(), " (", FamilyName(mc.family),
+          ") attends bidirectionally; decoding sessions need a causal model (use Attend)"));
+    }
+    AttentionOptions model_options;
+    RA_RETURN_IF_ERROR(ModelLayerOptions(mc, r.layer, in, &model_options));
     v1::AttentionSpec spec = in;
     spec.set_heads(mc.num_heads);
     spec.set_kv_heads(mc.num_kv_heads);
     spec.set_head_dim(mc.head_dim);
+    spec.set_scale(model_options.scale);
+    spec.set_softcap(model_options.softcap);
+    spec.set_window(model_options.window);
     RA_ASSIGN_OR_RETURN(c.spec, ResolveSpec(spec));
-    c.spec.rope = mc.rope;
+    if (const RopeConfig* rope = RopeOfLayer(mc, r.layer); rope != nullptr) c.spec.rope = *rope;
     c.spec_proto = spec;
     c.model = r.model;
     c.layer = r.layer;

@@ -1,6 +1,7 @@
 #include "server/layer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -35,6 +36,29 @@ absl::StatusOr<Tensor> Project(const ConstTensorView& x2d, const ConstTensorView
   return y;
 }
 
+// Per-head RMSNorm of x [B, S, heads, head_dim] (f32, dense) in place:
+// x / sqrt(mean(x^2) + eps) times w (Qwen3) or 1 + w (Gemma 3), each row's
+// sum of squares accumulated in fp64.
+void NormHeads(Tensor& x, const ConstTensorView& w, QkNorm kind, double eps) {
+  const int64_t d = x.dim(3);
+  const int64_t rows = x.num_elements() / d;
+  float* data = x.data<float>();
+  std::vector<double> gain(static_cast<size_t>(d));
+  for (int64_t i = 0; i < d; ++i) {
+    const double wi = w.GetFloat({i});
+    gain[static_cast<size_t>(i)] = kind == QkNorm::kRmsOnePlus ? 1.0 + wi : wi;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = data + r * d;
+    double ss = 0.0;
+    for (int64_t i = 0; i < d; ++i) ss += static_cast<double>(row[i]) * row[i];
+    const double inv = 1.0 / std::sqrt(ss / static_cast<double>(d) + eps);
+    for (int64_t i = 0; i < d; ++i) {
+      row[i] = static_cast<float>(row[i] * inv * gain[static_cast<size_t>(i)]);
+    }
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<Projections> ProjectQKV(const Model& model, int64_t layer,
@@ -50,6 +74,10 @@ absl::StatusOr<Projections> ProjectQKV(const Model& model, int64_t layer,
       p.k, Project(x, w->k_proj, w->k_bias, {b, s, c.num_kv_heads, c.head_dim}, threads, "k_proj"));
   RA_ASSIGN_OR_RETURN(
       p.v, Project(x, w->v_proj, w->v_bias, {b, s, c.num_kv_heads, c.head_dim}, threads, "v_proj"));
+  if (c.qk_norm != QkNorm::kNone) {
+    NormHeads(p.q, w->q_norm, c.qk_norm, c.rms_norm_eps);
+    NormHeads(p.k, w->k_norm, c.qk_norm, c.rms_norm_eps);
+  }
   return p;
 }
 
@@ -68,11 +96,11 @@ absl::StatusOr<Tensor> LayerForward(const Model& model, int64_t layer,
   const ModelConfig& c = model.config();
   const int64_t b = hidden.dim(0), s = hidden.dim(1);
   RA_ASSIGN_OR_RETURN(Projections p, ProjectQKV(model, layer, hidden, threads));
-  if (c.rope) {
+  if (const RopeConfig* rope = RopeOfLayer(c, layer); rope != nullptr) {
     int64_t len = s;
     for (int64_t off : offsets) len = std::max(len, off + s);
     RA_ASSIGN_OR_RETURN(RopeRotator rot,
-                        RopeRotator::Create(*c.rope, len, std::min(len, kRopeTable)));
+                        RopeRotator::Create(*rope, len, std::min(len, kRopeTable)));
     const Positions at{{}, offsets};
     RA_RETURN_IF_ERROR(rot.Apply(p.q.view(), at, RopeDirection::kForward, threads));
     RA_RETURN_IF_ERROR(rot.Apply(p.k.view(), at, RopeDirection::kForward, threads));
@@ -85,6 +113,47 @@ absl::StatusOr<Tensor> LayerForward(const Model& model, int64_t layer,
   RA_ASSIGN_OR_RETURN(Tensor attn, Tensor::Create(DType::kF32, {b, s, c.num_heads, c.head_dim}));
   RA_RETURN_IF_ERROR(Attend(p.q.view(), p.k.view(), p.v.view(), options, attn.view()));
   return ProjectOutput(model, layer, attn.view(), threads);
+}
+
+absl::Status ModelLayerOptions(const ModelConfig& c, int64_t layer, const v1::AttentionSpec& spec,
+                               AttentionOptions* options) {
+  RA_RETURN_IF_ERROR(CheckFiniteRange(spec.scale(), 0.0, kMaxLogitScale, "spec.scale"));
+  RA_RETURN_IF_ERROR(CheckFiniteRange(spec.softcap(), 0.0, kMaxSoftcap, "spec.softcap"));
+  if (spec.window() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("spec.window must be >= 0 (0 means none), got %d", spec.window()));
+  }
+  const int64_t window = c.layers.empty() ? 0 : c.layers[static_cast<size_t>(layer)].window;
+  const double scale = c.scale > 0.0 ? c.scale : 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  // The spec may restate the model's values, never change them.
+  if (spec.scale() != 0.0 && spec.scale() != scale) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "spec.scale = %g differs from layer %d's own logit scale %.17g (%s); leave it 0 in layer "
+        "mode",
+        spec.scale(), layer, scale, c.scale > 0.0 ? "query_pre_attn_scalar^-0.5" : "1/sqrt(head_dim)"));
+  }
+  if (spec.softcap() != 0.0 && spec.softcap() != c.softcap) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "spec.softcap = %g differs from the model's attn_logit_softcapping (%g, 0 meaning none); "
+        "leave it 0 in layer mode",
+        spec.softcap(), c.softcap));
+  }
+  if (spec.window() != 0 && spec.window() != window) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "spec.window = %d differs from layer %d's sliding window (%d, 0 meaning none); leave it 0 "
+        "in layer mode",
+        spec.window(), layer, window));
+  }
+  if (spec.causal() && !c.causal) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.causal is true, but ", FamilyName(c.family),
+        " attends bidirectionally; leave it false in layer mode"));
+  }
+  options->scale = c.scale;
+  options->softcap = c.softcap;
+  options->window = window;
+  options->causal = c.causal;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ResolvedLayer> ResolveLayer(const ModelRegistry& models, absl::string_view model,
@@ -131,18 +200,8 @@ absl::StatusOr<LayerPlan> PlanLayerAttend(const ModelRegistry& models,
         c.hidden_size, in.model(), DimsToString(plan.hidden.dims)));
   }
   const int64_t b = plan.hidden.dim(0), s = plan.hidden.dim(1);
-  const v1::AttentionSpec& spec = request.spec();
-  RA_RETURN_IF_ERROR(CheckFiniteRange(spec.scale(), 0.0, kMaxLogitScale, "spec.scale"));
-  RA_RETURN_IF_ERROR(CheckFiniteRange(spec.softcap(), 0.0, kMaxSoftcap, "spec.softcap"));
-  if (spec.window() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("spec.window must be >= 0 (0 means none), got %d", spec.window()));
-  }
-  AttentionOptions& o = plan.options;
-  o.scale = spec.scale();
-  o.causal = spec.causal();
-  o.window = spec.window();
-  o.softcap = spec.softcap();
+  RA_RETURN_IF_ERROR(
+      ModelLayerOptions(c, plan.layer.layer, request.spec(), &plan.options));
   if (!request.q_offsets().empty() && request.q_offsets_size() != b) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "q_offsets has %d entries, expected one per batch row (%d)", request.q_offsets_size(), b));
@@ -181,8 +240,8 @@ absl::StatusOr<LayerPlan> PlanLayerAttend(const ModelRegistry& models,
   d.hidden_dtype = plan.hidden.dtype;
   d.out_dtype = plan.out_dtype;
   d.threads = threads;
-  if (c.rope && !plan.empty) {
-    d.rope_rotary_dim = c.rope->effective_rotary_dim();
+  if (const RopeConfig* rope = RopeOfLayer(c, plan.layer.layer); rope != nullptr && !plan.empty) {
+    d.rope_rotary_dim = rope->effective_rotary_dim();
     d.rope_positions = len;
   }
   return plan;
@@ -319,6 +378,40 @@ absl::Status RunEmbed(const ModelRegistry& models, const v1::EmbedRequest& reque
             SinusoidalTable(1, c.hidden_size, 10000, SinusoidalLayout::kInterleaved, positions[i]));
         float* dst = out.data<float>() + i * c.hidden_size;
         for (int64_t h = 0; h < c.hidden_size; ++h) dst[h] += row.data<float>()[h];
+      }
+    }
+  }
+  if (c.embed_scale != 1.0) {
+    // Gemma: embeddings * sqrt(hidden_size), the factor rounded to the
+    // table's dtype as transformers casts it; the product rounded to f32.
+    const ConstTensorView t = plan.model->embed_tokens();
+    const float normalizer = t.dtype() == DType::kBF16
+                                 ? BF16ToFloat(FloatToBF16(static_cast<float>(c.embed_scale)))
+                                 : static_cast<float>(c.embed_scale);
+    float* data = out.data<float>();
+    for (int64_t i = 0; i < n * c.hidden_size; ++i) data[i] *= normalizer;
+  }
+  if (!plan.model->embed_norm_weight().empty_view() && n > 0) {
+    // BERT: + token type 0's row, then LayerNorm over hidden (fp64 per row).
+    const ConstTensorView type_row = plan.model->token_type_row();
+    const ConstTensorView gamma = plan.model->embed_norm_weight();
+    const ConstTensorView beta = plan.model->embed_norm_bias();
+    const int64_t hs = c.hidden_size;
+    std::vector<double> row(static_cast<size_t>(hs));
+    for (int64_t i = 0; i < n; ++i) {
+      float* dst = out.data<float>() + i * hs;
+      double mean = 0.0;
+      for (int64_t h = 0; h < hs; ++h) {
+        row[h] = static_cast<double>(dst[h]) + (type_row.empty_view() ? 0.0 : type_row.GetFloat({0, h}));
+        mean += row[h];
+      }
+      mean /= static_cast<double>(hs);
+      double var = 0.0;
+      for (int64_t h = 0; h < hs; ++h) var += (row[h] - mean) * (row[h] - mean);
+      var /= static_cast<double>(hs);
+      const double inv = 1.0 / std::sqrt(var + c.layer_norm_eps);
+      for (int64_t h = 0; h < hs; ++h) {
+        dst[h] = static_cast<float>((row[h] - mean) * inv * gamma.GetFloat({h}) + beta.GetFloat({h}));
       }
     }
   }

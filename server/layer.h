@@ -18,7 +18,8 @@
 namespace ropeattn::server {
 
 // q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, D], f32: the layer's
-// projections of hidden [B, S, hidden_size] (f32 or bf16), biases included.
+// projections of hidden [B, S, hidden_size] (f32 or bf16), biases included,
+// and the model's per-head q/k norms (Qwen3, Gemma 3) applied; before RoPE.
 struct Projections {
   Tensor q, k, v;
 };
@@ -29,7 +30,15 @@ absl::StatusOr<Projections> ProjectQKV(const Model& model, int64_t layer,
 absl::StatusOr<Tensor> ProjectOutput(const Model& model, int64_t layer, const ConstTensorView& attn,
                                      int threads);
 
-// A whole attention layer: projections, the model's RoPE at positions
+// The attention a model's layer computes (docs/checkpoints.md): its logit
+// scale, soft-cap, sliding window and causality, written into `options`.
+// The request's spec may restate each (0 / false means "the model's"); a
+// different value is InvalidArgument naming the field, the layer and the
+// model's value, as is spec.causal on a bidirectional model.
+absl::Status ModelLayerOptions(const ModelConfig& config, int64_t layer,
+                               const v1::AttentionSpec& spec, AttentionOptions* options);
+
+// A whole attention layer: projections, the layer's RoPE (RopeOfLayer) at positions
 // offsets[b] + s (offsets empty: 0), attention with `options` (q_offsets set
 // to the same offsets), output projection. Returns [B, S, hidden_size] f32.
 absl::StatusOr<Tensor> LayerForward(const Model& model, int64_t layer,

@@ -192,6 +192,11 @@ class KeyReader {
     return &*it;
   }
   bool Has(absl::string_view key) const { return Find(key) != nullptr; }
+  // The key is written, possibly as null (null is "None" in transformers,
+  // which differs from absent where the default is not None).
+  bool Present(absl::string_view key) const { return obj_.contains(std::string(key)); }
+  const std::string& prefix() const { return prefix_; }
+  absl::string_view file() const { return file_; }
 
   absl::Status Error(absl::string_view key, absl::string_view problem) const {
     return absl::InvalidArgumentError(absl::StrCat(file_, ": key ", prefix_, key, " ", problem));
@@ -233,6 +238,15 @@ class KeyReader {
     }
     return *v;
   }
+  // An integer >= 0 (at most 2^31 - 1).
+  absl::StatusOr<std::optional<int64_t>> NonNegativeInt(absl::string_view key) const {
+    const json* v = Find(key);
+    if (v == nullptr) return std::nullopt;
+    if (v->is_number_unsigned() && v->get<uint64_t>() <= static_cast<uint64_t>(kMaxConfigInt)) {
+      return static_cast<int64_t>(v->get<uint64_t>());
+    }
+    return TypeError(key, absl::StrCat("an integer in [0, ", kMaxConfigInt, "]"), *v);
+  }
   absl::StatusOr<std::optional<double>> Number(absl::string_view key) const {
     const json* v = Find(key);
     if (v == nullptr) return std::nullopt;
@@ -273,17 +287,57 @@ class KeyReader {
   std::string prefix_;
 };
 
-// Encoder families whose positions are a learned table when
-// position_embedding_type is absent (transformers' default "absolute").
-bool IsLearnedPositionFamily(absl::string_view model_type) {
-  return model_type == "bert" || model_type == "roberta" || model_type == "xlm-roberta" ||
-         model_type == "electra";
+// The architecture table (docs/checkpoints.md): every model_type served, and
+// the defaults its transformers config class gives keys a config.json omits.
+struct FamilyRow {
+  Family family;
+  const char* name;
+  std::vector<const char*> model_types;
+  int64_t default_head_dim;      // 0: hidden_size / num_heads
+  int64_t default_kv_heads;      // 0: num_attention_heads
+  double default_theta;          // rope_theta when absent
+  bool reads_head_dim;           // false: head_dim is always hidden / heads
+  bool reads_kv_heads;           // false: no GQA (num_key_value_heads not read)
+};
+
+const std::vector<FamilyRow>& Families() {
+  static const auto* rows = new std::vector<FamilyRow>{
+      {Family::kLlama, "Llama", {"llama"}, 0, 0, 10000.0, true, true},
+      {Family::kMistral, "Mistral", {"mistral", "mixtral"}, 0, 8, 10000.0, true, true},
+      {Family::kQwen2, "Qwen2", {"qwen2", "qwen2_moe"}, 0, 32, 10000.0, true, true},
+      {Family::kQwen3, "Qwen3", {"qwen3", "qwen3_moe"}, 128, 32, 10000.0, true, true},
+      {Family::kGemma, "Gemma", {"gemma"}, 256, 16, 10000.0, true, true},
+      {Family::kGemma2, "Gemma 2", {"gemma2"}, 256, 8, 10000.0, true, true},
+      {Family::kGemma3, "Gemma 3", {"gemma3_text"}, 256, 4, 1000000.0, true, true},
+      {Family::kPhi3, "Phi-3", {"phi3"}, 0, 0, 10000.0, true, true},
+      {Family::kGptNeoX, "GPT-NeoX", {"gpt_neox"}, 0, 0, 10000.0, false, false},
+      {Family::kGptJ, "GPT-J", {"gptj"}, 0, 0, 10000.0, false, false},
+      {Family::kBert, "BERT", {"bert"}, 0, 0, 10000.0, false, false},
+  };
+  return *rows;
 }
 
-// Model types whose rotary_dim pairs channels 2i, 2i+1 (GPT-J and its
-// descendant CodeGen rotate every other channel).
-bool IsInterleavedFamily(absl::string_view model_type) {
-  return model_type == "gptj" || model_type == "codegen";
+std::string SupportedModelTypes() {
+  std::vector<std::string> names;
+  for (const FamilyRow& row : Families()) {
+    for (const char* t : row.model_types) names.push_back(t);
+  }
+  return absl::StrJoin(names, ", ");
+}
+
+const FamilyRow* FindFamily(absl::string_view model_type) {
+  for (const FamilyRow& row : Families()) {
+    for (const char* t : row.model_types) {
+      if (model_type == t) return &row;
+    }
+  }
+  return nullptr;
+}
+
+absl::Status Refuse(absl::string_view file, absl::string_view key, const json& value,
+                    absl::string_view why) {
+  return absl::UnimplementedError(
+      absl::StrCat(file, ": key ", key, " = ", Brief(value), " is not supported: ", why));
 }
 
 // rotary_dim from a fraction of head_dim, as transformers computes it
@@ -302,35 +356,36 @@ absl::StatusOr<int64_t> RotaryDimFromFraction(const KeyReader& r, absl::string_v
   return dim;
 }
 
+// One RoPE from `top` (the config) and a scaling block (`block`, may be null,
+// named `block_name` in messages). `theta_default` when no rope_theta is given.
 absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& config,
-                                       absl::string_view file) {
+                                       absl::string_view file, const json* block,
+                                       absl::string_view block_name, double theta_default) {
   RopeConfig rope;
   rope.head_dim = config.head_dim;
+  const Family family = config.family;
 
-  // rope_parameters (transformers >= 4.56) supersedes rope_scaling and may
-  // also carry rope_theta and partial_rotary_factor.
-  const char* scaling_key = top.Has("rope_parameters") ? "rope_parameters" : "rope_scaling";
-  const json* scaling_json = top.Find(scaling_key);
-  if (scaling_json != nullptr && !scaling_json->is_object()) {
-    return top.TypeError(scaling_key, "an object", *scaling_json);
+  if (block != nullptr && !block->is_object()) {
+    return top.TypeError(block_name, "an object", *block);
   }
   static const json kEmpty = json::object();
-  const KeyReader s(scaling_json != nullptr ? *scaling_json : kEmpty, file,
-                    absl::StrCat(scaling_key, "."));
+  const KeyReader s(block != nullptr ? *block : kEmpty, file, absl::StrCat(block_name, "."));
 
-  // Base: rope_theta, GPT-NeoX's rotary_emb_base, else 10000.
+  // Base: rope_theta (inside the block in newer transformers), GPT-NeoX's
+  // rotary_emb_base, else the family's default.
   RA_ASSIGN_OR_RETURN(std::optional<double> theta, s.Number("rope_theta"));
   if (!theta.has_value()) {
     RA_ASSIGN_OR_RETURN(theta, top.Number("rope_theta"));
   }
-  if (!theta.has_value()) {
+  if (!theta.has_value() && family == Family::kGptNeoX) {
     RA_ASSIGN_OR_RETURN(theta, top.Number("rotary_emb_base"));
   }
-  rope.theta = theta.value_or(10000.0);
+  rope.theta = theta.value_or(theta_default);
 
-  // Partial rotary and pair layout.
-  rope.layout =
-      IsInterleavedFamily(config.model_type) ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit;
+  // Partial rotary and pair layout: GPT-J rotates interleaved pairs of its
+  // first rotary_dim (default 64) channels; GPT-NeoX the first rotary_pct
+  // (default 0.25) of each head, half-split.
+  rope.layout = family == Family::kGptJ ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit;
   rope.rotary_dim = config.head_dim;
   RA_ASSIGN_OR_RETURN(std::optional<double> partial, s.Number("partial_rotary_factor"));
   const KeyReader* partial_reader = &s;
@@ -338,21 +393,30 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
     RA_ASSIGN_OR_RETURN(partial, top.Number("partial_rotary_factor"));
     partial_reader = &top;
   }
-  RA_ASSIGN_OR_RETURN(std::optional<double> rotary_pct, top.Number("rotary_pct"));
-  RA_ASSIGN_OR_RETURN(std::optional<int64_t> rotary_dim, top.PositiveInt("rotary_dim"));
-  if (partial.has_value()) {
+  if (family == Family::kGptNeoX) {
+    RA_ASSIGN_OR_RETURN(std::optional<double> rotary_pct, top.Number("rotary_pct"));
+    if (!partial.has_value()) {
+      partial = rotary_pct.value_or(0.25);
+      partial_reader = &top;
+    }
+    const bool from_pct = !s.Has("partial_rotary_factor") && !top.Has("partial_rotary_factor");
+    RA_ASSIGN_OR_RETURN(rope.rotary_dim,
+                        RotaryDimFromFraction(*partial_reader,
+                                              from_pct ? "rotary_pct" : "partial_rotary_factor",
+                                              *partial, config.head_dim));
+  } else if (family == Family::kGptJ) {
+    RA_ASSIGN_OR_RETURN(std::optional<int64_t> rotary_dim, top.PositiveInt("rotary_dim"));
+    // An explicit null rotates the whole head; absent means 64.
+    const int64_t dim = rotary_dim.value_or(top.Present("rotary_dim") ? config.head_dim : 64);
+    if (dim > config.head_dim || dim % 2 != 0) {
+      return top.Error("rotary_dim", absl::StrFormat("must be even and <= head_dim (%d), got %d",
+                                                     config.head_dim, dim));
+    }
+    rope.rotary_dim = dim;
+  } else if (partial.has_value()) {
     RA_ASSIGN_OR_RETURN(
         rope.rotary_dim,
         RotaryDimFromFraction(*partial_reader, "partial_rotary_factor", *partial, config.head_dim));
-  } else if (rotary_pct.has_value()) {
-    RA_ASSIGN_OR_RETURN(rope.rotary_dim,
-                        RotaryDimFromFraction(top, "rotary_pct", *rotary_pct, config.head_dim));
-  } else if (rotary_dim.has_value()) {
-    if (*rotary_dim > config.head_dim || *rotary_dim % 2 != 0) {
-      return top.Error("rotary_dim", absl::StrFormat("must be even and <= head_dim (%d), got %d",
-                                                     config.head_dim, *rotary_dim));
-    }
-    rope.rotary_dim = *rotary_dim;
   }
 
   // Scaling rule.
@@ -367,7 +431,7 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
     if (*type_name == "mrope") {
       // Qwen2-VL's multimodal sections rotate 3-D positions: not a 1-D rule.
       return absl::UnimplementedError(
-          absl::StrCat(file, ": key ", scaling_key, ".", type_key,
+          absl::StrCat(file, ": key ", block_name, ".", type_key,
                        " \"mrope\" (multimodal RoPE) is not supported"));
     }
     absl::StatusOr<RopeScalingType> type = ParseRopeScalingType(*type_name);
@@ -436,7 +500,101 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   return rope;
 }
 
+// The sliding window as the family's config class resolves it: a key given
+// as null means none; absent takes the class default (`absent_default`, 0
+// for None).
+absl::StatusOr<int64_t> WindowKey(const KeyReader& top, int64_t absent_default) {
+  if (!top.Present("sliding_window")) return absent_default;
+  RA_ASSIGN_OR_RETURN(std::optional<int64_t> w, top.PositiveInt("sliding_window"));
+  return w.value_or(0);
+}
+
+// Which layers slide, per family (docs/checkpoints.md), and their window.
+absl::Status ResolveLayers(const KeyReader& top, ModelConfig& c) {
+  c.layers.assign(static_cast<size_t>(c.num_layers), LayerAttention{});
+  int64_t window = 0;
+  std::vector<bool> sliding(static_cast<size_t>(c.num_layers), false);
+  switch (c.family) {
+    case Family::kMistral: {
+      RA_ASSIGN_OR_RETURN(window, WindowKey(top, c.model_type == "mistral" ? 4096 : 0));
+      sliding.assign(sliding.size(), true);
+      break;
+    }
+    case Family::kPhi3: {
+      RA_ASSIGN_OR_RETURN(window, WindowKey(top, 0));
+      sliding.assign(sliding.size(), true);
+      break;
+    }
+    case Family::kQwen2:
+    case Family::kQwen3: {
+      RA_ASSIGN_OR_RETURN(std::optional<bool> use, top.Bool("use_sliding_window"));
+      if (use.value_or(false)) {
+        RA_ASSIGN_OR_RETURN(window, WindowKey(top, 4096));
+      }
+      RA_ASSIGN_OR_RETURN(std::optional<int64_t> first, top.NonNegativeInt("max_window_layers"));
+      const int64_t from = first.value_or(28);
+      for (int64_t i = 0; i < c.num_layers; ++i) sliding[i] = window > 0 && i >= from;
+      break;
+    }
+    case Family::kGemma2: {
+      RA_ASSIGN_OR_RETURN(window, WindowKey(top, 4096));
+      for (int64_t i = 0; i < c.num_layers; ++i) sliding[i] = (i + 1) % 2 != 0;
+      break;
+    }
+    case Family::kGemma3: {
+      RA_ASSIGN_OR_RETURN(window, WindowKey(top, 4096));
+      RA_ASSIGN_OR_RETURN(std::optional<int64_t> pattern, top.PositiveInt("sliding_window_pattern"));
+      const int64_t n = pattern.value_or(6);
+      for (int64_t i = 0; i < c.num_layers; ++i) sliding[i] = (i + 1) % n != 0;
+      break;
+    }
+    default:
+      return absl::OkStatus();  // no sliding window in these families
+  }
+  // An explicit layer_types list wins over the pattern.
+  if (const json* types = top.Find("layer_types"); types != nullptr) {
+    if (!types->is_array() || static_cast<int64_t>(types->size()) != c.num_layers) {
+      return top.TypeError("layer_types",
+                           absl::StrCat("an array of ", c.num_layers, " strings (one per layer)"),
+                           *types);
+    }
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+      const json& t = (*types)[static_cast<size_t>(i)];
+      if (t == "full_attention") {
+        sliding[i] = false;
+      } else if (t == "sliding_attention") {
+        sliding[i] = true;
+      } else {
+        return Refuse(top.file(), absl::StrCat("layer_types[", i, "]"), t,
+                      "only \"full_attention\" and \"sliding_attention\" layers are served");
+      }
+    }
+  }
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    LayerAttention& l = c.layers[static_cast<size_t>(i)];
+    l.window = sliding[i] ? window : 0;
+    // Gemma 3's sliding layers rotate with the local base.
+    l.local_rope = c.family == Family::kGemma3 && sliding[i];
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+const char* FamilyName(Family family) {
+  for (const FamilyRow& row : Families()) {
+    if (row.family == family) return row.name;
+  }
+  return "?";
+}
+
+const RopeConfig* RopeOfLayer(const ModelConfig& config, int64_t layer) {
+  if (layer >= 0 && layer < static_cast<int64_t>(config.layers.size()) &&
+      config.layers[static_cast<size_t>(layer)].local_rope && config.local_rope.has_value()) {
+    return &*config.local_rope;
+  }
+  return config.rope.has_value() ? &*config.rope : nullptr;
+}
 
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
                                              absl::string_view file_name) {
@@ -468,15 +626,54 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
                         top.RequiredPositiveInt({"max_position_embeddings", "n_positions"}));
     RA_ASSIGN_OR_RETURN(config.num_layers,
                         top.RequiredPositiveInt({"num_hidden_layers", "n_layer"}));
+    if (config.num_layers > kMaxLayers) {
+      return top.Error(top.Has("num_hidden_layers") ? "num_hidden_layers" : "n_layer",
+                       absl::StrFormat("is %d, above the %d layers served", config.num_layers,
+                                       kMaxLayers));
+    }
 
-    RA_ASSIGN_OR_RETURN(std::optional<int64_t> kv_heads, top.PositiveInt("num_key_value_heads"));
-    config.num_kv_heads = kv_heads.value_or(config.num_heads);
+    // Exact or refused: only the families whose attention this server
+    // computes as transformers does.
+    if (!model_type.has_value()) {
+      return absl::UnimplementedError(absl::StrCat(
+          file_name, ": key model_type is missing, so the attention's math is unknown; served: ",
+          SupportedModelTypes()));
+    }
+    const FamilyRow* row = FindFamily(config.model_type);
+    if (row == nullptr) {
+      return absl::UnimplementedError(
+          absl::StrCat(file_name, ": key model_type = \"", config.model_type.substr(0, 64),
+                       "\" is not supported; served: ", SupportedModelTypes()));
+    }
+    config.family = row->family;
+    const Family family = row->family;
+    if (const json* q = top.Find("quantization_config"); q != nullptr) {
+      return Refuse(file_name, "quantization_config", *q,
+                    "quantized weights are not served (F32, BF16 and F16 only)");
+    }
+
+    int64_t kv = config.num_heads;
+    if (row->reads_kv_heads) {
+      RA_ASSIGN_OR_RETURN(std::optional<int64_t> kv_heads, top.PositiveInt("num_key_value_heads"));
+      if (kv_heads.has_value()) {
+        kv = *kv_heads;
+      } else if (row->default_kv_heads != 0 && !top.Present("num_key_value_heads")) {
+        kv = row->default_kv_heads;
+      }
+    }
+    config.num_kv_heads = kv;
     if (config.num_heads % config.num_kv_heads != 0) {
       return top.Error("num_key_value_heads",
                        absl::StrFormat("(%d) must divide num_attention_heads (%d)",
                                        config.num_kv_heads, config.num_heads));
     }
-    RA_ASSIGN_OR_RETURN(std::optional<int64_t> head_dim, top.PositiveInt("head_dim"));
+    std::optional<int64_t> head_dim;
+    if (row->reads_head_dim) {
+      RA_ASSIGN_OR_RETURN(head_dim, top.PositiveInt("head_dim"));
+      if (!head_dim.has_value() && row->default_head_dim != 0 && !top.Present("head_dim")) {
+        head_dim = row->default_head_dim;
+      }
+    }
     if (head_dim.has_value()) {
       config.head_dim = *head_dim;
     } else {
@@ -489,29 +686,128 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
       config.head_dim = config.hidden_size / config.num_heads;
     }
 
-    // Biases: Llama/Mistral spell it attention_bias, some ports qkv_bias;
-    // Qwen2 always has q/k/v biases and writes neither key.
-    RA_ASSIGN_OR_RETURN(std::optional<bool> bias, top.Bool("attention_bias"));
-    if (!bias.has_value()) {
-      RA_ASSIGN_OR_RETURN(bias, top.Bool("qkv_bias"));
+    // Biases, as each family's attention module builds its projections.
+    switch (family) {
+      case Family::kQwen2:
+      case Family::kGptNeoX:
+      case Family::kBert: {
+        // Qwen2: q/k/v always; GPT-NeoX: attention_bias, default true; BERT: always.
+        RA_ASSIGN_OR_RETURN(std::optional<bool> bias, top.Bool("attention_bias"));
+        config.attention_bias = family == Family::kGptNeoX ? bias.value_or(true) : true;
+        break;
+      }
+      case Family::kMistral:
+      case Family::kPhi3:
+      case Family::kGptJ:
+        config.attention_bias = false;  // the projections have no bias parameter
+        break;
+      default: {
+        RA_ASSIGN_OR_RETURN(std::optional<bool> bias, top.Bool("attention_bias"));
+        config.attention_bias = bias.value_or(false);
+        break;
+      }
     }
-    config.attention_bias =
-        bias.value_or(config.model_type == "qwen2" || config.model_type == "qwen2_moe");
+
+    // The attention's own parameters.
+    if (family == Family::kGemma2 || family == Family::kGemma3) {
+      RA_ASSIGN_OR_RETURN(std::optional<double> qpas, top.Number("query_pre_attn_scalar"));
+      const double scalar = qpas.value_or(256.0);
+      if (!(scalar > 0.0) || !std::isfinite(scalar)) {
+        return top.Error("query_pre_attn_scalar", absl::StrFormat("must be > 0, got %g", scalar));
+      }
+      config.scale = 1.0 / std::sqrt(scalar);
+      RA_ASSIGN_OR_RETURN(std::optional<double> cap, top.Number("attn_logit_softcapping"));
+      if (family == Family::kGemma2 && !cap.has_value() &&
+          !top.Present("attn_logit_softcapping")) {
+        cap = 50.0;
+      }
+      if (cap.has_value()) {
+        if (!(*cap > 0.0) || !std::isfinite(*cap)) {
+          return top.Error("attn_logit_softcapping", absl::StrFormat("must be > 0, got %g", *cap));
+        }
+        config.softcap = *cap;
+      }
+      RA_ASSIGN_OR_RETURN(std::optional<bool> bidirectional,
+                          top.Bool("use_bidirectional_attention"));
+      if (bidirectional.value_or(false)) {
+        return Refuse(file_name, "use_bidirectional_attention", *top.Find(
+                                                                    "use_bidirectional_attention"),
+                      "only the causal Gemma decoder is served");
+      }
+    }
+    if (family == Family::kGemma || family == Family::kGemma2 || family == Family::kGemma3) {
+      config.embed_scale = std::sqrt(static_cast<double>(config.hidden_size));
+    }
+    if (family == Family::kQwen3 || family == Family::kGemma3) {
+      config.qk_norm = family == Family::kQwen3 ? QkNorm::kRms : QkNorm::kRmsOnePlus;
+      RA_ASSIGN_OR_RETURN(std::optional<double> eps, top.Number("rms_norm_eps"));
+      config.rms_norm_eps = eps.value_or(1e-6);
+      if (!(config.rms_norm_eps > 0.0) || !std::isfinite(config.rms_norm_eps)) {
+        return top.Error("rms_norm_eps",
+                         absl::StrFormat("must be > 0, got %g", config.rms_norm_eps));
+      }
+    }
 
     // Positions.
-    RA_ASSIGN_OR_RETURN(std::optional<std::string> pos_type, top.String("position_embedding_type"));
-    if (!pos_type.has_value() && IsLearnedPositionFamily(config.model_type)) pos_type = "absolute";
-    if (pos_type.has_value() && *pos_type != "rope" && *pos_type != "rotary") {
-      if (*pos_type != "absolute") {
-        return absl::UnimplementedError(
-            absl::StrCat(file_name, ": key position_embedding_type \"", *pos_type,
-                         "\" is not supported (absolute or rotary only)"));
-      }
+    if (family == Family::kBert) {
+      config.causal = false;
       config.positions = PositionKind::kLearned;
+      RA_ASSIGN_OR_RETURN(std::optional<std::string> pos_type,
+                          top.String("position_embedding_type"));
+      if (pos_type.has_value() && *pos_type != "absolute") {
+        return absl::UnimplementedError(
+            absl::StrCat(file_name, ": key position_embedding_type \"", pos_type->substr(0, 64),
+                         "\" is not supported (absolute only)"));
+      }
+      RA_ASSIGN_OR_RETURN(std::optional<bool> decoder, top.Bool("is_decoder"));
+      if (decoder.value_or(false)) {
+        return Refuse(file_name, "is_decoder", *top.Find("is_decoder"),
+                      "BERT is served as the bidirectional encoder only");
+      }
+      RA_ASSIGN_OR_RETURN(std::optional<double> eps, top.Number("layer_norm_eps"));
+      config.layer_norm_eps = eps.value_or(1e-12);
+      if (!(config.layer_norm_eps > 0.0) || !std::isfinite(config.layer_norm_eps)) {
+        return top.Error("layer_norm_eps",
+                         absl::StrFormat("must be > 0, got %g", config.layer_norm_eps));
+      }
+      config.layers.assign(static_cast<size_t>(config.num_layers), LayerAttention{});
       return config;
     }
     config.positions = PositionKind::kRope;
-    RA_ASSIGN_OR_RETURN(config.rope, ResolveRope(top, config, file_name));
+    // rope_parameters (transformers >= 4.56) supersedes rope_scaling; Gemma 3
+    // may key it by layer type.
+    const char* block_key = top.Has("rope_parameters") ? "rope_parameters" : "rope_scaling";
+    const json* block = top.Find(block_key);
+    const json* local_block = nullptr;
+    std::string block_name = block_key;
+    if (family == Family::kGemma3 && block != nullptr && block->is_object() &&
+        (block->contains("full_attention") || block->contains("sliding_attention"))) {
+      local_block = block->contains("sliding_attention") ? &(*block)["sliding_attention"] : nullptr;
+      block = block->contains("full_attention") ? &(*block)["full_attention"] : nullptr;
+      block_name = absl::StrCat(block_key, ".full_attention");
+    }
+    RA_ASSIGN_OR_RETURN(config.rope, ResolveRope(top, config, file_name, block, block_name,
+                                                 row->default_theta));
+    RA_RETURN_IF_ERROR(ResolveLayers(top, config));
+    if (family == Family::kGemma3) {
+      // Sliding layers: rope_local_base_freq (default 10000) with the default
+      // rule, unless rope_parameters gives them their own block.
+      if (local_block != nullptr) {
+        RA_ASSIGN_OR_RETURN(config.local_rope,
+                            ResolveRope(top, config, file_name, local_block,
+                                        absl::StrCat(block_key, ".sliding_attention"), 10000.0));
+      } else {
+        RA_ASSIGN_OR_RETURN(std::optional<double> local_base, top.Number("rope_local_base_freq"));
+        RopeConfig local = *config.rope;
+        local.theta = local_base.value_or(10000.0);
+        local.scaling = RopeScaling{};
+        if (absl::Status st = ValidateRopeConfig(local); !st.ok()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              file_name, ": key rope_local_base_freq gives invalid RoPE settings: ", st.message()));
+        }
+        config.local_rope = local;
+      }
+    }
     return config;
   } catch (const json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(file_name, ": ", e.what()));
@@ -714,20 +1010,16 @@ size_t EditDistance(absl::string_view a, absl::string_view b) {
   return row[b.size()];
 }
 
-// Whether `name` is one of the names Model::Load reads.
+// Whether `name` is an attention or embedding tensor of some family's
+// naming (such a name is never the "closest" stand-in for a missing one).
 bool IsLoaderName(absl::string_view name) {
-  if (name == "model.embed_tokens.weight" || name == "embeddings.position_embeddings.weight" ||
-      name == "model.embed_positions.weight") {
-    return true;
-  }
-  if (!absl::ConsumePrefix(&name, "model.layers.")) return false;
-  const size_t digits = name.find_first_not_of("0123456789");
-  if (digits == 0 || digits == absl::string_view::npos) return false;
-  name.remove_prefix(digits);
-  for (const char* proj : {"q", "k", "v", "o"}) {
-    for (const char* kind : {"weight", "bias"}) {
-      if (name == absl::StrCat(".self_attn.", proj, "_proj.", kind)) return true;
-    }
+  for (absl::string_view suffix :
+       {".self_attn.q_proj.weight", ".self_attn.k_proj.weight", ".self_attn.v_proj.weight",
+        ".self_attn.o_proj.weight", ".self_attn.q_proj.bias", ".self_attn.k_proj.bias",
+        ".self_attn.v_proj.bias", ".self_attn.o_proj.bias", ".attn.q_proj.weight",
+        ".attn.k_proj.weight", ".attn.v_proj.weight", ".attn.out_proj.weight",
+        "model.embed_tokens.weight"}) {
+    if (absl::EndsWith(name, suffix)) return true;
   }
   return false;
 }
@@ -848,18 +1140,26 @@ namespace {
 // Turns checkpoint records into views, checking dtype and shape.
 class WeightBinder {
  public:
-  WeightBinder(const TensorTable& table, std::string source_name)
-      : table_(table), source_name_(std::move(source_name)) {}
+  // `layer_root` ("model.layers.") and `q_suffix` (".self_attn.q_proj.weight")
+  // recognize the family's naming; `family` names it in messages.
+  WeightBinder(const TensorTable& table, std::string source_name, std::string layer_root,
+               std::string q_suffix, std::string family)
+      : table_(table),
+        source_name_(std::move(source_name)),
+        layer_root_(std::move(layer_root)),
+        q_suffix_(std::move(q_suffix)),
+        family_(std::move(family)) {}
 
-  // The checkpoint uses the naming this loader knows if any layer has a
-  // separate q projection under model.layers.N.self_attn.
+  // The checkpoint uses the family's naming if any layer has its first
+  // projection under the layer root.
   bool KnownNaming() const {
-    for (auto it = table_.lower_bound("model.layers."); it != table_.end(); ++it) {
-      if (!absl::StartsWith(it->first, "model.layers.")) break;
-      if (absl::EndsWith(it->first, ".self_attn.q_proj.weight")) return true;
+    for (auto it = table_.lower_bound(layer_root_); it != table_.end(); ++it) {
+      if (!absl::StartsWith(it->first, layer_root_)) break;
+      if (absl::EndsWith(it->first, q_suffix_)) return true;
     }
     return false;
   }
+  bool Contains(const std::string& name) const { return table_.count(name) != 0; }
 
   absl::Status Missing(const std::string& name) const {
     if (KnownNaming()) {
@@ -879,8 +1179,8 @@ class WeightBinder {
       if (d < best) best = d, closest = candidate;
     }
     return absl::UnimplementedError(absl::StrCat(
-        source_name_, ": tensor naming not supported: expected ", name,
-        " (Llama/Mistral/Qwen style, separate q/k/v/o projections), closest name found: ",
+        source_name_, ": tensor naming not supported: expected ", name, " (", family_,
+        " naming, as config.json's model_type says), closest name found: ",
         closest.empty() ? "(no tensors)" : closest));
   }
 
@@ -935,8 +1235,51 @@ class WeightBinder {
 
  private:
   const TensorTable& table_;
-  std::string source_name_;
+  std::string source_name_, layer_root_, q_suffix_, family_;
 };
+
+}  // namespace
+
+namespace {
+
+// GPT-NeoX's query_key_value rows are grouped per head as [q(d) k(d) v(d)]:
+// q, k and v (and their biases) gathered into owned tensors of the
+// weight's dtype. owned: q, k, v weights, then q, k, v biases when given.
+struct FusedSplit {
+  std::vector<Tensor> owned;
+  size_t owned_count = 0;
+};
+absl::StatusOr<FusedSplit> SplitPerHead(const ConstTensorView& w, const ConstTensorView& b,
+                                        int64_t heads, int64_t head_dim) {
+  FusedSplit out;
+  const int64_t cols = w.dim(1);
+  const size_t esize = DTypeSize(w.dtype());
+  for (int part = 0; part < 3; ++part) {
+    RA_ASSIGN_OR_RETURN(Tensor t, Tensor::Create(w.dtype(), {heads * head_dim, cols}));
+    for (int64_t h = 0; h < heads; ++h) {
+      const char* src = static_cast<const char*>(w.raw()) +
+                        static_cast<size_t>((h * 3 + part) * head_dim * cols) * esize;
+      std::memcpy(t.data<char>() + static_cast<size_t>(h * head_dim * cols) * esize, src,
+                  static_cast<size_t>(head_dim * cols) * esize);
+    }
+    out.owned.push_back(std::move(t));
+  }
+  if (!b.empty_view()) {
+    const size_t bsize = DTypeSize(b.dtype());
+    for (int part = 0; part < 3; ++part) {
+      RA_ASSIGN_OR_RETURN(Tensor t, Tensor::Create(b.dtype(), {heads * head_dim}));
+      for (int64_t h = 0; h < heads; ++h) {
+        const char* src = static_cast<const char*>(b.raw()) +
+                          static_cast<size_t>((h * 3 + part) * head_dim) * bsize;
+        std::memcpy(t.data<char>() + static_cast<size_t>(h * head_dim) * bsize, src,
+                    static_cast<size_t>(head_dim) * bsize);
+      }
+      out.owned.push_back(std::move(t));
+    }
+  }
+  out.owned_count = out.owned.size();
+  return out;
+}
 
 }  // namespace
 
@@ -953,7 +1296,6 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& name
   model->config_ = config;
   model->storage_ = std::make_unique<Storage>();
   std::vector<Tensor>* store = &model->storage_->owned;
-  const WeightBinder binder(src.table, src.description);
   int64_t mapped = 0, resident = 0;
 
   const ModelConfig& c = config;
@@ -966,53 +1308,218 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& name
   const std::string o_why = absl::StrFormat("hidden_size %d, num_attention_heads %d * head_dim %d",
                                             c.hidden_size, c.num_heads, c.head_dim);
 
-  RA_ASSIGN_OR_RETURN(
-      model->embed_tokens_,
-      binder.Bind("model.embed_tokens.weight", {c.vocab_size, c.hidden_size},
-                  absl::StrFormat("vocab_size %d, hidden_size %d", c.vocab_size, c.hidden_size),
-                  false, store, &mapped, &resident));
-  if (c.positions == PositionKind::kLearned) {
-    const Dims dims = {c.max_positions, c.hidden_size};
-    const std::string why = absl::StrFormat("max_position_embeddings %d, hidden_size %d",
-                                            c.max_positions, c.hidden_size);
-    RA_ASSIGN_OR_RETURN(model->position_table_,
-                        binder.Bind("embeddings.position_embeddings.weight", dims, why, true, store,
-                                    &mapped, &resident));
-    if (model->position_table_.empty_view()) {
-      RA_ASSIGN_OR_RETURN(
-          model->position_table_,
-          binder.Bind("model.embed_positions.weight", dims, why, false, store, &mapped, &resident));
-    }
+  // The family's names (model.h lists them).
+  std::string embed_name = "model.embed_tokens.weight";
+  std::string layer_root = "model.layers.";
+  std::string q_suffix = ".self_attn.q_proj.weight";
+  std::string bert_prefix;
+  switch (c.family) {
+    case Family::kPhi3:
+      q_suffix = ".self_attn.qkv_proj.weight";
+      break;
+    case Family::kGptNeoX:
+      embed_name = "gpt_neox.embed_in.weight";
+      layer_root = "gpt_neox.layers.";
+      q_suffix = ".attention.query_key_value.weight";
+      break;
+    case Family::kGptJ:
+      embed_name = "transformer.wte.weight";
+      layer_root = "transformer.h.";
+      q_suffix = ".attn.q_proj.weight";
+      break;
+    case Family::kBert:
+      // BertModel saves without a prefix; BertFor* heads under "bert.".
+      bert_prefix = src.table.count("bert.embeddings.word_embeddings.weight") != 0 ? "bert." : "";
+      embed_name = bert_prefix + "embeddings.word_embeddings.weight";
+      layer_root = bert_prefix + "encoder.layer.";
+      q_suffix = ".attention.self.query.weight";
+      break;
+    default:
+      break;
   }
+  const WeightBinder binder(src.table, src.description, layer_root, q_suffix,
+                            FamilyName(c.family));
+  auto bind = [&](const std::string& tensor, const Dims& dims, absl::string_view why,
+                  bool optional) {
+    return binder.Bind(tensor, dims, why, optional, store, &mapped, &resident);
+  };
+  const std::string hidden_why = absl::StrFormat("hidden_size %d", c.hidden_size);
+
+  RA_ASSIGN_OR_RETURN(model->embed_tokens_,
+                      bind(embed_name, {c.vocab_size, c.hidden_size},
+                           absl::StrFormat("vocab_size %d, hidden_size %d", c.vocab_size,
+                                           c.hidden_size),
+                           false));
+  if (c.family == Family::kBert) {
+    const Dims dims = {c.max_positions, c.hidden_size};
+    RA_ASSIGN_OR_RETURN(model->position_table_,
+                        bind(bert_prefix + "embeddings.position_embeddings.weight", dims,
+                             absl::StrFormat("max_position_embeddings %d, hidden_size %d",
+                                             c.max_positions, c.hidden_size),
+                             false));
+    // Token type 0 is what transformers adds when no token_type_ids are given.
+    const std::string tt = bert_prefix + "embeddings.token_type_embeddings.weight";
+    auto rec = src.table.find(tt);
+    if (rec != src.table.end()) {
+      const Dims tt_dims = rec->second.shape.size() == 2 && rec->second.shape[0] >= 1
+                               ? Dims{rec->second.shape[0], c.hidden_size}
+                               : Dims{1, c.hidden_size};
+      RA_ASSIGN_OR_RETURN(ConstTensorView table,
+                          bind(tt, tt_dims, "type_vocab_size, hidden_size", false));
+      model->token_type_row_ = table.Slice(0, 0, 1);
+    }
+    // Older exports spell the LayerNorm's parameters gamma / beta.
+    const std::string ln = bert_prefix + "embeddings.LayerNorm.";
+    const bool old_names = src.table.count(ln + "gamma") != 0;
+    RA_ASSIGN_OR_RETURN(model->embed_norm_weight_,
+                        bind(ln + (old_names ? "gamma" : "weight"), {c.hidden_size}, hidden_why,
+                             false));
+    RA_ASSIGN_OR_RETURN(model->embed_norm_bias_, bind(ln + (old_names ? "beta" : "bias"),
+                                                      {c.hidden_size}, hidden_why, false));
+  }
+
+  // Biases each family's projections have (docs/checkpoints.md).
+  bool qkv_bias = c.attention_bias, o_bias = false, o_bias_required = false;
+  switch (c.family) {
+    case Family::kQwen2:
+      break;  // q/k/v only
+    case Family::kGptNeoX:
+    case Family::kBert:
+      o_bias = o_bias_required = c.attention_bias;
+      break;
+    case Family::kMistral:
+    case Family::kPhi3:
+    case Family::kGptJ:
+      qkv_bias = false;
+      break;
+    default:
+      // Llama, Gemma, Qwen3: attention_bias gives o_proj a bias too; one the
+      // file lacks reads as zero.
+      o_bias = c.attention_bias;
+      break;
+  }
+  // A bias tensor the family's module has no parameter for would be ignored
+  // by transformers and used by us: refuse the checkpoint instead.
+  auto unexpected = [&](const std::string& tensor) -> absl::Status {
+    if (!binder.Contains(tensor)) return absl::OkStatus();
+    return absl::UnimplementedError(absl::StrCat(
+        src.description, ": tensor ", tensor, " is in the checkpoint, but a ", FamilyName(c.family),
+        " layer with this config.json has no such bias (attention_bias is ",
+        c.attention_bias ? "true" : "false", "); transformers would ignore it"));
+  };
 
   model->layers_.resize(static_cast<size_t>(c.num_layers));
   for (int64_t i = 0; i < c.num_layers; ++i) {
     LayerWeights& lw = model->layers_[static_cast<size_t>(i)];
-    const std::string p = absl::StrCat("model.layers.", i, ".self_attn.");
+    const std::string root = absl::StrCat(layer_root, i);
+    // Separate projections: (weight name, bias name) per q, k, v, o.
+    std::string names[4];
+    std::string bias_names[4];
+    switch (c.family) {
+      case Family::kPhi3:
+      case Family::kGptNeoX: {
+        // Fused q/k/v.
+        const bool neox = c.family == Family::kGptNeoX;
+        const std::string fused =
+            root + (neox ? ".attention.query_key_value." : ".self_attn.qkv_proj.");
+        const int64_t rows = q_out + 2 * kv_out;
+        const std::string why = absl::StrFormat(
+            "(num_attention_heads %d + 2 * num_key_value_heads %d) * head_dim %d, hidden_size %d",
+            c.num_heads, neox ? c.num_heads : c.num_kv_heads, c.head_dim, c.hidden_size);
+        RA_ASSIGN_OR_RETURN(ConstTensorView w, bind(fused + "weight", {rows, c.hidden_size}, why,
+                                                    false));
+        ConstTensorView b;
+        if (qkv_bias) {
+          RA_ASSIGN_OR_RETURN(b, bind(fused + "bias", {rows}, "first dimension of the weight",
+                                      false));
+        } else {
+          RA_RETURN_IF_ERROR(unexpected(fused + "bias"));
+        }
+        if (!neox) {
+          // Phi-3: rows [q; k; v], each a contiguous block.
+          lw.q_proj = w.Slice(0, 0, q_out);
+          lw.k_proj = w.Slice(0, q_out, kv_out);
+          lw.v_proj = w.Slice(0, q_out + kv_out, kv_out);
+        } else {
+          // GPT-NeoX: per head [q(d) k(d) v(d)]; gathered once.
+          RA_ASSIGN_OR_RETURN(FusedSplit split, SplitPerHead(w, b, c.num_heads, c.head_dim));
+          for (Tensor& t : split.owned) {
+            resident += static_cast<int64_t>(t.byte_size());
+            store->push_back(std::move(t));
+          }
+          const size_t base = store->size() - split.owned_count;
+          lw.q_proj = (*store)[base + 0].cview();
+          lw.k_proj = (*store)[base + 1].cview();
+          lw.v_proj = (*store)[base + 2].cview();
+          if (!b.empty_view()) {
+            lw.q_bias = (*store)[base + 3].cview();
+            lw.k_bias = (*store)[base + 4].cview();
+            lw.v_bias = (*store)[base + 5].cview();
+          }
+        }
+        if (!neox && !b.empty_view()) {
+          lw.q_bias = b.Slice(0, 0, q_out);
+          lw.k_bias = b.Slice(0, q_out, kv_out);
+          lw.v_bias = b.Slice(0, q_out + kv_out, kv_out);
+        }
+        names[3] = root + (neox ? ".attention.dense.weight" : ".self_attn.o_proj.weight");
+        bias_names[3] = root + (neox ? ".attention.dense.bias" : ".self_attn.o_proj.bias");
+        break;
+      }
+      case Family::kGptJ:
+        for (int k = 0; k < 4; ++k) {
+          const char* proj[] = {"q_proj", "k_proj", "v_proj", "out_proj"};
+          names[k] = absl::StrCat(root, ".attn.", proj[k], ".weight");
+          bias_names[k] = absl::StrCat(root, ".attn.", proj[k], ".bias");
+        }
+        break;
+      case Family::kBert:
+        for (int k = 0; k < 3; ++k) {
+          const char* proj[] = {"query", "key", "value"};
+          names[k] = absl::StrCat(root, ".attention.self.", proj[k], ".weight");
+          bias_names[k] = absl::StrCat(root, ".attention.self.", proj[k], ".bias");
+        }
+        names[3] = root + ".attention.output.dense.weight";
+        bias_names[3] = root + ".attention.output.dense.bias";
+        break;
+      default:
+        for (int k = 0; k < 4; ++k) {
+          const char* proj[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+          names[k] = absl::StrCat(root, ".self_attn.", proj[k], ".weight");
+          bias_names[k] = absl::StrCat(root, ".self_attn.", proj[k], ".bias");
+        }
+        break;
+    }
     struct Spec {
-      const char* proj;
       ConstTensorView* weight;
       ConstTensorView* bias;
       Dims dims;
       const std::string* why;
-      bool bias_required;
+      bool has_bias, bias_required;
     };
     const Spec specs[] = {
-        {"q_proj", &lw.q_proj, &lw.q_bias, {q_out, c.hidden_size}, &q_why, c.attention_bias},
-        {"k_proj", &lw.k_proj, &lw.k_bias, {kv_out, c.hidden_size}, &kv_why, c.attention_bias},
-        {"v_proj", &lw.v_proj, &lw.v_bias, {kv_out, c.hidden_size}, &kv_why, c.attention_bias},
-        // Qwen2 has q/k/v biases only; Llama's attention_bias adds o's too.
-        {"o_proj", &lw.o_proj, &lw.o_bias, {c.hidden_size, q_out}, &o_why, false},
+        {&lw.q_proj, &lw.q_bias, {q_out, c.hidden_size}, &q_why, qkv_bias, qkv_bias},
+        {&lw.k_proj, &lw.k_bias, {kv_out, c.hidden_size}, &kv_why, qkv_bias, qkv_bias},
+        {&lw.v_proj, &lw.v_bias, {kv_out, c.hidden_size}, &kv_why, qkv_bias, qkv_bias},
+        {&lw.o_proj, &lw.o_bias, {c.hidden_size, q_out}, &o_why, o_bias, o_bias_required},
     };
-    for (const Spec& s : specs) {
-      RA_ASSIGN_OR_RETURN(*s.weight, binder.Bind(absl::StrCat(p, s.proj, ".weight"), s.dims, *s.why,
-                                                 false, store, &mapped, &resident));
-      // A bias the config does not announce is still loaded when present,
-      // since ignoring it would silently change the outputs.
-      RA_ASSIGN_OR_RETURN(*s.bias,
-                          binder.Bind(absl::StrCat(p, s.proj, ".bias"), {s.dims[0]},
-                                      absl::StrCat("first dimension of ", s.proj, ".weight"),
-                                      !s.bias_required, store, &mapped, &resident));
+    for (int k = 0; k < 4; ++k) {
+      if (names[k].empty()) continue;  // fused, bound above
+      const Spec& s = specs[k];
+      RA_ASSIGN_OR_RETURN(*s.weight, bind(names[k], s.dims, *s.why, false));
+      if (s.has_bias) {
+        RA_ASSIGN_OR_RETURN(*s.bias, bind(bias_names[k], {s.dims[0]},
+                                          "first dimension of the weight", !s.bias_required));
+      } else {
+        RA_RETURN_IF_ERROR(unexpected(bias_names[k]));
+      }
+    }
+    if (c.qk_norm != QkNorm::kNone) {
+      const std::string why = absl::StrFormat("head_dim %d", c.head_dim);
+      RA_ASSIGN_OR_RETURN(lw.q_norm,
+                          bind(root + ".self_attn.q_norm.weight", {c.head_dim}, why, false));
+      RA_ASSIGN_OR_RETURN(lw.k_norm,
+                          bind(root + ".self_attn.k_norm.weight", {c.head_dim}, why, false));
     }
   }
   model->mapped_bytes_ = mapped;

@@ -17,19 +17,28 @@
 // Files must not be truncated while a model maps them (the kernel would
 // raise SIGBUS on access; no load-time check can prevent that).
 //
-// Tensor names read (Llama / Mistral / Qwen2 style, separate q/k/v/o):
-//   model.embed_tokens.weight                     [vocab, hidden]
-//   model.layers.{i}.self_attn.q_proj.weight      [heads * head_dim, hidden]
-//   model.layers.{i}.self_attn.{k,v}_proj.weight  [kv_heads * head_dim, hidden]
-//   model.layers.{i}.self_attn.o_proj.weight      [hidden, heads * head_dim]
-//   model.layers.{i}.self_attn.{q,k,v,o}_proj.bias  [out]: q/k/v required
-//       when attention_bias, o optional; a bias present in the file is loaded
-//   embeddings.position_embeddings.weight or model.embed_positions.weight
-//                                                 [max_positions, hidden], kLearned only
-// Other tensors (MLP, norms, lm_head) are ignored. A checkpoint with no
-// model.layers.N.self_attn.q_proj.weight at all uses another naming scheme
-// (GPT-NeoX, GPT-J, BERT, Phi-3's fused qkv_proj): Unimplemented, naming the
-// first expected tensor and the closest name in the file.
+// Tensor names read, per family (L = layer index):
+//   Llama, Mistral, Qwen2/3, Gemma 1/2/3:
+//     model.embed_tokens.weight                   [vocab, hidden]
+//     model.layers.L.self_attn.q_proj.weight      [heads * head_dim, hidden]
+//     model.layers.L.self_attn.{k,v}_proj.weight  [kv_heads * head_dim, hidden]
+//     model.layers.L.self_attn.o_proj.weight      [hidden, heads * head_dim]
+//     model.layers.L.self_attn.{q,k,v,o}_proj.bias  [out]: q/k/v required when
+//         attention_bias (always for Qwen2), o optional; a bias present is loaded
+//     model.layers.L.self_attn.{q,k}_norm.weight  [head_dim] (Qwen3, Gemma 3)
+//   Phi-3: model.layers.L.self_attn.qkv_proj.weight [(heads + 2 kv_heads) * head_dim,
+//     hidden], rows q, then k, then v (viewed in place); o_proj as Llama.
+//   GPT-NeoX: gpt_neox.embed_in.weight; gpt_neox.layers.L.attention.
+//     query_key_value.{weight,bias} [3 hidden, hidden], rows per head [q k v]
+//     (gathered into owned q/k/v at load); ...attention.dense.{weight,bias}.
+//   GPT-J: transformer.wte.weight; transformer.h.L.attn.{q,k,v,out}_proj.weight.
+//   BERT (with or without a "bert." prefix): embeddings.{word,position,
+//     token_type}_embeddings.weight, embeddings.LayerNorm.{weight,bias} (or
+//     gamma/beta); encoder.layer.L.attention.self.{query,key,value}.{weight,bias},
+//     encoder.layer.L.attention.output.dense.{weight,bias}.
+// Other tensors (MLP, other norms, lm_head) are ignored. A checkpoint whose
+// names are not its family's: Unimplemented, naming the first expected tensor
+// and the closest name in the file.
 //
 // Thread-safety: a Model is immutable after Load and may be shared freely.
 #ifndef ROPEATTN_SERVER_MODEL_H_
@@ -53,18 +62,49 @@ namespace ropeattn::server {
 // How a model encodes absolute positions at the embedding.
 enum class PositionKind { kNone, kRope, kLearned, kSinusoidal };
 
+// The architecture families served (docs/checkpoints.md). Each reads its
+// config keys and tensors the way its transformers code does.
+enum class Family {
+  kLlama,    // llama
+  kMistral,  // mistral, mixtral: sliding_window on every layer
+  kQwen2,    // qwen2, qwen2_moe: q/k/v biases; use_sliding_window
+  kQwen3,    // qwen3, qwen3_moe: + per-head RMSNorm of q and k
+  kGemma,    // gemma: head_dim 256 default, embeddings * sqrt(hidden)
+  kGemma2,   // gemma2: query_pre_attn_scalar, soft-cap, alternating window
+  kGemma3,   // gemma3_text: + (1 + w) q/k norms, local RoPE base on sliding layers
+  kPhi3,     // phi3: fused qkv_proj, LongRoPE, sliding_window
+  kGptNeoX,  // gpt_neox: fused per-head query_key_value, partial rotary
+  kGptJ,     // gptj: interleaved rotary_dim, no biases
+  kBert,     // bert: learned absolute positions, bidirectional
+};
+const char* FamilyName(Family family);
+
+// Per-head normalization of q and k before RoPE.
+enum class QkNorm {
+  kNone,
+  kRms,         // Qwen3: w * x / sqrt(mean(x^2) + eps)
+  kRmsOnePlus,  // Gemma 3: (1 + w) * x / sqrt(mean(x^2) + eps)
+};
+
+// What differs between one layer and the next.
+struct LayerAttention {
+  int64_t window = 0;       // sliding window (keys q_pos - window < j <= q_pos); 0: none
+  bool local_rope = false;  // RoPE from ModelConfig::local_rope (Gemma 3 sliding layers)
+};
+
 // Architecture facts resolved from config.json (keys as in
 // positional-encodings.md section 4).
 struct ModelConfig {
   std::string architecture;  // config "architectures"[0] or "model_type"
   std::string model_type;
+  Family family = Family::kLlama;
   int64_t hidden_size = 0;
   int64_t num_heads = 0;
   int64_t num_kv_heads = 0;  // num_key_value_heads, default num_heads
   int64_t head_dim = 0;      // head_dim, default hidden_size / num_heads
   int64_t vocab_size = 0;
   int64_t max_positions = 0;  // max_position_embeddings (n_positions)
-  int64_t num_layers = 0;     // num_hidden_layers (n_layer)
+  int64_t num_layers = 0;     // num_hidden_layers (n_layer), at most kMaxLayers
   PositionKind positions = PositionKind::kRope;
   // RoPE: rope_theta, rope_scaling / rope_parameters (rope_type or legacy
   // type, factor, original_max_position_embeddings, beta_fast, beta_slow,
@@ -72,34 +112,60 @@ struct ModelConfig {
   // low_freq_factor, high_freq_factor), partial_rotary_factor or rotary_dim
   // (GPT-J: rotary_dim, interleaved pairs), all resolved here.
   std::optional<RopeConfig> rope;
+  // Gemma 3: the RoPE of sliding layers (rope_local_base_freq, default rule).
+  std::optional<RopeConfig> local_rope;
   bool attention_bias = false;  // q/k/v projections have biases
+  // The attention itself, as the family computes it.
+  bool causal = true;    // decoders; BERT is bidirectional
+  double scale = 0.0;    // logit scale; 0: 1/sqrt(head_dim)
+  double softcap = 0.0;  // attn_logit_softcapping; 0: none
+  QkNorm qk_norm = QkNorm::kNone;
+  double rms_norm_eps = 1e-6;  // q/k norms
+  // Embed: Gemma multiplies embeddings by sqrt(hidden_size) (in the table's
+  // dtype); 1 for other families.
+  double embed_scale = 1.0;
+  double layer_norm_eps = 1e-12;  // BERT's embedding LayerNorm
+  std::vector<LayerAttention> layers;  // num_layers entries
 };
 
+// Layer counts above this are refused (per-layer tables are sized by it).
+inline constexpr int64_t kMaxLayers = 4096;
+
+// The RoPE layer `layer` applies (null: none).
+const RopeConfig* RopeOfLayer(const ModelConfig& config, int64_t layer);
+
 // Resolves a config.json text; `file_name` prefixes every message.
+// Exact or refused (docs/checkpoints.md): model_type must be one of the
+// families above (Unimplemented otherwise, or when it is missing); every key
+// the family's transformers code reads that changes the attention is either
+// computed exactly or Unimplemented naming the key and value
+// (quantization_config, layer types other than full/sliding attention,
+// Gemma's use_bidirectional_attention, BERT's is_decoder or a relative
+// position_embedding_type, mrope). Keys the family's code never reads are
+// ignored, as transformers ignores them.
 // Aliases: hidden_size / n_embd, num_attention_heads / n_head,
 // max_position_embeddings / n_positions, num_hidden_layers / n_layer.
-// Absent or null optional keys take transformers' defaults. Resolution rules:
+// Absent keys take the family's transformers defaults (head_dim 256 for
+// Gemma, 128 for Qwen3; Mistral's sliding_window 4096; Gemma 2's
+// attn_logit_softcapping 50; query_pre_attn_scalar 256; GPT-NeoX's rotary_pct
+// 0.25; GPT-J's rotary_dim 64; Gemma 3's rope_theta 1e6, ...); null keys mean
+// None. RoPE resolution:
 // - rope_parameters (newer transformers) wins over rope_scaling; the rule is
 //   rope_type or legacy type ("su" = longrope, "dynamic" = dynamic NTK); a
-//   factor with no rule is refused. rope_theta (or GPT-NeoX rotary_emb_base,
-//   default 10000) may also sit inside rope_parameters.
+//   factor with no rule is refused. rope_theta (or GPT-NeoX rotary_emb_base)
+//   may also sit inside rope_parameters; Gemma 3's may be keyed by layer type.
 // - original_max_position_embeddings: from the scaling block, else the top
 //   level (Phi-3), else max_position_embeddings for dynamic / yarn / longrope
 //   (as transformers does); llama3 requires it.
 // - longrope factor defaults to max_position_embeddings / original.
 // - Partial rotary: partial_rotary_factor, else rotary_pct (GPT-NeoX), else
-//   rotary_dim (GPT-J); a fraction gives floor(head_dim * f). rotary_dim is
-//   always set explicitly (head_dim when full).
-// - Layout: interleaved for model_type gptj / codegen, half-split otherwise.
-// - Biases: attention_bias, else qkv_bias, else true for qwen2 / qwen2_moe.
-// - Positions: position_embedding_type "absolute" (the default for bert,
-//   roberta, xlm-roberta, electra) gives kLearned and no rope.
+//   rotary_dim (GPT-J); a fraction gives floor(head_dim * f).
+// - Layout: interleaved for GPT-J, half-split otherwise.
 // The RopeConfig is checked with ValidateRopeConfig.
 // Errors: InvalidArgument naming the key for invalid JSON, a missing required
 // key, a wrong type or an inconsistent value (heads not dividing hidden_size
 // without head_dim, kv heads not dividing heads, unknown rope_type, an invalid
-// RoPE setting, ...); Unimplemented for a valid but unsupported scheme (mrope,
-// relative position_embedding_type).
+// RoPE setting, more than kMaxLayers layers, ...); Unimplemented as above.
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
                                              absl::string_view file_name);
 
@@ -121,9 +187,12 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ParseSafetensors(absl::string_vie
                                                                  absl::string_view file_name);
 
 // One attention layer's weights, Hugging Face layout: W [out, in] row-major.
+// Fused checkpoints (Phi-3, GPT-NeoX) are split at load: q_proj/k_proj/
+// v_proj are always separate [out, hidden] views.
 struct LayerWeights {
   ConstTensorView q_proj, k_proj, v_proj, o_proj;  // required
   ConstTensorView q_bias, k_bias, v_bias, o_bias;  // optional (absent: empty view)
+  ConstTensorView q_norm, k_norm;                  // [head_dim], when config.qk_norm is set
 };
 
 class Model {
@@ -156,6 +225,11 @@ class Model {
   ConstTensorView embed_tokens() const { return embed_tokens_; }
   // Learned absolute positions [max_positions, hidden_size] (kLearned only).
   ConstTensorView position_table() const { return position_table_; }
+  // BERT: token type 0's embedding row [1, hidden_size] and the embedding
+  // LayerNorm's weight and bias [hidden_size] (empty views otherwise).
+  ConstTensorView token_type_row() const { return token_type_row_; }
+  ConstTensorView embed_norm_weight() const { return embed_norm_weight_; }
+  ConstTensorView embed_norm_bias() const { return embed_norm_bias_; }
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // OutOfRange naming the layer for an index outside [0, num_layers).
   absl::StatusOr<const LayerWeights*> layer(int64_t index) const;
@@ -170,6 +244,7 @@ class Model {
   std::string name_, source_;
   ModelConfig config_;
   ConstTensorView embed_tokens_, position_table_;
+  ConstTensorView token_type_row_, embed_norm_weight_, embed_norm_bias_;
   std::vector<LayerWeights> layers_;
   int64_t mapped_bytes_ = 0, resident_bytes_ = 0;
   std::unique_ptr<Storage> storage_;  // mappings and owned tensors

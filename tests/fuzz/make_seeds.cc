@@ -497,6 +497,16 @@ void ConfigSeeds() {
   Write(t, "factor-without-rule", R"({"hidden_size":64,"num_attention_heads":4,"vocab_size":5,
 "max_position_embeddings":16,"num_hidden_layers":1,"rope_scaling":{"factor":2}})");
   Write(t, "truncated", R"({"hidden_size":64,"num_attention_heads":4,"vocab_)");
+  Write(t, "gemma3", R"({"model_type":"gemma3_text","hidden_size":64,"num_attention_heads":4,
+"num_key_value_heads":1,"head_dim":16,"vocab_size":50,"max_position_embeddings":512,
+"num_hidden_layers":3,"query_pre_attn_scalar":16,"sliding_window":8,
+"layer_types":["sliding_attention","sliding_attention","full_attention"],
+"rope_parameters":{"full_attention":{"rope_type":"linear","factor":8.0,"rope_theta":1000000},
+"sliding_attention":{"rope_type":"default","rope_theta":10000}}})");
+  Write(t, "qwen3-window", R"({"model_type":"qwen3","hidden_size":64,"num_attention_heads":4,
+"num_key_value_heads":2,"head_dim":32,"vocab_size":50,"max_position_embeddings":512,
+"num_hidden_layers":3,"use_sliding_window":true,"sliding_window":16,"max_window_layers":1,
+"rms_norm_eps":1e-6})");
 }
 
 void SafetensorsSeeds() {

@@ -333,7 +333,7 @@ TEST(CheckpointLayerTest, ABrokenCheckpointStopsStartUpNamingTheFile) {
   char dir_template[] = "/tmp/ropeattn_ckpt_XXXXXX";
   ASSERT_NE(mkdtemp(dir_template), nullptr);
   const std::string dir = dir_template;
-  WriteFileOrDie(dir + "/config.json", R"({"hidden_size": 64, "num_attention_heads": 4,
+  WriteFileOrDie(dir + "/config.json", R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
     "vocab_size": 32, "max_position_embeddings": 128, "num_hidden_layers": 1})");
   WriteFileOrDie(dir + "/model.safetensors", "\x10\x00\x00");  // shorter than the length field
   server::ServerOptions o = TestServerOptions();

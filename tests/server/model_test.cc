@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
@@ -363,6 +364,124 @@ TEST(ParseModelConfigTest, BertIsLearnedAbsolute) {
 }
 
 void ExpectConfigError(absl::string_view config, absl::StatusCode code,
+                       std::vector<std::string> substrings);
+
+TEST(ParseModelConfigTest, FamiliesTakeTheirTransformersDefaults) {
+  auto parse = [](absl::string_view model_type, absl::string_view extra) {
+    return ParseModelConfig(
+        absl::StrCat(R"({"model_type": ")", model_type, R"(", "hidden_size": 512,
+            "num_attention_heads": 4, "vocab_size": 8, "num_hidden_layers": 6,
+            "max_position_embeddings": 64)",
+                     absl::StrContains(extra, "num_key_value_heads") ? ""
+                                                                    : R"(, "num_key_value_heads": 4)",
+                     extra, "}"),
+        "config.json");
+  };
+  // Mistral: sliding_window 4096 when absent, none when null, on every layer.
+  absl::StatusOr<ModelConfig> c = parse("mistral", R"(, "num_key_value_heads": 2)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->layers[5].window, 4096);
+  c = parse("mistral", R"(, "num_key_value_heads": 2, "sliding_window": null)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->layers[0].window, 0);
+  // Gemma 2: head_dim 256, scale 256^-0.5, soft-cap 50, window on even layers.
+  c = parse("gemma2", R"(, "num_key_value_heads": 2)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->head_dim, 256);
+  EXPECT_DOUBLE_EQ(c->scale, 1.0 / 16.0);
+  EXPECT_EQ(c->softcap, 50.0);
+  EXPECT_EQ(c->layers[0].window, 4096);
+  EXPECT_EQ(c->layers[1].window, 0);
+  EXPECT_DOUBLE_EQ(c->embed_scale, std::sqrt(512.0));
+  c = parse("gemma2", R"(, "num_key_value_heads": 2, "attn_logit_softcapping": null)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->softcap, 0.0);
+  // Gemma 3: every 6th layer global; sliding ones rotate with the local base.
+  c = parse("gemma3_text", R"(, "num_key_value_heads": 1, "rope_scaling": {"rope_type": "linear",
+      "factor": 8.0}, "rope_theta": 1000000.0)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->qk_norm, QkNorm::kRmsOnePlus);
+  EXPECT_EQ(c->layers[4].window, 4096);
+  EXPECT_EQ(c->layers[5].window, 0);
+  EXPECT_EQ(RopeOfLayer(*c, 0)->theta, 10000.0);
+  EXPECT_EQ(RopeOfLayer(*c, 0)->scaling.type, RopeScalingType::kDefault);
+  EXPECT_EQ(RopeOfLayer(*c, 5)->theta, 1000000.0);
+  EXPECT_EQ(RopeOfLayer(*c, 5)->scaling.type, RopeScalingType::kLinear);
+  // Gemma 3 with rope_parameters keyed by layer type (newer transformers).
+  c = parse("gemma3_text", R"(, "num_key_value_heads": 1, "rope_parameters": {
+      "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+      "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(RopeOfLayer(*c, 0)->theta, 20000.0);
+  EXPECT_EQ(RopeOfLayer(*c, 5)->scaling.factor, 4.0);
+  // Qwen2: window only with use_sliding_window, from max_window_layers on.
+  c = parse("qwen2", R"(, "sliding_window": 32, "max_window_layers": 2)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->layers[3].window, 0);
+  EXPECT_TRUE(c->attention_bias);
+  c = parse("qwen2", R"(, "use_sliding_window": true, "sliding_window": 32, "max_window_layers": 2)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->layers[1].window, 0);
+  EXPECT_EQ(c->layers[2].window, 32);
+  // An explicit layer_types list wins.
+  c = parse("qwen3", R"(, "use_sliding_window": true, "sliding_window": 32, "layer_types":
+      ["sliding_attention", "full_attention", "full_attention", "full_attention",
+       "full_attention", "sliding_attention"])");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->qk_norm, QkNorm::kRms);
+  EXPECT_EQ(c->layers[0].window, 32);
+  EXPECT_EQ(c->layers[1].window, 0);
+  EXPECT_EQ(c->layers[5].window, 32);
+  // GPT-NeoX: rotary_pct 0.25 by default, no GQA key read.
+  c = parse("gpt_neox", R"(, "num_key_value_heads": 2)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->num_kv_heads, 4);
+  EXPECT_EQ(c->rope->rotary_dim, 32);
+  EXPECT_TRUE(c->attention_bias);
+  // GPT-J: rotary_dim 64 by default, interleaved.
+  c = parse("gptj", "");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope->rotary_dim, 64);
+  EXPECT_EQ(c->rope->layout, RopeLayout::kInterleaved);
+  // Llama ignores keys its transformers code never reads.
+  c = parse("llama", R"(, "position_embedding_type": "absolute", "sliding_window": 8)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->positions, PositionKind::kRope);
+  EXPECT_EQ(c->layers[0].window, 0);
+}
+
+TEST(ParseModelConfigTest, WhatCannotBeComputedExactlyIsRefusedByKey) {
+  using C = absl::StatusCode;
+  const std::string base = R"("hidden_size": 64, "num_attention_heads": 4, "vocab_size": 8,
+      "num_hidden_layers": 2, "max_position_embeddings": 64, "num_key_value_heads": 4)";
+  ExpectConfigError(absl::StrCat("{", base, "}"), C::kUnimplemented,
+                    {"model_type is missing", "llama", "gemma3_text"});
+  ExpectConfigError(absl::StrCat(R"({"model_type": "olmo2", )", base, "}"), C::kUnimplemented,
+                    {"model_type", "olmo2", "phi3"});
+  ExpectConfigError(absl::StrCat(R"({"model_type": "llama", "quantization_config": {"bits": 4}, )",
+                                 base, "}"),
+                    C::kUnimplemented, {"quantization_config"});
+  ExpectConfigError(absl::StrCat(R"({"model_type": "qwen3", "layer_types": ["full_attention",
+      "chunked_attention"], )", base, "}"),
+                    C::kUnimplemented, {"layer_types[1]", "chunked_attention"});
+  ExpectConfigError(absl::StrCat(R"({"model_type": "qwen3", "layer_types": ["full_attention"], )",
+                                 base, "}"),
+                    C::kInvalidArgument, {"layer_types"});
+  ExpectConfigError(absl::StrCat(R"({"model_type": "gemma3_text", "use_bidirectional_attention": true, )",
+                                 base, "}"),
+                    C::kUnimplemented, {"use_bidirectional_attention"});
+  ExpectConfigError(absl::StrCat(R"({"model_type": "bert", "is_decoder": true, )", base, "}"),
+                    C::kUnimplemented, {"is_decoder"});
+  ExpectConfigError(absl::StrCat(R"({"model_type": "gemma2", "query_pre_attn_scalar": 0, )", base,
+                                 "}"),
+                    C::kInvalidArgument, {"query_pre_attn_scalar"});
+  ExpectConfigError(R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+      "vocab_size": 8, "num_hidden_layers": 100000, "max_position_embeddings": 64})",
+                    C::kInvalidArgument, {"num_hidden_layers", "100000"});
+}
+
+void ExpectConfigError(absl::string_view config, absl::StatusCode code,
                        std::vector<std::string> substrings) {
   absl::StatusOr<ModelConfig> c = ParseModelConfig(config, "config.json");
   ASSERT_FALSE(c.ok()) << config;
@@ -522,23 +641,57 @@ TEST(ModelLoadTest, BiasesAreLoadedWhenConfigured) {
   EXPECT_THAT(st.message(), HasSubstr("model.layers.1.self_attn.v_proj.bias"));
 }
 
-TEST(ModelLoadTest, LearnedPositionTable) {
+TEST(ModelLoadTest, BertLearnedPositionsAndEmbeddingNorm) {
   TempDir dir;
   TinyDims d;
-  std::vector<SafetensorsTensor> tensors = TinyTensors(d);
-  tensors.push_back(
-      F32Tensor("embeddings.position_embeddings.weight", {d.max_positions, d.hidden}, 77));
-  WriteCheckpoint(dir, tensors, TinyConfig(d, R"(, "position_embedding_type": "absolute")"));
+  d.kv_heads = d.heads;
+  const std::string config = absl::StrFormat(
+      R"({"model_type": "bert", "hidden_size": %d, "num_attention_heads": %d, "vocab_size": %d,
+          "num_hidden_layers": 1, "max_position_embeddings": %d})",
+      d.hidden, d.heads, d.vocab, d.max_positions);
+  std::vector<SafetensorsTensor> tensors = {
+      F32Tensor("embeddings.word_embeddings.weight", {d.vocab, d.hidden}, 1),
+      F32Tensor("embeddings.position_embeddings.weight", {d.max_positions, d.hidden}, 2),
+      F32Tensor("embeddings.token_type_embeddings.weight", {2, d.hidden}, 3),
+      F32Tensor("embeddings.LayerNorm.gamma", {d.hidden}, 4),  // the older spelling
+      F32Tensor("embeddings.LayerNorm.beta", {d.hidden}, 5)};
+  int seed = 10;
+  for (const char* proj : {"self.query", "self.key", "self.value", "output.dense"}) {
+    const std::string p = absl::StrCat("encoder.layer.0.attention.", proj);
+    tensors.push_back(F32Tensor(p + ".weight", {d.hidden, d.hidden}, ++seed));
+    tensors.push_back(F32Tensor(p + ".bias", {d.hidden}, ++seed));
+  }
+  WriteCheckpoint(dir, tensors, config);
   absl::StatusOr<std::shared_ptr<const Model>> m = Model::Load("tiny", dir.path());
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ((*m)->config().positions, PositionKind::kLearned);
-  EXPECT_TRUE(SameBytes((*m)->position_table(), tensors.back().bytes));
+  EXPECT_FALSE((*m)->config().causal);
+  EXPECT_TRUE(SameBytes((*m)->position_table(), tensors[1].bytes));
+  EXPECT_TRUE(SameBytes((*m)->embed_norm_weight(), tensors[3].bytes));
+  const LayerWeights* l0 = (*m)->layer(0).value();
+  EXPECT_TRUE(SameBytes(l0->k_bias, Find(tensors, "encoder.layer.0.attention.self.key.bias")->bytes));
+  EXPECT_TRUE(
+      SameBytes(l0->o_bias, Find(tensors, "encoder.layer.0.attention.output.dense.bias")->bytes));
 
-  tensors.pop_back();
-  WriteCheckpoint(dir, tensors, TinyConfig(d, R"(, "position_embedding_type": "absolute")"));
+  tensors.erase(tensors.begin() + 1);
+  WriteCheckpoint(dir, tensors, config);
   absl::Status st = LoadStatus(dir);
   EXPECT_EQ(st.code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(st.message(), HasSubstr("model.embed_positions.weight"));
+  EXPECT_THAT(st.message(), HasSubstr("embeddings.position_embeddings.weight"));
+}
+
+TEST(ModelLoadTest, ABiasTheFamilyDoesNotHaveIsRefused) {
+  // Mistral's projections have no bias parameter: transformers would ignore
+  // one in the file; the server refuses rather than add it.
+  TempDir dir;
+  TinyDims d;
+  std::vector<SafetensorsTensor> tensors = TinyTensors(d);
+  tensors.push_back(F32Tensor("model.layers.1.self_attn.k_proj.bias", {d.kv_heads * d.head_dim}, 9));
+  WriteCheckpoint(dir, tensors,
+                  absl::StrReplaceAll(TinyConfig(d), {{"\"llama\"", "\"mistral\""}}));
+  absl::Status st = LoadStatus(dir);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+  EXPECT_THAT(st.message(), HasSubstr("model.layers.1.self_attn.k_proj.bias"));
 }
 
 // Writes the tiny checkpoint as two shards plus the index.
