@@ -459,11 +459,17 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
       if (!factor.has_value()) return s.Error("factor", "is missing (required by this rule)");
       break;
     case RopeScalingType::kDynamicNtk:
-    case RopeScalingType::kYarn:
       if (!factor.has_value()) return s.Error("factor", "is missing (required by this rule)");
       // transformers takes the trained length from max_position_embeddings
       // when the scaling block does not give it.
       if (!l0.has_value()) l0 = config.max_positions;
+      break;
+    case RopeScalingType::kYarn:
+      if (!l0.has_value()) l0 = config.max_positions;
+      // Without a factor, transformers extends from L0 to max_position_embeddings.
+      if (!factor.has_value()) {
+        factor = static_cast<double>(config.max_positions) / static_cast<double>(*l0);
+      }
       break;
     case RopeScalingType::kLongRope:
       if (!l0.has_value()) l0 = config.max_positions;
@@ -480,6 +486,11 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   RA_ASSIGN_OR_RETURN(std::optional<double> beta_slow, s.Number("beta_slow"));
   if (beta_fast.has_value()) sc.beta_fast = *beta_fast;
   if (beta_slow.has_value()) sc.beta_slow = *beta_slow;
+  if (sc.type == RopeScalingType::kYarn) {
+    // truncate: false keeps the correction range's bounds fractional.
+    RA_ASSIGN_OR_RETURN(std::optional<bool> truncate, s.Bool("truncate"));
+    sc.truncate = truncate.value_or(true);
+  }
   RA_ASSIGN_OR_RETURN(sc.attention_factor, s.Number("attention_factor"));
   RA_ASSIGN_OR_RETURN(sc.mscale, s.Number("mscale"));
   RA_ASSIGN_OR_RETURN(sc.mscale_all_dim, s.Number("mscale_all_dim"));

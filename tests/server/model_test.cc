@@ -264,6 +264,28 @@ TEST(ParseModelConfigTest, Phi3WrongFactorCountIsRejectedByCoreValidation) {
   EXPECT_THAT(c.status().message(), AllOf(HasSubstr("config.json"), HasSubstr("short_factor")));
 }
 
+void ExpectConfigError(absl::string_view config, absl::StatusCode code,
+                       std::vector<std::string> substrings);
+
+TEST(ParseModelConfigTest, YarnTruncateAndFactorAsTransformersReadsThem) {
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(
+      TinyConfig({}, R"(, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+          "original_max_position_embeddings": 32, "truncate": false}, "head_dim": 64)"),
+      "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->rope->scaling.truncate);
+  // No factor: extended from L0 to max_position_embeddings (128 / 32).
+  c = ParseModelConfig(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "yarn",
+          "original_max_position_embeddings": 32})"),
+                       "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->rope->scaling.truncate);
+  EXPECT_EQ(c->rope->scaling.factor, 4.0);
+  ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+          "truncate": "no"})"),
+                    absl::StatusCode::kInvalidArgument, {"rope_scaling.truncate"});
+}
+
 TEST(ParseModelConfigTest, Qwen2Yarn) {
   const char* kConfig = R"({
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
@@ -362,9 +384,6 @@ TEST(ParseModelConfigTest, BertIsLearnedAbsolute) {
   EXPECT_EQ(c->positions, PositionKind::kLearned);
   EXPECT_FALSE(c->rope.has_value());
 }
-
-void ExpectConfigError(absl::string_view config, absl::StatusCode code,
-                       std::vector<std::string> substrings);
 
 TEST(ParseModelConfigTest, FamiliesTakeTheirTransformersDefaults) {
   auto parse = [](absl::string_view model_type, absl::string_view extra) {
