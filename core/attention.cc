@@ -47,6 +47,14 @@ struct Plan {
   bool causal;
   std::vector<int64_t> q_offset;    // [batch]
   std::vector<int64_t> key_length;  // [batch]
+  // Explicit positions (AttentionOptions::q_positions / k_positions), empty
+  // when the offsets say it: q [batch * q_len], k [batch * k_len].
+  std::vector<int64_t> q_pos, k_pos;
+
+  int64_t QPos(int64_t b, int64_t i) const {
+    return q_pos.empty() ? q_offset[b] + i : q_pos[b * q_len + i];
+  }
+  int64_t KPos(int64_t b, int64_t j) const { return k_pos.empty() ? j : k_pos[b * k_len + j]; }
   BiasKind bias_kind = BiasKind::kNone;
   std::vector<double> alibi;  // [heads]
   const StopToken* stop = nullptr;
@@ -63,7 +71,23 @@ struct Plan {
 
   // Visible keys [lo, hi) of query i in batch row b.
   void KeyRange(int64_t b, int64_t i, int64_t* lo, int64_t* hi) const {
-    const int64_t pos = q_offset[b] + i;
+    const int64_t pos = QPos(b, i);
+    if (!k_pos.empty()) {
+      // Keys are in non-decreasing position order (checked at plan time), so
+      // the visible ones are still one index range: found by binary search.
+      const int64_t* row = k_pos.data() + b * k_len;
+      const int64_t* end = row + key_length[b];
+      const int64_t* l = row;
+      const int64_t* h = end;
+      if (causal) h = std::upper_bound(row, end, pos);
+      if (window > 0) {
+        l = std::upper_bound(row, end, pos - window);  // keys with pos - k < window
+        if (!causal) h = std::lower_bound(row, end, pos + window);  // k - pos < window
+      }
+      *lo = l - row;
+      *hi = std::max(*lo, static_cast<int64_t>(h - row));
+      return;
+    }
     int64_t h = key_length[b];
     int64_t l = 0;
     if (causal) h = std::min(h, pos + 1);
@@ -215,6 +239,47 @@ absl::Status PlanCommon(const ConstTensorView& q, const AttentionOptions& o, con
       p.q_offset[b] = p.k_len - p.q_len;
     }
   }
+  // Explicit positions.
+  if (!o.q_positions.empty()) {
+    if (!o.q_offsets.empty()) {
+      return absl::InvalidArgumentError("give q_offsets or q_positions, not both");
+    }
+    if (static_cast<int64_t>(o.q_positions.size()) != SatMul(p.batch, p.q_len)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("q_positions must have batch * q_len = %d entries, got %d",
+                          SatMul(p.batch, p.q_len), o.q_positions.size()));
+    }
+    for (size_t n = 0; n < o.q_positions.size(); ++n) {
+      RA_RETURN_IF_ERROR(CheckPositions(o.q_positions[n], 1, absl::StrFormat("q_positions[%d]", n)));
+    }
+    p.q_pos.assign(o.q_positions.begin(), o.q_positions.end());
+  }
+  if (!o.k_positions.empty()) {
+    if (o.q_positions.empty() && o.q_offsets.empty()) {
+      return absl::InvalidArgumentError(
+          "k_positions needs q_positions or q_offsets: where the queries sit cannot be inferred "
+          "from key positions");
+    }
+    if (static_cast<int64_t>(o.k_positions.size()) != SatMul(p.batch, p.k_len)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("k_positions must have batch * k_len = %d entries, got %d",
+                          SatMul(p.batch, p.k_len), o.k_positions.size()));
+    }
+    for (int64_t b = 0; b < p.batch; ++b) {
+      for (int64_t j = 0; j < p.k_len; ++j) {
+        const size_t n = static_cast<size_t>(b * p.k_len + j);
+        RA_RETURN_IF_ERROR(
+            CheckPositions(o.k_positions[n], 1, absl::StrFormat("k_positions[%d]", n)));
+        if (j > 0 && o.k_positions[n] < o.k_positions[n - 1]) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "k_positions[%d] = %d is below the key before it (%d): keys must be in "
+              "non-decreasing position order within a batch row",
+              n, o.k_positions[n], o.k_positions[n - 1]));
+        }
+      }
+    }
+    p.k_pos.assign(o.k_positions.begin(), o.k_positions.end());
+  }
 
   if (!probs.empty_view()) {
     if (probs.dtype() != DType::kF32 || probs.rank() != 4 || !probs.IsContiguous() ||
@@ -256,14 +321,24 @@ absl::Status PlanCommon(const ConstTensorView& q, const AttentionOptions& o, con
             bias.t5_config.num_buckets, p.heads, DimsToString(bias.t5_table.dims())));
       }
       RA_RETURN_IF_ERROR(CheckFinite(bias.t5_table, "t5_table"));
-      // Relative positions j - q_pos span [-(max q_pos), k_len - 1 - min q_pos].
-      int64_t min_pos = 0, max_pos = 0;
+      // Relative positions k_pos - q_pos span [min k_pos - max q_pos,
+      // max k_pos - min q_pos].
+      int64_t min_pos = 0, max_pos = 0, min_k = 0, max_k = std::max<int64_t>(0, p.k_len - 1);
+      bool first = true;
       for (int64_t b = 0; b < p.batch; ++b) {
-        if (b == 0 || p.q_offset[b] < min_pos) min_pos = p.q_offset[b];
-        if (b == 0 || p.q_offset[b] + p.q_len - 1 > max_pos) max_pos = p.q_offset[b] + p.q_len - 1;
+        for (int64_t i = 0; i < p.q_len; ++i) {
+          const int64_t pos = p.QPos(b, i);
+          if (first || pos < min_pos) min_pos = pos;
+          if (first || pos > max_pos) max_pos = pos;
+          first = false;
+        }
       }
-      p.rel_min = -max_pos;
-      p.rel_count = std::max<int64_t>(0, (p.k_len - 1 - min_pos) - p.rel_min + 1);
+      if (!p.k_pos.empty()) {
+        min_k = *std::min_element(p.k_pos.begin(), p.k_pos.end());
+        max_k = *std::max_element(p.k_pos.begin(), p.k_pos.end());
+      }
+      p.rel_min = min_k - max_pos;
+      p.rel_count = std::max<int64_t>(0, (max_k - min_pos) - p.rel_min + 1);
       // The table holds heads x relative positions floats: bound the product
       // (a few heads far apart, or thousands of heads, both make it large).
       if (SatMul(p.heads, p.rel_count) > kMaxT5TableEntries) {
@@ -328,8 +403,26 @@ bool FinishRow(const Plan& p, int64_t b, int64_t h, int64_t i, int64_t lo, float
   if (n == 0) return true;
   internal::ScaleInPlace(x, n, p.scale);
   if (p.softcap > 0) internal::SoftcapInPlace(x, n, p.softcap);
-  const int64_t pos = p.q_offset[b] + i;
-  switch (p.bias_kind) {
+  const int64_t pos = p.QPos(b, i);
+  if (!p.k_pos.empty() && p.bias_kind != BiasKind::kTensor && p.bias_kind != BiasKind::kNone) {
+    // Keys at explicit positions: the same biases, key by key.
+    const int64_t* kp = p.k_pos.data() + b * p.k_len + lo;
+    if (p.bias_kind == BiasKind::kAlibi) {
+      // Shifted by the row's largest visible bias, as below.
+      const double slope = p.alibi[h];
+      int64_t ref = slope >= 0 ? std::numeric_limits<int64_t>::max() : 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t dist = std::abs(pos - kp[j]);
+        ref = slope >= 0 ? std::min(ref, dist) : std::max(ref, dist);
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        x[j] -= static_cast<float>(slope * static_cast<double>(std::abs(pos - kp[j]) - ref));
+      }
+    } else {
+      const float* row = p.t5.data() + h * p.rel_count - p.rel_min;
+      for (int64_t j = 0; j < n; ++j) x[j] += row[kp[j] - pos];
+    }
+  } else switch (p.bias_kind) {
     case BiasKind::kAlibi: {
       // Softmax ignores a per-row constant, so the row's largest visible bias
       // is subtracted first: -slope * (dist - ref), ref the nearest visible

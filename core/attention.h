@@ -6,7 +6,8 @@
 //   logit           = cap(scale * <q[b, i, h, :], k[b, j, h / g, :]>) + bias(h, q_pos, j)
 // where g = heads / kv_heads, cap(x) = softcap * tanh(x / softcap) when softcap > 0.
 // Query i of row b is at absolute position q_pos = q_offset[b] + i; key j is at
-// position j. Key j is visible to query i when
+// position j (or both as given explicitly: AttentionOptions::q_positions,
+// k_positions). Key j is visible to query i when
 //   j < key_length[b]                      (padding)
 //   and, if causal, j <= q_pos
 //   and, if window > 0, |q_pos - j| < window (causal: q_pos - window < j <= q_pos).
@@ -64,6 +65,14 @@ struct AttentionOptions {
   absl::Span<const int64_t> q_offsets;
   // Per batch row: number of valid keys (the rest is right padding). Empty: k_len.
   absl::Span<const int64_t> key_lengths;
+  // Explicit positions instead: q_positions [batch * q_len] (row-major [b][i];
+  // not with q_offsets), k_positions [batch * k_len] (non-decreasing within
+  // each batch row; needs q_positions or q_offsets). Every mask and bias
+  // then follows positions, not indexes: key j is visible to query i when
+  // (causal) k_pos <= q_pos and (window) |q_pos - k_pos| < window; ALiBi and
+  // T5 use q_pos - k_pos. Each position in [0, kMaxPosition].
+  absl::Span<const int64_t> q_positions;
+  absl::Span<const int64_t> k_positions;
   AttentionBias bias;
   // Check q, k and v for NaN/inf first (InvalidArgument naming tensor and
   // index). A caller whose K/V cache was checked when filled may turn this off;

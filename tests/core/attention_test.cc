@@ -7,6 +7,7 @@
 // is the kernel's internal rounding only).
 #include "core/attention.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -62,6 +63,7 @@ struct Case {
   double scale = 0.0;
   std::vector<int64_t> q_offsets;
   std::vector<int64_t> key_lengths;
+  std::vector<int64_t> q_positions, k_positions;  // explicit positions
   BiasKind bias = BiasKind::kNone;
   bool t5_bidirectional = true;
   int t5_num_buckets = 32;
@@ -158,6 +160,8 @@ AttentionOptions MakeOptions(const Case& c, const Inputs& in) {
   o.softcap = c.softcap;
   o.q_offsets = c.q_offsets;
   o.key_lengths = c.key_lengths;
+  o.q_positions = c.q_positions;
+  o.k_positions = c.k_positions;
   o.num_threads = c.num_threads;
   o.force_path = c.path;
   o.bias.kind = c.bias;
@@ -187,6 +191,8 @@ ref::AttentionRefParams MakeRefParams(const Case& c, const Inputs& in) {
   p.softcap = c.softcap;
   p.q_offsets = c.q_offsets;
   p.key_lengths = c.key_lengths;
+  p.q_positions = c.q_positions;
+  p.k_positions = c.k_positions;
   switch (c.bias) {
     case BiasKind::kNone:
       p.bias = ref::RefBias::kNone;
@@ -400,6 +406,65 @@ TEST_P(AttentionPathDtypeTest, EveryOptionMatchesReference) {
     c.probs = true;
   });
   for (const Case& c : cases) CheckAgainstReference(c);
+}
+
+// Keys at explicit, gapped, repeated positions and queries anywhere: every
+// mask and bias follows positions. Sorted random key positions per row.
+TEST_P(AttentionPathDtypeTest, ExplicitPositionsMaskAndBiasByPosition) {
+  const uint64_t kSeeds[] = {11, 12, 13, 14, 15, 16, 17};
+  int n = 0;
+  for (int64_t far : {int64_t{0}, int64_t{1000000}}) {
+    for (const BiasKind bias : {BiasKind::kNone, BiasKind::kAlibi, BiasKind::kT5}) {
+      for (int mode = 0; mode < 3; ++mode) {  // causal, causal + window, bidirectional window
+        Case c = Base();
+        c.batch = 2;
+        c.q_len = c.path == Path::kDecode ? 3 : 37;
+        c.k_len = 70;
+        c.heads = 4;
+        c.kv_heads = 2;
+        c.head_dim = 32;
+        c.causal = mode != 2;
+        c.window = mode == 0 ? 0 : 25;
+        c.bias = bias;
+        c.probs = true;
+        c.seed = kSeeds[n++ % 7];
+        c.key_lengths = {70, 61};
+        for (int64_t b = 0; b < c.batch; ++b) {
+          std::vector<int64_t> kp = testing::RandomInts(c.k_len, far, far + 120, c.seed + b);
+          std::sort(kp.begin(), kp.end());
+          c.k_positions.insert(c.k_positions.end(), kp.begin(), kp.end());
+          std::vector<int64_t> qp = testing::RandomInts(c.q_len, far, far + 130, c.seed + 9 + b);
+          c.q_positions.insert(c.q_positions.end(), qp.begin(), qp.end());
+        }
+        CheckAgainstReference(c);
+      }
+    }
+  }
+}
+
+TEST_P(AttentionPathDtypeTest, UnsortedOrMisusedPositionsAreRejected) {
+  Case c = Base();
+  c.q_len = 2;
+  c.k_len = 4;
+  c.causal = true;
+  c.q_positions = {5, 3};
+  c.k_positions = {1, 2, 2, 7};
+  Inputs in = MakeInputs(c);
+  EXPECT_TRUE(RunAttend(c, in).status.ok());
+  c.k_positions = {1, 3, 2, 7};
+  absl::Status st = RunAttend(c, in).status;
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("k_positions[2] = 2"));
+  c.k_positions = {1, 2, 3, 4};
+  c.q_positions = {5};
+  EXPECT_THAT(RunAttend(c, in).status.message(), HasSubstr("q_positions must have"));
+  c.q_positions = {};
+  st = RunAttend(c, in).status;
+  EXPECT_THAT(st.message(), HasSubstr("k_positions needs q_positions or q_offsets"));
+  c.q_positions = {5, -1};
+  st = RunAttend(c, in).status;
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("q_positions[1]"));
 }
 
 TEST_P(AttentionPathDtypeTest, GqaEqualsMhaWithRepeatedKvHeads) {

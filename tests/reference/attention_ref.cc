@@ -39,26 +39,28 @@ double RoundToBF16(double x) {
 }
 
 // Whether key j is visible to the query at absolute position q_pos.
-bool Visible(const AttentionRefParams& p, int64_t q_pos, int64_t j, int64_t key_length) {
+// Key j (index) sits at k_pos; padding goes by index, masks by position.
+bool Visible(const AttentionRefParams& p, int64_t q_pos, int64_t k_pos, int64_t j,
+             int64_t key_length) {
   if (j >= key_length) return false;
-  if (p.causal && j > q_pos) return false;
+  if (p.causal && k_pos > q_pos) return false;
   if (p.window > 0) {
-    const int64_t distance = q_pos > j ? q_pos - j : j - q_pos;
+    const int64_t distance = q_pos > k_pos ? q_pos - k_pos : k_pos - q_pos;
     if (distance >= p.window) return false;
   }
   return true;
 }
 
 double Bias(const AttentionRefParams& p, int64_t b, int64_t h, int64_t i, int64_t q_pos,
-            int64_t j) {
+            int64_t k_pos, int64_t j) {
   switch (p.bias) {
     case RefBias::kNone:
       return 0.0;
     case RefBias::kAlibi:
-      return -p.alibi_slopes[h] * std::abs(static_cast<double>(q_pos - j));
+      return -p.alibi_slopes[h] * std::abs(static_cast<double>(q_pos - k_pos));
     case RefBias::kT5: {
       const int bucket =
-          T5Bucket(j - q_pos, p.t5_bidirectional, p.t5_num_buckets, p.t5_max_distance);
+          T5Bucket(k_pos - q_pos, p.t5_bidirectional, p.t5_num_buckets, p.t5_max_distance);
       return p.t5_table[bucket * p.heads + h];
     }
     case RefBias::kTensor: {
@@ -88,11 +90,13 @@ AttentionRefResult Attention(const AttentionRefParams& p, const std::vector<doub
     for (int64_t h = 0; h < p.heads; ++h) {
       const int64_t kvh = h / group;
       for (int64_t i = 0; i < p.q_len; ++i) {
-        const int64_t q_pos = q_offset + i;
+        const int64_t q_pos =
+            p.q_positions.empty() ? q_offset + i : p.q_positions[b * p.q_len + i];
         double max_logit = kNegInf;
         for (int64_t j = 0; j < p.k_len; ++j) {
           logits[j] = kNegInf;
-          if (!Visible(p, q_pos, j, key_length)) continue;
+          const int64_t k_pos = p.k_positions.empty() ? j : p.k_positions[b * p.k_len + j];
+          if (!Visible(p, q_pos, k_pos, j, key_length)) continue;
           result.visible[((b * p.heads + h) * p.q_len + i) * p.k_len + j] = 1;
           double dot = 0.0;
           for (int64_t d = 0; d < p.head_dim; ++d) {
@@ -101,7 +105,7 @@ AttentionRefResult Attention(const AttentionRefParams& p, const std::vector<doub
           }
           double x = scale * dot;
           if (p.softcap > 0) x = p.softcap * std::tanh(x / p.softcap);
-          x += Bias(p, b, h, i, q_pos, j);
+          x += Bias(p, b, h, i, q_pos, k_pos, j);
           logits[j] = x;
           max_logit = std::max(max_logit, x);
         }

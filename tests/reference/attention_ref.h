@@ -34,6 +34,10 @@ struct AttentionRefParams {
   double softcap = 0.0;              // 0: no cap
   std::vector<int64_t> q_offsets;    // empty: k_len - q_len for every row
   std::vector<int64_t> key_lengths;  // empty: k_len for every row
+  // Explicit positions (masks and biases by position, padding by index):
+  // [batch * q_len] instead of q_offsets, [batch * k_len] instead of 0..k_len-1.
+  std::vector<int64_t> q_positions;
+  std::vector<int64_t> k_positions;
 
   RefBias bias = RefBias::kNone;
   std::vector<double> alibi_slopes;  // [heads]
