@@ -123,8 +123,13 @@ void SetRope(const AttendShape& a, v1::AttentionSpec* spec) {
   v1::RopeScaling* s = rope->mutable_scaling();
   s->set_rope_type(a.rope_type);
   s->set_factor(a.rope_factor != 0 ? a.rope_factor : 2.0);
-  s->set_original_max_position_embeddings(
-      a.original_max_positions != 0 ? a.original_max_positions : std::max<int64_t>(1, a.k_len / 2));
+  // The server refuses parameters a rule does not read: only the rules with
+  // a trained length get one.
+  if (a.rope_type != "linear" && a.rope_type != "ntk") {
+    s->set_original_max_position_embeddings(a.original_max_positions != 0
+                                                ? a.original_max_positions
+                                                : std::max<int64_t>(1, a.k_len / 2));
+  }
   if (a.rope_type == "longrope" || a.rope_type == "su") {
     for (int64_t i = 0; i < a.head_dim / 2; ++i) {
       s->add_short_factor(1.0);

@@ -205,6 +205,61 @@ void TensorToProto(const ConstTensorView& view, v1::Tensor* out) {
   }
 }
 
+namespace {
+
+// A parameter the rule would not read is refused, not ignored: whoever sent
+// it expects it to change the result. `sc` is the scaling field's path with a
+// trailing dot. Presence: optional fields when set, lists when non-empty,
+// plain numbers when non-zero; mscale / mscale_all_dim of 0 mean not given
+// (transformers' truthiness).
+absl::Status CheckRuleReadsEveryField(const v1::RopeScaling& in, RopeScalingType type,
+                                      absl::string_view sc) {
+  using T = RopeScalingType;
+  const bool yarn = type == T::kYarn, longrope = type == T::kLongRope,
+             llama3 = type == T::kLlama3;
+  const bool mscale = in.has_mscale() && in.mscale() != 0.0;
+  const bool mscale_all_dim = in.has_mscale_all_dim() && in.mscale_all_dim() != 0.0;
+  struct Field {
+    const char* name;
+    bool given;
+    bool read;
+    const char* readers;  // which rules (and when) read it, for the message
+  };
+  const Field fields[] = {
+      {"factor", in.factor() != 0.0 && !(type == T::kDefault && in.factor() == 1.0),
+       type != T::kDefault &&
+           !(longrope && (in.has_attention_factor() || in.max_position_embeddings() != 0)),
+       "linear, ntk, dynamic, yarn, llama3, and longrope without attention_factor or "
+       "max_position_embeddings; default takes only 0 or 1"},
+      {"original_max_position_embeddings", in.original_max_position_embeddings() != 0,
+       type == T::kDynamicNtk || yarn || longrope || llama3, "dynamic, yarn, longrope, llama3"},
+      {"beta_fast", in.has_beta_fast(), yarn, "yarn"},
+      {"beta_slow", in.has_beta_slow(), yarn, "yarn"},
+      {"truncate", in.has_truncate(), yarn, "yarn"},
+      {"attention_factor", in.has_attention_factor(), yarn || longrope, "yarn, longrope"},
+      {"mscale", mscale, yarn && mscale_all_dim && !in.has_attention_factor(),
+       "yarn, together with a non-zero mscale_all_dim and without attention_factor"},
+      {"mscale_all_dim", mscale_all_dim, yarn && mscale && !in.has_attention_factor(),
+       "yarn, together with a non-zero mscale and without attention_factor"},
+      {"short_factor", in.short_factor_size() > 0, longrope, "longrope"},
+      {"long_factor", in.long_factor_size() > 0, longrope, "longrope"},
+      {"max_position_embeddings", in.max_position_embeddings() != 0,
+       longrope && !in.has_attention_factor(), "longrope without attention_factor"},
+      {"low_freq_factor", in.has_low_freq_factor(), llama3, "llama3"},
+      {"high_freq_factor", in.has_high_freq_factor(), llama3, "llama3"},
+  };
+  for (const Field& f : fields) {
+    if (f.given && !f.read) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          sc, f.name, " has no effect under rope_type \"", RopeScalingTypeName(type),
+          "\" as given (read by ", f.readers, "); remove it"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<RopeConfig> RopeConfigFromProto(const v1::RopeSpec& spec, int64_t head_dim,
                                                absl::string_view field) {
   RopeConfig config;
@@ -243,6 +298,8 @@ absl::StatusOr<RopeConfig> RopeConfigFromProto(const v1::RopeSpec& spec, int64_t
   if (in.has_attention_factor()) s.attention_factor = in.attention_factor();
   if (in.has_mscale()) s.mscale = in.mscale();
   if (in.has_mscale_all_dim()) s.mscale_all_dim = in.mscale_all_dim();
+  if (in.has_truncate()) s.truncate = in.truncate();
+  s.max_position_embeddings = in.max_position_embeddings();
   s.short_factor.assign(in.short_factor().begin(), in.short_factor().end());
   s.long_factor.assign(in.long_factor().begin(), in.long_factor().end());
   if (in.has_low_freq_factor()) s.low_freq_factor = in.low_freq_factor();
@@ -259,6 +316,11 @@ absl::StatusOr<RopeConfig> RopeConfigFromProto(const v1::RopeSpec& spec, int64_t
     return absl::InvalidArgumentError(absl::StrFormat(
         "%soriginal_max_position_embeddings must be in [0, 2^40], got %d", sc,
         in.original_max_position_embeddings()));
+  }
+  if (in.max_position_embeddings() < 0 || in.max_position_embeddings() > kMaxPosition) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%smax_position_embeddings must be in [0, 2^40], got %d", sc,
+                        in.max_position_embeddings()));
   }
   const std::pair<const char*, std::optional<double>> betas[] = {
       {"beta_fast", in.has_beta_fast() ? std::optional<double>(in.beta_fast()) : std::nullopt},
@@ -293,6 +355,7 @@ absl::StatusOr<RopeConfig> RopeConfigFromProto(const v1::RopeSpec& spec, int64_t
     RA_RETURN_IF_ERROR(CheckFiniteRange(in.long_factor(i), 0.0, kMaxScalingFactor,
                                         absl::StrFormat("%slong_factor[%d]", sc, i)));
   }
+  RA_RETURN_IF_ERROR(CheckRuleReadsEveryField(in, s.type, sc));
   RA_RETURN_IF_ERROR(Annotate(ValidateRopeConfig(config), field));
   return config;
 }

@@ -87,8 +87,11 @@ void TensorToProto(const ConstTensorView& view, v1::Tensor* out);
 // RoPE spec -> core config for head_dim (validated with ValidateRopeConfig;
 // an unknown rope_type is InvalidArgument naming it). Defaults: empty
 // rope_type is "default", factor 0 is 1, theta 0 is 10000, rotary_dim 0 is
-// head_dim, unset optional fields keep the core's defaults. Errors are
-// prefixed with `field` (the spec's path in the request).
+// head_dim, unset optional fields keep the core's defaults. A scaling
+// parameter the rule would not read (as the proto's RopeScaling says: present
+// optional fields, non-empty lists, non-zero numbers; mscale 0 is not given)
+// is InvalidArgument naming the field and the rule. Errors are prefixed with
+// `field` (the spec's path in the request).
 absl::StatusOr<RopeConfig> RopeConfigFromProto(const v1::RopeSpec& spec, int64_t head_dim,
                                                absl::string_view field = "spec.rope");
 

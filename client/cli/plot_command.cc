@@ -59,7 +59,13 @@ absl::StatusOr<RopeConfig> ParseConfig(absl::string_view text) {
   }
   config.rope.mutable_scaling()->set_factor(factor);
   config.rope.set_theta(theta);
-  config.rope.mutable_scaling()->set_original_max_position_embeddings(original);
+  // The server refuses an L0 where the rule reads none: --original_max_positions
+  // applies to the configs whose rule has one; an L0 written in the config
+  // itself is sent as written.
+  const bool reads_l0 = parts[1] != "default" && parts[1] != "linear" && parts[1] != "ntk";
+  if (parts.size() > 4 || reads_l0) {
+    config.rope.mutable_scaling()->set_original_max_position_embeddings(original);
+  }
   return config;
 }
 

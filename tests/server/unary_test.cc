@@ -554,7 +554,6 @@ TEST(RunEncodeTest, RopeFrequenciesEveryRule) {
        ref::YarnInvFreq(kD, 10000.0, y), ref::YarnAttentionFactor(y)},
       {"su",
        [&](v1::RopeScaling* s) {
-         s->set_factor(8.0);
          s->set_original_max_position_embeddings(32);
          s->set_attention_factor(1.25);
          for (double f : sf) s->add_short_factor(f);
@@ -582,6 +581,47 @@ TEST(RunEncodeTest, RopeFrequenciesEveryRule) {
     EXPECT_TRUE(AllClose(got, rule.inv_freq, 1e-12));
     EXPECT_NEAR(r->attention_factor(), rule.attention_factor, 1e-12);
   }
+}
+
+TEST(RunEncodeTest, RopeFrequenciesYarnTruncateAndLongRopeMaxPositionEmbeddings) {
+  constexpr int64_t kD = 64;
+  v1::EncodeRequest request;
+  auto* op = request.mutable_rope_frequencies();
+  op->set_head_dim(kD);
+  auto* s = op->mutable_rope()->mutable_scaling();
+  s->set_rope_type("yarn");
+  s->set_factor(8.0);
+  s->set_original_max_position_embeddings(4096);
+  s->set_truncate(false);
+  ref::YarnRefParams y;
+  y.factor = 8.0;
+  y.original_len = 4096;
+  y.truncate = false;
+  absl::StatusOr<v1::EncodeResponse> r = Encode(request);
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::vector<double> got(r->inv_freq().begin(), r->inv_freq().end());
+  EXPECT_TRUE(AllClose(got, ref::YarnInvFreq(kD, 10000.0, y), 1e-12));
+  y.truncate = true;  // the two differ for this config
+  EXPECT_FALSE(AllClose(got, ref::YarnInvFreq(kD, 10000.0, y), 1e-6));
+
+  // Phi-3: max_position_embeddings 131072 over L0 4096 gives f = 32.
+  s->Clear();
+  s->set_rope_type("longrope");
+  s->set_original_max_position_embeddings(4096);
+  s->set_max_position_embeddings(131072);
+  const std::vector<double> sf(kD / 2, 1.0), lf(kD / 2, 4.0);
+  for (int i = 0; i < kD / 2; ++i) {
+    s->add_short_factor(sf[i]);
+    s->add_long_factor(lf[i]);
+  }
+  op->set_seq_len(5000);
+  r = Encode(request);
+  ASSERT_TRUE(r.ok()) << r.status();
+  got.assign(r->inv_freq().begin(), r->inv_freq().end());
+  EXPECT_TRUE(AllClose(got, ref::LongRopeInvFreq(kD, 10000.0, sf, lf, 4096, 5000), 1e-12));
+  EXPECT_NEAR(r->attention_factor(), ref::LongRopeAttentionFactor(1.0, 4096, std::nullopt, 131072),
+              1e-12);
+  EXPECT_NEAR(r->attention_factor(), std::sqrt(1.0 + std::log(32.0) / std::log(4096.0)), 1e-12);
 }
 
 TEST(RunEncodeTest, RopeCosSinAtArbitraryPositions) {
@@ -986,13 +1026,204 @@ TEST(BadInputTest, BadRopeScalingParameters) {
   s->add_short_factor(1.0);
   s->add_long_factor(1.0);
   EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "short_factor");
+  s->clear_short_factor();
+  s->clear_long_factor();
   s->set_rope_type("llama3");
   EXPECT_TRUE(AttendStatus(r).ok());
   s->set_high_freq_factor(0.5);
   EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "high_freq_factor");
+  s->clear_high_freq_factor();
   s->set_rope_type("yarn");
   s->clear_original_max_position_embeddings();
   EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "original_max_positions");
+}
+
+// A parameter the rule would not read is refused, naming the field and the
+// rule (never silently ignored).
+TEST(BadInputTest, RopeParametersTheRuleDoesNotReadAreRefused) {
+  struct Case {
+    const char* rule;
+    std::function<void(v1::RopeScaling*)> set;
+    const char* field;
+  };
+  auto longrope = [](v1::RopeScaling* s) {
+    s->set_original_max_position_embeddings(4);
+    for (int i = 0; i < 4; ++i) {  // head_dim 8: 4 pairs
+      s->add_short_factor(1.0);
+      s->add_long_factor(2.0);
+    }
+  };
+  const Case cases[] = {
+      {"default", [](v1::RopeScaling* s) { s->set_factor(2.0); }, "factor"},
+      {"default", [](v1::RopeScaling* s) { s->set_original_max_position_embeddings(8); },
+       "original_max_position_embeddings"},
+      {"linear",
+       [](v1::RopeScaling* s) {
+         s->set_factor(2.0);
+         s->set_attention_factor(1.1);
+       },
+       "attention_factor"},
+      {"linear",
+       [](v1::RopeScaling* s) {
+         s->set_factor(2.0);
+         s->set_original_max_position_embeddings(8);
+       },
+       "original_max_position_embeddings"},
+      {"ntk",
+       [](v1::RopeScaling* s) {
+         s->set_factor(2.0);
+         s->set_original_max_position_embeddings(8);
+       },
+       "original_max_position_embeddings"},
+      {"dynamic",
+       [](v1::RopeScaling* s) {
+         s->set_factor(2.0);
+         s->set_original_max_position_embeddings(8);
+         s->set_beta_fast(16.0);
+       },
+       "beta_fast"},
+      {"llama3",
+       [](v1::RopeScaling* s) {
+         s->set_factor(8.0);
+         s->set_original_max_position_embeddings(16);
+         s->set_beta_slow(2.0);
+       },
+       "beta_slow"},
+      {"llama3",
+       [](v1::RopeScaling* s) {
+         s->set_factor(8.0);
+         s->set_original_max_position_embeddings(16);
+         s->set_truncate(false);
+       },
+       "truncate"},
+      {"yarn",
+       [](v1::RopeScaling* s) {
+         s->set_factor(4.0);
+         s->set_original_max_position_embeddings(16);
+         s->add_short_factor(1.0);
+       },
+       "short_factor"},
+      {"yarn",
+       [](v1::RopeScaling* s) {
+         s->set_factor(4.0);
+         s->set_original_max_position_embeddings(16);
+         s->set_low_freq_factor(1.0);
+       },
+       "low_freq_factor"},
+      {"yarn",
+       [](v1::RopeScaling* s) {
+         s->set_factor(4.0);
+         s->set_original_max_position_embeddings(16);
+         s->set_mscale(1.0);  // without mscale_all_dim transformers ignores it
+       },
+       "mscale"},
+      {"yarn",
+       [](v1::RopeScaling* s) {
+         s->set_factor(4.0);
+         s->set_original_max_position_embeddings(16);
+         s->set_mscale(1.0);
+         s->set_mscale_all_dim(0.5);
+         s->set_attention_factor(1.2);  // overrides both
+       },
+       "mscale"},
+      {"yarn",
+       [](v1::RopeScaling* s) {
+         s->set_factor(4.0);
+         s->set_original_max_position_embeddings(16);
+         s->set_max_position_embeddings(64);
+       },
+       "max_position_embeddings"},
+      {"longrope",
+       [&](v1::RopeScaling* s) {
+         longrope(s);
+         s->set_factor(4.0);
+         s->set_attention_factor(1.1);  // the factor only feeds the attention factor
+       },
+       "factor"},
+      {"longrope",
+       [&](v1::RopeScaling* s) {
+         longrope(s);
+         s->set_factor(4.0);
+         s->set_max_position_embeddings(64);
+       },
+       "factor"},
+      {"longrope",
+       [&](v1::RopeScaling* s) {
+         longrope(s);
+         s->set_max_position_embeddings(64);
+         s->set_attention_factor(1.1);
+       },
+       "max_position_embeddings"},
+      {"longrope",
+       [&](v1::RopeScaling* s) {
+         longrope(s);
+         s->set_beta_fast(8.0);
+       },
+       "beta_fast"},
+  };
+  for (const Case& c : cases) {
+    v1::AttendRequest r = GoodAttend();
+    auto* s = r.mutable_spec()->mutable_rope()->mutable_scaling();
+    s->set_rope_type(c.rule);
+    c.set(s);
+    SCOPED_TRACE(s->ShortDebugString());
+    const absl::Status st = AttendStatus(r);
+    EXPECT_STATUS(st, kInvalidArgument, absl::StrCat("spec.rope.scaling.", c.field, " has no effect"));
+    EXPECT_STATUS(st, kInvalidArgument, absl::StrCat("rope_type \"", c.rule, "\""));
+  }
+  // What each rule reads is accepted, and values meaning "not given" are
+  // not counted: factor 1 with default, mscale 0 (transformers' truthiness).
+  const Case good[] = {
+      {"default", [](v1::RopeScaling* s) { s->set_factor(1.0); }, ""},
+      {"linear", [](v1::RopeScaling* s) { s->set_mscale(0.0); }, ""},
+      {"yarn",
+       [](v1::RopeScaling* s) {
+         s->set_factor(4.0);
+         s->set_original_max_position_embeddings(16);
+         s->set_beta_fast(16.0);
+         s->set_beta_slow(2.0);
+         s->set_truncate(false);
+         s->set_mscale(1.0);
+         s->set_mscale_all_dim(0.5);
+       },
+       ""},
+      {"yarn",
+       [](v1::RopeScaling* s) {
+         s->set_factor(4.0);
+         s->set_original_max_position_embeddings(16);
+         s->set_mscale(0.0);  // 0: not given, so nothing beside attention_factor
+         s->set_mscale_all_dim(0.0);
+         s->set_attention_factor(1.2);
+       },
+       ""},
+      {"longrope",
+       [&](v1::RopeScaling* s) {
+         longrope(s);
+         s->set_max_position_embeddings(64);
+       },
+       ""},
+      {"llama3",
+       [](v1::RopeScaling* s) {
+         s->set_factor(8.0);
+         s->set_original_max_position_embeddings(16);
+         s->set_low_freq_factor(1.0);
+         s->set_high_freq_factor(2.0);
+       },
+       ""},
+  };
+  for (const Case& c : good) {
+    v1::AttendRequest r = GoodAttend();
+    auto* s = r.mutable_spec()->mutable_rope()->mutable_scaling();
+    s->set_rope_type(c.rule);
+    c.set(s);
+    EXPECT_TRUE(AttendStatus(r).ok()) << s->ShortDebugString() << ": " << AttendStatus(r);
+  }
+  v1::AttendRequest r = GoodAttend();
+  auto* s = r.mutable_spec()->mutable_rope()->mutable_scaling();
+  s->set_rope_type("longrope");
+  longrope(s);
+  s->set_max_position_embeddings(-1);
+  EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "max_position_embeddings must be in [0, 2^40]");
 }
 
 TEST(BadInputTest, NaNInQNamesTensorAndIndex) {
