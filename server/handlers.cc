@@ -503,6 +503,17 @@ absl::Status EncodeRopeApply(const v1::EncodeRequest::RopeApply& op, EncodeDims&
   } else if (op.positions_size() == 0) {
     RA_RETURN_IF_ERROR(CheckPositions(0, seq, "rope_apply.x.shape[1] (seq)"));
   }
+  // Unless given, the length-dependent rules are planned for the largest
+  // position rotated + 1, as transformers plans them from max(position_ids):
+  // a token at 5000 is rotated as in a sequence of 5001, whatever x's length.
+  int64_t seq_len = op.seq_len();
+  if (seq_len == 0) {
+    for (int64_t p : op.positions()) seq_len = std::max(seq_len, p + 1);
+    if (seq > 0) {
+      for (int64_t off : op.offsets()) seq_len = std::max(seq_len, off + seq);
+    }
+    if (op.positions_size() == 0 && op.offsets_size() == 0) seq_len = seq;
+  }
   dims.what = absl::StrCat("rope_apply.x ", DimsToString(xs.dims));
   dims.in_bytes = xs.bytes;
   dims.out_bytes = xs.bytes;
@@ -513,7 +524,6 @@ absl::Status EncodeRopeApply(const v1::EncodeRequest::RopeApply& op, EncodeDims&
   RA_ASSIGN_OR_RETURN(Tensor x, TensorFromProto(op.x(), "rope_apply.x"));
   // The rotation has no check of its own: a NaN in would be a NaN out.
   RA_RETURN_IF_ERROR(CheckFinite(x.cview(), "rope_apply.x"));
-  const int64_t seq_len = op.seq_len() == 0 ? seq : op.seq_len();
   // No table: Apply computes each token's row once; a table would only pay
   // off for rows sharing positions, and costs a row per position up front.
   RA_ASSIGN_OR_RETURN(const RopeRotator rotator,

@@ -694,6 +694,45 @@ TEST(RunEncodeTest, RopeApplyExplicitPositionsOffsetsAndDefault) {
   }
 }
 
+// Without seq_len, dynamic NTK (and LongRoPE) are planned for the largest
+// position rotated + 1, as transformers plans them from max(position_ids).
+TEST(RunEncodeTest, RopeApplyWithoutSeqLenPlansForTheLargestPosition) {
+  const Tensor x = RandomTensor(DType::kF32, {1, 2, 2, 8}, 14);
+  const std::vector<double> xd = ToDoubles(x.cview());
+  auto dynamic = [](v1::EncodeRequest& request) {
+    auto* s = request.mutable_rope_apply()->mutable_rope()->mutable_scaling();
+    s->set_rope_type("dynamic");
+    s->set_factor(4.0);
+    s->set_original_max_position_embeddings(64);
+  };
+  {
+    v1::EncodeRequest request = RopeApplyRequest(x);
+    dynamic(request);
+    request.mutable_rope_apply()->add_positions(3);
+    request.mutable_rope_apply()->add_positions(5000);
+    absl::StatusOr<v1::EncodeResponse> r = Encode(request);
+    ASSERT_TRUE(r.ok()) << r.status();
+    RopeRef rr{ref::DynamicNtkInvFreq(8, 1000.0, 4.0, 64, 5001), 1.0};
+    EXPECT_TRUE(AllClose(Doubles(r->x()), RefRotate(rr, xd, 1, 2, 2, 8, {3, 5000}), kF32Tol));
+  }
+  {
+    v1::EncodeRequest request = RopeApplyRequest(x);
+    dynamic(request);
+    request.mutable_rope_apply()->add_offsets(4999);  // tokens at 4999 and 5000
+    absl::StatusOr<v1::EncodeResponse> r = Encode(request);
+    ASSERT_TRUE(r.ok()) << r.status();
+    RopeRef rr{ref::DynamicNtkInvFreq(8, 1000.0, 4.0, 64, 5001), 1.0};
+    EXPECT_TRUE(AllClose(Doubles(r->x()), RefRotate(rr, xd, 1, 2, 2, 8, {4999, 5000}), kF32Tol));
+    // An explicit seq_len still wins.
+    request.mutable_rope_apply()->set_seq_len(10000);
+    r = Encode(request);
+    ASSERT_TRUE(r.ok()) << r.status();
+    RopeRef rr10k{ref::DynamicNtkInvFreq(8, 1000.0, 4.0, 64, 10000), 1.0};
+    EXPECT_TRUE(
+        AllClose(Doubles(r->x()), RefRotate(rr10k, xd, 1, 2, 2, 8, {4999, 5000}), kF32Tol));
+  }
+}
+
 TEST(RunEncodeTest, RopeApplyInverseUndoesForwardWithAttentionFactor) {
   const Tensor x = RandomTensor(DType::kF32, {1, 4, 3, 8}, 12);
   const std::vector<double> xd = ToDoubles(x.cview());
