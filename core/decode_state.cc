@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/limits.h"
 #include "core/status_macros.h"
 
 namespace ropeattn {
@@ -40,6 +41,7 @@ bool DecodeState::LengthDependent() const { return RopeIsLengthDependent(config_
 
 absl::StatusOr<DecodeState> DecodeState::Create(DecodeStateConfig config) {
   const DecodeStateConfig& c = config;
+  RA_RETURN_IF_ERROR(CheckPositions(c.start_position, 1, "start_position"));
   if (c.heads <= 0 || c.kv_heads <= 0 || c.heads % c.kv_heads != 0 || c.head_dim <= 0 ||
       c.v_dim <= 0 || c.max_context < 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -94,7 +96,8 @@ int64_t DecodeState::byte_size() const {
 absl::Status DecodeState::PrepareRope(int64_t new_len) {
   if (!LengthDependent()) return absl::OkStatus();
   const DecodeStateConfig& c = config_;
-  RA_ASSIGN_OR_RETURN(RopeFrequencies f, ComputeRopeFrequencies(*c.rope, new_len));
+  // Planned as transformers does, for the largest position + 1.
+  RA_ASSIGN_OR_RETURN(RopeFrequencies f, ComputeRopeFrequencies(*c.rope, c.start_position + new_len));
   std::vector<double> key = f.inv_freq;
   key.push_back(f.attention_factor);
   if (rotator_ && key == rotator_freqs_) return absl::OkStatus();
@@ -106,7 +109,9 @@ absl::Status DecodeState::PrepareRope(int64_t new_len) {
   if (position_ > 0 && !c.linear) {
     RA_ASSIGN_OR_RETURN(Tensor keys,
                         Tensor::CopyOf(k_raw_.cview().Slice(1, 0, position_)));
-    RA_RETURN_IF_ERROR(r.Apply(keys.view(), Positions{}, RopeDirection::kForward, 1));
+    const int64_t start = c.start_position;
+    RA_RETURN_IF_ERROR(r.Apply(keys.view(), Positions{{}, absl::MakeConstSpan(&start, 1)},
+                               RopeDirection::kForward, 1));
     if (kv_) {
       RA_RETURN_IF_ERROR(kv_->WriteK(0, keys.cview()));
     } else {
@@ -156,7 +161,8 @@ absl::Status DecodeState::Prepare(Job& job, int plan_threads, AttentionJob* atte
   // The queries, rotated in f32: the one copy a step needs of them.
   RA_ASSIGN_OR_RETURN(*q_scratch, CastTensor(job.q, DType::kF32));
   step_offset_ = position_;
-  const Positions at{{}, absl::MakeConstSpan(&step_offset_, 1)};
+  rope_offset_ = c.start_position + position_;
+  const Positions at{{}, absl::MakeConstSpan(&rope_offset_, 1)};
   if (c.rope) {
     RA_RETURN_IF_ERROR(PrepareRope(new_len));
     RA_RETURN_IF_ERROR(rotator_->Apply(q_scratch->view(), at, RopeDirection::kForward, 1));
@@ -265,12 +271,91 @@ absl::Status DecodeState::Truncate(int64_t position) {
   return absl::OkStatus();
 }
 
+absl::Status DecodeState::Import(ConstTensorView k, ConstTensorView v, KeyForm form,
+                                 const std::string& names) {
+  const DecodeStateConfig& c = config_;
+  if (storage_ == Storage::kLinear) {
+    return absl::UnimplementedError(
+        "a linear-attention state has no KV to import: its state is a running sum");
+  }
+  if (position_ != 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "a KV prefix can only be imported into an empty state; this one holds %d tokens",
+        position_));
+  }
+  const int64_t tokens = k.rank() >= 2 ? k.dim(1) : -1;
+  RA_RETURN_IF_ERROR(CheckStepTensor(k, names + "k", tokens, c.kv_heads, c.head_dim));
+  RA_RETURN_IF_ERROR(CheckStepTensor(v, names + "v", tokens, c.kv_heads, c.v_dim));
+  if (tokens > c.max_context) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "a prefix of %d tokens exceeds the session's max_context of %d", tokens, c.max_context));
+  }
+  if (tokens == 0) return absl::OkStatus();
+  const int64_t start = c.start_position;
+  const Positions at{{}, absl::MakeConstSpan(&start, 1)};
+  // Keys in f32, raw (unrotated).
+  RA_ASSIGN_OR_RETURN(Tensor raw, CastTensor(k, DType::kF32));
+  if (c.rope && form == KeyForm::kRotated && LengthDependent()) {
+    // Undo the rotation they were given with (this length's frequencies):
+    // the state re-rotates from raw keys when the frequencies change.
+    RA_ASSIGN_OR_RETURN(RopeRotator given,
+                        RopeRotator::Create(*c.rope, start + tokens, 0));
+    RA_RETURN_IF_ERROR(given.Apply(raw.view(), at, RopeDirection::kInverse, 1));
+  }
+  if (k_raw_.num_elements() > 0) {
+    RA_RETURN_IF_ERROR(CopyRows(raw.cview(), k_raw_.view().Slice(1, 0, tokens)));
+  }
+  Tensor rotated;
+  if (c.rope && form == KeyForm::kRotated && !LengthDependent()) {
+    // Stored exactly as given.
+    RA_ASSIGN_OR_RETURN(rotated, CastTensor(k, DType::kF32));
+  } else {
+    rotated = std::move(raw);
+    if (c.rope) {
+      if (LengthDependent()) {
+        RA_RETURN_IF_ERROR(PrepareRope(tokens));  // position_ is 0: nothing re-rotated
+      }
+      RA_RETURN_IF_ERROR(rotator_->Apply(rotated.view(), at, RopeDirection::kForward, 1));
+    }
+  }
+  if (kv_) {
+    RA_RETURN_IF_ERROR(kv_->WriteK(0, rotated.cview()));
+    RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(v, DType::kF32));
+    RA_RETURN_IF_ERROR(kv_->WriteV(0, vf.cview()));
+  } else {
+    RA_RETURN_IF_ERROR(CopyRows(rotated.cview(), k_cache_.view().Slice(1, 0, tokens)));
+    RA_RETURN_IF_ERROR(CopyRows(v, v_cache_.view().Slice(1, 0, tokens)));
+  }
+  position_ = tokens;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DecodeState::Exported> DecodeState::Export() const {
+  const DecodeStateConfig& c = config_;
+  if (storage_ == Storage::kLinear) {
+    return absl::UnimplementedError(
+        "a linear-attention state has no KV to export: its state is a running sum");
+  }
+  Exported e;
+  const int64_t n = position_;
+  if (kv_) {
+    RA_ASSIGN_OR_RETURN(e.k, Tensor::Create(DType::kF32, {1, n, c.kv_heads, c.head_dim}));
+    RA_ASSIGN_OR_RETURN(e.v, Tensor::Create(DType::kF32, {1, n, c.kv_heads, c.v_dim}));
+    RA_RETURN_IF_ERROR(kv_->ReadK(0, e.k.view()));
+    RA_RETURN_IF_ERROR(kv_->ReadV(0, e.v.view()));
+  } else {
+    RA_ASSIGN_OR_RETURN(e.k, Tensor::CopyOf(k_cache_.cview().Slice(1, 0, n)));
+    RA_ASSIGN_OR_RETURN(e.v, Tensor::CopyOf(v_cache_.cview().Slice(1, 0, n)));
+  }
+  return e;
+}
+
 absl::Status DecodeState::CopyFrom(const DecodeState& other) {
   const DecodeStateConfig& a = config_;
   const DecodeStateConfig& b = other.config_;
   if (storage_ != other.storage_ || a.kv_heads != b.kv_heads || a.head_dim != b.head_dim ||
       a.v_dim != b.v_dim || a.kv_dtype != b.kv_dtype || other.position_ > a.max_context ||
-      k_raw_.num_elements() > 0 != (other.k_raw_.num_elements() > 0)) {
+      (k_raw_.num_elements() > 0) != (other.k_raw_.num_elements() > 0)) {
     return absl::InvalidArgumentError("a decode state can only copy one of its own kind");
   }
   const int64_t n = other.position_;

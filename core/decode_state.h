@@ -35,6 +35,11 @@ struct DecodeStateConfig {
   int64_t head_dim = 0;
   int64_t v_dim = 0;
   int64_t max_context = 0;  // tokens the state holds at most
+  // Absolute position of the state's first token: token j sits at
+  // start_position + j for RoPE (and for the length a length-dependent rule
+  // is planned for, start_position + tokens). Masks and biases only see
+  // distances, which do not change. In [0, kMaxPosition].
+  int64_t start_position = 0;
   DType kv_dtype = DType::kF32;
   bool linear = false;  // linear attention (running sums) instead of softmax
   std::optional<RopeConfig> rope;
@@ -66,7 +71,33 @@ class DecodeState {
 
   const DecodeStateConfig& config() const { return config_; }
   Storage storage() const { return storage_; }
+  // Tokens held; the next token's absolute position is
+  // config().start_position + position().
   int64_t position() const { return position_; }
+
+  // How a KV prefix's keys are given: as the model computed them before
+  // RoPE, or already rotated at their positions (what an engine's KV cache
+  // holds).
+  enum class KeyForm { kRaw, kRotated };
+  // Fills an empty softmax state with a prefix of P tokens at positions
+  // start_position .. start_position + P - 1: k [1, P, kv_heads, head_dim],
+  // v [1, P, kv_heads, v_dim] (f32 or bf16, finite). Raw keys are rotated
+  // here; rotated keys are stored as given, except under a length-dependent
+  // rule (dynamic NTK, LongRoPE), where they are taken as rotated for
+  // length start_position + P (as a prefill of the prefix rotates them) and
+  // un-rotated once to keep their raw values. Errors leave the state empty:
+  // FailedPrecondition if it holds tokens, Unimplemented for linear states,
+  // InvalidArgument for shapes or non-finite values (naming `names` + k/v),
+  // OutOfRange past max_context.
+  absl::Status Import(ConstTensorView k, ConstTensorView v, KeyForm form,
+                      const std::string& names = "");
+  // The held keys (rotated at their positions, in the state's kv dtype;
+  // f32 for a KvCache) and values: [1, position(), kv_heads, dim] each.
+  // Unimplemented for linear states.
+  struct Exported {
+    Tensor k, v;
+  };
+  absl::StatusOr<Exported> Export() const;
 
   // One step. q [1, T, heads, head_dim], k [1, T, kv_heads, head_dim],
   // v [1, T, kv_heads, v_dim] (f32 or bf16, any batch and sequence strides),
@@ -115,7 +146,8 @@ class DecodeState {
   DecodeStateConfig config_;
   Storage storage_ = Storage::kTokenMajor;
   int64_t position_ = 0;
-  int64_t step_offset_ = 0;  // the preparing step's first position (its queries' offset)
+  int64_t step_offset_ = 0;  // the preparing step's first index (its queries' offset)
+  int64_t rope_offset_ = 0;  // the preparing step's first absolute position (RoPE)
   std::optional<KvCache> kv_;           // kKvCache
   Tensor k_cache_, v_cache_;            // kTokenMajor
   Tensor k_raw_;                        // unrotated keys, length-dependent RoPE only

@@ -373,5 +373,134 @@ TEST(DecodeStateTest, TruncateAndCopyContinueExactly) {
   EXPECT_EQ(l.CopyFrom(a).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A state that starts at an absolute position: RoPE at start + index, and a
+// length-dependent rule planned for start + length (transformers' largest
+// position + 1), every cached key re-rotated when that changes. Against the
+// fp64 chain; 1e-5 relative in f32.
+TEST(DecodeStateTest, StartPositionRotatesAtAbsolutePositions) {
+  const int64_t start = 999990;
+  for (bool dynamic : {false, true}) {
+    SCOPED_TRACE(dynamic ? "dynamic NTK" : "default");
+    DecodeStateConfig c = BaseConfig();
+    c.start_position = start;
+    if (dynamic) {
+      c.rope->scaling.type = RopeScalingType::kDynamicNtk;
+      c.rope->scaling.factor = 2.0;
+      c.rope->scaling.original_max_positions = 16;
+    }
+    DecodeState state = DecodeState::Create(c).value();
+    std::vector<double> raw_keys, values;
+    int64_t pos = 0;
+    uint64_t seed = 70;
+    for (int64_t tokens : {3, 1, 2}) {
+      StepTensors s = RandomStep(c, tokens, seed += 3);
+      Tensor out = Tensor::Create(DType::kF32, {1, tokens, c.heads, c.v_dim}).value();
+      ASSERT_TRUE(state.Step(s.q.cview(), s.k.cview(), s.v.cview(), out.view(), 2).ok());
+      const std::vector<double> k = ToDoubles(s.k.cview()), v = ToDoubles(s.v.cview());
+      raw_keys.insert(raw_keys.end(), k.begin(), k.end());
+      values.insert(values.end(), v.begin(), v.end());
+      const int64_t len = pos + tokens;
+      ref::RotateRefParams r;
+      r.head_dim = r.rotary_dim = c.head_dim;
+      r.inv_freq = dynamic ? ref::DynamicNtkInvFreq(c.head_dim, 10000.0, 2.0, 16, start + len)
+                           : ref::DefaultInvFreq(c.head_dim, 10000.0);
+      r.seq = tokens;
+      r.heads = c.heads;
+      for (int64_t t = 0; t < tokens; ++t) r.positions.push_back(start + pos + t);
+      const std::vector<double> q = ref::Rotate(r, ToDoubles(s.q.cview()));
+      r.seq = len;
+      r.heads = c.kv_heads;
+      r.positions.clear();
+      for (int64_t t = 0; t < len; ++t) r.positions.push_back(start + t);
+      const std::vector<double> keys = ref::Rotate(r, raw_keys);
+      ref::AttentionRefParams p;
+      p.q_len = tokens;
+      p.k_len = len;
+      p.heads = c.heads;
+      p.kv_heads = c.kv_heads;
+      p.head_dim = c.head_dim;
+      p.v_dim = c.v_dim;
+      p.causal = true;
+      const ref::AttentionRefResult want = ref::Attention(p, q, keys, values);
+      EXPECT_TRUE(AllClose(ToDoubles(out.cview()), want.out, testing::kF32Tol)) << "at " << pos;
+      pos = len;
+    }
+  }
+}
+
+// A prefix imported as raw keys, or as the rotated keys another state
+// exported, continues exactly as the steps that built it: the next steps'
+// answers agree (1e-5 relative in f32, 1e-2 with a bf16 cache), for a fixed
+// and a length-dependent rule, on both storages.
+TEST(DecodeStateTest, ImportedPrefixContinuesLikeTheStepsThatMadeIt) {
+  for (DType kv : {DType::kF32, DType::kBF16}) {
+    for (bool dynamic : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << DTypeName(kv) << (dynamic ? " dynamic" : " default"));
+      DecodeStateConfig c = BaseConfig();
+      c.kv_dtype = kv;
+      c.start_position = 1000;
+      if (dynamic) {
+        c.rope->scaling.type = RopeScalingType::kDynamicNtk;
+        c.rope->scaling.factor = 4.0;
+        c.rope->scaling.original_max_positions = 1004;  // crossed while stepping
+      }
+      DecodeState a = DecodeState::Create(c).value();
+      const int64_t prefix = 7;
+      StepTensors pre = RandomStep(c, prefix, 90);
+      Tensor pre_out = Tensor::Create(DType::kF32, {1, prefix, c.heads, c.v_dim}).value();
+      ASSERT_TRUE(a.Step(pre.q.cview(), pre.k.cview(), pre.v.cview(), pre_out.view(), 1).ok());
+      absl::StatusOr<DecodeState::Exported> e = a.Export();
+      ASSERT_TRUE(e.ok()) << e.status();
+      ASSERT_EQ(e->k.dim(1), prefix);
+      DecodeState raw = DecodeState::Create(c).value();
+      ASSERT_TRUE(raw.Import(pre.k.cview(), pre.v.cview(), DecodeState::KeyForm::kRaw).ok());
+      DecodeState rotated = DecodeState::Create(c).value();
+      absl::Status st =
+          rotated.Import(e->k.cview(), e->v.cview(), DecodeState::KeyForm::kRotated, "prefix.");
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_EQ(raw.position(), prefix);
+      const double tol = kv == DType::kF32 ? testing::kF32Tol : testing::kBF16Tol;
+      for (int step = 0; step < 3; ++step) {
+        StepTensors s = RandomStep(c, 1, 200 + 3 * step);
+        std::vector<std::vector<double>> outs;
+        for (DecodeState* d : {&a, &raw, &rotated}) {
+          Tensor out = Tensor::Create(DType::kF32, {1, 1, c.heads, c.v_dim}).value();
+          ASSERT_TRUE(d->Step(s.q.cview(), s.k.cview(), s.v.cview(), out.view(), 1).ok());
+          outs.push_back(ToDoubles(out.cview()));
+        }
+        EXPECT_TRUE(AllClose(outs[1], outs[0], tol)) << "raw import, step " << step;
+        EXPECT_TRUE(AllClose(outs[2], outs[0], tol)) << "rotated import, step " << step;
+      }
+    }
+  }
+}
+
+TEST(DecodeStateTest, ImportIsRefusedWhereItCannotBeExact) {
+  DecodeStateConfig c = BaseConfig();
+  DecodeState s = DecodeState::Create(c).value();
+  StepTensors t = RandomStep(c, 2, 5);
+  Tensor out = Tensor::Create(DType::kF32, {1, 2, c.heads, c.v_dim}).value();
+  ASSERT_TRUE(s.Step(t.q.cview(), t.k.cview(), t.v.cview(), out.view(), 1).ok());
+  EXPECT_EQ(s.Import(t.k.cview(), t.v.cview(), DecodeState::KeyForm::kRaw).code(),
+            absl::StatusCode::kFailedPrecondition);
+  DecodeState empty = DecodeState::Create(c).value();
+  absl::Status st = empty.Import(t.k.cview(), t.q.cview(), DecodeState::KeyForm::kRaw, "prefix.");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("prefix.v"));
+  EXPECT_EQ(empty.position(), 0);
+  c.max_context = 1;
+  DecodeState small = DecodeState::Create(c).value();
+  EXPECT_EQ(small.Import(t.k.cview(), t.v.cview(), DecodeState::KeyForm::kRaw).code(),
+            absl::StatusCode::kOutOfRange);
+  DecodeStateConfig lc = BaseConfig();
+  lc.linear = true;
+  DecodeState linear = DecodeState::Create(lc).value();
+  EXPECT_EQ(linear.Import(t.k.cview(), t.v.cview(), DecodeState::KeyForm::kRaw).code(),
+            absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(linear.Export().status().code(), absl::StatusCode::kUnimplemented);
+  c.start_position = -1;
+  EXPECT_EQ(DecodeState::Create(c).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace ropeattn
