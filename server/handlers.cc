@@ -130,6 +130,8 @@ struct AttendPlan {
   WireShape q, k, v;
   DType out_dtype = DType::kF32;
   std::vector<int64_t> offsets;  // per batch row; empty when nothing reads them
+  // Explicit positions (AttendRequest.q_positions / k_positions), per token.
+  std::vector<int64_t> q_positions, k_positions;
   int64_t rope_seq_len = 0;      // the length RoPE is planned for
   bool empty = false;            // no queries or no keys: zeros, no compute
   AttendDims dims;
@@ -179,6 +181,45 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request, int thre
     RA_RETURN_IF_ERROR(
         CheckPositions(in_offsets[b], q_len, absl::StrFormat("q_offsets[%d]", b)));
   }
+  // Explicit positions: counts, ranges and the keys' order, named by field.
+  if (!request.q_positions().empty()) {
+    if (!in_offsets.empty()) {
+      return absl::InvalidArgumentError("set q_offsets or q_positions, not both");
+    }
+    if (request.q_positions_size() != SatMul(batch, q_len)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "q_positions has %d entries, expected batch * Sq = %d * %d", request.q_positions_size(),
+          batch, q_len));
+    }
+    for (int i = 0; i < request.q_positions_size(); ++i) {
+      RA_RETURN_IF_ERROR(
+          CheckPositions(request.q_positions(i), 1, absl::StrFormat("q_positions[%d]", i)));
+    }
+    plan.q_positions.assign(request.q_positions().begin(), request.q_positions().end());
+  }
+  if (!request.k_positions().empty()) {
+    if (request.q_positions().empty() && in_offsets.empty()) {
+      return absl::InvalidArgumentError(
+          "k_positions needs q_positions or q_offsets: the queries' positions cannot be inferred "
+          "from the keys'");
+    }
+    if (request.k_positions_size() != SatMul(batch, k_len)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "k_positions has %d entries, expected batch * Sk = %d * %d", request.k_positions_size(),
+          batch, k_len));
+    }
+    for (int i = 0; i < request.k_positions_size(); ++i) {
+      RA_RETURN_IF_ERROR(
+          CheckPositions(request.k_positions(i), 1, absl::StrFormat("k_positions[%d]", i)));
+      if (i % k_len != 0 && request.k_positions(i) < request.k_positions(i - 1)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "k_positions[%d] = %d is below the key before it (%d): keys must be in "
+            "non-decreasing position order within each batch row",
+            i, request.k_positions(i), request.k_positions(i - 1)));
+      }
+    }
+    plan.k_positions.assign(request.k_positions().begin(), request.k_positions().end());
+  }
   // No queries or no keys (an empty batch, query block or key set): every
   // output row sees no key, which the core defines as zeros. Answered
   // without the core because the other dims of an empty tensor are not
@@ -190,7 +231,7 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request, int thre
   // negative when Sq > Sk, harmless to plain attention (nothing reads it)
   // but meaningless to RoPE, ALiBi, T5, causal masks and windows, so those
   // require Sk >= Sq or explicit q_offsets.
-  if (!plan.empty) {
+  if (!plan.empty && plan.q_positions.empty()) {
     plan.offsets.assign(in_offsets.begin(), in_offsets.end());
     if (in_offsets.empty()) {
       if (k_len >= q_len) {
@@ -208,9 +249,19 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request, int thre
     if (b == 0 || plan.offsets[b] < min_q_pos) min_q_pos = plan.offsets[b];
     max_q_pos = std::max(max_q_pos, plan.offsets[b] + q_len - 1);
   }
+  if (!plan.empty && !plan.q_positions.empty()) {
+    min_q_pos = *std::min_element(plan.q_positions.begin(), plan.q_positions.end());
+    max_q_pos = *std::max_element(plan.q_positions.begin(), plan.q_positions.end());
+  }
+  int64_t min_k_pos = 0, max_k_pos = k_len - 1;
+  if (!plan.empty && !plan.k_positions.empty()) {
+    min_k_pos = *std::min_element(plan.k_positions.begin(), plan.k_positions.end());
+    max_k_pos = *std::max_element(plan.k_positions.begin(), plan.k_positions.end());
+  }
   // Dynamic NTK and LongRoPE choose their frequencies from the length the
-  // request spans, so q and k share one rotator planned for all of it.
-  plan.rope_seq_len = std::max(k_len, max_q_pos + 1);
+  // request spans (transformers: the largest position + 1), so q and k share
+  // one rotator planned for all of it.
+  plan.rope_seq_len = std::max(max_k_pos + 1, max_q_pos + 1);
 
   AttendDims& d = plan.dims;
   d.batch = batch;
@@ -232,7 +283,7 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request, int thre
       d.rope_positions = plan.rope_seq_len;
     }
     if (spec.options.bias.kind == BiasKind::kT5 && max_q_pos >= 0) {
-      d.t5_rel_positions = std::max<int64_t>(0, (k_len - 1 - min_q_pos) + max_q_pos + 1);
+      d.t5_rel_positions = std::max<int64_t>(0, (max_k_pos - min_q_pos) + (max_q_pos - min_k_pos) + 1);
       d.wire_bytes = SatAdd(d.wire_bytes, SatMul(spec.t5_table.num_elements(), 4));
     }
   }
@@ -299,14 +350,17 @@ absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* res
                     "spec.rope"));
     // q and k are already private copies of the wire bytes: rotate in place.
     // A bf16 k is rotated in f32 and rounded once, as a cache would hold it.
-    Positions q_positions;
-    q_positions.offsets = plan.offsets;
+    Positions q_at, k_at;
+    if (plan.q_positions.empty()) {
+      q_at.offsets = plan.offsets;
+    } else {
+      q_at.explicit_positions = plan.q_positions;
+    }
+    k_at.explicit_positions = plan.k_positions;
     RA_RETURN_IF_ERROR(Annotate(
-        rotator.Apply(q_own.view(), q_positions, RopeDirection::kForward, threads),
-        "rotating q"));
+        rotator.Apply(q_own.view(), q_at, RopeDirection::kForward, threads), "rotating q"));
     RA_RETURN_IF_ERROR(Annotate(
-        rotator.Apply(k_own.view(), Positions(), RopeDirection::kForward, threads),
-        "rotating k"));
+        rotator.Apply(k_own.view(), k_at, RopeDirection::kForward, threads), "rotating k"));
     // A huge attention factor can take finite q or k past the float range.
     RA_RETURN_IF_ERROR(CheckFinite(q, "rotated q (spec.rope.scaling.attention_factor)"));
     RA_RETURN_IF_ERROR(CheckFinite(k, "rotated k (spec.rope.scaling.attention_factor)"));
@@ -314,6 +368,8 @@ absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* res
 
   AttentionOptions& o = spec.options;
   o.q_offsets = plan.offsets;
+  o.q_positions = plan.q_positions;
+  o.k_positions = plan.k_positions;
   o.key_lengths = absl::MakeConstSpan(request.key_lengths().data(), request.key_lengths_size());
   o.check_finite = true;
   o.num_threads = threads;

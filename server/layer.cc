@@ -189,6 +189,11 @@ absl::StatusOr<LayerPlan> PlanLayerAttend(const ModelRegistry& models,
   if (request.return_probs()) {
     return absl::UnimplementedError("return_probs is not supported in layer mode");
   }
+  if (!request.q_positions().empty() || !request.k_positions().empty()) {
+    return absl::InvalidArgumentError(
+        "q_positions and k_positions are for q/k/v requests; layer mode places its tokens with "
+        "q_offsets");
+  }
   LayerPlan plan;
   const v1::LayerInput& in = request.layer();
   RA_ASSIGN_OR_RETURN(plan.layer, ResolveLayer(models, in.model(), in.layer()));

@@ -100,6 +100,7 @@ struct AttendCase {
   v1::AttentionSpec spec;
   std::vector<int64_t> q_offsets;
   std::vector<int64_t> key_lengths;
+  std::vector<int64_t> q_positions, k_positions;  // explicit, per token
   bool return_probs = false;
   std::optional<RopeRef> rope;
   // Bias fields of the reference (the rest is filled in from the case).
@@ -139,6 +140,8 @@ void ExpectAttendMatchesReference(const AttendCase& c, double tol) {
   *request.mutable_v() = Wire(v);
   for (int64_t o : c.q_offsets) request.add_q_offsets(o);
   for (int64_t l : c.key_lengths) request.add_key_lengths(l);
+  for (int64_t x : c.q_positions) request.add_q_positions(x);
+  for (int64_t x : c.k_positions) request.add_k_positions(x);
   request.set_return_probs(c.return_probs);
   request.set_out_dtype(c.out_dtype);
 
@@ -157,6 +160,8 @@ void ExpectAttendMatchesReference(const AttendCase& c, double tol) {
       for (int64_t i = 0; i < c.q_len; ++i) q_pos.push_back(offsets[b] + i);
       for (int64_t j = 0; j < c.k_len; ++j) k_pos.push_back(j);
     }
+    if (!c.q_positions.empty()) q_pos = c.q_positions;
+    if (!c.k_positions.empty()) k_pos = c.k_positions;
     qd = RefRotate(*c.rope, qd, c.batch, c.q_len, c.heads, c.head_dim, q_pos);
     kd = RefRotate(*c.rope, kd, c.batch, c.k_len, kv_heads, c.head_dim, k_pos);
   }
@@ -174,6 +179,8 @@ void ExpectAttendMatchesReference(const AttendCase& c, double tol) {
   p.softcap = c.spec.softcap();
   p.q_offsets = c.q_offsets;
   p.key_lengths = c.key_lengths;
+  p.q_positions = c.q_positions;
+  p.k_positions = c.k_positions;
   const ref::AttentionRefResult expected = ref::Attention(p, qd, kd, vd);
 
   const v1::DType out_dtype = c.out_dtype == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_F32 : c.out_dtype;
@@ -304,6 +311,41 @@ TEST(RunAttendTest, RopeDefaultRotatesQAtDefaultOffsetsAndKAtIndices) {
   c.rope = RopeRef{ref::DefaultInvFreq(c.head_dim, 10000.0), 1.0};
   c.return_probs = true;
   ExpectAttendMatchesReference(c, kF32Tol);
+}
+
+// Keys with gaps and repeats, queries anywhere, near position 1e6: RoPE at
+// each token's position (dynamic NTK planned for the largest + 1), causal
+// window and ALiBi by position. fp64 reference, 1e-5 relative.
+TEST(RunAttendTest, ExplicitQueryAndKeyPositions) {
+  const int64_t far = 1000000;
+  for (int variant = 0; variant < 3; ++variant) {
+    SCOPED_TRACE(variant);
+    AttendCase c = BaseCase();
+    c.kv_heads = 2;
+    c.k_positions = {far + 0, far + 3, far + 3, far + 9, far + 10, far + 20, far + 21,
+                     far + 1, far + 2, far + 4, far + 8, far + 16, far + 32, far + 64};
+    c.q_positions = {far + 9, far + 22, far + 3, far + 70, far + 8, far + 1};
+    c.spec.set_causal(true);
+    c.return_probs = true;
+    if (variant == 0) {
+      c.spec.mutable_rope();
+      c.rope = RopeRef{ref::DefaultInvFreq(c.head_dim, 10000.0), 1.0};
+      c.spec.set_window(12);
+    } else if (variant == 1) {
+      v1::RopeSpec* rope = c.spec.mutable_rope();
+      rope->mutable_scaling()->set_rope_type("dynamic");
+      rope->mutable_scaling()->set_factor(2.0);
+      rope->mutable_scaling()->set_original_max_position_embeddings(4096);
+      c.rope = RopeRef{ref::DynamicNtkInvFreq(c.head_dim, 10000.0, 2.0, 4096, far + 71), 1.0};
+    } else {
+      c.spec.mutable_alibi();
+      c.ref_bias.bias = ref::RefBias::kAlibi;
+      c.ref_bias.alibi_slopes = ref::AlibiSlopes(c.heads);
+      c.spec.set_causal(false);
+      c.spec.set_window(30);
+    }
+    ExpectAttendMatchesReference(c, kF32Tol);
+  }
 }
 
 TEST(RunAttendTest, RopeYarnWithOffsets) {
@@ -971,6 +1013,34 @@ absl::Status AttendStatus(const v1::AttendRequest& request) {
   } while (0)
 
 TEST(BadInputTest, TheGoodRequestIsGood) { EXPECT_TRUE(AttendStatus(GoodAttend()).ok()); }
+
+TEST(BadInputTest, ExplicitPositionsNameTheFieldAndIndex) {
+  const v1::AttendRequest good = GoodAttend();
+  const int64_t batch = good.q().shape(0), sq = good.q().shape(1), sk = good.k().shape(1);
+  v1::AttendRequest r = good;
+  for (int64_t i = 0; i < batch * sq; ++i) r.add_q_positions(100 + i);
+  for (int64_t i = 0; i < batch * sk; ++i) r.add_k_positions(i % sk);
+  ASSERT_TRUE(AttendStatus(r).ok()) << AttendStatus(r);
+  struct Bad {
+    std::function<void(v1::AttendRequest&)> edit;
+    const char* says;
+  };
+  const Bad bads[] = {
+      {[](v1::AttendRequest& x) { x.add_q_offsets(0), x.add_q_offsets(0); }, "q_offsets or q_positions"},
+      {[](v1::AttendRequest& x) { x.add_q_positions(1); }, "q_positions has"},
+      {[](v1::AttendRequest& x) { x.set_q_positions(0, -1); }, "q_positions[0]"},
+      {[](v1::AttendRequest& x) { x.add_k_positions(1); }, "k_positions has"},
+      {[&](v1::AttendRequest& x) { x.set_k_positions(1, 5000); }, "k_positions[2]"},
+      {[](v1::AttendRequest& x) { x.clear_q_positions(); }, "k_positions needs q_positions"},
+  };
+  for (const Bad& bad : bads) {
+    v1::AttendRequest x = r;
+    bad.edit(x);
+    const absl::Status st = AttendStatus(x);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad.says << ": " << st;
+    EXPECT_THAT(st.message(), HasSubstr(bad.says));
+  }
+}
 
 TEST(BadInputTest, WrongByteLength) {
   v1::AttendRequest r = GoodAttend();
