@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/limits.h"
 #include "core/status_macros.h"
 #include "server/convert.h"
 #include "server/layer.h"
@@ -61,6 +62,7 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
     c.spec_proto = open.spec();
   }
   c.spec.options.causal = true;
+  c.start_position = open.start_position();
   RA_ASSIGN_OR_RETURN(c.kv_dtype, DTypeFromProto(open.kv_dtype(), "open.kv_dtype", DType::kF32));
   RA_ASSIGN_OR_RETURN(c.out_dtype, DTypeFromProto(open.out_dtype(), "open.out_dtype", DType::kF32));
   switch (open.kind()) {
@@ -108,7 +110,69 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
                            : std::min(open.idle_ttl_seconds(), options.max_idle_ttl_seconds);
   c.idle_ttl = absl::Seconds(ttl);
   c.resumable = open.resumable();
+  RA_RETURN_IF_ERROR(CheckPositions(c.start_position, std::max<int64_t>(c.max_context, 1),
+                                    "open.start_position (with max_context tokens after it)"));
+  if (open.has_prefix()) {
+    // Shapes, sizes and the key form here, before the session is reserved;
+    // the bytes are read when it is filled.
+    const v1::KvPrefix& pre = open.prefix();
+    if (c.linear) {
+      return absl::UnimplementedError(
+          "open.prefix: a linear-attention session has no KV to start from");
+    }
+    if (pre.key_form() != v1::KEY_FORM_RAW && pre.key_form() != v1::KEY_FORM_ROTATED) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "open.prefix.key_form must say how the keys are given (KEY_FORM_RAW or "
+          "KEY_FORM_ROTATED), got %d",
+          static_cast<int>(pre.key_form())));
+    }
+    RA_ASSIGN_OR_RETURN(const WireShape k, ParseWireShape(pre.k(), "open.prefix.k"));
+    RA_ASSIGN_OR_RETURN(const WireShape v, ParseWireShape(pre.v(), "open.prefix.v"));
+    const int64_t tokens = k.rank() == 4 ? k.dim(1) : -1;
+    if (k.rank() != 4 || k.dim(0) != 1 || k.dim(2) != c.spec.kv_heads ||
+        k.dim(3) != c.spec.head_dim) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "open.prefix.k must have shape [1, P, %d, %d] ([1, tokens, kv_heads, head_dim]), got %s",
+          c.spec.kv_heads, c.spec.head_dim, DimsToString(k.dims)));
+    }
+    if (v.rank() != 4 || v.dim(0) != 1 || v.dim(1) != tokens || v.dim(2) != c.spec.kv_heads ||
+        v.dim(3) != c.v_dim) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "open.prefix.v must have shape [1, %d, %d, %d] (k's tokens, kv_heads, v_dim), got %s",
+          tokens, c.spec.kv_heads, c.v_dim, DimsToString(v.dims)));
+    }
+    if (tokens > c.max_context) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "open.prefix holds %d tokens, more than the session's max_context of %d", tokens,
+          c.max_context));
+    }
+  }
   return c;
+}
+
+absl::StatusOr<WirePrefix> PrefixFromProto(const v1::KvPrefix& prefix) {
+  WirePrefix p;
+  RA_ASSIGN_OR_RETURN(p.k, TensorFromProto(prefix.k(), "open.prefix.k"));
+  RA_ASSIGN_OR_RETURN(p.v, TensorFromProto(prefix.v(), "open.prefix.v"));
+  p.form = prefix.key_form() == v1::KEY_FORM_ROTATED ? DecodeState::KeyForm::kRotated
+                                                      : DecodeState::KeyForm::kRaw;
+  return p;
+}
+
+Cost PriceExport(const SessionConfig& c, int64_t position) {
+  // A KvCache exports f32; token-major storage its own dtype.
+  const DType dtype =
+      DecodeState::StorageFor(StateConfigOf(c)) == DecodeState::Storage::kKvCache ? DType::kF32
+                                                                                 : c.kv_dtype;
+  const int64_t k = DenseBytes(SatProduct({position, c.spec.kv_heads, c.spec.head_dim}), dtype);
+  const int64_t v = DenseBytes(SatProduct({position, c.spec.kv_heads, c.v_dim}), dtype);
+  Cost cost;
+  cost.reply_bytes = SatAdd(SatAdd(k, v), kReplyOverheadBytes);
+  cost.transient_bytes = SatMul(cost.reply_bytes, 2);  // the copies and the message
+  cost.compute = SatAdd(k, v);
+  cost.reply_what = absl::StrFormat("the KV of %d tokens (%s)", position, DTypeName(dtype));
+  cost.compute_what = cost.reply_what;
+  return cost;
 }
 
 absl::StatusOr<Cost> PriceStep(const SessionConfig& c, const v1::Step& step, int64_t position,

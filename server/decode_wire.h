@@ -23,6 +23,19 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
                                                  const ServerOptions& options,
                                                  const ModelRegistry& models);
 
+// An open's KV prefix as core tensors (over copies of the wire bytes) and
+// its key form; InvalidArgument naming open.prefix.k / .v for a malformed
+// tensor. Shapes were checked by ResolveOpenSession.
+struct WirePrefix {
+  Tensor k, v;
+  DecodeState::KeyForm form = DecodeState::KeyForm::kRaw;
+};
+absl::StatusOr<WirePrefix> PrefixFromProto(const v1::KvPrefix& prefix);
+
+// An export's cost at `position` tokens: the answer's bytes (checked against
+// the reply limit before anything is copied) and its transient copies.
+Cost PriceExport(const SessionConfig& config, int64_t position);
+
 // A step's cost from its wire tensors' shapes (InvalidArgument for a
 // malformed tensor or shape, as the step itself would say), at `position`.
 absl::StatusOr<Cost> PriceStep(const SessionConfig& config, const v1::Step& step, int64_t position,

@@ -192,7 +192,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   // Every series exists from 0, so rate() sees the first request as growth.
   for (const char* method :
        {"Attend", "Encode", "Decode.Open", "Decode.Attach", "Decode.Step", "Decode.Truncate",
-        "Decode.Fork", "Decode.Close", "GetSession", "ListSessions", "CloseSession",
+        "Decode.Fork", "Decode.Close", "Decode.Export", "GetSession", "ListSessions", "CloseSession",
         "GetServerInfo", "ListModels", "GetModel", "Embed"}) {
     m.metrics->RegisterMethod(method);
   }

@@ -502,6 +502,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
         return r.fork().seq();
       case v1::DecodeRequest::kClose:
         return r.close().seq();
+      case v1::DecodeRequest::kExportKv:
+        return r.export_kv().seq();
       default:
         return 0;
     }
@@ -519,6 +521,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
         return "Decode.Fork";
       case v1::DecodeRequest::kClose:
         return "Decode.Close";
+      case v1::DecodeRequest::kExportKv:
+        return "Decode.Export";
       default:
         return "Decode.Step";
     }
@@ -535,6 +539,16 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       RA_ASSIGN_OR_RETURN(SessionConfig config,
                           ResolveOpenSession(request_.open(), service_->options_,
                                              *service_->models_));
+      if (request_.open().has_prefix()) {
+        // Filling it copies the prefix to f32 (and rotates it): its
+        // transient bytes, at 4 bytes an element, twice.
+        const v1::KvPrefix& pre = request_.open().prefix();
+        RA_ASSIGN_OR_RETURN(const WireShape k, ParseWireShape(pre.k(), "open.prefix.k"));
+        RA_ASSIGN_OR_RETURN(const WireShape v, ParseWireShape(pre.v(), "open.prefix.v"));
+        const int64_t bytes = SatMul(SatAdd(k.elements, v.elements), 8);
+        RA_ASSIGN_OR_RETURN(op_memory_,
+                            service_->budget_->Reserve(bytes, "this session's KV prefix"));
+      }
       RA_ASSIGN_OR_RETURN(ticket_, service_->sessions_->Reserve(
                                        std::make_shared<const SessionConfig>(std::move(config)),
                                        *principal_));
@@ -544,6 +558,15 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       RA_ASSIGN_OR_RETURN(ticket_, service_->sessions_->ReserveFork(
                                        session_, /*resumable=*/true,
                                        request_.fork().idle_ttl_seconds(), *principal_));
+      return absl::OkStatus();
+    }
+    if (request_.has_export_kv() && session_ != nullptr) {
+      // The answer's size is known from the session's length: checked
+      // against the reply limit before anything is copied.
+      const Cost cost = PriceExport(session_->config(), session_->position_hint());
+      RA_RETURN_IF_ERROR(CheckCost(cost, service_->limits_, "Decode.Export"));
+      RA_ASSIGN_OR_RETURN(op_memory_,
+                          service_->budget_->Reserve(cost.transient_bytes, "this KV export"));
       return absl::OkStatus();
     }
     if (request_.has_step() && session_ != nullptr) {
@@ -728,13 +751,28 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
           break;
         }
         session_ = *std::move(s);
+        if (request_.has_open() && request_.open().has_prefix()) {
+          // The new session starts from the caller's KV; if it cannot, the
+          // open fails and the session is gone.
+          absl::StatusOr<WirePrefix> prefix = PrefixFromProto(request_.open().prefix());
+          status = prefix.ok() ? session_->Import(prefix->k.cview(), prefix->v.cview(),
+                                                  prefix->form, "open.prefix.")
+                               : prefix.status();
+          if (!status.ok()) {
+            (void)service_->sessions_->Close(session_->id(), "its prefix was refused",
+                                             *principal_);
+            stream_fatal = true;
+            break;
+          }
+        }
         session_->FillInfo(response_.mutable_opened());
         break;
       }
       case v1::DecodeRequest::kStep:
       case v1::DecodeRequest::kTruncate:
       case v1::DecodeRequest::kFork:
-      case v1::DecodeRequest::kClose: {
+      case v1::DecodeRequest::kClose:
+      case v1::DecodeRequest::kExportKv: {
         if (session_ == nullptr) {
           status = absl::InvalidArgumentError(
               "the first message of a Decode stream must be `open` or `attach`");
@@ -752,6 +790,18 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
           if (fork.ok()) {
             service_->sessions_->Detach(*fork, /*stream_cancelled=*/false);
             (*fork)->FillInfo(response_.mutable_forked());
+          }
+        } else if (request_.has_export_kv()) {
+          method = "Decode.Export";
+          absl::StatusOr<DecodeState::Exported> kv = session_->Export();
+          status = kv.status();
+          if (kv.ok()) {
+            v1::KvExport* e = response_.mutable_exported();
+            TensorToProto(kv->k.cview(), e->mutable_k());
+            TensorToProto(kv->v.cview(), e->mutable_v());
+            e->set_key_form(v1::KEY_FORM_ROTATED);
+            e->set_start_position(session_->config().start_position);
+            e->set_position(kv->k.dim(1));
           }
         } else if (request_.has_step()) {
           status = absl::InternalError("a decode step reached the control path");

@@ -35,6 +35,7 @@ DecodeStateConfig StateConfigOf(const SessionConfig& c) {
   d.head_dim = c.spec.head_dim;
   d.v_dim = c.v_dim;
   d.max_context = c.max_context;
+  d.start_position = c.start_position;
   d.kv_dtype = c.kv_dtype;
   d.linear = c.linear;
   d.rope = c.spec.rope;
@@ -249,6 +250,31 @@ absl::Status Session::Truncate(int64_t position) {
   return absl::OkStatus();
 }
 
+absl::Status Session::Import(ConstTensorView k, ConstTensorView v, DecodeState::KeyForm form,
+                             const std::string& names) {
+  absl::MutexLock lock(&mu_);
+  {
+    absl::MutexLock meta(&meta_mu_);
+    RA_RETURN_IF_ERROR(ended_);
+    last_active_ = absl::Now();
+  }
+  if (!state_) return absl::FailedPreconditionError("the session's state was freed");
+  RA_RETURN_IF_ERROR(state_->Import(std::move(k), std::move(v), form, names));
+  position_hint_.store(state_->position(), std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DecodeState::Exported> Session::Export() {
+  absl::MutexLock lock(&mu_);
+  {
+    absl::MutexLock meta(&meta_mu_);
+    RA_RETURN_IF_ERROR(ended_);
+    last_active_ = absl::Now();
+  }
+  if (!state_) return absl::FailedPreconditionError("the session's state was freed");
+  return state_->Export();
+}
+
 void Session::FillInfo(v1::SessionInfo* info) const {
   absl::MutexLock lock(&meta_mu_);
   const SessionConfig& c = *config_;
@@ -264,6 +290,7 @@ void Session::FillInfo(v1::SessionInfo* info) const {
   info->set_steps(steps_);
   info->set_idle_seconds(absl::ToDoubleSeconds(absl::Now() - last_active_));
   *info->mutable_spec() = c.spec_proto;
+  info->set_start_position(c.start_position);
 }
 
 // ------------------------------------------------------ SessionManager --

@@ -56,6 +56,7 @@ struct SessionConfig {
   bool linear = false;
   int64_t v_dim = 0;
   int64_t max_context = 0;
+  int64_t start_position = 0;  // absolute position of the first token
   // Layer mode: steps carry hidden states for this model's layer.
   std::shared_ptr<const Model> model;
   int64_t layer = 0;
@@ -115,6 +116,13 @@ class Session {
   static void StepMany(absl::Span<SessionStep> steps, int threads);
   // Rolls back to `position` tokens (0 <= position <= current).
   absl::Status Truncate(int64_t position);
+  // Fills the new, empty session with a KV prefix (DecodeState::Import;
+  // `names` prefixes tensor names in errors). The session is unchanged on
+  // error.
+  absl::Status Import(ConstTensorView k, ConstTensorView v, DecodeState::KeyForm form,
+                      const std::string& names);
+  // Its keys (rotated) and values (DecodeState::Export).
+  absl::StatusOr<DecodeState::Exported> Export();
   int64_t position() const;
   // The position without taking the session's lock (for pricing a step
   // while another operation may hold it); exact between operations.

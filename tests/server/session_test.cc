@@ -50,6 +50,7 @@ struct Config {
   bool linear = false;
   int64_t window = 0;
   bool alibi = false;
+  int64_t start = 0;  // open.start_position
 };
 
 v1::OpenSession MakeOpen(const Config& c, int64_t max_context = 64, bool resumable = false) {
@@ -80,6 +81,7 @@ v1::OpenSession MakeOpen(const Config& c, int64_t max_context = 64, bool resumab
   o.set_max_context(max_context);
   o.set_v_dim(c.v_dim);
   o.set_resumable(resumable);
+  o.set_start_position(c.start);
   return o;
 }
 
@@ -132,9 +134,9 @@ std::vector<double> ExpectedStep(const Config& c, const Sequence& seq, int64_t f
   std::vector<double> k = ToDoubles(seq.k.cview().Slice(1, 0, last));
   std::vector<double> v = ToDoubles(seq.v.cview().Slice(1, 0, last));
   std::vector<int64_t> positions(last);
-  for (int64_t i = 0; i < last; ++i) positions[i] = i;
+  for (int64_t i = 0; i < last; ++i) positions[i] = c.start + i;
   std::vector<double> qr = q, kr = k;
-  auto [inv, factor] = RefFreqs(c, last);
+  auto [inv, factor] = RefFreqs(c, c.start + last);
   if (!c.rope_type.empty()) {
     ref::RotateRefParams rp;
     rp.seq = last;
@@ -1089,6 +1091,161 @@ TEST_F(SessionTest, GracefulShutdownEndsOpenStreamsWithinTheDeadline) {
   stopper.join();
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
   EXPECT_EQ(server_->sessions().open_sessions(), 0);
+}
+
+// --------------------------------------- start position, KV import/export --
+
+v1::DecodeRequest ExportRequest(uint64_t seq) {
+  v1::DecodeRequest req;
+  req.mutable_export_kv()->set_seq(seq);
+  return req;
+}
+
+// A session far from position 0 moves to another session (as to another
+// replica) by its exported, rotated KV, or starts from raw keys another
+// engine computed; every step, before and after the move, matches the fp64
+// chain at the absolute positions (1e-5 relative in f32, 1e-2 with a bf16
+// cache), for a fixed and a length-dependent rule and ALiBi.
+TEST_F(SessionTest, StartPositionAndKvPrefixMoveASessionExactly) {
+  std::vector<Config> configs(4);
+  configs[0].name = "rope";
+  configs[0].rope_type = "default";
+  configs[0].kv_heads = 2;
+  configs[1].name = "dynamic crossing L0";
+  configs[1].rope_type = "dynamic";
+  configs[1].factor = 2;
+  configs[1].original = 999990 + 7;
+  configs[2].name = "bf16 cache";
+  configs[2].rope_type = "default";
+  configs[2].bf16_kv = true;
+  configs[3].name = "alibi";
+  configs[3].alibi = true;
+  for (Config& c : configs) {
+    SCOPED_TRACE(c.name);
+    c.start = 999990;
+    const double tol = c.bf16_kv ? kBF16Tol : kF32Tol;
+    const Sequence seq = MakeSequence(c, 9, 500);
+    const int64_t prefix = 5;
+    Stream a(stub_.get());
+    const v1::SessionInfo opened = a.Open(MakeOpen(c));
+    EXPECT_EQ(opened.start_position(), c.start);
+    v1::DecodeResponse r = a.Step(seq, 0, prefix, 1);
+    ASSERT_TRUE(r.has_step()) << r.DebugString();
+    EXPECT_TRUE(AllClose(WireToDoubles(r.step().out()), ExpectedStep(c, seq, 0, prefix), tol));
+    r = a.Send(ExportRequest(2));
+    ASSERT_TRUE(r.has_exported()) << r.DebugString();
+    const v1::KvExport exported = r.exported();
+    EXPECT_EQ(exported.position(), prefix);
+    EXPECT_EQ(exported.start_position(), c.start);
+    EXPECT_EQ(exported.key_form(), v1::KEY_FORM_ROTATED);
+    EXPECT_THAT(exported.k().shape(), ::testing::ElementsAre(1, prefix, c.kv_heads, c.head_dim));
+
+    Stream moved(stub_.get());
+    v1::OpenSession open = MakeOpen(c);
+    *open.mutable_prefix()->mutable_k() = exported.k();
+    *open.mutable_prefix()->mutable_v() = exported.v();
+    open.mutable_prefix()->set_key_form(v1::KEY_FORM_ROTATED);
+    EXPECT_EQ(moved.Open(open).position(), prefix);
+
+    Stream raw(stub_.get());
+    open = MakeOpen(c);
+    *open.mutable_prefix()->mutable_k() = ToWire(seq.k.cview().Slice(1, 0, prefix));
+    *open.mutable_prefix()->mutable_v() = ToWire(seq.v.cview().Slice(1, 0, prefix));
+    open.mutable_prefix()->set_key_form(v1::KEY_FORM_RAW);
+    EXPECT_EQ(raw.Open(open).position(), prefix);
+
+    for (int64_t t = prefix; t < 9; ++t) {
+      const std::vector<double> want = ExpectedStep(c, seq, t, t + 1);
+      for (Stream* s : {&a, &moved, &raw}) {
+        r = s->Step(seq, t, t + 1, 10 + t);
+        ASSERT_TRUE(r.has_step()) << r.DebugString();
+        EXPECT_EQ(r.step().position(), t + 1);
+        EXPECT_TRUE(AllClose(WireToDoubles(r.step().out()), want, tol)) << "token " << t;
+      }
+    }
+  }
+}
+
+TEST_F(SessionTest, APrefixOrExportThatCannotBeExactIsRefused) {
+  Config c;
+  c.rope_type = "default";
+  const Sequence seq = MakeSequence(c, 4, 7);
+  auto open_with = [&](const Config& cfg, std::function<void(v1::OpenSession&)> edit) {
+    Stream s(stub_.get());
+    v1::OpenSession open = MakeOpen(cfg);
+    *open.mutable_prefix()->mutable_k() = ToWire(seq.k.cview());
+    *open.mutable_prefix()->mutable_v() = ToWire(seq.v.cview());
+    open.mutable_prefix()->set_key_form(v1::KEY_FORM_RAW);
+    edit(open);
+    v1::DecodeRequest req;
+    *req.mutable_open() = open;
+    EXPECT_TRUE(s.rw()->Write(req));
+    return s.AwaitServerEnd();
+  };
+  grpc::Status st = open_with(c, [](v1::OpenSession& o) {
+    o.mutable_prefix()->set_key_form(v1::KEY_FORM_UNSPECIFIED);
+  });
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("open.prefix.key_form"));
+  st = open_with(c, [&](v1::OpenSession& o) {
+    *o.mutable_prefix()->mutable_v() = ToWire(seq.v.cview().Slice(1, 0, 3));  // 3 of 4 tokens
+  });
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("open.prefix.v"));
+  st = open_with(c, [](v1::OpenSession& o) { o.set_max_context(2); });
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  st = open_with(c, [](v1::OpenSession& o) { o.set_start_position(int64_t{1} << 41); });
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_THAT(st.error_message(), HasSubstr("open.start_position"));
+  Config linear = c;
+  linear.linear = true;
+  st = open_with(linear, [](v1::OpenSession&) {});
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  // A non-finite prefix fails the open naming the tensor and index; no
+  // session is left behind.
+  Tensor bad = Tensor::CopyOf(seq.k.cview()).value();
+  bad.data<float>()[3] = NAN;
+  st = open_with(c, [&](v1::OpenSession& o) { *o.mutable_prefix()->mutable_k() = ToWire(bad.cview()); });
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("open.prefix.k"));
+  grpc::ClientContext ctx;
+  v1::ListSessionsResponse list;
+  ASSERT_TRUE(stub_->ListSessions(&ctx, {}, &list).ok());
+  EXPECT_EQ(list.sessions_size(), 0);
+
+  // Linear sessions have no KV to export: an in-band error, the stream stays.
+  Stream s(stub_.get());
+  s.Open(MakeOpen(linear));
+  v1::DecodeResponse r = s.Send(ExportRequest(3));
+  ASSERT_TRUE(r.has_error()) << r.DebugString();
+  EXPECT_EQ(r.error().code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_EQ(r.error().seq(), 3u);
+}
+
+// An export larger than the reply limit is refused before anything is
+// copied, naming the bytes; the session goes on.
+TEST(SessionLimitTest, AnExportPastTheReplyLimitIsRefusedFirst) {
+  server::ServerOptions o = TestServerOptions();
+  o.max_message_bytes = 64 << 10;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  Config c;
+  c.kv_heads = 4;
+  c.head_dim = 64;
+  c.v_dim = 64;
+  const Sequence seq = MakeSequence(c, 40, 3);
+  {
+    Stream s(stub.get());
+    s.Open(MakeOpen(c, 64));
+    for (int64_t t = 0; t < 40; t += 8) ASSERT_TRUE(s.Step(seq, t, t + 8, 1).has_step());
+    v1::DecodeResponse r = s.Send(ExportRequest(9));
+    ASSERT_TRUE(r.has_error()) << r.DebugString();
+    EXPECT_EQ(r.error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(r.error().message(), HasSubstr("KV of 40 tokens"));
+    EXPECT_TRUE(s.Step(seq, 0, 1, 10).has_step());
+  }
+  server->Shutdown(absl::Seconds(1));
 }
 
 }  // namespace
