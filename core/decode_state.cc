@@ -33,8 +33,7 @@ DecodeState::Storage DecodeState::StorageFor(const DecodeStateConfig& c) {
 }
 
 bool DecodeState::RopeIsLengthDependent(const std::optional<RopeConfig>& rope) {
-  return rope && (rope->scaling.type == RopeScalingType::kDynamicNtk ||
-                  rope->scaling.type == RopeScalingType::kLongRope);
+  return rope && RopeRuleOf(rope->scaling.type).length_dependent;
 }
 
 bool DecodeState::LengthDependent() const { return RopeIsLengthDependent(config_.rope); }

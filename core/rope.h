@@ -39,10 +39,66 @@ enum class RopeScalingType {
 };
 
 // Accepts the Hugging Face spellings above (case-sensitive, as in config.json);
-// InvalidArgument naming the value otherwise.
+// InvalidArgument naming the value otherwise. Both come from the registry
+// below.
 absl::StatusOr<RopeScalingType> ParseRopeScalingType(absl::string_view name);
 const char* RopeScalingTypeName(RopeScalingType type);
 const char* RopeLayoutName(RopeLayout layout);
+
+// The RopeScaling fields a rule may read, as a bit mask.
+enum RopeField : uint32_t {
+  kRopeFactor = 1u << 0,
+  kRopeOriginalMax = 1u << 1,  // original_max_positions (original_max_position_embeddings)
+  kRopeBetaFast = 1u << 2,
+  kRopeBetaSlow = 1u << 3,
+  kRopeTruncate = 1u << 4,
+  kRopeAttentionFactor = 1u << 5,
+  kRopeMscale = 1u << 6,
+  kRopeMscaleAllDim = 1u << 7,
+  kRopeShortFactor = 1u << 8,
+  kRopeLongFactor = 1u << 9,
+  kRopeMaxPositionEmbeddings = 1u << 10,
+  kRopeLowFreqFactor = 1u << 11,
+  kRopeHighFreqFactor = 1u << 12,
+};
+inline constexpr uint32_t kRopeAllFields = (1u << 13) - 1;
+// The field's Hugging Face / proto name ("original_max_position_embeddings").
+const char* RopeFieldName(RopeField field);
+
+struct RopeConfig;
+struct RopeFrequencies;
+
+// One scaling rule: everything about it in one row (the registry). The
+// server's capability list, which fields a request may give, session
+// policies (length dependence) and config.json resolution all derive from
+// these rows; a new rule is a row here, its test and its proto spelling.
+struct RopeRule {
+  RopeScalingType type;
+  const char* name;                   // "longrope"
+  std::vector<const char*> aliases;   // legacy spellings ("su")
+  bool length_dependent;              // frequencies depend on the sequence length
+  uint32_t reads;                     // fields it may read (RopeFieldsRead: when)
+  // config.json resolution (transformers): factor must be given; L0 must be
+  // given (else it may default, below); L0 defaults to
+  // max_position_embeddings; an absent factor is max_position_embeddings / L0.
+  bool needs_factor;
+  bool needs_original;
+  bool original_defaults_to_max_positions;
+  bool factor_defaults_to_extension;
+  bool factor_at_least_one;  // factor >= 1 (else > 0)
+  // Rule-specific checks after the common ones (d = effective rotary dim).
+  absl::Status (*validate)(const RopeConfig& config, int64_t d);
+  // Inverse frequencies and attention factor for `seq_len` tokens.
+  void (*frequencies)(const RopeConfig& config, int64_t d, int64_t seq_len, RopeFrequencies* out);
+  // Which of the fields given (a mask) the rule reads in their presence;
+  // null: all of `reads` it is given.
+  uint32_t (*reads_given)(uint32_t given);
+};
+const std::vector<RopeRule>& RopeRules();
+const RopeRule& RopeRuleOf(RopeScalingType type);
+// The fields of `given` the rule reads (some only in combination: yarn's
+// mscale pair, longrope's factor without an attention factor).
+uint32_t RopeFieldsRead(const RopeRule& rule, uint32_t given);
 
 // Parameters of the scaling rule; fields a rule does not use are ignored
 // here (the wire layer refuses them: server/convert.h).

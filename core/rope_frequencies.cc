@@ -5,7 +5,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "core/rope.h"
+#include "core/status_macros.h"
 
 namespace ropeattn {
 namespace {
@@ -125,38 +127,229 @@ absl::Status ValidateOptionalPositive(const std::optional<double>& v, const char
   return absl::OkStatus();
 }
 
+// --- The rules: validation and frequencies, one pair per rule. ---
+
+absl::Status NoChecks(const RopeConfig&, int64_t) { return absl::OkStatus(); }
+
+absl::Status NeedTwoPairs(const RopeConfig& c, int64_t d) {
+  // The NTK exponent d/(d-2) needs at least two pairs.
+  if (d < 4) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s scaling needs rotary_dim >= 4, got %d", RopeScalingTypeName(c.scaling.type), d));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateYarn(const RopeConfig& c, int64_t) {
+  const RopeScaling& s = c.scaling;
+  if (!IsPositiveFinite(s.beta_slow) || !std::isfinite(s.beta_fast)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("scaling.beta_fast and beta_slow must be finite with beta_slow > 0, "
+                        "got beta_fast %g, beta_slow %g",
+                        s.beta_fast, s.beta_slow));
+  }
+  if (s.beta_fast <= s.beta_slow) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("scaling.beta_fast must be > beta_slow, got beta_fast %g, beta_slow %g",
+                        s.beta_fast, s.beta_slow));
+  }
+  RA_RETURN_IF_ERROR(ValidateOptionalPositive(s.attention_factor, "attention_factor"));
+  for (const auto* m : {&s.mscale, &s.mscale_all_dim}) {
+    if (m->has_value() && !std::isfinite(**m)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "scaling.%s must be finite, got %g", m == &s.mscale ? "mscale" : "mscale_all_dim", **m));
+    }
+  }
+  if (!s.attention_factor.has_value()) {
+    const double a = YarnAttentionFactor(s);
+    if (!IsPositiveFinite(a)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "yarn attention factor from factor %g, mscale %g, mscale_all_dim %g must be finite "
+          "and > 0, got %g",
+          s.factor, s.mscale.value_or(1.0), s.mscale_all_dim.value_or(1.0), a));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateLongRope(const RopeConfig& c, int64_t d) {
+  const RopeScaling& s = c.scaling;
+  RA_RETURN_IF_ERROR(ValidateFactorList(s.short_factor, "short_factor", d / 2));
+  RA_RETURN_IF_ERROR(ValidateFactorList(s.long_factor, "long_factor", d / 2));
+  RA_RETURN_IF_ERROR(ValidateOptionalPositive(s.attention_factor, "attention_factor"));
+  if (s.max_position_embeddings < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("scaling.max_position_embeddings must be >= 0 (0: use factor), got %d",
+                        s.max_position_embeddings));
+  }
+  // sqrt(1 + ln f / ln L0) is undefined for L0 = 1.
+  if (!s.attention_factor.has_value() && LongRopeExtension(s) > 1.0 &&
+      s.original_max_positions < 2) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "longrope needs original_max_positions >= 2 to derive its attention factor, got %d",
+        s.original_max_positions));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateLlama3(const RopeConfig& c, int64_t) {
+  const RopeScaling& s = c.scaling;
+  if (!IsPositiveFinite(s.low_freq_factor)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "scaling.low_freq_factor must be finite and > 0, got %g", s.low_freq_factor));
+  }
+  if (!std::isfinite(s.high_freq_factor) || s.high_freq_factor <= s.low_freq_factor) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "scaling.high_freq_factor must be finite and > low_freq_factor (%g), got %g",
+        s.low_freq_factor, s.high_freq_factor));
+  }
+  return absl::OkStatus();
+}
+
+void DefaultFreqs(const RopeConfig& c, int64_t d, int64_t, RopeFrequencies* out) {
+  out->inv_freq = BaseInvFreq(d, c.theta);
+}
+
+void LinearFreqs(const RopeConfig& c, int64_t d, int64_t, RopeFrequencies* out) {
+  out->inv_freq = BaseInvFreq(d, c.theta);
+  for (double& x : out->inv_freq) x /= c.scaling.factor;
+}
+
+void NtkFreqs(const RopeConfig& c, int64_t d, int64_t, RopeFrequencies* out) {
+  out->inv_freq = BaseInvFreq(d, NtkBase(c.theta, c.scaling.factor, d));
+}
+
+void DynamicNtkFreqs(const RopeConfig& c, int64_t d, int64_t seq_len, RopeFrequencies* out) {
+  const RopeScaling& s = c.scaling;
+  const double l0 = static_cast<double>(s.original_max_positions);
+  const double len = std::max(static_cast<double>(seq_len), l0);
+  // Equals 1 (the trained base) up to L0, then grows linearly with L.
+  const double growth = s.factor * len / l0 - (s.factor - 1.0);
+  out->inv_freq = BaseInvFreq(d, NtkBase(c.theta, growth, d));
+}
+
+void YarnFreqs(const RopeConfig& c, int64_t d, int64_t, RopeFrequencies* out) {
+  out->inv_freq = YarnInvFreq(d, c.theta, c.scaling);
+  out->attention_factor = YarnAttentionFactor(c.scaling);
+}
+
+void LongRopeFreqs(const RopeConfig& c, int64_t d, int64_t seq_len, RopeFrequencies* out) {
+  const RopeScaling& s = c.scaling;
+  const bool use_long = seq_len > s.original_max_positions;
+  const std::vector<double>& ext = use_long ? s.long_factor : s.short_factor;
+  out->inv_freq = BaseInvFreq(d, c.theta);
+  for (int64_t i = 0; i < d / 2; ++i) out->inv_freq[i] /= ext[i];
+  out->attention_factor = LongRopeAttentionFactor(s);
+}
+
+void Llama3Freqs(const RopeConfig& c, int64_t d, int64_t, RopeFrequencies* out) {
+  out->inv_freq = Llama3InvFreq(d, c.theta, c.scaling);
+}
+
+// yarn reads mscale and mscale_all_dim only as a pair, and neither next to
+// an explicit attention factor (transformers: `if mscale and mscale_all_dim`).
+uint32_t YarnReads(uint32_t given) {
+  uint32_t reads = kRopeFactor | kRopeOriginalMax | kRopeBetaFast | kRopeBetaSlow | kRopeTruncate |
+                   kRopeAttentionFactor;
+  const bool pair = (given & kRopeMscale) && (given & kRopeMscaleAllDim);
+  if (pair && !(given & kRopeAttentionFactor)) reads |= kRopeMscale | kRopeMscaleAllDim;
+  return reads;
+}
+
+// longrope's attention factor comes from attention_factor, else
+// max_position_embeddings / L0, else factor.
+uint32_t LongRopeReads(uint32_t given) {
+  uint32_t reads = kRopeOriginalMax | kRopeShortFactor | kRopeLongFactor | kRopeAttentionFactor;
+  if (!(given & kRopeAttentionFactor)) {
+    reads |= kRopeMaxPositionEmbeddings;
+    if (!(given & kRopeMaxPositionEmbeddings)) reads |= kRopeFactor;
+  }
+  return reads;
+}
+
 }  // namespace
 
+const std::vector<RopeRule>& RopeRules() {
+  using T = RopeScalingType;
+  // clang-format off
+  static const auto* rules = new std::vector<RopeRule>{
+      // type, name, aliases, length-dependent, reads,
+      // needs factor, needs L0, L0 <- max_positions, factor <- extension, factor >= 1,
+      // validate, frequencies, conditional reads
+      {T::kDefault, "default", {}, false, 0,
+       false, false, false, false, false, NoChecks, DefaultFreqs, nullptr},
+      {T::kLinear, "linear", {}, false, kRopeFactor,
+       true, false, false, false, true, NoChecks, LinearFreqs, nullptr},
+      {T::kNtk, "ntk", {}, false, kRopeFactor,
+       true, false, false, false, true, NeedTwoPairs, NtkFreqs, nullptr},
+      {T::kDynamicNtk, "dynamic", {}, true, kRopeFactor | kRopeOriginalMax,
+       true, true, true, false, true, NeedTwoPairs, DynamicNtkFreqs, nullptr},
+      {T::kYarn, "yarn", {}, false,
+       kRopeFactor | kRopeOriginalMax | kRopeBetaFast | kRopeBetaSlow | kRopeTruncate |
+           kRopeAttentionFactor | kRopeMscale | kRopeMscaleAllDim,
+       false, true, true, true, true, ValidateYarn, YarnFreqs, YarnReads},
+      {T::kLongRope, "longrope", {"su"}, true,
+       kRopeFactor | kRopeOriginalMax | kRopeAttentionFactor | kRopeShortFactor | kRopeLongFactor |
+           kRopeMaxPositionEmbeddings,
+       false, true, true, true, false, ValidateLongRope, LongRopeFreqs, LongRopeReads},
+      {T::kLlama3, "llama3", {}, false,
+       kRopeFactor | kRopeOriginalMax | kRopeLowFreqFactor | kRopeHighFreqFactor,
+       true, true, false, false, true, ValidateLlama3, Llama3Freqs, nullptr},
+  };
+  // clang-format on
+  return *rules;
+}
+
+const RopeRule& RopeRuleOf(RopeScalingType type) {
+  for (const RopeRule& r : RopeRules()) {
+    if (r.type == type) return r;
+  }
+  return RopeRules().front();  // unreachable for a valid enum value
+}
+
+uint32_t RopeFieldsRead(const RopeRule& rule, uint32_t given) {
+  const uint32_t reads = rule.reads_given != nullptr ? rule.reads_given(given) : rule.reads;
+  return given & reads;
+}
+
+const char* RopeFieldName(RopeField field) {
+  switch (field) {
+    case kRopeFactor: return "factor";
+    case kRopeOriginalMax: return "original_max_position_embeddings";
+    case kRopeBetaFast: return "beta_fast";
+    case kRopeBetaSlow: return "beta_slow";
+    case kRopeTruncate: return "truncate";
+    case kRopeAttentionFactor: return "attention_factor";
+    case kRopeMscale: return "mscale";
+    case kRopeMscaleAllDim: return "mscale_all_dim";
+    case kRopeShortFactor: return "short_factor";
+    case kRopeLongFactor: return "long_factor";
+    case kRopeMaxPositionEmbeddings: return "max_position_embeddings";
+    case kRopeLowFreqFactor: return "low_freq_factor";
+    case kRopeHighFreqFactor: return "high_freq_factor";
+  }
+  return "?";
+}
+
 absl::StatusOr<RopeScalingType> ParseRopeScalingType(absl::string_view name) {
-  if (name == "default") return RopeScalingType::kDefault;
-  if (name == "linear") return RopeScalingType::kLinear;
-  if (name == "ntk") return RopeScalingType::kNtk;
-  if (name == "dynamic") return RopeScalingType::kDynamicNtk;
-  if (name == "yarn") return RopeScalingType::kYarn;
-  if (name == "longrope" || name == "su") return RopeScalingType::kLongRope;
-  if (name == "llama3") return RopeScalingType::kLlama3;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown RoPE scaling type \"", name,
-                   "\"; expected one of default, linear, ntk, dynamic, yarn, longrope (or su), "
-                   "llama3"));
+  std::vector<std::string> known;
+  for (const RopeRule& r : RopeRules()) {
+    if (name == r.name) return r.type;
+    for (const char* alias : r.aliases) {
+      if (name == alias) return r.type;
+    }
+    std::string k = r.name;
+    for (const char* alias : r.aliases) absl::StrAppend(&k, " (or ", alias, ")");
+    known.push_back(std::move(k));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown RoPE scaling type \"", name,
+                                                 "\"; expected one of ",
+                                                 absl::StrJoin(known, ", ")));
 }
 
 const char* RopeScalingTypeName(RopeScalingType type) {
-  switch (type) {
-    case RopeScalingType::kDefault:
-      return "default";
-    case RopeScalingType::kLinear:
-      return "linear";
-    case RopeScalingType::kNtk:
-      return "ntk";
-    case RopeScalingType::kDynamicNtk:
-      return "dynamic";
-    case RopeScalingType::kYarn:
-      return "yarn";
-    case RopeScalingType::kLongRope:
-      return "longrope";
-    case RopeScalingType::kLlama3:
-      return "llama3";
+  for (const RopeRule& r : RopeRules()) {
+    if (r.type == type) return r.name;
   }
   return "unknown";
 }
@@ -196,115 +389,28 @@ absl::Status ValidateRopeConfig(const RopeConfig& config) {
     return absl::InvalidArgumentError(
         absl::StrFormat("theta must be finite and > 1, got %g", config.theta));
   }
-
   const RopeScaling& s = config.scaling;
-  const char* rule = RopeScalingTypeName(s.type);
+  bool known = false;
+  for (const RopeRule& r : RopeRules()) known = known || r.type == s.type;
+  if (!known) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("unknown scaling type %d", static_cast<int>(s.type)));
+  }
+  const RopeRule& rule = RopeRuleOf(s.type);
   if (!IsPositiveFinite(s.factor)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("scaling.factor must be finite and > 0, got %g", s.factor));
   }
-  const bool needs_l0 = s.type == RopeScalingType::kDynamicNtk ||
-                        s.type == RopeScalingType::kYarn || s.type == RopeScalingType::kLongRope ||
-                        s.type == RopeScalingType::kLlama3;
-  const bool factor_at_least_one =
-      s.type != RopeScalingType::kDefault && s.type != RopeScalingType::kLongRope;
-  if (factor_at_least_one && s.factor < 1.0) {
+  if (rule.factor_at_least_one && s.factor < 1.0) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("scaling.factor must be >= 1 for %s, got %g", rule, s.factor));
+        absl::StrFormat("scaling.factor must be >= 1 for %s, got %g", rule.name, s.factor));
   }
-  if (needs_l0 && s.original_max_positions <= 0) {
+  if (rule.needs_original && s.original_max_positions <= 0) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("scaling.original_max_positions must be > 0 for %s, got %d", rule,
+        absl::StrFormat("scaling.original_max_positions must be > 0 for %s, got %d", rule.name,
                         s.original_max_positions));
   }
-
-  switch (s.type) {
-    case RopeScalingType::kDefault:
-    case RopeScalingType::kLinear:
-      break;
-    case RopeScalingType::kNtk:
-    case RopeScalingType::kDynamicNtk:
-      // The NTK exponent d/(d-2) needs at least two pairs.
-      if (d < 4) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("%s scaling needs rotary_dim >= 4, got %d", rule, d));
-      }
-      break;
-    case RopeScalingType::kYarn: {
-      if (!IsPositiveFinite(s.beta_slow) || !std::isfinite(s.beta_fast)) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("scaling.beta_fast and beta_slow must be finite with beta_slow > 0, "
-                            "got beta_fast %g, beta_slow %g",
-                            s.beta_fast, s.beta_slow));
-      }
-      if (s.beta_fast <= s.beta_slow) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("scaling.beta_fast must be > beta_slow, got beta_fast %g, beta_slow %g",
-                            s.beta_fast, s.beta_slow));
-      }
-      if (absl::Status st = ValidateOptionalPositive(s.attention_factor, "attention_factor");
-          !st.ok()) {
-        return st;
-      }
-      for (const auto* m : {&s.mscale, &s.mscale_all_dim}) {
-        if (m->has_value() && !std::isfinite(**m)) {
-          return absl::InvalidArgumentError(
-              absl::StrFormat("scaling.%s must be finite, got %g",
-                              m == &s.mscale ? "mscale" : "mscale_all_dim", **m));
-        }
-      }
-      if (!s.attention_factor.has_value()) {
-        const double a = YarnAttentionFactor(s);
-        if (!IsPositiveFinite(a)) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "yarn attention factor from factor %g, mscale %g, mscale_all_dim %g must be finite "
-              "and > 0, got %g",
-              s.factor, s.mscale.value_or(1.0), s.mscale_all_dim.value_or(1.0), a));
-        }
-      }
-      break;
-    }
-    case RopeScalingType::kLongRope: {
-      if (absl::Status st = ValidateFactorList(s.short_factor, "short_factor", d / 2); !st.ok()) {
-        return st;
-      }
-      if (absl::Status st = ValidateFactorList(s.long_factor, "long_factor", d / 2); !st.ok()) {
-        return st;
-      }
-      if (absl::Status st = ValidateOptionalPositive(s.attention_factor, "attention_factor");
-          !st.ok()) {
-        return st;
-      }
-      if (s.max_position_embeddings < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("scaling.max_position_embeddings must be >= 0 (0: use factor), got %d",
-                            s.max_position_embeddings));
-      }
-      // sqrt(1 + ln f / ln L0) is undefined for L0 = 1.
-      if (!s.attention_factor.has_value() && LongRopeExtension(s) > 1.0 &&
-          s.original_max_positions < 2) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "longrope needs original_max_positions >= 2 to derive its attention factor, got %d",
-            s.original_max_positions));
-      }
-      break;
-    }
-    case RopeScalingType::kLlama3:
-      if (!IsPositiveFinite(s.low_freq_factor)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "scaling.low_freq_factor must be finite and > 0, got %g", s.low_freq_factor));
-      }
-      if (!std::isfinite(s.high_freq_factor) || s.high_freq_factor <= s.low_freq_factor) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "scaling.high_freq_factor must be finite and > low_freq_factor (%g), got %g",
-            s.low_freq_factor, s.high_freq_factor));
-      }
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrFormat("unknown scaling type %d", static_cast<int>(s.type)));
-  }
-  return absl::OkStatus();
+  return rule.validate(config, d);
 }
 
 absl::StatusOr<RopeFrequencies> ComputeRopeFrequencies(const RopeConfig& config, int64_t seq_len) {
@@ -312,52 +418,14 @@ absl::StatusOr<RopeFrequencies> ComputeRopeFrequencies(const RopeConfig& config,
   if (seq_len < 0) {
     return absl::InvalidArgumentError(absl::StrFormat("seq_len must be >= 0, got %d", seq_len));
   }
-  const RopeScaling& s = config.scaling;
-  const int64_t d = config.effective_rotary_dim();
-  const double base = config.theta;
   RopeFrequencies out;
-  switch (s.type) {
-    case RopeScalingType::kDefault:
-      out.inv_freq = BaseInvFreq(d, base);
-      break;
-    case RopeScalingType::kLinear:
-      out.inv_freq = BaseInvFreq(d, base);
-      for (double& x : out.inv_freq) x /= s.factor;
-      break;
-    case RopeScalingType::kNtk:
-      out.inv_freq = BaseInvFreq(d, NtkBase(base, s.factor, d));
-      break;
-    case RopeScalingType::kDynamicNtk: {
-      const double l0 = static_cast<double>(s.original_max_positions);
-      const double len = std::max(static_cast<double>(seq_len), l0);
-      // Equals 1 (the trained base) up to L0, then grows linearly with L.
-      const double growth = s.factor * len / l0 - (s.factor - 1.0);
-      out.inv_freq = BaseInvFreq(d, NtkBase(base, growth, d));
-      break;
-    }
-    case RopeScalingType::kYarn:
-      out.inv_freq = YarnInvFreq(d, base, s);
-      out.attention_factor = YarnAttentionFactor(s);
-      break;
-    case RopeScalingType::kLongRope: {
-      const bool use_long = seq_len > s.original_max_positions;
-      const std::vector<double>& ext = use_long ? s.long_factor : s.short_factor;
-      out.inv_freq = BaseInvFreq(d, base);
-      for (int64_t i = 0; i < d / 2; ++i) out.inv_freq[i] /= ext[i];
-      out.attention_factor = LongRopeAttentionFactor(s);
-      break;
-    }
-    case RopeScalingType::kLlama3:
-      out.inv_freq = Llama3InvFreq(d, base, s);
-      break;
-  }
-  // Extreme but valid inputs (a factor of 1e300, say) must not leak non-finite
-  // values into the rotation.
+  const RopeScaling& s = config.scaling;
+  RopeRuleOf(s.type).frequencies(config, config.effective_rotary_dim(), seq_len, &out);
   for (size_t i = 0; i < out.inv_freq.size(); ++i) {
     if (!std::isfinite(out.inv_freq[i])) {
       return absl::InvalidArgumentError(
           absl::StrFormat("%s scaling produced a non-finite inv_freq[%d] (theta %g, factor %g)",
-                          RopeScalingTypeName(s.type), i, base, s.factor));
+                          RopeScalingTypeName(s.type), i, config.theta, s.factor));
     }
   }
   if (!IsPositiveFinite(out.attention_factor)) {

@@ -9,6 +9,7 @@
 #include "absl/base/config.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "core/limits.h"
 #include "core/relative_bias.h"
 #include "core/status_macros.h"
@@ -214,46 +215,41 @@ namespace {
 // (transformers' truthiness).
 absl::Status CheckRuleReadsEveryField(const v1::RopeScaling& in, RopeScalingType type,
                                       absl::string_view sc) {
-  using T = RopeScalingType;
-  const bool yarn = type == T::kYarn, longrope = type == T::kLongRope,
-             llama3 = type == T::kLlama3;
-  const bool mscale = in.has_mscale() && in.mscale() != 0.0;
-  const bool mscale_all_dim = in.has_mscale_all_dim() && in.mscale_all_dim() != 0.0;
-  struct Field {
-    const char* name;
-    bool given;
-    bool read;
-    const char* readers;  // which rules (and when) read it, for the message
-  };
-  const Field fields[] = {
-      {"factor", in.factor() != 0.0 && !(type == T::kDefault && in.factor() == 1.0),
-       type != T::kDefault &&
-           !(longrope && (in.has_attention_factor() || in.max_position_embeddings() != 0)),
-       "linear, ntk, dynamic, yarn, llama3, and longrope without attention_factor or "
-       "max_position_embeddings; default takes only 0 or 1"},
-      {"original_max_position_embeddings", in.original_max_position_embeddings() != 0,
-       type == T::kDynamicNtk || yarn || longrope || llama3, "dynamic, yarn, longrope, llama3"},
-      {"beta_fast", in.has_beta_fast(), yarn, "yarn"},
-      {"beta_slow", in.has_beta_slow(), yarn, "yarn"},
-      {"truncate", in.has_truncate(), yarn, "yarn"},
-      {"attention_factor", in.has_attention_factor(), yarn || longrope, "yarn, longrope"},
-      {"mscale", mscale, yarn && mscale_all_dim && !in.has_attention_factor(),
-       "yarn, together with a non-zero mscale_all_dim and without attention_factor"},
-      {"mscale_all_dim", mscale_all_dim, yarn && mscale && !in.has_attention_factor(),
-       "yarn, together with a non-zero mscale and without attention_factor"},
-      {"short_factor", in.short_factor_size() > 0, longrope, "longrope"},
-      {"long_factor", in.long_factor_size() > 0, longrope, "longrope"},
-      {"max_position_embeddings", in.max_position_embeddings() != 0,
-       longrope && !in.has_attention_factor(), "longrope without attention_factor"},
-      {"low_freq_factor", in.has_low_freq_factor(), llama3, "llama3"},
-      {"high_freq_factor", in.has_high_freq_factor(), llama3, "llama3"},
-  };
-  for (const Field& f : fields) {
-    if (f.given && !f.read) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          sc, f.name, " has no effect under rope_type \"", RopeScalingTypeName(type),
-          "\" as given (read by ", f.readers, "); remove it"));
+  const RopeRule& rule = RopeRuleOf(type);
+  uint32_t given = 0;
+  // default accepts a factor of 0 or 1 (both mean none).
+  if (in.factor() != 0.0 && !(type == RopeScalingType::kDefault && in.factor() == 1.0)) {
+    given |= kRopeFactor;
+  }
+  if (in.original_max_position_embeddings() != 0) given |= kRopeOriginalMax;
+  if (in.has_beta_fast()) given |= kRopeBetaFast;
+  if (in.has_beta_slow()) given |= kRopeBetaSlow;
+  if (in.has_truncate()) given |= kRopeTruncate;
+  if (in.has_attention_factor()) given |= kRopeAttentionFactor;
+  if (in.has_mscale() && in.mscale() != 0.0) given |= kRopeMscale;
+  if (in.has_mscale_all_dim() && in.mscale_all_dim() != 0.0) given |= kRopeMscaleAllDim;
+  if (in.short_factor_size() > 0) given |= kRopeShortFactor;
+  if (in.long_factor_size() > 0) given |= kRopeLongFactor;
+  if (in.max_position_embeddings() != 0) given |= kRopeMaxPositionEmbeddings;
+  if (in.has_low_freq_factor()) given |= kRopeLowFreqFactor;
+  if (in.has_high_freq_factor()) given |= kRopeHighFreqFactor;
+  const uint32_t unread = given & ~RopeFieldsRead(rule, given);
+  for (uint32_t bit = 1; bit <= kRopeAllFields; bit <<= 1) {
+    if ((unread & bit) == 0) continue;
+    std::vector<std::string> readers;
+    for (const RopeRule& r : RopeRules()) {
+      if (r.reads & bit) readers.push_back(r.name);
     }
+    return absl::InvalidArgumentError(absl::StrCat(
+        sc, RopeFieldName(static_cast<RopeField>(bit)), " has no effect under rope_type \"",
+        rule.name, "\" as given (read by ", readers.empty() ? "no rule" : absl::StrJoin(readers, ", "),
+        bit == kRopeMscale || bit == kRopeMscaleAllDim
+            ? "; mscale and mscale_all_dim only as a non-zero pair, without attention_factor"
+            : bit == kRopeFactor && type == RopeScalingType::kLongRope
+                  ? "; longrope reads factor only without attention_factor and "
+                    "max_position_embeddings"
+                  : "",
+        "); remove it"));
   }
   return absl::OkStatus();
 }

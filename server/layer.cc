@@ -429,6 +429,8 @@ absl::Status RunEmbed(const ModelRegistry& models, const v1::EmbedRequest& reque
 
 namespace {
 
+// The model's RoPE as a spec a client can send back unchanged: only the
+// fields its rule reads (the server refuses the others).
 v1::RopeSpec RopeSpecToProto(const RopeConfig& r) {
   v1::RopeSpec spec;
   spec.set_layout(r.layout == RopeLayout::kInterleaved ? v1::ROPE_LAYOUT_INTERLEAVED
@@ -437,22 +439,32 @@ v1::RopeSpec RopeSpecToProto(const RopeConfig& r) {
   spec.set_theta(r.theta);
   v1::RopeScaling* sc = spec.mutable_scaling();
   const RopeScaling& s = r.scaling;
-  sc->set_rope_type(RopeScalingTypeName(s.type));
-  sc->set_factor(s.factor);
-  sc->set_original_max_position_embeddings(s.original_max_positions);
-  if (s.type == RopeScalingType::kYarn) {
-    sc->set_beta_fast(s.beta_fast);
-    sc->set_beta_slow(s.beta_slow);
+  const RopeRule& rule = RopeRuleOf(s.type);
+  sc->set_rope_type(rule.name);
+  uint32_t given = kRopeFactor | kRopeOriginalMax | kRopeBetaFast | kRopeBetaSlow | kRopeTruncate |
+                   kRopeShortFactor | kRopeLongFactor | kRopeLowFreqFactor | kRopeHighFreqFactor;
+  if (s.attention_factor) given |= kRopeAttentionFactor;
+  if (s.mscale.value_or(0.0) != 0.0) given |= kRopeMscale;
+  if (s.mscale_all_dim.value_or(0.0) != 0.0) given |= kRopeMscaleAllDim;
+  if (s.max_position_embeddings > 0) given |= kRopeMaxPositionEmbeddings;
+  const uint32_t send = RopeFieldsRead(rule, given);
+  if (send & kRopeFactor) sc->set_factor(s.factor);
+  if (send & kRopeOriginalMax) sc->set_original_max_position_embeddings(s.original_max_positions);
+  if (send & kRopeBetaFast) sc->set_beta_fast(s.beta_fast);
+  if (send & kRopeBetaSlow) sc->set_beta_slow(s.beta_slow);
+  if (send & kRopeTruncate) sc->set_truncate(s.truncate);
+  if (send & kRopeAttentionFactor) sc->set_attention_factor(*s.attention_factor);
+  if (send & kRopeMscale) sc->set_mscale(*s.mscale);
+  if (send & kRopeMscaleAllDim) sc->set_mscale_all_dim(*s.mscale_all_dim);
+  if (send & kRopeMaxPositionEmbeddings) sc->set_max_position_embeddings(s.max_position_embeddings);
+  if (send & kRopeShortFactor) {
+    for (double f : s.short_factor) sc->add_short_factor(f);
   }
-  if (s.attention_factor) sc->set_attention_factor(*s.attention_factor);
-  if (s.mscale) sc->set_mscale(*s.mscale);
-  if (s.mscale_all_dim) sc->set_mscale_all_dim(*s.mscale_all_dim);
-  for (double f : s.short_factor) sc->add_short_factor(f);
-  for (double f : s.long_factor) sc->add_long_factor(f);
-  if (s.type == RopeScalingType::kLlama3) {
-    sc->set_low_freq_factor(s.low_freq_factor);
-    sc->set_high_freq_factor(s.high_freq_factor);
+  if (send & kRopeLongFactor) {
+    for (double f : s.long_factor) sc->add_long_factor(f);
   }
+  if (send & kRopeLowFreqFactor) sc->set_low_freq_factor(s.low_freq_factor);
+  if (send & kRopeHighFreqFactor) sc->set_high_freq_factor(s.high_freq_factor);
   return spec;
 }
 

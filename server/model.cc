@@ -450,42 +450,28 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
     // Phi-3 keeps the original length at the top level.
     RA_ASSIGN_OR_RETURN(l0, top.PositiveInt("original_max_position_embeddings"));
   }
-  switch (sc.type) {
-    case RopeScalingType::kDefault:
-      break;
-    case RopeScalingType::kLinear:
-    case RopeScalingType::kNtk:
-    case RopeScalingType::kLlama3:
-      if (!factor.has_value()) return s.Error("factor", "is missing (required by this rule)");
-      break;
-    case RopeScalingType::kDynamicNtk:
-      if (!factor.has_value()) return s.Error("factor", "is missing (required by this rule)");
-      // transformers takes the trained length from max_position_embeddings
-      // when the scaling block does not give it.
-      if (!l0.has_value()) l0 = config.max_positions;
-      break;
-    case RopeScalingType::kYarn:
-      if (!l0.has_value()) l0 = config.max_positions;
-      // Without a factor, transformers extends from L0 to max_position_embeddings.
-      if (!factor.has_value()) {
-        factor = static_cast<double>(config.max_positions) / static_cast<double>(*l0);
-      }
-      break;
-    case RopeScalingType::kLongRope:
-      if (!l0.has_value()) l0 = config.max_positions;
-      // The attention factor follows from how far the context was extended.
-      if (!factor.has_value()) {
-        factor = static_cast<double>(config.max_positions) / static_cast<double>(*l0);
-      }
-      break;
+  // What the rule needs and how transformers fills it in (core registry).
+  const RopeRule& rule = RopeRuleOf(sc.type);
+  if (rule.original_defaults_to_max_positions && !l0.has_value()) {
+    // transformers takes the trained length from max_position_embeddings
+    // when the scaling block does not give it.
+    l0 = config.max_positions;
+  }
+  if (rule.factor_defaults_to_extension && !factor.has_value() && l0.has_value()) {
+    // Without a factor, transformers extends from L0 to max_position_embeddings.
+    factor = static_cast<double>(config.max_positions) / static_cast<double>(*l0);
+  }
+  if (rule.needs_factor && !factor.has_value()) {
+    return s.Error("factor", "is missing (required by this rule)");
   }
   if (factor.has_value()) sc.factor = *factor;
   if (l0.has_value()) sc.original_max_positions = *l0;
 
   RA_ASSIGN_OR_RETURN(std::optional<double> beta_fast, s.Number("beta_fast"));
   RA_ASSIGN_OR_RETURN(std::optional<double> beta_slow, s.Number("beta_slow"));
-  if (beta_fast.has_value()) sc.beta_fast = *beta_fast;
-  if (beta_slow.has_value()) sc.beta_slow = *beta_slow;
+  // transformers: `rope_scaling.get("beta_fast") or 32`, so 0 means the default.
+  if (beta_fast.has_value() && *beta_fast != 0.0) sc.beta_fast = *beta_fast;
+  if (beta_slow.has_value() && *beta_slow != 0.0) sc.beta_slow = *beta_slow;
   if (sc.type == RopeScalingType::kYarn) {
     // truncate: false keeps the correction range's bounds fractional.
     RA_ASSIGN_OR_RETURN(std::optional<bool> truncate, s.Bool("truncate"));

@@ -19,6 +19,7 @@
 #include "server/decode_wire.h"
 #include "server/handlers.h"
 #include "server/layer.h"
+#include "core/rope.h"
 #include "core/status_macros.h"
 
 namespace ropeattn::server {
@@ -329,13 +330,6 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
                         "gqa",
                         "f32",
                         "bf16",
-                        "rope:default",
-                        "rope:linear",
-                        "rope:ntk",
-                        "rope:dynamic",
-                        "rope:yarn",
-                        "rope:longrope",
-                        "rope:llama3",
                         "rope:half_split",
                         "rope:interleaved",
                         "alibi",
@@ -349,6 +343,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
                         "resumable"}) {
     r->add_capabilities(c);
   }
+  // One entry per RoPE rule of the core's registry.
+  for (const RopeRule& rule : RopeRules()) r->add_capabilities(absl::StrCat("rope:", rule.name));
   r->set_compute_threads(executor_->workers());
   r->set_threads_per_call(options_.threads_per_call);
   r->set_max_message_bytes(options_.max_message_bytes);

@@ -623,4 +623,47 @@ TEST(RopeValidationTest, NegativeSeqLenIsInvalidArgument) {
 }
 
 }  // namespace
+
+// The registry: every rule has one row whose name and aliases parse back to
+// it, and whose length dependence is what its frequencies actually do (a
+// rule that claims to be length-independent but is not would leave stale
+// keys in a session cache).
+TEST(RopeRegistryTest, RowsAgreeWithWhatTheRulesCompute) {
+  EXPECT_EQ(RopeRules().size(), 7u);
+  for (const RopeRule& rule : RopeRules()) {
+    SCOPED_TRACE(rule.name);
+    EXPECT_EQ(ParseRopeScalingType(rule.name).value(), rule.type);
+    for (const char* alias : rule.aliases) EXPECT_EQ(ParseRopeScalingType(alias).value(), rule.type);
+    EXPECT_STREQ(RopeScalingTypeName(rule.type), rule.name);
+    EXPECT_EQ(&RopeRuleOf(rule.type), &rule);
+    RopeConfig c;
+    c.head_dim = 16;
+    c.theta = 10000.0;
+    c.scaling.type = rule.type;
+    if (rule.reads & kRopeFactor) c.scaling.factor = 4.0;
+    if (rule.reads & kRopeOriginalMax) c.scaling.original_max_positions = 16;
+    if (rule.reads & kRopeShortFactor) c.scaling.short_factor.assign(8, 1.5);
+    if (rule.reads & kRopeLongFactor) c.scaling.long_factor.assign(8, 6.0);
+    ASSERT_TRUE(ValidateRopeConfig(c).ok()) << ValidateRopeConfig(c);
+    const RopeFrequencies short_len = ComputeRopeFrequencies(c, 8).value();
+    const RopeFrequencies long_len = ComputeRopeFrequencies(c, 64).value();
+    const bool differs = short_len.inv_freq != long_len.inv_freq ||
+                         short_len.attention_factor != long_len.attention_factor;
+    EXPECT_EQ(differs, rule.length_dependent);
+    // A field outside `reads` is never read, whatever else is given.
+    EXPECT_EQ(RopeFieldsRead(rule, kRopeAllFields) & ~rule.reads, 0u);
+  }
+  // Conditional reads: yarn's mscale pair, longrope's factor.
+  const RopeRule& yarn = RopeRuleOf(RopeScalingType::kYarn);
+  EXPECT_EQ(RopeFieldsRead(yarn, kRopeMscale), 0u);
+  EXPECT_EQ(RopeFieldsRead(yarn, kRopeMscale | kRopeMscaleAllDim), kRopeMscale | kRopeMscaleAllDim);
+  EXPECT_EQ(RopeFieldsRead(yarn, kRopeMscale | kRopeMscaleAllDim | kRopeAttentionFactor),
+            kRopeAttentionFactor);
+  const RopeRule& longrope = RopeRuleOf(RopeScalingType::kLongRope);
+  EXPECT_EQ(RopeFieldsRead(longrope, kRopeFactor), kRopeFactor);
+  EXPECT_EQ(RopeFieldsRead(longrope, kRopeFactor | kRopeMaxPositionEmbeddings),
+            kRopeMaxPositionEmbeddings);
+  EXPECT_THAT(ParseRopeScalingType("bogus").status().message(), HasSubstr("longrope (or su)"));
+}
+
 }  // namespace ropeattn

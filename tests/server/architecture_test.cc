@@ -517,6 +517,35 @@ TEST(ArchitectureLayerTest, EmbedIsWhatTransformersFeedsTheFirstLayer) {
   }
 }
 
+
+// The RoPE a model describes (GetModel) is a spec the server accepts back
+// unchanged: it carries only the fields its rule reads.
+TEST(ArchitectureLayerTest, AModelsRopeSpecCanBeSentBack) {
+  for (const char* name : {"llama", "qwen2", "phi3", "gpt_neox", "gptj", "gemma3"}) {
+    SCOPED_TRACE(name);
+    std::unique_ptr<Served> s = Serve(name);
+    ASSERT_NE(s, nullptr);
+    grpc::ClientContext ctx;
+    v1::GetModelRequest get;
+    get.set_name(name);
+    v1::ModelInfo info;
+    ASSERT_TRUE(s->stub->GetModel(&ctx, get, &info).ok());
+    ASSERT_TRUE(info.has_rope());
+    v1::AttendRequest req;
+    req.mutable_spec()->set_heads(info.num_heads());
+    req.mutable_spec()->set_kv_heads(info.num_kv_heads());
+    req.mutable_spec()->set_head_dim(info.head_dim());
+    *req.mutable_spec()->mutable_rope() = info.rope();
+    *req.mutable_q() = ToWire(RandomTensor(DType::kF32, {1, 3, info.num_heads(), info.head_dim()}, 1).cview());
+    *req.mutable_k() = ToWire(RandomTensor(DType::kF32, {1, 3, info.num_kv_heads(), info.head_dim()}, 2).cview());
+    *req.mutable_v() = ToWire(RandomTensor(DType::kF32, {1, 3, info.num_kv_heads(), info.head_dim()}, 3).cview());
+    grpc::ClientContext actx;
+    v1::AttendResponse resp;
+    const grpc::Status st = s->stub->Attend(&actx, req, &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message() << "\n" << info.rope().DebugString();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, ArchitectureTest,
                          ::testing::Values("llama", "mistral", "qwen2", "qwen3", "gemma2",
                                            "gemma3", "phi3", "gpt_neox", "gptj", "bert"),
