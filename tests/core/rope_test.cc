@@ -656,5 +656,94 @@ TEST(RopeErrorsTest, FromFrequenciesUsesTheGivenFrequencies) {
   }
 }
 
+
+// The error table (issue 14's closing note): every registry rule rotating
+// f32 vectors at positions up to 1e6, against the fp64 reference with the
+// reference's own frequencies for the length the rule is planned for.
+// Relative error per token (norm-wise over heads x head_dim), the largest
+// per position band; every entry must be <= 1e-6. Printed for the record.
+TEST(RopeAccuracyTest, EveryRuleWithinOneMillionthOfFp64UpToPositionOneMillion) {
+  const int64_t d = 128, heads = 4;
+  const std::vector<int64_t> positions = {0,      1,      4095,   4096,   65535,
+                                          65537,  999983, 999999, 1000000};
+  const int64_t seq_len = 1000001;
+  std::vector<double> short_f, long_f;
+  for (int64_t i = 0; i < d / 2; ++i) {
+    short_f.push_back(1.0 + 0.02 * i);
+    long_f.push_back(1.5 + 0.5 * i);
+  }
+  std::printf("%-10s %12s %12s %12s\n", "rule", "pos<=4096", "pos<=65537", "pos<=1e6");
+  for (const RopeRule& rule : RopeRules()) {
+    for (bool variant : {false, true}) {
+      if (variant && rule.type != RopeScalingType::kYarn) continue;  // yarn truncate=false
+      RopeConfig c = MakeConfig(d, 0, RopeLayout::kHalfSplit, 500000.0);
+      RopeScaling& sc = c.scaling;
+      sc.type = rule.type;
+      if (rule.reads & kRopeFactor) sc.factor = 8.0;
+      if (rule.reads & kRopeOriginalMax) sc.original_max_positions = 4096;
+      sc.short_factor = short_f;
+      sc.long_factor = long_f;
+      if (rule.type != RopeScalingType::kLongRope) sc.short_factor.clear(), sc.long_factor.clear();
+      sc.truncate = !variant;
+      RefRule want;
+      switch (rule.type) {
+        case RopeScalingType::kDefault:
+          want.inv_freq = ref::DefaultInvFreq(d, c.theta);
+          break;
+        case RopeScalingType::kLinear:
+          want.inv_freq = ref::LinearInvFreq(d, c.theta, 8.0);
+          break;
+        case RopeScalingType::kNtk:
+          want.inv_freq = ref::NtkInvFreq(d, c.theta, 8.0);
+          break;
+        case RopeScalingType::kDynamicNtk:
+          want.inv_freq = ref::DynamicNtkInvFreq(d, c.theta, 8.0, 4096, seq_len);
+          break;
+        case RopeScalingType::kYarn: {
+          ref::YarnRefParams y;
+          y.factor = 8.0;
+          y.original_len = 4096;
+          y.truncate = !variant;
+          want.inv_freq = ref::YarnInvFreq(d, c.theta, y);
+          want.attention_factor = ref::YarnAttentionFactor(y);
+          break;
+        }
+        case RopeScalingType::kLongRope:
+          want.inv_freq = ref::LongRopeInvFreq(d, c.theta, short_f, long_f, 4096, seq_len);
+          want.attention_factor = ref::LongRopeAttentionFactor(8.0, 4096, std::nullopt);
+          break;
+        case RopeScalingType::kLlama3:
+          want.inv_freq = ref::Llama3InvFreq(d, c.theta, 8.0, 1.0, 4.0, 4096);
+          break;
+      }
+      const RopeRotator r = RopeRotator::Create(c, seq_len, 8192).value();
+      const int64_t n = static_cast<int64_t>(positions.size());
+      const Tensor x = RandomTensor(DType::kF32, {1, n, heads, d}, 4242);
+      const Tensor y = Rotated(r, x, Positions{positions, {}});
+      ref::RotateRefParams p;
+      p.seq = n;
+      p.heads = heads;
+      p.head_dim = p.rotary_dim = d;
+      p.positions = positions;
+      p.inv_freq = want.inv_freq;
+      p.attention_factor = want.attention_factor;
+      const std::vector<double> expect = ref::Rotate(p, ToDoubles(x.cview()));
+      const std::vector<double> got = ToDoubles(y.cview());
+      double band[3] = {0, 0, 0};
+      const int64_t row = heads * d;
+      for (int64_t t = 0; t < n; ++t) {
+        const double err = RelativeError(
+            absl::MakeConstSpan(got).subspan(t * row, row),
+            absl::MakeConstSpan(expect).subspan(t * row, row));
+        const int b = positions[t] <= 4096 ? 0 : positions[t] <= 65537 ? 1 : 2;
+        band[b] = std::max(band[b], err);
+        EXPECT_LE(err, 1e-6) << rule.name << " at position " << positions[t];
+      }
+      std::printf("%-10s %12.2e %12.2e %12.2e\n",
+                  variant ? "yarn/trunc0" : rule.name, band[0], band[1], band[2]);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ropeattn
