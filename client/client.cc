@@ -131,6 +131,8 @@ const char* OpName(v1::DecodeRequest::MsgCase c) {
       return "fork";
     case v1::DecodeRequest::kClose:
       return "close";
+    case v1::DecodeRequest::kExportKv:
+      return "export_kv";
     default:
       return "request";
   }
@@ -150,6 +152,8 @@ v1::DecodeResponse::MsgCase ExpectedAnswer(v1::DecodeRequest::MsgCase c) {
       return v1::DecodeResponse::kForked;
     case v1::DecodeRequest::kClose:
       return v1::DecodeResponse::kClosed;
+    case v1::DecodeRequest::kExportKv:
+      return v1::DecodeResponse::kExported;
     default:
       return v1::DecodeResponse::MSG_NOT_SET;
   }
@@ -653,6 +657,9 @@ absl::StatusOr<v1::DecodeResponse> Session::RoundTrip(v1::DecodeRequest& request
     case v1::DecodeRequest::kClose:
       request.mutable_close()->set_seq(seq);
       break;
+    case v1::DecodeRequest::kExportKv:
+      request.mutable_export_kv()->set_seq(seq);
+      break;
     default:
       return absl::InvalidArgumentError(absl::StrCat("`", op, "` is not a session operation"));
   }
@@ -723,6 +730,14 @@ absl::StatusOr<v1::SessionInfo> Session::Fork(uint32_t idle_ttl_seconds) {
   absl::StatusOr<v1::DecodeResponse> response = RoundTrip(request);
   if (!response.ok()) return response.status();
   return std::move(*response->mutable_forked());
+}
+
+absl::StatusOr<v1::KvExport> Session::ExportKv() {
+  v1::DecodeRequest request;
+  request.mutable_export_kv();
+  absl::StatusOr<v1::DecodeResponse> response = RoundTrip(request);
+  if (!response.ok()) return response.status();
+  return std::move(*response->mutable_exported());
 }
 
 absl::Status Session::Close() {

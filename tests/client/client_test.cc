@@ -370,10 +370,31 @@ TEST_F(ClientTest, SessionStepTruncateForkClose) {
   EXPECT_EQ(a->out().data(), b->out().data());
   EXPECT_EQ(b->seq(), 1u);  // its own stream numbers from 1
 
+  // Its exported KV opens a session elsewhere (here: another client) that
+  // continues like it.
+  absl::StatusOr<v1::KvExport> kv = session.ExportKv();
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  EXPECT_EQ(kv->position(), 4);
+  v1::OpenSession moved_open = SmallOpen();
+  *moved_open.mutable_prefix()->mutable_k() = kv->k();
+  *moved_open.mutable_prefix()->mutable_v() = kv->v();
+  moved_open.mutable_prefix()->set_key_form(kv->key_form());
+  absl::StatusOr<std::unique_ptr<Session>> moved = other->OpenSession(moved_open);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ((*moved)->position(), 4);
+  a = session.Step(Tokens(Rows(q, 0, 1)), Tokens(Rows(k, 0, 1)), Tokens(Rows(v, 0, 1)));
+  b = (*moved)->Step(Tokens(Rows(q, 0, 1)), Tokens(Rows(k, 0, 1)), Tokens(Rows(v, 0, 1)));
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->position(), 5);
+  const std::vector<float> want = Floats(a->out());
+  ExpectNear(Floats(b->out()), std::vector<double>(want.begin(), want.end()));
+  ASSERT_TRUE((*moved)->Close().ok());
+
   // Close ends the session on the server; the Session is then unusable.
   const std::string id = session.id();
   ASSERT_TRUE(session.Close().ok());
-  EXPECT_EQ(session.info().position(), 4);
+  EXPECT_EQ(session.info().position(), 5);
   absl::Status after =
       session.Step(Tokens(Rows(q, 0, 1)), Tokens(Rows(k, 0, 1)), Tokens(Rows(v, 0, 1))).status();
   EXPECT_EQ(after.code(), absl::StatusCode::kFailedPrecondition);
