@@ -500,8 +500,14 @@ absl::Status EncodeRopeCosSin(const v1::EncodeRequest::RopeCosSin& op, EncodeDim
   dims.loop_steps = LoopSteps({n, half});
   if (response == nullptr) return absl::OkStatus();
   // No table: every requested position is computed once, directly.
+  // 0: planned for the largest position + 1, as transformers plans its
+  // cos/sin for max(position_ids) + 1 (dynamic NTK, LongRoPE).
+  int64_t cos_sin_len = op.seq_len();
+  if (cos_sin_len == 0) {
+    for (int64_t p : op.positions()) cos_sin_len = std::max(cos_sin_len, p + 1);
+  }
   RA_ASSIGN_OR_RETURN(const RopeRotator rotator,
-                      WithContext(RopeRotator::Create(config, op.seq_len(), 0), "rope_cos_sin"));
+                      WithContext(RopeRotator::Create(config, cos_sin_len, 0), "rope_cos_sin"));
   RA_ASSIGN_OR_RETURN(Tensor cos, Tensor::Create(DType::kF32, {n, half}));
   RA_ASSIGN_OR_RETURN(Tensor sin, Tensor::Create(DType::kF32, {n, half}));
   RA_RETURN_IF_ERROR(Annotate(rotator.CosSin(absl::MakeConstSpan(op.positions().data(), n),

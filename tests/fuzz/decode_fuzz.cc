@@ -129,7 +129,26 @@ class Driver {
       RA_ASSIGN_OR_RETURN(server::SessionConfig config,
                           server::ResolveOpenSession(r.open(), w_.options, DemoRegistry()));
       s.open_config = std::make_shared<const server::SessionConfig>(std::move(config));
+      if (r.open().has_prefix()) {
+        RA_ASSIGN_OR_RETURN(const server::WireShape k,
+                            server::ParseWireShape(r.open().prefix().k(), "open.prefix.k"));
+        RA_ASSIGN_OR_RETURN(const server::WireShape v,
+                            server::ParseWireShape(r.open().prefix().v(), "open.prefix.v"));
+        RA_ASSIGN_OR_RETURN(s.op_memory,
+                            w_.budget.Reserve(SatMul(SatAdd(k.elements, v.elements), 8),
+                                              "this session's KV prefix"));
+      }
       RA_ASSIGN_OR_RETURN(s.ticket, w_.sessions.Reserve(s.open_config, kCaller));
+      return absl::OkStatus();
+    }
+    if (r.has_export_kv() && s.session != nullptr) {
+      *step_cost = server::PriceExport(s.session->config(), s.session->position_hint());
+      if (absl::Status st = server::CheckCost(*step_cost, w_.limits, "Decode.Export"); !st.ok()) {
+        CheckCostRefusal(st);
+        return st;
+      }
+      RA_ASSIGN_OR_RETURN(s.op_memory,
+                          w_.budget.Reserve(step_cost->transient_bytes, "this KV export"));
       return absl::OkStatus();
     }
     if (r.has_fork() && s.session != nullptr) {
@@ -211,6 +230,19 @@ class Driver {
           break;
         }
         s.session = *std::move(opened);
+        if (r.has_open() && r.open().has_prefix()) {
+          absl::StatusOr<server::WirePrefix> prefix = server::PrefixFromProto(r.open().prefix());
+          status = prefix.ok() ? s.session->Import(prefix->k.cview(), prefix->v.cview(),
+                                                   prefix->form, "open.prefix.")
+                               : prefix.status();
+          if (!status.ok()) {
+            (void)w_.sessions.Close(s.session->id(), "its prefix was refused", kCaller);
+            stream_fatal = true;
+            break;
+          }
+          FUZZ_CHECK(s.session->position() == r.open().prefix().k().shape(1),
+                     "an imported prefix left another position");
+        }
         if (r.has_open()) ids_.push_back(s.session->id());
         s.session->FillInfo(response.mutable_opened());
         FUZZ_CHECK(response.opened().attached(), "an opened or attached session is not attached");
@@ -219,7 +251,8 @@ class Driver {
       case v1::DecodeRequest::kStep:
       case v1::DecodeRequest::kTruncate:
       case v1::DecodeRequest::kFork:
-      case v1::DecodeRequest::kClose: {
+      case v1::DecodeRequest::kClose:
+      case v1::DecodeRequest::kExportKv: {
         if (s.session == nullptr) {
           status = absl::InvalidArgumentError("the first message must be open or attach");
           stream_fatal = true;
@@ -239,6 +272,17 @@ class Driver {
             FUZZ_CHECK(response.truncated().position() == r.truncate().position(),
                        "truncate left another position");
           }
+        } else if (r.has_export_kv()) {
+          HeapMeter::Start();
+          absl::StatusOr<DecodeState::Exported> kv = s.session->Export();
+          status = kv.status();
+          if (kv.ok()) {
+            server::TensorToProto(kv->k.cview(), response.mutable_exported()->mutable_k());
+            server::TensorToProto(kv->v.cview(), response.mutable_exported()->mutable_v());
+            FUZZ_CHECK(static_cast<int64_t>(response.ByteSizeLong()) <= step_cost.reply_bytes,
+                       "an export's answer is larger than its price");
+          }
+          HeapMeter::Check(step_cost.transient_bytes, "Decode.Export");
         } else if (r.has_fork()) {
           const int64_t held = HeldBytes(s.session->config());
           HeapMeter::Start();

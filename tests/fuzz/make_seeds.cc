@@ -365,6 +365,26 @@ void DecodeSeeds() {
     Record(&in, 0, Close(7));
     Write(t, "softmax-rope-fork", in);
   }
+  {  // far start, a raw KV prefix, steps, an export; a rotated-prefix open from it
+    std::string in;
+    v1::DecodeRequest open = Open(4, 2, 8, 32);
+    auto* o = open.mutable_open();
+    o->mutable_spec()->mutable_rope()->set_theta(10000);
+    o->set_start_position(999990);
+    const v1::DecodeRequest tokens = Step(0, 3, 4, 2, 8);
+    *o->mutable_prefix()->mutable_k() = tokens.step().k();
+    *o->mutable_prefix()->mutable_v() = tokens.step().v();
+    o->mutable_prefix()->set_key_form(v1::KEY_FORM_RAW);
+    Record(&in, 0, open);
+    Record(&in, 0, Step(1, 2, 4, 2, 8));
+    v1::DecodeRequest export_kv;
+    export_kv.mutable_export_kv()->set_seq(2);
+    Record(&in, 0, export_kv);
+    o->mutable_prefix()->set_key_form(v1::KEY_FORM_ROTATED);
+    Record(&in, 1, open);
+    Record(&in, 1, Step(3, 1, 4, 2, 8));
+    Write(t, "prefix-export", in);
+  }
   {  // bf16 cache, ALiBi, window, bf16 out; resumable, detached, re-attached, reaped
     std::string in;
     v1::DecodeRequest open = Open(2, 1, 4, 16);

@@ -698,6 +698,27 @@ TEST(RunEncodeTest, RopeCosSinAtArbitraryPositions) {
   EXPECT_NEAR(r->attention_factor(), a, 1e-12);
 }
 
+// Without seq_len, a length-dependent rule is planned for the largest
+// position + 1 (transformers' max(position_ids) + 1), not for 0.
+TEST(RunEncodeTest, RopeCosSinWithoutSeqLenPlansForTheLargestPosition) {
+  v1::EncodeRequest request;
+  auto* op = request.mutable_rope_cos_sin();
+  op->set_head_dim(16);
+  op->mutable_rope()->mutable_scaling()->set_rope_type("dynamic");
+  op->mutable_rope()->mutable_scaling()->set_factor(2.0);
+  op->mutable_rope()->mutable_scaling()->set_original_max_position_embeddings(64);
+  const std::vector<int64_t> positions = {3, 5000, 17};
+  for (int64_t p : positions) op->add_positions(p);
+  absl::StatusOr<v1::EncodeResponse> r = Encode(request);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const std::vector<double> inv = ref::DynamicNtkInvFreq(16, 10000.0, 2.0, 64, 5001);
+  std::vector<double> cos_ref;
+  for (int64_t p : positions) {
+    for (double f : inv) cos_ref.push_back(std::cos(static_cast<double>(p) * f));
+  }
+  EXPECT_TRUE(AllClose(Doubles(r->cos()), cos_ref, kF32Tol));
+}
+
 v1::EncodeRequest RopeApplyRequest(const Tensor& x) {
   v1::EncodeRequest request;
   auto* op = request.mutable_rope_apply();
