@@ -58,6 +58,11 @@ EXPOSE 50051 9464
 HEALTHCHECK --interval=30s --timeout=5s --start-period=20s --retries=3 \
     CMD ["ropeattn", "health", "--target", "127.0.0.1:50051", "--deadline_seconds", "3"]
 
-# Built-in demo model on all interfaces. To serve checkpoints, mount them
-# read-only and append --model NAME=/models/NAME (see deploy/README.md).
-CMD ["ropeattn-server", "--address=0.0.0.0:50051", "--metrics_address=0.0.0.0:9464"]
+# The image runs the server: arguments given to `docker run IMAGE ...` or a
+# Kubernetes container's `args` are its flags (deploy/k8s gives only args;
+# tests/deploy/manifest_test.cc checks the two agree). CMD holds the default
+# flags: the built-in demo model on all interfaces. To serve checkpoints,
+# mount them read-only and pass --model NAME=/models/NAME (deploy/README.md).
+# Other programs of the image (the ropeattn CLI) need --entrypoint.
+ENTRYPOINT ["ropeattn-server"]
+CMD ["--address=0.0.0.0:50051", "--metrics_address=0.0.0.0:9464"]

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Builds the ropeattn container image with buildah (no Docker engine needed),
-# then smoke-tests it: starts ropeattn-server from the image with TLS and a
-# bearer token (a throwaway CA, certificate and tokens file made with the
-# host's openssl), probes it with the image's own `ropeattn` CLI (health, a
-# short decode, info; refused without a token or without TLS; /metrics),
-# prints the image size and cleans up.
+# then smoke-tests it: starts the server from the image exactly as the
+# Kubernetes Deployment does (the image's ENTRYPOINT with the args read from
+# deploy/k8s/ropeattn-deployment.yaml, its TLS, client-CA and tokens files
+# at the manifest's paths, made with the host's openssl for this run), probes
+# it with the image's own `ropeattn` CLI (health, a short decode, info over
+# mutual TLS; refused without a token or without TLS; /metrics), prints the
+# image size and cleans up.
 #
 #   bash deploy/build-image.sh            # build + test, then remove the image
 #   bash deploy/build-image.sh --keep     # build + test, keep ropeattn:latest
@@ -16,8 +18,8 @@
 #     machine's apt sources use, then `buildah from scratch` + copy + commit;
 #  3. `buildah bud` of ./Dockerfile as ropeattn:latest (layer cache on, so a
 #     re-run only rebuilds what changed);
-#  4. runs the server from the image on a free loopback port, with TLS and
-#     a token, and probes it;
+#  4. runs the image's ENTRYPOINT with the Deployment's args (its ports,
+#     50051 and 9464 on this host's network, must be free) and probes it;
 #  5. prints the image size; 6. removes its containers (and the image unless
 #     --keep). Any failure exits non-zero with a message saying which step.
 #
@@ -220,55 +222,88 @@ EXT
   openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -set_serial "0x$(openssl rand -hex 8)" \
     -days 1 -extfile ext.cnf -extensions server -out server.crt
   openssl verify -CAfile ca.crt server.crt
+  # The Deployment asks callers for a client certificate (Envoy's, in the
+  # cluster): the CLI presents this one.
+  printf '[client]\nbasicConstraints = critical, CA:FALSE\nkeyUsage = critical, digitalSignature\nextendedKeyUsage = clientAuth\n' > client.cnf
+  openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes \
+    -subj "/CN=smoke-client" -keyout client.key -out client.csr
+  openssl x509 -req -in client.csr -CA ca.crt -CAkey ca.key -set_serial "0x$(openssl rand -hex 8)" \
+    -days 1 -extfile client.cnf -extensions client -out client.crt
   # Two principals; the tokens are random per run and never leave $PKI and
   # the throwaway containers.
   printf '# smoke test: TOKEN PRINCIPAL [admin]\n%s smoke-user\n%s smoke-admin admin\n' \
     "$(openssl rand -hex 32)" "$(openssl rand -hex 32)" > tokens
-  chmod 0644 ca.crt server.crt tokens
-  chmod 0600 ca.key server.key
+  chmod 0644 ca.crt server.crt client.crt tokens
+  chmod 0600 ca.key server.key client.key
 ) >"$PKI/openssl.log" 2>&1 || { cat "$PKI/openssl.log" >&2; die "openssl failed (log above)"; }
 TOKEN="$(awk '$2 == "smoke-user" {print $1}' "$PKI/tokens")"
 [ -n "$TOKEN" ] || die "no token in the generated tokens file"
 openssl x509 -in "$PKI/server.crt" -noout -ext subjectAltName 2>/dev/null | grep -q 'IP Address:127.0.0.1' \
   || die "server certificate lacks the IP SAN 127.0.0.1"
 
-STEP="start the server from $IMAGE (TLS + token)"
+STEP="start $IMAGE as the Deployment does"
 [ "$(bah inspect --type image --format '{{.Docker.Config.User}}' "$IMAGE")" = "10001:10001" ] \
   || die "image user is not 10001:10001"
 bah inspect --type image --format '{{.Docker.Config.Healthcheck}}' "$IMAGE" | grep -q "ropeattn health" \
   || die "image has no HEALTHCHECK running ropeattn health"
+# Kubernetes runs the image's ENTRYPOINT with the container's args (the
+# Deployment sets no command).
+entrypoint="$(bah inspect --type image --format '{{range .Docker.Config.Entrypoint}}{{.}} {{end}}' "$IMAGE")"
+read -r -a ENTRYPOINT <<<"$entrypoint"
+[ "${ENTRYPOINT[*]:-}" = "ropeattn-server" ] || die "image ENTRYPOINT is '${entrypoint}', want ropeattn-server"
+MANIFEST=deploy/k8s/ropeattn-deployment.yaml
+grep -qE '^[[:space:]]+command:' <(awk '/^      containers:/,/^          ports:/' "$MANIFEST") \
+  && die "the ropeattn container in $MANIFEST sets command (it would replace the ENTRYPOINT)"
+# The ropeattn container's args: the list items between `args:` and the
+# next key at the container's indentation, comments skipped.
+mapfile -t ARGS < <(awk '
+  /^          args:/ { on = 1; next }
+  on && /^          [a-zA-Z]/ { on = 0 }
+  on && /^ *- / { sub(/^ *- /, ""); print }' "$MANIFEST")
+[ "${#ARGS[@]}" -gt 0 ] || die "no args found for the ropeattn container in $MANIFEST"
+arg_value() { local a; for a in "${ARGS[@]}"; do case "$a" in --"$1"=*) echo "${a#*=}"; return 0;; esac; done; return 1; }
+port="$(arg_value address | sed 's/.*://')"
+mport="$(arg_value metrics_address | sed 's/.*://')"
+for p in "$port" "$mport"; do
+  if ss -Hltn "sport = :$p" 2>/dev/null | grep -q .; then
+    die "port $p (from the Deployment's args) is in use on this host; the smoke test shares its network"
+  fi
+done
 srv="$(bah from --pull=never "$IMAGE")"; CONTAINERS+=("$srv")
 cli="$(bah from --pull=never "$IMAGE")"; CONTAINERS+=("$cli")
-# The server's container gets its certificate, key and the tokens (readable
-# by uid 10001 only); the CLI's container only the CA certificate. The token
-# reaches the CLI on its command line / environment, as a caller's would.
-bah copy --chown 10001:10001 --chmod 0400 "$srv" "$PKI/server.crt" "$PKI/server.key" "$PKI/tokens" /tmp/tls/ >/dev/null \
-  || die "copying the server's certificate, key and tokens into its container failed"
-bah copy --chmod 0444 "$cli" "$PKI/ca.crt" /tmp/tls/ >/dev/null || die "copying the CA into the CLI's container failed"
+# Files where the manifest's volumes mount them (readable by uid 10001).
+for pair in tls_cert_file:server.crt tls_key_file:server.key tls_client_ca_file:ca.crt \
+            auth_tokens_file:tokens; do
+  path="$(arg_value "${pair%%:*}")" || die "the Deployment's args lack --${pair%%:*}"
+  bah run --isolation chroot --user 0:0 "$srv" -- mkdir -p "$(dirname "$path")" >/dev/null \
+    || die "cannot create $(dirname "$path") in the server's container"
+  bah copy --chown 10001:10001 --chmod 0400 "$srv" "$PKI/${pair#*:}" "$path" >/dev/null \
+    || die "copying ${pair#*:} to $path in the server's container failed"
+done
+# The CLI's container: the CA and the client certificate.
+bah copy --chmod 0444 "$cli" "$PKI/ca.crt" "$PKI/client.crt" /tmp/tls/ >/dev/null \
+  || die "copying the CA and client certificate into the CLI's container failed"
+bah copy --chown 10001:10001 --chmod 0400 "$cli" "$PKI/client.key" /tmp/tls/ >/dev/null \
+  || die "copying the client key into the CLI's container failed"
 log="$(mktemp /var/tmp/ropeattn-server.XXXXXX.log)"
-# chroot isolation shares the host network: port 0 lets the server pick free
-# loopback ports, which it prints at start.
-bah run --isolation chroot "$srv" -- \
-  ropeattn-server --address=127.0.0.1:0 --metrics_address=127.0.0.1:0 \
-    --tls_cert_file=/tmp/tls/server.crt --tls_key_file=/tmp/tls/server.key \
-    --auth_tokens_file=/tmp/tls/tokens >"$log" 2>&1 &
+echo "build-image: running ${ENTRYPOINT[*]} ${ARGS[*]}"
+bah run --isolation chroot "$srv" -- "${ENTRYPOINT[@]}" "${ARGS[@]}" >"$log" 2>&1 &
 SERVER_PID=$!
-port=""; mport=""
+line=""
 for _ in $(seq 1 120); do
   line="$(grep -m1 '^ropeattn-server listening on' "$log" || true)"
-  if [ -n "$line" ]; then
-    port="$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' <<<"$line")"
-    mport="$(sed -n 's#.*http://127.0.0.1:\([0-9]*\)/metrics.*#\1#p' <<<"$line")"
-    break
-  fi
+  [ -n "$line" ] && break
   kill -0 "$SERVER_PID" 2>/dev/null || { cat "$log" >&2; die "ropeattn-server exited at start"; }
   sleep 0.5
 done
-[ -n "$port" ] || { cat "$log" >&2; die "ropeattn-server did not report its port within 60 s"; }
+[ -n "$line" ] || { cat "$log" >&2; die "ropeattn-server did not report listening within 60 s"; }
 echo "build-image: $line"
 target="127.0.0.1:$port"
-# The image's CLI over TLS, verifying the server against the test CA.
-ropeattn_tls() { bah run --isolation chroot "$cli" -- ropeattn "$1" --target "$target" --tls_ca_file /tmp/tls/ca.crt "${@:2}"; }
+# The image's CLI over mutual TLS, verifying the server against the test CA.
+ropeattn_tls() {
+  bah run --isolation chroot "$cli" -- ropeattn "$1" --target "$target" --tls_ca_file /tmp/tls/ca.crt \
+    --tls_cert_file /tmp/tls/client.crt --tls_key_file /tmp/tls/client.key "${@:2}"
+}
 
 STEP="probe the server with the image's ropeattn CLI (TLS + token)"
 ok=0
@@ -287,7 +322,8 @@ ropeattn_tls decode --token "$TOKEN" \
   || die "ropeattn decode with TLS and a token failed"
 # The token from the environment, as the CLI's help recommends.
 info="$(bah run --isolation chroot --env "ROPEATTN_TOKEN=$TOKEN" "$cli" -- \
-          ropeattn info --target "$target" --tls_ca_file /tmp/tls/ca.crt)" \
+          ropeattn info --target "$target" --tls_ca_file /tmp/tls/ca.crt \
+            --tls_cert_file /tmp/tls/client.crt --tls_key_file /tmp/tls/client.key)" \
   || die "ropeattn info with TLS and \$ROPEATTN_TOKEN failed"
 echo "build-image: ropeattn info (TLS + \$ROPEATTN_TOKEN) -> $(head -n 1 <<<"$info")"
 

@@ -15,10 +15,13 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <sstream>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <set>
@@ -1561,6 +1564,204 @@ Problems CheckKustomization(const std::vector<std::string>& listed, const fs::pa
 // ---------------------------------------------------------------------------
 // Tests on the real manifests.
 
+// ---------------------------------------------------------------------------
+// The image and the Deployment: Kubernetes runs the image's ENTRYPOINT with
+// the container's `args` (a container `command` would replace the
+// ENTRYPOINT). The Deployment gives only args, so the image must have an
+// ENTRYPOINT that runs the server, and every arg (and every default in CMD)
+// must be a flag.
+
+struct ImageCommand {
+  std::vector<std::string> entrypoint, cmd;  // exec form; empty when absent
+};
+
+// ENTRYPOINT / CMD of the Dockerfile's last stage (continuation lines
+// joined, so HEALTHCHECK's own CMD is not taken for the image's).
+ImageCommand ParseDockerfile(const std::string& text) {
+  ImageCommand out;
+  std::vector<std::string> lines;
+  std::string cur;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && line.back() == '\\') {
+      cur += line.substr(0, line.size() - 1) + " ";
+      continue;
+    }
+    lines.push_back(cur + line);
+    cur.clear();
+  }
+  auto array = [](const std::string& rest) {
+    std::vector<std::string> v;
+    try {
+      const YAML::Node n = YAML::Load(rest);  // a JSON array is YAML
+      if (n.IsSequence()) {
+        for (const YAML::Node& e : n) v.push_back(e.Scalar());
+      }
+    } catch (...) {
+    }
+    return v;
+  };
+  for (const std::string& l : lines) {
+    const size_t start = l.find_first_not_of(" \t");
+    if (start == std::string::npos) continue;
+    const std::string t = l.substr(start);
+    if (t.rfind("FROM ", 0) == 0) out = ImageCommand{};  // a new stage
+    if (t.rfind("ENTRYPOINT ", 0) == 0) out.entrypoint = array(t.substr(11));
+    if (t.rfind("CMD ", 0) == 0) out.cmd = array(t.substr(4));
+  }
+  return out;
+}
+
+Problems CheckImageCommand(const ImageCommand& image, const YAML::Node& deployment) {
+  Problems p;
+  const bool runs_server =
+      !image.entrypoint.empty() && (image.entrypoint[0] == "ropeattn-server" ||
+                                    image.entrypoint[0] == "/usr/local/bin/ropeattn-server");
+  if (!runs_server) {
+    p.push_back(
+        "the image has no ENTRYPOINT running ropeattn-server: Kubernetes would run the "
+        "Deployment's first arg as the program");
+  }
+  for (const std::string& c : image.cmd) {
+    if (c.rfind("--", 0) != 0) {
+      p.push_back("the image's CMD holds '" + c + "', not a flag of the ENTRYPOINT");
+    }
+  }
+  for (const YAML::Node& c : Get(deployment, {"spec", "template", "spec", "containers"})) {
+    if (Str(Get(c, {"name"})) != "ropeattn") continue;
+    if (Get(c, {"command"}).IsDefined()) {
+      p.push_back("the ropeattn container sets command, replacing the image's ENTRYPOINT");
+    }
+    for (const YAML::Node& a : Get(c, {"args"})) {
+      if (Str(a).rfind("--", 0) != 0) {
+        p.push_back("the ropeattn container's arg '" + Str(a) + "' is not a server flag");
+      }
+    }
+  }
+  return p;
+}
+
+std::string ReadWholeFile(const fs::path& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+ImageCommand RealImageCommand() {
+  return ParseDockerfile(
+      ReadWholeFile(fs::path(ROPEATTN_DEPLOY_K8S_DIR).parent_path().parent_path() / "Dockerfile"));
+}
+
+// ---------------------------------------------------------------------------
+// Monitoring (deploy/k8s/monitoring): the ServiceMonitor scrapes the metrics
+// Service, and every custom metric the HPA scales on is made by an adapter
+// rule from gauges the server exports.
+
+struct Monitoring {
+  std::vector<std::string> listed_files;
+  std::map<std::string, YAML::Node> objects;  // "Kind/name"
+};
+
+const Monitoring& LoadMonitoring() {
+  static const Monitoring* const m = [] {
+    auto* out = new Monitoring;
+    const fs::path dir = fs::path(ROPEATTN_DEPLOY_K8S_DIR) / "monitoring";
+    const YAML::Node k = YAML::LoadFile((dir / "kustomization.yaml").string());
+    out->listed_files = ListedFiles(k);
+    for (const std::string& f : out->listed_files) {
+      if (!fs::exists(dir / f)) continue;
+      for (const YAML::Node& doc : YAML::LoadAllFromFile((dir / f).string())) {
+        if (!doc.IsDefined() || doc.IsNull()) continue;
+        out->objects.emplace(Str(Get(doc, {"kind"})) + "/" + Str(Get(doc, {"metadata", "name"})), doc);
+      }
+    }
+    return out;
+  }();
+  return *m;
+}
+
+// Metric names (ropeattn_...) in a PromQL text.
+std::set<std::string> MetricNamesIn(const std::string& text) {
+  std::set<std::string> out;
+  for (size_t i = text.find("ropeattn_"); i != std::string::npos; i = text.find("ropeattn_", i)) {
+    size_t j = i;
+    while (j < text.size() && (std::isalnum(static_cast<unsigned char>(text[j])) || text[j] == '_')) ++j;
+    out.insert(text.substr(i, j - i));
+    i = j;
+  }
+  return out;
+}
+
+// `server_metrics` is the text of server/metrics.cc: a metric the rules
+// read must be one the server writes.
+Problems CheckMonitoring(const YAML::Node& service_monitor, const YAML::Node& adapter_config,
+                         const YAML::Node& metrics_service, const YAML::Node& hpa,
+                         const YAML::Node& deployment, const std::string& server_metrics) {
+  Problems p;
+  if (!service_monitor.IsDefined()) {
+    p.push_back("no ServiceMonitor ropeattn");
+  } else {
+    const YAML::Node want = Get(service_monitor, {"spec", "selector", "matchLabels"});
+    const YAML::Node labels = Get(metrics_service, {"metadata", "labels"});
+    bool selects = want.IsDefined() && want.IsMap() && want.size() > 0;
+    if (selects) {
+      for (const auto& kv : want) {
+        selects &= Str(Get(labels, {kv.first.Scalar()})) == kv.second.Scalar();
+      }
+    }
+    if (!selects) p.push_back("the ServiceMonitor's selector does not select Service ropeattn-metrics");
+    std::set<std::string> ports;
+    for (const YAML::Node& port : Get(metrics_service, {"spec", "ports"})) ports.insert(Str(Get(port, {"name"})));
+    for (const YAML::Node& e : Get(service_monitor, {"spec", "endpoints"})) {
+      if (ports.count(Str(Get(e, {"port"}))) == 0) {
+        p.push_back("the ServiceMonitor scrapes port '" + Str(Get(e, {"port"})) +
+                    "', which Service ropeattn-metrics does not have");
+      }
+    }
+  }
+  // Custom metrics the adapter serves, and the server metrics they read.
+  std::set<std::string> served;
+  YAML::Node rules;
+  try {
+    rules = YAML::Load(Str(Get(adapter_config, {"data", "config.yaml"})))["rules"];
+  } catch (...) {
+  }
+  for (const YAML::Node& r : rules) {
+    served.insert(Str(Get(r, {"name", "as"})));
+    for (const std::string& m :
+         MetricNamesIn(Str(Get(r, {"seriesQuery"})) + " " + Str(Get(r, {"metricsQuery"})))) {
+      if (server_metrics.find("\"" + m + "\"") == std::string::npos) {
+        p.push_back("the adapter rule for " + Str(Get(r, {"name", "as"})) + " reads " + m +
+                    ", which the server does not export");
+      }
+    }
+  }
+  const auto flags = Flags(MainContainer(deployment));
+  const double capacity =
+      FlagDouble(flags, "compute_workers", 1) + FlagDouble(flags, "queue_depth", 64);
+  bool custom = false;
+  for (const YAML::Node& m : Get(hpa, {"spec", "metrics"})) {
+    if (Str(Get(m, {"type"})) != "Pods") continue;
+    custom = true;
+    const std::string name = Str(Get(m, {"pods", "metric", "name"}));
+    if (served.count(name) == 0) {
+      p.push_back("the HPA scales on " + name + ", which no adapter rule serves");
+    }
+    const auto target = Quantity(Get(m, {"pods", "target", "averageValue"}));
+    if (!target || *target <= 0 || *target > capacity) {
+      p.push_back("the HPA's " + name + " target must be in (0, compute_workers + queue_depth]");
+    }
+  }
+  if (!custom) p.push_back("the HPA scales on no metric the server exports (only CPU)");
+  return p;
+}
+
+std::string ServerMetricsSource() {
+  return ReadWholeFile(fs::path(ROPEATTN_DEPLOY_K8S_DIR).parent_path().parent_path() / "server" /
+                       "metrics.cc");
+}
+
 MATCHER_P(HasProblemContaining, text, "") {
   for (const std::string& s : arg) {
     if (s.find(text) != std::string::npos) return true;
@@ -1582,6 +1783,27 @@ TEST(Manifests, KustomizationListsEveryManifest) {
 }
 
 TEST(Manifests, ServerDeployment) { EXPECT_THAT(CheckServerDeployment(ServerDeployment()), IsEmpty()); }
+
+TEST(Manifests, MonitoringAndLoadMetricScaling) {
+  const Monitoring& m = LoadMonitoring();
+  EXPECT_THAT(CheckKustomization(m.listed_files, fs::path(ROPEATTN_DEPLOY_K8S_DIR) / "monitoring"),
+              IsEmpty());
+  const auto get = [&](const std::string& key) {
+    const auto it = m.objects.find(key);
+    return it == m.objects.end() ? YAML::Node(YAML::NodeType::Undefined) : it->second;
+  };
+  EXPECT_THAT(CheckMonitoring(get("ServiceMonitor/ropeattn"), get("ConfigMap/adapter-config"),
+                              Object("Service/ropeattn-metrics"), Object("HorizontalPodAutoscaler/ropeattn"),
+                              ServerDeployment(), ServerMetricsSource()),
+              IsEmpty());
+}
+
+TEST(Manifests, TheImageRunsAsTheDeploymentStartsIt) {
+  const ImageCommand image = RealImageCommand();
+  EXPECT_THAT(image.entrypoint, ::testing::ElementsAre("ropeattn-server"));
+  EXPECT_FALSE(image.cmd.empty());
+  EXPECT_THAT(CheckImageCommand(image, ServerDeployment()), IsEmpty());
+}
 
 TEST(Manifests, Services) { EXPECT_THAT(CheckServices(ObjectsOfKind("Service"), ServerDeployment()), IsEmpty()); }
 
@@ -1681,6 +1903,63 @@ void RemoveProbeArg(YAML::Node c, const std::string& probe, const std::string& f
     kept.push_back(a);
   }
   c[probe]["exec"]["command"] = kept;
+}
+
+TEST(ChecksCatch, AnImageAndADeploymentThatDisagree) {
+  // The image as it was: the server named in CMD, no ENTRYPOINT, and the
+  // HEALTHCHECK's CMD on a continuation line.
+  const ImageCommand old = ParseDockerfile(
+      "FROM debian AS build\nENTRYPOINT [\"sh\"]\nFROM debian\n"
+      "HEALTHCHECK --interval=30s \\\n    CMD [\"ropeattn\", \"health\"]\n"
+      "CMD [\"ropeattn-server\", \"--address=0.0.0.0:50051\"]\n");
+  EXPECT_TRUE(old.entrypoint.empty());
+  EXPECT_THAT(old.cmd, ::testing::ElementsAre("ropeattn-server", "--address=0.0.0.0:50051"));
+  EXPECT_THAT(CheckImageCommand(old, ServerDeployment()), HasProblemContaining("no ENTRYPOINT"));
+  EXPECT_THAT(CheckImageCommand(old, ServerDeployment()), HasProblemContaining("CMD holds"));
+  YAML::Node d = ServerDeployment();
+  YAML::Node c = MainContainerOf(d);
+  c["command"].push_back("/bin/sh");
+  EXPECT_THAT(CheckImageCommand(RealImageCommand(), d), HasProblemContaining("sets command"));
+}
+
+TEST(ChecksCatch, MonitoringThatDoesNotConnect) {
+  const Monitoring& m = LoadMonitoring();
+  YAML::Node sm = YAML::Clone(m.objects.at("ServiceMonitor/ropeattn"));
+  YAML::Node adapter = YAML::Clone(m.objects.at("ConfigMap/adapter-config"));
+  const YAML::Node svc = Object("Service/ropeattn-metrics");
+  YAML::Node hpa = Object("HorizontalPodAutoscaler/ropeattn");
+  const std::string src = ServerMetricsSource();
+  YAML::Node bad_sm = YAML::Clone(sm);
+  bad_sm["spec"]["endpoints"][0]["port"] = "grpc";
+  bad_sm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] = "proxy";
+  EXPECT_THAT(CheckMonitoring(bad_sm, adapter, svc, hpa, ServerDeployment(), src),
+              HasProblemContaining("does not select"));
+  EXPECT_THAT(CheckMonitoring(bad_sm, adapter, svc, hpa, ServerDeployment(), src),
+              HasProblemContaining("port 'grpc'"));
+  // A rule reading a metric the server does not write.
+  std::string cfg = adapter["data"]["config.yaml"].as<std::string>();
+  const size_t at = cfg.find("ropeattn_queue_depth");
+  ASSERT_NE(at, std::string::npos);
+  cfg.replace(at, std::string("ropeattn_queue_depth").size(), "ropeattn_queue_length");
+  YAML::Node bad_adapter = YAML::Clone(adapter);
+  bad_adapter["data"]["config.yaml"] = cfg;
+  EXPECT_THAT(CheckMonitoring(sm, bad_adapter, svc, hpa, ServerDeployment(), src),
+              HasProblemContaining("ropeattn_queue_length, which the server does not export"));
+  // An HPA metric no rule serves, then none at all.
+  YAML::Node renamed = YAML::Clone(hpa);
+  for (YAML::Node metric : renamed["spec"]["metrics"]) {
+    if (metric["type"].as<std::string>() == "Pods") metric["pods"]["metric"]["name"] = "ropeattn_busy";
+  }
+  EXPECT_THAT(CheckMonitoring(sm, adapter, svc, renamed, ServerDeployment(), src),
+              HasProblemContaining("no adapter rule serves"));
+  YAML::Node cpu_only = YAML::Clone(hpa);
+  YAML::Node kept(YAML::NodeType::Sequence);
+  for (const YAML::Node& metric : cpu_only["spec"]["metrics"]) {
+    if (metric["type"].as<std::string>() != "Pods") kept.push_back(metric);
+  }
+  cpu_only["spec"]["metrics"] = kept;
+  EXPECT_THAT(CheckMonitoring(sm, adapter, svc, cpu_only, ServerDeployment(), src),
+              HasProblemContaining("only CPU"));
 }
 
 TEST(ChecksCatch, MissingOrWrongProbes) {
