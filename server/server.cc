@@ -17,6 +17,7 @@
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
+#include "grpc/health/v1/health.pb.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/impl/server_builder_plugin.h"
@@ -214,6 +215,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
                                                      m.metrics.get(), m.models.get(),
                                                      m.budget.get(), m.authenticator.get());
   grpc::EnableDefaultHealthCheckService(true);
+  // gRPC's default health service speaks raw bytes and registers no
+  // descriptor: reflection would list grpc.health.v1.Health but could not
+  // describe it (grpcurl describe / list methods). Touching the generated
+  // descriptor puts health.proto into the pool reflection reads.
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   m.listener = *std::move(listener);
   server->port_ = m.listener->port();

@@ -23,6 +23,7 @@
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "google/protobuf/descriptor.pb.h"
 #include "reflection_wire.grpc.pb.h"
 #include "server/sessions.h"
 #include "tests/core/test_util.h"
@@ -302,9 +303,13 @@ TEST_F(SessionTest, HealthIsServingAndFollowsTheComputePath) {
   EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
 }
 
-TEST_F(SessionTest, ReflectionListsTheService) {
-  auto refl = grpc::reflection::v1alpha::ServerReflection::NewStub(TestChannel(server_->port()));
+// Reflection lists our service and health, and every listed service can be
+// described (grpcurl describe / list methods): reflection finds the file
+// that defines it.
+void ExpectEveryListedServiceDescribable(int port) {
+  auto refl = grpc::reflection::v1alpha::ServerReflection::NewStub(TestChannel(port));
   grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   auto rw = refl->ServerReflectionInfo(&ctx);
   grpc::reflection::v1alpha::ServerReflectionRequest req;
   req.set_list_services("");
@@ -315,8 +320,30 @@ TEST_F(SessionTest, ReflectionListsTheService) {
   for (const auto& s : resp.list_services_response().service()) names.push_back(s.name());
   EXPECT_THAT(names, ::testing::Contains("ropeattn.v1.AttentionService"));
   EXPECT_THAT(names, ::testing::Contains("grpc.health.v1.Health"));
+  for (const std::string& name : names) {
+    SCOPED_TRACE(name);
+    grpc::reflection::v1alpha::ServerReflectionRequest file_req;
+    file_req.set_file_containing_symbol(name);
+    ASSERT_TRUE(rw->Write(file_req));
+    grpc::reflection::v1alpha::ServerReflectionResponse file_resp;
+    ASSERT_TRUE(rw->Read(&file_resp));
+    ASSERT_TRUE(file_resp.has_file_descriptor_response()) << file_resp.DebugString();
+    bool defines = false;
+    for (const std::string& bytes : file_resp.file_descriptor_response().file_descriptor_proto()) {
+      google::protobuf::FileDescriptorProto file;
+      ASSERT_TRUE(file.ParseFromString(bytes));
+      for (const auto& service : file.service()) {
+        defines |= file.package() + "." + service.name() == name;
+      }
+    }
+    EXPECT_TRUE(defines) << "no file descriptor defines " << name;
+  }
   rw->WritesDone();
   EXPECT_TRUE(rw->Finish().ok());
+}
+
+TEST_F(SessionTest, ReflectionListsAndDescribesEveryService) {
+  ExpectEveryListedServiceDescribable(server_->port());
 }
 
 TEST_F(SessionTest, ServerInfoReportsLimits) {
@@ -1059,6 +1086,9 @@ TEST(ServerProcessTest, SigtermDrainsAndExits) {
     ASSERT_TRUE(health->Check(&ctx, {}, &resp).ok());
     EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
   }
+  // The binary itself (not this test's process, which links the health
+  // proto anyway) answers reflection for every service it lists.
+  ExpectEveryListedServiceDescribable(port);
   const auto start = std::chrono::steady_clock::now();
   ASSERT_EQ(kill(pid, SIGTERM), 0);
   int status = 0;
