@@ -128,7 +128,11 @@ v1::DType DTypeToProto(DType dtype) {
 
 absl::StatusOr<WireShape> ParseWireShape(const v1::Tensor& tensor, absl::string_view name) {
   WireShape w;
-  RA_ASSIGN_OR_RETURN(w.dtype, DTypeFromProto(tensor.dtype(), absl::StrCat(name, ".dtype")));
+  if (tensor.f32_values_size() > 0 && tensor.dtype() == v1::DTYPE_UNSPECIFIED) {
+    w.dtype = DType::kF32;  // typed values say their dtype
+  } else {
+    RA_ASSIGN_OR_RETURN(w.dtype, DTypeFromProto(tensor.dtype(), absl::StrCat(name, ".dtype")));
+  }
   if (tensor.shape_size() > kMaxWireRank) {
     // Checked before formatting the shape: a million dims would make a
     // million-entry error message.
@@ -146,6 +150,28 @@ absl::StatusOr<WireShape> ParseWireShape(const v1::Tensor& tensor, absl::string_
   if (!n.ok()) return Annotate(n.status(), absl::StrCat(name, ".shape"));
   // n <= 2^60, so the byte count (at most 4 bytes each) fits in int64.
   const int64_t want = *n * static_cast<int64_t>(DTypeSize(w.dtype));
+  if (tensor.f32_values_size() > 0) {
+    // Typed values instead of bytes (hand-written JSON requests).
+    if (!tensor.data().empty()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s sets both data (%d bytes) and f32_values (%d values); give one", name,
+          tensor.data().size(), tensor.f32_values_size()));
+    }
+    if (w.dtype != DType::kF32) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s.f32_values needs dtype DTYPE_F32 (or unset), got %s", name,
+                          DTypeName(w.dtype)));
+    }
+    if (tensor.f32_values_size() != *n) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s.f32_values has %d values, shape %s needs %d", name, tensor.f32_values_size(),
+          DimsToString(dims), *n));
+    }
+    w.dims.assign(dims.begin(), dims.end());
+    w.elements = *n;
+    w.bytes = want;
+    return w;
+  }
   const int64_t have = static_cast<int64_t>(tensor.data().size());
   if (have != want) {
     return absl::InvalidArgumentError(
@@ -161,14 +187,20 @@ absl::StatusOr<WireShape> ParseWireShape(const v1::Tensor& tensor, absl::string_
 absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& tensor, absl::string_view name) {
   RA_ASSIGN_OR_RETURN(const WireShape w, ParseWireShape(tensor, name));
   RA_ASSIGN_OR_RETURN(Tensor out, Tensor::Create(w.dtype, w.dims));
-  if (w.bytes > 0) std::memcpy(out.data<char>(), tensor.data().data(), static_cast<size_t>(w.bytes));
+  const char* src = tensor.f32_values_size() > 0
+                        ? reinterpret_cast<const char*>(tensor.f32_values().data())
+                        : tensor.data().data();
+  if (w.bytes > 0) std::memcpy(out.data<char>(), src, static_cast<size_t>(w.bytes));
   return out;
 }
 
 absl::StatusOr<ConstTensorView> ViewOfWireTensor(const v1::Tensor& tensor, absl::string_view name,
                                                  Tensor* copy) {
   RA_ASSIGN_OR_RETURN(const WireShape w, ParseWireShape(tensor, name));
-  const char* data = tensor.data().data();
+  // Typed values are a float array already: viewed in place too.
+  const char* data = tensor.f32_values_size() > 0
+                         ? reinterpret_cast<const char*>(tensor.f32_values().data())
+                         : tensor.data().data();
   if (reinterpret_cast<uintptr_t>(data) % DTypeSize(w.dtype) == 0) {
     return ConstTensorView(data, w.dtype, w.dims);
   }

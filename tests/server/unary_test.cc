@@ -1035,6 +1035,34 @@ absl::Status AttendStatus(const v1::AttendRequest& request) {
 
 TEST(BadInputTest, TheGoodRequestIsGood) { EXPECT_TRUE(AttendStatus(GoodAttend()).ok()); }
 
+// Typed values (grpcurl JSON) instead of bytes: the same answer, and named
+// errors for mixing, counts and dtype.
+TEST(BadInputTest, TypedValuesInsteadOfBytes) {
+  const v1::AttendRequest good = GoodAttend();
+  v1::AttendRequest typed = good;
+  for (v1::Tensor* t : {typed.mutable_q(), typed.mutable_k(), typed.mutable_v()}) {
+    std::vector<float> values(t->data().size() / sizeof(float));
+    std::memcpy(values.data(), t->data().data(), t->data().size());
+    t->clear_data();
+    for (float x : values) t->add_f32_values(x);
+  }
+  v1::AttendResponse a, b;
+  ASSERT_TRUE(RunAttend(good, &a, ComputeOptions{kThreads}).ok());
+  const absl::Status st_typed = RunAttend(typed, &b, ComputeOptions{kThreads});
+  ASSERT_TRUE(st_typed.ok()) << st_typed;
+  EXPECT_EQ(a.out().data(), b.out().data());
+
+  v1::AttendRequest both = typed;
+  both.mutable_q()->set_data(good.q().data());
+  EXPECT_THAT(AttendStatus(both).message(), HasSubstr("q sets both data"));
+  v1::AttendRequest short_values = typed;
+  short_values.mutable_k()->mutable_f32_values()->RemoveLast();
+  EXPECT_THAT(AttendStatus(short_values).message(), HasSubstr("k.f32_values has"));
+  v1::AttendRequest bf16 = typed;
+  bf16.mutable_v()->set_dtype(v1::DTYPE_BF16);
+  EXPECT_THAT(AttendStatus(bf16).message(), HasSubstr("v.f32_values needs dtype"));
+}
+
 TEST(BadInputTest, ExplicitPositionsNameTheFieldAndIndex) {
   const v1::AttendRequest good = GoodAttend();
   const int64_t batch = good.q().shape(0), sq = good.q().shape(1), sk = good.k().shape(1);
