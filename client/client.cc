@@ -18,6 +18,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/match.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -273,8 +275,39 @@ const char* HealthStatusName(HealthStatus status) {
   return "UNKNOWN";
 }
 
+namespace {
+
+// A target gRPC can dial, with a hint for the usual mistakes (a URL, no
+// port) instead of the resolver's later, rawer error.
+absl::Status CheckTarget(absl::string_view target, absl::string_view field) {
+  for (absl::string_view url : {"http://", "https://", "grpc://", "grpcs://"}) {
+    if (absl::StartsWith(target, url)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " \"", target, "\" is a URL; give host:port (e.g. 127.0.0.1:50051), and ",
+          "--tls_ca_file (TLS) instead of https://"));
+    }
+  }
+  // gRPC's own schemes (dns:, unix:, ipv4:, ...) are passed through.
+  for (absl::string_view scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:"}) {
+    if (absl::StartsWith(target, scheme)) return absl::OkStatus();
+  }
+  const size_t colon = target.rfind(':');
+  const bool bracketed_v6_without_port = absl::StartsWith(target, "[") && absl::EndsWith(target, "]");
+  if (colon == absl::string_view::npos || colon + 1 == target.size() || bracketed_v6_without_port) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " \"", target,
+                                                   "\" has no port; give host:port, e.g. ",
+                                                   absl::StripSuffix(target, ":"), ":50051"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (options.target.empty()) return absl::InvalidArgumentError("target must not be empty");
+  if (options.targets.empty()) {
+    if (absl::Status s = CheckTarget(options.target, "target"); !s.ok()) return s;
+  }
   if (options.deadline <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("deadline must be positive, got ", absl::FormatDuration(options.deadline)));
@@ -294,6 +327,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   for (size_t i = 0; i < options.targets.size(); ++i) {
     if (options.targets[i].empty()) {
       return absl::InvalidArgumentError(absl::StrCat("targets[", i, "] must not be empty"));
+    }
+    if (absl::Status s = CheckTarget(options.targets[i], absl::StrCat("targets[", i, "]"));
+        !s.ok()) {
+      return s;
     }
     for (size_t j = 0; j < i; ++j) {
       if (options.targets[j] == options.targets[i]) {

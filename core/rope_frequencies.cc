@@ -186,7 +186,7 @@ absl::Status ValidateLongRope(const RopeConfig& c, int64_t d) {
   if (!s.attention_factor.has_value() && LongRopeExtension(s) > 1.0 &&
       s.original_max_positions < 2) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "longrope needs original_max_positions >= 2 to derive its attention factor, got %d",
+        "longrope needs original_max_position_embeddings >= 2 to derive its attention factor, got %d",
         s.original_max_positions));
   }
   return absl::OkStatus();
@@ -407,7 +407,7 @@ absl::Status ValidateRopeConfig(const RopeConfig& config) {
   }
   if (rule.needs_original && s.original_max_positions <= 0) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("scaling.original_max_positions must be > 0 for %s, got %d", rule.name,
+        absl::StrFormat("scaling.original_max_position_embeddings must be > 0 for %s, got %d", rule.name,
                         s.original_max_positions));
   }
   return rule.validate(config, d);

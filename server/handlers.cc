@@ -65,10 +65,18 @@ absl::Status CheckAttendShapes(const ResolvedSpec& spec, const WireShape& q, con
                           DimsToString(t->dims)));
     }
   }
+  // A [B, H, S, D] tensor (the transformers layout) shows as heads in dim 1.
+  const auto layout_hint = [](const WireShape& t, int64_t heads) -> std::string {
+    if (t.dim(1) != heads || t.dim(2) == heads) return "";
+    return absl::StrFormat(
+        "; it looks like [batch, heads, seq, dim] (the transformers layout): this API takes "
+        "[batch, seq, heads, dim], i.e. %s (transpose dims 1 and 2)",
+        DimsToString({t.dim(0), t.dim(2), t.dim(1), t.dim(3)}));
+  };
   if (q.dim(2) != spec.heads) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("q has %d heads (shape %s) but spec.heads is %d", q.dim(2),
-                        DimsToString(q.dims), spec.heads));
+        absl::StrFormat("q has %d heads (shape %s) but spec.heads is %d%s", q.dim(2),
+                        DimsToString(q.dims), spec.heads, layout_hint(q, spec.heads)));
   }
   if (q.dim(3) != spec.head_dim) {
     return absl::InvalidArgumentError(
@@ -83,8 +91,8 @@ absl::Status CheckAttendShapes(const ResolvedSpec& spec, const WireShape& q, con
     }
     if (t->dim(2) != spec.kv_heads) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "%s has %d kv heads (shape %s) but spec.kv_heads is %d (0 means spec.heads)", name,
-          t->dim(2), DimsToString(t->dims), spec.kv_heads));
+          "%s has %d kv heads (shape %s) but spec.kv_heads is %d (0 means spec.heads)%s", name,
+          t->dim(2), DimsToString(t->dims), spec.kv_heads, layout_hint(*t, spec.kv_heads)));
     }
   }
   if (k.dim(3) != spec.head_dim) {

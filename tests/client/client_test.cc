@@ -1173,5 +1173,34 @@ TEST_F(ClientTest, LayerModeDecodeTokenByTokenMatchesOneShotAttend) {
   EXPECT_TRUE((*session)->Close().ok());
 }
 
+
+// A target the resolver would choke on later gets a hint at once.
+TEST(ClientOptionsTest, TargetsWithoutPortOrAsUrlsGetAHint) {
+  const std::pair<const char*, const char*> bad[] = {
+      {"127.0.0.1", "has no port; give host:port, e.g. 127.0.0.1:50051"},
+      {"localhost:", "has no port"},
+      {"[::1]", "has no port"},
+      {"http://127.0.0.1:50051", "is a URL; give host:port"},
+      {"https://ropeattn.example.com", "--tls_ca_file"},
+  };
+  for (const auto& [target, says] : bad) {
+    ClientOptions o;
+    o.target = target;
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+    ASSERT_FALSE(c.ok()) << target;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << target;
+    EXPECT_THAT(c.status().message(), HasSubstr(says)) << target;
+  }
+  for (const char* good : {"127.0.0.1:50051", "[::1]:50051", "dns:///ropeattn:50051",
+                           "unix:/tmp/ropeattn.sock"}) {
+    ClientOptions o;
+    o.target = good;
+    EXPECT_TRUE(Client::Connect(o).ok()) << good;
+  }
+  ClientOptions many;
+  many.targets = {"127.0.0.1:50051", "10.0.0.2"};
+  EXPECT_THAT(Client::Connect(many).status().message(), HasSubstr("targets[1] \"10.0.0.2\" has no port"));
+}
+
 }  // namespace
 }  // namespace ropeattn::client

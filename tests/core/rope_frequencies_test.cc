@@ -537,9 +537,9 @@ std::vector<BadConfigCase> BadConfigs() {
     c.rotary_dim = 2;
     c.scaling.type = RopeScalingType::kNtk;
   });
-  add("dynamic without L0", "scaling.original_max_positions must be > 0 for dynamic, got 0",
+  add("dynamic without L0", "scaling.original_max_position_embeddings must be > 0 for dynamic, got 0",
       [](RopeConfig& c) { c.scaling.type = RopeScalingType::kDynamicNtk; });
-  add("llama3 without L0", "original_max_positions must be > 0 for llama3",
+  add("llama3 without L0", "original_max_position_embeddings must be > 0 for llama3",
       [](RopeConfig& c) { c.scaling.type = RopeScalingType::kLlama3; });
   add("yarn beta order", "beta_fast must be > beta_slow, got beta_fast 1, beta_slow 32",
       [](RopeConfig& c) {
@@ -581,7 +581,7 @@ std::vector<BadConfigCase> BadConfigs() {
     longrope(c);
     c.scaling.factor = 0.0;
   });
-  add("longrope L0 1", "longrope needs original_max_positions >= 2", [&](RopeConfig& c) {
+  add("longrope L0 1", "longrope needs original_max_position_embeddings >= 2", [&](RopeConfig& c) {
     longrope(c);
     c.scaling.original_max_positions = 1;
   });

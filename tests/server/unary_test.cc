@@ -1037,6 +1037,22 @@ TEST(BadInputTest, TheGoodRequestIsGood) { EXPECT_TRUE(AttendStatus(GoodAttend()
 
 // Typed values (grpcurl JSON) instead of bytes: the same answer, and named
 // errors for mixing, counts and dtype.
+// A [B, H, S, D] tensor (the transformers layout) is refused naming both
+// shapes: what it got and what it should send.
+TEST(BadInputTest, TheTransformersLayoutIsNamed) {
+  v1::AttendRequest r = GoodAttend();  // q [2, 3, 4, 8], k/v [2, 5, 2, *]
+  *r.mutable_q() = Wire(RandomTensor(DType::kF32, {2, 4, 3, 8}, 21));
+  absl::Status st = AttendStatus(r);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("shape [2, 4, 3, 8]"));
+  EXPECT_THAT(st.message(), HasSubstr("i.e. [2, 3, 4, 8]"));
+  r = GoodAttend();
+  *r.mutable_k() = Wire(RandomTensor(DType::kF32, {2, 2, 5, 8}, 22));
+  st = AttendStatus(r);
+  EXPECT_THAT(st.message(), HasSubstr("transformers layout"));
+  EXPECT_THAT(st.message(), HasSubstr("[2, 5, 2, 8]"));
+}
+
 TEST(BadInputTest, TypedValuesInsteadOfBytes) {
   const v1::AttendRequest good = GoodAttend();
   v1::AttendRequest typed = good;
@@ -1193,7 +1209,7 @@ TEST(BadInputTest, BadRopeScalingParameters) {
   s->clear_high_freq_factor();
   s->set_rope_type("yarn");
   s->clear_original_max_position_embeddings();
-  EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "original_max_positions");
+  EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "original_max_position_embeddings");
 }
 
 // A parameter the rule would not read is refused, naming the field and the
