@@ -12,6 +12,8 @@ PACKAGES=(
   # TLS: the server checks that a certificate and its key belong together
   # (libcrypto); tests make their certificates with the openssl command.
   libssl-dev openssl
+  # The Python client (client/python) and its test: grpcio, protobuf, numpy.
+  python3 python3-grpcio python3-protobuf python3-numpy python3-venv
   # Fuzzing (scripts/fuzz.sh): clang, its libFuzzer / ASan / UBSan runtimes,
   # and its OpenMP runtime.
   clang-14 libclang-rt-14-dev libomp-14-dev

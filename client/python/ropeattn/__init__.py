@@ -1,0 +1,225 @@
+"""Python client of the ropeattn server: numpy arrays in and out.
+
+    import numpy as np, ropeattn
+    c = ropeattn.Client("127.0.0.1:50051")
+    y = c.rope_apply(np.ones((1, 4, 2, 8), np.float32), rope={"theta": 10000})
+
+Tensors are numpy arrays in the API's layout ([batch, seq, heads, dim]);
+f32 by default, bf16 on request (`dtype="bf16"`: rounded to nearest even,
+answers widened to float32). Errors are grpc.RpcError with the server's
+code and message. The stubs (ropeattn/v1/*_pb2*.py) are generated from
+proto/ when the package is built (setup.py) or by CMake for the tests.
+"""
+
+import queue
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from ropeattn.v1 import attention_pb2 as pb
+from ropeattn.v1 import attention_pb2_grpc as pb_grpc
+
+__all__ = ["Client", "Session", "StepError", "to_tensor", "from_tensor"]
+
+
+class StepError(Exception):
+    """An operation inside a Decode stream failed (the session is unchanged
+    and the stream goes on): `code` is a grpc.StatusCode, `message` the
+    server's."""
+
+    def __init__(self, code, message):
+        super().__init__("%s: %s" % (code.name, message))
+        self.code = code
+        self.message = message
+
+_DTYPES = {"f32": pb.DTYPE_F32, "bf16": pb.DTYPE_BF16}
+
+
+def to_tensor(array, dtype="f32"):
+    """A wire Tensor from a numpy array (f32, or bf16 rounded to nearest even)."""
+    a = np.ascontiguousarray(array, dtype=np.float32)
+    t = pb.Tensor(dtype=_DTYPES[dtype], shape=list(a.shape))
+    if dtype == "bf16":
+        bits = a.view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        t.data = rounded.astype("<u2").tobytes()
+    else:
+        t.data = a.astype("<f4").tobytes()
+    return t
+
+
+def from_tensor(t):
+    """A float32 numpy array from a wire Tensor (bf16 widened exactly)."""
+    shape = tuple(t.shape)
+    if t.f32_values:
+        return np.asarray(t.f32_values, dtype=np.float32).reshape(shape)
+    if t.dtype == pb.DTYPE_BF16:
+        half = np.frombuffer(t.data, dtype="<u2").astype(np.uint32) << 16
+        return half.view(np.float32).reshape(shape)
+    return np.frombuffer(t.data, dtype="<f4").astype(np.float32).reshape(shape)
+
+
+def _rope_spec(rope):
+    if rope is None:
+        return None
+    if isinstance(rope, pb.RopeSpec):
+        return rope
+    return json_format.ParseDict(rope, pb.RopeSpec())
+
+
+class Client:
+    """A connection to one server. `tls_ca_file` (and for mutual TLS
+    `tls_cert_file`, `tls_key_file`) turn TLS on; `token` is sent as a bearer
+    token on every call. Message limits follow the server's GetServerInfo."""
+
+    def __init__(self, target, tls_ca_file=None, tls_cert_file=None, tls_key_file=None,
+                 token=None, timeout=30.0):
+        self._target = target
+        self._timeout = timeout
+        self._metadata = (("authorization", "Bearer " + token),) if token else ()
+        self._credentials = None
+        if tls_ca_file or tls_cert_file or tls_key_file:
+            read = lambda p: open(p, "rb").read() if p else None
+            self._credentials = grpc.ssl_channel_credentials(
+                read(tls_ca_file), read(tls_key_file), read(tls_cert_file))
+        self._connect(4 << 20)
+        limit = int(self.info().max_message_bytes) or (256 << 20)
+        self._channel.close()
+        self._connect(limit)
+
+    def _connect(self, limit):
+        options = [("grpc.max_receive_message_length", limit),
+                   ("grpc.max_send_message_length", limit)]
+        if self._credentials is not None:
+            self._channel = grpc.secure_channel(self._target, self._credentials, options)
+        else:
+            self._channel = grpc.insecure_channel(self._target, options)
+        self._stub = pb_grpc.AttentionServiceStub(self._channel)
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, method, request):
+        return method(request, timeout=self._timeout, metadata=self._metadata)
+
+    def info(self):
+        return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest())
+
+    def health(self):
+        """True when the server's health service says SERVING."""
+        check = self._channel.unary_unary(
+            "/grpc.health.v1.Health/Check", request_serializer=lambda b: b,
+            response_deserializer=lambda b: b)
+        return check(b"", timeout=self._timeout) == b"\x08\x01"
+
+    def attend(self, q, k, v, *, kv_heads=0, causal=False, window=0, softcap=0.0, scale=0.0,
+               rope=None, alibi=False, q_offsets=None, key_lengths=None, dtype="f32",
+               out_dtype="f32"):
+        """Attention of q [B, Sq, H, D] over k, v [B, Sk, Hkv, D]: out [B, Sq, H, Dv]."""
+        spec = pb.AttentionSpec(heads=q.shape[2], kv_heads=kv_heads or k.shape[2],
+                                head_dim=q.shape[3], causal=causal, window=window,
+                                softcap=softcap, scale=scale)
+        if rope is not None:
+            spec.rope.CopyFrom(_rope_spec(rope))
+        if alibi:
+            spec.alibi.SetInParent()
+        request = pb.AttendRequest(spec=spec, q=to_tensor(q, dtype), k=to_tensor(k, dtype),
+                                   v=to_tensor(v, dtype), q_offsets=q_offsets or [],
+                                   key_lengths=key_lengths or [], out_dtype=_DTYPES[out_dtype])
+        return from_tensor(self._call(self._stub.Attend, request).out)
+
+    def rope_apply(self, x, *, rope=None, positions=None, offsets=None, inverse=False,
+                   dtype="f32"):
+        """x [B, S, H, D] rotated by RoPE (the default rule, theta 10000, when
+        `rope` is None) at 0..S-1, per-row `offsets` or per-token `positions`."""
+        op = pb.EncodeRequest.RopeApply(rope=_rope_spec(rope or {}), x=to_tensor(x, dtype),
+                                        positions=positions or [], offsets=offsets or [],
+                                        inverse=inverse)
+        return from_tensor(self._call(self._stub.Encode, pb.EncodeRequest(rope_apply=op)).x)
+
+    def embed(self, model, token_ids):
+        """Embeddings [B, S, hidden] of a served model for ids [B, S] (or [S])."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        request = pb.EmbedRequest(model=model, token_ids=ids.reshape(-1).tolist(),
+                                  shape=list(ids.shape) if ids.ndim == 2 else [])
+        return from_tensor(self._call(self._stub.Embed, request).embeddings)
+
+    def session(self, *, heads, head_dim, kv_heads=0, max_context=0, rope=None, alibi=False,
+                window=0, kv_dtype="f32", start_position=0):
+        """A decoding session (a context manager): step, truncate, fork,
+        export_kv, close."""
+        spec = pb.AttentionSpec(heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window)
+        if rope is not None:
+            spec.rope.CopyFrom(_rope_spec(rope))
+        if alibi:
+            spec.alibi.SetInParent()
+        return Session(self, pb.OpenSession(spec=spec, max_context=max_context,
+                                            kv_dtype=_DTYPES[kv_dtype],
+                                            start_position=start_position))
+
+
+class Session:
+    """One Decode stream holding one session. Answers come in order; an
+    in-band error raises StepError and leaves the session usable; a failed
+    open or a lost stream raises grpc.RpcError."""
+
+    def __init__(self, client, open_request):
+        self._requests = queue.Queue()
+        self._responses = client._stub.Decode(iter(self._requests.get, None),
+                                               metadata=client._metadata)
+        self._seq = 0
+        self.info = self._send(pb.DecodeRequest(open=open_request), "opened")
+
+    def _send(self, request, expect):
+        self._requests.put(request)
+        response = next(self._responses)
+        if response.WhichOneof("msg") == "error":
+            code = next((c for c in grpc.StatusCode if c.value[0] == response.error.code),
+                        grpc.StatusCode.UNKNOWN)
+            raise StepError(code, response.error.message)
+        return getattr(response, expect)
+
+    def _next_seq(self):
+        self._seq += 1
+        return self._seq
+
+    def step(self, q, k, v, dtype="f32"):
+        """Appends tokens q [1, T, H, D], k, v [1, T, Hkv, D]: out [1, T, H, Dv]."""
+        step = pb.Step(seq=self._next_seq(), q=to_tensor(q, dtype), k=to_tensor(k, dtype),
+                       v=to_tensor(v, dtype))
+        return from_tensor(self._send(pb.DecodeRequest(step=step), "step").out)
+
+    def truncate(self, position):
+        return self._send(pb.DecodeRequest(
+            truncate=pb.Truncate(seq=self._next_seq(), position=position)), "truncated")
+
+    def fork(self):
+        return self._send(pb.DecodeRequest(fork=pb.Fork(seq=self._next_seq())), "forked")
+
+    def export_kv(self):
+        """(keys, values) as float32 arrays [1, T, Hkv, D], keys rotated."""
+        e = self._send(pb.DecodeRequest(export_kv=pb.ExportKv(seq=self._next_seq())), "exported")
+        return from_tensor(e.k), from_tensor(e.v)
+
+    def close(self):
+        if self._requests is None:
+            return None
+        info = self._send(pb.DecodeRequest(close=pb.Close(seq=self._next_seq())), "closed")
+        self._requests.put(None)
+        for _ in self._responses:
+            pass
+        self._requests = None
+        return info
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,152 @@
+"""The Python client (client/python) against a real server: numpy in and out
+(bf16 included), Attend, Encode, Embed, a decode session, message limits
+from GetServerInfo, in-band errors, and the README's example script.
+Numerics against plain numpy fp64 references; tolerances stated per check.
+Run by ctest with PYTHONPATH at the generated package and ROPEATTN_SERVER at
+the server binary."""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import grpc
+import numpy as np
+
+import ropeattn
+
+SERVER = os.environ["ROPEATTN_SERVER"]
+EXAMPLE = os.environ["ROPEATTN_EXAMPLE"]
+
+
+def rel_err(got, want):
+    return np.linalg.norm(np.asarray(got, np.float64) - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def ref_rope(x, positions, theta=10000.0):
+    """Half-split RoPE in fp64: x [B, S, H, D], positions [S]."""
+    d = x.shape[-1]
+    inv = theta ** (-np.arange(0, d // 2, dtype=np.float64) * 2.0 / d)
+    ang = np.asarray(positions, np.float64)[:, None] * inv[None, :]  # [S, d/2]
+    cos, sin = np.cos(ang)[None, :, None, :], np.sin(ang)[None, :, None, :]
+    a, b = x[..., : d // 2].astype(np.float64), x[..., d // 2 :].astype(np.float64)
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+def ref_attention(q, k, v, causal, q_offset):
+    """Softmax attention in fp64: q [1, Sq, H, D], k/v [1, Sk, Hkv, *]."""
+    _, sq, h, d = q.shape
+    hkv = k.shape[2]
+    out = np.zeros((1, sq, h, v.shape[3]))
+    for head in range(h):
+        g = head // (h // hkv)
+        s = (q[0, :, head, :].astype(np.float64) @ k[0, :, g, :].T.astype(np.float64)) / np.sqrt(d)
+        if causal:
+            for i in range(sq):
+                s[i, q_offset + i + 1 :] = -np.inf
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        out[0, :, head, :] = p @ v[0, :, g, :].astype(np.float64)
+    return out
+
+
+class PythonClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.proc = subprocess.Popen([SERVER, "--address=127.0.0.1:0", "--metrics_address="],
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = cls.proc.stdout.readline()
+        port = line.split("(port ")[1].split(")")[0]
+        cls.target = "127.0.0.1:" + port
+        cls.client = ropeattn.Client(cls.target)
+        cls.rng = np.random.default_rng(7)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.proc.terminate()
+        cls.proc.wait(timeout=30)
+
+    def test_health_and_limits_from_server_info(self):
+        self.assertTrue(self.client.health())
+        info = self.client.info()
+        self.assertGreater(info.max_message_bytes, 8 << 20)
+        # An 8 MiB answer (grpcio's stock receive limit is 4 MiB): the
+        # client took its limit from GetServerInfo.
+        q = np.ones((1, 2048, 8, 128), np.float32)
+        k = np.ones((1, 1, 8, 128), np.float32)
+        out = self.client.attend(q, k, k)
+        self.assertEqual(out.shape, (1, 2048, 8, 128))
+        self.assertTrue(np.allclose(out, 1.0))
+
+    def test_rope_apply_matches_fp64(self):  # 1e-5 relative, f32
+        x = self.rng.standard_normal((1, 9, 4, 32), dtype=np.float32)
+        y = self.client.rope_apply(x, offsets=[1000])
+        self.assertLess(rel_err(y, ref_rope(x, np.arange(1000, 1009))), 1e-5)
+        back = self.client.rope_apply(y, offsets=[1000], inverse=True)
+        self.assertLess(rel_err(back, x), 1e-5)
+
+    def test_attend_f32_and_bf16(self):
+        q = self.rng.standard_normal((1, 5, 4, 16), dtype=np.float32)
+        k = self.rng.standard_normal((1, 7, 2, 16), dtype=np.float32)
+        v = self.rng.standard_normal((1, 7, 2, 16), dtype=np.float32)
+        want = ref_attention(q, k, v, causal=True, q_offset=2)
+        got = self.client.attend(q, k, v, causal=True)
+        self.assertLess(rel_err(got, want), 1e-5)  # f32: 1e-5
+        got16 = self.client.attend(q, k, v, causal=True, dtype="bf16", out_dtype="bf16")
+        self.assertEqual(got16.dtype, np.float32)
+        self.assertLess(rel_err(got16, want), 1e-2)  # bf16: 1e-2
+        self.assertGreater(rel_err(got16, want), 0)  # really rounded
+
+    def test_bf16_conversion_rounds_to_nearest_even(self):
+        x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38], np.float32)
+        t = ropeattn.to_tensor(x, "bf16")
+        back = ropeattn.from_tensor(t)
+        self.assertEqual(back.tolist(), [1.0, 1.0, 1.015625, -2.5, back[4]])
+        self.assertTrue(np.isfinite(back[4]))
+
+    def test_embed(self):
+        e = self.client.embed("demo", [[1, 2, 3]])
+        self.assertEqual(e.shape, (1, 3, 128))
+
+    def test_session_steps_match_attention_over_the_prefix(self):  # 1e-5
+        q = self.rng.standard_normal((1, 6, 4, 16), dtype=np.float32)
+        k = self.rng.standard_normal((1, 6, 2, 16), dtype=np.float32)
+        v = self.rng.standard_normal((1, 6, 2, 16), dtype=np.float32)
+        with self.client.session(heads=4, kv_heads=2, head_dim=16, max_context=16) as s:
+            self.assertEqual(s.info.max_context, 16)
+            for t in range(6):
+                out = s.step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
+                want = ref_attention(q[:, t : t + 1], k[:, : t + 1], v[:, : t + 1], True, t)
+                self.assertLess(rel_err(out, want), 1e-5)
+            keys, values = s.export_kv()
+            self.assertEqual(keys.shape, (1, 6, 2, 16))
+            self.assertTrue(np.array_equal(values, v))
+            with self.assertRaises(ropeattn.StepError) as e:
+                s.step(q[:, :1], k[:, :1, :1], v[:, :1])  # one kv head short
+            self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("step.k", e.exception.message)
+            self.assertEqual(s.truncate(3).position, 3)  # the session went on
+
+    def test_errors_are_the_servers(self):
+        with self.assertRaises(grpc.RpcError) as e:
+            self.client.embed("no-such-model", [1])
+        self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+
+    def test_readme_example_runs(self):
+        # Run from elsewhere, as a user's script would be (beside the source
+        # package, Python would import that copy, which has no stubs).
+        with tempfile.TemporaryDirectory() as d:
+            script = os.path.join(d, "example.py")
+            shutil.copy(EXAMPLE, script)
+            out = subprocess.run([sys.executable, script, self.target], capture_output=True,
+                                 text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("norms kept: True", out.stdout)
+        self.assertIn("decode: 10 steps, last output (1, 1, 8, 64)", out.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
