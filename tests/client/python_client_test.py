@@ -141,8 +141,12 @@ class PythonClientTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             script = os.path.join(d, "example.py")
             shutil.copy(EXAMPLE, script)
-            out = subprocess.run([sys.executable, script, self.target], capture_output=True,
-                                 text=True, timeout=60)
+            try:
+                out = subprocess.run([sys.executable, script, self.target], capture_output=True,
+                                     text=True, timeout=120)
+            except subprocess.TimeoutExpired as e:
+                self.fail("the example did not finish in 120 s; stdout %r, stderr %r"
+                          % (e.stdout, e.stderr))
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn("norms kept: True", out.stdout)
         self.assertIn("decode: 10 steps, last output (1, 1, 8, 64)", out.stdout)

@@ -12,6 +12,7 @@ proto/ when the package is built (setup.py) or by CMake for the tests.
 """
 
 import queue
+import threading
 
 import grpc
 import numpy as np
@@ -171,6 +172,7 @@ class Session:
     open or a lost stream raises grpc.RpcError."""
 
     def __init__(self, client, open_request):
+        self._timeout = client._timeout
         self._requests = queue.Queue()
         self._responses = client._stub.Decode(iter(self._requests.get, None),
                                                metadata=client._metadata)
@@ -178,8 +180,15 @@ class Session:
         self.info = self._send(pb.DecodeRequest(open=open_request), "opened")
 
     def _send(self, request, expect):
-        self._requests.put(request)
-        response = next(self._responses)
+        # Each operation has the client's timeout: past it the stream is
+        # cancelled (grpc.RpcError CANCELLED), as the C++ client does.
+        timer = threading.Timer(self._timeout, self._responses.cancel)
+        timer.start()
+        try:
+            self._requests.put(request)
+            response = next(self._responses)
+        finally:
+            timer.cancel()
         if response.WhichOneof("msg") == "error":
             code = next((c for c in grpc.StatusCode if c.value[0] == response.error.code),
                         grpc.StatusCode.UNKNOWN)
