@@ -26,12 +26,13 @@ FROM debian:bookworm-slim
 # Exactly the shared libraries the two binaries link (checked with ldd):
 # gRPC C++ / core, Protobuf, Abseil, oneDNN (+ its OpenCL loader dependency),
 # the GNU OpenMP runtime, libmicrohttpd (/metrics), OpenSSL's libcrypto (the
-# server checks that a TLS certificate and its key belong together) and the
-# C++ runtime.
+# server checks that a TLS certificate and its key belong together), spdlog
+# and fmt (the JSON-lines log) and the C++ runtime.
 RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
         libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 \
-        libdnnl2 ocl-icd-libopencl1 libgomp1 libmicrohttpd12 libssl3 libstdc++6 \
+        libdnnl2 ocl-icd-libopencl1 libgomp1 libmicrohttpd12 libssl3 libspdlog1.10 libfmt9 \
+        libstdc++6 \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /var/log/apt /var/log/dpkg.log \
  && groupadd --gid 10001 ropeattn \
  && useradd --uid 10001 --gid 10001 --home-dir /nonexistent \

@@ -291,7 +291,7 @@ bah run --isolation chroot "$srv" -- "${ENTRYPOINT[@]}" "${ARGS[@]}" >"$log" 2>&
 SERVER_PID=$!
 line=""
 for _ in $(seq 1 120); do
-  line="$(grep -m1 '^ropeattn-server listening on' "$log" || true)"
+  line="$(grep -m1 '"event":"listening"' "$log" || true)"
   [ -n "$line" ] && break
   kill -0 "$SERVER_PID" 2>/dev/null || { cat "$log" >&2; die "ropeattn-server exited at start"; }
   sleep 0.5
@@ -362,7 +362,7 @@ for _ in $(seq 1 40); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; 
 if kill -0 "$SERVER_PID" 2>/dev/null; then die "server did not stop within 20 s of SIGTERM"; fi
 wait "$SERVER_PID" || die "server exited non-zero after SIGTERM: $(tail -n 3 "$log")"
 SERVER_PID=""
-grep -q 'ropeattn-server: stopped' "$log" || die "server log has no clean 'stopped' line: $(tail -n 3 "$log")"
+grep -q '"event":"stopped"' "$log" || die "server log has no clean 'stopped' line: $(tail -n 3 "$log")"
 echo "build-image: SIGTERM -> $(tail -n 1 "$log")"
 rm -f "$log"
 timed smoke "$t"

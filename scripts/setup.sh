@@ -9,6 +9,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libmicrohttpd-dev nlohmann-json3-dev libyaml-cpp-dev
+  # The server's structured log (JSON lines): spdlog, with fmt.
+  libspdlog-dev libfmt-dev
   # TLS: the server checks that a certificate and its key belong together
   # (libcrypto); tests make their certificates with the openssl command.
   libssl-dev openssl

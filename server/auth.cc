@@ -19,6 +19,7 @@
 #include "absl/strings/strip.h"
 #include "grpcpp/security/tls_certificate_provider.h"
 #include "grpcpp/security/tls_credentials_options.h"
+#include "server/log.h"
 #include "server/metrics.h"
 
 namespace ropeattn::server {
@@ -261,13 +262,13 @@ absl::Status Authenticator::ReloadIfChanged() {
   absl::MutexLock lock(&mu_);
   file_identity_ = identity;  // a broken file is reported once, not every interval
   if (!parsed.ok()) {
-    std::fprintf(stderr, "ropeattn-server: keeping the previous tokens: %s\n",
-                 std::string(parsed.status().message()).c_str());
+    LogEvent(LogLevel::kError, "tokens_reload_failed",
+             {{"file", tokens_file_}, {"message", parsed.status().message()},
+              {"kept_tokens", tokens_.size()}});
     return parsed.status();
   }
   tokens_ = *std::move(parsed);
-  std::fprintf(stderr, "ropeattn-server: re-read %s: %zu tokens\n", tokens_file_.c_str(),
-               tokens_.size());
+  LogEvent(LogLevel::kInfo, "tokens_loaded", {{"file", tokens_file_}, {"tokens", tokens_.size()}});
   return absl::OkStatus();
 }
 

@@ -23,6 +23,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "server/log.h"
 
 namespace ropeattn::server {
 namespace {
@@ -399,12 +400,12 @@ void Listener::LogError(const char* what, int err) {
     ++unlogged_errors_;
     return;
   }
-  std::string suppressed;
-  if (unlogged_errors_ > 0) {
-    suppressed = absl::StrCat(" (", unlogged_errors_, " more errors since the last message)");
-  }
-  std::fprintf(stderr, "ropeattn-server: listener on %s (port %d): %s: %s%s\n", address_.c_str(),
-               port_, what, ErrnoText(err).c_str(), suppressed.c_str());
+  LogEvent(LogLevel::kError, "listener_error",
+           {{"address", address_},
+            {"port", port_},
+            {"what", what},
+            {"message", ErrnoText(err)},
+            {"suppressed_since_last", unlogged_errors_}});
   logged_at_ = now;
   unlogged_errors_ = 0;
 }

@@ -18,9 +18,12 @@
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "core/cpu.h"
+#include "nlohmann/json.hpp"
 #include "server/auth.h"
 #include "server/listener.h"
+#include "server/log.h"
 #include "server/options.h"
 #include "server/server.h"
 
@@ -113,6 +116,56 @@ ABSL_FLAG(int, principal_max_sessions, kDefaults.principal_max_sessions,
 ABSL_FLAG(int64_t, principal_memory_bytes, kDefaults.principal_memory_bytes,
           "With authentication: bytes of session state one principal may hold");
 
+ABSL_FLAG(std::string, log_level, "info",
+          "Log lines below this level are not written: debug, info, warning or error. The log is "
+          "JSON lines on stdout (docs/logging.md)");
+ABSL_FLAG(bool, access_log, kDefaults.access_log,
+          "Also log one \"call\" line per call when it ends (method, code, ms, peer, request "
+          "id); error answers are logged either way");
+
+namespace {
+
+// The effective configuration, as the start-up log line carries it.
+std::string ConfigJson(const ropeattn::server::ServerOptions& o, int max_connections) {
+  nlohmann::ordered_json j;
+  j["address"] = o.address;
+  j["metrics_address"] = o.metrics_address;
+  j["max_connections"] = max_connections;
+  j["handshake_timeout_seconds"] = o.handshake_timeout_seconds;
+  j["compute_workers"] = o.compute_workers;
+  j["threads_per_call"] = o.threads_per_call;
+  j["queue_depth"] = o.queue_depth;
+  j["max_queue_delay_seconds"] = o.max_queue_delay_seconds;
+  j["max_queue_slowdown"] = o.max_queue_slowdown;
+  j["max_decode_batch"] = o.max_decode_batch;
+  j["compute_nice"] = o.compute_nice;
+  j["max_message_bytes"] = o.max_message_bytes;
+  j["max_sessions"] = o.max_sessions;
+  j["memory_budget_bytes"] = o.memory_budget_bytes;
+  j["max_request_compute"] = o.max_request_compute;
+  j["default_max_context"] = o.default_max_context;
+  j["max_context_limit"] = o.max_context_limit;
+  j["default_idle_ttl_seconds"] = o.default_idle_ttl_seconds;
+  j["max_idle_ttl_seconds"] = o.max_idle_ttl_seconds;
+  j["shutdown_grace_seconds"] = o.shutdown_grace_seconds;
+  j["tls_cert_file"] = o.tls_cert_file;
+  j["tls_key_file"] = o.tls_key_file;
+  j["tls_client_ca_file"] = o.tls_client_ca_file;
+  j["auth_tokens_file"] = o.auth_tokens_file;
+  j["credentials_reload_seconds"] = o.credentials_reload_seconds;
+  j["reflection"] = o.reflection;
+  j["principal_max_sessions"] = o.principal_max_sessions;
+  j["principal_memory_bytes"] = o.principal_memory_bytes;
+  j["access_log"] = o.access_log;
+  j["log_level"] = absl::GetFlag(FLAGS_log_level);
+  nlohmann::ordered_json models = nlohmann::ordered_json::object();
+  for (const auto& [name, dir] : o.models) models[name] = dir;
+  j["models"] = std::move(models);
+  return j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   // Buffers of 4 MiB and more (KV caches, RoPE tables, request tensors) are
   // mapped on their own and unmapped when freed, so a closed session or a
@@ -164,7 +217,19 @@ int main(int argc, char** argv) {
       "Serves ropeattn.v1.AttentionService, grpc.health.v1.Health and server reflection.");
   absl::ParseCommandLine(argc, argv);
 
+  using ropeattn::server::LogEvent;
+  using ropeattn::server::LogLevel;
+  const absl::StatusOr<LogLevel> log_level =
+      ropeattn::server::ParseLogLevel(absl::GetFlag(FLAGS_log_level));
+  if (!log_level.ok()) {
+    std::fprintf(stderr, "ropeattn-server: --log_level: %s\n",
+                 std::string(log_level.status().message()).c_str());
+    return 2;
+  }
+  ropeattn::server::SetLogLevel(*log_level);
+
   ropeattn::server::ServerOptions o;
+  o.access_log = absl::GetFlag(FLAGS_access_log);
   o.address = absl::GetFlag(FLAGS_address);
   o.max_connections = absl::GetFlag(FLAGS_max_connections);
   o.handshake_timeout_seconds = absl::GetFlag(FLAGS_handshake_timeout_seconds);
@@ -215,65 +280,75 @@ int main(int argc, char** argv) {
   const absl::StatusOr<int64_t> fd_limit_before = ropeattn::server::FdSoftLimit();
   const absl::StatusOr<int64_t> fd_limit = ropeattn::server::RaiseFdLimitToHard();
   if (!fd_limit.ok()) {
-    std::fprintf(stderr, "ropeattn-server: warning: fd limit not raised: %s\n",
-                 fd_limit.status().ToString().c_str());
+    LogEvent(LogLevel::kWarning, "fd_limit_not_raised", {{"message", fd_limit.status().ToString()}});
   }
   const absl::StatusOr<int> max_connections =
       ropeattn::server::ResolveMaxConnections(o.max_connections);
   if (!max_connections.ok()) {
-    std::fprintf(stderr, "ropeattn-server: --max_connections: %s\n",
-                 max_connections.status().ToString().c_str());
+    LogEvent(LogLevel::kError, "start_failed",
+             {{"flag", "max_connections"}, {"message", max_connections.status().ToString()}});
     return 2;
   }
 
   auto server = ropeattn::server::Server::Start(o);
   if (!server.ok()) {
-    std::fprintf(stderr, "ropeattn-server: %s\n", server.status().ToString().c_str());
+    LogEvent(LogLevel::kError, "start_failed", {{"message", server.status().ToString()}});
     return 1;
   }
-  std::printf(
-      "ropeattn-server listening on %s (port %d), metrics on %s, %s\n", o.address.c_str(),
-      (*server)->port(),
+  const std::string metrics_url =
       o.metrics_address.empty()
-          ? "(disabled)"
-          : absl::StrCat("http://127.0.0.1:", (*server)->metrics_port(), "/metrics").c_str(),
-      ropeattn::CpuDescription().c_str());
+          ? std::string()
+          : absl::StrCat("http://127.0.0.1:", (*server)->metrics_port(), "/metrics");
+  LogEvent(LogLevel::kInfo, "listening",
+           {{"address", o.address},
+            {"port", (*server)->port()},
+            {"metrics", metrics_url},
+            {"cpu", ropeattn::CpuDescription()}});
   const absl::StatusOr<int64_t> fd_limit_now = ropeattn::server::FdSoftLimit();
-  std::printf("ropeattn-server: fd limit %s (was %s at start), max connections %d\n",
-              fd_limit_now.ok() ? absl::StrCat(*fd_limit_now).c_str() : "unknown",
-              fd_limit_before.ok() ? absl::StrCat(*fd_limit_before).c_str() : "unknown",
-              *max_connections);
+  LogEvent(LogLevel::kInfo, "limits",
+           {{"fd_limit", fd_limit_now.ok() ? *fd_limit_now : -1},
+            {"fd_limit_at_start", fd_limit_before.ok() ? *fd_limit_before : -1},
+            {"max_connections", *max_connections}});
   const absl::StatusOr<int> derived = ropeattn::server::ResolveMaxConnections(0);
   // Only a cap the operator chose can be too high (the derived one was
   // taken before gRPC opened its own fds, so it differs from this by those).
   if (o.max_connections > 0 && derived.ok() && *max_connections > *derived) {
-    std::fprintf(stderr,
-                 "ropeattn-server: warning: --max_connections=%d is above %d (the fd limit minus "
-                 "a reserve of %d fds): a connection flood can make accept() run out of fds "
-                 "(the server sheds connections then)\n",
-                 *max_connections, *derived, static_cast<int>(ropeattn::server::kFdReserve));
+    LogEvent(LogLevel::kWarning, "max_connections_above_fd_limit",
+             {{"max_connections", *max_connections},
+              {"derived", *derived},
+              {"message",
+               absl::StrCat("--max_connections=", *max_connections, " is above ", *derived,
+                            " (the fd limit minus a reserve of ",
+                            static_cast<int>(ropeattn::server::kFdReserve),
+                            " fds): a connection flood can make accept() run out of fds (the "
+                            "server sheds connections then)")}});
   }
   if (!ropeattn::server::TlsConfigured(o) && !ropeattn::server::AuthConfigured(o)) {
     const absl::StatusOr<ropeattn::server::ListenAddress> listen =
         ropeattn::server::ParseListenAddress(o.address);
     if (listen.ok() && !ropeattn::server::IsLoopbackHost(listen->host)) {
-      std::fprintf(stderr,
-                   "ropeattn-server: warning: listening on %s with no TLS and no authentication: "
-                   "anyone who can reach this port can read traffic, and use, list and close "
-                   "every session. Set --tls_cert_file/--tls_key_file and --auth_tokens_file "
-                   "(or --tls_client_ca_file); see docs/security.md\n",
-                   o.address.c_str());
+      LogEvent(LogLevel::kWarning, "plaintext_on_network",
+               {{"address", o.address},
+                {"message",
+                 absl::StrCat("listening on ", o.address,
+                              " with no TLS and no authentication: anyone who can reach this "
+                              "port can read traffic, and use, list and close every session. Set "
+                              "--tls_cert_file/--tls_key_file and --auth_tokens_file (or "
+                              "--tls_client_ca_file); see docs/security.md")}});
     }
   }
-  std::fflush(stdout);
+  LogEvent(LogLevel::kInfo, "config",
+           {{"config", ropeattn::server::RawJson{ConfigJson(o, *max_connections)}}});
 
   int sig = 0;
   sigwait(&signals, &sig);
-  std::printf("ropeattn-server: %s received, draining (grace %.1f s)\n",
-              sig == SIGTERM ? "SIGTERM" : "SIGINT", o.shutdown_grace_seconds);
-  std::fflush(stdout);
+  LogEvent(LogLevel::kInfo, "signal",
+           {{"signal", sig == SIGTERM ? "SIGTERM" : "SIGINT"},
+            {"message", absl::StrFormat("%s received, draining (grace %.1f s)",
+                                        sig == SIGTERM ? "SIGTERM" : "SIGINT",
+                                        o.shutdown_grace_seconds)}});
   (*server)->Shutdown(absl::Seconds(o.shutdown_grace_seconds));
-  std::printf("ropeattn-server: stopped\n");
+  LogEvent(LogLevel::kInfo, "stopped", {});
   std::fflush(stdout);
   std::fflush(stderr);
   // Every call is answered and every session closed: nothing of ours is left

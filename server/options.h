@@ -89,6 +89,9 @@ struct ServerOptions {
   // How often the certificate, key, CA and tokens files are checked for
   // changes, in seconds (1 .. 3600).
   int credentials_reload_seconds = 10;
+  // One "call" log line per call when it ends (method, code, time, peer,
+  // request id); error answers are logged either way (docs/logging.md).
+  bool access_log = false;
   // grpc.reflection.v1alpha.ServerReflection (grpcurl without .proto files).
   bool reflection = true;
   // Per-principal quotas, applied when authentication is configured (a

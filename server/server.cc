@@ -23,8 +23,10 @@
 #include "grpcpp/impl/server_builder_plugin.h"
 #include "server/auth.h"
 #include "server/cost.h"
+#include "server/call_log.h"
 #include "server/executor.h"
 #include "server/listener.h"
+#include "server/log.h"
 #include "server/metrics.h"
 #include "server/model.h"
 #include "server/service.h"
@@ -96,11 +98,19 @@ struct Server::Impl {
   bool shut_down ABSL_GUARDED_BY(mu) = false;
   absl::Notification done;
 
-  void SetServing(bool serving) {
+  // -1 before the first SetServing, then 0 or 1: changes are logged.
+  std::atomic<int> serving_state{-1};
+
+  void SetServing(bool serving, absl::string_view reason) {
     grpc::HealthCheckServiceInterface* health = grpc_server->GetHealthCheckService();
     if (health == nullptr) return;
     health->SetServingStatus(serving);
     health->SetServingStatus(kServiceName, serving);
+    if (serving_state.exchange(serving ? 1 : 0) != (serving ? 1 : 0)) {
+      // Draining is planned; a failed self-test is not.
+      LogEvent(serving || reason == "draining" ? LogLevel::kInfo : LogLevel::kWarning, "health",
+               {{"status", serving ? "SERVING" : "NOT_SERVING"}, {"reason", reason}});
+    }
   }
 
   // Every few seconds, run the canary through the executor. Not finishing in
@@ -116,13 +126,37 @@ struct Server::Impl {
              !stop_health.WaitForNotificationWithTimeout(absl::Milliseconds(20))) {
       }
       if (stop_health.HasBeenNotified()) return;
-      SetServing(result->load() == 1 && !forced_not_serving.load());
+      const int outcome = result->load();
+      SetServing(outcome == 1 && !forced_not_serving.load(),
+                 outcome == 0   ? "the compute self-test did not finish in 20 s"
+                 : outcome == 2 ? "the compute self-test computed a wrong answer"
+                 : forced_not_serving.load() ? "set by a test"
+                                             : "the compute self-test passed");
       // Freed memory in the allocator's arenas (gRPC's message slices, small
       // per-call buffers) goes back to the system, not only to the budget.
       malloc_trim(0);
     }
   }
 };
+
+namespace {
+
+void LogModelLoaded(const Model& model) {
+  const ModelConfig& c = model.config();
+  LogEvent(LogLevel::kInfo, "model_loaded",
+           {{"model", model.name()},
+            {"source", model.source()},
+            {"model_type", c.model_type},
+            {"layers", c.num_layers},
+            {"hidden", c.hidden_size},
+            {"heads", c.num_heads},
+            {"kv_heads", c.num_kv_heads},
+            {"head_dim", c.head_dim},
+            {"mapped_bytes", model.mapped_bytes()},
+            {"resident_bytes", model.resident_bytes()}});
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   if (!(options.handshake_timeout_seconds > 0 && options.handshake_timeout_seconds <= 3600)) {
@@ -167,6 +201,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (options.models.empty()) {
     absl::StatusOr<std::shared_ptr<const Model>> demo = Model::Demo("demo");
     if (!demo.ok()) return demo.status();
+    LogModelLoaded(**demo);
     absl::Status added = models->Add(*std::move(demo));
     if (!added.ok()) return added;
   }
@@ -176,6 +211,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
       return absl::Status(model.status().code(),
                           absl::StrCat("model ", name, " (", dir, "): ", model.status().message()));
     }
+    LogModelLoaded(**model);
     absl::Status added = models->Add(*std::move(model));
     if (!added.ok()) return added;
   }
@@ -255,6 +291,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   // the process; this one drops it when reflection is off.
   if (!options.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   builder.RegisterService(m.service.get());
+  // Request ids, error answers and the access log, for every method.
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(MakeCallLogFactory(options.access_log));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   m.grpc_server = builder.BuildAndStart();
   if (m.grpc_server == nullptr) {
     return absl::InternalError(absl::StrCat("gRPC server for ", options.address, " did not start"));
@@ -270,7 +310,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   }
   absl::Status accepting = m.listener->Start(m.acceptor.get());
   if (!accepting.ok()) return accepting;
-  m.SetServing(true);
+  m.SetServing(true, "started");
   m.health_thread = std::thread([&m] { m.HealthLoop(); });
   return server;
 }
@@ -284,7 +324,7 @@ Metrics& Server::metrics() { return *impl_->metrics; }
 
 void Server::SetServingForTest(bool serving) {
   impl_->forced_not_serving = !serving;
-  impl_->SetServing(serving);
+  impl_->SetServing(serving, "set by a test");
 }
 
 void Server::Shutdown(absl::Duration grace) {
@@ -302,10 +342,14 @@ void Server::Shutdown(absl::Duration grace) {
     m.done.Notify();
     return;
   }
+  const absl::Time drain_start = absl::Now();
+  LogEvent(LogLevel::kInfo, "drain_start",
+           {{"grace_s", absl::ToDoubleSeconds(grace)},
+            {"sessions_open", m.sessions->open_sessions()}});
   // Load balancers see NOT_SERVING before anything stops.
   m.stop_health.Notify();
   if (m.health_thread.joinable()) m.health_thread.join();
-  m.SetServing(false);
+  m.SetServing(false, "draining");
   m.service->BeginShutdown();
   // No new connections (the kernel refuses them once the socket is closed).
   m.listener->Stop();
@@ -325,7 +369,7 @@ void Server::Shutdown(absl::Duration grace) {
     m.grpc_server->Shutdown(absl::ToChronoTime(deadline));
     stopped.Notify();
   });
-  m.service->WaitForCalls(deadline);
+  const bool answered_in_time = m.service->WaitForCalls(deadline);
   stopped.WaitForNotificationWithDeadline(std::min(deadline, absl::Now() + kFlushTime));
   while (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(50))) {
     grpc_server_cancel_all_calls(m.grpc_server->c_server());
@@ -333,9 +377,14 @@ void Server::Shutdown(absl::Duration grace) {
   stopping.join();
   m.executor->Shutdown();
   m.control->Shutdown();
+  const int64_t sessions_closed = m.sessions->open_sessions();
   m.sessions->CloseAll();
   m.http.reset();
   m.authenticator->Stop();
+  LogEvent(LogLevel::kInfo, "drain_end",
+           {{"ms", std::round(absl::ToDoubleMilliseconds(absl::Now() - drain_start))},
+            {"calls_answered_in_grace", answered_in_time},
+            {"sessions_closed", sessions_closed}});
   m.done.Notify();
 }
 

@@ -9,12 +9,14 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "core/cpu.h"
 #include "server/admission.h"
 #include "server/auth.h"
+#include "server/call_log.h"
 #include "server/convert.h"
 #include "server/decode_wire.h"
 #include "server/handlers.h"
@@ -602,7 +604,16 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
     e->set_seq(seq);
     e->set_code(static_cast<int>(status.code()));
     e->set_message(CapStatusMessage(status.message()));
+    LogInBand(MethodOf(request_), status);
     StartWrite(&response_);
+  }
+
+  // An error answered inside the stream (the call's own status, logged by
+  // the call log, comes at its end).
+  void LogInBand(absl::string_view method, const absl::Status& status) const {
+    absl::ConsumePrefix(&method, "Decode.");
+    LogStreamError(*ctx_, "/ropeattn.v1.AttentionService/Decode", method, status,
+                   session_ != nullptr ? session_->id() : std::string(), SeqOf(request_));
   }
 
   grpc::Status ShuttingDown() const {
@@ -664,6 +675,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       e->set_seq(SeqOf(request_));
       e->set_code(static_cast<int>(status.code()));
       e->set_message(CapStatusMessage(status.message()));
+      LogInBand(method, status);
     }
     StartWrite(&response_);
   }

@@ -1,7 +1,10 @@
 #include "server/sessions.h"
 
+#include <cmath>
+
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -12,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
 #include "server/layer.h"
+#include "server/log.h"
 #include "server/metrics.h"
 
 namespace ropeattn::server {
@@ -614,6 +618,12 @@ int SessionManager::ReapIdle(absl::Time now) {
     // A stream holds it: it is in use however long its client thinks.
     if (attached) continue;
     if (idle > s->idle_ttl_) {
+      LogEvent(LogLevel::kInfo, "session_reaped",
+               {{"session", id},
+                {"idle_s", std::round(absl::ToDoubleSeconds(idle) * 10) / 10},
+                {"idle_ttl_s", absl::ToInt64Seconds(s->idle_ttl_)},
+                {"owner", s->owner()},
+                {"tokens", s->position_hint()}});
       expired.emplace_back(id,
                            absl::NotFoundError(absl::StrFormat(
                                "session %s expired: idle for %.0f s, past its idle TTL of %d s", id,

@@ -5,11 +5,13 @@ Numerics against plain numpy fp64 references; tolerances stated per check.
 Run by ctest with PYTHONPATH at the generated package and ROPEATTN_SERVER at
 the server binary."""
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import unittest
 
 import grpc
@@ -57,9 +59,15 @@ class PythonClientTest(unittest.TestCase):
     def setUpClass(cls):
         cls.proc = subprocess.Popen([SERVER, "--address=127.0.0.1:0", "--metrics_address="],
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = cls.proc.stdout.readline()
-        port = line.split("(port ")[1].split(")")[0]
-        cls.target = "127.0.0.1:" + port
+        port = 0
+        for line in cls.proc.stdout:  # JSON log lines; "listening" has the port
+            event = json.loads(line)
+            if event["event"] == "listening":
+                port = event["port"]
+                break
+        # Keep reading the log so the server never blocks on a full pipe.
+        threading.Thread(target=lambda: cls.proc.stdout.read(), daemon=True).start()
+        cls.target = f"127.0.0.1:{port}"
         cls.client = ropeattn.Client(cls.target)
         cls.rng = np.random.default_rng(7)
 

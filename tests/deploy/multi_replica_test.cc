@@ -29,6 +29,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/tools/server_output.h"
 
 namespace ropeattn::client {
 namespace {
@@ -47,7 +48,7 @@ class ServerProcess {
     if (out_ != nullptr) fclose(out_);
   }
 
-  // Starts the server and reads its "listening on ... (port N)" line; null
+  // Starts the server and reads its start-up lines (the port); null
   // (with a test failure) if it does not come up.
   static std::unique_ptr<ServerProcess> Start(const std::vector<std::string>& extra = {}) {
     int out_pipe[2];
@@ -78,20 +79,10 @@ class ServerProcess {
     std::unique_ptr<ServerProcess> p(new ServerProcess());
     p->pid_ = pid;
     p->out_ = fdopen(out_pipe[0], "r");
-    char line[512] = {0};
-    if (fgets(line, sizeof(line), p->out_) == nullptr) {
-      ADD_FAILURE() << "ropeattn-server printed nothing";
-      return nullptr;
-    }
-    const std::string first(line);
-    const size_t at = first.find("(port ");
-    if (at == std::string::npos) {
-      ADD_FAILURE() << "no port in: " << first;
-      return nullptr;
-    }
-    p->port_ = std::atoi(first.c_str() + at + 6);
+    const testing::ServerStartup startup = testing::ReadServerStartup(p->out_);
+    p->port_ = startup.port;
     if (p->port_ <= 0) {
-      ADD_FAILURE() << "bad port in: " << first;
+      ADD_FAILURE() << "no port in: " << startup.text;
       return nullptr;
     }
     return p;

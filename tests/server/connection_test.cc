@@ -34,6 +34,7 @@
 #include "server/listener.h"
 #include "server/server.h"
 #include "tests/server/server_test_util.h"
+#include "tests/tools/server_output.h"
 
 namespace ropeattn::testing {
 namespace {
@@ -248,22 +249,14 @@ class ServerProcess {
     std::unique_ptr<ServerProcess> p(new ServerProcess());
     p->pid_ = pid;
     p->out_ = fdopen(out_pipe[0], "r");
-    char line[512] = {0};
-    if (fgets(line, sizeof(line), p->out_) == nullptr) {
-      ADD_FAILURE() << "ropeattn-server printed nothing";
+    const testing::ServerStartup startup = testing::ReadServerStartup(p->out_);
+    if (startup.port <= 0) {
+      ADD_FAILURE() << "no port in: " << startup.text;
       return nullptr;
     }
-    const std::string first(line);
-    const size_t at = first.find("(port ");
-    if (at == std::string::npos || std::atoi(first.c_str() + at + 6) <= 0) {
-      ADD_FAILURE() << "no port in: " << first;
-      return nullptr;
-    }
-    p->port_ = std::atoi(first.c_str() + at + 6);
-    const size_t metrics_at = first.find("http://127.0.0.1:");
-    if (metrics_at != std::string::npos)
-      p->metrics_port_ = std::atoi(first.c_str() + metrics_at + 17);
-    if (fgets(line, sizeof(line), p->out_) != nullptr) p->limits_line_ = line;
+    p->port_ = startup.port;
+    p->metrics_port_ = startup.metrics_port;
+    p->limits_line_ = startup.limits_line;
     return p;
   }
 
@@ -391,8 +384,8 @@ void FloodThenRecover(ServerProcess& server, Counts* counts) {
 TEST(ConnectionFloodTest, NewClientsConnectAfterAFloodWithinTheCap) {
   auto server = ServerProcess::Start(kFdLimit, {});
   ASSERT_NE(server, nullptr);
-  EXPECT_THAT(server->limits_line(), HasSubstr(absl::StrCat("fd limit ", kFdLimit)));
-  EXPECT_THAT(server->limits_line(), HasSubstr("max connections 16"));
+  EXPECT_THAT(server->limits_line(), HasSubstr(absl::StrCat("\"fd_limit\":", kFdLimit, ",")));
+  EXPECT_THAT(server->limits_line(), HasSubstr("\"max_connections\":16}"));
   Counts counts{};
   FloodThenRecover(*server, &counts);
   EXPECT_GT(counts.over_cap, 0);
@@ -404,7 +397,7 @@ TEST(ConnectionFloodTest, NewClientsConnectAfterAFloodWithinTheCap) {
 TEST(ConnectionFloodTest, NewClientsConnectAfterAFloodPastTheFdLimit) {
   auto server = ServerProcess::Start(kFdLimit, {"--max_connections=100000"});
   ASSERT_NE(server, nullptr);
-  EXPECT_THAT(server->limits_line(), HasSubstr("max connections 100000"));
+  EXPECT_THAT(server->limits_line(), HasSubstr("\"max_connections\":100000}"));
   Counts counts{};
   FloodThenRecover(*server, &counts);
   EXPECT_GT(counts.no_fd, 0) << "the flood never ran accept() out of fds";

@@ -26,6 +26,7 @@
 #include "server/sessions.h"
 #include "server/server.h"
 #include "tests/server/server_test_util.h"
+#include "tests/tools/server_output.h"
 #include "tests/tools/test_certs.h"
 
 namespace ropeattn {
@@ -761,15 +762,13 @@ TEST(SecurityWarningTest, PlaintextOnANonLoopbackAddressWarns) {
     const std::string cmd = absl::StrCat("timeout -s KILL 3 ", ROPEATTN_SERVER_PATH,
                                          " --address=", address, " --metrics_address= 2>&1");
     FILE* p = popen(cmd.c_str(), "r");
-    std::string out;
-    char line[1024];
-    // The warning comes right after the two start-up lines.
-    for (int i = 0; i < 3 && p != nullptr && fgets(line, sizeof(line), p) != nullptr; ++i) {
-      out += line;
-    }
+    // The warning comes among the start-up lines, before "config".
+    std::string out = p != nullptr ? testing::ReadServerStartup(p).text : std::string();
     if (p != nullptr) pclose(p);
     return out;
   };
+  EXPECT_THAT(first_lines("0.0.0.0:0"),
+              HasSubstr("\"level\":\"warning\",\"event\":\"plaintext_on_network\""));
   EXPECT_THAT(first_lines("0.0.0.0:0"), HasSubstr("no TLS and no authentication"));
   EXPECT_THAT(first_lines("127.0.0.1:0"), Not(HasSubstr("no TLS and no authentication")));
 }

@@ -34,6 +34,7 @@
 #include "tests/reference/linear_attention_ref.h"
 #include "tests/reference/rope_ref.h"
 #include "tests/server/server_test_util.h"
+#include "tests/tools/server_output.h"
 
 namespace ropeattn::testing {
 namespace {
@@ -1073,14 +1074,9 @@ TEST(ServerProcessTest, SigtermDrainsAndExits) {
   }
   close(out_pipe[1]);
   FILE* out = fdopen(out_pipe[0], "r");
-  char line[512] = {0};
-  ASSERT_NE(fgets(line, sizeof(line), out), nullptr);
-  const std::string first(line);
-  EXPECT_THAT(first, HasSubstr("listening on"));
-  const size_t at = first.find("(port ");
-  ASSERT_NE(at, std::string::npos) << first;
-  const int port = std::atoi(first.c_str() + at + 6);
-  ASSERT_GT(port, 0);
+  const testing::ServerStartup startup = testing::ReadServerStartup(out);
+  const int port = startup.port;
+  ASSERT_GT(port, 0) << startup.text;
   auto health = grpc::health::v1::Health::NewStub(TestChannel(port));
   {
     grpc::ClientContext ctx;
@@ -1100,10 +1096,15 @@ TEST(ServerProcessTest, SigtermDrainsAndExits) {
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0);
   std::string rest;
-  while (fgets(line, sizeof(line), out) != nullptr) rest += line;
+  for (std::string line = testing::ReadWholeLine(out); !line.empty();
+       line = testing::ReadWholeLine(out)) {
+    rest += line;
+  }
   fclose(out);
   EXPECT_THAT(rest, HasSubstr("SIGTERM received, draining"));
-  EXPECT_THAT(rest, HasSubstr("stopped"));
+  EXPECT_THAT(rest, HasSubstr("\"event\":\"drain_start\""));
+  EXPECT_THAT(rest, HasSubstr("\"event\":\"drain_end\""));
+  EXPECT_THAT(rest, HasSubstr("\"event\":\"stopped\""));
 }
 
 // ----------------------------------------------------------- shutdown --

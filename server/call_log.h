@@ -1,0 +1,44 @@
+// Request ids and per-call log lines, for every method of the server
+// (ours, health, reflection), as a gRPC server interceptor.
+//
+// - Request id: the client's `x-request-id` metadata when it is 1..128
+//   characters of [A-Za-z0-9._:/+=-], else one generated here (32 hex
+//   digits). It is returned in the response's initial and trailing metadata
+//   (`x-request-id`) and written in every log line about the call.
+// - W3C trace context: a valid `traceparent` (version 00) is carried into
+//   the call's log lines as trace_id and parent_id.
+// - Every answer with a non-OK status is logged (event "error_answer":
+//   method, code, message, ms, peer); with `access_log`, every call also
+//   gets one "call" line when it ends.
+#ifndef ROPEATTN_SERVER_CALL_LOG_H_
+#define ROPEATTN_SERVER_CALL_LOG_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "grpcpp/server_context.h"
+#include "grpcpp/support/server_interceptor.h"
+
+namespace ropeattn::server {
+
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeCallLogFactory(
+    bool access_log);
+
+// The request id of a call (see above); "" before the interceptor ran.
+std::string RequestIdOf(const grpc::ServerContextBase& ctx);
+
+// Logs an error answered inside a stream (a Decode operation's StepError),
+// with the call's request id and trace context.
+void LogStreamError(const grpc::ServerContextBase& ctx, absl::string_view method,
+                    absl::string_view op, const absl::Status& status, absl::string_view session,
+                    int64_t seq);
+
+// The trace and parent ids of a W3C traceparent header; false when it is
+// not one (unknown version ff, wrong lengths, non-hex, all-zero ids).
+bool ParseTraceparent(absl::string_view header, std::string* trace_id, std::string* parent_id);
+
+}  // namespace ropeattn::server
+
+#endif  // ROPEATTN_SERVER_CALL_LOG_H_
