@@ -62,7 +62,10 @@ ABSL_FLAG(int64_t, window, 0, "Sliding window in tokens; 0 means none.");
 ABSL_FLAG(double, softcap, 0, "Logit soft-cap; 0 means none.");
 ABSL_FLAG(bool, alibi, false, "ALiBi biases (standard slopes) instead of RoPE.");
 
-ABSL_FLAG(bool, rope, true, "Rotate q and k with RoPE (--norope: no positional scheme).");
+ABSL_FLAG(bool, rope, false,
+          "Rotate q and k with RoPE. Off by default, as in the API (an AttentionSpec without "
+          "`rope` has no positional scheme); any other RoPE flag (--rope_type, --theta, ...) "
+          "turns it on.");
 ABSL_FLAG(std::string, rope_type, "default",
           "RoPE scaling rule: default, linear, ntk, dynamic, yarn, longrope, llama3.");
 ABSL_FLAG(double, rope_factor, 0, "RoPE scaling factor; 0 means 1.");
@@ -435,9 +438,20 @@ absl::StatusOr<v1::AttentionSpec> AttentionSpecFromFlags() {
   spec.set_causal(absl::GetFlag(FLAGS_causal));
   spec.set_window(absl::GetFlag(FLAGS_window));
   spec.set_softcap(absl::GetFlag(FLAGS_softcap));
+  bool rope_flag_given = false;
+  for (absl::string_view name : kRopeFlags) rope_flag_given = rope_flag_given || FlagGiven(name);
+  if (FlagGiven("rope") && !absl::GetFlag(FLAGS_rope) && rope_flag_given) {
+    return absl::InvalidArgumentError(
+        "--norope conflicts with the RoPE flags given (--rope_type, --rope_factor, --theta, "
+        "--original_max_positions, --rope_layout, --rotary_dim)");
+  }
   if (absl::GetFlag(FLAGS_alibi)) {
+    if (absl::GetFlag(FLAGS_rope) || rope_flag_given) {
+      return absl::InvalidArgumentError(
+          "--alibi and RoPE are two positional schemes; a spec has at most one");
+    }
     spec.mutable_alibi();
-  } else if (absl::GetFlag(FLAGS_rope)) {
+  } else if (absl::GetFlag(FLAGS_rope) || rope_flag_given) {
     absl::StatusOr<v1::RopeSpec> rope = RopeSpecFromFlags();
     if (!rope.ok()) return rope.status();
     *spec.mutable_rope() = *std::move(rope);

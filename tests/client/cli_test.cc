@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cmath>
 #include <complex>
 #include <cstdlib>
@@ -788,6 +789,54 @@ TEST_F(CliTest, AttendRandomWritesNpyEqualToALibraryCall) {
   EXPECT_EQ(pv[3], 0.0f);
 }
 
+// An omitted RoPE means no positional scheme in the CLI as in the API (the
+// proto's AttentionSpec); --rope or any RoPE flag turns it on.
+TEST_F(CliTest, RopeIsOffUnlessAskedForAsInTheApi) {
+  const int64_t shape[] = {1, 4, 2, 8};
+  v1::AttendRequest request;
+  request.mutable_spec()->set_heads(2);
+  request.mutable_spec()->set_head_dim(8);
+  *request.mutable_q() = *client::RandomTensor(v1::DTYPE_F32, shape, 11);
+  *request.mutable_k() = *client::RandomTensor(v1::DTYPE_F32, shape, 12);
+  *request.mutable_v() = *client::RandomTensor(v1::DTYPE_F32, shape, 13);
+  auto plain = Client()->Attend(request);  // no `rope`: no positional scheme
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  request.mutable_spec()->mutable_rope();
+  auto rotated = Client()->Attend(request);
+  ASSERT_TRUE(rotated.ok()) << rotated.status();
+  const std::vector<float> want_plain = Floats(plain->out()), want_rope = Floats(rotated->out());
+
+  const auto run = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = {"attend", "--heads=2", "--head_dim=8", "--q_len=4",
+                                     "--k_len=4", "--seed=11", "--out", Path("o.npy")};
+    args.insert(args.end(), extra.begin(), extra.end());
+    RunResult r = Cli(args);
+    EXPECT_EQ(r.exit_code, 0) << Describe(r);
+    auto written = client::ReadNpy(Path("o.npy"));
+    return written.ok() ? Floats(*written) : std::vector<float>();
+  };
+  const auto max_diff = [](const std::vector<float>& a, const std::vector<float>& b) {
+    if (a.size() != b.size() || a.empty()) return 1e9;
+    double d = 0;
+    for (size_t i = 0; i < a.size(); ++i) d = std::max(d, std::fabs(double{a[i]} - b[i]));
+    return d;
+  };
+  // The two answers differ, so matching one of them says which was computed.
+  ASSERT_GT(max_diff(want_plain, want_rope), 1e-3);
+  EXPECT_LT(max_diff(run({}), want_plain), 1e-6);
+  EXPECT_LT(max_diff(run({"--rope"}), want_rope), 1e-6);
+  EXPECT_LT(max_diff(run({"--theta=10000"}), want_rope), 1e-6);
+
+  RunResult r = Cli({"attend", "--norope", "--theta=10000"});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  ExpectOneErrorLine(r, "attend", "INVALID_ARGUMENT");
+  EXPECT_THAT(r.err, HasSubstr("--norope"));
+  r = Cli({"attend", "--alibi", "--rope"});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  ExpectOneErrorLine(r, "attend", "INVALID_ARGUMENT");
+  EXPECT_THAT(r.err, HasSubstr("--alibi"));
+}
+
 TEST_F(CliTest, AttendReadsNpyInputs) {
   const int64_t q_shape[] = {2, 3, 2, 8}, kv_shape[] = {2, 4, 1, 8};
   v1::AttendRequest request;
@@ -909,7 +958,7 @@ TEST_F(CliTest, EncodeSinusoidalCosSinAndAlibi) {
 
 TEST_F(CliTest, DecodeLastStepEqualsOneShotAttend) {
   RunResult r = Cli({"decode", "--steps=3", "--context=5", "--prefill_chunk=2", "--heads=2",
-                     "--head_dim=8", "--seed=3", "--out", Path("last.npy")});
+                     "--head_dim=8", "--seed=3", "--rope", "--out", Path("last.npy")});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   EXPECT_THAT(r.out, HasSubstr("prefill  5 tokens in 3 chunks"));
   for (int step = 1; step <= 3; ++step) {
