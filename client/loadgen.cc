@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <random>
 #include <thread>
@@ -14,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "client/metrics_scrape.h"
 
 namespace ropeattn::client {
 namespace {
@@ -27,28 +29,51 @@ constexpr auto kRecordGrace = std::chrono::milliseconds(20);
 // first arrivals are not late merely because threads were still starting.
 constexpr auto kScheduleLead = std::chrono::milliseconds(20);
 
+// Messages kept per error sample (longer ones are cut).
+constexpr size_t kMaxSampleChars = 500;
+constexpr size_t kSamplesPerCode = 3;
+
 struct Record {
   Clock::time_point done;
-  int64_t latency_ns = 0;
+  Clock::time_point intended;  // latency runs from here
+  Clock::time_point sent;
   absl::StatusCode code = absl::StatusCode::kOk;
   int64_t tokens = 0;
   bool late = false;
+  RequestKind kind = RequestKind::kAttend;
+  int64_t step = 0;
+  int connection = 0;
+  std::string session_id;
+  std::string message;  // non-OK only
+  int64_t latency_ns() const {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(done - intended).count();
+  }
+};
+
+// Successful and failed requests that completed in a span.
+struct Counts {
+  int64_t ok = 0, errors = 0;
 };
 
 class Recorder {
  public:
-  void Add(const Record& record) {
+  void Add(Record record) {
     absl::MutexLock lock(&mu_);
-    records_.push_back(record);
+    records_.push_back(std::move(record));
   }
-  // Records that completed in [begin, end).
-  std::vector<Record> Between(Clock::time_point begin, Clock::time_point end) const {
+  Counts Between(Clock::time_point begin, Clock::time_point end) const {
     absl::MutexLock lock(&mu_);
-    std::vector<Record> out;
+    Counts c;
     for (const Record& r : records_) {
-      if (r.done >= begin && r.done < end) out.push_back(r);
+      if (r.done >= begin && r.done < end) {
+        (r.code == absl::StatusCode::kOk ? c.ok : c.errors) += 1;
+      }
     }
-    return out;
+    return c;
+  }
+  std::vector<Record> All() const {
+    absl::MutexLock lock(&mu_);
+    return records_;
   }
 
  private:
@@ -233,67 +258,99 @@ absl::StatusOr<Payload> BuildPayload(const LoadSpec& spec) {
   return p;
 }
 
-int64_t Nanos(Clock::duration d) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
+// A failed or successful request, recorded (when there is a recorder).
+void Note(Recorder* recorder, RequestKind kind, int64_t step, int connection,
+          const std::string& session_id, Clock::time_point intended, Clock::time_point sent,
+          bool late, const absl::Status& status, int64_t tokens) {
+  if (recorder == nullptr) return;
+  Record r;
+  r.done = Clock::now();
+  r.intended = intended;
+  r.sent = sent;
+  r.code = status.code();
+  r.tokens = status.ok() ? tokens : 0;
+  r.late = late;
+  r.kind = kind;
+  r.step = step;
+  r.connection = connection;
+  r.session_id = session_id;
+  if (!status.ok()) r.message = std::string(status.message().substr(0, kMaxSampleChars));
+  recorder->Add(std::move(r));
 }
 
-// One Attend from `intended`; records it.
-void RunAttend(Client& client, const Payload& p, const LoadSpec& spec, Clock::time_point intended,
-               bool late, Recorder& recorder) {
+// One Attend due at `intended`; records it.
+void RunAttend(Client& client, int connection, const Payload& p, const LoadSpec& spec,
+               Clock::time_point intended, bool late, Recorder& recorder) {
+  const Clock::time_point sent = Clock::now();
   auto response = client.Attend(p.attend, spec.request_deadline);
-  const auto done = Clock::now();
-  recorder.Add({done, Nanos(done - intended), response.status().code(),
-                response.ok() ? p.attend_tokens : 0, late});
+  Note(&recorder, RequestKind::kAttend, 0, connection, "", intended, sent, late,
+       response.status(), p.attend_tokens);
 }
 
 // One session started at `start` (its scheduled arrival in open loop). Ends
 // early on a stop or on the first failure (recorded as one failed request).
 // `steps` overrides the spec's steps per session (the probe runs one).
-absl::Status RunSession(Client& client, const Payload& p, const LoadSpec& spec,
+absl::Status RunSession(Client& client, int connection, const Payload& p, const LoadSpec& spec,
                         Clock::time_point start, bool late, Recorder* recorder,
                         const StopFlag* stop, int64_t steps) {
   const DecodeShape& d = spec.decode;
-  auto fail = [&](const absl::Status& status, Clock::time_point intended, bool is_late) {
-    const auto done = Clock::now();
-    if (recorder != nullptr) {
-      recorder->Add({done, Nanos(done - intended), status.code(), 0, is_late});
-    }
-    return status;
-  };
+  std::string session_id;
+  const Clock::time_point opened = Clock::now();
   auto session = client.OpenSession(p.open);
-  if (!session.ok()) return fail(session.status(), start, late);
+  if (!session.ok()) {
+    Note(recorder, RequestKind::kPrefill, 0, connection, "", start, opened, late,
+         session.status(), 0);
+    return session.status();
+  }
+  session_id = (*session)->id();
   if (d.context > 0) {
     auto prefill = p.layer_mode ? (*session)->StepHidden(p.prefill_hidden)
                                 : (*session)->Step(p.prefill_q, p.prefill_k, p.prefill_v);
-    if (!prefill.ok()) return fail(prefill.status(), start, late);
+    if (!prefill.ok()) {
+      Note(recorder, RequestKind::kPrefill, 0, connection, session_id, start, opened, late,
+           prefill.status(), 0);
+      return prefill.status();
+    }
   }
   Clock::time_point intended = start;
+  Clock::time_point sent = opened;
+  bool step_late = late;
   for (int64_t i = 0; i < steps; ++i) {
     if (i > 0) {
-      intended = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                    absl::ToChronoNanoseconds(d.think_time));
-      if (stop != nullptr && stop->WaitUntil(intended)) return absl::OkStatus();
-    } else if (stop != nullptr && stop->stopped()) {
-      return absl::OkStatus();
+      if (d.step_rate > 0) {
+        // Due on the session's schedule, whenever the previous step answered.
+        intended = start + std::chrono::duration_cast<Clock::duration>(
+                               std::chrono::duration<double>(static_cast<double>(i) / d.step_rate));
+        step_late = Clock::now() > intended;
+      } else {
+        intended = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                      absl::ToChronoNanoseconds(d.think_time));
+        step_late = false;
+      }
+      if (stop != nullptr) {
+        if (stop->WaitUntil(intended)) return absl::OkStatus();
+      } else {
+        std::this_thread::sleep_until(intended);
+      }
+      sent = Clock::now();
     }
+    const RequestKind kind = i == 0 ? RequestKind::kPrefill : RequestKind::kStep;
     auto result = p.layer_mode ? (*session)->StepHidden(p.step_hidden)
                                : (*session)->Step(p.step_q, p.step_k, p.step_v);
-    if (!result.ok()) return fail(result.status(), intended, i == 0 && late);
-    const auto done = Clock::now();
-    if (recorder != nullptr) {
-      recorder->Add(
-          {done, Nanos(done - intended), absl::StatusCode::kOk, d.tokens_per_step, i == 0 && late});
-    }
+    Note(recorder, kind, i, connection, session_id, intended, sent, step_late, result.status(),
+         d.tokens_per_step);
+    if (!result.ok()) return result.status();
   }
   return (*session)->Close();
 }
 
-void RunRequest(Client& client, const Payload& p, const LoadSpec& spec, Clock::time_point intended,
-                bool late, Recorder& recorder, const StopFlag& stop) {
+void RunRequest(Client& client, int connection, const Payload& p, const LoadSpec& spec,
+                Clock::time_point intended, bool late, Recorder& recorder, const StopFlag& stop) {
   if (spec.workload == Workload::kAttend) {
-    RunAttend(client, p, spec, intended, late, recorder);
+    RunAttend(client, connection, p, spec, intended, late, recorder);
   } else {
-    RunSession(client, p, spec, intended, late, &recorder, &stop, spec.decode.steps_per_session)
+    RunSession(client, connection, p, spec, intended, late, &recorder, &stop,
+               spec.decode.steps_per_session)
         .IgnoreError();
   }
 }
@@ -306,10 +363,112 @@ double Percentile(const std::vector<int64_t>& sorted, double q) {
   return static_cast<double>(sorted[rank - 1]) / 1e6;
 }
 
-double OkPerSecond(const std::vector<Record>& records, double seconds) {
-  int64_t ok = 0;
-  for (const Record& r : records) ok += r.code == absl::StatusCode::kOk;
-  return seconds > 0 ? static_cast<double>(ok) / seconds : 0;
+double OkPerSecond(const Counts& counts, double seconds) {
+  return seconds > 0 ? static_cast<double>(counts.ok) / seconds : 0;
+}
+
+// Percentiles, mean and max of latencies in ns (sorted here).
+LatencyStats StatsOf(std::vector<int64_t> latencies) {
+  LatencyStats l;
+  std::sort(latencies.begin(), latencies.end());
+  l.p50 = Percentile(latencies, 0.50);
+  l.p90 = Percentile(latencies, 0.90);
+  l.p95 = Percentile(latencies, 0.95);
+  l.p99 = Percentile(latencies, 0.99);
+  l.p999 = Percentile(latencies, 0.999);
+  if (!latencies.empty()) {
+    double sum = 0;
+    for (int64_t x : latencies) sum += static_cast<double>(x);
+    l.mean = sum / static_cast<double>(latencies.size()) / 1e6;
+    l.max = static_cast<double>(latencies.back()) / 1e6;
+  }
+  return l;
+}
+
+const char* DTypeText(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_F32:
+      return "f32";
+    case v1::DTYPE_BF16:
+      return "bf16";
+    default:
+      return "?";
+  }
+}
+
+std::string Num(double x) { return absl::StrFormat("%g", x); }
+
+// The workload's fields, WorkloadFieldNames() order; "" where one does not apply.
+std::vector<WorkloadField> DescribeWorkload(const LoadSpec& spec, int connections) {
+  const bool layer = !spec.model.empty();
+  const bool attend = spec.workload == Workload::kAttend;
+  const AttendShape& a = spec.attend;
+  const DecodeShape& d = spec.decode;
+  std::map<std::string, std::string> v;
+  if (layer) {
+    v["model"] = spec.model;
+    v["layer"] = absl::StrCat(spec.layer);
+    v["hidden_size"] = absl::StrCat(spec.hidden_size);
+  }
+  if (attend) {
+    v["batch"] = absl::StrCat(a.batch);
+    v["q_len"] = absl::StrCat(a.q_len);
+    v["dtype"] = DTypeText(a.dtype);
+    v["causal"] = a.causal ? "1" : "0";
+    if (!layer) {
+      v["heads"] = absl::StrCat(a.heads);
+      v["kv_heads"] = absl::StrCat(a.kv_heads == 0 ? a.heads : a.kv_heads);
+      v["head_dim"] = absl::StrCat(a.head_dim);
+      v["k_len"] = absl::StrCat(a.k_len);
+      const std::string rope = a.rope_type.empty() ? "default" : a.rope_type;
+      v["rope"] = rope;
+      if (rope != "none" && rope != "default") {  // as SetRope sends it
+        v["rope_factor"] = Num(a.rope_factor != 0 ? a.rope_factor : 2.0);
+        if (rope != "linear" && rope != "ntk") {
+          v["rope_original_max_positions"] = absl::StrCat(
+              a.original_max_positions != 0 ? a.original_max_positions
+                                            : std::max<int64_t>(1, a.k_len / 2));
+        }
+      }
+    }
+  } else {
+    v["batch"] = "1";
+    v["dtype"] = DTypeText(d.dtype);
+    v["causal"] = "1";
+    if (!layer) {
+      v["heads"] = absl::StrCat(d.heads);
+      v["kv_heads"] = absl::StrCat(d.kv_heads == 0 ? d.heads : d.kv_heads);
+      v["head_dim"] = absl::StrCat(d.head_dim);
+      v["rope"] = "default";
+    }
+    v["context"] = absl::StrCat(d.context);
+    v["steps_per_session"] = absl::StrCat(d.steps_per_session);
+    v["tokens_per_step"] = absl::StrCat(d.tokens_per_step);
+    v["kv_dtype"] = DTypeText(d.kv_dtype);
+    v["think_ms"] = Num(absl::ToDoubleMilliseconds(d.think_time));
+    v["step_rate"] = Num(d.step_rate);
+  }
+  v["connections"] = absl::StrCat(connections);
+  if (spec.mode != LoadMode::kClosed) v["max_outstanding"] = absl::StrCat(spec.max_outstanding);
+  std::vector<WorkloadField> fields;
+  for (const std::string& name : WorkloadFieldNames()) {
+    const bool text = name == "model" || name == "dtype" || name == "kv_dtype" || name == "rope";
+    auto it = v.find(name);
+    fields.push_back({name, it == v.end() ? "" : it->second, !text});
+  }
+  return fields;
+}
+
+// The methods whose server-side times a workload exercises.
+std::vector<std::string> MethodsOf(Workload workload) {
+  if (workload == Workload::kAttend) return {"Attend"};
+  return {"Decode.Open", "Decode.Step", "Decode.Close"};
+}
+
+absl::StatusOr<std::vector<MetricSample>> Scrape(const LoadSpec& spec) {
+  absl::StatusOr<std::string> body = HttpGet(spec.metrics_url, spec.scrape_timeout);
+  if (!body.ok()) return body.status();
+  return ParsePrometheusText(*body);
 }
 
 bool IsStable(const std::vector<double>& throughputs, int n, double tolerance) {
@@ -342,6 +501,31 @@ const char* LoadModeName(LoadMode mode) {
       return "poisson";
   }
   return "?";
+}
+
+const char* RequestKindName(RequestKind kind) {
+  switch (kind) {
+    case RequestKind::kAttend:
+      return "attend";
+    case RequestKind::kPrefill:
+      return "prefill";
+    case RequestKind::kStep:
+      return "step";
+  }
+  return "?";
+}
+
+const std::vector<std::string>& WorkloadFieldNames() {
+  static const auto* names = new std::vector<std::string>{
+      "model",     "layer",       "hidden_size",
+      "batch",     "heads",       "kv_heads",
+      "head_dim",  "q_len",       "k_len",
+      "dtype",     "causal",      "rope",
+      "rope_factor", "rope_original_max_positions", "context",
+      "steps_per_session", "tokens_per_step", "kv_dtype",
+      "think_ms",  "step_rate",   "connections",
+      "max_outstanding"};
+  return *names;
 }
 
 absl::StatusOr<Workload> ParseWorkload(absl::string_view name) {
@@ -411,6 +595,14 @@ absl::Status ValidateLoadSpec(const LoadSpec& spec) {
     if (d.think_time < absl::ZeroDuration()) {
       return bad("think time must be >= 0, got ", absl::FormatDuration(d.think_time));
     }
+    if (!(d.step_rate >= 0) || !std::isfinite(d.step_rate)) {
+      return bad("step_rate must be >= 0, got ", d.step_rate);
+    }
+    if (d.step_rate > 0 && d.think_time > absl::ZeroDuration()) {
+      return bad("step_rate and think time exclude each other (a scheduled step has no think "
+                 "time), got ",
+                 d.step_rate, " steps/s and ", absl::FormatDuration(d.think_time));
+    }
     if (absl::Status s = check_dtype(d.dtype, "dtype"); !s.ok()) return s;
     if (absl::Status s = check_dtype(d.kv_dtype, "kv_dtype"); !s.ok()) return s;
   }
@@ -443,7 +635,27 @@ absl::Status ValidateLoadSpec(const LoadSpec& spec) {
   if (spec.request_deadline <= absl::ZeroDuration()) {
     return bad("request deadline must be > 0, got ", absl::FormatDuration(spec.request_deadline));
   }
+  if (spec.scrape_timeout <= absl::ZeroDuration()) {
+    return bad("scrape timeout must be > 0, got ", absl::FormatDuration(spec.scrape_timeout));
+  }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<Client>>> ConnectClients(const ClientOptions& options,
+                                                                    int connections) {
+  if (connections < 1 || connections > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("connections must be in [1, 256], got ", connections));
+  }
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int i = 0; i < connections; ++i) {
+    ClientOptions o = options;
+    o.max_message_bytes -= i;  // a distinct channel, hence its own connection (see loadgen.h)
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(o);
+    if (!client.ok()) return client.status();
+    clients.push_back(*std::move(client));
+  }
+  return clients;
 }
 
 absl::StatusOr<LoadSpec> ResolveLayerMode(Client& client, const LoadSpec& spec) {
@@ -464,13 +676,15 @@ absl::Status ProbeWorkload(Client& client, const LoadSpec& spec_in) {
   if (spec.workload == Workload::kAttend) {
     return client.Attend(payload->attend, spec.request_deadline).status();
   }
-  return RunSession(client, *payload, spec, Clock::now(), false, nullptr, nullptr, 1);
+  return RunSession(client, 0, *payload, spec, Clock::now(), false, nullptr, nullptr, 1);
 }
 
-absl::StatusOr<PointResult> RunPoint(Client& client, const LoadSpec& spec_in, double level,
-                                     int point_index, int points) {
+absl::StatusOr<PointResult> RunPoint(absl::Span<Client* const> clients,
+                                     const LoadSpec& spec_in, double level, int point_index,
+                                     int points) {
+  if (clients.empty()) return absl::InvalidArgumentError("no client to send through");
   if (absl::Status s = ValidateLoadSpec(spec_in); !s.ok()) return s;
-  absl::StatusOr<LoadSpec> resolved = ResolveLayerMode(client, spec_in);
+  absl::StatusOr<LoadSpec> resolved = ResolveLayerMode(*clients[0], spec_in);
   if (!resolved.ok()) return resolved.status();
   const LoadSpec& spec = *resolved;
   absl::StatusOr<Payload> payload_or = BuildPayload(spec);
@@ -480,6 +694,8 @@ absl::StatusOr<PointResult> RunPoint(Client& client, const LoadSpec& spec_in, do
   PointResult result;
   result.workload = spec.workload;
   result.mode = spec.mode;
+  result.connections = static_cast<int>(clients.size());
+  result.workload_fields = DescribeWorkload(spec, result.connections);
   const bool closed = spec.mode == LoadMode::kClosed;
   if (closed) {
     result.concurrency = static_cast<int>(level);
@@ -494,14 +710,19 @@ absl::StatusOr<PointResult> RunPoint(Client& client, const LoadSpec& spec_in, do
 
   Recorder recorder;
   StopFlag stop;
+  // Requests (attend) and sessions (decode) take the Clients in turn.
+  std::atomic<uint64_t> next_client{0};
+  auto run_one = [&](Clock::time_point intended, bool late) {
+    const int connection = static_cast<int>(next_client.fetch_add(1) % clients.size());
+    RunRequest(*clients[connection], connection, payload, spec, intended, late, recorder, stop);
+  };
   const Clock::time_point start = Clock::now();
+  result.start_unix_ms = absl::ToUnixMillis(absl::Now());
   std::vector<std::thread> workers;
   if (closed) {
     for (int i = 0; i < result.concurrency; ++i) {
       workers.emplace_back([&] {
-        while (!stop.stopped()) {
-          RunRequest(client, payload, spec, Clock::now(), false, recorder, stop);
-        }
+        while (!stop.stopped()) run_one(Clock::now(), false);
       });
     }
   } else {
@@ -518,7 +739,7 @@ absl::StatusOr<PointResult> RunPoint(Client& client, const LoadSpec& spec_in, do
           // Claimed after its time: every worker was busy when it was due.
           const bool late = Clock::now() > intended;
           if (stop.WaitUntil(intended)) break;
-          RunRequest(client, payload, spec, intended, late, recorder, stop);
+          run_one(intended, late);
         }
       });
     }
@@ -537,16 +758,21 @@ absl::StatusOr<PointResult> RunPoint(Client& client, const LoadSpec& spec_in, do
   progress.concurrency = result.concurrency;
   progress.offered_rps = result.offered_rps;
   progress.max_windows = spec.max_windows;
-  auto report = [&](int window_index, const std::vector<Record>& records, double seconds) {
+  auto report = [&](int window_index, const Counts& counts, double seconds) {
     if (!spec.on_window) return;
     progress.window = window_index;
-    progress.throughput_rps = OkPerSecond(records, seconds);
-    progress.errors = 0;
-    for (const Record& r : records) progress.errors += r.code != absl::StatusCode::kOk;
+    progress.throughput_rps = OkPerSecond(counts, seconds);
+    progress.errors = counts.errors;
     spec.on_window(progress);
+  };
+  // scrapes[k]: the server's metrics after window k (0: after the warm-up).
+  std::vector<absl::StatusOr<std::vector<MetricSample>>> scrapes;
+  auto scrape = [&] {
+    if (!spec.metrics_url.empty()) scrapes.push_back(Scrape(spec));
   };
 
   std::this_thread::sleep_until(measure_start + kRecordGrace);
+  scrape();
   report(0, recorder.Between(start, measure_start),
          std::chrono::duration<double>(measure_start - start).count());
   std::vector<double> live;
@@ -555,10 +781,11 @@ absl::StatusOr<PointResult> RunPoint(Client& client, const LoadSpec& spec_in, do
     const Clock::time_point begin = measure_start + windows * window;
     const Clock::time_point end = begin + window;
     std::this_thread::sleep_until(end + kRecordGrace);
+    scrape();
     ++windows;
-    std::vector<Record> records = recorder.Between(begin, end);
-    live.push_back(OkPerSecond(records, window_seconds));
-    report(windows, records, window_seconds);
+    const Counts counts = recorder.Between(begin, end);
+    live.push_back(OkPerSecond(counts, window_seconds));
+    report(windows, counts, window_seconds);
     if (IsStable(live, spec.stable_windows, spec.stability)) break;
   }
   stop.Stop();
@@ -577,44 +804,130 @@ absl::StatusOr<PointResult> RunPoint(Client& client, const LoadSpec& spec_in, do
   const Clock::time_point final_begin = measure_start + (windows - used) * window;
   const Clock::time_point final_end = measure_start + windows * window;
   result.measured_seconds = used * window_seconds;
-  std::vector<int64_t> latencies;
+  std::vector<int64_t> latencies, prefill, steps;
   int64_t tokens = 0;
-  for (const Record& r : recorder.Between(final_begin, final_end)) {
+  std::vector<Record> records = recorder.All();
+  auto ms_since_start = [&](Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(t - start).count();
+  };
+  for (const Record& r : records) {
+    const bool counted = r.done >= final_begin && r.done < final_end;
+    if (spec.record_requests) {
+      RequestRecord out;
+      out.point = point_index;
+      out.kind = r.kind;
+      out.session_id = r.session_id;
+      out.step = r.step;
+      out.connection = r.connection;
+      out.scheduled_ms = ms_since_start(r.intended);
+      out.sent_ms = ms_since_start(r.sent);
+      out.latency_ms = static_cast<double>(r.latency_ns()) / 1e6;
+      out.code = r.code;
+      out.late = r.late;
+      if (r.done < measure_start) {
+        out.window = 0;
+      } else if (r.done >= final_end) {
+        out.window = -1;
+      } else {
+        out.window = 1 + static_cast<int>((r.done - measure_start) / window);
+      }
+      out.counted = counted;
+      result.request_log.push_back(std::move(out));
+    }
+    if (!counted) continue;
     ++result.requests;
     ++result.codes[r.code];
     result.late += r.late;
     if (r.code == absl::StatusCode::kOk) {
       ++result.ok;
       tokens += r.tokens;
-      latencies.push_back(r.latency_ns);
+      latencies.push_back(r.latency_ns());
+      if (r.kind == RequestKind::kPrefill) prefill.push_back(r.latency_ns());
+      if (r.kind == RequestKind::kStep) steps.push_back(r.latency_ns());
+    } else {
+      std::vector<std::string>& samples = result.error_samples[r.code];
+      if (samples.size() < kSamplesPerCode &&
+          std::find(samples.begin(), samples.end(), r.message) == samples.end()) {
+        samples.push_back(r.message);
+      }
     }
   }
   result.errors = result.requests - result.ok;
   result.throughput_rps = static_cast<double>(result.ok) / result.measured_seconds;
   result.tokens_per_s = static_cast<double>(tokens) / result.measured_seconds;
-  std::sort(latencies.begin(), latencies.end());
-  LatencyStats& l = result.latency;
-  l.p50 = Percentile(latencies, 0.50);
-  l.p90 = Percentile(latencies, 0.90);
-  l.p95 = Percentile(latencies, 0.95);
-  l.p99 = Percentile(latencies, 0.99);
-  l.p999 = Percentile(latencies, 0.999);
-  if (!latencies.empty()) {
-    double sum = 0;
-    for (int64_t x : latencies) sum += static_cast<double>(x);
-    l.mean = sum / static_cast<double>(latencies.size()) / 1e6;
-    l.max = static_cast<double>(latencies.back()) / 1e6;
+  result.prefill_ok = static_cast<int64_t>(prefill.size());
+  result.step_ok = static_cast<int64_t>(steps.size());
+  result.latency = StatsOf(std::move(latencies));
+  result.prefill_latency = StatsOf(std::move(prefill));
+  result.step_latency = StatsOf(std::move(steps));
+
+  if (!spec.metrics_url.empty()) {
+    const size_t before = static_cast<size_t>(windows - used), after = static_cast<size_t>(windows);
+    if (after >= scrapes.size()) {
+      result.server_error = "missing scrape";
+    } else if (!scrapes[before].ok() || !scrapes[after].ok()) {
+      result.server_error = std::string(
+          (scrapes[before].ok() ? scrapes[after] : scrapes[before]).status().message());
+    } else {
+      for (const std::string& method : MethodsOf(spec.workload)) {
+        const HistogramGrowth queue =
+            GrowthOf(*scrapes[before], *scrapes[after], "ropeattn_queue_seconds", "method", method);
+        const HistogramGrowth compute = GrowthOf(*scrapes[before], *scrapes[after],
+                                                 "ropeattn_compute_seconds", "method", method);
+        if (queue.count <= 0 && compute.count <= 0) continue;
+        ServerTime t;
+        t.method = method;
+        t.queue_count = static_cast<int64_t>(queue.count);
+        t.queue_mean_ms = queue.mean_ms;
+        t.queue_p50_ms = queue.p50_ms;
+        t.queue_p99_ms = queue.p99_ms;
+        t.compute_count = static_cast<int64_t>(compute.count);
+        t.compute_mean_ms = compute.mean_ms;
+        t.compute_p50_ms = compute.p50_ms;
+        t.compute_p99_ms = compute.p99_ms;
+        result.server.push_back(std::move(t));
+      }
+    }
   }
   return result;
 }
 
-absl::StatusOr<std::vector<PointResult>> RunLoad(Client& client, const LoadSpec& spec_in) {
+absl::StatusOr<PointResult> RunPoint(Client& client, const LoadSpec& spec, double level,
+                                     int point_index, int points) {
+  Client* clients[] = {&client};
+  return RunPoint(absl::MakeConstSpan(clients), spec, level, point_index, points);
+}
+
+namespace {
+
+// What RunLoad and SearchLoad do before measuring: validate, resolve the
+// layer mode once, probe the workload (on every connection) and the metrics URL.
+absl::StatusOr<LoadSpec> Prepare(absl::Span<Client* const> clients, const LoadSpec& spec_in) {
+  if (clients.empty()) return absl::InvalidArgumentError("no client to send through");
   if (absl::Status s = ValidateLoadSpec(spec_in); !s.ok()) return s;
-  // The model's hidden_size is asked once for the whole sweep.
-  absl::StatusOr<LoadSpec> resolved = ResolveLayerMode(client, spec_in);
+  // The model's hidden_size is asked once for the whole run.
+  absl::StatusOr<LoadSpec> resolved = ResolveLayerMode(*clients[0], spec_in);
   if (!resolved.ok()) return resolved.status();
-  const LoadSpec& spec = *resolved;
-  if (absl::Status s = ProbeWorkload(client, spec); !s.ok()) return s;
+  for (Client* client : clients) {
+    if (absl::Status s = ProbeWorkload(*client, *resolved); !s.ok()) return s;
+  }
+  if (!resolved->metrics_url.empty()) {
+    absl::StatusOr<std::vector<MetricSample>> samples = Scrape(*resolved);
+    if (!samples.ok()) {
+      return absl::Status(samples.status().code(),
+                          absl::StrCat("metrics URL: ", samples.status().message()));
+    }
+  }
+  return resolved;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<PointResult>> RunLoad(absl::Span<Client* const> clients,
+                                                 const LoadSpec& spec_in) {
+  absl::StatusOr<LoadSpec> prepared = Prepare(clients, spec_in);
+  if (!prepared.ok()) return prepared.status();
+  const LoadSpec& spec = *prepared;
   std::vector<double> levels;
   if (spec.mode == LoadMode::kClosed) {
     levels.assign(spec.concurrency.begin(), spec.concurrency.end());
@@ -624,11 +937,99 @@ absl::StatusOr<std::vector<PointResult>> RunLoad(Client& client, const LoadSpec&
   std::vector<PointResult> results;
   for (size_t i = 0; i < levels.size(); ++i) {
     absl::StatusOr<PointResult> point =
-        RunPoint(client, spec, levels[i], static_cast<int>(i), static_cast<int>(levels.size()));
+        RunPoint(clients, spec, levels[i], static_cast<int>(i), static_cast<int>(levels.size()));
     if (!point.ok()) return point.status();
     results.push_back(*std::move(point));
   }
   return results;
+}
+
+absl::StatusOr<std::vector<PointResult>> RunLoad(Client& client, const LoadSpec& spec) {
+  Client* clients[] = {&client};
+  return RunLoad(absl::MakeConstSpan(clients), spec);
+}
+
+bool MeetsThreshold(const PointResult& point, double latency_threshold_ms) {
+  return point.ok > 0 && point.errors == 0 && point.latency.p99 <= latency_threshold_ms;
+}
+
+absl::StatusOr<SearchResult> SearchLoad(absl::Span<Client* const> clients,
+                                        const LoadSpec& spec_in, const SearchSpec& search) {
+  auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
+  const bool closed = spec_in.mode == LoadMode::kClosed;
+  const double cap = search.max_level > 0 ? search.max_level
+                     : closed             ? 4096
+                                          : std::numeric_limits<double>::infinity();
+  if (!(search.latency_threshold_ms > 0) || !std::isfinite(search.latency_threshold_ms)) {
+    return bad("latency threshold must be > 0 ms, got ", search.latency_threshold_ms);
+  }
+  if (!(search.start > 0) || !std::isfinite(search.start) ||
+      (closed && search.start != std::floor(search.start))) {
+    return bad("search start must be ", closed ? "an integer >= 1" : "> 0", ", got ",
+               search.start);
+  }
+  if (!(search.max_level >= 0) || cap < search.start) {
+    return bad("search max level must be >= its start (", search.start, "), got ",
+               search.max_level);
+  }
+  if (search.max_points < 1) return bad("search max points must be >= 1, got ", search.max_points);
+  if (!closed && !(search.resolution > 0)) {
+    return bad("search resolution must be > 0, got ", search.resolution);
+  }
+  absl::StatusOr<LoadSpec> prepared = Prepare(clients, spec_in);
+  if (!prepared.ok()) return prepared.status();
+  const LoadSpec& spec = *prepared;
+
+  SearchResult out;
+  auto probe = [&](double level) -> absl::StatusOr<bool> {
+    absl::StatusOr<PointResult> point = RunPoint(
+        clients, spec, level, static_cast<int>(out.points.size()), search.max_points);
+    if (!point.ok()) return point.status();
+    const bool passed = MeetsThreshold(*point, search.latency_threshold_ms);
+    out.points.push_back(*std::move(point));
+    out.passed.push_back(passed);
+    return passed;
+  };
+  double lo = 0, hi = 0;  // highest passing, lowest failing (0: none yet)
+  // 1. Doubling until a level fails or the cap was probed.
+  for (double level = search.start;;) {
+    if (static_cast<int>(out.points.size()) >= search.max_points) {
+      out.stopped = "max_points";
+      break;
+    }
+    absl::StatusOr<bool> passed = probe(level);
+    if (!passed.ok()) return passed.status();
+    if (!*passed) {
+      hi = level;
+      break;
+    }
+    lo = level;
+    if (level >= cap) {
+      out.stopped = "max_level";
+      break;
+    }
+    level = std::min(level * 2, cap);
+  }
+  if (hi > 0 && lo == 0) out.stopped = "first level failed";
+  // 2. Bisection between the highest pass and the lowest failure.
+  while (out.stopped.empty()) {
+    if (closed ? hi - lo <= 1 : hi - lo <= search.resolution * lo) {
+      out.stopped = "resolution";
+      break;
+    }
+    if (static_cast<int>(out.points.size()) >= search.max_points) {
+      out.stopped = "max_points";
+      break;
+    }
+    const double mid = closed ? std::floor((lo + hi) / 2) : (lo + hi) / 2;
+    absl::StatusOr<bool> passed = probe(mid);
+    if (!passed.ok()) return passed.status();
+    (*passed ? lo : hi) = mid;
+  }
+  out.found = lo > 0;
+  out.best = lo;
+  out.lowest_failed = hi;
+  return out;
 }
 
 }  // namespace ropeattn::client

@@ -7,7 +7,7 @@
 // such as --json or --kv_dtype may belong to other subcommands with other
 // types.
 //
-// CSV columns (one row per sweep point; kCsvHeader below):
+// CSV columns (one row per point; CsvHeader() below):
 //   mode            closed, constant or poisson
 //   workload        attend or decode
 //   concurrency     closed loop: workers; 0 in open loop
@@ -24,6 +24,20 @@
 //   windows         measurement windows run
 //   stable          1 if the last three windows' throughputs were within
 //                   --stability of their mean, else 0
+// then the workload (client::WorkloadFieldNames(): model, layer, hidden_size,
+// batch, heads, kv_heads, head_dim, q_len, k_len, dtype, causal, rope,
+// rope_factor, rope_original_max_positions, context, steps_per_session,
+// tokens_per_step, kv_dtype, think_ms, step_rate, connections,
+// max_outstanding; empty where a field does not apply), then
+//   prefill_ok, prefill_p50_ms .. prefill_mean_ms, step_ok, step_p50_ms ..
+//                   decode: first steps (open + prefill + first step) and the
+//                   other steps apart (empty for attend)
+//   server_method, server_requests, queue_*_ms, compute_*_ms
+//                   --metrics_url: the server's queue and compute time of
+//                   the workload's main method (Attend, Decode.Step) over the
+//                   final windows (the JSON has every method)
+//   search          --latency_threshold: pass or fail (empty in a sweep)
+//   error_samples   up to 3 messages per non-OK code, "CODE: m1 | m2; CODE: m3"
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,6 +48,8 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,6 +59,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "client/cli/commands.h"
@@ -54,9 +71,22 @@ namespace {
 
 constexpr char kCommand[] = "bench";
 
-constexpr char kCsvHeader[] =
+constexpr char kCsvBaseHeader[] =
     "mode,workload,concurrency,offered_rps,throughput_rps,tokens_per_s,p50_ms,p90_ms,p95_ms,"
     "p99_ms,p999_ms,mean_ms,max_ms,requests,ok,errors,late,codes,windows,stable";
+constexpr char kCsvStatsHeader[] =
+    "prefill_ok,prefill_p50_ms,prefill_p90_ms,prefill_p99_ms,prefill_mean_ms,step_ok,step_p50_ms,"
+    "step_p90_ms,step_p99_ms,step_mean_ms,server_method,server_requests,queue_mean_ms,"
+    "queue_p50_ms,queue_p99_ms,compute_mean_ms,compute_p50_ms,compute_p99_ms,search,"
+    "error_samples";
+constexpr char kRequestsHeader[] =
+    "point,kind,session_id,step,connection,scheduled_ms,sent_ms,latency_ms,code,late,window,"
+    "counted";
+
+std::string CsvHeader() {
+  return absl::StrCat(kCsvBaseHeader, ",", absl::StrJoin(client::WorkloadFieldNames(), ","), ",",
+                      kCsvStatsHeader);
+}
 
 constexpr absl::string_view kSharedFlags[] = {"heads",
                                               "kv_heads",
@@ -91,6 +121,14 @@ struct BenchFlags {
   std::string csv;
   std::string json;
   std::string plot;
+  int64_t connections = 1;
+  std::string requests_out;
+  double latency_threshold = 0;
+  int64_t search_max_points = 10;
+  double search_max = 0;
+  double search_resolution = 0.05;
+  double step_rate = 0;
+  std::string metrics_url;
 };
 
 struct OwnFlag {
@@ -153,6 +191,39 @@ std::vector<OwnFlag> OwnFlags(BenchFlags* f) {
        num(&f->tokens_per_step)},
       {"think_ms", d(f->think_ms), "Decode: pause between a step's answer and the next step.",
        num(&f->think_ms)},
+      {"step_rate", d(f->step_rate),
+       "Decode: steps/s of each session (open or closed loop). Step i is due at the session's "
+       "start + i / step_rate and its latency runs from then (a step due before the previous "
+       "one answered is sent at once and counted late). 0: back to back (after --think_ms).",
+       num(&f->step_rate)},
+      {"connections", absl::StrCat(f->connections),
+       "TCP connections (gRPC channels) to spread requests over, round robin (decode: per "
+       "session), 1-256.",
+       num(&f->connections)},
+      {"latency_threshold", d(f->latency_threshold),
+       "Search instead of sweeping: the highest concurrency (closed) or rate (open) whose p99 "
+       "(ms) stays at or under this, with no failed request. Doubles from the first "
+       "--concurrency/--rate value until a level fails, then bisects; 0: sweep.",
+       num(&f->latency_threshold)},
+      {"search_max_points", absl::StrCat(f->search_max_points),
+       "Search: points to probe at most.", num(&f->search_max_points)},
+      {"search_max", d(f->search_max),
+       "Search: highest level to probe (0: concurrency 4096, rate unbounded).",
+       num(&f->search_max)},
+      {"search_resolution", d(f->search_resolution),
+       "Search, open loop: stop bisecting when the failing rate is within this fraction above "
+       "the passing one (closed loop: at adjacent concurrencies).",
+       num(&f->search_resolution)},
+      {"metrics_url", f->metrics_url,
+       "The server's Prometheus endpoint, e.g. http://127.0.0.1:9464/metrics: scraped after the "
+       "warm-up and each window; each point reports the server's queue and compute time "
+       "(ropeattn_queue_seconds, ropeattn_compute_seconds: mean, p50, p99 from the buckets) "
+       "over its final windows.",
+       str(&f->metrics_url)},
+      {"requests_out", f->requests_out,
+       "Write one line per request (every point, warm-up included) to this file: CSV, or JSON "
+       "lines if the name ends in .jsonl or .ndjson (fields below).",
+       str(&f->requests_out)},
       {"kv_dtype", f->kv_dtype, "Decode: KV cache dtype, f32 or bf16.", str(&f->kv_dtype)},
       {"csv", f->csv, "Write one CSV row per sweep point to this file (columns below).",
        str(&f->csv)},
@@ -173,11 +244,20 @@ std::string Usage(const std::vector<OwnFlag>& flags) {
     absl::StrAppend(&text, "  --", flag.name, "\n      ", flag.help, " (default: \"",
                     flag.default_value, "\")\n");
   }
-  absl::StrAppend(&text, "\nCSV columns: ", kCsvHeader,
+  absl::StrAppend(&text, "\nCSV columns: ", CsvHeader(),
                   "\n  concurrency is 0 in open loop, offered_rps 0 in closed loop; latencies in "
                   "ms of successful\n  requests (open loop: from the scheduled send time); "
                   "late = sent after their scheduled\n  time; codes = \"OK=n;CODE=n\"; stable = "
-                  "1 or 0.\n\nShape flags (attend: q [batch, q_len, heads, head_dim], k/v "
+                  "1 or 0. The workload columns (model .. max_outstanding)\n  are empty where they "
+                  "do not apply. prefill_* = decode first steps (open + prefill + first\n  step), "
+                  "step_* = the other steps. server_* / queue_* / compute_*: --metrics_url, the "
+                  "main\n  method (Attend, Decode.Step). search: pass/fail with "
+                  "--latency_threshold. error_samples:\n  up to 3 messages per non-OK code."
+                  "\n\n--requests_out fields: ", kRequestsHeader,
+                  "\n  kind = attend, prefill (a session's first step: open + prefill + first "
+                  "step) or step;\n  times in ms since the point's start; latency from "
+                  "scheduled_ms; window 0 = warm-up,\n  -1 = after the last window; counted = 1 "
+                  "if in the point's numbers.\n\nShape flags (attend: q [batch, q_len, heads, head_dim], k/v "
                   "[batch, k_len, kv_heads, head_dim];\ndecode: heads, kv_heads, head_dim, "
                   "dtype of the step tensors) are the shared ones.\n\nLayer mode (--model NAME "
                   "--layer L): both workloads run on the model's attention\nlayer with random "
@@ -251,19 +331,67 @@ absl::Status WriteFile(const std::string& path, const std::string& contents) {
   return absl::OkStatus();
 }
 
-std::string CsvRow(const client::PointResult& r) {
+// RFC 4180: quoted when it holds a comma, a quote or a line break.
+std::string CsvField(absl::string_view value) {
+  if (value.find_first_of(",\"\r\n") == absl::string_view::npos) return std::string(value);
+  return absl::StrCat("\"", absl::StrReplaceAll(value, {{"\"", "\"\""}}), "\"");
+}
+
+std::string FormatSamples(const std::map<absl::StatusCode, std::vector<std::string>>& samples) {
+  return absl::StrJoin(samples, "; ", [](std::string* out, const auto& entry) {
+    absl::StrAppend(out, absl::StatusCodeToString(entry.first), ": ",
+                    absl::StrJoin(entry.second, " | "));
+  });
+}
+
+// The server time of the workload's main method, if scraped.
+const client::ServerTime* MainServerTime(const client::PointResult& r) {
+  const char* main = r.workload == client::Workload::kAttend ? "Attend" : "Decode.Step";
+  for (const client::ServerTime& t : r.server) {
+    if (t.method == main) return &t;
+  }
+  return nullptr;
+}
+
+// "" for a point outside a search; "pass" / "fail" in one.
+using Verdicts = std::vector<std::string>;
+
+std::string CsvRow(const client::PointResult& r, const std::string& verdict) {
   const client::LatencyStats& l = r.latency;
-  return absl::StrFormat(
+  std::string row = absl::StrFormat(
       "%s,%s,%d,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%d,%d,%d,%d,%s,%d,%d",
       client::LoadModeName(r.mode), client::WorkloadName(r.workload), r.concurrency, r.offered_rps,
       r.throughput_rps, r.tokens_per_s, l.p50, l.p90, l.p95, l.p99, l.p999, l.mean, l.max,
       r.requests, r.ok, r.errors, r.late, client::FormatCodes(r.codes), r.windows,
       r.stable ? 1 : 0);
+  for (const client::WorkloadField& f : r.workload_fields) {
+    absl::StrAppend(&row, ",", CsvField(f.value));
+  }
+  if (r.workload == client::Workload::kDecode) {
+    const client::LatencyStats& p = r.prefill_latency;
+    const client::LatencyStats& s = r.step_latency;
+    absl::StrAppendFormat(&row, ",%d,%.3f,%.3f,%.3f,%.3f,%d,%.3f,%.3f,%.3f,%.3f", r.prefill_ok,
+                          p.p50, p.p90, p.p99, p.mean, r.step_ok, s.p50, s.p90, s.p99, s.mean);
+  } else {
+    absl::StrAppend(&row, ",,,,,,,,,,");
+  }
+  if (const client::ServerTime* t = MainServerTime(r); t != nullptr) {
+    absl::StrAppendFormat(&row, ",%s,%d,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f", t->method,
+                          std::max(t->queue_count, t->compute_count), t->queue_mean_ms,
+                          t->queue_p50_ms, t->queue_p99_ms, t->compute_mean_ms, t->compute_p50_ms,
+                          t->compute_p99_ms);
+  } else {
+    absl::StrAppend(&row, ",,,,,,,,");
+  }
+  absl::StrAppend(&row, ",", verdict, ",", CsvField(FormatSamples(r.error_samples)));
+  return row;
 }
 
-std::string Csv(const std::vector<client::PointResult>& results) {
-  std::string text = absl::StrCat(kCsvHeader, "\n");
-  for (const auto& r : results) absl::StrAppend(&text, CsvRow(r), "\n");
+std::string Csv(const std::vector<client::PointResult>& results, const Verdicts& verdicts) {
+  std::string text = absl::StrCat(CsvHeader(), "\n");
+  for (size_t i = 0; i < results.size(); ++i) {
+    absl::StrAppend(&text, CsvRow(results[i], i < verdicts.size() ? verdicts[i] : ""), "\n");
+  }
   return text;
 }
 
@@ -283,8 +411,37 @@ std::string JsonString(absl::string_view s) {
 
 std::string JsonNumber(double x) { return std::isfinite(x) ? absl::StrFormat("%.6g", x) : "null"; }
 
+std::string JsonLatency(const client::LatencyStats& l) {
+  return absl::StrCat("{\"p50\": ", JsonNumber(l.p50), ", \"p90\": ", JsonNumber(l.p90),
+                      ", \"p95\": ", JsonNumber(l.p95), ", \"p99\": ", JsonNumber(l.p99),
+                      ", \"p999\": ", JsonNumber(l.p999), ", \"mean\": ", JsonNumber(l.mean),
+                      ", \"max\": ", JsonNumber(l.max), "}");
+}
+
+// The point's workload, one object: mode, workload, load level and shapes.
+std::string JsonWorkload(const client::PointResult& r) {
+  std::vector<std::string> fields = {
+      absl::StrCat("\"mode\": ", JsonString(client::LoadModeName(r.mode))),
+      absl::StrCat("\"workload\": ", JsonString(client::WorkloadName(r.workload))),
+      r.mode == client::LoadMode::kClosed
+          ? absl::StrCat("\"concurrency\": ", r.concurrency)
+          : absl::StrCat("\"offered_rps\": ", JsonNumber(r.offered_rps))};
+  for (const client::WorkloadField& f : r.workload_fields) {
+    if (f.value.empty()) continue;  // does not apply
+    fields.push_back(absl::StrCat(JsonString(f.name), ": ",
+                                  f.numeric ? f.value : JsonString(f.value)));
+  }
+  return absl::StrCat("{", absl::StrJoin(fields, ", "), "}");
+}
+
+struct SearchReport {
+  client::SearchSpec spec;
+  client::SearchResult result;
+};
+
 std::string Json(const client::LoadSpec& spec, const std::string& target,
-                 const std::vector<client::PointResult>& results) {
+                 const std::vector<client::PointResult>& results, const Verdicts& verdicts,
+                 const SearchReport* search) {
   std::string text =
       absl::StrCat("{\n  \"target\": ", JsonString(target),
                    ",\n  \"workload\": ", JsonString(client::WorkloadName(spec.workload)),
@@ -294,31 +451,105 @@ std::string Json(const client::LoadSpec& spec, const std::string& target,
                                                      ",\n  \"layer\": ", spec.layer),
                    ",\n  \"window_seconds\": ", JsonNumber(absl::ToDoubleSeconds(spec.window)),
                    ",\n  \"warmup_seconds\": ", JsonNumber(absl::ToDoubleSeconds(spec.warmup)),
-                   ",\n  \"max_windows\": ", spec.max_windows, ",\n  \"points\": [");
+                   ",\n  \"max_windows\": ", spec.max_windows);
+  if (!spec.metrics_url.empty()) {
+    absl::StrAppend(&text, ",\n  \"metrics_url\": ", JsonString(spec.metrics_url));
+  }
+  if (search != nullptr) {
+    const client::SearchSpec& s = search->spec;
+    const client::SearchResult& r = search->result;
+    absl::StrAppend(
+        &text, ",\n  \"search\": {\"latency_threshold_ms\": ", JsonNumber(s.latency_threshold_ms),
+        ", \"start\": ", JsonNumber(s.start), ", \"max_level\": ", JsonNumber(s.max_level),
+        ", \"max_points\": ", s.max_points, ", \"resolution\": ", JsonNumber(s.resolution),
+        ", \"found\": ", r.found ? "true" : "false", ", \"best\": ", JsonNumber(r.best),
+        ", \"lowest_failed\": ", JsonNumber(r.lowest_failed),
+        ", \"stopped\": ", JsonString(r.stopped), "}");
+  }
+  absl::StrAppend(&text, ",\n  \"points\": [");
   for (size_t i = 0; i < results.size(); ++i) {
     const client::PointResult& r = results[i];
-    const client::LatencyStats& l = r.latency;
     std::vector<std::string> codes;
     for (const auto& [code, n] : r.codes) {
       codes.push_back(absl::StrCat(JsonString(absl::StatusCodeToString(code)), ": ", n));
     }
+    std::vector<std::string> samples;
+    for (const auto& [code, messages] : r.error_samples) {
+      std::vector<std::string> quoted;
+      for (const std::string& m : messages) quoted.push_back(JsonString(m));
+      samples.push_back(absl::StrCat(JsonString(absl::StatusCodeToString(code)), ": [",
+                                     absl::StrJoin(quoted, ", "), "]"));
+    }
     std::vector<std::string> windows;
     for (double t : r.window_throughputs) windows.push_back(JsonNumber(t));
-    absl::StrAppend(&text, i == 0 ? "\n" : ",\n", "    {\"concurrency\": ", r.concurrency,
+    absl::StrAppend(&text, i == 0 ? "\n" : ",\n", "    {\"workload\": ", JsonWorkload(r),
+                    ",\n     \"concurrency\": ", r.concurrency,
                     ", \"offered_rps\": ", JsonNumber(r.offered_rps),
+                    ", \"connections\": ", r.connections,
                     ", \"throughput_rps\": ", JsonNumber(r.throughput_rps),
                     ", \"tokens_per_s\": ", JsonNumber(r.tokens_per_s),
-                    ",\n     \"latency_ms\": {\"p50\": ", JsonNumber(l.p50),
-                    ", \"p90\": ", JsonNumber(l.p90), ", \"p95\": ", JsonNumber(l.p95),
-                    ", \"p99\": ", JsonNumber(l.p99), ", \"p999\": ", JsonNumber(l.p999),
-                    ", \"mean\": ", JsonNumber(l.mean), ", \"max\": ", JsonNumber(l.max),
-                    "},\n     \"requests\": ", r.requests, ", \"ok\": ", r.ok,
+                    ",\n     \"latency_ms\": ", JsonLatency(r.latency));
+    if (r.workload == client::Workload::kDecode) {
+      absl::StrAppend(&text, ",\n     \"prefill_ok\": ", r.prefill_ok,
+                      ", \"prefill_latency_ms\": ", JsonLatency(r.prefill_latency),
+                      ",\n     \"step_ok\": ", r.step_ok,
+                      ", \"step_latency_ms\": ", JsonLatency(r.step_latency));
+    }
+    absl::StrAppend(&text, ",\n     \"requests\": ", r.requests, ", \"ok\": ", r.ok,
                     ", \"errors\": ", r.errors, ", \"late\": ", r.late, ", \"codes\": {",
-                    absl::StrJoin(codes, ", "), "}, \"windows\": ", r.windows,
-                    ", \"stable\": ", r.stable ? "true" : "false",
-                    ",\n     \"window_throughputs\": [", absl::StrJoin(windows, ", "), "]}");
+                    absl::StrJoin(codes, ", "), "}, \"error_samples\": {",
+                    absl::StrJoin(samples, ", "), "}, \"windows\": ", r.windows,
+                    ", \"stable\": ", r.stable ? "true" : "false");
+    if (!spec.metrics_url.empty()) {
+      std::vector<std::string> server;
+      for (const client::ServerTime& t : r.server) {
+        server.push_back(absl::StrCat(
+            "{\"method\": ", JsonString(t.method), ", \"queue\": {\"count\": ", t.queue_count,
+            ", \"mean_ms\": ", JsonNumber(t.queue_mean_ms), ", \"p50_ms\": ",
+            JsonNumber(t.queue_p50_ms), ", \"p99_ms\": ", JsonNumber(t.queue_p99_ms),
+            "}, \"compute\": {\"count\": ", t.compute_count, ", \"mean_ms\": ",
+            JsonNumber(t.compute_mean_ms), ", \"p50_ms\": ", JsonNumber(t.compute_p50_ms),
+            ", \"p99_ms\": ", JsonNumber(t.compute_p99_ms), "}}"));
+      }
+      absl::StrAppend(&text, ",\n     \"server\": [", absl::StrJoin(server, ",\n       "), "]");
+      if (!r.server_error.empty()) {
+        absl::StrAppend(&text, ", \"server_error\": ", JsonString(r.server_error));
+      }
+    }
+    if (i < verdicts.size() && !verdicts[i].empty()) {
+      absl::StrAppend(&text, ", \"search\": ", JsonString(verdicts[i]));
+    }
+    absl::StrAppend(&text, ",\n     \"window_throughputs\": [", absl::StrJoin(windows, ", "),
+                    "]}");
   }
   absl::StrAppend(&text, results.empty() ? "]\n}\n" : "\n  ]\n}\n");
+  return text;
+}
+
+// One line per request of every point (--requests_out): CSV or JSON lines.
+std::string RequestLines(const std::vector<client::PointResult>& results, bool json_lines) {
+  std::string text = json_lines ? "" : absl::StrCat(kRequestsHeader, "\n");
+  for (const client::PointResult& point : results) {
+    for (const client::RequestRecord& r : point.request_log) {
+      const std::string code(absl::StatusCodeToString(r.code));
+      if (json_lines) {
+        absl::StrAppend(
+            &text, "{\"point\": ", r.point, ", \"kind\": ", JsonString(client::RequestKindName(r.kind)),
+            ", \"session_id\": ", JsonString(r.session_id), ", \"step\": ", r.step,
+            ", \"connection\": ", r.connection, ", \"scheduled_ms\": ",
+            absl::StrFormat("%.3f", r.scheduled_ms), ", \"sent_ms\": ",
+            absl::StrFormat("%.3f", r.sent_ms), ", \"latency_ms\": ",
+            absl::StrFormat("%.3f", r.latency_ms), ", \"code\": ", JsonString(code),
+            ", \"late\": ", r.late ? "true" : "false", ", \"window\": ", r.window,
+            ", \"counted\": ", r.counted ? "true" : "false", "}\n");
+      } else {
+        absl::StrAppendFormat(&text, "%d,%s,%s,%d,%d,%.3f,%.3f,%.3f,%s,%d,%d,%d\n", r.point,
+                              client::RequestKindName(r.kind), CsvField(r.session_id), r.step,
+                              r.connection, r.scheduled_ms, r.sent_ms, r.latency_ms, code,
+                              r.late ? 1 : 0, r.window, r.counted ? 1 : 0);
+      }
+    }
+  }
   return text;
 }
 
@@ -428,21 +659,43 @@ std::string Svg(const client::LoadSpec& spec, const std::vector<client::PointRes
   return svg;
 }
 
-void PrintTable(const std::vector<client::PointResult>& results) {
+void PrintTable(const std::vector<client::PointResult>& results, const Verdicts& verdicts) {
   std::cout << absl::StrFormat(
       "%-8s %-8s %6s %9s %10s %10s %9s %9s %9s %9s %9s %8s %7s %6s %4s %s\n", "mode", "workload",
       "conc", "offered", "req/s", "tokens/s", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "max ms",
       "ok", "errors", "late", "win", "stable");
-  for (const auto& r : results) {
+  for (size_t i = 0; i < results.size(); ++i) {
+    const client::PointResult& r = results[i];
     const bool closed = r.mode == client::LoadMode::kClosed;
     std::cout << absl::StrFormat(
-        "%-8s %-8s %6s %9s %10.1f %10.1f %9.3f %9.3f %9.3f %9.3f %9.3f %8d %7d %6d %4d %s\n",
+        "%-8s %-8s %6s %9s %10.1f %10.1f %9.3f %9.3f %9.3f %9.3f %9.3f %8d %7d %6d %4d %s%s\n",
         client::LoadModeName(r.mode), client::WorkloadName(r.workload),
         closed ? absl::StrCat(r.concurrency) : "-",
         closed ? "-" : absl::StrFormat("%.1f", r.offered_rps), r.throughput_rps, r.tokens_per_s,
         r.latency.p50, r.latency.p90, r.latency.p99, r.latency.p999, r.latency.max, r.ok, r.errors,
-        r.late, r.windows, r.stable ? "yes" : "no");
+        r.late, r.windows, r.stable ? "yes" : "no",
+        i < verdicts.size() && !verdicts[i].empty() ? absl::StrCat("  ", verdicts[i]) : "");
+    if (r.workload == client::Workload::kDecode) {
+      std::cout << absl::StrFormat(
+          "         prefill (first step): %d ok, p50 %.3f p99 %.3f ms;  steps: %d ok, p50 %.3f "
+          "p99 %.3f ms\n",
+          r.prefill_ok, r.prefill_latency.p50, r.prefill_latency.p99, r.step_ok,
+          r.step_latency.p50, r.step_latency.p99);
+    }
+    for (const client::ServerTime& t : r.server) {
+      std::cout << absl::StrFormat(
+          "         server %-12s queue mean %.3f p50 %.3f p99 %.3f ms;  compute mean %.3f p50 "
+          "%.3f p99 %.3f ms  (%d)\n",
+          t.method, t.queue_mean_ms, t.queue_p50_ms, t.queue_p99_ms, t.compute_mean_ms,
+          t.compute_p50_ms, t.compute_p99_ms, std::max(t.queue_count, t.compute_count));
+    }
+    if (!r.server_error.empty()) std::cout << "         server: " << r.server_error << "\n";
     if (r.errors > 0) std::cout << "         codes: " << client::FormatCodes(r.codes) << "\n";
+    for (const auto& [code, messages] : r.error_samples) {
+      for (const std::string& m : messages) {
+        std::cout << "         " << absl::StatusCodeToString(code) << ": " << m << "\n";
+      }
+    }
   }
   std::cout << std::flush;
 }
@@ -526,13 +779,29 @@ int BenchCommand(int argc, char** argv) {
   d.context = f.context;
   d.tokens_per_step = f.tokens_per_step;
   d.think_time = seconds(f.think_ms / 1000);
+  d.step_rate = f.step_rate;
   d.dtype = *dtype;
   absl::StatusOr<v1::DType> kv_dtype = ParseDType("kv_dtype", f.kv_dtype);
   if (!kv_dtype.ok()) return Fail(kCommand, kv_dtype.status());
   d.kv_dtype = *kv_dtype;
   spec.model = absl::GetFlag(FLAGS_model);
   spec.layer = absl::GetFlag(FLAGS_layer);
+  spec.metrics_url = f.metrics_url;
+  spec.record_requests = !f.requests_out.empty();
   if (absl::Status s = client::ValidateLoadSpec(spec); !s.ok()) return Fail(kCommand, s);
+  if (f.connections < 1 || f.connections > 256) {
+    return Fail(kCommand, absl::InvalidArgumentError(absl::StrCat(
+                              "--connections must be in [1, 256], got ", f.connections)));
+  }
+  const bool searching = f.latency_threshold != 0;
+  client::SearchSpec search;
+  if (searching) {
+    search.latency_threshold_ms = f.latency_threshold;
+    search.start = spec.mode == client::LoadMode::kClosed ? spec.concurrency[0] : spec.rates[0];
+    search.max_level = f.search_max;
+    search.max_points = static_cast<int>(std::clamp<int64_t>(f.search_max_points, -1, 1 << 16));
+    search.resolution = f.search_resolution;
+  }
 
   const bool tty = isatty(STDERR_FILENO) == 1;
   if (tty) {
@@ -549,24 +818,68 @@ int BenchCommand(int argc, char** argv) {
     };
   }
 
-  absl::StatusOr<std::unique_ptr<client::Client>> client = ConnectFromFlags();
-  if (!client.ok()) return Fail(kCommand, client.status());
-  absl::StatusOr<std::vector<client::PointResult>> results = client::RunLoad(**client, spec);
-  if (tty) std::cerr << "\r\033[K" << std::flush;
-  if (!results.ok()) return Fail(kCommand, results.status());
+  // The flags make one Client (its options: target, TLS, token, limits);
+  // --connections N makes N with those options, each on its own connection.
+  absl::StatusOr<std::unique_ptr<client::Client>> first = ConnectFromFlags();
+  if (!first.ok()) return Fail(kCommand, first.status());
+  absl::StatusOr<std::vector<std::unique_ptr<client::Client>>> owned =
+      client::ConnectClients((*first)->options(), static_cast<int>(f.connections));
+  if (!owned.ok()) return Fail(kCommand, owned.status());
+  std::vector<client::Client*> clients;
+  for (const auto& c : *owned) clients.push_back(c.get());
 
-  PrintTable(*results);
+  std::vector<client::PointResult> results;
+  Verdicts verdicts;
+  std::optional<SearchReport> report;
+  if (searching) {
+    absl::StatusOr<client::SearchResult> found = client::SearchLoad(clients, spec, search);
+    if (tty) std::cerr << "\r\033[K" << std::flush;
+    if (!found.ok()) return Fail(kCommand, found.status());
+    report = SearchReport{search, *found};
+    results = found->points;
+    for (bool passed : found->passed) verdicts.push_back(passed ? "pass" : "fail");
+  } else {
+    absl::StatusOr<std::vector<client::PointResult>> swept = client::RunLoad(clients, spec);
+    if (tty) std::cerr << "\r\033[K" << std::flush;
+    if (!swept.ok()) return Fail(kCommand, swept.status());
+    results = *std::move(swept);
+  }
+
+  PrintTable(results, verdicts);
+  if (report.has_value()) {
+    const bool closed = spec.mode == client::LoadMode::kClosed;
+    const client::SearchResult& r = report->result;
+    const std::string unit = closed ? "concurrency" : "rate";
+    std::cout << absl::StrFormat("search: p99 <= %g ms with no errors: ", search.latency_threshold_ms)
+              << (r.found ? absl::StrFormat("highest passing %s %g", unit, r.best)
+                          : absl::StrCat("no ", unit, " passed"))
+              << (r.lowest_failed > 0
+                      ? absl::StrFormat(", lowest failing %g", r.lowest_failed)
+                      : std::string())
+              << absl::StrFormat(" (%d points, stopped: %s)\n", results.size(), r.stopped);
+  }
   const std::string target = absl::GetFlag(FLAGS_target);
   if (!f.csv.empty()) {
-    if (absl::Status s = WriteFile(f.csv, Csv(*results)); !s.ok()) return Fail(kCommand, s);
+    if (absl::Status s = WriteFile(f.csv, Csv(results, verdicts)); !s.ok()) {
+      return Fail(kCommand, s);
+    }
   }
   if (!f.json.empty()) {
-    if (absl::Status s = WriteFile(f.json, Json(spec, target, *results)); !s.ok()) {
+    if (absl::Status s = WriteFile(
+            f.json, Json(spec, target, results, verdicts, report.has_value() ? &*report : nullptr));
+        !s.ok()) {
+      return Fail(kCommand, s);
+    }
+  }
+  if (!f.requests_out.empty()) {
+    const bool json_lines =
+        absl::EndsWith(f.requests_out, ".jsonl") || absl::EndsWith(f.requests_out, ".ndjson");
+    if (absl::Status s = WriteFile(f.requests_out, RequestLines(results, json_lines)); !s.ok()) {
       return Fail(kCommand, s);
     }
   }
   if (!f.plot.empty()) {
-    if (absl::Status s = WriteFile(f.plot, Svg(spec, *results)); !s.ok()) {
+    if (absl::Status s = WriteFile(f.plot, Svg(spec, results)); !s.ok()) {
       return Fail(kCommand, s);
     }
   }

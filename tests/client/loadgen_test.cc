@@ -12,6 +12,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -21,6 +23,7 @@
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "client/metrics_scrape.h"
 #include "tests/client/tls_test_util.h"
 #include "tests/server/server_test_util.h"
 
@@ -277,6 +280,16 @@ TEST(LoadgenTest, FullServerQueueIsCountedAsResourceExhausted) {
   EXPECT_GT(r.errors, 0);
   EXPECT_GT(r.ok, 0);
   EXPECT_NE(FormatCodes(r.codes).find("RESOURCE_EXHAUSTED="), std::string::npos);
+  // Samples: only for the failing codes of the point, up to 3 distinct each.
+  ASSERT_TRUE(r.error_samples.count(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(r.error_samples.count(absl::StatusCode::kOk), 0u);
+  for (const auto& [code, messages] : r.error_samples) {
+    EXPECT_TRUE(r.codes.count(code)) << absl::StatusCodeToString(code);
+    EXPECT_GE(messages.size(), 1u);
+    EXPECT_LE(messages.size(), 3u);
+    EXPECT_EQ(std::set<std::string>(messages.begin(), messages.end()).size(), messages.size());
+    for (const std::string& m : messages) EXPECT_FALSE(m.empty());
+  }
 }
 
 TEST(LoadgenTest, InvalidSpecsAreRejected) {
@@ -323,6 +336,61 @@ std::string ReadAll(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+// The documented CSV header (bench_command.cc, README).
+constexpr char kCsvHeader[] =
+    "mode,workload,concurrency,offered_rps,throughput_rps,tokens_per_s,p50_ms,p90_ms,p95_ms,"
+    "p99_ms,p999_ms,mean_ms,max_ms,requests,ok,errors,late,codes,windows,stable,"
+    "model,layer,hidden_size,batch,heads,kv_heads,head_dim,q_len,k_len,dtype,causal,rope,"
+    "rope_factor,rope_original_max_positions,context,steps_per_session,tokens_per_step,kv_dtype,"
+    "think_ms,step_rate,connections,max_outstanding,"
+    "prefill_ok,prefill_p50_ms,prefill_p90_ms,prefill_p99_ms,prefill_mean_ms,step_ok,step_p50_ms,"
+    "step_p90_ms,step_p99_ms,step_mean_ms,server_method,server_requests,queue_mean_ms,"
+    "queue_p50_ms,queue_p99_ms,compute_mean_ms,compute_p50_ms,compute_p99_ms,search,"
+    "error_samples";
+constexpr size_t kCsvColumns = 62;
+
+// One CSV line's fields (RFC 4180 quoting).
+std::vector<std::string> SplitCsv(const std::string& line) {
+  std::vector<std::string> fields(1);
+  bool quoted = false;
+  for (size_t i = 0; i < line.size(); ++i) {
+    const char c = line[i];
+    if (quoted) {
+      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
+        fields.back() += '"';
+        ++i;
+      } else if (c == '"') {
+        quoted = false;
+      } else {
+        fields.back() += c;
+      }
+    } else if (c == '"') {
+      quoted = true;
+    } else if (c == ',') {
+      fields.emplace_back();
+    } else {
+      fields.back() += c;
+    }
+  }
+  return fields;
+}
+
+// A CSV file as rows of column -> value (the first line is the header).
+std::vector<std::map<std::string, std::string>> CsvRows(const std::string& text) {
+  std::vector<std::string> lines = absl::StrSplit(text, '\n', absl::SkipEmpty());
+  std::vector<std::map<std::string, std::string>> rows;
+  if (lines.empty()) return rows;
+  const std::vector<std::string> header = SplitCsv(lines[0]);
+  for (size_t i = 1; i < lines.size(); ++i) {
+    const std::vector<std::string> fields = SplitCsv(lines[i]);
+    EXPECT_EQ(fields.size(), header.size()) << lines[i];
+    std::map<std::string, std::string> row;
+    for (size_t j = 0; j < header.size() && j < fields.size(); ++j) row[header[j]] = fields[j];
+    rows.push_back(std::move(row));
+  }
+  return rows;
 }
 
 // `env`: "NAME=value ..." set for the child.
@@ -443,11 +511,9 @@ TEST(BenchCliTest, WritesCsvJsonAndSvg) {
   std::vector<std::string> lines = absl::StrSplit(ReadAll(csv), '\n', absl::SkipEmpty());
   ASSERT_EQ(lines.size(), 3u) << ReadAll(csv);
   const std::vector<std::string> header = absl::StrSplit(lines[0], ',');
-  EXPECT_EQ(lines[0],
-            "mode,workload,concurrency,offered_rps,throughput_rps,tokens_per_s,p50_ms,p90_ms,"
-            "p95_ms,p99_ms,p999_ms,mean_ms,max_ms,requests,ok,errors,late,codes,windows,stable");
+  EXPECT_EQ(lines[0], kCsvHeader);
   for (int row = 1; row <= 2; ++row) {
-    const std::vector<std::string> fields = absl::StrSplit(lines[row], ',');
+    const std::vector<std::string> fields = SplitCsv(lines[row]);
     ASSERT_EQ(fields.size(), header.size()) << lines[row];
     auto num = [&](const std::string& column) {
       const size_t i = std::find(header.begin(), header.end(), column) - header.begin();
@@ -595,8 +661,8 @@ TEST(BenchCliTest, LayerModeCountsOkRequests) {
     ASSERT_EQ(run.exit_code, 0) << workload << ": " << run.err;
     std::vector<std::string> lines = absl::StrSplit(ReadAll(csv), '\n', absl::SkipEmpty());
     ASSERT_EQ(lines.size(), 2u) << ReadAll(csv);
-    const std::vector<std::string> row = absl::StrSplit(lines[1], ',');
-    ASSERT_EQ(row.size(), 20u) << lines[1];
+    const std::vector<std::string> row = SplitCsv(lines[1]);
+    ASSERT_EQ(row.size(), kCsvColumns) << lines[1];
     EXPECT_EQ(row[1], workload);
     int64_t ok = 0, errors = -1;
     ASSERT_TRUE(absl::SimpleAtoi(row[14], &ok)) << lines[1];
@@ -688,8 +754,8 @@ TEST(BenchCliTest, OverTlsWithTheTokenFromTheEnvironment) {
   std::vector<std::string> lines = absl::StrSplit(ReadAll(csv), '\n', absl::SkipEmpty());
   ASSERT_EQ(lines.size(), 3u) << ReadAll(csv);
   for (int row = 1; row <= 2; ++row) {
-    const std::vector<std::string> fields = absl::StrSplit(lines[row], ',');
-    ASSERT_EQ(fields.size(), 20u) << lines[row];
+    const std::vector<std::string> fields = SplitCsv(lines[row]);
+    ASSERT_EQ(fields.size(), kCsvColumns) << lines[row];
     EXPECT_NE(fields[14], "0") << lines[row];  // ok
     EXPECT_EQ(fields[15], "0") << lines[row];  // errors
   }
@@ -699,6 +765,437 @@ TEST(BenchCliTest, OverTlsWithTheTokenFromTheEnvironment) {
   run = RunCli(flags);
   EXPECT_EQ(run.exit_code, 16) << run.err;
   EXPECT_NE(run.err.find("UNAUTHENTICATED"), std::string::npos) << run.err;
+}
+
+
+// --- Issue 15: workload in every row, per-request export, the threshold
+// search, several connections, scheduled decode steps, prefill and step apart,
+// server-side times, error samples. ---
+
+std::string MetricsUrl(const server::Server& server) {
+  return absl::StrCat("http://127.0.0.1:", server.metrics_port(), "/metrics");
+}
+
+// A counter or gauge without labels from the server's /metrics (-1 if absent).
+double ScrapeValue(const server::Server& server, const std::string& name) {
+  absl::StatusOr<std::string> body = HttpGet(MetricsUrl(server), absl::Seconds(5));
+  EXPECT_TRUE(body.ok()) << body.status();
+  if (!body.ok()) return -1;
+  absl::StatusOr<std::vector<MetricSample>> samples = ParsePrometheusText(*body);
+  EXPECT_TRUE(samples.ok()) << samples.status();
+  if (!samples.ok()) return -1;
+  for (const MetricSample& s : *samples) {
+    if (s.name == name && s.labels.empty()) return s.value;
+  }
+  return -1;
+}
+
+std::vector<Client*> Pointers(const std::vector<std::unique_ptr<Client>>& owned) {
+  std::vector<Client*> out;
+  for (const auto& c : owned) out.push_back(c.get());
+  return out;
+}
+
+TEST(MetricsScrapeTest, ParsesTheExpositionAndInterpolatesBuckets) {
+  auto samples = ParsePrometheusText(
+      "# HELP x_seconds help\n# TYPE x_seconds histogram\n"
+      "x_seconds_bucket{method=\"A\",le=\"0.001\"} 5\n"
+      "x_seconds_bucket{method=\"A\",le=\"0.01\"} 10\n"
+      "x_seconds_bucket{method=\"A\",le=\"+Inf\"} 10\n"
+      "x_seconds_sum{method=\"A\"} 0.05\nx_seconds_count{method=\"A\"} 10\n"
+      "x_seconds_bucket{method=\"B\",le=\"0.001\"} 7\nplain_total 3\n");
+  ASSERT_TRUE(samples.ok()) << samples.status();
+  ASSERT_EQ(samples->size(), 7u);
+  EXPECT_EQ((*samples)[0].name, "x_seconds_bucket");
+  EXPECT_EQ((*samples)[0].labels.at("method"), "A");
+  EXPECT_EQ((*samples)[0].labels.at("le"), "0.001");
+  EXPECT_EQ((*samples)[6].value, 3);
+  // Growth from nothing: the whole histogram of method A (B is not mixed in).
+  HistogramGrowth g = GrowthOf({}, *samples, "x_seconds", "method", "A");
+  EXPECT_EQ(g.count, 10);
+  EXPECT_NEAR(g.mean_ms, 5, 1e-9);
+  EXPECT_NEAR(g.p50_ms, 1, 1e-9);                          // rank 5: top of the first bucket
+  EXPECT_NEAR(g.p99_ms, 1 + 9 * (9.9 - 5) / 5, 1e-9);      // inside (1 ms, 10 ms]
+  // Growth between two scrapes: only what was added.
+  auto later = ParsePrometheusText(
+      "x_seconds_bucket{method=\"A\",le=\"0.001\"} 5\n"
+      "x_seconds_bucket{method=\"A\",le=\"0.01\"} 12\n"
+      "x_seconds_bucket{method=\"A\",le=\"+Inf\"} 14\n"
+      "x_seconds_sum{method=\"A\"} 20.07\nx_seconds_count{method=\"A\"} 14\n");
+  ASSERT_TRUE(later.ok());
+  g = GrowthOf(*samples, *later, "x_seconds", "method", "A");
+  EXPECT_EQ(g.count, 4);
+  EXPECT_NEAR(g.mean_ms, 20.02 / 4 * 1e3, 1e-6);
+  EXPECT_NEAR(g.p50_ms, 10, 1e-9);   // rank 2 of 2 in (1, 10] ms
+  EXPECT_NEAR(g.p99_ms, 10, 1e-9);   // in +Inf: the highest finite bound
+  EXPECT_FALSE(ParsePrometheusText("x{le=\"1\" 3\n").ok());
+  EXPECT_EQ(HttpGet("ftp://127.0.0.1:1/metrics", absl::Seconds(1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// Every request lands in the export once, with its kind, times and code, and
+// the export's counted lines are exactly the point's numbers.
+void CheckRequestLog(const PointResult& r, int point_index) {
+  SCOPED_TRACE(absl::StrCat("point ", point_index));
+  int64_t counted = 0, counted_ok = 0, prefill_ok = 0, step_ok = 0, late = 0;
+  std::map<absl::StatusCode, int64_t> codes;
+  double step_max = 0, prefill_max = 0;
+  for (const RequestRecord& q : r.request_log) {
+    EXPECT_EQ(q.point, point_index);
+    EXPECT_GE(q.sent_ms, q.scheduled_ms - 1e-3);
+    EXPECT_GE(q.latency_ms, q.sent_ms - q.scheduled_ms - 1e-3);  // from the schedule
+    EXPECT_GE(q.window, -1);
+    EXPECT_LE(q.window, r.windows);
+    EXPECT_EQ(q.counted, q.window > r.windows - std::min(r.windows, 3));
+    if (r.workload == Workload::kAttend) {
+      EXPECT_EQ(q.kind, RequestKind::kAttend);
+      EXPECT_EQ(q.session_id, "");
+    } else {
+      EXPECT_NE(q.kind, RequestKind::kAttend);
+      EXPECT_EQ(q.kind == RequestKind::kPrefill, q.step == 0);
+      if (q.code == absl::StatusCode::kOk) EXPECT_FALSE(q.session_id.empty());
+    }
+    if (!q.counted) continue;
+    ++counted;
+    ++codes[q.code];
+    late += q.late;
+    if (q.code != absl::StatusCode::kOk) continue;
+    ++counted_ok;
+    if (q.kind == RequestKind::kPrefill) {
+      ++prefill_ok;
+      prefill_max = std::max(prefill_max, q.latency_ms);
+    }
+    if (q.kind == RequestKind::kStep) {
+      ++step_ok;
+      step_max = std::max(step_max, q.latency_ms);
+    }
+  }
+  EXPECT_EQ(counted, r.requests);
+  EXPECT_EQ(counted_ok, r.ok);
+  EXPECT_EQ(codes, r.codes);
+  EXPECT_EQ(late, r.late);
+  EXPECT_EQ(prefill_ok, r.prefill_ok);
+  EXPECT_EQ(step_ok, r.step_ok);
+  EXPECT_NEAR(prefill_max, r.prefill_latency.max, 1e-6);
+  EXPECT_NEAR(step_max, r.step_latency.max, 1e-6);
+}
+
+TEST(LoadgenTest, RequestLogHasEveryRequestAndMatchesThePoint) {
+  auto server = testing::StartTestServer(testing::TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  auto client = ConnectTo(server->port());
+  ASSERT_NE(client, nullptr);
+  LoadSpec spec = SmallAttend(LoadMode::kClosed);
+  spec.concurrency = {1, 2};
+  spec.max_windows = 3;
+  spec.record_requests = true;
+  auto results = RunLoad(*client, spec);
+  ASSERT_TRUE(results.ok()) << results.status();
+  for (int i = 0; i < 2; ++i) {
+    const PointResult& r = (*results)[i];
+    EXPECT_GT(r.request_log.size(), static_cast<size_t>(r.requests));  // the warm-up too
+    CheckRequestLog(r, i);
+    EXPECT_EQ(r.prefill_ok + r.step_ok, 0);
+  }
+  // Off by default: no log.
+  spec.record_requests = false;
+  spec.concurrency = {1};
+  results = RunLoad(*client, spec);
+  ASSERT_TRUE(results.ok()) << results.status();
+  EXPECT_TRUE((*results)[0].request_log.empty());
+}
+
+// Decode: prefill (first step) and the other steps are reported apart, and
+// with a step rate each step is due on its session's schedule.
+TEST(LoadgenTest, OpenLoopDecodeStepsAreScheduledAtTheStepRate) {
+  auto server = testing::StartTestServer(testing::TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  auto client = ConnectTo(server->port());
+  ASSERT_NE(client, nullptr);
+  LoadSpec spec = SmallDecode(LoadMode::kConstant);
+  spec.decode.steps_per_session = 4;
+  spec.decode.step_rate = 25;  // a step every 40 ms within a session
+  spec.rates = {40};           // 10 sessions/s: one every 100 ms
+  spec.max_windows = 3;
+  spec.record_requests = true;
+  auto results = RunLoad(*client, spec);
+  ASSERT_TRUE(results.ok()) << results.status();
+  const PointResult& r = (*results)[0];
+  CheckPoint(spec, r, spec.decode.tokens_per_step);
+  CheckRequestLog(r, 0);
+  EXPECT_EQ(r.errors, 0) << FormatCodes(r.codes);
+  EXPECT_GT(r.prefill_ok, 0);
+  EXPECT_GT(r.step_ok, 0);
+  EXPECT_EQ(r.prefill_ok + r.step_ok, r.ok);
+  EXPECT_LE(r.prefill_latency.p50, r.prefill_latency.p99);
+  EXPECT_LE(r.step_latency.p50, r.step_latency.p99);
+
+  // Per session: step i is due exactly i / step_rate after the session's
+  // arrival, and is not sent before it.
+  std::map<std::string, std::vector<const RequestRecord*>> sessions;
+  std::vector<double> arrivals;
+  for (const RequestRecord& q : r.request_log) {
+    sessions[q.session_id].push_back(&q);
+    if (q.kind == RequestKind::kPrefill) arrivals.push_back(q.scheduled_ms);
+  }
+  int complete = 0;
+  for (auto& [id, steps] : sessions) {
+    ASSERT_FALSE(id.empty());
+    std::sort(steps.begin(), steps.end(),
+              [](const RequestRecord* a, const RequestRecord* b) { return a->step < b->step; });
+    ASSERT_EQ(steps[0]->kind, RequestKind::kPrefill) << id;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      EXPECT_EQ(steps[i]->step, static_cast<int64_t>(i)) << id;
+      EXPECT_NEAR(steps[i]->scheduled_ms - steps[0]->scheduled_ms, 40.0 * i, 0.01) << id;
+      EXPECT_GE(steps[i]->sent_ms, steps[i]->scheduled_ms - 1e-3) << id;
+    }
+    // The steps of a session span its schedule: not back to back.
+    if (steps.size() == 4) {
+      ++complete;
+      EXPECT_GE(steps[3]->sent_ms - steps[0]->sent_ms, 120.0 - 0.5) << id;
+    }
+  }
+  EXPECT_GT(complete, 0);
+  // Sessions arrive on the constant schedule: 100 ms apart.
+  std::sort(arrivals.begin(), arrivals.end());
+  ASSERT_GE(arrivals.size(), 3u);
+  for (size_t i = 1; i < arrivals.size(); ++i) {
+    EXPECT_NEAR(arrivals[i] - arrivals[i - 1], 100.0, 0.01);
+  }
+
+  // A step rate and a think time exclude each other.
+  spec.decode.think_time = absl::Milliseconds(1);
+  EXPECT_EQ(ValidateLoadSpec(spec).code(), absl::StatusCode::kInvalidArgument);
+  spec.decode.think_time = absl::ZeroDuration();
+  spec.decode.step_rate = -1;
+  EXPECT_EQ(ValidateLoadSpec(spec).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Back to back (no step rate): each step is due when the previous answered.
+TEST(LoadgenTest, ClosedLoopDecodeStepsRunBackToBackWithoutAStepRate) {
+  auto server = testing::StartTestServer(testing::TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  auto client = ConnectTo(server->port());
+  ASSERT_NE(client, nullptr);
+  LoadSpec spec = SmallDecode(LoadMode::kClosed);
+  spec.concurrency = {2};
+  spec.max_windows = 3;
+  spec.record_requests = true;
+  auto results = RunLoad(*client, spec);
+  ASSERT_TRUE(results.ok()) << results.status();
+  const PointResult& r = (*results)[0];
+  CheckPoint(spec, r, spec.decode.tokens_per_step);
+  CheckRequestLog(r, 0);
+  EXPECT_GT(r.prefill_ok, 0);
+  EXPECT_GT(r.step_ok, 0);
+  EXPECT_EQ(r.prefill_ok + r.step_ok, r.ok);
+  for (const RequestRecord& q : r.request_log) {
+    if (q.kind == RequestKind::kStep) EXPECT_FALSE(q.late);
+  }
+}
+
+TEST(LoadgenTest, ConnectionsAreDistinctTcpConnectionsUsedRoundRobin) {
+  auto server = testing::StartTestServer(testing::TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  const double before = ScrapeValue(*server, "ropeattn_connections_accepted_total");
+  ASSERT_GE(before, 0);
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", server->port());
+  auto owned = ConnectClients(options, 3);
+  ASSERT_TRUE(owned.ok()) << owned.status();
+  ASSERT_EQ(owned->size(), 3u);
+  for (const LoadSpec& base : {SmallAttend(LoadMode::kClosed), SmallDecode(LoadMode::kClosed)}) {
+    LoadSpec spec = base;
+    spec.concurrency = {2};
+    spec.max_windows = 3;
+    spec.record_requests = true;
+    auto results = RunLoad(Pointers(*owned), spec);
+    ASSERT_TRUE(results.ok()) << results.status();
+    const PointResult& r = (*results)[0];
+    EXPECT_EQ(r.connections, 3);
+    EXPECT_EQ(r.errors, 0) << FormatCodes(r.codes);
+    std::map<int, int> per_connection;
+    std::map<std::string, std::set<int>> session_connections;
+    for (const RequestRecord& q : r.request_log) {
+      ++per_connection[q.connection];
+      if (!q.session_id.empty()) session_connections[q.session_id].insert(q.connection);
+    }
+    EXPECT_EQ(per_connection.size(), 3u);  // every connection carried requests
+    for (const auto& [id, connections] : session_connections) {
+      EXPECT_EQ(connections.size(), 1u) << id;  // a session stays on its stream
+    }
+  }
+  EXPECT_EQ(ScrapeValue(*server, "ropeattn_connections_accepted_total") - before, 3);
+  EXPECT_EQ(ConnectClients(options, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(LoadgenTest, SearchFindsTheHighestConcurrencyUnderTheThreshold) {
+  // One worker and one queue slot: concurrency 1 never fails, 8 always does
+  // (RESOURCE_EXHAUSTED), so the answer lies in between whatever the speed.
+  server::ServerOptions options = testing::TestServerOptions();
+  options.compute_workers = 1;
+  options.queue_depth = 1;
+  auto server = testing::StartTestServer(options);
+  ASSERT_NE(server, nullptr);
+  auto client = ConnectTo(server->port());
+  ASSERT_NE(client, nullptr);
+  LoadSpec spec = SmallAttend(LoadMode::kClosed);
+  spec.attend.heads = 8;
+  spec.attend.kv_heads = 8;
+  spec.attend.head_dim = 64;
+  spec.attend.q_len = 64;
+  spec.attend.k_len = 512;
+  spec.warmup = absl::Milliseconds(50);
+  spec.window = absl::Milliseconds(150);
+  spec.max_windows = 3;
+  SearchSpec search;
+  search.latency_threshold_ms = 1e6;  // only errors fail a point here
+  search.start = 1;
+  search.max_level = 8;
+  search.max_points = 6;
+  Client* clients[] = {client.get()};
+  auto found = SearchLoad(clients, spec, search);
+  ASSERT_TRUE(found.ok()) << found.status();
+  ASSERT_EQ(found->points.size(), found->passed.size());
+  ASSERT_GE(found->points.size(), 2u);
+  EXPECT_LE(found->points.size(), 6u);
+  // Doubling first: 1, 2, 4, ... up to the first failure.
+  EXPECT_EQ(found->points[0].concurrency, 1);
+  EXPECT_TRUE(found->passed[0]);
+  EXPECT_TRUE(found->found);
+  double lowest_failed = 0;
+  for (size_t i = 0; i < found->points.size(); ++i) {
+    const PointResult& p = found->points[i];
+    EXPECT_EQ(found->passed[i], MeetsThreshold(p, search.latency_threshold_ms));
+    EXPECT_EQ(found->passed[i], p.errors == 0 && p.ok > 0);
+    EXPECT_GE(p.concurrency, 1);
+    EXPECT_LE(p.concurrency, 8);
+    if (found->passed[i]) {
+      EXPECT_LE(p.concurrency, found->best);  // the answer is the highest pass
+    } else {
+      EXPECT_GT(p.concurrency, found->best);  // every failure lies above it
+      if (lowest_failed == 0 || p.concurrency < lowest_failed) lowest_failed = p.concurrency;
+    }
+  }
+  EXPECT_GT(lowest_failed, 0);
+  EXPECT_EQ(found->lowest_failed, lowest_failed);
+  EXPECT_TRUE(std::any_of(found->points.begin(), found->points.end(),
+                          [&](const PointResult& p) { return p.concurrency == found->best; }));
+  // Bisection ends at adjacent concurrencies unless it ran out of points.
+  if (found->stopped == "resolution") {
+    EXPECT_EQ(found->lowest_failed - found->best, 1);
+  } else {
+    EXPECT_EQ(found->stopped, "max_points");
+    EXPECT_EQ(found->points.size(), 6u);
+  }
+}
+
+TEST(LoadgenTest, SearchStopsAtTheCapOrAtAFailingStart) {
+  auto server = testing::StartTestServer(testing::TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  auto client = ConnectTo(server->port());
+  ASSERT_NE(client, nullptr);
+  Client* clients[] = {client.get()};
+  LoadSpec spec = SmallAttend(LoadMode::kConstant);
+  spec.warmup = absl::Milliseconds(50);
+  spec.window = absl::Milliseconds(150);
+  spec.max_windows = 3;
+  SearchSpec search;
+  search.latency_threshold_ms = 1e6;  // everything passes: doubling up to the cap
+  search.start = 20;
+  search.max_level = 50;
+  auto found = SearchLoad(clients, spec, search);
+  ASSERT_TRUE(found.ok()) << found.status();
+  ASSERT_EQ(found->points.size(), 3u);
+  EXPECT_EQ(found->points[0].offered_rps, 20);
+  EXPECT_EQ(found->points[1].offered_rps, 40);
+  EXPECT_EQ(found->points[2].offered_rps, 50);
+  EXPECT_TRUE(found->found);
+  EXPECT_EQ(found->best, 50);
+  EXPECT_EQ(found->stopped, "max_level");
+
+  search.latency_threshold_ms = 1e-6;  // nothing passes
+  found = SearchLoad(clients, spec, search);
+  ASSERT_TRUE(found.ok()) << found.status();
+  ASSERT_EQ(found->points.size(), 1u);
+  EXPECT_FALSE(found->found);
+  EXPECT_EQ(found->best, 0);
+  EXPECT_EQ(found->lowest_failed, 20);
+  EXPECT_EQ(found->stopped, "first level failed");
+
+  search.latency_threshold_ms = 0;
+  EXPECT_EQ(SearchLoad(clients, spec, search).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(LoadgenTest, ServerQueueAndComputeTimesComeFromTheMetrics) {
+  auto server = testing::StartTestServer(testing::TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  auto client = ConnectTo(server->port());
+  ASSERT_NE(client, nullptr);
+  for (const LoadSpec& base : {SmallAttend(LoadMode::kClosed), SmallDecode(LoadMode::kClosed)}) {
+    LoadSpec spec = base;
+    spec.concurrency = {2};
+    spec.max_windows = 3;
+    spec.metrics_url = MetricsUrl(*server);
+    auto results = RunLoad(*client, spec);
+    ASSERT_TRUE(results.ok()) << results.status();
+    const PointResult& r = (*results)[0];
+    EXPECT_EQ(r.server_error, "");
+    std::set<std::string> methods;
+    for (const ServerTime& t : r.server) {
+      SCOPED_TRACE(t.method);
+      methods.insert(t.method);
+      EXPECT_GT(t.compute_count, 0);
+      EXPECT_GT(t.compute_mean_ms, 0);
+      EXPECT_GT(t.compute_p99_ms, 0);
+      EXPECT_LE(t.compute_p50_ms, t.compute_p99_ms);
+      EXPECT_LE(t.queue_p50_ms, t.queue_p99_ms);
+      EXPECT_GE(t.queue_mean_ms, 0);
+    }
+    if (spec.workload == Workload::kAttend) {
+      EXPECT_EQ(methods, std::set<std::string>{"Attend"});
+      // Over the final windows, as the client's numbers: about as many.
+      EXPECT_GT(r.server[0].compute_count, r.requests / 2);
+      EXPECT_LT(r.server[0].compute_count, r.requests * 2 + 4);
+    } else {
+      EXPECT_EQ(methods.count("Decode.Step"), 1u);
+      EXPECT_EQ(methods.count("Decode.Open"), 1u);
+    }
+  }
+  // Without a URL: nothing scraped.
+  auto plain = RunLoad(*client, SmallAttend(LoadMode::kClosed));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_TRUE((*plain)[0].server.empty());
+  // A URL nothing answers on fails the run before measuring.
+  LoadSpec spec = SmallAttend(LoadMode::kClosed);
+  spec.metrics_url = "http://127.0.0.1:1/metrics";
+  spec.scrape_timeout = absl::Seconds(2);
+  EXPECT_EQ(RunLoad(*client, spec).status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(LoadgenTest, ErrorMessagesAreSampledPerCode) {
+  // Every request over the compute limit is refused with the same message:
+  // one distinct sample. RunPoint does not probe, so the point runs.
+  server::ServerOptions options = testing::TestServerOptions();
+  options.max_request_compute = 1000;
+  auto server = testing::StartTestServer(options);
+  ASSERT_NE(server, nullptr);
+  auto client = ConnectTo(server->port());
+  ASSERT_NE(client, nullptr);
+  LoadSpec spec = SmallAttend(LoadMode::kClosed);
+  spec.max_windows = 3;
+  auto point = RunPoint(*client, spec, 2);
+  ASSERT_TRUE(point.ok()) << point.status();
+  EXPECT_EQ(point->ok, 0);
+  EXPECT_GT(point->errors, 0);
+  ASSERT_EQ(point->error_samples.size(), 1u) << FormatCodes(point->codes);
+  const auto& [code, messages] = *point->error_samples.begin();
+  EXPECT_EQ(code, absl::StatusCode::kResourceExhausted);
+  EXPECT_GT(point->codes.at(code), 1);
+  ASSERT_EQ(messages.size(), 1u);  // identical messages are kept once
+  EXPECT_FALSE(messages[0].empty());
+  EXPECT_EQ(RunLoad(*client, spec).status().message(), messages[0]);  // the server's own words
 }
 
 }  // namespace
