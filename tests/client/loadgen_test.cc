@@ -542,12 +542,37 @@ TEST(BenchCliTest, WritesCsvJsonAndSvg) {
     EXPECT_EQ(fields[17], absl::StrCat("OK=", fields[14]));
     EXPECT_EQ(num("windows"), 3);
     EXPECT_TRUE(fields[19] == "0" || fields[19] == "1") << fields[19];
+    // The workload, in the row itself; decode-only columns empty.
+    EXPECT_EQ(num("batch"), 1);
+    EXPECT_EQ(num("heads"), 2);
+    EXPECT_EQ(num("kv_heads"), 1);
+    EXPECT_EQ(num("head_dim"), 16);
+    EXPECT_EQ(num("q_len"), 4);
+    EXPECT_EQ(num("k_len"), 32);
+    EXPECT_EQ(num("causal"), 1);
+    EXPECT_EQ(num("connections"), 1);
+    auto text = [&](const std::string& column) {
+      const size_t i = std::find(header.begin(), header.end(), column) - header.begin();
+      return i < fields.size() ? fields[i] : "<missing>";
+    };
+    EXPECT_EQ(text("dtype"), "f32");
+    EXPECT_EQ(text("rope"), "default");
+    EXPECT_EQ(text("model"), "");
+    EXPECT_EQ(text("context"), "");
+    EXPECT_EQ(text("prefill_ok"), "");
+    EXPECT_EQ(text("server_method"), "");  // no --metrics_url
+    EXPECT_EQ(text("max_outstanding"), "");  // closed loop
   }
 
   const std::string json_text = ReadAll(json);
   EXPECT_TRUE(JsonChecker(json_text).Valid()) << json_text;
-  for (const char* key : {"\"points\"", "\"throughput_rps\"", "\"latency_ms\"", "\"p99\"",
-                          "\"codes\"", "\"stable\"", "\"window_throughputs\""}) {
+  for (const char* key :
+       {"\"points\"", "\"throughput_rps\"", "\"latency_ms\"", "\"p99\"", "\"codes\"",
+        "\"stable\"", "\"window_throughputs\"", "\"connections\": 1",
+        "\"workload\": {\"mode\": \"closed\", \"workload\": \"attend\", \"concurrency\": 2, "
+        "\"batch\": 1, \"heads\": 2, \"kv_heads\": 1, \"head_dim\": 16, \"q_len\": 4, "
+        "\"k_len\": 32, \"dtype\": \"f32\", \"causal\": 1, \"rope\": \"default\", "
+        "\"connections\": 1}"}) {
     EXPECT_NE(json_text.find(key), std::string::npos) << key;
   }
 
@@ -670,6 +695,13 @@ TEST(BenchCliTest, LayerModeCountsOkRequests) {
     EXPECT_GT(ok, 0) << lines[1];
     EXPECT_EQ(errors, 0) << lines[1];
     EXPECT_EQ(row[17], absl::StrCat("OK=", ok)) << lines[1];
+    std::map<std::string, std::string> fields = CsvRows(ReadAll(csv))[0];
+    EXPECT_EQ(fields["model"], "demo");
+    EXPECT_EQ(fields["layer"], "0");
+    EXPECT_EQ(fields["hidden_size"], "128");
+    EXPECT_EQ(fields["heads"], "");  // the model's
+    EXPECT_EQ(fields["q_len"], workload == std::string("attend") ? "4" : "");
+    EXPECT_EQ(fields["context"], workload == std::string("attend") ? "" : "4");
   }
   CliRun run = RunCli(absl::StrCat("--target=127.0.0.1:", server->port(),
                                    " --model demo --layer 7 --window_seconds 0.3"));
@@ -1196,6 +1228,200 @@ TEST(LoadgenTest, ErrorMessagesAreSampledPerCode) {
   ASSERT_EQ(messages.size(), 1u);  // identical messages are kept once
   EXPECT_FALSE(messages[0].empty());
   EXPECT_EQ(RunLoad(*client, spec).status().message(), messages[0]);  // the server's own words
+}
+
+
+// --- `ropeattn bench`: the issue-15 flags end to end. ---
+
+// The value of `column` in a CSV row as a number (fails the test otherwise).
+double Num(const std::map<std::string, std::string>& row, const std::string& column) {
+  double value = -1;
+  auto it = row.find(column);
+  EXPECT_TRUE(it != row.end() && absl::SimpleAtod(it->second, &value)) << column;
+  return value;
+}
+
+TEST(BenchCliTest, HelpListsEveryNewFlag) {
+  CliRun help = RunCli("--help");
+  ASSERT_EQ(help.exit_code, 0) << help.err;
+  for (const char* flag : {"--connections", "--requests_out", "--latency_threshold",
+                           "--search_max_points", "--search_max", "--search_resolution",
+                           "--step_rate", "--metrics_url"}) {
+    EXPECT_NE(help.out.find(flag), std::string::npos) << flag;
+  }
+  EXPECT_NE(help.out.find(kCsvHeader), std::string::npos);
+  EXPECT_NE(help.out.find("point,kind,session_id,step,connection,scheduled_ms,sent_ms,"
+                          "latency_ms,code,late,window,counted"),
+            std::string::npos);
+}
+
+TEST(BenchCliTest, DecodeWithStepRateConnectionsMetricsAndRequestExport) {
+  auto server = testing::StartTestServer(testing::TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  const double accepted = ScrapeValue(*server, "ropeattn_connections_accepted_total");
+  const std::string dir = ::testing::TempDir();
+  const std::string csv = dir + "/bench_new.csv", json = dir + "/bench_new.json",
+                    requests = dir + "/bench_requests.jsonl";
+  for (const std::string& f : {csv, json, requests}) std::remove(f.c_str());
+  CliRun run = RunCli(absl::StrCat(
+      "--target=127.0.0.1:", server->port(),
+      " --workload=decode --mode=constant --rate=40 --step_rate=25 --steps_per_session=4"
+      " --context=8 --tokens_per_step=1 --heads=2 --kv_heads=1 --head_dim=16 --kv_dtype=bf16"
+      " --window_seconds=0.25 --warmup_seconds=0.1 --max_windows=3 --connections=2"
+      " --metrics_url=",
+      MetricsUrl(*server), " --csv=", csv, " --json=", json, " --requests_out=", requests));
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_NE(run.out.find("prefill (first step):"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("server Decode.Step"), std::string::npos) << run.out;
+  // Two connections, and no other (the Client made from the flags is not dialed).
+  EXPECT_EQ(ScrapeValue(*server, "ropeattn_connections_accepted_total") - accepted, 2);
+
+  // The row alone says what ran.
+  std::vector<std::map<std::string, std::string>> rows = CsvRows(ReadAll(csv));
+  ASSERT_EQ(rows.size(), 1u);
+  std::map<std::string, std::string>& row = rows[0];
+  const std::map<std::string, std::string> expected = {
+      {"mode", "constant"}, {"workload", "decode"},   {"offered_rps", "40.000"},
+      {"model", ""},        {"batch", "1"},           {"heads", "2"},
+      {"kv_heads", "1"},    {"head_dim", "16"},       {"q_len", ""},
+      {"k_len", ""},        {"dtype", "f32"},         {"causal", "1"},
+      {"rope", "default"},  {"context", "8"},         {"steps_per_session", "4"},
+      {"tokens_per_step", "1"}, {"kv_dtype", "bf16"}, {"think_ms", "0"},
+      {"step_rate", "25"},  {"connections", "2"},     {"max_outstanding", "64"},
+      {"server_method", "Decode.Step"}, {"search", ""}, {"error_samples", ""}};
+  for (const auto& [column, value] : expected) EXPECT_EQ(row[column], value) << column;
+  EXPECT_GT(Num(row, "prefill_ok"), 0);
+  EXPECT_GT(Num(row, "step_ok"), 0);
+  EXPECT_EQ(Num(row, "prefill_ok") + Num(row, "step_ok"), Num(row, "ok"));
+  EXPECT_LE(Num(row, "step_p50_ms"), Num(row, "step_p99_ms"));
+  EXPECT_GT(Num(row, "server_requests"), 0);
+  EXPECT_GT(Num(row, "compute_mean_ms"), 0);
+  EXPECT_LE(Num(row, "queue_p50_ms"), Num(row, "queue_p99_ms"));
+
+  // JSON lines: one per request; the counted ones are the row's requests.
+  std::vector<std::string> lines = absl::StrSplit(ReadAll(requests), '\n', absl::SkipEmpty());
+  ASSERT_GT(lines.size(), 0u);
+  int64_t counted = 0, prefill = 0, step = 0;
+  std::set<std::string> connections;
+  for (const std::string& line : lines) {
+    ASSERT_TRUE(JsonChecker(line).Valid()) << line;
+    for (const char* key : {"\"point\": 0", "\"session_id\": \"", "\"scheduled_ms\": ",
+                            "\"sent_ms\": ", "\"latency_ms\": ", "\"code\": \"OK\""}) {
+      EXPECT_NE(line.find(key), std::string::npos) << key << " in " << line;
+    }
+    counted += line.find("\"counted\": true") != std::string::npos;
+    prefill += line.find("\"kind\": \"prefill\"") != std::string::npos;
+    step += line.find("\"kind\": \"step\"") != std::string::npos;
+    const size_t c = line.find("\"connection\": ");
+    if (c != std::string::npos) connections.insert(line.substr(c + 14, 1));
+  }
+  EXPECT_EQ(counted, Num(row, "requests"));
+  EXPECT_EQ(prefill + step, static_cast<int64_t>(lines.size()));
+  EXPECT_GT(prefill, 0);
+  EXPECT_GT(step, 0);
+  EXPECT_EQ(connections, (std::set<std::string>{"0", "1"}));
+
+  const std::string json_text = ReadAll(json);
+  EXPECT_TRUE(JsonChecker(json_text).Valid()) << json_text;
+  for (const char* key :
+       {"\"workload\": {\"mode\": \"constant\", \"workload\": \"decode\", \"offered_rps\": 40, "
+        "\"batch\": 1, \"heads\": 2, \"kv_heads\": 1, \"head_dim\": 16, \"dtype\": \"f32\", "
+        "\"causal\": 1, \"rope\": \"default\", \"context\": 8, \"steps_per_session\": 4, "
+        "\"tokens_per_step\": 1, \"kv_dtype\": \"bf16\", \"think_ms\": 0, \"step_rate\": 25, "
+        "\"connections\": 2, \"max_outstanding\": 64}",
+        "\"prefill_latency_ms\": {\"p50\": ", "\"step_latency_ms\": {\"p50\": ",
+        "\"server\": [{\"method\": \"Decode.Open\"", "{\"method\": \"Decode.Step\", \"queue\": "
+        "{\"count\": ", "\"compute\": {\"count\": ", "\"error_samples\": {}",
+        "\"metrics_url\": "}) {
+    EXPECT_NE(json_text.find(key), std::string::npos) << key << "\n" << json_text;
+  }
+}
+
+TEST(BenchCliTest, LatencyThresholdSearchReportsEveryPointAndTheAnswer) {
+  auto server = testing::StartTestServer(testing::TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  const std::string dir = ::testing::TempDir();
+  const std::string csv = dir + "/bench_search.csv", json = dir + "/bench_search.json",
+                    requests = dir + "/bench_search_requests.csv";
+  for (const std::string& f : {csv, json, requests}) std::remove(f.c_str());
+  const std::string flags = absl::StrCat(
+      "--target=127.0.0.1:", server->port(),
+      " --workload attend --mode closed --concurrency 1 --search_max 3 --window_seconds 0.15"
+      " --warmup_seconds 0.05 --max_windows 3 --heads 2 --kv_heads 1 --head_dim 16 --q_len 4"
+      " --k_len 32 --rope_type yarn --rope_factor 4 --csv ",
+      csv, " --json ", json, " --requests_out ", requests);
+  // Every level passes a huge threshold: 1, 2, then the cap 3.
+  CliRun run = RunCli(flags + " --latency_threshold 1e6");
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_NE(run.out.find("highest passing concurrency 3 (3 points, stopped: max_level)"),
+            std::string::npos)
+      << run.out;
+  std::vector<std::map<std::string, std::string>> rows = CsvRows(ReadAll(csv));
+  ASSERT_EQ(rows.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(Num(rows[i], "concurrency"), i + 1);
+    EXPECT_EQ(rows[i]["search"], "pass");
+    EXPECT_EQ(rows[i]["rope"], "yarn");
+    EXPECT_EQ(rows[i]["rope_factor"], "4");
+    EXPECT_EQ(rows[i]["rope_original_max_positions"], "16");  // k_len / 2, as sent
+    EXPECT_EQ(rows[i]["k_len"], "32");
+    EXPECT_EQ(rows[i]["context"], "");
+  }
+  const std::string json_text = ReadAll(json);
+  EXPECT_TRUE(JsonChecker(json_text).Valid()) << json_text;
+  EXPECT_NE(json_text.find("\"search\": {\"latency_threshold_ms\": 1e+06, \"start\": 1, "
+                           "\"max_level\": 3, \"max_points\": 10, \"resolution\": 0.05, "
+                           "\"found\": true, \"best\": 3, \"lowest_failed\": 0, "
+                           "\"stopped\": \"max_level\"}"),
+            std::string::npos)
+      << json_text;
+  // The CSV export has the requests of every probed point.
+  std::vector<std::map<std::string, std::string>> lines = CsvRows(ReadAll(requests));
+  std::map<std::string, int64_t> counted;
+  for (auto& line : lines) {
+    EXPECT_EQ(line["kind"], "attend");
+    EXPECT_EQ(line["session_id"], "");
+    counted[line["point"]] += line["counted"] == "1";
+  }
+  ASSERT_EQ(counted.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(counted[absl::StrCat(i)], Num(rows[i], "requests"));
+
+  // Nothing passes a tiny threshold: one point, no answer.
+  run = RunCli(flags + " --latency_threshold 1e-6");
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_NE(run.out.find("no concurrency passed, lowest failing 1 (1 points, stopped: first "
+                         "level failed)"),
+            std::string::npos)
+      << run.out;
+  rows = CsvRows(ReadAll(csv));
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0]["search"], "fail");
+}
+
+TEST(BenchCliTest, ErrorSamplesAppearInTheTableCsvAndJson) {
+  server::ServerOptions options = testing::TestServerOptions();
+  options.compute_workers = 1;
+  options.queue_depth = 1;
+  auto server = testing::StartTestServer(options);
+  ASSERT_NE(server, nullptr);
+  const std::string dir = ::testing::TempDir();
+  const std::string csv = dir + "/bench_errors.csv", json = dir + "/bench_errors.json";
+  CliRun run = RunCli(absl::StrCat(
+      "--target=127.0.0.1:", server->port(),
+      " --workload attend --mode closed --concurrency 8 --window_seconds 0.25"
+      " --warmup_seconds 0.1 --max_windows 3 --heads 8 --head_dim 64 --q_len 64 --k_len 512"
+      " --csv ",
+      csv, " --json ", json));
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_NE(run.out.find("         RESOURCE_EXHAUSTED: "), std::string::npos) << run.out;
+  std::vector<std::map<std::string, std::string>> rows = CsvRows(ReadAll(csv));
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0]["error_samples"].rfind("RESOURCE_EXHAUSTED: ", 0), 0u)
+      << rows[0]["error_samples"];
+  const std::string json_text = ReadAll(json);
+  EXPECT_TRUE(JsonChecker(json_text).Valid()) << json_text;
+  EXPECT_NE(json_text.find("\"error_samples\": {\"RESOURCE_EXHAUSTED\": [\""), std::string::npos)
+      << json_text;
 }
 
 }  // namespace
