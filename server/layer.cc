@@ -477,7 +477,9 @@ void FillModelInfo(const Model& model, v1::ModelInfo* info) {
   info->set_architecture(c.architecture);
   info->set_model_type(c.model_type);
   info->set_hidden_size(c.hidden_size);
-  info->set_num_heads(c.num_heads);
+  info->set_heads(c.num_heads);
+  info->set_kv_heads(c.num_kv_heads);
+  info->set_num_heads(c.num_heads);  // deprecated names, still filled
   info->set_num_kv_heads(c.num_kv_heads);
   info->set_head_dim(c.head_dim);
   info->set_vocab_size(c.vocab_size);

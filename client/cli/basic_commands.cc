@@ -837,8 +837,8 @@ void PrintModelDetail(const v1::ModelInfo& m) {
   line("architecture", m.architecture());
   line("model_type", m.model_type());
   line("hidden_size", absl::StrCat(m.hidden_size()));
-  line("heads", absl::StrCat(m.num_heads(), " query, ", m.num_kv_heads(), " kv (group ",
-                             m.num_kv_heads() > 0 ? m.num_heads() / m.num_kv_heads() : 0, ")"));
+  line("heads", absl::StrCat(m.heads(), " query, ", m.kv_heads(), " kv (group ",
+                             m.kv_heads() > 0 ? m.heads() / m.kv_heads() : 0, ")"));
   line("head_dim", absl::StrCat(m.head_dim()));
   line("vocab_size", absl::StrCat(m.vocab_size()));
   line("layers", absl::StrCat(m.num_layers()));
@@ -942,7 +942,7 @@ int ModelsCommand(int argc, char** argv) {
   for (const v1::ModelInfo& m : *models) {
     std::cout << absl::StrFormat("%-16s %-10s %-16s %6d %7s %4d %6d %6d %9d %-10s %-22s %s\n",
                                  m.name(), m.source(), m.architecture(), m.hidden_size(),
-                                 absl::StrCat(m.num_heads(), "/", m.num_kv_heads()), m.head_dim(),
+                                 absl::StrCat(m.heads(), "/", m.kv_heads()), m.head_dim(),
                                  m.vocab_size(), m.num_layers(), m.max_positions(),
                                  PositionsName(m.positions()), RopeRule(m),
                                  HumanBytes(m.mapped_bytes() + m.resident_bytes()));

@@ -1036,6 +1036,9 @@ TEST_F(ClientTest, ListModelsAndGetModelDescribeTheDemoModel) {
   EXPECT_EQ(m.name(), "demo");
   EXPECT_EQ(m.source(), "built-in");
   EXPECT_EQ(m.hidden_size(), 128);
+  EXPECT_EQ(m.heads(), 8);
+  EXPECT_EQ(m.kv_heads(), 2);
+  // The deprecated config.json names carry the same values.
   EXPECT_EQ(m.num_heads(), 8);
   EXPECT_EQ(m.num_kv_heads(), 2);
   EXPECT_EQ(m.head_dim(), 16);

@@ -532,13 +532,13 @@ TEST(ArchitectureLayerTest, AModelsRopeSpecCanBeSentBack) {
     ASSERT_TRUE(s->stub->GetModel(&ctx, get, &info).ok());
     ASSERT_TRUE(info.has_rope());
     v1::AttendRequest req;
-    req.mutable_spec()->set_heads(info.num_heads());
-    req.mutable_spec()->set_kv_heads(info.num_kv_heads());
+    req.mutable_spec()->set_heads(info.heads());
+    req.mutable_spec()->set_kv_heads(info.kv_heads());
     req.mutable_spec()->set_head_dim(info.head_dim());
     *req.mutable_spec()->mutable_rope() = info.rope();
-    *req.mutable_q() = ToWire(RandomTensor(DType::kF32, {1, 3, info.num_heads(), info.head_dim()}, 1).cview());
-    *req.mutable_k() = ToWire(RandomTensor(DType::kF32, {1, 3, info.num_kv_heads(), info.head_dim()}, 2).cview());
-    *req.mutable_v() = ToWire(RandomTensor(DType::kF32, {1, 3, info.num_kv_heads(), info.head_dim()}, 3).cview());
+    *req.mutable_q() = ToWire(RandomTensor(DType::kF32, {1, 3, info.heads(), info.head_dim()}, 1).cview());
+    *req.mutable_k() = ToWire(RandomTensor(DType::kF32, {1, 3, info.kv_heads(), info.head_dim()}, 2).cview());
+    *req.mutable_v() = ToWire(RandomTensor(DType::kF32, {1, 3, info.kv_heads(), info.head_dim()}, 3).cview());
     grpc::ClientContext actx;
     v1::AttendResponse resp;
     const grpc::Status st = s->stub->Attend(&actx, req, &resp);

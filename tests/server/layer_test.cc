@@ -106,7 +106,7 @@ TEST_F(LayerTest, ListAndGetModelDescribeTheDemoModel) {
   EXPECT_EQ(m.hidden_size(), c.hidden_size);
   EXPECT_EQ(m.num_heads(), c.num_heads);
   EXPECT_EQ(m.num_kv_heads(), c.num_kv_heads);
-  EXPECT_LT(m.num_kv_heads(), m.num_heads());  // GQA
+  EXPECT_LT(m.kv_heads(), m.heads());  // GQA
   EXPECT_EQ(m.num_layers(), demo_->num_layers());
   EXPECT_EQ(m.positions(), v1::POSITION_KIND_ROPE);
   EXPECT_EQ(m.rope().scaling().rope_type(), "llama3");
