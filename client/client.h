@@ -45,6 +45,11 @@ struct ClientOptions {
   // Must be at least what the server sends (server default 256 MiB); at most
   // INT_MAX (a gRPC channel argument is an int).
   int64_t max_message_bytes = int64_t{256} << 20;
+  // A TCP connection (per target) of this Client's own. By default gRPC
+  // shares one connection between channels of the process whose settings
+  // are equal (its global subchannel pool); a load generator that wants N
+  // connections sets this (gRPC's local subchannel pool).
+  bool own_connection = false;
   // Retries of idempotent calls (Attend, Encode, GetServerInfo, GetSession,
   // ListSessions, ListModels, GetModel, Embed, Health) on UNAVAILABLE, with jittered exponential
   // backoff from 50 ms (doubling, +-20% jitter, capped at 5 s); no retry starts past the deadline.

@@ -142,9 +142,9 @@ struct Payload {
 };
 
 void SetRope(const AttendShape& a, v1::AttentionSpec* spec) {
-  if (a.rope_type == "none") return;  // no positional encoding
+  if (a.rope_type.empty() || a.rope_type == "none") return;  // no positional encoding
   v1::RopeSpec* rope = spec->mutable_rope();
-  if (a.rope_type.empty() || a.rope_type == "default") return;
+  if (a.rope_type == "default") return;
   v1::RopeScaling* s = rope->mutable_scaling();
   s->set_rope_type(a.rope_type);
   s->set_factor(a.rope_factor != 0 ? a.rope_factor : 2.0);
@@ -233,7 +233,7 @@ absl::StatusOr<Payload> BuildPayload(const LoadSpec& spec) {
   s->set_kv_heads(kv_heads);
   s->set_head_dim(d.head_dim);
   s->set_causal(true);
-  s->mutable_rope();
+  if (d.rope) s->mutable_rope();
   p.open.set_kv_dtype(d.kv_dtype);
   p.open.set_max_context(d.context + d.steps_per_session * d.tokens_per_step);
   auto make = [&](int64_t tokens, uint64_t seed, v1::Tensor* q, v1::Tensor* k,
@@ -420,7 +420,7 @@ std::vector<WorkloadField> DescribeWorkload(const LoadSpec& spec, int connection
       v["kv_heads"] = absl::StrCat(a.kv_heads == 0 ? a.heads : a.kv_heads);
       v["head_dim"] = absl::StrCat(a.head_dim);
       v["k_len"] = absl::StrCat(a.k_len);
-      const std::string rope = a.rope_type.empty() ? "default" : a.rope_type;
+      const std::string rope = a.rope_type.empty() ? "none" : a.rope_type;
       v["rope"] = rope;
       if (rope != "none" && rope != "default") {  // as SetRope sends it
         v["rope_factor"] = Num(a.rope_factor != 0 ? a.rope_factor : 2.0);
@@ -439,7 +439,7 @@ std::vector<WorkloadField> DescribeWorkload(const LoadSpec& spec, int connection
       v["heads"] = absl::StrCat(d.heads);
       v["kv_heads"] = absl::StrCat(d.kv_heads == 0 ? d.heads : d.kv_heads);
       v["head_dim"] = absl::StrCat(d.head_dim);
-      v["rope"] = "default";
+      v["rope"] = d.rope ? "default" : "none";
     }
     v["context"] = absl::StrCat(d.context);
     v["steps_per_session"] = absl::StrCat(d.steps_per_session);
@@ -650,7 +650,7 @@ absl::StatusOr<std::vector<std::unique_ptr<Client>>> ConnectClients(const Client
   std::vector<std::unique_ptr<Client>> clients;
   for (int i = 0; i < connections; ++i) {
     ClientOptions o = options;
-    o.max_message_bytes -= i;  // a distinct channel, hence its own connection (see loadgen.h)
+    o.own_connection = true;
     absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(o);
     if (!client.ok()) return client.status();
     clients.push_back(*std::move(client));

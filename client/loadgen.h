@@ -92,8 +92,9 @@ struct AttendShape {
   int64_t k_len = 512;              // >= q_len
   v1::DType dtype = v1::DTYPE_F32;  // of q, k and v
   bool causal = true;
-  // A Hugging Face rope_type, or "none" for no positional encoding.
-  std::string rope_type = "default";
+  // A Hugging Face rope_type, or "none" (the default, as in the API: an
+  // AttentionSpec without rope has no positional scheme).
+  std::string rope_type = "none";
   // For scaled rules: 0 means 2; and the trained length L0, 0 means k_len / 2
   // (so that length-dependent rules do scale).
   double rope_factor = 0;
@@ -116,6 +117,7 @@ struct DecodeShape {
   double step_rate = 0;
   v1::DType dtype = v1::DTYPE_F32;                   // of the step tensors
   v1::DType kv_dtype = v1::DTYPE_F32;                // of the server's KV cache
+  bool rope = false;  // default RoPE on q and k (off, as in the API)
 };
 
 // Called on the caller's thread after the warm-up and after each window.
@@ -305,11 +307,8 @@ absl::Status ValidateLoadSpec(const LoadSpec& spec);
 // measurement.
 absl::Status ProbeWorkload(Client& client, const LoadSpec& spec);
 
-// N Clients with `options`, each with a TCP connection of its own. gRPC
-// shares one connection between channels whose arguments are equal (its
-// global subchannel pool), so Client i gets a message limit i bytes below
-// options.max_message_bytes to make its channel distinct (a difference no
-// message this tool sends or receives comes near). `connections` in [1, 256].
+// N Clients with `options`, each with a TCP connection of its own
+// (ClientOptions::own_connection). `connections` in [1, 256].
 absl::StatusOr<std::vector<std::unique_ptr<Client>>> ConnectClients(const ClientOptions& options,
                                                                     int connections);
 

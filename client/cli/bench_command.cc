@@ -96,6 +96,7 @@ constexpr absl::string_view kSharedFlags[] = {"heads",
                                               "k_len",
                                               "dtype",
                                               "causal",
+                                              "rope",
                                               "rope_type",
                                               "rope_factor",
                                               "original_max_positions",
@@ -768,7 +769,22 @@ int BenchCommand(int argc, char** argv) {
   a.k_len = absl::GetFlag(FLAGS_k_len) == 0 ? a.q_len : absl::GetFlag(FLAGS_k_len);
   a.dtype = *dtype;
   a.causal = absl::GetFlag(FLAGS_causal);
-  a.rope_type = absl::GetFlag(FLAGS_rope_type);
+  // RoPE as in the other commands: off unless --rope or a RoPE flag.
+  const bool rope_flags = FlagGiven("rope_type") || FlagGiven("rope_factor") ||
+                          FlagGiven("original_max_positions");
+  const bool rope = absl::GetFlag(FLAGS_rope) || rope_flags;
+  if (FlagGiven("rope") && !absl::GetFlag(FLAGS_rope) && rope_flags) {
+    return UsageFail(kCommand, "--norope conflicts with the RoPE flags given");
+  }
+  a.rope_type = rope ? absl::GetFlag(FLAGS_rope_type) : "none";
+  if (*workload == client::Workload::kDecode &&
+      ((FlagGiven("rope_type") && absl::GetFlag(FLAGS_rope_type) != "default") ||
+       FlagGiven("rope_factor") || FlagGiven("original_max_positions"))) {
+    return UsageFail(kCommand,
+                     "the decode workload runs the default RoPE rule (--rope) or none; "
+                     "--rope_type, --rope_factor and --original_max_positions are for "
+                     "--workload attend");
+  }
   a.rope_factor = absl::GetFlag(FLAGS_rope_factor);
   a.original_max_positions = absl::GetFlag(FLAGS_original_max_positions);
   client::DecodeShape& d = spec.decode;
@@ -784,6 +800,7 @@ int BenchCommand(int argc, char** argv) {
   absl::StatusOr<v1::DType> kv_dtype = ParseDType("kv_dtype", f.kv_dtype);
   if (!kv_dtype.ok()) return Fail(kCommand, kv_dtype.status());
   d.kv_dtype = *kv_dtype;
+  d.rope = rope;
   spec.model = absl::GetFlag(FLAGS_model);
   spec.layer = absl::GetFlag(FLAGS_layer);
   spec.metrics_url = f.metrics_url;

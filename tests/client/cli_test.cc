@@ -1182,7 +1182,7 @@ TEST_F(CliTest, ModelsTableJsonAndDetail) {
   r = Cli({"models", "--json"});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   EXPECT_THAT(r.out, AllOf(HasSubstr("\"name\": \"demo\""), HasSubstr("\"hidden_size\": \"128\""),
-                           HasSubstr("\"num_kv_heads\": \"2\""), HasSubstr("\"inv_freq\"")));
+                           HasSubstr("\"kv_heads\": \"2\""), HasSubstr("\"inv_freq\"")));
 
   r = Cli({"models", "--name", "demo"});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);

@@ -501,7 +501,7 @@ TEST(BenchCliTest, WritesCsvJsonAndSvg) {
       "--target=127.0.0.1:", server->port(),
       " --workload attend --mode closed --concurrency 1,2 --window_seconds 0.3"
       " --warmup_seconds 0.1 --max_windows 3 --heads 2 --kv_heads 1 --head_dim 16 --q_len 4"
-      " --k_len 32 --causal --csv ",
+      " --k_len 32 --causal --rope --csv ",
       csv, " --json ", json, " --plot ", svg));
   ASSERT_EQ(run.exit_code, 0) << run.err;
   EXPECT_EQ(run.err, "");  // stderr is not a terminal: no progress line
@@ -1267,7 +1267,7 @@ TEST(BenchCliTest, DecodeWithStepRateConnectionsMetricsAndRequestExport) {
       "--target=127.0.0.1:", server->port(),
       " --workload=decode --mode=constant --rate=40 --step_rate=25 --steps_per_session=4"
       " --context=8 --tokens_per_step=1 --heads=2 --kv_heads=1 --head_dim=16 --kv_dtype=bf16"
-      " --window_seconds=0.25 --warmup_seconds=0.1 --max_windows=3 --connections=2"
+      " --rope --window_seconds=0.25 --warmup_seconds=0.1 --max_windows=3 --connections=2"
       " --metrics_url=",
       MetricsUrl(*server), " --csv=", csv, " --json=", json, " --requests_out=", requests));
   ASSERT_EQ(run.exit_code, 0) << run.err;
@@ -1416,6 +1416,8 @@ TEST(BenchCliTest, ErrorSamplesAppearInTheTableCsvAndJson) {
   EXPECT_NE(run.out.find("         RESOURCE_EXHAUSTED: "), std::string::npos) << run.out;
   std::vector<std::map<std::string, std::string>> rows = CsvRows(ReadAll(csv));
   ASSERT_EQ(rows.size(), 1u);
+  // No RoPE flag: no positional scheme, as in the API.
+  EXPECT_EQ(rows[0]["rope"], "none");
   EXPECT_EQ(rows[0]["error_samples"].rfind("RESOURCE_EXHAUSTED: ", 0), 0u)
       << rows[0]["error_samples"];
   const std::string json_text = ReadAll(json);
