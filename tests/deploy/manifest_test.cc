@@ -662,6 +662,33 @@ Problems CheckServerDeployment(const YAML::Node& deployment) {
     const YAML::Node v = Get(csc, {key});
     return v.IsDefined() ? v : Get(psc, {key});
   };
+  // Replicas spread across nodes: one node lost takes at most its share of
+  // the sessions (a constraint on the pods' own labels, by hostname).
+  {
+    bool spread = false;
+    const YAML::Node labels = Get(deployment, {"spec", "template", "metadata", "labels"});
+    const YAML::Node constraints = Get(pod, {"topologySpreadConstraints"});
+    if (constraints.IsDefined() && constraints.IsSequence()) {
+      for (const YAML::Node& t : constraints) {
+        if (Str(Get(t, {"topologyKey"})) != "kubernetes.io/hostname") continue;
+        const YAML::Node match = Get(t, {"labelSelector", "matchLabels"});
+        bool selects_pods = match.IsDefined() && match.IsMap() && match.size() > 0;
+        if (selects_pods) {
+          for (const auto& kv : match) {
+            selects_pods = selects_pods && labels.IsDefined() &&
+                           Str(Get(labels, {kv.first.as<std::string>()})) == Str(kv.second);
+          }
+        }
+        const YAML::Node skew = Get(t, {"maxSkew"});
+        spread |= selects_pods && skew.IsDefined() && skew.as<int>(0) == 1;
+      }
+    }
+    if (!spread) {
+      p.push_back("topologySpreadConstraints must spread the pods across kubernetes.io/hostname "
+                  "(maxSkew 1, labelSelector matching the pod labels)");
+    }
+  }
+
   if (!IsTrue(either("runAsNonRoot"))) p.push_back("securityContext.runAsNonRoot must be true");
   if (Str(either("runAsUser")) != "10001") p.push_back("securityContext.runAsUser must be 10001");
   if (!IsTrue(Get(csc, {"readOnlyRootFilesystem"}))) {
@@ -2121,6 +2148,23 @@ TEST(ChecksCatch, DrainArithmetic) {
   // Without the flag the server's default grace (10 s) applies.
   const ropeattn::server::ServerOptions defaults;
   EXPECT_EQ(defaults.shutdown_grace_seconds, 10.0);
+}
+
+TEST(ChecksCatch, PodsNotSpreadAcrossNodes) {
+  EXPECT_THAT(MutateServer([](YAML::Node& d, YAML::Node) {
+                RemoveKey(d["spec"]["template"]["spec"], "topologySpreadConstraints");
+              }),
+              HasProblemContaining("topologySpreadConstraints"));
+  EXPECT_THAT(MutateServer([](YAML::Node& d, YAML::Node) {
+                d["spec"]["template"]["spec"]["topologySpreadConstraints"][0]["labelSelector"]
+                 ["matchLabels"]["app.kubernetes.io/name"] = "other";
+              }),
+              HasProblemContaining("topologySpreadConstraints"));
+  EXPECT_THAT(MutateServer([](YAML::Node& d, YAML::Node) {
+                d["spec"]["template"]["spec"]["topologySpreadConstraints"][0]["topologyKey"] =
+                    "topology.kubernetes.io/zone";
+              }),
+              HasProblemContaining("topologySpreadConstraints"));
 }
 
 TEST(ChecksCatch, SecurityContext) {
