@@ -271,7 +271,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
       grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  // Keepalive matched with the reference client (serving.md, grpc #33661):
+  // Keepalive matched with the reference client (grpc/grpc issue #33661):
   // pings every 60 s are allowed, even without calls; anything more eager
   // is answered with GOAWAY.
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60 * 1000);
@@ -279,7 +279,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 30 * 1000);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 3);
-  // HTTP/2 hardening for gRPC 1.51's known weaknesses (serving.md).
+  // HTTP/2 hardening for gRPC 1.51's known weaknesses (the CVEs in deploy/README.md).
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 256);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 4 << 20);
   builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, 16 * 1024);
