@@ -1492,6 +1492,84 @@ TEST(FarBiasTest, AlibiFarMatchesFp64ThroughCacheAndBatch) {
 // 6e-5 here): 2e-4. Leaving the probabilities unrounded is 1.6e-3 away.
 constexpr double kBF16ContractTol = 2e-4;
 
+// The bf16 row kernels of the decode against fp64 sums of the same
+// bf16 values, over row counts, key counts and widths around their blocks,
+// with strides that are not the widths. Tolerances, relative to the sum of
+// absolute products: the worst case of f32 accumulation, n * 2^-24 for the
+// n = count sequential terms of a weighted sum (2e-5 for 300), and for a dot
+// product of d <= 256 split over 8 lanes, (256 / 8 + 8) * 2^-24 < 4e-6. A
+// lane or a key out of place is off by O(1).
+TEST(Bf16KernelTest, RowKernelsMatchFp64OverShapes) {
+  uint64_t state = 12345;
+  const auto next = [&state] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<float>(static_cast<int64_t>(state >> 33) % 2001 - 1000) / 1000.0f;
+  };
+  const auto to_bf16 = [](float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+  };
+  const auto from_bf16 = [](uint16_t b) {
+    const uint32_t bits = static_cast<uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return static_cast<double>(f);
+  };
+  for (int64_t d : {8, 16, 24, 32, 48, 80, 128, 256}) {
+    for (int64_t rows : {1, 2, 3, 4, 5, 8}) {
+      for (int64_t count : {0, 1, 7, 8, 9, 31, 300}) {
+        SCOPED_TRACE(absl::StrCat("d ", d, " rows ", rows, " count ", count));
+        const int64_t q_stride = d + 3, k_stride = 2 * d + 16, out_stride = count + 5;
+        std::vector<float> q(rows * q_stride);
+        for (float& x : q) x = next();
+        std::vector<uint16_t> k(std::max<int64_t>(1, count) * k_stride);
+        for (uint16_t& x : k) x = to_bf16(next());
+        std::vector<float> out(rows * out_stride, -7.0f);
+        internal::DotKeysRowsBF16(q.data(), q_stride, rows, k.data(), k_stride, count, d,
+                                  out.data(), out_stride);
+        // Scores: each (row, key) against fp64.
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t u = 0; u < count; ++u) {
+            double want = 0, scale = 0;
+            for (int64_t i = 0; i < d; ++i) {
+              const double t = q[r * q_stride + i] * from_bf16(k[u * k_stride + i]);
+              want += t;
+              scale += std::fabs(t);
+            }
+            ASSERT_NEAR(out[r * out_stride + u], want, 4e-6 * scale + 1e-30) << r << " " << u;
+          }
+          for (int64_t u = count; u < out_stride; ++u) EXPECT_EQ(out[r * out_stride + u], -7.0f);
+        }
+        // Weighted sums: dv = d, acc starting from a value of its own.
+        const int64_t dv = d, w_stride = count + 2, acc_stride = dv + 5;
+        std::vector<float> w(rows * w_stride);
+        for (float& x : w) x = next();
+        std::vector<float> acc(rows * acc_stride), start(rows * acc_stride);
+        for (float& x : start) x = next();
+        acc = start;
+        internal::WeightedSumRowsBF16(w.data(), w_stride, rows, k.data(), k_stride, count, dv,
+                                      acc.data(), acc_stride);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t x = 0; x < acc_stride; ++x) {
+            if (x >= dv) {
+              EXPECT_EQ(acc[r * acc_stride + x], start[r * acc_stride + x]) << "past dv";
+              continue;
+            }
+            double want = start[r * acc_stride + x], scale = std::fabs(want);
+            for (int64_t u = 0; u < count; ++u) {
+              const double t = w[r * w_stride + u] * from_bf16(k[u * k_stride + x]);
+              want += t;
+              scale += std::fabs(t);
+            }
+            ASSERT_NEAR(acc[r * acc_stride + x], want, 2e-5 * scale + 1e-30) << r << " " << x;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(BF16ContractTest, SixteenAndSeventeenQueriesRoundTheSameValues) {
   EXPECT_EQ(ChooseAttentionPath(16, 4, 4, false), AttentionPath::kDecode);
   EXPECT_EQ(ChooseAttentionPath(17, 4, 4, false), AttentionPath::kPrefill);
