@@ -45,6 +45,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "ropeattn/v1/attention.grpc.pb.h"
+#include "server/handlers.h"
 #include "server/metrics.h"
 #include "server/server.h"
 
@@ -434,6 +435,30 @@ void BM_PairedAttendSmall(benchmark::State& state) {
       n > 0 ? (Metric(after, sum) - Metric(before, sum)) / n * 1e6 : 0;
 }
 
+// The same small Attend as rpc/paired/attend_small_vs_health through the
+// handler alone (pricing and the compute, proto in and out, no RPC), on one
+// kernel thread as an inline call runs it: what of its round trip is ours.
+void BM_HandlerAttendSmall(benchmark::State& state) {
+  v1::AttendRequest req;
+  v1::AttentionSpec* spec = req.mutable_spec();
+  spec->set_heads(8);
+  spec->set_kv_heads(8);
+  spec->set_head_dim(64);
+  spec->set_causal(true);
+  spec->mutable_rope();
+  *req.mutable_q() = RandomWire({1, 16, 8, 64}, 1);
+  *req.mutable_k() = RandomWire({1, 16, 8, 64}, 2);
+  *req.mutable_v() = RandomWire({1, 16, 8, 64}, 3);
+  const server::ComputeOptions o{1, nullptr, 2};
+  for (auto _ : state) {
+    v1::AttendResponse resp;
+    if (!server::PriceAttend(req, 2).ok() || !server::RunAttend(req, &resp, o).ok()) {
+      return state.SkipWithError("RunAttend failed");
+    }
+    benchmark::DoNotOptimize(resp);
+  }
+}
+
 // A session's cache filled to `context` tokens of [32 heads over 8, d 128]
 // in chunks of 512 (the same random tokens for the RPC and the local copy).
 constexpr int64_t kHeads = 32, kKvHeads = 8, kHeadDim = 128;
@@ -756,6 +781,10 @@ BENCHMARK(ropeattn::BM_DecodeStep)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
+BENCHMARK(ropeattn::BM_HandlerAttendSmall)
+    ->Name("rpc/handler/attend_small")
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(ropeattn::BM_PairedAttendSmall)
     ->Name("rpc/paired/attend_small_vs_health")
     ->UseRealTime()
