@@ -244,13 +244,20 @@ void BM_Rope(benchmark::State& state, RopeLayout layout) {
 
 // -------------------------------------------------------------- decode --
 
-// Where the decode reads K/V from: the f32 KvCache a decoding session keeps
-// (AttendCache), or token-major tensors as a stateless Attend call passes them.
-enum class KvSource { kSessionCache, kTensors };
+// Where the decode reads K/V from: where a decoding session of this dtype
+// keeps them on this machine (DecodeState::StorageFor: an f32 KvCache where
+// its decode is the faster one, KvCacheDecodeIsFaster, else token-major
+// tensors), or token-major tensors as a stateless Attend call passes them.
+enum class KvSource { kSession, kTensors };
 
-void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv_heads, KvSource source,
-               BiasKind bias) {
-  const int64_t kv = 4096, h = 32, d = 128;
+void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv, int64_t kv_heads,
+               KvSource requested, BiasKind bias) {
+  const int64_t h = 32, d = 128;
+  const KvSource source = requested == KvSource::kSession && kv_dtype == DType::kF32 &&
+                                  KvCacheDecodeIsFaster()
+                              ? KvSource::kSession
+                              : KvSource::kTensors;
+  state.counters["kv_cache_layout"] = source == KvSource::kSession ? 1 : 0;
   const int64_t cache_bytes = 2 * kv * kv_heads * d * static_cast<int64_t>(DTypeSize(kv_dtype));
   // Enough caches that the set is 4x the L3 (32 MiB here) or more.
   const int copies = static_cast<int>(std::max<int64_t>(2, (int64_t{128} << 20) / cache_bytes + 1));
@@ -259,7 +266,7 @@ void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv_heads, KvSour
   for (int i = 0; i < copies; ++i) {
     Tensor k = Random(kv_dtype, {1, kv, kv_heads, d}, 100 + i);
     Tensor v = Random(kv_dtype, {1, kv, kv_heads, d}, 200 + i);
-    if (source == KvSource::kSessionCache) {
+    if (source == KvSource::kSession) {
       KvCache c = KvCache::Create(kv_heads, d, d, kv).value();
       if (!c.WriteK(0, k.cview()).ok() || !c.WriteV(0, v.cview()).ok()) std::abort();
       caches.push_back(std::move(c));
@@ -280,7 +287,7 @@ void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv_heads, KvSour
   }
   RunTimed(state, static_cast<double>(cache_bytes), "bytes_per_second", kCopy, [&](int64_t it) {
     const int c = static_cast<int>(it % copies);
-    absl::Status st = source == KvSource::kSessionCache
+    absl::Status st = source == KvSource::kSession
                           ? AttendCache(q.view(), caches[c], kv, opt, out.view())
                           : Attend(q.view(), ks[c].view(), vs[c].view(), opt, out.view());
     if (!st.ok()) std::abort();
@@ -330,29 +337,34 @@ void Register() {
                                RopeLayout::kInterleaved)
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
-  // Each named case reads K/V the way a decoding session keeps them: f32 in
-  // a KvCache, bf16 as token-major tensors. The decode/f32/tensors/ cases
-  // are a stateless Attend over token-major f32 K/V.
+  // Each named case reads K/V the way a decoding session keeps them here
+  // (kv_cache_layout = 1: an f32 KvCache; 0: token-major tensors). The
+  // decode/f32/tensors/ cases are a stateless Attend over token-major f32 K/V.
   struct DecodeCase {
     const char* name;
     DType dtype;
+    int64_t kv;
     int64_t kv_heads;
     KvSource source;
     BiasKind bias = BiasKind::kNone;
   };
   const DecodeCase decode_cases[] = {
-      {"decode/f32/kv4096_h32_kvh32_d128", DType::kF32, 32, KvSource::kSessionCache},
-      {"decode/f32/kv4096_h32_kvh8_d128", DType::kF32, 8, KvSource::kSessionCache},
-      {"decode/bf16/kv4096_h32_kvh32_d128", DType::kBF16, 32, KvSource::kTensors},
-      {"decode/f32/tensors/kv4096_h32_kvh32_d128", DType::kF32, 32, KvSource::kTensors},
-      {"decode/f32/tensors/kv4096_h32_kvh8_d128", DType::kF32, 8, KvSource::kTensors},
-      {"decode/f32/alibi/kv4096_h32_kvh8_d128", DType::kF32, 8, KvSource::kSessionCache,
+      {"decode/f32/kv4096_h32_kvh32_d128", DType::kF32, 4096, 32, KvSource::kSession},
+      {"decode/f32/kv4096_h32_kvh8_d128", DType::kF32, 4096, 8, KvSource::kSession},
+      {"decode/f32/kv8192_h32_kvh8_d128", DType::kF32, 8192, 8, KvSource::kSession},
+      {"decode/f32/kv32768_h32_kvh8_d128", DType::kF32, 32768, 8, KvSource::kSession},
+      {"decode/bf16/kv4096_h32_kvh32_d128", DType::kBF16, 4096, 32, KvSource::kSession},
+      {"decode/bf16/kv8192_h32_kvh8_d128", DType::kBF16, 8192, 8, KvSource::kSession},
+      {"decode/bf16/kv32768_h32_kvh8_d128", DType::kBF16, 32768, 8, KvSource::kSession},
+      {"decode/f32/tensors/kv4096_h32_kvh32_d128", DType::kF32, 4096, 32, KvSource::kTensors},
+      {"decode/f32/tensors/kv4096_h32_kvh8_d128", DType::kF32, 4096, 8, KvSource::kTensors},
+      {"decode/f32/alibi/kv4096_h32_kvh8_d128", DType::kF32, 4096, 8, KvSource::kSession,
        BiasKind::kAlibi},
-      {"decode/bf16/alibi/kv4096_h32_kvh32_d128", DType::kBF16, 32, KvSource::kTensors,
+      {"decode/bf16/alibi/kv4096_h32_kvh32_d128", DType::kBF16, 4096, 32, KvSource::kSession,
        BiasKind::kAlibi},
   };
   for (const DecodeCase& c : decode_cases) {
-    benchmark::RegisterBenchmark(c.name, BM_Decode, c.dtype, c.kv_heads, c.source, c.bias)
+    benchmark::RegisterBenchmark(c.name, BM_Decode, c.dtype, c.kv, c.kv_heads, c.source, c.bias)
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
   }
