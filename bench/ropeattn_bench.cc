@@ -297,6 +297,45 @@ void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv, int64_t kv_h
       state.counters["bytes_per_second"].value / EnsureCeiling(kRead);
 }
 
+// An int8 session cache (docs/kv-memory.md): token-major int8 rows with an
+// f32 scale per (token, kv head), quantized from the same random K/V.
+// Bytes: the int8 rows and their scales.
+void BM_DecodeInt8(benchmark::State& state, int64_t kv, int64_t kv_heads) {
+  const int64_t h = 32, d = 128;
+  const int64_t cache_bytes = 2 * kv * kv_heads * (d + static_cast<int64_t>(sizeof(float)));
+  const int copies = static_cast<int>(std::max<int64_t>(2, (int64_t{128} << 20) / cache_bytes + 1));
+  struct Rows {
+    std::vector<int8_t> k, v;
+    std::vector<float> ks, vs;
+    Int8KvView view;
+  };
+  std::vector<Rows> rows(copies);
+  for (int i = 0; i < copies; ++i) {
+    Tensor k = Random(DType::kF32, {1, kv, kv_heads, d}, 100 + i);
+    Tensor v = Random(DType::kF32, {1, kv, kv_heads, d}, 200 + i);
+    Rows& r = rows[i];
+    r.k.resize(kv * kv_heads * d);
+    r.v.resize(kv * kv_heads * d);
+    r.ks.resize(kv * kv_heads);
+    r.vs.resize(kv * kv_heads);
+    QuantizeInt8Rows(k.data<float>(), d, kv * kv_heads, d, r.k.data(), r.ks.data());
+    QuantizeInt8Rows(v.data<float>(), d, kv * kv_heads, d, r.v.data(), r.vs.data());
+    r.view = Int8KvView{r.k.data(), r.ks.data(), r.v.data(), r.vs.data(), kv, kv_heads, d, d};
+  }
+  Tensor q = Random(DType::kF32, {1, 1, h, d}, 7);
+  Tensor out = Tensor::Create(DType::kF32, {1, 1, h, d}).value();
+  AttentionOptions opt;
+  opt.causal = true;
+  opt.num_threads = Threads();
+  RunTimed(state, static_cast<double>(cache_bytes), "bytes_per_second", kCopy, [&](int64_t it) {
+    const int c = static_cast<int>(it % copies);
+    if (!AttendInt8(q.view(), rows[c].view, kv, opt, out.view()).ok()) std::abort();
+  });
+  state.counters["caches"] = copies;
+  state.counters["fraction_of_read_bandwidth"] =
+      state.counters["bytes_per_second"].value / EnsureCeiling(kRead);
+}
+
 // ------------------------------------------------------------- prefill --
 
 void BM_Prefill(benchmark::State& state, DType dtype, int64_t s, int64_t kv_heads) {
@@ -368,6 +407,12 @@ void Register() {
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
   }
+  benchmark::RegisterBenchmark("decode/int8/kv4096_h32_kvh32_d128", BM_DecodeInt8, 4096, 32)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("decode/int8/kv8192_h32_kvh8_d128", BM_DecodeInt8, 8192, 8)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("prefill/f32/causal_s512_h32_kvh32_d128", BM_Prefill, DType::kF32,
                                512, 32)
       ->UseRealTime()

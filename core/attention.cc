@@ -65,6 +65,7 @@ struct Plan {
   bool bias_has_batch = false;
   ConstTensorView q, k, v;         // k, v absent when keys come from `cache`
   const KvCache* cache = nullptr;  // AttendCache: keys [0, k_len) of a session cache
+  const Int8KvView* int8 = nullptr;  // AttendInt8: keys [0, k_len) of int8 rows
   TensorView out, probs;
   int threads;
   int plan_threads;  // what the decode kernel's key cut is planned for
@@ -649,6 +650,49 @@ void DecodeValuesChunk(const Plan& p, const DecodeLayout& L, const float* scores
   }
 }
 
+// int8 rows (batch 1): as DecodeScoresChunk / DecodeValuesChunk, with each
+// key's scale applied to its scores and folded into its weights.
+void DecodeScoresChunkInt8(const Plan& p, const DecodeLayout& L, const float* qf, float* scores,
+                           int64_t t0, int64_t t1) {
+  const Int8KvView& kv = *p.int8;
+  const int64_t d = p.head_dim, ks = kv.kv_heads * d;
+  for (int64_t tb = t0; tb < t1; tb += kKeyBlock) {
+    const int64_t tb1 = std::min(t1, tb + kKeyBlock);
+    for (int64_t j = 0; j < p.kv_heads; ++j) {
+      for (int64_t i = 0; i < p.q_len; ++i) {
+        const int64_t lo = std::max(tb, L.lo[i]);
+        const int64_t hi = std::min(tb1, L.hi[i]);
+        if (hi <= lo) continue;
+        const int64_t r0 = j * p.group * p.q_len + i;
+        internal::DotKeysRowsI8(qf + r0 * d, p.q_len * d, p.group, kv.k + lo * ks + j * d, ks,
+                                kv.k_scale + lo * kv.kv_heads + j, kv.kv_heads, hi - lo, d,
+                                scores + r0 * L.n_max + (lo - L.ulo[0]), p.q_len * L.n_max);
+      }
+    }
+  }
+}
+
+void DecodeValuesChunkInt8(const Plan& p, const DecodeLayout& L, const float* scores, float* acc,
+                           int64_t t0, int64_t t1) {
+  const Int8KvView& kv = *p.int8;
+  const int64_t dv = p.v_dim, vs = kv.kv_heads * dv;
+  for (int64_t tb = t0; tb < t1; tb += kKeyBlock) {
+    const int64_t tb1 = std::min(t1, tb + kKeyBlock);
+    for (int64_t j = 0; j < p.kv_heads; ++j) {
+      for (int64_t i = 0; i < p.q_len; ++i) {
+        const int64_t lo = std::max(tb, L.lo[i]);
+        const int64_t hi = std::min(tb1, L.hi[i]);
+        if (hi <= lo) continue;
+        const int64_t r0 = j * p.group * p.q_len + i;
+        internal::WeightedSumRowsI8(scores + r0 * L.n_max + (lo - L.ulo[0]), p.q_len * L.n_max,
+                                    p.group, kv.v + lo * vs + j * dv, vs,
+                                    kv.v_scale + lo * kv.kv_heads + j, kv.kv_heads, hi - lo, dv,
+                                    acc + r0 * dv, p.q_len * dv);
+      }
+    }
+  }
+}
+
 // KvCache (batch 1): per kv head, each tile of the chunk in turn is scored for
 // the query rows sharing that head (one head's tiles are one contiguous run of
 // memory); only the visible keys are copied into the score rows.
@@ -721,6 +765,8 @@ struct DecodeRun {
       Locate(c, &b, &t0, &t1);
       if (p->cache != nullptr) {
         DecodeScoresTiles(*p, L, qf, scores, t0, t1);
+      } else if (p->int8 != nullptr) {
+        DecodeScoresChunkInt8(*p, L, qf, scores, t0, t1);
       } else if (f32) {
         DecodeScoresChunk<float>(*p, L, qf, scores, b, t0, t1);
       } else {
@@ -750,6 +796,8 @@ struct DecodeRun {
       Locate(c, &b, &t0, &t1);
       if (p->cache != nullptr) {
         DecodeValuesDense(*p, L, scores, part_acc, t0, t1);
+      } else if (p->int8 != nullptr) {
+        DecodeValuesChunkInt8(*p, L, scores, part_acc, t0, t1);
       } else if (f32) {
         DecodeValuesChunk<float>(*p, L, scores, part_acc, b, t0, t1);
       } else {
@@ -1102,6 +1150,46 @@ absl::StatusOr<Plan> MakeCachePlan(const ConstTensorView& q, const KvCache& cach
   return p;
 }
 
+absl::StatusOr<Plan> MakeInt8Plan(const ConstTensorView& q, const Int8KvView& kv, int64_t length,
+                                  const AttentionOptions& options, const TensorView& out,
+                                  const TensorView& probs) {
+  RA_RETURN_IF_ERROR(CheckBSHD(q, "q"));
+  RA_RETURN_IF_ERROR(CheckBSHD(out, "out"));
+  if (q.dim(0) != 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "q must have batch 1 against int8 rows, got shape %s", DimsToString(q.dims())));
+  }
+  if (kv.seq < 0 || kv.kv_heads < 1 || kv.head_dim < 0 || kv.v_dim < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "an int8 view needs seq >= 0, kv_heads >= 1, head_dim and v_dim >= 0; got %d, %d, %d, %d",
+        kv.seq, kv.kv_heads, kv.head_dim, kv.v_dim));
+  }
+  if (kv.seq > 0 && (kv.k == nullptr || kv.k_scale == nullptr || kv.v == nullptr ||
+                     kv.v_scale == nullptr)) {
+    return absl::InvalidArgumentError("an int8 view of rows needs its k, v and scale pointers");
+  }
+  if (length < 0 || length > kv.seq) {
+    return absl::OutOfRangeError(
+        absl::StrFormat("length %d is outside the int8 view's %d rows", length, kv.seq));
+  }
+  if (q.dim(3) != kv.head_dim) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "head_dim of q (%d) and of the int8 rows (%d) differ", q.dim(3), kv.head_dim));
+  }
+  Plan p;
+  p.batch = 1;
+  p.q_len = q.dim(1);
+  p.heads = q.dim(2);
+  p.head_dim = q.dim(3);
+  p.k_len = length;
+  p.kv_heads = kv.kv_heads;
+  p.v_dim = kv.v_dim;
+  p.kv_dtype = DType::kF32;  // computed in f32 from the dequantized values
+  p.int8 = &kv;
+  RA_RETURN_IF_ERROR(PlanCommon(q, options, out, probs, p));
+  return p;
+}
+
 AttentionPath PathOf(const Plan& p, const AttentionOptions& options, bool probs) {
   AttentionPath path = ChooseAttentionPath(p.q_len, p.heads, p.kv_heads, probs);
   if (options.force_path == AttentionOptions::Path::kDecode) path = AttentionPath::kDecode;
@@ -1126,7 +1214,64 @@ absl::Status CachePrefill(const ConstTensorView& q, const KvCache& cache, int64_
   return Attend(q, k.cview(), v.cview(), o, out, probs);
 }
 
+// A long step against int8 rows: dequantized once, then Attend's prefill.
+absl::Status Int8Prefill(const ConstTensorView& q, const Int8KvView& kv, int64_t length,
+                         const AttentionOptions& options, const TensorView& out,
+                         const TensorView& probs) {
+  RA_ASSIGN_OR_RETURN(Tensor k, Tensor::Create(DType::kF32, {1, length, kv.kv_heads, kv.head_dim}));
+  RA_ASSIGN_OR_RETURN(Tensor v, Tensor::Create(DType::kF32, {1, length, kv.kv_heads, kv.v_dim}));
+  float* kd = k.data<float>();
+  float* vd = v.data<float>();
+  for (int64_t r = 0; r < length * kv.kv_heads; ++r) {
+    const float ks = kv.k_scale[r], vs = kv.v_scale[r];
+    for (int64_t x = 0; x < kv.head_dim; ++x) {
+      kd[r * kv.head_dim + x] = ks * static_cast<float>(kv.k[r * kv.head_dim + x]);
+    }
+    for (int64_t x = 0; x < kv.v_dim; ++x) {
+      vd[r * kv.v_dim + x] = vs * static_cast<float>(kv.v[r * kv.v_dim + x]);
+    }
+  }
+  AttentionOptions o = options;
+  o.check_finite = false;
+  o.force_path = AttentionOptions::Path::kPrefill;
+  return Attend(q, k.cview(), v.cview(), o, out, probs);
+}
+
 }  // namespace
+
+void QuantizeInt8Rows(const float* x, int64_t x_stride, int64_t rows, int64_t dim, int8_t* q,
+                      float* scales) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * x_stride;
+    float m = 0.0f;
+    for (int64_t i = 0; i < dim; ++i) m = std::max(m, std::fabs(row[i]));
+    int8_t* out = q + r * dim;
+    if (m == 0.0f) {
+      scales[r] = 0.0f;
+      std::memset(out, 0, dim);
+      continue;
+    }
+    const float scale = m / 127.0f;
+    scales[r] = scale;
+    for (int64_t i = 0; i < dim; ++i) {
+      // Round to nearest even (the default rounding mode); |x| <= m keeps
+      // the quotient within [-127, 127] up to one rounding of the division.
+      const float t = std::nearbyint(row[i] / scale);
+      out[i] = static_cast<int8_t>(std::clamp(t, -127.0f, 127.0f));
+    }
+  }
+}
+
+absl::Status AttendInt8(ConstTensorView q, const Int8KvView& kv, int64_t length,
+                        const AttentionOptions& options, TensorView out, TensorView probs) {
+  RA_ASSIGN_OR_RETURN(Plan p, MakeInt8Plan(q, kv, length, options, out, probs));
+  if (p.q_len == 0 || p.heads == 0) return absl::OkStatus();
+  if (PathOf(p, options, !probs.empty_view()) == AttentionPath::kPrefill) {
+    return Int8Prefill(q, kv, length, options, out, probs);
+  }
+  RA_RETURN_IF_ERROR(RunDecode(p));
+  return CheckResultFinite(out);
+}
 
 absl::Status AttendCache(ConstTensorView q, const KvCache& cache, int64_t length,
                          const AttentionOptions& options, TensorView out, TensorView probs) {
@@ -1148,6 +1293,8 @@ void AttendBatch(absl::Span<AttentionJob> jobs, int threads) {
     absl::StatusOr<Plan> plan =
         j.cache != nullptr
             ? MakeCachePlan(j.q, *j.cache, j.cache_length, j.options, j.out, TensorView())
+        : j.int8 != nullptr
+            ? MakeInt8Plan(j.q, *j.int8, j.cache_length, j.options, j.out, TensorView())
             : MakePlan(j.q, j.k, j.v, j.options, j.out, TensorView());
     if (!plan.ok()) {
       j.status = plan.status();
@@ -1161,6 +1308,8 @@ void AttendBatch(absl::Span<AttentionJob> jobs, int threads) {
       // A prompt: its own tiled GEMM pass, one after another.
       j.status = j.cache != nullptr
                      ? CachePrefill(j.q, *j.cache, j.cache_length, j.options, j.out, TensorView())
+                 : j.int8 != nullptr
+                     ? Int8Prefill(j.q, *j.int8, j.cache_length, j.options, j.out, TensorView())
                      : RunPrefill(p);
       if (j.status.ok()) j.status = CheckResultFinite(j.out);
       continue;

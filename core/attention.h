@@ -130,12 +130,46 @@ absl::Status AttendCache(ConstTensorView q, const KvCache& cache, int64_t length
                          const AttentionOptions& options, TensorView out,
                          TensorView probs = TensorView());
 
+// A decoding session's int8 keys and values (docs/kv-memory.md): token-major
+// rows, symmetric per (token, kv head): value = scale * q, q in [-127, 127].
+// Row t of kv head j is k + (t * kv_heads + j) * head_dim, its scale
+// k_scale[t * kv_heads + j]; likewise v. Not owned.
+struct Int8KvView {
+  const int8_t* k = nullptr;
+  const float* k_scale = nullptr;
+  const int8_t* v = nullptr;
+  const float* v_scale = nullptr;
+  int64_t seq = 0, kv_heads = 0, head_dim = 0, v_dim = 0;
+};
+
+// Quantizes `rows` rows of `dim` floats (row r at x + r * x_stride) into
+// q (row r at q + r * dim) with one scale per row: scale = max|x| / 127,
+// q = x / scale rounded to nearest even (a zero row: scale 0, q 0). The
+// values must be finite.
+void QuantizeInt8Rows(const float* x, int64_t x_stride, int64_t rows, int64_t dim, int8_t* q,
+                      float* scales);
+
+// Attend with keys and values [0, length) of an int8 view, as AttendCache:
+// q [1, q_len, heads, head_dim] (f32 or bf16), out [1, q_len, heads, v_dim];
+// the same options, masks and errors. Exact with respect to the stored
+// values: the result is Attend's over the dequantized rows (scale * q) to
+// f32 rounding. Few query rows use the decode kernel on the int8 rows; a
+// long step dequantizes the rows once and takes the prefill path. The view
+// is not scanned for non-finite values. InvalidArgument for a view whose
+// sizes disagree with q or whose pointers are missing; OutOfRange if length
+// exceeds kv.seq.
+absl::Status AttendInt8(ConstTensorView q, const Int8KvView& kv, int64_t length,
+                        const AttentionOptions& options, TensorView out,
+                        TensorView probs = TensorView());
+
 // One attention computation of a batched pass (AttendBatch): q/k/v as for
 // Attend, or q against keys [0, cache_length) of a KvCache as for
-// AttendCache (then k and v are not used). No probabilities.
+// AttendCache, or of an int8 view as for AttendInt8 (then k and v are not
+// used). No probabilities.
 struct AttentionJob {
   ConstTensorView q, k, v;
   const KvCache* cache = nullptr;
+  const Int8KvView* int8 = nullptr;
   int64_t cache_length = 0;
   AttentionOptions options;  // options.num_threads plans the job as a solo call would
   TensorView out;

@@ -83,8 +83,15 @@ struct LoadBF16 {
 struct LoadF32 {
   __m256 operator()(const float* p) const { return _mm256_loadu_ps(p); }
 };
+struct LoadI8 {
+  __m256 operator()(const int8_t* p) const {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  }
+};
 constexpr LoadBF16 LoadBF16x8{};
 constexpr LoadF32 LoadF32x8{};
+constexpr LoadI8 LoadI8x8{};
 inline float HSum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
   lo = _mm_add_ps(lo, hi);
@@ -107,6 +114,8 @@ inline float DotImpl(const float* a, const T* b, int64_t n, Load load) {
   for (; i < n; ++i) {
     if constexpr (std::is_same_v<T, float>) {
       s += a[i] * b[i];
+    } else if constexpr (std::is_same_v<T, int8_t>) {
+      s += a[i] * static_cast<float>(b[i]);
     } else {
       s += a[i] * Bf(b[i]);
     }
@@ -132,6 +141,8 @@ inline void AxpyImpl(float w, const T* x, float* acc, int64_t n, Load load) {
   for (; i < n; ++i) {
     if constexpr (std::is_same_v<T, float>) {
       acc[i] += w * x[i];
+    } else if constexpr (std::is_same_v<T, int8_t>) {
+      acc[i] += w * static_cast<float>(x[i]);
     } else {
       acc[i] += w * Bf(x[i]);
     }
@@ -532,6 +543,35 @@ void WeightedSumRowsF32(const float* w, int64_t w_stride, int64_t rows, const fl
                         int64_t v_stride, int64_t count, int64_t dv, float* acc,
                         int64_t acc_stride) {
   WeightedSumRowsImpl(w, w_stride, rows, v, v_stride, count, dv, acc, acc_stride, LoadF32x8);
+}
+void DotKeysRowsI8(const float* q, int64_t q_stride, int64_t rows, const int8_t* k,
+                   int64_t k_stride, const float* k_scale, int64_t scale_stride, int64_t count,
+                   int64_t d, float* out, int64_t out_stride) {
+  DotKeysRowsImpl(q, q_stride, rows, k, k_stride, count, d, out, out_stride, LoadI8x8);
+  for (int64_t u = 0; u < count; ++u) {
+    const float s = k_scale[u * scale_stride];
+    for (int64_t r = 0; r < rows; ++r) out[r * out_stride + u] *= s;
+  }
+}
+void WeightedSumRowsI8(const float* w, int64_t w_stride, int64_t rows, const int8_t* v,
+                       int64_t v_stride, const float* v_scale, int64_t scale_stride,
+                       int64_t count, int64_t dv, float* acc, int64_t acc_stride) {
+  // The scales fold into the weights; blocks of keys keep the buffer small.
+  constexpr int64_t kKeys = 64;
+  float ws[kKeys * 8];
+  for (int64_t u0 = 0; u0 < count; u0 += kKeys) {
+    const int64_t n = std::min(kKeys, count - u0);
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+      const int64_t nr = std::min<int64_t>(8, rows - r0);
+      for (int64_t r = 0; r < nr; ++r) {
+        for (int64_t u = 0; u < n; ++u) {
+          ws[r * kKeys + u] = w[(r0 + r) * w_stride + u0 + u] * v_scale[(u0 + u) * scale_stride];
+        }
+      }
+      WeightedSumRowsImpl(ws, kKeys, nr, v + u0 * v_stride, v_stride, n, dv,
+                          acc + r0 * acc_stride, acc_stride, LoadI8x8);
+    }
+  }
 }
 void WeightedSumRowsBF16(const float* w, int64_t w_stride, int64_t rows, const uint16_t* v,
                          int64_t v_stride, int64_t count, int64_t dv, float* acc,

@@ -40,6 +40,16 @@ void WeightedSumRowsBF16(const float* w, int64_t w_stride, int64_t rows, const u
                          int64_t v_stride, int64_t count, int64_t dv, float* acc,
                          int64_t acc_stride);
 
+// int8 rows (Int8KvView) with one scale per key: out[r*out_stride + u] =
+// scale[u * scale_stride] * <q_r, k_u> for the scores, and acc[r] +=
+// (w[r][u] * scale[u * scale_stride]) * v_u for the weighted sums.
+void DotKeysRowsI8(const float* q, int64_t q_stride, int64_t rows, const int8_t* k,
+                   int64_t k_stride, const float* k_scale, int64_t scale_stride, int64_t count,
+                   int64_t d, float* out, int64_t out_stride);
+void WeightedSumRowsI8(const float* w, int64_t w_stride, int64_t rows, const int8_t* v,
+                       int64_t v_stride, const float* v_scale, int64_t scale_stride,
+                       int64_t count, int64_t dv, float* acc, int64_t acc_stride);
+
 // KvCache layout (kv_cache.h). Scores of `rows` query rows (q + r*q_stride,
 // d channels) against one K tile ([d][64] floats):
 // out[r*64 + u] = <q_r, key u of the tile>, u < 64.

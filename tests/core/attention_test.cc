@@ -1570,6 +1570,226 @@ TEST(Bf16KernelTest, RowKernelsMatchFp64OverShapes) {
   }
 }
 
+// ------------------------------------------------------------- int8 KV --
+
+TEST(Int8Test, QuantizeRoundsToNearestEvenWithOneScalePerRow) {
+  // Row 0: max 1 -> scale 1/127; 0.5 * 127 = 63.5 -> 64 (even); 0.25 * 127
+  // = 31.75 -> 32. Row 1: all zero -> scale 0, q 0. Row 2 (stride 4, one
+  // element skipped): max 2.54 -> scale 0.02; -2.54 -> -127, 0.01 -> 0.5 -> 0.
+  const float x[12] = {0.5f, -1.0f, 0.25f, 99.0f, 0.0f, 0.0f, 0.0f, 99.0f,
+                       -2.54f, 0.01f, 1.27f, 99.0f};
+  int8_t q[9];
+  float scales[3];
+  QuantizeInt8Rows(x, 4, 3, 3, q, scales);
+  EXPECT_FLOAT_EQ(scales[0], 1.0f / 127.0f);
+  EXPECT_EQ(q[0], 64);
+  EXPECT_EQ(q[1], -127);
+  EXPECT_EQ(q[2], 32);
+  EXPECT_EQ(scales[1], 0.0f);
+  EXPECT_EQ(q[3], 0);
+  EXPECT_EQ(q[4], 0);
+  EXPECT_EQ(q[5], 0);
+  EXPECT_FLOAT_EQ(scales[2], 2.54f / 127.0f);
+  EXPECT_EQ(q[6], -127);
+  EXPECT_EQ(q[7], 0);
+  EXPECT_EQ(q[8], 64);  // 1.27 / 0.02 = 63.5 -> 64
+  // Every value comes back within half a step of its row's scale.
+  std::vector<float> big(5 * 37);
+  uint64_t state = 99;
+  for (float& v : big) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    v = static_cast<float>(static_cast<int64_t>(state >> 33) % 20001 - 10000) / 77.0f;
+  }
+  std::vector<int8_t> bq(big.size());
+  std::vector<float> bs(5);
+  QuantizeInt8Rows(big.data(), 37, 5, 37, bq.data(), bs.data());
+  for (int r = 0; r < 5; ++r) {
+    for (int i = 0; i < 37; ++i) {
+      EXPECT_LE(std::fabs(bs[r] * bq[r * 37 + i] - big[r * 37 + i]), 0.5f * bs[r] * 1.0001f);
+    }
+  }
+}
+
+// The int8 row kernels against fp64 over row counts, key counts and widths
+// (tolerances as for the bf16 kernels above: worst-case f32 accumulation).
+TEST(Int8Test, RowKernelsMatchFp64OverShapes) {
+  uint64_t state = 4321;
+  const auto next = [&state] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<int64_t>(state >> 33);
+  };
+  for (int64_t d : {8, 16, 24, 64, 80, 128}) {
+    for (int64_t rows : {1, 2, 3, 4, 5, 8, 9}) {
+      for (int64_t count : {0, 1, 7, 8, 9, 100}) {
+        SCOPED_TRACE(absl::StrCat("d ", d, " rows ", rows, " count ", count));
+        const int64_t q_stride = d + 1, k_stride = 3 * d, out_stride = count + 2, ss = 3;
+        std::vector<float> q(rows * q_stride);
+        for (float& x : q) x = static_cast<float>(next() % 2001 - 1000) / 1000.0f;
+        std::vector<int8_t> k(std::max<int64_t>(1, count) * k_stride);
+        for (int8_t& x : k) x = static_cast<int8_t>(next() % 255 - 127);
+        std::vector<float> scale(std::max<int64_t>(1, count) * ss);
+        for (float& x : scale) x = static_cast<float>(next() % 1000 + 1) / 1e5f;
+        std::vector<float> out(rows * out_stride, -7.0f);
+        internal::DotKeysRowsI8(q.data(), q_stride, rows, k.data(), k_stride, scale.data(), ss,
+                                count, d, out.data(), out_stride);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t u = 0; u < count; ++u) {
+            double want = 0, mag = 0;
+            for (int64_t i = 0; i < d; ++i) {
+              const double t = double{q[r * q_stride + i]} * k[u * k_stride + i];
+              want += t;
+              mag += std::fabs(t);
+            }
+            want *= scale[u * ss];
+            mag *= scale[u * ss];
+            ASSERT_NEAR(out[r * out_stride + u], want, 4e-6 * mag + 1e-30) << r << " " << u;
+          }
+          for (int64_t u = count; u < out_stride; ++u) EXPECT_EQ(out[r * out_stride + u], -7.0f);
+        }
+        const int64_t w_stride = count + 1, acc_stride = d + 3;
+        std::vector<float> w(rows * w_stride);
+        for (float& x : w) x = static_cast<float>(next() % 1001) / 1000.0f;
+        std::vector<float> start(rows * acc_stride);
+        for (float& x : start) x = static_cast<float>(next() % 2001 - 1000) / 1000.0f;
+        std::vector<float> acc = start;
+        internal::WeightedSumRowsI8(w.data(), w_stride, rows, k.data(), k_stride, scale.data(), ss,
+                                    count, d, acc.data(), acc_stride);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t x = 0; x < acc_stride; ++x) {
+            if (x >= d) {
+              EXPECT_EQ(acc[r * acc_stride + x], start[r * acc_stride + x]);
+              continue;
+            }
+            double want = start[r * acc_stride + x], mag = std::fabs(want);
+            for (int64_t u = 0; u < count; ++u) {
+              const double t = double{w[r * w_stride + u]} * scale[u * ss] * k[u * k_stride + x];
+              want += t;
+              mag += std::fabs(t);
+            }
+            ASSERT_NEAR(acc[r * acc_stride + x], want, 2e-5 * mag + 1e-30) << r << " " << x;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Quantized K/V for a test: int8 rows and scales of `k` / `v` [1, S, kvh, d]
+// (f32), and the dequantized values as doubles (what AttendInt8 must compute
+// over).
+struct Int8Rows {
+  std::vector<int8_t> k, v;
+  std::vector<float> k_scale, v_scale;
+  std::vector<double> k_deq, v_deq;
+  Int8KvView View(int64_t seq, int64_t kvh, int64_t d, int64_t dv) const {
+    return Int8KvView{k.data(), k_scale.data(), v.data(), v_scale.data(), seq, kvh, d, dv};
+  }
+};
+
+Int8Rows Quantize(const Tensor& k, const Tensor& v) {
+  Int8Rows r;
+  const int64_t seq = k.dim(1), kvh = k.dim(2), d = k.dim(3), dv = v.dim(3);
+  r.k.resize(seq * kvh * d);
+  r.v.resize(seq * kvh * dv);
+  r.k_scale.resize(seq * kvh);
+  r.v_scale.resize(seq * kvh);
+  QuantizeInt8Rows(k.data<float>(), d, seq * kvh, d, r.k.data(), r.k_scale.data());
+  QuantizeInt8Rows(v.data<float>(), dv, seq * kvh, dv, r.v.data(), r.v_scale.data());
+  for (int64_t i = 0; i < seq * kvh * d; ++i) r.k_deq.push_back(double{r.k_scale[i / d]} * r.k[i]);
+  for (int64_t i = 0; i < seq * kvh * dv; ++i) {
+    r.v_deq.push_back(double{r.v_scale[i / dv]} * r.v[i]);
+  }
+  return r;
+}
+
+// AttendInt8 equals the fp64 attention over the dequantized rows (f32
+// tolerance: it is exact with respect to what is stored), on the decode and
+// the prefill path, MHA and GQA, with masks, offsets and probabilities; and
+// batched with other jobs, bit for bit as alone.
+TEST(Int8Test, AttendInt8IsExactOverTheStoredValues) {
+  struct Shape {
+    int64_t q_len, k_len, heads, kv_heads, d, dv;
+    bool causal;
+    int64_t window;
+  };
+  const Shape shapes[] = {{1, 1, 4, 4, 16, 16, true, 0},     {1, 70, 8, 2, 64, 64, true, 0},
+                          {3, 130, 8, 8, 128, 128, true, 0},  {16, 200, 32, 8, 128, 128, true, 32},
+                          {40, 90, 4, 1, 64, 48, true, 0},    {5, 33, 6, 3, 24, 40, false, 7},
+                          {2, 300, 32, 8, 128, 128, false, 0}};
+  for (const Shape& c : shapes) {
+    SCOPED_TRACE(absl::StrCat("q ", c.q_len, " k ", c.k_len, " h ", c.heads, "/", c.kv_heads,
+                              " d ", c.d, " dv ", c.dv, " window ", c.window));
+    Tensor q = RandomTensor(DType::kF32, {1, c.q_len, c.heads, c.d}, 1);
+    Tensor k = RandomTensor(DType::kF32, {1, c.k_len, c.kv_heads, c.d}, 2);
+    Tensor v = RandomTensor(DType::kF32, {1, c.k_len, c.kv_heads, c.dv}, 3);
+    const Int8Rows rows = Quantize(k, v);
+    const Int8KvView view = rows.View(c.k_len, c.kv_heads, c.d, c.dv);
+    AttentionOptions o;
+    o.causal = c.causal;
+    o.window = c.window;
+    o.num_threads = 2;
+    Tensor out = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.dv}).value();
+    Tensor probs = Tensor::Create(DType::kF32, {1, c.heads, c.q_len, c.k_len}).value();
+    ASSERT_TRUE(AttendInt8(q.cview(), view, c.k_len, o, out.view(), probs.view()).ok());
+    ref::AttentionRefParams rp;
+    rp.q_len = c.q_len;
+    rp.k_len = c.k_len;
+    rp.heads = c.heads;
+    rp.kv_heads = c.kv_heads;
+    rp.head_dim = c.d;
+    rp.v_dim = c.dv;
+    rp.causal = c.causal;
+    rp.window = c.window;
+    const ref::AttentionRefResult want =
+        ref::Attention(rp, ToDoubles(q.cview()), rows.k_deq, rows.v_deq);
+    EXPECT_TRUE(AllClose(ToDoubles(out.cview()), want.out, kF32Tol));
+    EXPECT_TRUE(AllClose(ToDoubles(probs.cview()), want.probs, kF32Tol));
+    // In a batched pass with an f32 job, bit for bit as alone (without probs).
+    Tensor solo = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.dv}).value();
+    ASSERT_TRUE(AttendInt8(q.cview(), view, c.k_len, o, solo.view()).ok());
+    Tensor batched = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.dv}).value();
+    Tensor other = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.dv}).value();
+    std::vector<AttentionJob> jobs(2);
+    jobs[0].q = q.cview();
+    jobs[0].k = k.cview();
+    jobs[0].v = v.cview();
+    jobs[0].options = o;
+    jobs[0].out = other.view();
+    jobs[1].q = q.cview();
+    jobs[1].int8 = &view;
+    jobs[1].cache_length = c.k_len;
+    jobs[1].options = o;
+    jobs[1].out = batched.view();
+    AttendBatch(absl::MakeSpan(jobs), 2);
+    ASSERT_TRUE(jobs[1].status.ok()) << jobs[1].status;
+    EXPECT_EQ(std::memcmp(batched.data<float>(), solo.data<float>(),
+                          c.q_len * c.heads * c.dv * sizeof(float)),
+              0);
+  }
+}
+
+TEST(Int8Test, BadViewsAreRefused) {
+  Tensor q = RandomTensor(DType::kF32, {1, 1, 4, 16}, 1);
+  Tensor out = Tensor::Create(DType::kF32, {1, 1, 4, 16}).value();
+  Tensor k = RandomTensor(DType::kF32, {1, 8, 2, 16}, 2);
+  const Int8Rows rows = Quantize(k, k);
+  AttentionOptions o;
+  Int8KvView view = rows.View(8, 2, 16, 16);
+  EXPECT_EQ(AttendInt8(q.cview(), view, 9, o, out.view()).code(), absl::StatusCode::kOutOfRange);
+  Int8KvView wrong_dim = rows.View(8, 2, 8, 16);
+  absl::Status s = AttendInt8(q.cview(), wrong_dim, 8, o, out.view());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("head_dim"));
+  Int8KvView missing = view;
+  missing.v_scale = nullptr;
+  EXPECT_EQ(AttendInt8(q.cview(), missing, 8, o, out.view()).code(),
+            absl::StatusCode::kInvalidArgument);
+  Tensor q2 = RandomTensor(DType::kF32, {2, 1, 4, 16}, 1);
+  Tensor out2 = Tensor::Create(DType::kF32, {2, 1, 4, 16}).value();
+  EXPECT_EQ(AttendInt8(q2.cview(), view, 8, o, out2.view()).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(BF16ContractTest, SixteenAndSeventeenQueriesRoundTheSameValues) {
   EXPECT_EQ(ChooseAttentionPath(16, 4, 4, false), AttentionPath::kDecode);
   EXPECT_EQ(ChooseAttentionPath(17, 4, 4, false), AttentionPath::kPrefill);
