@@ -26,8 +26,32 @@ absl::Status CheckStepTensor(const ConstTensorView& t, const std::string& name, 
 
 }  // namespace
 
+Int8KvView DecodeState::Int8View() {
+  const DecodeStateConfig& c = config_;
+  int8_view_ = Int8KvView{reinterpret_cast<const int8_t*>(k_q_.data<float>()),
+                          k_scale_.data<float>(),
+                          reinterpret_cast<const int8_t*>(v_q_.data<float>()),
+                          v_scale_.data<float>(),
+                          c.max_context,
+                          c.kv_heads,
+                          c.head_dim,
+                          c.v_dim};
+  return int8_view_;
+}
+
+void DecodeState::QuantizeInto(const Tensor& rows_f32, bool keys, int64_t at) {
+  const DecodeStateConfig& c = config_;
+  const int64_t dim = keys ? c.head_dim : c.v_dim;
+  const int64_t n = rows_f32.dim(1) * c.kv_heads;  // [1, T, kv_heads, dim], contiguous
+  int8_t* q = reinterpret_cast<int8_t*>(keys ? k_q_.data<float>() : v_q_.data<float>());
+  float* scales = keys ? k_scale_.data<float>() : v_scale_.data<float>();
+  QuantizeInt8Rows(rows_f32.data<float>(), dim, n, dim, q + at * c.kv_heads * dim,
+                   scales + at * c.kv_heads);
+}
+
 DecodeState::Storage DecodeState::StorageFor(const DecodeStateConfig& c) {
   if (c.linear) return Storage::kLinear;
+  if (c.int8_kv) return Storage::kInt8;
   if (c.kv_dtype == DType::kF32 && KvCacheDecodeIsFaster()) return Storage::kKvCache;
   return Storage::kTokenMajor;
 }
@@ -48,6 +72,23 @@ absl::StatusOr<DecodeState> DecodeState::Create(DecodeStateConfig config) {
         "(%d) and v_dim (%d), max_context >= 0 (%d)",
         c.heads, c.kv_heads, c.head_dim, c.v_dim, c.max_context));
   }
+  if (c.int8_kv) {
+    if (c.linear) {
+      return absl::InvalidArgumentError(
+          "an int8 KV cache is for softmax attention; a linear state keeps running sums");
+    }
+    if (c.kv_dtype != DType::kF32) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "an int8 KV cache computes in f32: kv_dtype must be f32, got %s", DTypeName(c.kv_dtype)));
+    }
+    if (RopeIsLengthDependent(c.rope)) {
+      return absl::UnimplementedError(absl::StrFormat(
+          "an int8 KV cache under the length-dependent RoPE rule \"%s\": its keys are rotated "
+          "again when the length crosses the trained length, and quantizing them again would "
+          "round them twice; use an f32 or bf16 cache",
+          RopeRuleOf(c.rope->scaling.type).name));
+    }
+  }
   DecodeState s(std::move(config));
   const DecodeStateConfig& k = s.config_;
   s.storage_ = StorageFor(k);
@@ -62,6 +103,14 @@ absl::StatusOr<DecodeState> DecodeState::Create(DecodeStateConfig config) {
       RA_ASSIGN_OR_RETURN(KvCache kv, KvCache::Create(k.kv_heads, k.head_dim, k.v_dim,
                                                       k.max_context));
       s.kv_.emplace(std::move(kv));
+      break;
+    }
+    case Storage::kInt8: {
+      const int64_t rows = k.max_context * k.kv_heads;
+      RA_ASSIGN_OR_RETURN(s.k_q_, Tensor::Create(DType::kF32, {(rows * k.head_dim + 3) / 4}));
+      RA_ASSIGN_OR_RETURN(s.v_q_, Tensor::Create(DType::kF32, {(rows * k.v_dim + 3) / 4}));
+      RA_ASSIGN_OR_RETURN(s.k_scale_, Tensor::Create(DType::kF32, {rows}));
+      RA_ASSIGN_OR_RETURN(s.v_scale_, Tensor::Create(DType::kF32, {rows}));
       break;
     }
     case Storage::kTokenMajor:
@@ -86,7 +135,8 @@ absl::StatusOr<DecodeState> DecodeState::Create(DecodeStateConfig config) {
 
 int64_t DecodeState::byte_size() const {
   int64_t bytes = static_cast<int64_t>(k_cache_.byte_size() + v_cache_.byte_size() +
-                                       k_raw_.byte_size());
+                                       k_raw_.byte_size() + k_q_.byte_size() + v_q_.byte_size() +
+                                       k_scale_.byte_size() + v_scale_.byte_size());
   if (kv_) bytes += static_cast<int64_t>(kv_->byte_size());
   if (linear_) bytes += linear_->byte_size();
   return bytes;
@@ -171,7 +221,14 @@ absl::Status DecodeState::Prepare(Job& job, int plan_threads, AttentionJob* atte
   if (k_raw_.num_elements() > 0) {
     RA_RETURN_IF_ERROR(CopyRows(job.k, k_raw_.view().Slice(1, position_, tokens)));
   }
-  if (storage_ == Storage::kTokenMajor && c.kv_dtype == DType::kF32) {
+  if (storage_ == Storage::kInt8) {
+    // Rotated in f32, then quantized once per (token, kv head).
+    RA_ASSIGN_OR_RETURN(Tensor kf, CastTensor(job.k, DType::kF32));
+    if (c.rope) RA_RETURN_IF_ERROR(rotator_->Apply(kf.view(), at, RopeDirection::kForward, 1));
+    RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(job.v, DType::kF32));
+    QuantizeInto(kf, /*keys=*/true, position_);
+    QuantizeInto(vf, /*keys=*/false, position_);
+  } else if (storage_ == Storage::kTokenMajor && c.kv_dtype == DType::kF32) {
     // Straight into the cache rows, rotated there.
     const TensorView rows = k_cache_.view().Slice(1, position_, tokens);
     RA_RETURN_IF_ERROR(CopyRows(job.k, rows));
@@ -186,7 +243,9 @@ absl::Status DecodeState::Prepare(Job& job, int plan_threads, AttentionJob* atte
       RA_RETURN_IF_ERROR(CopyRows(kf.cview(), k_cache_.view().Slice(1, position_, tokens)));
     }
   }
-  if (kv_) {
+  if (storage_ == Storage::kInt8) {
+    // Written above.
+  } else if (kv_) {
     if (job.v.dtype() == DType::kF32) {
       RA_RETURN_IF_ERROR(kv_->WriteV(position_, job.v));
     } else {
@@ -197,7 +256,11 @@ absl::Status DecodeState::Prepare(Job& job, int plan_threads, AttentionJob* atte
     RA_RETURN_IF_ERROR(CopyRows(job.v, v_cache_.view().Slice(1, position_, tokens)));
   }
   attention->q = q_scratch->cview();
-  if (kv_) {
+  if (storage_ == Storage::kInt8) {
+    Int8View();
+    attention->int8 = &int8_view_;
+    attention->cache_length = new_len;
+  } else if (kv_) {
     attention->cache = &*kv_;
     attention->cache_length = new_len;
   } else {
@@ -317,7 +380,11 @@ absl::Status DecodeState::Import(ConstTensorView k, ConstTensorView v, KeyForm f
       RA_RETURN_IF_ERROR(rotator_->Apply(rotated.view(), at, RopeDirection::kForward, 1));
     }
   }
-  if (kv_) {
+  if (storage_ == Storage::kInt8) {
+    RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(v, DType::kF32));
+    QuantizeInto(rotated, /*keys=*/true, 0);
+    QuantizeInto(vf, /*keys=*/false, 0);
+  } else if (kv_) {
     RA_RETURN_IF_ERROR(kv_->WriteK(0, rotated.cview()));
     RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(v, DType::kF32));
     RA_RETURN_IF_ERROR(kv_->WriteV(0, vf.cview()));
@@ -337,7 +404,25 @@ absl::StatusOr<DecodeState::Exported> DecodeState::Export() const {
   }
   Exported e;
   const int64_t n = position_;
-  if (kv_) {
+  if (storage_ == Storage::kInt8) {
+    // The stored values, dequantized: scale * q.
+    RA_ASSIGN_OR_RETURN(e.k, Tensor::Create(DType::kF32, {1, n, c.kv_heads, c.head_dim}));
+    RA_ASSIGN_OR_RETURN(e.v, Tensor::Create(DType::kF32, {1, n, c.kv_heads, c.v_dim}));
+    const int8_t* kq = reinterpret_cast<const int8_t*>(k_q_.data<float>());
+    const int8_t* vq = reinterpret_cast<const int8_t*>(v_q_.data<float>());
+    const float* ks = k_scale_.data<float>();
+    const float* vs = v_scale_.data<float>();
+    float* kd = e.k.data<float>();
+    float* vd = e.v.data<float>();
+    for (int64_t r = 0; r < n * c.kv_heads; ++r) {
+      for (int64_t x = 0; x < c.head_dim; ++x) {
+        kd[r * c.head_dim + x] = ks[r] * static_cast<float>(kq[r * c.head_dim + x]);
+      }
+      for (int64_t x = 0; x < c.v_dim; ++x) {
+        vd[r * c.v_dim + x] = vs[r] * static_cast<float>(vq[r * c.v_dim + x]);
+      }
+    }
+  } else if (kv_) {
     RA_ASSIGN_OR_RETURN(e.k, Tensor::Create(DType::kF32, {1, n, c.kv_heads, c.head_dim}));
     RA_ASSIGN_OR_RETURN(e.v, Tensor::Create(DType::kF32, {1, n, c.kv_heads, c.v_dim}));
     RA_RETURN_IF_ERROR(kv_->ReadK(0, e.k.view()));
@@ -360,6 +445,12 @@ absl::Status DecodeState::CopyFrom(const DecodeState& other) {
   const int64_t n = other.position_;
   if (linear_) {
     linear_ = other.linear_;
+  } else if (storage_ == Storage::kInt8) {
+    const int64_t rows = n * a.kv_heads;
+    std::memcpy(k_q_.data<float>(), other.k_q_.data<float>(), rows * a.head_dim);
+    std::memcpy(v_q_.data<float>(), other.v_q_.data<float>(), rows * a.v_dim);
+    std::memcpy(k_scale_.data<float>(), other.k_scale_.data<float>(), rows * sizeof(float));
+    std::memcpy(v_scale_.data<float>(), other.v_scale_.data<float>(), rows * sizeof(float));
   } else if (kv_) {
     RA_RETURN_IF_ERROR(kv_->CopyFrom(*other.kv_, n));
   } else {

@@ -41,6 +41,12 @@ struct DecodeStateConfig {
   // distances, which do not change. In [0, kMaxPosition].
   int64_t start_position = 0;
   DType kv_dtype = DType::kF32;
+  // Softmax K/V held as int8 with an f32 scale per (token, kv head), keys
+  // quantized after rotation (docs/kv-memory.md); kv_dtype must then be f32
+  // (the attention computes in f32 over the stored values). Unimplemented
+  // under a length-dependent RoPE rule (its keys would be re-rotated and
+  // quantized again), InvalidArgument with `linear`.
+  bool int8_kv = false;
   bool linear = false;  // linear attention (running sums) instead of softmax
   std::optional<RopeConfig> rope;
   // Softmax: scale, window, softcap and bias (causal is implied). Whatever
@@ -56,7 +62,8 @@ class DecodeState {
   // Where a softmax state keeps K/V: f32 in a KvCache where its decode is
   // the faster one (KvCacheDecodeIsFaster), else token-major
   // [1, max_context, kv_heads, dim] tensors of kv_dtype.
-  enum class Storage { kLinear, kKvCache, kTokenMajor };
+  // kInt8: token-major int8 rows and scales (config.int8_kv).
+  enum class Storage { kLinear, kKvCache, kTokenMajor, kInt8 };
   static Storage StorageFor(const DecodeStateConfig& config);
   // Whether a rule's frequencies depend on the length (dynamic NTK,
   // LongRoPE): the state then keeps raw keys and re-rotates them.
@@ -142,6 +149,10 @@ class DecodeState {
   // whenever they change.
   absl::Status PrepareRope(int64_t new_len);
   bool LengthDependent() const;
+  // kInt8: the view over the buffers (also kept in int8_view_), and
+  // quantizing f32 rows [1, T, kv_heads, dim] (contiguous) into rows at.. .
+  Int8KvView Int8View();
+  void QuantizeInto(const Tensor& rows_f32, bool keys, int64_t at);
 
   DecodeStateConfig config_;
   Storage storage_ = Storage::kTokenMajor;
@@ -151,6 +162,11 @@ class DecodeState {
   std::optional<KvCache> kv_;           // kKvCache
   Tensor k_cache_, v_cache_;            // kTokenMajor
   Tensor k_raw_;                        // unrotated keys, length-dependent RoPE only
+  // kInt8: the int8 rows [max_context, kv_heads, dim] in byte buffers (f32
+  // tensors of a quarter the elements, for their allocation) and the scales
+  // [max_context, kv_heads].
+  Tensor k_q_, v_q_, k_scale_, v_scale_;
+  Int8KvView int8_view_;  // over the buffers above, set when a step uses it
   std::optional<LinearAttentionState> linear_;  // kLinear
   std::optional<RopeRotator> rotator_;
   std::vector<double> rotator_freqs_;  // what rotator_ was built from (length-dependent)
