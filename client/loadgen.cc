@@ -391,6 +391,8 @@ const char* DTypeText(v1::DType dtype) {
       return "f32";
     case v1::DTYPE_BF16:
       return "bf16";
+    case v1::DTYPE_INT8:
+      return "int8";
     default:
       return "?";
   }

@@ -116,6 +116,10 @@ absl::StatusOr<DType> DTypeFromProto(int dtype, absl::string_view field,
       if (fallback.has_value()) return *fallback;
       return absl::InvalidArgumentError(
           absl::StrCat(field, " is DTYPE_UNSPECIFIED; expected DTYPE_F32 or DTYPE_BF16"));
+    case v1::DTYPE_INT8:
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " is DTYPE_INT8, a KV cache dtype only (OpenSession.kv_dtype); expected "
+                 "DTYPE_F32 or DTYPE_BF16"));
     default:
       return absl::InvalidArgumentError(absl::StrFormat(
           "%s has unknown value %d; expected DTYPE_F32 or DTYPE_BF16", field, dtype));

@@ -181,6 +181,9 @@ Cost SessionOpenCost(const SessionDims& d) {
     // LinearAttentionState: S [kv_heads, head_dim, v_dim] and z [kv_heads,
     // head_dim], fp64.
     c.held_bytes = SatProduct({d.kv_heads, d.head_dim, SatAdd(d.v_dim, 1), 8});
+  } else if (d.int8_kv) {
+    // One byte per element and a 4-byte scale per (token, kv head), K and V.
+    c.held_bytes = SatProduct({rows, d.kv_heads, SatAdd(SatAdd(d.head_dim, d.v_dim), 8)});
   } else {
     c.held_bytes = SatProduct(
         {rows, d.kv_heads, SatAdd(d.head_dim, d.v_dim), static_cast<int64_t>(DTypeSize(d.kv_dtype))});
@@ -196,7 +199,7 @@ Cost SessionOpenCost(const SessionDims& d) {
   c.held_what = absl::StrFormat(
       "%s state for max_context %d x %d kv heads x (head_dim %d + v_dim %d) %s",
       d.linear ? "linear-attention" : "KV", d.max_context, d.kv_heads, d.head_dim, d.v_dim,
-      DTypeName(d.kv_dtype));
+      d.int8_kv ? "int8" : DTypeName(d.kv_dtype));
   return c;
 }
 
@@ -216,8 +219,9 @@ Cost StepCost(const SessionDims& s, const StepDims& d) {
   if (!s.linear) {
     attention = AttentionScratchBytes(1, d.heads, s.kv_heads, d.tokens, new_len, s.head_dim,
                                       s.v_dim, s.kv_dtype, d.threads);
-    if (s.kv_cache_layout && d.tokens > kDecodeMaxQueries) {
-      // A long step on a KvCache copies its rows out before the prefill.
+    if ((s.kv_cache_layout || s.int8_kv) && d.tokens > kDecodeMaxQueries) {
+      // A long step on a KvCache copies its rows out (an int8 cache
+      // dequantizes them) before the prefill.
       attention = SatAdd(attention, SatProduct({new_len, s.kv_heads, SatAdd(s.head_dim, s.v_dim), 4}));
     }
     if (s.rope_length_dependent) {  // re-rotation of the cached keys

@@ -93,6 +93,7 @@ struct SessionDims {
   bool kv_cache_layout = false;  // f32 KvCache (whole 64-key tiles)
   int64_t kv_heads = 0, head_dim = 0, v_dim = 0, max_context = 0;
   DType kv_dtype = DType::kF32;
+  bool int8_kv = false;  // int8 rows + an f32 scale per (token, kv head)
   int64_t rope_rotary_dim = 0;      // 0: no RoPE
   bool rope_length_dependent = false;  // dynamic NTK / LongRoPE: raw keys kept
   int64_t rope_table_positions = 0;    // cos/sin rows precomputed per session

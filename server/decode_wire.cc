@@ -63,7 +63,13 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
   }
   c.spec.options.causal = true;
   c.start_position = open.start_position();
-  RA_ASSIGN_OR_RETURN(c.kv_dtype, DTypeFromProto(open.kv_dtype(), "open.kv_dtype", DType::kF32));
+  if (open.kv_dtype() == v1::DTYPE_INT8) {
+    c.int8_kv = true;  // computed in f32 over the stored int8 values
+    c.kv_dtype = DType::kF32;
+  } else {
+    RA_ASSIGN_OR_RETURN(c.kv_dtype,
+                        DTypeFromProto(open.kv_dtype(), "open.kv_dtype", DType::kF32));
+  }
   RA_ASSIGN_OR_RETURN(c.out_dtype, DTypeFromProto(open.out_dtype(), "open.out_dtype", DType::kF32));
   switch (open.kind()) {
     case v1::ATTENTION_KIND_UNSPECIFIED:
@@ -94,6 +100,18 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
           RopeScalingTypeName(c.spec.rope->scaling.type),
           "\": its frequencies change with the length, and a running sum cannot be re-rotated"));
     }
+  }
+  if (c.int8_kv && c.linear) {
+    return absl::InvalidArgumentError(
+        "open.kv_dtype DTYPE_INT8 is a KV cache for softmax sessions; open.kind "
+        "ATTENTION_KIND_LINEAR keeps running sums");
+  }
+  if (c.int8_kv && LengthDependentRope(c)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "open.kv_dtype DTYPE_INT8 with rope_type \"",
+        RopeScalingTypeName(c.spec.rope->scaling.type),
+        "\": its keys are rotated again when the length crosses the trained length, and "
+        "quantizing them again would round them twice; use DTYPE_F32 or DTYPE_BF16"));
   }
   if (open.max_context() < 0) {
     return absl::InvalidArgumentError(

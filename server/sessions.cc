@@ -41,6 +41,7 @@ DecodeStateConfig StateConfigOf(const SessionConfig& c) {
   d.max_context = c.max_context;
   d.start_position = c.start_position;
   d.kv_dtype = c.kv_dtype;
+  d.int8_kv = c.int8_kv;
   d.linear = c.linear;
   d.rope = c.spec.rope;
   d.attention = c.spec.options;
@@ -57,6 +58,7 @@ SessionDims SessionDimsOf(const SessionConfig& c) {
   d.v_dim = c.v_dim;
   d.max_context = c.max_context;
   d.kv_dtype = c.kv_dtype;
+  d.int8_kv = c.int8_kv;
   if (c.spec.rope) {
     d.rope_rotary_dim = c.spec.rope->effective_rotary_dim();
     d.rope_length_dependent = LengthDependentRope(c);
@@ -286,7 +288,7 @@ void Session::FillInfo(v1::SessionInfo* info) const {
   info->set_position(position_hint_.load(std::memory_order_relaxed));
   info->set_max_context(c.max_context);
   info->set_kind(c.linear ? v1::ATTENTION_KIND_LINEAR : v1::ATTENTION_KIND_SOFTMAX);
-  info->set_kv_dtype(DTypeToProto(c.kv_dtype));
+  info->set_kv_dtype(c.int8_kv ? v1::DTYPE_INT8 : DTypeToProto(c.kv_dtype));
   info->set_resumable(resumable_);
   info->set_attached(attached_);
   info->set_idle_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(idle_ttl_)));

@@ -52,6 +52,7 @@ struct SessionConfig {
   ResolvedSpec spec;
   v1::AttentionSpec spec_proto;  // as opened, for SessionInfo
   DType kv_dtype = DType::kF32;
+  bool int8_kv = false;  // OpenSession.kv_dtype DTYPE_INT8 (kv_dtype is then f32)
   DType out_dtype = DType::kF32;
   bool linear = false;
   int64_t v_dim = 0;

@@ -52,7 +52,9 @@ ABSL_FLAG(int64_t, steps, 8, "Decode steps after the prefill.");
 ABSL_FLAG(int64_t, context, 0, "Tokens to prefill before the steps.");
 ABSL_FLAG(int64_t, prefill_chunk, 256, "Tokens per prefill step.");
 ABSL_FLAG(int64_t, tokens_per_step, 1, "New tokens per decode step.");
-ABSL_FLAG(std::string, kv_dtype, "f32", "Session KV cache dtype: f32 or bf16.");
+ABSL_FLAG(std::string, kv_dtype, "f32",
+          "Session KV cache dtype: f32, bf16 or int8 (int8 rows with a scale per token and kv "
+          "head; not with --linear or a dynamic/longrope rule).");
 ABSL_FLAG(bool, linear, false, "Linear attention (elu+1 state) instead of a softmax KV cache.");
 ABSL_FLAG(int64_t, max_context, 0,
           "Session max_context; 0 means context + steps * tokens_per_step.");
@@ -710,7 +712,7 @@ int DecodeCommand(int argc, char** argv) {
   if (layer_mode) {
     if (absl::Status s = CheckLayerModeFlags(); !s.ok()) return UsageFail("decode", s.message());
   }
-  absl::StatusOr<v1::DType> kv_dtype = ParseDType("kv_dtype", absl::GetFlag(FLAGS_kv_dtype));
+  absl::StatusOr<v1::DType> kv_dtype = ParseKvDType("kv_dtype", absl::GetFlag(FLAGS_kv_dtype));
   if (!kv_dtype.ok()) return Fail("decode", kv_dtype.status());
   v1::OpenSession open;
   open.set_kv_dtype(*kv_dtype);

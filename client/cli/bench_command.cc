@@ -225,7 +225,7 @@ std::vector<OwnFlag> OwnFlags(BenchFlags* f) {
        "Write one line per request (every point, warm-up included) to this file: CSV, or JSON "
        "lines if the name ends in .jsonl or .ndjson (fields below).",
        str(&f->requests_out)},
-      {"kv_dtype", f->kv_dtype, "Decode: KV cache dtype, f32 or bf16.", str(&f->kv_dtype)},
+      {"kv_dtype", f->kv_dtype, "Decode: KV cache dtype, f32, bf16 or int8.", str(&f->kv_dtype)},
       {"csv", f->csv, "Write one CSV row per sweep point to this file (columns below).",
        str(&f->csv)},
       {"json", f->json, "Write the results as JSON to this file.", str(&f->json)},
@@ -797,7 +797,7 @@ int BenchCommand(int argc, char** argv) {
   d.think_time = seconds(f.think_ms / 1000);
   d.step_rate = f.step_rate;
   d.dtype = *dtype;
-  absl::StatusOr<v1::DType> kv_dtype = ParseDType("kv_dtype", f.kv_dtype);
+  absl::StatusOr<v1::DType> kv_dtype = ParseKvDType("kv_dtype", f.kv_dtype);
   if (!kv_dtype.ok()) return Fail(kCommand, kv_dtype.status());
   d.kv_dtype = *kv_dtype;
   d.rope = rope;

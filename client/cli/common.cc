@@ -398,12 +398,24 @@ absl::StatusOr<v1::DType> ParseDType(absl::string_view flag, absl::string_view v
       absl::StrCat("--", flag, " must be f32 or bf16, got \"", value, "\""));
 }
 
+absl::StatusOr<v1::DType> ParseKvDType(absl::string_view flag, absl::string_view value) {
+  const std::string lower = absl::AsciiStrToLower(value);
+  if (lower == "int8") return v1::DTYPE_INT8;
+  if (lower == "f32" || lower == "float32" || lower == "bf16" || lower == "bfloat16") {
+    return ParseDType(flag, value);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, " must be f32, bf16 or int8, got \"", value, "\""));
+}
+
 const char* DTypeName(v1::DType dtype) {
   switch (dtype) {
     case v1::DTYPE_F32:
       return "f32";
     case v1::DTYPE_BF16:
       return "bf16";
+    case v1::DTYPE_INT8:
+      return "int8";
     default:
       return "unspecified";
   }

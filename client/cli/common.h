@@ -126,6 +126,8 @@ const char* CodeName(absl::StatusCode code);
 
 // "f32" / "bf16" (InvalidArgument otherwise, naming `flag`).
 absl::StatusOr<v1::DType> ParseDType(absl::string_view flag, absl::string_view value);
+// A session's KV cache dtype: f32, bf16 or int8.
+absl::StatusOr<v1::DType> ParseKvDType(absl::string_view flag, absl::string_view value);
 const char* DTypeName(v1::DType dtype);
 // RopeSpec from --rope_type, --rope_factor, --theta, --original_max_positions,
 // --rope_layout, --rotary_dim.

@@ -418,6 +418,103 @@ INSTANTIATE_TEST_SUITE_P(Rules, DecodeReferenceTest, ::testing::ValuesIn(AllConf
                            return info.param.name;
                          });
 
+// ---------------------------------------------------------- int8 KV --
+
+// An int8 session (open.kv_dtype DTYPE_INT8): its answers, token by token
+// and in chunks, stay within int8's error of the fp64 reference over the
+// unquantized inputs (5e-2 of the largest output, the bound the core's
+// error table asserts 8e-2 for on outlier data), while each answer is the
+// exact attention over what the session holds (checked in the core tests);
+// it reports DTYPE_INT8 and holds less than a bf16 session; export_kv is f32.
+TEST_F(SessionTest, Int8SessionsAnswerWithinInt8ErrorAndHoldLess) {
+  Config c{"int8", 8, 2, 32, 32, "default"};
+  const int64_t len = 24;
+  const Sequence seq = MakeSequence(c, len, 21);
+  v1::OpenSession open = MakeOpen(c, 256);
+  open.set_kv_dtype(v1::DTYPE_INT8);
+  Stream s(stub_.get());
+  const v1::SessionInfo info = s.Open(open);
+  EXPECT_EQ(info.kv_dtype(), v1::DTYPE_INT8);
+  int64_t pos = 0;
+  uint64_t n = 0;
+  for (int64_t chunk : {20, 1, 1, 2}) {  // a prefill, then decode steps
+    v1::DecodeResponse r = s.Step(seq, pos, pos + chunk, ++n);
+    ASSERT_TRUE(r.has_step()) << r.DebugString();
+    const std::vector<double> got = WireToDoubles(r.step().out());
+    const std::vector<double> want = ExpectedStep(c, seq, pos, pos + chunk);
+    double err = 0, mag = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      err = std::max(err, std::fabs(got[i] - want[i]));
+      mag = std::max(mag, std::fabs(want[i]));
+    }
+    EXPECT_LE(err, 5e-2 * mag) << "step ending at " << pos + chunk;
+    EXPECT_GT(err, 0.0) << "an int8 cache that rounds nothing is not int8";
+    pos += chunk;
+  }
+  v1::DecodeRequest exp;
+  exp.mutable_export_kv();
+  v1::DecodeResponse e = s.Send(exp);
+  ASSERT_TRUE(e.has_exported()) << e.DebugString();
+  EXPECT_EQ(e.exported().k().dtype(), v1::DTYPE_F32);
+  EXPECT_EQ(e.exported().k().shape(1), len);
+  EXPECT_TRUE(s.Finish().ok());
+
+  // Held bytes: int8 < bf16 < f32 for the same session.
+  int64_t held[3];
+  const v1::DType dtypes[3] = {v1::DTYPE_INT8, v1::DTYPE_BF16, v1::DTYPE_F32};
+  for (int i = 0; i < 3; ++i) {
+    Stream t(stub_.get());
+    v1::OpenSession o = MakeOpen(c, 4096);
+    o.set_kv_dtype(dtypes[i]);
+    held[i] = t.Open(o).kv_bytes();
+    EXPECT_TRUE(t.Finish().ok());
+  }
+  EXPECT_LT(held[0], held[1]);
+  EXPECT_LT(held[1], held[2]);
+  // The difference is the KV itself: int8 rows + 4-byte scales for K and V
+  // (72 bytes per token and kv head here) against bf16's 128.
+  EXPECT_EQ(held[1] - held[0], 4096 * 2 * ((32 + 32) * 2 - (32 + 32 + 8)));
+}
+
+TEST_F(SessionTest, Int8IsRefusedWhereItCannotBeExact) {
+  {  // linear attention keeps running sums
+    Config c{"lin", 4, 4, 16, 16, "default"};
+    c.linear = true;
+    v1::OpenSession o = MakeOpen(c);
+    o.set_kv_dtype(v1::DTYPE_INT8);
+    Stream s(stub_.get());
+    v1::DecodeRequest req;
+    *req.mutable_open() = o;
+    EXPECT_TRUE(s.rw()->Write(req));
+    const grpc::Status st = s.AwaitServerEnd();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), HasSubstr("open.kv_dtype"));
+  }
+  {  // a length-dependent rule re-rotates its keys
+    Config c{"dyn", 4, 4, 16, 16, "dynamic", 2.0, 8};
+    v1::OpenSession o = MakeOpen(c);
+    o.set_kv_dtype(v1::DTYPE_INT8);
+    Stream s(stub_.get());
+    v1::DecodeRequest req;
+    *req.mutable_open() = o;
+    EXPECT_TRUE(s.rw()->Write(req));
+    const grpc::Status st = s.AwaitServerEnd();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+    EXPECT_THAT(st.error_message(), HasSubstr("DTYPE_INT8"));
+    EXPECT_THAT(st.error_message(), HasSubstr("dynamic"));
+  }
+  {  // int8 is a cache dtype, not a tensor dtype
+    v1::AttendRequest req = SmallAttendRequest();
+    req.mutable_q()->set_dtype(v1::DTYPE_INT8);
+    grpc::ClientContext ctx;
+    v1::AttendResponse resp;
+    const grpc::Status st = stub_->Attend(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), HasSubstr("DTYPE_INT8"));
+    EXPECT_THAT(st.error_message(), HasSubstr("q"));
+  }
+}
+
 // --------------------------------------------------- truncate and fork --
 
 TEST_F(SessionTest, TruncateThenContinueEqualsAFreshSession) {

@@ -35,6 +35,8 @@ class StepError(Exception):
         self.message = message
 
 _DTYPES = {"f32": pb.DTYPE_F32, "bf16": pb.DTYPE_BF16}
+# A session's KV cache may also be int8 (a scale per token and kv head).
+_KV_DTYPES = {**_DTYPES, "int8": pb.DTYPE_INT8}
 
 
 def to_tensor(array, dtype="f32"):
@@ -162,7 +164,7 @@ class Client:
         if alibi:
             spec.alibi.SetInParent()
         return Session(self, pb.OpenSession(spec=spec, max_context=max_context,
-                                            kv_dtype=_DTYPES[kv_dtype],
+                                            kv_dtype=_KV_DTYPES[kv_dtype],
                                             start_position=start_position))
 
 
