@@ -402,6 +402,21 @@ void DecodeSeeds() {
     Record(&in, 2, Attach("0"));               // held by stream 1: refused
     Write(t, "bf16-alibi-resume", in);
   }
+  {  // int8 cache with RoPE: prefill, steps, truncate, fork, export
+    std::string in;
+    v1::DecodeRequest open = Open(4, 2, 8, 32);
+    open.mutable_open()->set_kv_dtype(v1::DTYPE_INT8);
+    open.mutable_open()->mutable_spec()->mutable_rope();
+    Record(&in, 0, open);
+    Record(&in, 0, Step(1, 20, 4, 2, 8));
+    Record(&in, 0, Step(2, 1, 4, 2, 8));
+    Record(&in, 0, Truncate(3, 5));
+    Record(&in, 0, Fork(4));
+    v1::DecodeRequest export_kv;
+    export_kv.mutable_export_kv()->set_seq(5);
+    Record(&in, 0, export_kv);
+    Write(t, "int8", in);
+  }
   {  // linear attention with RoPE; truncate is unimplemented
     std::string in;
     v1::DecodeRequest open = Open(2, 2, 4, 8);
