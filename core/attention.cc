@@ -598,99 +598,81 @@ DecodeLayout PlanDecode(const Plan& p) {
 // Within a chunk, 8 keys at a time across every head (token-major), so memory
 // sees a few sequential streams rather than a jump per head; the query heads
 // sharing a kv head are processed together so each K/V slice is loaded once.
-template <typename KV>
-void DecodeScoresChunk(const Plan& p, const DecodeLayout& L, const float* qf, float* scores,
-                       int64_t b, int64_t t0, int64_t t1) {
-  const int64_t d = p.head_dim, ks = p.k.stride(1);
+// Calls fn(j, lo, hi, r0) for kv head j, visible keys [lo, hi) of one block
+// and r0 the first of the group's query rows (query index i).
+template <typename Fn>
+inline void ForEachKeyBlock(const Plan& p, const DecodeLayout& L, int64_t b, int64_t t0,
+                            int64_t t1, Fn fn) {
   for (int64_t tb = t0; tb < t1; tb += kKeyBlock) {
     const int64_t tb1 = std::min(t1, tb + kKeyBlock);
     for (int64_t j = 0; j < p.kv_heads; ++j) {
-      const KV* kj = RowPtr<KV>(p.k, b, 0, j);
       for (int64_t i = 0; i < p.q_len; ++i) {
         const int64_t lo = std::max(tb, L.lo[b * p.q_len + i]);
         const int64_t hi = std::min(tb1, L.hi[b * p.q_len + i]);
         if (hi <= lo) continue;
-        const int64_t r0 = (b * p.heads + j * p.group) * p.q_len + i;
-        float* out = scores + r0 * L.n_max + (lo - L.ulo[b]);
-        if constexpr (std::is_same_v<KV, float>) {
-          internal::DotKeysRowsF32(qf + r0 * d, p.q_len * d, p.group, kj + lo * ks, ks, hi - lo, d,
-                                   out, p.q_len * L.n_max);
-        } else {
-          internal::DotKeysRowsBF16(qf + r0 * d, p.q_len * d, p.group, kj + lo * ks, ks, hi - lo, d,
-                                    out, p.q_len * L.n_max);
-        }
+        fn(j, lo, hi, (b * p.heads + j * p.group) * p.q_len + i);
       }
     }
   }
+}
+
+template <typename KV>
+void DecodeScoresChunk(const Plan& p, const DecodeLayout& L, const float* qf, float* scores,
+                       int64_t b, int64_t t0, int64_t t1) {
+  const int64_t d = p.head_dim, ks = p.k.stride(1), ss = p.q_len * L.n_max;
+  ForEachKeyBlock(p, L, b, t0, t1, [&](int64_t j, int64_t lo, int64_t hi, int64_t r0) {
+    const KV* kj = RowPtr<KV>(p.k, b, 0, j);
+    float* out = scores + r0 * L.n_max + (lo - L.ulo[b]);
+    if constexpr (std::is_same_v<KV, float>) {
+      internal::DotKeysRowsF32(qf + r0 * d, p.q_len * d, p.group, kj + lo * ks, ks, hi - lo, d,
+                               out, ss);
+    } else {
+      internal::DotKeysRowsBF16(qf + r0 * d, p.q_len * d, p.group, kj + lo * ks, ks, hi - lo, d,
+                                out, ss);
+    }
+  });
 }
 
 template <typename KV>
 void DecodeValuesChunk(const Plan& p, const DecodeLayout& L, const float* scores, float* acc,
                        int64_t b, int64_t t0, int64_t t1) {
-  const int64_t dv = p.v_dim, vs = p.v.stride(1);
-  for (int64_t tb = t0; tb < t1; tb += kKeyBlock) {
-    const int64_t tb1 = std::min(t1, tb + kKeyBlock);
-    for (int64_t j = 0; j < p.kv_heads; ++j) {
-      const KV* vj = RowPtr<KV>(p.v, b, 0, j);
-      for (int64_t i = 0; i < p.q_len; ++i) {
-        const int64_t lo = std::max(tb, L.lo[b * p.q_len + i]);
-        const int64_t hi = std::min(tb1, L.hi[b * p.q_len + i]);
-        if (hi <= lo) continue;
-        const int64_t r0 = (b * p.heads + j * p.group) * p.q_len + i;
-        const float* w = scores + r0 * L.n_max + (lo - L.ulo[b]);
-        if constexpr (std::is_same_v<KV, float>) {
-          internal::WeightedSumRowsF32(w, p.q_len * L.n_max, p.group, vj + lo * vs, vs, hi - lo, dv,
-                                       acc + r0 * dv, p.q_len * dv);
-        } else {
-          internal::WeightedSumRowsBF16(w, p.q_len * L.n_max, p.group, vj + lo * vs, vs, hi - lo,
-                                        dv, acc + r0 * dv, p.q_len * dv);
-        }
-      }
+  const int64_t dv = p.v_dim, vs = p.v.stride(1), ws = p.q_len * L.n_max;
+  ForEachKeyBlock(p, L, b, t0, t1, [&](int64_t j, int64_t lo, int64_t hi, int64_t r0) {
+    const KV* vj = RowPtr<KV>(p.v, b, 0, j);
+    const float* w = scores + r0 * L.n_max + (lo - L.ulo[b]);
+    if constexpr (std::is_same_v<KV, float>) {
+      internal::WeightedSumRowsF32(w, ws, p.group, vj + lo * vs, vs, hi - lo, dv, acc + r0 * dv,
+                                   p.q_len * dv);
+    } else {
+      internal::WeightedSumRowsBF16(w, ws, p.group, vj + lo * vs, vs, hi - lo, dv, acc + r0 * dv,
+                                    p.q_len * dv);
     }
-  }
+  });
 }
 
-// int8 rows (batch 1): as DecodeScoresChunk / DecodeValuesChunk, with each
-// key's scale applied to its scores and folded into its weights.
+// int8 rows (batch 1): as above, with each key's scale applied to its
+// scores and folded into its weights.
 void DecodeScoresChunkInt8(const Plan& p, const DecodeLayout& L, const float* qf, float* scores,
                            int64_t t0, int64_t t1) {
   const Int8KvView& kv = *p.int8;
   const int64_t d = p.head_dim, ks = kv.kv_heads * d;
-  for (int64_t tb = t0; tb < t1; tb += kKeyBlock) {
-    const int64_t tb1 = std::min(t1, tb + kKeyBlock);
-    for (int64_t j = 0; j < p.kv_heads; ++j) {
-      for (int64_t i = 0; i < p.q_len; ++i) {
-        const int64_t lo = std::max(tb, L.lo[i]);
-        const int64_t hi = std::min(tb1, L.hi[i]);
-        if (hi <= lo) continue;
-        const int64_t r0 = j * p.group * p.q_len + i;
-        internal::DotKeysRowsI8(qf + r0 * d, p.q_len * d, p.group, kv.k + lo * ks + j * d, ks,
-                                kv.k_scale + lo * kv.kv_heads + j, kv.kv_heads, hi - lo, d,
-                                scores + r0 * L.n_max + (lo - L.ulo[0]), p.q_len * L.n_max);
-      }
-    }
-  }
+  ForEachKeyBlock(p, L, 0, t0, t1, [&](int64_t j, int64_t lo, int64_t hi, int64_t r0) {
+    internal::DotKeysRowsI8(qf + r0 * d, p.q_len * d, p.group, kv.k + lo * ks + j * d, ks,
+                            kv.k_scale + lo * kv.kv_heads + j, kv.kv_heads, hi - lo, d,
+                            scores + r0 * L.n_max + (lo - L.ulo[0]), p.q_len * L.n_max);
+  });
 }
 
 void DecodeValuesChunkInt8(const Plan& p, const DecodeLayout& L, const float* scores, float* acc,
                            int64_t t0, int64_t t1) {
   const Int8KvView& kv = *p.int8;
   const int64_t dv = p.v_dim, vs = kv.kv_heads * dv;
-  for (int64_t tb = t0; tb < t1; tb += kKeyBlock) {
-    const int64_t tb1 = std::min(t1, tb + kKeyBlock);
-    for (int64_t j = 0; j < p.kv_heads; ++j) {
-      for (int64_t i = 0; i < p.q_len; ++i) {
-        const int64_t lo = std::max(tb, L.lo[i]);
-        const int64_t hi = std::min(tb1, L.hi[i]);
-        if (hi <= lo) continue;
-        const int64_t r0 = j * p.group * p.q_len + i;
-        internal::WeightedSumRowsI8(scores + r0 * L.n_max + (lo - L.ulo[0]), p.q_len * L.n_max,
-                                    p.group, kv.v + lo * vs + j * dv, vs,
-                                    kv.v_scale + lo * kv.kv_heads + j, kv.kv_heads, hi - lo, dv,
-                                    acc + r0 * dv, p.q_len * dv);
-      }
-    }
-  }
+  ForEachKeyBlock(p, L, 0, t0, t1, [&](int64_t j, int64_t lo, int64_t hi, int64_t r0) {
+    internal::WeightedSumRowsI8(scores + r0 * L.n_max + (lo - L.ulo[0]), p.q_len * L.n_max,
+                                p.group, kv.v + lo * vs + j * dv, vs,
+                                kv.v_scale + lo * kv.kv_heads + j, kv.kv_heads, hi - lo, dv,
+                                acc + r0 * dv, p.q_len * dv);
+  });
 }
 
 // KvCache (batch 1): per kv head, each tile of the chunk in turn is scored for
