@@ -238,8 +238,9 @@ void Connect(benchmark::State& state, bool tls) {
 void BM_ConnectPlaintext(benchmark::State& state) { Connect(state, false); }
 void BM_ConnectTls(benchmark::State& state) { Connect(state, true); }
 
-void AttendSmall(benchmark::State& state, bool tls) {
-  auto stub = v1::AttentionService::NewStub(Channel(tls));
+// The small Attend of the rpc/*attend_small* cases: causal, RoPE, q/k/v
+// [1, 16, 8, 64] f32.
+v1::AttendRequest SmallAttend() {
   v1::AttendRequest req;
   v1::AttentionSpec* spec = req.mutable_spec();
   spec->set_heads(8);
@@ -250,6 +251,12 @@ void AttendSmall(benchmark::State& state, bool tls) {
   *req.mutable_q() = RandomWire({1, 16, 8, 64}, 1);
   *req.mutable_k() = RandomWire({1, 16, 8, 64}, 2);
   *req.mutable_v() = RandomWire({1, 16, 8, 64}, 3);
+  return req;
+}
+
+void AttendSmall(benchmark::State& state, bool tls) {
+  auto stub = v1::AttentionService::NewStub(Channel(tls));
+  const v1::AttendRequest req = SmallAttend();
   Timed(state, [&] {
     grpc::ClientContext ctx;
     v1::AttendResponse resp;
@@ -401,16 +408,7 @@ double CopyCeiling() {
 void BM_PairedAttendSmall(benchmark::State& state) {
   auto stub = v1::AttentionService::NewStub(Channel());
   grpc::GenericStub generic(Channel());
-  v1::AttendRequest req;
-  v1::AttentionSpec* spec = req.mutable_spec();
-  spec->set_heads(8);
-  spec->set_kv_heads(8);
-  spec->set_head_dim(64);
-  spec->set_causal(true);
-  spec->mutable_rope();
-  *req.mutable_q() = RandomWire({1, 16, 8, 64}, 1);
-  *req.mutable_k() = RandomWire({1, 16, 8, 64}, 2);
-  *req.mutable_v() = RandomWire({1, 16, 8, 64}, 3);
+  const v1::AttendRequest req = SmallAttend();
   std::vector<double> health, attend;
   const std::string before = TheServer().metrics().RenderPrometheus();
   for (auto _ : state) {
@@ -439,16 +437,7 @@ void BM_PairedAttendSmall(benchmark::State& state) {
 // handler alone (pricing and the compute, proto in and out, no RPC), on one
 // kernel thread as an inline call runs it: what of its round trip is ours.
 void BM_HandlerAttendSmall(benchmark::State& state) {
-  v1::AttendRequest req;
-  v1::AttentionSpec* spec = req.mutable_spec();
-  spec->set_heads(8);
-  spec->set_kv_heads(8);
-  spec->set_head_dim(64);
-  spec->set_causal(true);
-  spec->mutable_rope();
-  *req.mutable_q() = RandomWire({1, 16, 8, 64}, 1);
-  *req.mutable_k() = RandomWire({1, 16, 8, 64}, 2);
-  *req.mutable_v() = RandomWire({1, 16, 8, 64}, 3);
+  const v1::AttendRequest req = SmallAttend();
   const server::ComputeOptions o{1, nullptr, 2};
   for (auto _ : state) {
     v1::AttendResponse resp;
