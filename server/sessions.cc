@@ -607,34 +607,48 @@ std::vector<v1::SessionInfo> SessionManager::List(const Principal& caller) const
 }
 
 int SessionManager::ReapIdle(absl::Time now) {
-  absl::MutexLock lock(&mu_);
-  std::vector<std::pair<std::string, absl::Status>> expired;
-  for (const auto& [id, s] : sessions_) {
-    absl::Duration idle;
-    bool attached;
-    {
-      absl::MutexLock slock(&s->meta_mu_);
-      idle = now - s->last_active_;
-      attached = s->attached_;
+  struct Reaped {
+    std::string id, owner;
+    double idle_s;
+    int64_t ttl_s, tokens;
+  };
+  std::vector<Reaped> reaped;
+  {
+    absl::MutexLock lock(&mu_);
+    std::vector<std::pair<std::string, absl::Status>> expired;
+    for (const auto& [id, s] : sessions_) {
+      absl::Duration idle;
+      bool attached;
+      {
+        absl::MutexLock slock(&s->meta_mu_);
+        idle = now - s->last_active_;
+        attached = s->attached_;
+      }
+      // A stream holds it: it is in use however long its client thinks.
+      if (attached) continue;
+      if (idle > s->idle_ttl_) {
+        reaped.push_back({id, s->owner(), std::round(absl::ToDoubleSeconds(idle) * 10) / 10,
+                          absl::ToInt64Seconds(s->idle_ttl_), s->position_hint()});
+        expired.emplace_back(id, absl::NotFoundError(absl::StrFormat(
+                                     "session %s expired: idle for %.0f s, past its idle TTL of "
+                                     "%d s",
+                                     id, absl::ToDoubleSeconds(idle),
+                                     absl::ToInt64Seconds(s->idle_ttl_))));
+      }
     }
-    // A stream holds it: it is in use however long its client thinks.
-    if (attached) continue;
-    if (idle > s->idle_ttl_) {
-      LogEvent(LogLevel::kInfo, "session_reaped",
-               {{"session", id},
-                {"idle_s", std::round(absl::ToDoubleSeconds(idle) * 10) / 10},
-                {"idle_ttl_s", absl::ToInt64Seconds(s->idle_ttl_)},
-                {"owner", s->owner()},
-                {"tokens", s->position_hint()}});
-      expired.emplace_back(id,
-                           absl::NotFoundError(absl::StrFormat(
-                               "session %s expired: idle for %.0f s, past its idle TTL of %d s", id,
-                               absl::ToDoubleSeconds(idle), absl::ToInt64Seconds(s->idle_ttl_))));
-    }
+    for (const auto& [id, status] : expired) EraseLocked(id, "reaped", status);
+    reaped_ += expired.size();
   }
-  for (const auto& [id, status] : expired) EraseLocked(id, "reaped", status);
-  reaped_ += expired.size();
-  return static_cast<int>(expired.size());
+  // Logged outside the manager's lock: a slow log never holds up sessions.
+  for (const Reaped& r : reaped) {
+    LogEvent(LogLevel::kInfo, "session_reaped",
+             {{"session", r.id},
+              {"idle_s", r.idle_s},
+              {"idle_ttl_s", r.ttl_s},
+              {"owner", r.owner},
+              {"tokens", r.tokens}});
+  }
+  return static_cast<int>(reaped.size());
 }
 
 void SessionManager::CloseAll() {
