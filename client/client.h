@@ -371,6 +371,9 @@ class RecoverableSession {
 
 // --- Wire tensor helpers (little-endian hosts). ---
 
+// "f32", "bf16", "int8" (a KV cache dtype), else "unspecified".
+const char* WireDTypeName(v1::DType dtype);
+
 // f32 tensor from values (values.size() must equal the shape's product).
 absl::StatusOr<v1::Tensor> MakeF32(absl::Span<const int64_t> shape, absl::Span<const float> values);
 // bf16 tensor from f32 values, rounded to nearest even.

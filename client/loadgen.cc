@@ -385,19 +385,6 @@ LatencyStats StatsOf(std::vector<int64_t> latencies) {
   return l;
 }
 
-const char* DTypeText(v1::DType dtype) {
-  switch (dtype) {
-    case v1::DTYPE_F32:
-      return "f32";
-    case v1::DTYPE_BF16:
-      return "bf16";
-    case v1::DTYPE_INT8:
-      return "int8";
-    default:
-      return "?";
-  }
-}
-
 std::string Num(double x) { return absl::StrFormat("%g", x); }
 
 // The workload's fields, WorkloadFieldNames() order; "" where one does not apply.
@@ -415,7 +402,7 @@ std::vector<WorkloadField> DescribeWorkload(const LoadSpec& spec, int connection
   if (attend) {
     v["batch"] = absl::StrCat(a.batch);
     v["q_len"] = absl::StrCat(a.q_len);
-    v["dtype"] = DTypeText(a.dtype);
+    v["dtype"] = WireDTypeName(a.dtype);
     v["causal"] = a.causal ? "1" : "0";
     if (!layer) {
       v["heads"] = absl::StrCat(a.heads);
@@ -435,7 +422,7 @@ std::vector<WorkloadField> DescribeWorkload(const LoadSpec& spec, int connection
     }
   } else {
     v["batch"] = "1";
-    v["dtype"] = DTypeText(d.dtype);
+    v["dtype"] = WireDTypeName(d.dtype);
     v["causal"] = "1";
     if (!layer) {
       v["heads"] = absl::StrCat(d.heads);
@@ -446,7 +433,7 @@ std::vector<WorkloadField> DescribeWorkload(const LoadSpec& spec, int connection
     v["context"] = absl::StrCat(d.context);
     v["steps_per_session"] = absl::StrCat(d.steps_per_session);
     v["tokens_per_step"] = absl::StrCat(d.tokens_per_step);
-    v["kv_dtype"] = DTypeText(d.kv_dtype);
+    v["kv_dtype"] = WireDTypeName(d.kv_dtype);
     v["think_ms"] = Num(absl::ToDoubleMilliseconds(d.think_time));
     v["step_rate"] = Num(d.step_rate);
   }

@@ -93,6 +93,19 @@ void SetShape(absl::Span<const int64_t> shape, v1::Tensor& t) {
 
 }  // namespace
 
+const char* WireDTypeName(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_F32:
+      return "f32";
+    case v1::DTYPE_BF16:
+      return "bf16";
+    case v1::DTYPE_INT8:
+      return "int8";
+    default:
+      return "unspecified";
+  }
+}
+
 absl::StatusOr<v1::Tensor> MakeF32(absl::Span<const int64_t> shape,
                                    absl::Span<const float> values) {
   absl::StatusOr<int64_t> n = CheckedElements(shape);

@@ -408,18 +408,7 @@ absl::StatusOr<v1::DType> ParseKvDType(absl::string_view flag, absl::string_view
       absl::StrCat("--", flag, " must be f32, bf16 or int8, got \"", value, "\""));
 }
 
-const char* DTypeName(v1::DType dtype) {
-  switch (dtype) {
-    case v1::DTYPE_F32:
-      return "f32";
-    case v1::DTYPE_BF16:
-      return "bf16";
-    case v1::DTYPE_INT8:
-      return "int8";
-    default:
-      return "unspecified";
-  }
-}
+const char* DTypeName(v1::DType dtype) { return client::WireDTypeName(dtype); }
 
 absl::StatusOr<v1::RopeSpec> RopeSpecFromFlags() {
   v1::RopeSpec rope;
