@@ -1244,26 +1244,33 @@ void QuantizeInt8Rows(const float* x, int64_t x_stride, int64_t rows, int64_t di
   }
 }
 
-absl::Status AttendInt8(ConstTensorView q, const Int8KvView& kv, int64_t length,
-                        const AttentionOptions& options, TensorView out, TensorView probs) {
-  RA_ASSIGN_OR_RETURN(Plan p, MakeInt8Plan(q, kv, length, options, out, probs));
+namespace {
+
+// A planned call against a session's stored K/V: the decode kernel on the
+// storage itself, or `prefill` (the rows copied out once) for a long step.
+template <typename Prefill>
+absl::Status RunStored(absl::StatusOr<Plan> plan, const AttentionOptions& options,
+                       const TensorView& out, const TensorView& probs, Prefill prefill) {
+  if (!plan.ok()) return plan.status();
+  const Plan& p = *plan;
   if (p.q_len == 0 || p.heads == 0) return absl::OkStatus();
-  if (PathOf(p, options, !probs.empty_view()) == AttentionPath::kPrefill) {
-    return Int8Prefill(q, kv, length, options, out, probs);
-  }
+  if (PathOf(p, options, !probs.empty_view()) == AttentionPath::kPrefill) return prefill();
   RA_RETURN_IF_ERROR(RunDecode(p));
   return CheckResultFinite(out);
 }
 
+}  // namespace
+
+absl::Status AttendInt8(ConstTensorView q, const Int8KvView& kv, int64_t length,
+                        const AttentionOptions& options, TensorView out, TensorView probs) {
+  return RunStored(MakeInt8Plan(q, kv, length, options, out, probs), options, out, probs,
+                   [&] { return Int8Prefill(q, kv, length, options, out, probs); });
+}
+
 absl::Status AttendCache(ConstTensorView q, const KvCache& cache, int64_t length,
                          const AttentionOptions& options, TensorView out, TensorView probs) {
-  RA_ASSIGN_OR_RETURN(Plan p, MakeCachePlan(q, cache, length, options, out, probs));
-  if (p.q_len == 0 || p.heads == 0) return absl::OkStatus();
-  if (PathOf(p, options, !probs.empty_view()) == AttentionPath::kPrefill) {
-    return CachePrefill(q, cache, length, options, out, probs);
-  }
-  RA_RETURN_IF_ERROR(RunDecode(p));
-  return CheckResultFinite(out);
+  return RunStored(MakeCachePlan(q, cache, length, options, out, probs), options, out, probs,
+                   [&] { return CachePrefill(q, cache, length, options, out, probs); });
 }
 
 void AttendBatch(absl::Span<AttentionJob> jobs, int threads) {
