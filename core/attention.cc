@@ -65,7 +65,7 @@ struct Plan {
   bool bias_has_batch = false;
   ConstTensorView q, k, v;         // k, v absent when keys come from `cache`
   const KvCache* cache = nullptr;  // AttendCache: keys [0, k_len) of a session cache
-  const Int8KvView* int8 = nullptr;  // AttendInt8: keys [0, k_len) of int8 rows
+  const PagedKvView* paged = nullptr;  // AttendPaged: keys [0, k_len) of pages
   TensorView out, probs;
   int threads;
   int plan_threads;  // what the decode kernel's key cut is planned for
@@ -600,11 +600,13 @@ DecodeLayout PlanDecode(const Plan& p) {
 // sharing a kv head are processed together so each K/V slice is loaded once.
 // Calls fn(j, lo, hi, r0) for kv head j, visible keys [lo, hi) of one block
 // and r0 the first of the group's query rows (query index i).
+// Blocks are aligned to multiples of kKeyBlock (a chunk starting inside one
+// first finishes it), so a block never straddles two pages of a PagedKvView.
 template <typename Fn>
 inline void ForEachKeyBlock(const Plan& p, const DecodeLayout& L, int64_t b, int64_t t0,
                             int64_t t1, Fn fn) {
-  for (int64_t tb = t0; tb < t1; tb += kKeyBlock) {
-    const int64_t tb1 = std::min(t1, tb + kKeyBlock);
+  for (int64_t tb = t0, tb1; tb < t1; tb = tb1) {
+    tb1 = std::min(t1, (tb / kKeyBlock + 1) * kKeyBlock);
     for (int64_t j = 0; j < p.kv_heads; ++j) {
       for (int64_t i = 0; i < p.q_len; ++i) {
         const int64_t lo = std::max(tb, L.lo[b * p.q_len + i]);
@@ -650,28 +652,57 @@ void DecodeValuesChunk(const Plan& p, const DecodeLayout& L, const float* scores
   });
 }
 
-// int8 rows (batch 1): as above, with each key's scale applied to its
-// scores and folded into its weights.
-void DecodeScoresChunkInt8(const Plan& p, const DecodeLayout& L, const float* qf, float* scores,
-                           int64_t t0, int64_t t1) {
-  const Int8KvView& kv = *p.int8;
-  const int64_t d = p.head_dim, ks = kv.kv_heads * d;
+// Pages (batch 1): as above, each 8-key block inside one page; int8 pages
+// apply each key's scale to its scores and fold it into its weights.
+template <PagedKvView::Type kType>
+void DecodeScoresPaged(const Plan& p, const DecodeLayout& L, const float* qf, float* scores,
+                       int64_t t0, int64_t t1) {
+  const PagedKvView& kv = *p.paged;
+  const int64_t d = p.head_dim, ks = kv.kv_heads * d, P = kv.page_tokens;
   ForEachKeyBlock(p, L, 0, t0, t1, [&](int64_t j, int64_t lo, int64_t hi, int64_t r0) {
-    internal::DotKeysRowsI8(qf + r0 * d, p.q_len * d, p.group, kv.k + lo * ks + j * d, ks,
-                            kv.k_scale + lo * kv.kv_heads + j, kv.kv_heads, hi - lo, d,
-                            scores + r0 * L.n_max + (lo - L.ulo[0]), p.q_len * L.n_max);
+    const int64_t page = lo / P, row = (lo - page * P) * kv.kv_heads + j;
+    const float* q = qf + r0 * d;
+    float* out = scores + r0 * L.n_max + (lo - L.ulo[0]);
+    const int64_t ss = p.q_len * L.n_max;
+    if constexpr (kType == PagedKvView::Type::kF32) {
+      internal::DotKeysRowsF32(q, p.q_len * d, p.group,
+                               static_cast<const float*>(kv.k_pages[page]) + row * d, ks, hi - lo,
+                               d, out, ss);
+    } else if constexpr (kType == PagedKvView::Type::kBF16) {
+      internal::DotKeysRowsBF16(q, p.q_len * d, p.group,
+                                static_cast<const uint16_t*>(kv.k_pages[page]) + row * d, ks,
+                                hi - lo, d, out, ss);
+    } else {
+      internal::DotKeysRowsI8(q, p.q_len * d, p.group,
+                              static_cast<const int8_t*>(kv.k_pages[page]) + row * d, ks,
+                              kv.k_scales[page] + row, kv.kv_heads, hi - lo, d, out, ss);
+    }
   });
 }
 
-void DecodeValuesChunkInt8(const Plan& p, const DecodeLayout& L, const float* scores, float* acc,
-                           int64_t t0, int64_t t1) {
-  const Int8KvView& kv = *p.int8;
-  const int64_t dv = p.v_dim, vs = kv.kv_heads * dv;
+template <PagedKvView::Type kType>
+void DecodeValuesPaged(const Plan& p, const DecodeLayout& L, const float* scores, float* acc,
+                       int64_t t0, int64_t t1) {
+  const PagedKvView& kv = *p.paged;
+  const int64_t dv = p.v_dim, vs = kv.kv_heads * dv, P = kv.page_tokens;
   ForEachKeyBlock(p, L, 0, t0, t1, [&](int64_t j, int64_t lo, int64_t hi, int64_t r0) {
-    internal::WeightedSumRowsI8(scores + r0 * L.n_max + (lo - L.ulo[0]), p.q_len * L.n_max,
-                                p.group, kv.v + lo * vs + j * dv, vs,
-                                kv.v_scale + lo * kv.kv_heads + j, kv.kv_heads, hi - lo, dv,
-                                acc + r0 * dv, p.q_len * dv);
+    const int64_t page = lo / P, row = (lo - page * P) * kv.kv_heads + j;
+    const float* w = scores + r0 * L.n_max + (lo - L.ulo[0]);
+    const int64_t ws = p.q_len * L.n_max;
+    if constexpr (kType == PagedKvView::Type::kF32) {
+      internal::WeightedSumRowsF32(w, ws, p.group,
+                                   static_cast<const float*>(kv.v_pages[page]) + row * dv, vs,
+                                   hi - lo, dv, acc + r0 * dv, p.q_len * dv);
+    } else if constexpr (kType == PagedKvView::Type::kBF16) {
+      internal::WeightedSumRowsBF16(w, ws, p.group,
+                                    static_cast<const uint16_t*>(kv.v_pages[page]) + row * dv, vs,
+                                    hi - lo, dv, acc + r0 * dv, p.q_len * dv);
+    } else {
+      internal::WeightedSumRowsI8(w, ws, p.group,
+                                  static_cast<const int8_t*>(kv.v_pages[page]) + row * dv, vs,
+                                  kv.v_scales[page] + row, kv.kv_heads, hi - lo, dv,
+                                  acc + r0 * dv, p.q_len * dv);
+    }
   });
 }
 
@@ -747,8 +778,18 @@ struct DecodeRun {
       Locate(c, &b, &t0, &t1);
       if (p->cache != nullptr) {
         DecodeScoresTiles(*p, L, qf, scores, t0, t1);
-      } else if (p->int8 != nullptr) {
-        DecodeScoresChunkInt8(*p, L, qf, scores, t0, t1);
+      } else if (p->paged != nullptr) {
+        switch (p->paged->type) {
+          case PagedKvView::Type::kF32:
+            DecodeScoresPaged<PagedKvView::Type::kF32>(*p, L, qf, scores, t0, t1);
+            break;
+          case PagedKvView::Type::kBF16:
+            DecodeScoresPaged<PagedKvView::Type::kBF16>(*p, L, qf, scores, t0, t1);
+            break;
+          case PagedKvView::Type::kInt8:
+            DecodeScoresPaged<PagedKvView::Type::kInt8>(*p, L, qf, scores, t0, t1);
+            break;
+        }
       } else if (f32) {
         DecodeScoresChunk<float>(*p, L, qf, scores, b, t0, t1);
       } else {
@@ -778,8 +819,18 @@ struct DecodeRun {
       Locate(c, &b, &t0, &t1);
       if (p->cache != nullptr) {
         DecodeValuesDense(*p, L, scores, part_acc, t0, t1);
-      } else if (p->int8 != nullptr) {
-        DecodeValuesChunkInt8(*p, L, scores, part_acc, t0, t1);
+      } else if (p->paged != nullptr) {
+        switch (p->paged->type) {
+          case PagedKvView::Type::kF32:
+            DecodeValuesPaged<PagedKvView::Type::kF32>(*p, L, scores, part_acc, t0, t1);
+            break;
+          case PagedKvView::Type::kBF16:
+            DecodeValuesPaged<PagedKvView::Type::kBF16>(*p, L, scores, part_acc, t0, t1);
+            break;
+          case PagedKvView::Type::kInt8:
+            DecodeValuesPaged<PagedKvView::Type::kInt8>(*p, L, scores, part_acc, t0, t1);
+            break;
+        }
       } else if (f32) {
         DecodeValuesChunk<float>(*p, L, scores, part_acc, b, t0, t1);
       } else {
@@ -1132,31 +1183,40 @@ absl::StatusOr<Plan> MakeCachePlan(const ConstTensorView& q, const KvCache& cach
   return p;
 }
 
-absl::StatusOr<Plan> MakeInt8Plan(const ConstTensorView& q, const Int8KvView& kv, int64_t length,
-                                  const AttentionOptions& options, const TensorView& out,
-                                  const TensorView& probs) {
+absl::StatusOr<Plan> MakePagedPlan(const ConstTensorView& q, const PagedKvView& kv,
+                                   int64_t length, const AttentionOptions& options,
+                                   const TensorView& out, const TensorView& probs) {
   RA_RETURN_IF_ERROR(CheckBSHD(q, "q"));
   RA_RETURN_IF_ERROR(CheckBSHD(out, "out"));
   if (q.dim(0) != 1) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "q must have batch 1 against int8 rows, got shape %s", DimsToString(q.dims())));
+        "q must have batch 1 against paged rows, got shape %s", DimsToString(q.dims())));
   }
-  if (kv.seq < 0 || kv.kv_heads < 1 || kv.head_dim < 0 || kv.v_dim < 0) {
+  if (kv.pages < 0 || kv.page_tokens < 0 || kv.kv_heads < 1 || kv.head_dim < 0 || kv.v_dim < 0 ||
+      (kv.pages > 0 && kv.page_tokens < 1) || (kv.pages > 1 && kv.page_tokens % 8 != 0)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "an int8 view needs seq >= 0, kv_heads >= 1, head_dim and v_dim >= 0; got %d, %d, %d, %d",
-        kv.seq, kv.kv_heads, kv.head_dim, kv.v_dim));
+        "a paged view needs pages >= 0, page_tokens >= 1 (a multiple of 8 for several pages), "
+        "kv_heads >= 1, head_dim and v_dim >= 0; got %d, %d, %d, %d, %d",
+        kv.pages, kv.page_tokens, kv.kv_heads, kv.head_dim, kv.v_dim));
   }
-  if (kv.seq > 0 && (kv.k == nullptr || kv.k_scale == nullptr || kv.v == nullptr ||
-                     kv.v_scale == nullptr)) {
-    return absl::InvalidArgumentError("an int8 view of rows needs its k, v and scale pointers");
+  const bool int8 = kv.type == PagedKvView::Type::kInt8;
+  if (kv.pages > 0 && (kv.k_pages == nullptr || kv.v_pages == nullptr ||
+                       (int8 && (kv.k_scales == nullptr || kv.v_scales == nullptr)))) {
+    return absl::InvalidArgumentError("a paged view needs its page (and int8 scale) pointers");
   }
-  if (length < 0 || length > kv.seq) {
-    return absl::OutOfRangeError(
-        absl::StrFormat("length %d is outside the int8 view's %d rows", length, kv.seq));
+  for (int64_t n = 0; n < kv.pages; ++n) {
+    if (kv.k_pages[n] == nullptr || kv.v_pages[n] == nullptr ||
+        (int8 && (kv.k_scales[n] == nullptr || kv.v_scales[n] == nullptr))) {
+      return absl::InvalidArgumentError(absl::StrFormat("page %d of the paged view is missing", n));
+    }
+  }
+  if (length < 0 || length > kv.pages * kv.page_tokens) {
+    return absl::OutOfRangeError(absl::StrFormat("length %d is outside the paged view's %d rows",
+                                                 length, kv.pages * kv.page_tokens));
   }
   if (q.dim(3) != kv.head_dim) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "head_dim of q (%d) and of the int8 rows (%d) differ", q.dim(3), kv.head_dim));
+        "head_dim of q (%d) and of the paged rows (%d) differ", q.dim(3), kv.head_dim));
   }
   Plan p;
   p.batch = 1;
@@ -1166,8 +1226,9 @@ absl::StatusOr<Plan> MakeInt8Plan(const ConstTensorView& q, const Int8KvView& kv
   p.k_len = length;
   p.kv_heads = kv.kv_heads;
   p.v_dim = kv.v_dim;
-  p.kv_dtype = DType::kF32;  // computed in f32 from the dequantized values
-  p.int8 = &kv;
+  // int8 is computed in f32 from the dequantized values.
+  p.kv_dtype = kv.type == PagedKvView::Type::kBF16 ? DType::kBF16 : DType::kF32;
+  p.paged = &kv;
   RA_RETURN_IF_ERROR(PlanCommon(q, options, out, probs, p));
   return p;
 }
@@ -1196,21 +1257,37 @@ absl::Status CachePrefill(const ConstTensorView& q, const KvCache& cache, int64_
   return Attend(q, k.cview(), v.cview(), o, out, probs);
 }
 
-// A long step against int8 rows: dequantized once, then Attend's prefill.
-absl::Status Int8Prefill(const ConstTensorView& q, const Int8KvView& kv, int64_t length,
-                         const AttentionOptions& options, const TensorView& out,
-                         const TensorView& probs) {
-  RA_ASSIGN_OR_RETURN(Tensor k, Tensor::Create(DType::kF32, {1, length, kv.kv_heads, kv.head_dim}));
-  RA_ASSIGN_OR_RETURN(Tensor v, Tensor::Create(DType::kF32, {1, length, kv.kv_heads, kv.v_dim}));
-  float* kd = k.data<float>();
-  float* vd = v.data<float>();
-  for (int64_t r = 0; r < length * kv.kv_heads; ++r) {
-    const float ks = kv.k_scale[r], vs = kv.v_scale[r];
-    for (int64_t x = 0; x < kv.head_dim; ++x) {
-      kd[r * kv.head_dim + x] = ks * static_cast<float>(kv.k[r * kv.head_dim + x]);
+// A long step against pages: the rows gathered once (int8: dequantized),
+// then Attend's prefill.
+absl::Status PagedPrefill(const ConstTensorView& q, const PagedKvView& kv, int64_t length,
+                          const AttentionOptions& options, const TensorView& out,
+                          const TensorView& probs) {
+  const DType dtype = kv.type == PagedKvView::Type::kBF16 ? DType::kBF16 : DType::kF32;
+  RA_ASSIGN_OR_RETURN(Tensor k, Tensor::Create(dtype, {1, length, kv.kv_heads, kv.head_dim}));
+  RA_ASSIGN_OR_RETURN(Tensor v, Tensor::Create(dtype, {1, length, kv.kv_heads, kv.v_dim}));
+  const int64_t es = DTypeSize(dtype);
+  for (int64_t t0 = 0; t0 < length; t0 += kv.page_tokens) {
+    const int64_t page = t0 / kv.page_tokens;
+    const int64_t rows = std::min(kv.page_tokens, length - t0) * kv.kv_heads;
+    char* kd = k.data<char>() + t0 * kv.kv_heads * kv.head_dim * es;
+    char* vd = v.data<char>() + t0 * kv.kv_heads * kv.v_dim * es;
+    if (kv.type != PagedKvView::Type::kInt8) {
+      std::memcpy(kd, kv.k_pages[page], rows * kv.head_dim * es);
+      std::memcpy(vd, kv.v_pages[page], rows * kv.v_dim * es);
+      continue;
     }
-    for (int64_t x = 0; x < kv.v_dim; ++x) {
-      vd[r * kv.v_dim + x] = vs * static_cast<float>(kv.v[r * kv.v_dim + x]);
+    const int8_t* kq = static_cast<const int8_t*>(kv.k_pages[page]);
+    const int8_t* vq = static_cast<const int8_t*>(kv.v_pages[page]);
+    float* kf = reinterpret_cast<float*>(kd);
+    float* vf = reinterpret_cast<float*>(vd);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float ks = kv.k_scales[page][r], vs = kv.v_scales[page][r];
+      for (int64_t x = 0; x < kv.head_dim; ++x) {
+        kf[r * kv.head_dim + x] = ks * static_cast<float>(kq[r * kv.head_dim + x]);
+      }
+      for (int64_t x = 0; x < kv.v_dim; ++x) {
+        vf[r * kv.v_dim + x] = vs * static_cast<float>(vq[r * kv.v_dim + x]);
+      }
     }
   }
   AttentionOptions o = options;
@@ -1261,10 +1338,44 @@ absl::Status RunStored(absl::StatusOr<Plan> plan, const AttentionOptions& option
 
 }  // namespace
 
+absl::Status AttendPaged(ConstTensorView q, const PagedKvView& kv, int64_t length,
+                         const AttentionOptions& options, TensorView out, TensorView probs) {
+  return RunStored(MakePagedPlan(q, kv, length, options, out, probs), options, out, probs,
+                   [&] { return PagedPrefill(q, kv, length, options, out, probs); });
+}
+
 absl::Status AttendInt8(ConstTensorView q, const Int8KvView& kv, int64_t length,
                         const AttentionOptions& options, TensorView out, TensorView probs) {
-  return RunStored(MakeInt8Plan(q, kv, length, options, out, probs), options, out, probs,
-                   [&] { return Int8Prefill(q, kv, length, options, out, probs); });
+  if (kv.seq < 0 || kv.kv_heads < 1 || kv.head_dim < 0 || kv.v_dim < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "an int8 view needs seq >= 0, kv_heads >= 1, head_dim and v_dim >= 0; got %d, %d, %d, %d",
+        kv.seq, kv.kv_heads, kv.head_dim, kv.v_dim));
+  }
+  if (kv.seq > 0 && (kv.k == nullptr || kv.k_scale == nullptr || kv.v == nullptr ||
+                     kv.v_scale == nullptr)) {
+    return absl::InvalidArgumentError("an int8 view of rows needs its k, v and scale pointers");
+  }
+  if (length < 0 || length > kv.seq) {
+    return absl::OutOfRangeError(
+        absl::StrFormat("length %d is outside the int8 view's %d rows", length, kv.seq));
+  }
+  // One page holding every row.
+  const void* k = kv.k;
+  const void* v = kv.v;
+  const float* ks = kv.k_scale;
+  const float* vs = kv.v_scale;
+  PagedKvView one;
+  one.type = PagedKvView::Type::kInt8;
+  one.k_pages = &k;
+  one.v_pages = &v;
+  one.k_scales = &ks;
+  one.v_scales = &vs;
+  one.pages = kv.seq > 0 ? 1 : 0;
+  one.page_tokens = kv.seq;
+  one.kv_heads = kv.kv_heads;
+  one.head_dim = kv.head_dim;
+  one.v_dim = kv.v_dim;
+  return AttendPaged(q, one, length, options, out, probs);
 }
 
 absl::Status AttendCache(ConstTensorView q, const KvCache& cache, int64_t length,
@@ -1282,8 +1393,8 @@ void AttendBatch(absl::Span<AttentionJob> jobs, int threads) {
     absl::StatusOr<Plan> plan =
         j.cache != nullptr
             ? MakeCachePlan(j.q, *j.cache, j.cache_length, j.options, j.out, TensorView())
-        : j.int8 != nullptr
-            ? MakeInt8Plan(j.q, *j.int8, j.cache_length, j.options, j.out, TensorView())
+        : j.paged != nullptr
+            ? MakePagedPlan(j.q, *j.paged, j.cache_length, j.options, j.out, TensorView())
             : MakePlan(j.q, j.k, j.v, j.options, j.out, TensorView());
     if (!plan.ok()) {
       j.status = plan.status();
@@ -1297,8 +1408,8 @@ void AttendBatch(absl::Span<AttentionJob> jobs, int threads) {
       // A prompt: its own tiled GEMM pass, one after another.
       j.status = j.cache != nullptr
                      ? CachePrefill(j.q, *j.cache, j.cache_length, j.options, j.out, TensorView())
-                 : j.int8 != nullptr
-                     ? Int8Prefill(j.q, *j.int8, j.cache_length, j.options, j.out, TensorView())
+                 : j.paged != nullptr
+                     ? PagedPrefill(j.q, *j.paged, j.cache_length, j.options, j.out, TensorView())
                      : RunPrefill(p);
       if (j.status.ok()) j.status = CheckResultFinite(j.out);
       continue;

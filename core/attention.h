@@ -162,14 +162,46 @@ absl::Status AttendInt8(ConstTensorView q, const Int8KvView& kv, int64_t length,
                         const AttentionOptions& options, TensorView out,
                         TensorView probs = TensorView());
 
+// A decoding session's keys and values in pages (docs/kv-memory.md): page
+// n holds tokens [n * page_tokens, (n + 1) * page_tokens), token-major,
+// batch 1: token t of kv head j is row (t % page_tokens) * kv_heads + j of
+// page t / page_tokens in k_pages (head_dim elements) and v_pages (v_dim
+// elements), of `type`. int8 pages also have a scale per row (k_scales,
+// v_scales: [page_tokens, kv_heads] f32 per page; value = scale * q).
+// page_tokens must be a multiple of 8 when there are several pages (the
+// decode's 8-key blocks never straddle two). Not owned.
+struct PagedKvView {
+  enum class Type { kF32, kBF16, kInt8 };
+  Type type = Type::kF32;
+  const void* const* k_pages = nullptr;
+  const void* const* v_pages = nullptr;
+  const float* const* k_scales = nullptr;  // kInt8 only
+  const float* const* v_scales = nullptr;  // kInt8 only
+  int64_t pages = 0, page_tokens = 0;
+  int64_t kv_heads = 0, head_dim = 0, v_dim = 0;
+};
+
+// Attend with keys and values [0, length) of a paged view, as AttendCache:
+// q [1, q_len, heads, head_dim] (f32 or bf16), out [1, q_len, heads, v_dim];
+// the same options, masks, errors and precision contract as Attend over the
+// same rows as one tensor (bf16 pages: Attend's bf16 contract; int8 pages:
+// f32 over the dequantized values), and the same bytes whatever the page
+// size. Few query rows use the decode kernel on the pages; a long step
+// gathers the rows once (int8: dequantized) and takes the prefill path.
+// InvalidArgument for a view whose sizes disagree with q or whose pointers
+// are missing; OutOfRange if length exceeds pages * page_tokens.
+absl::Status AttendPaged(ConstTensorView q, const PagedKvView& kv, int64_t length,
+                         const AttentionOptions& options, TensorView out,
+                         TensorView probs = TensorView());
+
 // One attention computation of a batched pass (AttendBatch): q/k/v as for
 // Attend, or q against keys [0, cache_length) of a KvCache as for
-// AttendCache, or of an int8 view as for AttendInt8 (then k and v are not
+// AttendCache, or of a paged view as for AttendPaged (then k and v are not
 // used). No probabilities.
 struct AttentionJob {
   ConstTensorView q, k, v;
   const KvCache* cache = nullptr;
-  const Int8KvView* int8 = nullptr;
+  const PagedKvView* paged = nullptr;
   int64_t cache_length = 0;
   AttentionOptions options;  // options.num_threads plans the job as a solo call would
   TensorView out;

@@ -1,6 +1,8 @@
 #include "core/decode_state.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -26,27 +28,164 @@ absl::Status CheckStepTensor(const ConstTensorView& t, const std::string& name, 
 
 }  // namespace
 
-Int8KvView DecodeState::Int8View() {
-  const DecodeStateConfig& c = config_;
-  int8_view_ = Int8KvView{reinterpret_cast<const int8_t*>(k_q_.data<float>()),
-                          k_scale_.data<float>(),
-                          reinterpret_cast<const int8_t*>(v_q_.data<float>()),
-                          v_scale_.data<float>(),
-                          c.max_context,
-                          c.kv_heads,
-                          c.head_dim,
-                          c.v_dim};
-  return int8_view_;
+// One page: K rows [kPageTokens, kv_heads, head_dim], V rows [kPageTokens,
+// kv_heads, v_dim] of the page's element type, then (int8) their scales
+// [kPageTokens, kv_heads] f32 each; every part starts on a 64-byte line.
+struct DecodeState::Page {
+  char* data = nullptr;
+  int64_t bytes = 0;
+  std::shared_ptr<KvPageCharger> payer;  // refunded when the page is freed
+  Page() = default;
+  Page(const Page&) = delete;
+  Page& operator=(const Page&) = delete;
+  ~Page() {
+    std::free(data);
+    if (payer) payer->Refund(bytes);
+  }
+};
+
+namespace {
+
+constexpr int64_t RoundUp64(int64_t n) { return (n + 63) / 64 * 64; }
+
+struct PageLayout {
+  int64_t elem, k_bytes, v_bytes, scale_bytes;  // scale_bytes: each of K and V, int8 only
+  int64_t v_at() const { return k_bytes; }
+  int64_t ks_at() const { return k_bytes + v_bytes; }
+  int64_t vs_at() const { return k_bytes + v_bytes + scale_bytes; }
+  int64_t total() const { return k_bytes + v_bytes + 2 * scale_bytes; }
+};
+
+PageLayout LayoutOf(const DecodeStateConfig& c, bool int8) {
+  const int64_t rows = DecodeState::kPageTokens * c.kv_heads;
+  PageLayout l;
+  l.elem = int8 ? 1 : DTypeSize(c.kv_dtype);
+  l.k_bytes = RoundUp64(rows * c.head_dim * l.elem);
+  l.v_bytes = RoundUp64(rows * c.v_dim * l.elem);
+  l.scale_bytes = int8 ? RoundUp64(rows * static_cast<int64_t>(sizeof(float))) : 0;
+  return l;
 }
 
-void DecodeState::QuantizeInto(const Tensor& rows_f32, bool keys, int64_t at) {
+}  // namespace
+
+int64_t DecodeState::page_bytes() const {
+  return Paged() ? LayoutOf(config_, storage_ == Storage::kInt8).total() : 0;
+}
+
+absl::Status DecodeState::MakeWritable(int64_t from, int64_t to) {
+  const int64_t bytes = page_bytes();
+  const int64_t first = from / kPageTokens, end = (to + kPageTokens - 1) / kPageTokens;
+  for (int64_t n = first; n < end; ++n) {
+    const bool missing = n >= static_cast<int64_t>(pages_.size());
+    if (!missing && pages_[n].use_count() == 1) {
+      // Ours alone: a state that shared it finished reading it before it
+      // dropped its share (a release), which this fence pairs with.
+      std::atomic_thread_fence(std::memory_order_acquire);
+      continue;
+    }
+    if (charger_) RA_RETURN_IF_ERROR(charger_->Charge(bytes));
+    auto page = std::make_shared<Page>();
+    page->payer = charger_;
+    page->bytes = bytes;
+    page->data = static_cast<char*>(std::aligned_alloc(64, bytes));
+    if (page->data == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("out of memory allocating a KV page of %d bytes", bytes));
+    }
+    if (missing) {
+      pages_.push_back(std::move(page));
+    } else {
+      // Shared: this state's copy (the other holders keep theirs).
+      std::memcpy(page->data, pages_[n]->data, bytes);
+      pages_[n] = std::move(page);
+    }
+  }
+  RebuildView();
+  return absl::OkStatus();
+}
+
+void DecodeState::RebuildView() {
+  const bool int8 = storage_ == Storage::kInt8;
+  const PageLayout l = LayoutOf(config_, int8);
+  const size_t n = pages_.size();
+  k_pages_.resize(n);
+  v_pages_.resize(n);
+  k_scales_.resize(int8 ? n : 0);
+  v_scales_.resize(int8 ? n : 0);
+  for (size_t i = 0; i < n; ++i) {
+    const char* d = pages_[i]->data;
+    k_pages_[i] = d;
+    v_pages_[i] = d + l.v_at();
+    if (int8) {
+      k_scales_[i] = reinterpret_cast<const float*>(d + l.ks_at());
+      v_scales_[i] = reinterpret_cast<const float*>(d + l.vs_at());
+    }
+  }
+  view_.type = int8 ? PagedKvView::Type::kInt8
+               : config_.kv_dtype == DType::kBF16 ? PagedKvView::Type::kBF16
+                                                  : PagedKvView::Type::kF32;
+  view_.k_pages = k_pages_.data();
+  view_.v_pages = v_pages_.data();
+  view_.k_scales = int8 ? k_scales_.data() : nullptr;
+  view_.v_scales = int8 ? v_scales_.data() : nullptr;
+  view_.pages = static_cast<int64_t>(n);
+  view_.page_tokens = kPageTokens;
+  view_.kv_heads = config_.kv_heads;
+  view_.head_dim = config_.head_dim;
+  view_.v_dim = config_.v_dim;
+}
+
+absl::Status DecodeState::WritePaged(const ConstTensorView& rows, bool keys, int64_t at) {
   const DecodeStateConfig& c = config_;
+  const bool int8 = storage_ == Storage::kInt8;
+  const PageLayout l = LayoutOf(c, int8);
   const int64_t dim = keys ? c.head_dim : c.v_dim;
-  const int64_t n = rows_f32.dim(1) * c.kv_heads;  // [1, T, kv_heads, dim], contiguous
-  int8_t* q = reinterpret_cast<int8_t*>(keys ? k_q_.data<float>() : v_q_.data<float>());
-  float* scales = keys ? k_scale_.data<float>() : v_scale_.data<float>();
-  QuantizeInt8Rows(rows_f32.data<float>(), dim, n, dim, q + at * c.kv_heads * dim,
-                   scales + at * c.kv_heads);
+  const int64_t tokens = rows.dim(1);
+  for (int64_t t = 0; t < tokens;) {
+    const int64_t page = (at + t) / kPageTokens, off = (at + t) % kPageTokens;
+    const int64_t n = std::min(tokens - t, kPageTokens - off);
+    char* base = pages_[page]->data + (keys ? 0 : l.v_at());
+    if (int8) {
+      // rows is contiguous f32 here.
+      float* scales = reinterpret_cast<float*>(pages_[page]->data + (keys ? l.ks_at() : l.vs_at()));
+      QuantizeInt8Rows(rows.data<float>() + t * c.kv_heads * dim, dim, n * c.kv_heads, dim,
+                       reinterpret_cast<int8_t*>(base) + off * c.kv_heads * dim,
+                       scales + off * c.kv_heads);
+    } else {
+      const TensorView dst(base + off * c.kv_heads * dim * l.elem, c.kv_dtype,
+                           {1, n, c.kv_heads, dim});
+      RA_RETURN_IF_ERROR(CopyRows(rows.Slice(1, t, n), dst));
+    }
+    t += n;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Tensor> DecodeState::ReadPaged(bool keys, int64_t n) const {
+  const DecodeStateConfig& c = config_;
+  const bool int8 = storage_ == Storage::kInt8;
+  const PageLayout l = LayoutOf(c, int8);
+  const int64_t dim = keys ? c.head_dim : c.v_dim;
+  RA_ASSIGN_OR_RETURN(Tensor t, Tensor::Create(int8 ? DType::kF32 : c.kv_dtype,
+                                               {1, n, c.kv_heads, dim}));
+  for (int64_t t0 = 0; t0 < n; t0 += kPageTokens) {
+    const Page& page = *pages_[t0 / kPageTokens];
+    const int64_t rows = std::min(kPageTokens, n - t0) * c.kv_heads;
+    const char* base = page.data + (keys ? 0 : l.v_at());
+    if (!int8) {
+      std::memcpy(t.data<char>() + t0 * c.kv_heads * dim * l.elem, base, rows * dim * l.elem);
+      continue;
+    }
+    const int8_t* q = reinterpret_cast<const int8_t*>(base);
+    const float* scales = reinterpret_cast<const float*>(page.data + (keys ? l.ks_at() : l.vs_at()));
+    float* out = t.data<float>() + t0 * c.kv_heads * dim;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t x = 0; x < dim; ++x) {
+        out[r * dim + x] = scales[r] * static_cast<float>(q[r * dim + x]);
+      }
+    }
+  }
+  return t;
 }
 
 DecodeState::Storage DecodeState::StorageFor(const DecodeStateConfig& c) {
@@ -105,19 +244,9 @@ absl::StatusOr<DecodeState> DecodeState::Create(DecodeStateConfig config) {
       s.kv_.emplace(std::move(kv));
       break;
     }
-    case Storage::kInt8: {
-      const int64_t rows = k.max_context * k.kv_heads;
-      RA_ASSIGN_OR_RETURN(s.k_q_, Tensor::Create(DType::kF32, {(rows * k.head_dim + 3) / 4}));
-      RA_ASSIGN_OR_RETURN(s.v_q_, Tensor::Create(DType::kF32, {(rows * k.v_dim + 3) / 4}));
-      RA_ASSIGN_OR_RETURN(s.k_scale_, Tensor::Create(DType::kF32, {rows}));
-      RA_ASSIGN_OR_RETURN(s.v_scale_, Tensor::Create(DType::kF32, {rows}));
-      break;
-    }
+    case Storage::kInt8:
     case Storage::kTokenMajor:
-      RA_ASSIGN_OR_RETURN(s.k_cache_, Tensor::Create(k.kv_dtype, {1, k.max_context, k.kv_heads,
-                                                                  k.head_dim}));
-      RA_ASSIGN_OR_RETURN(s.v_cache_,
-                          Tensor::Create(k.kv_dtype, {1, k.max_context, k.kv_heads, k.v_dim}));
+      s.RebuildView();  // no pages until tokens arrive
       break;
   }
   if (s.LengthDependent() && !k.linear) {
@@ -134,12 +263,17 @@ absl::StatusOr<DecodeState> DecodeState::Create(DecodeStateConfig config) {
 }
 
 int64_t DecodeState::byte_size() const {
-  int64_t bytes = static_cast<int64_t>(k_cache_.byte_size() + v_cache_.byte_size() +
-                                       k_raw_.byte_size() + k_q_.byte_size() + v_q_.byte_size() +
-                                       k_scale_.byte_size() + v_scale_.byte_size());
+  int64_t bytes = static_cast<int64_t>(k_raw_.byte_size()) +
+                  static_cast<int64_t>(pages_.size()) * page_bytes();
   if (kv_) bytes += static_cast<int64_t>(kv_->byte_size());
   if (linear_) bytes += linear_->byte_size();
   return bytes;
+}
+
+int64_t DecodeState::shared_bytes() const {
+  int64_t shared = 0;
+  for (const auto& page : pages_) shared += page.use_count() > 1 ? 1 : 0;
+  return shared * page_bytes();
 }
 
 absl::Status DecodeState::PrepareRope(int64_t new_len) {
@@ -164,7 +298,9 @@ absl::Status DecodeState::PrepareRope(int64_t new_len) {
     if (kv_) {
       RA_RETURN_IF_ERROR(kv_->WriteK(0, keys.cview()));
     } else {
-      RA_RETURN_IF_ERROR(CopyRows(keys.cview(), k_cache_.view().Slice(1, 0, position_)));
+      // Every cached key changes: the pages become this state's own first.
+      RA_RETURN_IF_ERROR(MakeWritable(0, position_));
+      RA_RETURN_IF_ERROR(WritePaged(keys.cview(), /*keys=*/true, 0));
     }
   }
   rotator_.emplace(std::move(r));
@@ -217,56 +353,37 @@ absl::Status DecodeState::Prepare(Job& job, int plan_threads, AttentionJob* atte
     RA_RETURN_IF_ERROR(rotator_->Apply(q_scratch->view(), at, RopeDirection::kForward, 1));
   }
   // Rows past position_ are scratch until position_ moves, so writing them
-  // before the attention succeeds loses nothing on error.
+  // before the attention succeeds loses nothing on error (a page copied or
+  // allocated for them stays, holding the same tokens below position_).
+  if (Paged()) RA_RETURN_IF_ERROR(MakeWritable(position_, new_len));
   if (k_raw_.num_elements() > 0) {
     RA_RETURN_IF_ERROR(CopyRows(job.k, k_raw_.view().Slice(1, position_, tokens)));
   }
-  if (storage_ == Storage::kInt8) {
-    // Rotated in f32, then quantized once per (token, kv head).
-    RA_ASSIGN_OR_RETURN(Tensor kf, CastTensor(job.k, DType::kF32));
-    if (c.rope) RA_RETURN_IF_ERROR(rotator_->Apply(kf.view(), at, RopeDirection::kForward, 1));
-    RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(job.v, DType::kF32));
-    QuantizeInto(kf, /*keys=*/true, position_);
-    QuantizeInto(vf, /*keys=*/false, position_);
-  } else if (storage_ == Storage::kTokenMajor && c.kv_dtype == DType::kF32) {
-    // Straight into the cache rows, rotated there.
-    const TensorView rows = k_cache_.view().Slice(1, position_, tokens);
-    RA_RETURN_IF_ERROR(CopyRows(job.k, rows));
-    if (c.rope) RA_RETURN_IF_ERROR(rotator_->Apply(rows, at, RopeDirection::kForward, 1));
-  } else {
-    // Rotated in f32 first, rounded once into a bf16 cache.
-    RA_ASSIGN_OR_RETURN(Tensor kf, CastTensor(job.k, DType::kF32));
-    if (c.rope) RA_RETURN_IF_ERROR(rotator_->Apply(kf.view(), at, RopeDirection::kForward, 1));
-    if (kv_) {
-      RA_RETURN_IF_ERROR(kv_->WriteK(position_, kf.cview()));
-    } else {
-      RA_RETURN_IF_ERROR(CopyRows(kf.cview(), k_cache_.view().Slice(1, position_, tokens)));
-    }
-  }
-  if (storage_ == Storage::kInt8) {
-    // Written above.
-  } else if (kv_) {
+  // Keys rotated in f32, then stored once in the storage's type (rounded to
+  // bf16, or quantized per (token, kv head)).
+  RA_ASSIGN_OR_RETURN(Tensor kf, CastTensor(job.k, DType::kF32));
+  if (c.rope) RA_RETURN_IF_ERROR(rotator_->Apply(kf.view(), at, RopeDirection::kForward, 1));
+  if (kv_) {
+    RA_RETURN_IF_ERROR(kv_->WriteK(position_, kf.cview()));
     if (job.v.dtype() == DType::kF32) {
       RA_RETURN_IF_ERROR(kv_->WriteV(position_, job.v));
     } else {
       RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(job.v, DType::kF32));
       RA_RETURN_IF_ERROR(kv_->WriteV(position_, vf.cview()));
     }
+    attention->cache = &*kv_;
   } else {
-    RA_RETURN_IF_ERROR(CopyRows(job.v, v_cache_.view().Slice(1, position_, tokens)));
+    RA_RETURN_IF_ERROR(WritePaged(kf.cview(), /*keys=*/true, position_));
+    if (storage_ == Storage::kInt8) {
+      RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(job.v, DType::kF32));
+      RA_RETURN_IF_ERROR(WritePaged(vf.cview(), /*keys=*/false, position_));
+    } else {
+      RA_RETURN_IF_ERROR(WritePaged(job.v, /*keys=*/false, position_));
+    }
+    attention->paged = &view_;
   }
   attention->q = q_scratch->cview();
-  if (storage_ == Storage::kInt8) {
-    Int8View();
-    attention->int8 = &int8_view_;
-    attention->cache_length = new_len;
-  } else if (kv_) {
-    attention->cache = &*kv_;
-    attention->cache_length = new_len;
-  } else {
-    attention->k = k_cache_.cview().Slice(1, 0, new_len);
-    attention->v = v_cache_.cview().Slice(1, 0, new_len);
-  }
+  attention->cache_length = new_len;
   AttentionOptions& o = attention->options;
   o = c.attention;
   o.causal = true;
@@ -330,6 +447,12 @@ absl::Status DecodeState::Truncate(int64_t position) {
         "truncate position %d is outside [0, %d] (the session's length)", position, position_));
   }
   position_ = position;
+  if (Paged()) {
+    // Pages past the new length go (freed when no one else holds them); the
+    // page the cut falls in is kept, and copied before a write if shared.
+    pages_.resize(std::min<size_t>(pages_.size(), (position + kPageTokens - 1) / kPageTokens));
+    RebuildView();
+  }
   return absl::OkStatus();
 }
 
@@ -380,17 +503,19 @@ absl::Status DecodeState::Import(ConstTensorView k, ConstTensorView v, KeyForm f
       RA_RETURN_IF_ERROR(rotator_->Apply(rotated.view(), at, RopeDirection::kForward, 1));
     }
   }
-  if (storage_ == Storage::kInt8) {
-    RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(v, DType::kF32));
-    QuantizeInto(rotated, /*keys=*/true, 0);
-    QuantizeInto(vf, /*keys=*/false, 0);
-  } else if (kv_) {
+  if (kv_) {
     RA_RETURN_IF_ERROR(kv_->WriteK(0, rotated.cview()));
     RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(v, DType::kF32));
     RA_RETURN_IF_ERROR(kv_->WriteV(0, vf.cview()));
   } else {
-    RA_RETURN_IF_ERROR(CopyRows(rotated.cview(), k_cache_.view().Slice(1, 0, tokens)));
-    RA_RETURN_IF_ERROR(CopyRows(v, v_cache_.view().Slice(1, 0, tokens)));
+    RA_RETURN_IF_ERROR(MakeWritable(0, tokens));
+    RA_RETURN_IF_ERROR(WritePaged(rotated.cview(), /*keys=*/true, 0));
+    if (storage_ == Storage::kInt8) {
+      RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(v, DType::kF32));
+      RA_RETURN_IF_ERROR(WritePaged(vf.cview(), /*keys=*/false, 0));
+    } else {
+      RA_RETURN_IF_ERROR(WritePaged(v, /*keys=*/false, 0));
+    }
   }
   position_ = tokens;
   return absl::OkStatus();
@@ -404,32 +529,15 @@ absl::StatusOr<DecodeState::Exported> DecodeState::Export() const {
   }
   Exported e;
   const int64_t n = position_;
-  if (storage_ == Storage::kInt8) {
-    // The stored values, dequantized: scale * q.
-    RA_ASSIGN_OR_RETURN(e.k, Tensor::Create(DType::kF32, {1, n, c.kv_heads, c.head_dim}));
-    RA_ASSIGN_OR_RETURN(e.v, Tensor::Create(DType::kF32, {1, n, c.kv_heads, c.v_dim}));
-    const int8_t* kq = reinterpret_cast<const int8_t*>(k_q_.data<float>());
-    const int8_t* vq = reinterpret_cast<const int8_t*>(v_q_.data<float>());
-    const float* ks = k_scale_.data<float>();
-    const float* vs = v_scale_.data<float>();
-    float* kd = e.k.data<float>();
-    float* vd = e.v.data<float>();
-    for (int64_t r = 0; r < n * c.kv_heads; ++r) {
-      for (int64_t x = 0; x < c.head_dim; ++x) {
-        kd[r * c.head_dim + x] = ks[r] * static_cast<float>(kq[r * c.head_dim + x]);
-      }
-      for (int64_t x = 0; x < c.v_dim; ++x) {
-        vd[r * c.v_dim + x] = vs[r] * static_cast<float>(vq[r * c.v_dim + x]);
-      }
-    }
-  } else if (kv_) {
+  if (kv_) {
     RA_ASSIGN_OR_RETURN(e.k, Tensor::Create(DType::kF32, {1, n, c.kv_heads, c.head_dim}));
     RA_ASSIGN_OR_RETURN(e.v, Tensor::Create(DType::kF32, {1, n, c.kv_heads, c.v_dim}));
     RA_RETURN_IF_ERROR(kv_->ReadK(0, e.k.view()));
     RA_RETURN_IF_ERROR(kv_->ReadV(0, e.v.view()));
   } else {
-    RA_ASSIGN_OR_RETURN(e.k, Tensor::CopyOf(k_cache_.cview().Slice(1, 0, n)));
-    RA_ASSIGN_OR_RETURN(e.v, Tensor::CopyOf(v_cache_.cview().Slice(1, 0, n)));
+    // int8: the stored values, dequantized (scale * q).
+    RA_ASSIGN_OR_RETURN(e.k, ReadPaged(/*keys=*/true, n));
+    RA_ASSIGN_OR_RETURN(e.v, ReadPaged(/*keys=*/false, n));
   }
   return e;
 }
@@ -445,19 +553,14 @@ absl::Status DecodeState::CopyFrom(const DecodeState& other) {
   const int64_t n = other.position_;
   if (linear_) {
     linear_ = other.linear_;
-  } else if (storage_ == Storage::kInt8) {
-    const int64_t rows = n * a.kv_heads;
-    std::memcpy(k_q_.data<float>(), other.k_q_.data<float>(), rows * a.head_dim);
-    std::memcpy(v_q_.data<float>(), other.v_q_.data<float>(), rows * a.v_dim);
-    std::memcpy(k_scale_.data<float>(), other.k_scale_.data<float>(), rows * sizeof(float));
-    std::memcpy(v_scale_.data<float>(), other.v_scale_.data<float>(), rows * sizeof(float));
   } else if (kv_) {
     RA_RETURN_IF_ERROR(kv_->CopyFrom(*other.kv_, n));
   } else {
-    RA_RETURN_IF_ERROR(CopyRows(other.k_cache_.cview().Slice(1, 0, n),
-                                k_cache_.view().Slice(1, 0, n)));
-    RA_RETURN_IF_ERROR(CopyRows(other.v_cache_.cview().Slice(1, 0, n),
-                                v_cache_.view().Slice(1, 0, n)));
+    // Shared, not copied: the pages that hold other's n tokens.
+    const size_t used = static_cast<size_t>((n + kPageTokens - 1) / kPageTokens);
+    pages_.assign(other.pages_.begin(),
+                  other.pages_.begin() + std::min(used, other.pages_.size()));
+    RebuildView();
   }
   if (k_raw_.num_elements() > 0) {
     RA_RETURN_IF_ERROR(CopyRows(other.k_raw_.cview().Slice(1, 0, n),

@@ -13,6 +13,7 @@
 #define ROPEATTN_CORE_DECODE_STATE_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -57,13 +58,26 @@ struct DecodeStateConfig {
   int64_t rope_table_positions = 8192;
 };
 
+// Who pays for a state's pages (docs/kv-memory.md): Charge is called before
+// a page is allocated (an error refuses the step or import that needed it,
+// with that status), Refund when the page's last holder drops it, on
+// whatever thread that happens. Must be thread-safe.
+class KvPageCharger {
+ public:
+  virtual ~KvPageCharger() = default;
+  virtual absl::Status Charge(int64_t bytes) = 0;
+  virtual void Refund(int64_t bytes) = 0;
+};
+
 class DecodeState {
  public:
   // Where a softmax state keeps K/V: f32 in a KvCache where its decode is
-  // the faster one (KvCacheDecodeIsFaster), else token-major
-  // [1, max_context, kv_heads, dim] tensors of kv_dtype.
-  // kInt8: token-major int8 rows and scales (config.int8_kv).
+  // the faster one (KvCacheDecodeIsFaster), else token-major pages of
+  // kPageTokens tokens of kv_dtype (kTokenMajor), or of int8 rows and
+  // scales (kInt8, config.int8_kv). Pages are allocated as tokens arrive and
+  // shared by forks until written (copy on write).
   enum class Storage { kLinear, kKvCache, kTokenMajor, kInt8 };
+  static constexpr int64_t kPageTokens = 16;
   static Storage StorageFor(const DecodeStateConfig& config);
   // Whether a rule's frequencies depend on the length (dynamic NTK,
   // LongRoPE): the state then keeps raw keys and re-rotates them.
@@ -131,11 +145,22 @@ class DecodeState {
   // Rolls back to `position` tokens (0 <= position <= position()).
   // Unimplemented for linear states (a running sum cannot forget).
   absl::Status Truncate(int64_t position);
-  // Copies `other`'s history (a fork); `other` must have this config's
-  // shapes and storage (InvalidArgument otherwise).
+  // Takes `other`'s history (a fork); `other` must have this config's
+  // shapes and storage (InvalidArgument otherwise). Paged storage shares
+  // other's pages (nothing is copied until one side writes into a shared
+  // page: at most the one partly filled page, kPageTokens - 1 tokens); a
+  // KvCache, raw keys and linear sums are copied.
   absl::Status CopyFrom(const DecodeState& other);
-  // Bytes held by the storage.
+  // Bytes held by the storage, shared pages included.
   int64_t byte_size() const;
+  // Of those, the bytes of pages another state also holds (a snapshot:
+  // another thread may drop its share at any moment).
+  int64_t shared_bytes() const;
+  // Bytes of one page (0 for storage without pages).
+  int64_t page_bytes() const;
+  // Pages this state allocates from now on are charged to `charger` (none:
+  // not charged). Pages it already holds keep their payer.
+  void set_page_charger(std::shared_ptr<KvPageCharger> charger) { charger_ = std::move(charger); }
 
  private:
   explicit DecodeState(DecodeStateConfig config) : config_(std::move(config)) {}
@@ -149,10 +174,17 @@ class DecodeState {
   // whenever they change.
   absl::Status PrepareRope(int64_t new_len);
   bool LengthDependent() const;
-  // kInt8: the view over the buffers (also kept in int8_view_), and
-  // quantizing f32 rows [1, T, kv_heads, dim] (contiguous) into rows at.. .
-  Int8KvView Int8View();
-  void QuantizeInto(const Tensor& rows_f32, bool keys, int64_t at);
+  // Paged storage: makes the pages covering tokens [from, to) exist and this
+  // state's alone (copying a shared one first), then refreshes the view.
+  absl::Status MakeWritable(int64_t from, int64_t to);
+  void RebuildView();
+  // Writes rows [1, T, kv_heads, dim] of any dtype and strides (int8: f32
+  // contiguous, quantized here) as tokens at .. at + T - 1 of the pages.
+  absl::Status WritePaged(const ConstTensorView& rows, bool keys, int64_t at);
+  // Reads tokens [0, n) of the pages as [1, n, kv_heads, dim] (int8:
+  // dequantized, f32).
+  absl::StatusOr<Tensor> ReadPaged(bool keys, int64_t n) const;
+  bool Paged() const { return storage_ == Storage::kTokenMajor || storage_ == Storage::kInt8; }
 
   DecodeStateConfig config_;
   Storage storage_ = Storage::kTokenMajor;
@@ -160,13 +192,15 @@ class DecodeState {
   int64_t step_offset_ = 0;  // the preparing step's first index (its queries' offset)
   int64_t rope_offset_ = 0;  // the preparing step's first absolute position (RoPE)
   std::optional<KvCache> kv_;           // kKvCache
-  Tensor k_cache_, v_cache_;            // kTokenMajor
   Tensor k_raw_;                        // unrotated keys, length-dependent RoPE only
-  // kInt8: the int8 rows [max_context, kv_heads, dim] in byte buffers (f32
-  // tensors of a quarter the elements, for their allocation) and the scales
-  // [max_context, kv_heads].
-  Tensor k_q_, v_q_, k_scale_, v_scale_;
-  Int8KvView int8_view_;  // over the buffers above, set when a step uses it
+  // kTokenMajor, kInt8: page n holds tokens [n * kPageTokens, ...); the view
+  // the attention reads, over the pointer arrays beside it.
+  struct Page;
+  std::vector<std::shared_ptr<Page>> pages_;
+  std::vector<const void*> k_pages_, v_pages_;
+  std::vector<const float*> k_scales_, v_scales_;
+  PagedKvView view_;
+  std::shared_ptr<KvPageCharger> charger_;
   std::optional<LinearAttentionState> linear_;  // kLinear
   std::optional<RopeRotator> rotator_;
   std::vector<double> rotator_freqs_;  // what rotator_ was built from (length-dependent)

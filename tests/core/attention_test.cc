@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/attention_kernels.h"
 #include "core/kv_cache.h"
@@ -1755,8 +1756,24 @@ TEST(Int8Test, AttendInt8IsExactOverTheStoredValues) {
     jobs[0].v = v.cview();
     jobs[0].options = o;
     jobs[0].out = other.view();
+    // The int8 rows as one page.
+    const void* kp = view.k;
+    const void* vp = view.v;
+    const float* ksp = view.k_scale;
+    const float* vsp = view.v_scale;
+    PagedKvView paged;
+    paged.type = PagedKvView::Type::kInt8;
+    paged.k_pages = &kp;
+    paged.v_pages = &vp;
+    paged.k_scales = &ksp;
+    paged.v_scales = &vsp;
+    paged.pages = 1;
+    paged.page_tokens = view.seq;
+    paged.kv_heads = view.kv_heads;
+    paged.head_dim = view.head_dim;
+    paged.v_dim = view.v_dim;
     jobs[1].q = q.cview();
-    jobs[1].int8 = &view;
+    jobs[1].paged = &paged;
     jobs[1].cache_length = c.k_len;
     jobs[1].options = o;
     jobs[1].out = batched.view();
@@ -1787,6 +1804,161 @@ TEST(Int8Test, BadViewsAreRefused) {
   Tensor q2 = RandomTensor(DType::kF32, {2, 1, 4, 16}, 1);
   Tensor out2 = Tensor::Create(DType::kF32, {2, 1, 4, 16}).value();
   EXPECT_EQ(AttendInt8(q2.cview(), view, 8, o, out2.view()).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// K/V [1, S, kvh, dim] (f32, bf16 or int8 rows with scales) cut into pages
+// of `page_tokens` tokens, each page its own allocation.
+struct Pages {
+  std::vector<std::vector<char>> k, v;
+  std::vector<std::vector<float>> ks, vs;
+  std::vector<const void*> kp, vp;
+  std::vector<const float*> ksp, vsp;
+  PagedKvView view;
+};
+
+Pages MakePages(PagedKvView::Type type, const void* k, const void* v, const float* k_scale,
+                const float* v_scale, int64_t seq, int64_t kvh, int64_t d, int64_t dv,
+                int64_t page_tokens) {
+  Pages p;
+  const int64_t es = type == PagedKvView::Type::kF32 ? 4 : type == PagedKvView::Type::kBF16 ? 2 : 1;
+  const int64_t pages = (seq + page_tokens - 1) / page_tokens;
+  for (int64_t n = 0; n < pages; ++n) {
+    const int64_t t0 = n * page_tokens, rows = std::min(page_tokens, seq - t0) * kvh;
+    // Full-size pages; the rows past seq hold garbage that must never be read.
+    p.k.emplace_back(page_tokens * kvh * d * es, static_cast<char>(0x7f));
+    p.v.emplace_back(page_tokens * kvh * dv * es, static_cast<char>(0x7f));
+    std::memcpy(p.k.back().data(), static_cast<const char*>(k) + t0 * kvh * d * es, rows * d * es);
+    std::memcpy(p.v.back().data(), static_cast<const char*>(v) + t0 * kvh * dv * es,
+                rows * dv * es);
+    if (type == PagedKvView::Type::kInt8) {
+      p.ks.emplace_back(page_tokens * kvh, 1e30f);
+      p.vs.emplace_back(page_tokens * kvh, 1e30f);
+      std::copy(k_scale + t0 * kvh, k_scale + t0 * kvh + rows, p.ks.back().begin());
+      std::copy(v_scale + t0 * kvh, v_scale + t0 * kvh + rows, p.vs.back().begin());
+    }
+  }
+  for (int64_t n = 0; n < pages; ++n) {
+    p.kp.push_back(p.k[n].data());
+    p.vp.push_back(p.v[n].data());
+    if (type == PagedKvView::Type::kInt8) {
+      p.ksp.push_back(p.ks[n].data());
+      p.vsp.push_back(p.vs[n].data());
+    }
+  }
+  p.view.type = type;
+  p.view.k_pages = p.kp.data();
+  p.view.v_pages = p.vp.data();
+  p.view.k_scales = p.ksp.empty() ? nullptr : p.ksp.data();
+  p.view.v_scales = p.vsp.empty() ? nullptr : p.vsp.data();
+  p.view.pages = pages;
+  p.view.page_tokens = page_tokens;
+  p.view.kv_heads = kvh;
+  p.view.head_dim = d;
+  p.view.v_dim = dv;
+  return p;
+}
+
+// Pages give the bytes of one tensor: AttendPaged over f32 and bf16 pages
+// equals Attend over the same rows as one tensor, and over int8 pages
+// AttendInt8 over one contiguous view, bit for bit, for page sizes 8, 16
+// and 24 and one page; on the decode path (1 and 3 queries, MHA and GQA,
+// windows that start inside a page and an 8-key block, soft-cap) and the
+// prefill path (40 queries); alone and in a batched pass.
+TEST(PagedTest, PagesGiveTheBytesOfOneTensor) {
+  struct Shape {
+    int64_t q_len, k_len, heads, kv_heads, d, window;
+    double softcap;
+  };
+  const Shape shapes[] = {{1, 203, 8, 8, 64, 0, 0.0},  {1, 333, 8, 2, 128, 0, 0.0},
+                          {3, 150, 4, 1, 32, 37, 0.0}, {1, 97, 4, 4, 48, 13, 30.0},
+                          {40, 210, 4, 2, 64, 0, 0.0}, {2, 16, 4, 4, 16, 0, 0.0}};
+  uint64_t seed = 1900;
+  for (const Shape& c : shapes) {
+    for (PagedKvView::Type type :
+         {PagedKvView::Type::kF32, PagedKvView::Type::kBF16, PagedKvView::Type::kInt8}) {
+      const DType dt = type == PagedKvView::Type::kBF16 ? DType::kBF16 : DType::kF32;
+      Tensor q = RandomTensor(DType::kF32, {1, c.q_len, c.heads, c.d}, ++seed);
+      Tensor k = RandomTensor(dt, {1, c.k_len, c.kv_heads, c.d}, ++seed);
+      Tensor v = RandomTensor(dt, {1, c.k_len, c.kv_heads, c.d}, ++seed);
+      const Int8Rows rows = type == PagedKvView::Type::kInt8 ? Quantize(k, v) : Int8Rows();
+      const int64_t offset = c.k_len - c.q_len;
+      AttentionOptions o;
+      o.causal = true;
+      o.window = c.window;
+      o.softcap = c.softcap;
+      o.q_offsets = absl::MakeConstSpan(&offset, 1);
+      o.num_threads = 2;
+      Tensor want = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.d}).value();
+      if (type == PagedKvView::Type::kInt8) {
+        ASSERT_TRUE(AttendInt8(q.cview(), rows.View(c.k_len, c.kv_heads, c.d, c.d), c.k_len, o,
+                               want.view())
+                        .ok());
+      } else {
+        ASSERT_TRUE(Attend(q.cview(), k.cview(), v.cview(), o, want.view()).ok());
+      }
+      for (int64_t page_tokens : {int64_t{8}, int64_t{16}, int64_t{24}, c.k_len}) {
+        SCOPED_TRACE(absl::StrFormat("q_len %d k_len %d heads %d/%d d %d window %d type %d "
+                                     "page_tokens %d",
+                                     c.q_len, c.k_len, c.heads, c.kv_heads, c.d, c.window,
+                                     static_cast<int>(type), page_tokens));
+        const bool int8 = type == PagedKvView::Type::kInt8;
+        Pages pages = MakePages(type, int8 ? static_cast<const void*>(rows.k.data()) : k.data<char>(),
+                                int8 ? static_cast<const void*>(rows.v.data()) : v.data<char>(),
+                                rows.k_scale.data(), rows.v_scale.data(), c.k_len, c.kv_heads,
+                                c.d, c.d, page_tokens);
+        Tensor got = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.d}).value();
+        ASSERT_TRUE(AttendPaged(q.cview(), pages.view, c.k_len, o, got.view()).ok());
+        EXPECT_EQ(std::memcmp(got.data<char>(), want.data<char>(), want.byte_size()), 0);
+        // Batched with a tensor job.
+        Tensor batched = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.d}).value();
+        Tensor other = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.d}).value();
+        std::vector<AttentionJob> jobs(2);
+        jobs[0].q = q.cview();
+        jobs[0].k = k.cview();
+        jobs[0].v = v.cview();
+        jobs[0].options = o;
+        jobs[0].out = other.view();
+        jobs[1].q = q.cview();
+        jobs[1].paged = &pages.view;
+        jobs[1].cache_length = c.k_len;
+        jobs[1].options = o;
+        jobs[1].out = batched.view();
+        AttendBatch(absl::MakeSpan(jobs), 2);
+        ASSERT_TRUE(jobs[1].status.ok()) << jobs[1].status;
+        EXPECT_EQ(std::memcmp(batched.data<char>(), want.data<char>(), want.byte_size()), 0);
+      }
+    }
+  }
+}
+
+TEST(PagedTest, BadViewsAreRefused) {
+  Tensor q = RandomTensor(DType::kF32, {1, 1, 4, 16}, 1);
+  Tensor k = RandomTensor(DType::kF32, {1, 40, 2, 16}, 2);
+  Tensor v = RandomTensor(DType::kF32, {1, 40, 2, 16}, 3);
+  Tensor out = Tensor::Create(DType::kF32, {1, 1, 4, 16}).value();
+  AttentionOptions o;
+  o.causal = true;
+  Pages pages = MakePages(PagedKvView::Type::kF32, k.data<char>(), v.data<char>(), nullptr, nullptr, 40, 2, 16,
+                          16, 16);
+  ASSERT_TRUE(AttendPaged(q.cview(), pages.view, 40, o, out.view()).ok());
+  EXPECT_EQ(AttendPaged(q.cview(), pages.view, 49, o, out.view()).code(),
+            absl::StatusCode::kOutOfRange);
+  PagedKvView bad = pages.view;
+  bad.page_tokens = 12;  // several pages of a size the 8-key blocks straddle
+  EXPECT_EQ(AttendPaged(q.cview(), bad, 30, o, out.view()).code(),
+            absl::StatusCode::kInvalidArgument);
+  bad = pages.view;
+  pages.kp[1] = nullptr;
+  EXPECT_EQ(AttendPaged(q.cview(), bad, 40, o, out.view()).code(),
+            absl::StatusCode::kInvalidArgument);
+  bad = pages.view;
+  bad.type = PagedKvView::Type::kInt8;  // no scales
+  EXPECT_EQ(AttendPaged(q.cview(), bad, 40, o, out.view()).code(),
+            absl::StatusCode::kInvalidArgument);
+  bad = pages.view;
+  bad.head_dim = 8;
+  EXPECT_EQ(AttendPaged(q.cview(), bad, 40, o, out.view()).code(),
             absl::StatusCode::kInvalidArgument);
 }
 

@@ -379,6 +379,126 @@ TEST(DecodeStateTest, TruncateAndCopyContinueExactly) {
   EXPECT_EQ(l.CopyFrom(a).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Counts what a state's pages are charged and refunded; refuses beyond `limit`.
+class CountingCharger : public KvPageCharger {
+ public:
+  absl::Status Charge(int64_t bytes) override {
+    if (live + bytes > limit) return absl::ResourceExhaustedError("the test's page limit");
+    live += bytes;
+    ++charged;
+    return absl::OkStatus();
+  }
+  void Refund(int64_t bytes) override { live -= bytes; }
+  int64_t live = 0, charged = 0, limit = int64_t{1} << 40;
+};
+
+// Forks share pages: 8 forks of a 100-token state, 3 new tokens each, hold
+// the parent's 7 pages once plus one page each (the shared, partly filled
+// last page, copied once by each writer); every fork and the parent go on
+// exactly (bit for bit) as states that never shared anything; truncating
+// into a shared page and writing there leaves the others untouched; pages
+// are refunded when their last holder drops them; a charge that fails
+// refuses the step and leaves the state as it was. f32, bf16 and int8.
+TEST(DecodeStateTest, ForksSharePagesCopyOnWriteAndStayExact) {
+  for (int kind = 0; kind < 3; ++kind) {
+    SCOPED_TRACE(kind);
+    DecodeStateConfig c = BaseConfig();
+    c.max_context = 256;
+    c.kv_dtype = kind == 1 ? DType::kBF16 : DType::kF32;
+    c.int8_kv = kind == 2;
+    auto charger = std::make_shared<CountingCharger>();
+    // The parent and, for each fork, a twin that replays the same steps.
+    auto replay = [&](const std::vector<StepTensors*>& steps, DecodeState& s) {
+      for (StepTensors* st : steps) {
+        Tensor o = Tensor::Create(DType::kF32, {1, st->q.dim(1), c.heads, c.v_dim}).value();
+        ASSERT_TRUE(s.Step(st->q.cview(), st->k.cview(), st->v.cview(), o.view(), 2).ok());
+      }
+    };
+    DecodeState parent = DecodeState::Create(c).value();
+    parent.set_page_charger(charger);
+    StepTensors prompt = RandomStep(c, 99, 500), one = RandomStep(c, 1, 510);
+    replay({&prompt, &one}, parent);
+    ASSERT_EQ(parent.position(), 100);
+    const int64_t page = parent.page_bytes();
+    EXPECT_EQ(parent.byte_size(), 7 * page);
+    EXPECT_EQ(charger->live, 7 * page);
+    std::vector<DecodeState> forks;
+    std::vector<StepTensors> news;
+    for (int f = 0; f < 8; ++f) {
+      forks.push_back(DecodeState::Create(c).value());
+      forks.back().set_page_charger(charger);
+      ASSERT_TRUE(forks.back().CopyFrom(parent).ok());
+      news.push_back(RandomStep(c, 3, 600 + 10 * f));
+    }
+    EXPECT_EQ(charger->live, 7 * page);  // nothing copied by forking
+    EXPECT_EQ(forks[0].shared_bytes(), 7 * page);
+    for (int f = 0; f < 8; ++f) {
+      Tensor got = Tensor::Create(DType::kF32, {1, 3, c.heads, c.v_dim}).value();
+      ASSERT_TRUE(forks[f].Step(news[f].q.cview(), news[f].k.cview(), news[f].v.cview(),
+                                got.view(), 2)
+                      .ok());
+      DecodeState twin = DecodeState::Create(c).value();
+      replay({&prompt, &one}, twin);
+      Tensor want = Tensor::Create(DType::kF32, {1, 3, c.heads, c.v_dim}).value();
+      ASSERT_TRUE(
+          twin.Step(news[f].q.cview(), news[f].k.cview(), news[f].v.cview(), want.view(), 2).ok());
+      EXPECT_TRUE(SameBytes(got, want)) << "fork " << f;
+    }
+    // 7 shared pages + one copied page per fork: 15 pages for 9 states.
+    EXPECT_EQ(charger->live, 15 * page);
+    EXPECT_EQ(forks[0].byte_size(), 7 * page);
+    EXPECT_EQ(forks[0].shared_bytes(), 6 * page);
+    // The parent's next step reads its own (never written) pages.
+    StepTensors next = RandomStep(c, 2, 700);
+    Tensor got = Tensor::Create(DType::kF32, {1, 2, c.heads, c.v_dim}).value();
+    ASSERT_TRUE(parent.Step(next.q.cview(), next.k.cview(), next.v.cview(), got.view(), 2).ok());
+    DecodeState twin = DecodeState::Create(c).value();
+    replay({&prompt, &one}, twin);
+    Tensor want = Tensor::Create(DType::kF32, {1, 2, c.heads, c.v_dim}).value();
+    ASSERT_TRUE(twin.Step(next.q.cview(), next.k.cview(), next.v.cview(), want.view(), 2).ok());
+    EXPECT_TRUE(SameBytes(got, want));
+    // Every fork copied page 6, so the parent holds its original alone and
+    // writes into it without a copy.
+    EXPECT_EQ(charger->live, 15 * page);
+    // A fork truncated into a shared page (page 2) writes its own copy.
+    ASSERT_TRUE(forks[1].Truncate(40).ok());
+    EXPECT_EQ(forks[1].byte_size(), 3 * page);
+    StepTensors mid = RandomStep(c, 5, 800);
+    replay({&mid}, forks[1]);
+    ASSERT_TRUE(parent.Truncate(100).ok());
+    Tensor again = Tensor::Create(DType::kF32, {1, 2, c.heads, c.v_dim}).value();
+    ASSERT_TRUE(parent.Step(next.q.cview(), next.k.cview(), next.v.cview(), again.view(), 2).ok());
+    EXPECT_TRUE(SameBytes(again, want));
+    // Export of a fork: the parent's first 40 tokens, then its own 5.
+    DecodeState::Exported pe = parent.Export().value();
+    DecodeState::Exported fe = forks[1].Export().value();
+    const int64_t row = c.kv_heads * c.head_dim * (pe.k.byte_size() / pe.k.num_elements());
+    EXPECT_EQ(std::memcmp(pe.k.data<char>(), fe.k.data<char>(), 40 * row), 0);
+    EXPECT_NE(std::memcmp(pe.k.data<char>() + 40 * row, fe.k.data<char>() + 40 * row, 5 * row),
+              0);
+    // A refused charge refuses the step; the state is as it was.
+    const int64_t live = charger->live;
+    charger->limit = live;
+    StepTensors far = RandomStep(c, 20, 900);
+    Tensor o20 = Tensor::Create(DType::kF32, {1, 20, c.heads, c.v_dim}).value();
+    const absl::Status refused =
+        forks[2].Step(far.q.cview(), far.k.cview(), far.v.cview(), o20.view(), 2);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+    EXPECT_EQ(forks[2].position(), 103);
+    charger->limit = int64_t{1} << 40;
+    ASSERT_TRUE(forks[2].Step(far.q.cview(), far.k.cview(), far.v.cview(), o20.view(), 2).ok());
+    DecodeState twin2 = DecodeState::Create(c).value();
+    replay({&prompt, &one, &news[2]}, twin2);
+    Tensor w20 = Tensor::Create(DType::kF32, {1, 20, c.heads, c.v_dim}).value();
+    ASSERT_TRUE(twin2.Step(far.q.cview(), far.k.cview(), far.v.cview(), w20.view(), 2).ok());
+    EXPECT_TRUE(SameBytes(o20, w20));
+    // Every page is refunded when its last holder goes.
+    forks.clear();
+    parent = DecodeState::Create(c).value();
+    EXPECT_EQ(charger->live, 0);
+  }
+}
+
 // A state that starts at an absolute position: RoPE at start + index, and a
 // length-dependent rule planned for start + length (transformers' largest
 // position + 1), every cached key re-rotated when that changes. Against the
@@ -622,12 +742,21 @@ TEST(Int8DecodeStateTest, HoldsInt8RowsAndScalesAndRefusesWhatItCannotDoExactly)
   DecodeStateConfig c = BaseConfig();
   c.max_context = 1024;
   c.int8_kv = true;
-  const int64_t int8_bytes = DecodeState::Create(c).value().byte_size();
-  // int8 rows and one f32 scale per (token, kv head), for K and V.
-  EXPECT_EQ(int8_bytes, 1024 * c.kv_heads * (c.head_dim + c.v_dim + 8));
+  // Pages are allocated as tokens arrive: none at first, then 63 pages of
+  // 16 tokens for 1000 tokens, each int8 rows and one f32 scale per (token,
+  // kv head), for K and V.
+  DecodeState i8 = DecodeState::Create(c).value();
+  EXPECT_EQ(i8.byte_size(), 0);
+  StepTensors prefix = RandomStep(c, 1000, 31);
+  ASSERT_TRUE(i8.Import(prefix.k.cview(), prefix.v.cview(), DecodeState::KeyForm::kRaw).ok());
+  EXPECT_EQ(i8.page_bytes(), 16 * c.kv_heads * (c.head_dim + c.v_dim + 8));
+  EXPECT_EQ(i8.byte_size(), 63 * i8.page_bytes());
   c.int8_kv = false;
   c.kv_dtype = DType::kBF16;
-  EXPECT_LT(int8_bytes, DecodeState::Create(c).value().byte_size());
+  DecodeState bf16 = DecodeState::Create(c).value();
+  ASSERT_TRUE(bf16.Import(prefix.k.cview(), prefix.v.cview(), DecodeState::KeyForm::kRaw).ok());
+  EXPECT_EQ(bf16.byte_size(), 63 * 16 * c.kv_heads * (c.head_dim + c.v_dim) * 2);
+  EXPECT_LT(i8.byte_size(), bf16.byte_size());
 
   c = BaseConfig();
   c.int8_kv = true;
