@@ -5,6 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/decode_state.h"
+#include "core/status_macros.h"
 
 namespace ropeattn::server {
 namespace {
@@ -172,21 +174,34 @@ Cost EncodeCost(const EncodeDims& d) {
   return c;
 }
 
+int64_t KvPageBytes(const SessionDims& d) {
+  if (d.linear || d.kv_cache_layout) return 0;
+  auto line = [](int64_t n) { return SatMul(SatAdd(n, 63) / 64, 64); };
+  const int64_t rows = SatMul(DecodeState::kPageTokens, d.kv_heads);
+  const int64_t elem = d.int8_kv ? 1 : static_cast<int64_t>(DTypeSize(d.kv_dtype));
+  int64_t bytes = SatAdd(line(SatProduct({rows, d.head_dim, elem})),
+                         line(SatProduct({rows, d.v_dim, elem})));
+  if (d.int8_kv) bytes = SatAdd(bytes, SatMul(line(SatMul(rows, 4)), 2));
+  return bytes;
+}
+
 Cost SessionOpenCost(const SessionDims& d) {
   Cost c;
-  const int64_t rows = d.kv_cache_layout
-                           ? SatMul((SatAdd(d.max_context, 63)) / 64, 64)
-                           : d.max_context;
   if (d.linear) {
     // LinearAttentionState: S [kv_heads, head_dim, v_dim] and z [kv_heads,
     // head_dim], fp64.
     c.held_bytes = SatProduct({d.kv_heads, d.head_dim, SatAdd(d.v_dim, 1), 8});
-  } else if (d.int8_kv) {
-    // One byte per element and a 4-byte scale per (token, kv head), K and V.
-    c.held_bytes = SatProduct({rows, d.kv_heads, SatAdd(SatAdd(d.head_dim, d.v_dim), 8)});
+  } else if (d.kv_cache_layout) {
+    const int64_t rows = SatMul((SatAdd(d.max_context, 63)) / 64, 64);
+    c.held_bytes = SatProduct({rows, d.kv_heads, SatAdd(d.head_dim, d.v_dim), 4});
   } else {
-    c.held_bytes = SatProduct(
-        {rows, d.kv_heads, SatAdd(d.head_dim, d.v_dim), static_cast<int64_t>(DTypeSize(d.kv_dtype))});
+    // Pages: int8 rows and a 4-byte scale per (token, kv head), or rows of
+    // kv_dtype, for K and V.
+    const int64_t pages =
+        SatAdd(d.max_context, DecodeState::kPageTokens - 1) / DecodeState::kPageTokens;
+    c.held_bytes = SatMul(pages, KvPageBytes(d));
+  }
+  if (!d.linear) {
     if (d.rope_length_dependent) {
       c.held_bytes = SatAdd(c.held_bytes, SatProduct({d.max_context, d.kv_heads, d.head_dim, 4}));
     }
@@ -219,9 +234,9 @@ Cost StepCost(const SessionDims& s, const StepDims& d) {
   if (!s.linear) {
     attention = AttentionScratchBytes(1, d.heads, s.kv_heads, d.tokens, new_len, s.head_dim,
                                       s.v_dim, s.kv_dtype, d.threads);
-    if ((s.kv_cache_layout || s.int8_kv) && d.tokens > kDecodeMaxQueries) {
-      // A long step on a KvCache copies its rows out (an int8 cache
-      // dequantizes them) before the prefill.
+    if (d.tokens > kDecodeMaxQueries) {
+      // A long step copies the rows out of the KvCache or the pages into one
+      // tensor (int8 pages: dequantized to f32) before the prefill.
       attention = SatAdd(attention, SatProduct({new_len, s.kv_heads, SatAdd(s.head_dim, s.v_dim), 4}));
     }
     if (s.rope_length_dependent) {  // re-rotation of the cached keys
@@ -263,6 +278,24 @@ void MemoryBudget::Reservation::Release() {
   }
   budget_ = nullptr;
   bytes_ = 0;
+}
+
+absl::Status MemoryBudget::Reservation::Grow(int64_t bytes, absl::string_view what) {
+  if (budget_ == nullptr) {
+    return absl::FailedPreconditionError("an empty memory reservation cannot grow");
+  }
+  RA_ASSIGN_OR_RETURN(Reservation more, budget_->Reserve(bytes, what));
+  bytes_ += std::exchange(more.bytes_, 0);
+  more.budget_ = nullptr;
+  return absl::OkStatus();
+}
+
+void MemoryBudget::Reservation::Shrink(int64_t bytes) {
+  bytes = std::clamp<int64_t>(bytes, 0, bytes_);
+  if (budget_ == nullptr || bytes == 0) return;
+  absl::MutexLock lock(&budget_->mu_);
+  budget_->in_use_ -= bytes;
+  bytes_ -= bytes;
 }
 
 absl::StatusOr<MemoryBudget::Reservation> MemoryBudget::Reserve(int64_t bytes,

@@ -99,8 +99,13 @@ struct SessionDims {
   int64_t rope_table_positions = 0;    // cos/sin rows precomputed per session
 };
 // held_bytes: the session's state for its whole life (KV or linear state,
-// RoPE table, raw keys).
+// RoPE table, raw keys). Paged KV (token-major and int8, core/decode_state.h)
+// is charged as max_context rounded up to whole pages.
 Cost SessionOpenCost(const SessionDims& d);
+// Bytes of one KV page (DecodeState::kPageTokens tokens of K and V, int8
+// scales, each part on a 64-byte line), 0 for storage without pages (linear,
+// the KvCache layout). Must equal DecodeState::page_bytes().
+int64_t KvPageBytes(const SessionDims& d);
 
 struct StepDims {
   int64_t tokens = 0, position = 0;  // position before the step
@@ -132,6 +137,11 @@ class MemoryBudget {
     ~Reservation() { Release(); }
     void Release();
     int64_t bytes() const { return bytes_; }
+    // Holds `bytes` more of the same budget (ResourceExhausted as Reserve
+    // when it cannot; FailedPrecondition for an empty reservation), or gives
+    // `bytes` of it back (at most what it holds).
+    absl::Status Grow(int64_t bytes, absl::string_view what);
+    void Shrink(int64_t bytes);
 
    private:
     friend class MemoryBudget;

@@ -69,6 +69,66 @@ SessionDims SessionDimsOf(const SessionConfig& c) {
 
 // ------------------------------------------------------------- Session --
 
+// A session's reservation, which its KV pages are paid from
+// (docs/kv-memory.md). `fixed` of it is the state's other parts (RoPE table,
+// raw keys); the rest pays for pages. A page beyond it (a fork that rewrote
+// the part it shared, a session whose old pages a fork still holds) is
+// borrowed from the budget, and given back when freed. A freed page returns
+// to the reservation while the session lives; once it has ended, the
+// reservation shrinks to the pages still alive in forks.
+class SessionPages final : public KvPageCharger {
+ public:
+  SessionPages(MemoryBudget::Reservation held, int64_t fixed)
+      : floor_(held.bytes()), fixed_(std::min(fixed, held.bytes())), held_(std::move(held)) {}
+
+  absl::Status Charge(int64_t bytes) override {
+    absl::MutexLock lock(&mu_);
+    const int64_t free = held_.bytes() - fixed_ - live_;
+    if (bytes > free) {
+      RA_RETURN_IF_ERROR(held_.Grow(
+          bytes - free, "a KV page beyond the session's reservation (a fork rewriting pages it "
+                        "shared, or a session whose earlier pages a fork still holds)"));
+    }
+    live_ += bytes;
+    return absl::OkStatus();
+  }
+  void Refund(int64_t bytes) override {
+    absl::MutexLock lock(&mu_);
+    live_ -= bytes;
+    Trim();
+  }
+  // The session ended: its state is freed; keep only its pages forks hold.
+  void End() {
+    absl::MutexLock lock(&mu_);
+    ended_ = true;
+    Trim();
+  }
+
+ private:
+  void Trim() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t keep = ended_ ? live_ : std::max(floor_, fixed_ + live_);
+    if (held_.bytes() > keep) held_.Shrink(held_.bytes() - keep);
+  }
+
+  absl::Mutex mu_;
+  const int64_t floor_, fixed_;
+  MemoryBudget::Reservation held_ ABSL_GUARDED_BY(mu_);
+  int64_t live_ ABSL_GUARDED_BY(mu_) = 0;  // bytes of live pages paid from held_
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+namespace {
+
+// The reserved bytes of a session's state that are not pages.
+int64_t FixedBytes(const SessionConfig& c) {
+  const SessionDims d = SessionDimsOf(c);
+  const int64_t pages =
+      (d.max_context + DecodeState::kPageTokens - 1) / DecodeState::kPageTokens;
+  return SessionOpenCost(d).held_bytes - pages * KvPageBytes(d);
+}
+
+}  // namespace
+
 Session::Session(std::string id, std::string owner, std::shared_ptr<const SessionConfig> config,
                  bool resumable, absl::Duration idle_ttl, MemoryBudget::Reservation held)
     : id_(std::move(id)),
@@ -76,8 +136,12 @@ Session::Session(std::string id, std::string owner, std::shared_ptr<const Sessio
       config_(std::move(config)),
       resumable_(resumable),
       idle_ttl_(idle_ttl),
-      kv_bytes_(held.bytes()),
-      held_(std::move(held)) {
+      kv_bytes_(held.bytes()) {
+  const int64_t fixed = FixedBytes(*config_);
+  {
+    absl::MutexLock lock(&mu_);
+    pages_ = std::make_shared<SessionPages>(std::move(held), fixed);
+  }
   absl::MutexLock lock(&meta_mu_);
   last_active_ = absl::Now();
 }
@@ -86,7 +150,15 @@ absl::Status Session::Allocate() {
   absl::MutexLock lock(&mu_);
   RA_ASSIGN_OR_RETURN(DecodeState state, DecodeState::Create(StateConfigOf(*config_)));
   state_.emplace(std::move(state));
+  state_->set_page_charger(pages_);
   return absl::OkStatus();
+}
+
+void Session::NoteStateLocked() {
+  if (!state_) return;
+  position_hint_.store(state_->position(), std::memory_order_relaxed);
+  held_hint_.store(state_->byte_size(), std::memory_order_relaxed);
+  shared_hint_.store(state_->shared_bytes(), std::memory_order_relaxed);
 }
 
 absl::Status Session::CopyStateFrom(Session& other) {
@@ -100,7 +172,8 @@ absl::Status Session::CopyStateFrom(Session& other) {
   absl::MutexLock lock(&mu_);
   if (!state_ || !other.state_) return absl::InternalError("a fork found a freed session state");
   RA_RETURN_IF_ERROR(state_->CopyFrom(*other.state_));
-  position_hint_.store(state_->position(), std::memory_order_relaxed);
+  NoteStateLocked();
+  other.NoteStateLocked();
   return absl::OkStatus();
 }
 
@@ -120,7 +193,10 @@ void Session::End(absl::Status status) {
 
 void Session::FreeStateLocked() {
   state_.reset();
-  held_.Release();
+  if (pages_) pages_->End();
+  pages_.reset();
+  held_hint_.store(0, std::memory_order_relaxed);
+  shared_hint_.store(0, std::memory_order_relaxed);
 }
 
 absl::Status Session::Ended() const {
@@ -203,7 +279,7 @@ absl::Status Session::EndStepLocked(SessionStep& step, int threads, const Decode
   }
   step.tokens = job.q.dim(1);
   step.position = state_->position();
-  position_hint_.store(step.position, std::memory_order_relaxed);
+  NoteStateLocked();
   return absl::OkStatus();
 }
 
@@ -252,7 +328,7 @@ absl::Status Session::Truncate(int64_t position) {
   }
   if (!state_) return absl::FailedPreconditionError("the session's state was freed");
   RA_RETURN_IF_ERROR(state_->Truncate(position));
-  position_hint_.store(state_->position(), std::memory_order_relaxed);
+  NoteStateLocked();
   return absl::OkStatus();
 }
 
@@ -266,7 +342,7 @@ absl::Status Session::Import(ConstTensorView k, ConstTensorView v, DecodeState::
   }
   if (!state_) return absl::FailedPreconditionError("the session's state was freed");
   RA_RETURN_IF_ERROR(state_->Import(std::move(k), std::move(v), form, names));
-  position_hint_.store(state_->position(), std::memory_order_relaxed);
+  NoteStateLocked();
   return absl::OkStatus();
 }
 
@@ -293,6 +369,8 @@ void Session::FillInfo(v1::SessionInfo* info) const {
   info->set_attached(attached_);
   info->set_idle_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(idle_ttl_)));
   info->set_kv_bytes(kv_bytes_);
+  info->set_kv_bytes_held(held_hint_.load(std::memory_order_relaxed));
+  info->set_kv_bytes_shared(shared_hint_.load(std::memory_order_relaxed));
   info->set_steps(steps_);
   info->set_idle_seconds(absl::ToDoubleSeconds(absl::Now() - last_active_));
   *info->mutable_spec() = c.spec_proto;
@@ -370,8 +448,9 @@ void SessionManager::UncountLocked(const std::string& owner, int64_t bytes) {
 
 absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
     std::shared_ptr<const SessionConfig> config, bool resumable, absl::Duration ttl,
-    const Principal& owner) {
-  const Cost cost = SessionOpenCost(SessionDimsOf(*config));
+    const Principal& owner, int64_t discount) {
+  Cost cost = SessionOpenCost(SessionDimsOf(*config));
+  cost.held_bytes = std::max<int64_t>(FixedBytes(*config), cost.held_bytes - discount);
   Ticket ticket;
   absl::MutexLock lock(&mu_);
   const int open = static_cast<int>(sessions_.size()) + reserved_sessions_;
@@ -440,7 +519,13 @@ absl::Duration SessionManager::ForkTtl(uint32_t idle_ttl_seconds) const {
 absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveFork(
     const std::shared_ptr<Session>& source, bool resumable, uint32_t idle_ttl_seconds,
     const Principal& owner) {
-  return ReserveRoom(source->config_, resumable, ForkTtl(idle_ttl_seconds), owner);
+  // The full pages the fork will share are not charged again: it holds
+  // room for the rest of max_context (a partly filled last page is copied
+  // on its first write, so it is charged).
+  const SessionDims d = SessionDimsOf(*source->config_);
+  const int64_t discount =
+      source->position_hint() / DecodeState::kPageTokens * KvPageBytes(d);
+  return ReserveRoom(source->config_, resumable, ForkTtl(idle_ttl_seconds), owner, discount);
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {

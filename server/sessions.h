@@ -161,10 +161,17 @@ class Session {
   const absl::Duration idle_ttl_;
   const int64_t kv_bytes_;
   std::atomic<int64_t> position_hint_{0};
+  // Bytes of the pages the state holds and of those shared with other
+  // sessions, as of its last operation (read without the state's lock).
+  std::atomic<int64_t> held_hint_{0}, shared_hint_{0};
 
   // The state's lock: held for a whole operation.
   mutable absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(meta_mu_);
-  MemoryBudget::Reservation held_ ABSL_GUARDED_BY(mu_);  // released with the state
+  // The session's reservation; its pages are paid from it (and outlive it
+  // while a fork holds them). Released with the state.
+  std::shared_ptr<class SessionPages> pages_ ABSL_GUARDED_BY(mu_);
+  // Stores position_hint_, held_hint_ and shared_hint_ from the state.
+  void NoteStateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The computing state (KV or running sums, position, RoPE); empty once freed.
   std::optional<DecodeState> state_ ABSL_GUARDED_BY(mu_);
   // The metadata's lock: held for a moment, never while computing.
@@ -262,8 +269,10 @@ class SessionManager {
  private:
   // Reserves room for a session and creates it (allocating its memory
   // outside the manager's lock), attached to the caller.
+  // `discount`: bytes of pages the new session will share (a fork's).
   absl::StatusOr<Ticket> ReserveRoom(std::shared_ptr<const SessionConfig> config, bool resumable,
-                                     absl::Duration ttl, const Principal& owner);
+                                     absl::Duration ttl, const Principal& owner,
+                                     int64_t discount = 0);
   // Gives back a ticket's slot and bytes (a ticket not turned into a session).
   void ReleaseTicket(Ticket* ticket);
   absl::Duration ForkTtl(uint32_t idle_ttl_seconds) const;
