@@ -16,6 +16,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -29,6 +30,7 @@
 #include "benchmark/benchmark.h"
 #include "core/attention.h"
 #include "core/cpu.h"
+#include "core/decode_state.h"
 #include "core/gemm.h"
 #include "core/kv_cache.h"
 #include "core/rope.h"
@@ -246,30 +248,52 @@ void BM_Rope(benchmark::State& state, RopeLayout layout) {
 
 // Where the decode reads K/V from: where a decoding session of this dtype
 // keeps them on this machine (DecodeState::StorageFor: an f32 KvCache where
-// its decode is the faster one, KvCacheDecodeIsFaster, else token-major
-// tensors), or token-major tensors as a stateless Attend call passes them.
+// its decode is the faster one, KvCacheDecodeIsFaster, else 16-token pages),
+// or token-major tensors as a stateless Attend call passes them.
 enum class KvSource { kSession, kTensors };
+
+// A session state holding K/V [1, kv, kv_heads, d] (raw keys, no RoPE) in
+// its pages, f32, bf16 or int8.
+DecodeState PagedState(const Tensor& k, const Tensor& v, int64_t heads, bool int8) {
+  DecodeStateConfig c;
+  c.heads = heads;
+  c.kv_heads = k.dim(2);
+  c.head_dim = k.dim(3);
+  c.v_dim = v.dim(3);
+  c.max_context = k.dim(1);
+  c.kv_dtype = int8 ? DType::kF32 : k.dtype();
+  c.int8_kv = int8;
+  DecodeState s = DecodeState::Create(c).value();
+  if (!s.Import(k.cview(), v.cview(), DecodeState::KeyForm::kRaw).ok() ||
+      s.paged_view() == nullptr) {
+    std::abort();
+  }
+  return s;
+}
 
 void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv, int64_t kv_heads,
                KvSource requested, BiasKind bias) {
   const int64_t h = 32, d = 128;
-  const KvSource source = requested == KvSource::kSession && kv_dtype == DType::kF32 &&
-                                  KvCacheDecodeIsFaster()
-                              ? KvSource::kSession
-                              : KvSource::kTensors;
-  state.counters["kv_cache_layout"] = source == KvSource::kSession ? 1 : 0;
+  const bool tiles = requested == KvSource::kSession && kv_dtype == DType::kF32 &&
+                     KvCacheDecodeIsFaster();
+  const bool paged = requested == KvSource::kSession && !tiles;
+  state.counters["kv_cache_layout"] = tiles ? 1 : 0;
+  state.counters["paged"] = paged ? 1 : 0;
   const int64_t cache_bytes = 2 * kv * kv_heads * d * static_cast<int64_t>(DTypeSize(kv_dtype));
   // Enough caches that the set is 4x the L3 (32 MiB here) or more.
   const int copies = static_cast<int>(std::max<int64_t>(2, (int64_t{128} << 20) / cache_bytes + 1));
   std::vector<Tensor> ks, vs;
   std::vector<KvCache> caches;
+  std::vector<DecodeState> states;
   for (int i = 0; i < copies; ++i) {
     Tensor k = Random(kv_dtype, {1, kv, kv_heads, d}, 100 + i);
     Tensor v = Random(kv_dtype, {1, kv, kv_heads, d}, 200 + i);
-    if (source == KvSource::kSession) {
+    if (tiles) {
       KvCache c = KvCache::Create(kv_heads, d, d, kv).value();
       if (!c.WriteK(0, k.cview()).ok() || !c.WriteV(0, v.cview()).ok()) std::abort();
       caches.push_back(std::move(c));
+    } else if (paged) {
+      states.push_back(PagedState(k, v, 32, /*int8=*/false));
     } else {
       ks.push_back(std::move(k));
       vs.push_back(std::move(v));
@@ -287,9 +311,10 @@ void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv, int64_t kv_h
   }
   RunTimed(state, static_cast<double>(cache_bytes), "bytes_per_second", kCopy, [&](int64_t it) {
     const int c = static_cast<int>(it % copies);
-    absl::Status st = source == KvSource::kSession
-                          ? AttendCache(q.view(), caches[c], kv, opt, out.view())
-                          : Attend(q.view(), ks[c].view(), vs[c].view(), opt, out.view());
+    absl::Status st =
+        tiles   ? AttendCache(q.view(), caches[c], kv, opt, out.view())
+        : paged ? AttendPaged(q.view(), *states[c].paged_view(), kv, opt, out.view())
+                : Attend(q.view(), ks[c].view(), vs[c].view(), opt, out.view());
     if (!st.ok()) std::abort();
   });
   state.counters["caches"] = copies;
@@ -297,30 +322,18 @@ void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv, int64_t kv_h
       state.counters["bytes_per_second"].value / EnsureCeiling(kRead);
 }
 
-// An int8 session cache (docs/kv-memory.md): token-major int8 rows with an
-// f32 scale per (token, kv head), quantized from the same random K/V.
+// An int8 session cache (docs/kv-memory.md): the session's pages of int8
+// rows with an f32 scale per (token, kv head), quantized from random K/V.
 // Bytes: the int8 rows and their scales.
 void BM_DecodeInt8(benchmark::State& state, int64_t kv, int64_t kv_heads) {
   const int64_t h = 32, d = 128;
   const int64_t cache_bytes = 2 * kv * kv_heads * (d + static_cast<int64_t>(sizeof(float)));
   const int copies = static_cast<int>(std::max<int64_t>(2, (int64_t{128} << 20) / cache_bytes + 1));
-  struct Rows {
-    std::vector<int8_t> k, v;
-    std::vector<float> ks, vs;
-    Int8KvView view;
-  };
-  std::vector<Rows> rows(copies);
+  std::vector<DecodeState> states;
   for (int i = 0; i < copies; ++i) {
     Tensor k = Random(DType::kF32, {1, kv, kv_heads, d}, 100 + i);
     Tensor v = Random(DType::kF32, {1, kv, kv_heads, d}, 200 + i);
-    Rows& r = rows[i];
-    r.k.resize(kv * kv_heads * d);
-    r.v.resize(kv * kv_heads * d);
-    r.ks.resize(kv * kv_heads);
-    r.vs.resize(kv * kv_heads);
-    QuantizeInt8Rows(k.data<float>(), d, kv * kv_heads, d, r.k.data(), r.ks.data());
-    QuantizeInt8Rows(v.data<float>(), d, kv * kv_heads, d, r.v.data(), r.vs.data());
-    r.view = Int8KvView{r.k.data(), r.ks.data(), r.v.data(), r.vs.data(), kv, kv_heads, d, d};
+    states.push_back(PagedState(k, v, h, /*int8=*/true));
   }
   Tensor q = Random(DType::kF32, {1, 1, h, d}, 7);
   Tensor out = Tensor::Create(DType::kF32, {1, 1, h, d}).value();
@@ -329,11 +342,79 @@ void BM_DecodeInt8(benchmark::State& state, int64_t kv, int64_t kv_heads) {
   opt.num_threads = Threads();
   RunTimed(state, static_cast<double>(cache_bytes), "bytes_per_second", kCopy, [&](int64_t it) {
     const int c = static_cast<int>(it % copies);
-    if (!AttendInt8(q.view(), rows[c].view, kv, opt, out.view()).ok()) std::abort();
+    if (!AttendPaged(q.view(), *states[c].paged_view(), kv, opt, out.view()).ok()) std::abort();
   });
   state.counters["caches"] = copies;
   state.counters["fraction_of_read_bandwidth"] =
       state.counters["bytes_per_second"].value / EnsureCeiling(kRead);
+}
+
+// ---------------------------------------------------------------- fork --
+
+// Counts the bytes of the pages alive (every page once, whoever holds it).
+class CountingPages : public KvPageCharger {
+ public:
+  absl::Status Charge(int64_t bytes) override {
+    live_ += bytes;
+    return absl::OkStatus();
+  }
+  void Refund(int64_t bytes) override { live_ -= bytes; }
+  int64_t live() const { return live_; }
+
+ private:
+  std::atomic<int64_t> live_{0};
+};
+
+// Forks that share memory (docs/kv-memory.md): a session of `kv` tokens (32
+// heads over kv_heads, d 128, f32, the storage a session has here) forked
+// `forks` times, each fork then stepping `tokens` new tokens. Time: the
+// forks and their steps. memory_ratio: the bytes the session and its forks
+// hold together (each shared page once) / the session's bytes alone.
+void BM_ForkMemory(benchmark::State& state, int64_t kv, int64_t kv_heads, int forks,
+                   int64_t tokens) {
+  const int64_t h = 32, d = 128;
+  DecodeStateConfig c;
+  c.heads = h;
+  c.kv_heads = kv_heads;
+  c.head_dim = d;
+  c.v_dim = d;
+  c.max_context = kv + tokens;
+  auto pages = std::make_shared<CountingPages>();
+  DecodeState parent = DecodeState::Create(c).value();
+  parent.set_page_charger(pages);
+  const bool paged = parent.paged_view() != nullptr;
+  {
+    Tensor k = Random(DType::kF32, {1, kv, kv_heads, d}, 1);
+    Tensor v = Random(DType::kF32, {1, kv, kv_heads, d}, 2);
+    if (!parent.Import(k.cview(), v.cview(), DecodeState::KeyForm::kRaw).ok()) std::abort();
+  }
+  const int64_t alone = paged ? pages->live() : parent.byte_size();
+  Tensor q = Random(DType::kF32, {1, tokens, h, d}, 3);
+  Tensor k = Random(DType::kF32, {1, tokens, kv_heads, d}, 4);
+  Tensor v = Random(DType::kF32, {1, tokens, kv_heads, d}, 5);
+  Tensor out = Tensor::Create(DType::kF32, {1, tokens, h, d}).value();
+  int64_t together = 0;
+  RunTimed(state, static_cast<double>(forks), "forks_per_second", kCopy, [&](int64_t) {
+    std::vector<DecodeState> children;
+    for (int f = 0; f < forks; ++f) {
+      children.push_back(DecodeState::Create(c).value());
+      children.back().set_page_charger(pages);
+      if (!children.back().CopyFrom(parent).ok()) std::abort();
+      if (!children.back().Step(q.cview(), k.cview(), v.cview(), out.view(), Threads()).ok()) {
+        std::abort();
+      }
+    }
+    together = paged ? pages->live() : alone;
+    if (!paged) {
+      for (const DecodeState& s : children) together += s.byte_size();
+    }
+  });
+  state.counters.erase("fraction_of_ceiling");
+  state.counters.erase("ceiling");
+  state.counters["paged"] = paged ? 1 : 0;
+  state.counters["session_bytes"] = static_cast<double>(alone);
+  state.counters["total_bytes"] = static_cast<double>(together);
+  state.counters["memory_ratio"] = static_cast<double>(together) / static_cast<double>(alone);
 }
 
 // ------------------------------------------------------------- prefill --
@@ -411,6 +492,9 @@ void Register() {
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("decode/int8/kv8192_h32_kvh8_d128", BM_DecodeInt8, 8192, 8)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("fork/8x16/kv4096_h32_kvh8_d128", BM_ForkMemory, 4096, 8, 8, 16)
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("prefill/f32/causal_s512_h32_kvh32_d128", BM_Prefill, DType::kF32,

@@ -158,6 +158,9 @@ class DecodeState {
   int64_t shared_bytes() const;
   // Bytes of one page (0 for storage without pages).
   int64_t page_bytes() const;
+  // The view over the pages (kTokenMajor, kInt8; null otherwise), valid
+  // until the state next changes: for benchmarks and tests.
+  const PagedKvView* paged_view() const { return Paged() ? &view_ : nullptr; }
   // Pages this state allocates from now on are charged to `charger` (none:
   // not charged). Pages it already holds keep their payer.
   void set_page_charger(std::shared_ptr<KvPageCharger> charger) { charger_ = std::move(charger); }

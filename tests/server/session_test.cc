@@ -590,6 +590,103 @@ TEST_F(SessionTest, ForksDivergeIndependently) {
   }
 }
 
+// Forks share their source's pages (docs/kv-memory.md): 8 forks of a
+// 1024-token session are charged only for the pages they may write (not
+// the 64 full pages they share), each answers exactly from the shared prefix
+// and its own 16 tokens, holds one page of its own, and the source goes on
+// untouched. A fork that truncates into the shared part and grows again
+// borrows the page past its reservation from the budget; when every
+// session is closed the budget holds nothing.
+TEST_F(SessionTest, ForksShareTheirSourcesPagesAndPayOnlyForTheirOwn) {
+  const Config c{"gqa", 8, 2, 32, 32, "default"};
+  const bool previous = internal::SetAvx512KernelsForTesting(false);  // pages, not tiles
+  absl::Cleanup restore = [previous] { internal::SetAvx512KernelsForTesting(previous); };
+  constexpr int64_t kPrefix = 1024, kMax = kPrefix + 64, kForks = 8, kNew = 16;
+  const int64_t page = 16 * c.kv_heads * (c.head_dim + c.v_dim) * 4;
+  auto server_info = [&] {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    EXPECT_TRUE(stub_->GetServerInfo(&ctx, {}, &info).ok());
+    return info;
+  };
+  auto session_info = [&](const std::string& id) {
+    grpc::ClientContext ctx;
+    v1::GetSessionRequest req;
+    req.set_session_id(id);
+    v1::SessionInfo info;
+    EXPECT_TRUE(stub_->GetSession(&ctx, req, &info).ok());
+    return info;
+  };
+  const Sequence parent_seq = MakeSequence(c, kPrefix + 1, 31);
+  Stream parent(stub_.get());
+  const v1::SessionInfo opened = parent.Open(MakeOpen(c, kMax));
+  ASSERT_TRUE(parent.Step(parent_seq, 0, kPrefix, 1).has_step());
+  EXPECT_EQ(session_info(opened.session_id()).kv_bytes_held(), 64 * page);
+
+  std::vector<std::string> forks;
+  for (int f = 0; f < kForks; ++f) {
+    v1::DecodeRequest fork;
+    fork.mutable_fork()->set_seq(2 + f);
+    v1::DecodeResponse fr = parent.Send(fork);
+    ASSERT_TRUE(fr.has_forked()) << fr.DebugString();
+    // Charged for max_context less the 64 full pages it shares.
+    EXPECT_EQ(fr.forked().kv_bytes(), opened.kv_bytes() - 64 * page);
+    forks.push_back(fr.forked().session_id());
+  }
+  EXPECT_EQ(server_info().memory_bytes_in_use(), opened.kv_bytes() + kForks * (opened.kv_bytes() - 64 * page));
+  for (int f = 0; f < kForks; ++f) {
+    SCOPED_TRACE(f);
+    // The fork's sequence: the parent's prefix, then its own tokens.
+    Sequence seq = MakeSequence(c, kPrefix + kNew, 100 + 3 * f);
+    for (Tensor* t : {&seq.q, &seq.k, &seq.v}) {
+      const Tensor& from = t == &seq.q ? parent_seq.q : t == &seq.k ? parent_seq.k : parent_seq.v;
+      std::memcpy(t->data<char>(), from.data<char>(), kPrefix * t->byte_size() / (kPrefix + kNew));
+    }
+    Stream child(stub_.get());
+    child.Attach(forks[f]);
+    v1::DecodeResponse r = child.Step(seq, kPrefix, kPrefix + kNew, 1);
+    ASSERT_TRUE(r.has_step()) << r.DebugString();
+    EXPECT_TRUE(AllClose(WireToDoubles(r.step().out()), ExpectedStep(c, seq, kPrefix, kPrefix + kNew),
+                         kF32Tol));
+    EXPECT_TRUE(child.Finish().ok());  // a fork is resumable: it stays
+    const v1::SessionInfo info = session_info(forks[f]);
+    EXPECT_EQ(info.kv_bytes_held(), 65 * page);
+    EXPECT_EQ(info.kv_bytes_shared(), 64 * page);
+  }
+  // The source answers from its own pages.
+  v1::DecodeResponse pr = parent.Step(parent_seq, kPrefix, kPrefix + 1, 20);
+  ASSERT_TRUE(pr.has_step()) << pr.DebugString();
+  EXPECT_TRUE(AllClose(WireToDoubles(pr.step().out()),
+                       ExpectedStep(c, parent_seq, kPrefix, kPrefix + 1), kF32Tol));
+  // Fork 0 rewrites the shared part: 80 tokens need 5 pages, its
+  // reservation has room for 4; the fifth is borrowed.
+  {
+    const Sequence fresh = MakeSequence(c, 80, 400);
+    Stream child(stub_.get());
+    child.Attach(forks[0]);
+    v1::DecodeRequest tr;
+    tr.mutable_truncate()->set_seq(1);
+    tr.mutable_truncate()->set_position(0);
+    ASSERT_TRUE(child.Send(tr).has_truncated());
+    const int64_t before = server_info().memory_bytes_in_use();
+    v1::DecodeResponse r = child.Step(fresh, 0, 80, 2);
+    ASSERT_TRUE(r.has_step()) << r.DebugString();
+    EXPECT_TRUE(AllClose(WireToDoubles(r.step().out()), ExpectedStep(c, fresh, 0, 80), kF32Tol));
+    EXPECT_EQ(server_info().memory_bytes_in_use(), before + page);
+    EXPECT_TRUE(child.Finish().ok());
+  }
+  for (const std::string& id : forks) {
+    grpc::ClientContext ctx;
+    v1::CloseSessionRequest req;
+    req.set_session_id(id);
+    v1::CloseSessionResponse resp;
+    EXPECT_TRUE(stub_->CloseSession(&ctx, req, &resp).ok());
+  }
+  EXPECT_TRUE(parent.Finish().ok());
+  EXPECT_TRUE(Eventually([&] { return server_info().memory_bytes_in_use() == 0; }))
+      << server_info().memory_bytes_in_use();
+}
+
 // ---------------------------------------------------------- isolation --
 
 TEST_F(SessionTest, ConcurrentSessionsEachGetTheirSoloOutputs) {
