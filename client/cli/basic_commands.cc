@@ -312,14 +312,18 @@ int SessionsCommand(int argc, char** argv) {
     std::cout << ToJson(response);
     return 0;
   }
-  std::cout << absl::StrFormat("%-32s %9s %11s %-7s %-8s %-8s %8s %12s\n", "ID", "POSITION",
-                               "MAX_CONTEXT", "KIND", "KV_DTYPE", "ATTACHED", "IDLE_S", "KV_BYTES");
+  // KV_BYTES: charged to the budget; HELD: the pages held now; SHARED: of
+  // those, shared with forks or a fork's source.
+  std::cout << absl::StrFormat("%-32s %9s %11s %-7s %-8s %-8s %8s %12s %12s %12s\n", "ID",
+                               "POSITION", "MAX_CONTEXT", "KIND", "KV_DTYPE", "ATTACHED", "IDLE_S",
+                               "KV_BYTES", "HELD", "SHARED");
   for (const v1::SessionInfo& s : *sessions) {
     std::cout << absl::StrFormat(
-        "%-32s %9d %11d %-7s %-8s %-8s %8.1f %12d\n", s.session_id(), s.position(), s.max_context(),
-        KindName(s.kind()),
+        "%-32s %9d %11d %-7s %-8s %-8s %8.1f %12d %12d %12d\n", s.session_id(), s.position(),
+        s.max_context(), KindName(s.kind()),
         DTypeName(s.kv_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_F32 : s.kv_dtype()),
-        s.attached() ? "yes" : "no", s.idle_seconds(), s.kv_bytes());
+        s.attached() ? "yes" : "no", s.idle_seconds(), s.kv_bytes(), s.kv_bytes_held(),
+        s.kv_bytes_shared());
   }
   std::cout << sessions->size() << " session" << (sessions->size() == 1 ? "" : "s") << "\n";
   return 0;

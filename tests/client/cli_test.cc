@@ -708,8 +708,13 @@ TEST_F(CliTest, SessionsListsAndCloses) {
   for (absl::string_view line : absl::StrSplit(r.out, '\n')) {
     if (absl::StartsWith(line, id)) row = absl::StrSplit(line, ' ', absl::SkipEmpty());
   }
-  // id, position, max_context, kind, kv dtype, attached, idle s, KV bytes.
-  ASSERT_EQ(row.size(), 8u) << r.out;
+  // id, position, max_context, kind, kv dtype, attached, idle s, KV bytes
+  // charged, held, shared.
+  ASSERT_EQ(row.size(), 10u) << r.out;
+  // 3 tokens hold one 16-token page of the 4 charged for max_context 64
+  // (no RoPE table here); nothing is shared.
+  EXPECT_EQ(std::stoll(row[8]) * 4, std::stoll(row[7])) << r.out;
+  EXPECT_EQ(row[9], "0");
   EXPECT_EQ(row[1], "3");
   EXPECT_EQ(row[2], "64");
   EXPECT_EQ(row[3], "softmax");
