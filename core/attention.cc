@@ -63,8 +63,8 @@ struct Plan {
   std::vector<float> t5;  // [heads, rel_count]
   ConstTensorView bias_tensor;
   bool bias_has_batch = false;
-  ConstTensorView q, k, v;         // k, v absent when keys come from `cache`
-  const KvCache* cache = nullptr;  // AttendCache: keys [0, k_len) of a session cache
+  ConstTensorView q, k, v;             // k, v absent when keys come from `cache`
+  const KvCache* cache = nullptr;      // AttendCache: keys [0, k_len) of a session cache
   const PagedKvView* paged = nullptr;  // AttendPaged: keys [0, k_len) of pages
   TensorView out, probs;
   int threads;
@@ -82,7 +82,7 @@ struct Plan {
       const int64_t* h = end;
       if (causal) h = std::upper_bound(row, end, pos);
       if (window > 0) {
-        l = std::upper_bound(row, end, pos - window);  // keys with pos - k < window
+        l = std::upper_bound(row, end, pos - window);               // keys with pos - k < window
         if (!causal) h = std::lower_bound(row, end, pos + window);  // k - pos < window
       }
       *lo = l - row;
@@ -251,7 +251,8 @@ absl::Status PlanCommon(const ConstTensorView& q, const AttentionOptions& o, con
                           SatMul(p.batch, p.q_len), o.q_positions.size()));
     }
     for (size_t n = 0; n < o.q_positions.size(); ++n) {
-      RA_RETURN_IF_ERROR(CheckPositions(o.q_positions[n], 1, absl::StrFormat("q_positions[%d]", n)));
+      RA_RETURN_IF_ERROR(
+          CheckPositions(o.q_positions[n], 1, absl::StrFormat("q_positions[%d]", n)));
     }
     p.q_pos.assign(o.q_positions.begin(), o.q_positions.end());
   }
@@ -423,41 +424,43 @@ bool FinishRow(const Plan& p, int64_t b, int64_t h, int64_t i, int64_t lo, float
       const float* row = p.t5.data() + h * p.rel_count - p.rel_min;
       for (int64_t j = 0; j < n; ++j) x[j] += row[kp[j] - pos];
     }
-  } else switch (p.bias_kind) {
-    case BiasKind::kAlibi: {
-      // Softmax ignores a per-row constant, so the row's largest visible bias
-      // is subtracted first: -slope * (dist - ref), ref the nearest visible
-      // key's distance (the farthest one's for a negative slope). The
-      // difference is an exact integer and its product stays small where the
-      // probabilities are not negligible; -slope * dist itself near 5e5
-      // would carry an f32 step of 0.03 (positional-encodings.md 6.10).
-      const double slope = p.alibi[h];
-      const int64_t first = pos - lo, last = pos - (lo + n - 1);  // signed distances
-      const int64_t nearest = first >= 0 && last <= 0 ? 0 : std::min(std::abs(first), std::abs(last));
-      const int64_t ref = slope >= 0 ? nearest : std::max(std::abs(first), std::abs(last));
+  } else
+    switch (p.bias_kind) {
+      case BiasKind::kAlibi: {
+        // Softmax ignores a per-row constant, so the row's largest visible bias
+        // is subtracted first: -slope * (dist - ref), ref the nearest visible
+        // key's distance (the farthest one's for a negative slope). The
+        // difference is an exact integer and its product stays small where the
+        // probabilities are not negligible; -slope * dist itself near 5e5
+        // would carry an f32 step of 0.03 (positional-encodings.md 6.10).
+        const double slope = p.alibi[h];
+        const int64_t first = pos - lo, last = pos - (lo + n - 1);  // signed distances
+        const int64_t nearest =
+            first >= 0 && last <= 0 ? 0 : std::min(std::abs(first), std::abs(last));
+        const int64_t ref = slope >= 0 ? nearest : std::max(std::abs(first), std::abs(last));
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        const double excess = static_cast<double>(std::abs(first - j) - ref);
-        x[j] -= static_cast<float>(slope * excess);
+        for (int64_t j = 0; j < n; ++j) {
+          const double excess = static_cast<double>(std::abs(first - j) - ref);
+          x[j] -= static_cast<float>(slope * excess);
+        }
+        break;
       }
-      break;
+      case BiasKind::kT5: {
+        const float* row = p.t5.data() + h * p.rel_count + (lo - pos - p.rel_min);
+        for (int64_t j = 0; j < n; ++j) x[j] += row[j];
+        break;
+      }
+      case BiasKind::kTensor: {
+        const float* base = p.bias_tensor.data<float>();
+        const int64_t off =
+            ((p.bias_has_batch ? b * p.heads : 0) + h) * p.q_len * p.k_len + i * p.k_len + lo;
+        const float* row = base + off;
+        for (int64_t j = 0; j < n; ++j) x[j] += row[j];
+        break;
+      }
+      default:
+        break;
     }
-    case BiasKind::kT5: {
-      const float* row = p.t5.data() + h * p.rel_count + (lo - pos - p.rel_min);
-      for (int64_t j = 0; j < n; ++j) x[j] += row[j];
-      break;
-    }
-    case BiasKind::kTensor: {
-      const float* base = p.bias_tensor.data<float>();
-      const int64_t off =
-          ((p.bias_has_batch ? b * p.heads : 0) + h) * p.q_len * p.k_len + i * p.k_len + lo;
-      const float* row = base + off;
-      for (int64_t j = 0; j < n; ++j) x[j] += row[j];
-      break;
-    }
-    default:
-      break;
-  }
   const float max = internal::RowMax(x, n);
   if (max == -std::numeric_limits<float>::infinity()) {
     // Every visible key was masked by the bias tensor: a fully masked row.
@@ -600,19 +603,34 @@ DecodeLayout PlanDecode(const Plan& p) {
 // sharing a kv head are processed together so each K/V slice is loaded once.
 // Calls fn(j, lo, hi, r0) for kv head j, visible keys [lo, hi) of one block
 // and r0 the first of the group's query rows (query index i).
-// Blocks are aligned to multiples of kKeyBlock (a chunk starting inside one
-// first finishes it), so a block never straddles two pages of a PagedKvView.
-template <typename Fn>
-inline void ForEachKeyBlock(const Plan& p, const DecodeLayout& L, int64_t b, int64_t t0,
-                            int64_t t1, Fn fn) {
+// Blocks are aligned to multiples of the block size (a chunk starting inside
+// one first finishes it). A block of more than 8 keys is passed as up to
+// three runs, [lo, next multiple of 8), whole 8-key groups, the rest: the
+// row kernels group keys from the start of a run, so every key meets the
+// same group, and sums in the same order, whatever the block size (and a
+// paged view can split a run at its page boundaries, multiples of 8).
+template <int64_t kBlock = kKeyBlock, typename Fn>
+inline void ForEachKeyBlock(const Plan& p, const DecodeLayout& L, int64_t b, int64_t t0, int64_t t1,
+                            Fn fn) {
+  static_assert(kBlock % 8 == 0, "blocks of whole 8-key groups");
   for (int64_t tb = t0, tb1; tb < t1; tb = tb1) {
-    tb1 = std::min(t1, (tb / kKeyBlock + 1) * kKeyBlock);
+    tb1 = std::min(t1, (tb / kBlock + 1) * kBlock);
     for (int64_t j = 0; j < p.kv_heads; ++j) {
       for (int64_t i = 0; i < p.q_len; ++i) {
-        const int64_t lo = std::max(tb, L.lo[b * p.q_len + i]);
+        int64_t lo = std::max(tb, L.lo[b * p.q_len + i]);
         const int64_t hi = std::min(tb1, L.hi[b * p.q_len + i]);
         if (hi <= lo) continue;
-        fn(j, lo, hi, (b * p.heads + j * p.group) * p.q_len + i);
+        const int64_t r0 = (b * p.heads + j * p.group) * p.q_len + i;
+        if constexpr (kBlock == 8) {
+          fn(j, lo, hi, r0);
+        } else {
+          const int64_t head = std::min(hi, (lo + 7) / 8 * 8);
+          if (head > lo) fn(j, lo, head, r0);
+          lo = head;
+          const int64_t body = lo + (hi - lo) / 8 * 8;
+          if (body > lo) fn(j, lo, body, r0);
+          if (hi > body) fn(j, body, hi, r0);
+        }
       }
     }
   }
@@ -626,8 +644,8 @@ void DecodeScoresChunk(const Plan& p, const DecodeLayout& L, const float* qf, fl
     const KV* kj = RowPtr<KV>(p.k, b, 0, j);
     float* out = scores + r0 * L.n_max + (lo - L.ulo[b]);
     if constexpr (std::is_same_v<KV, float>) {
-      internal::DotKeysRowsF32(qf + r0 * d, p.q_len * d, p.group, kj + lo * ks, ks, hi - lo, d,
-                               out, ss);
+      internal::DotKeysRowsF32(qf + r0 * d, p.q_len * d, p.group, kj + lo * ks, ks, hi - lo, d, out,
+                               ss);
     } else {
       internal::DotKeysRowsBF16(qf + r0 * d, p.q_len * d, p.group, kj + lo * ks, ks, hi - lo, d,
                                 out, ss);
@@ -654,30 +672,43 @@ void DecodeValuesChunk(const Plan& p, const DecodeLayout& L, const float* scores
 
 // Pages (batch 1): as above, each 8-key block inside one page; int8 pages
 // apply each key's scale to its scores and fold it into its weights.
+// Pages (batch 1): as above, runs split at page boundaries; int8 pages
+// apply each key's scale to its scores and fold it into its weights. int8
+// widens every element before its FMA, so its calls are made longer (16
+// keys) to spread each call's fixed work; the bits are the same (see
+// ForEachKeyBlock).
+constexpr int64_t PagedBlock(PagedKvView::Type type) {
+  return type == PagedKvView::Type::kInt8 ? 16 : kKeyBlock;
+}
+
 template <PagedKvView::Type kType>
 void DecodeScoresPaged(const Plan& p, const DecodeLayout& L, const float* qf, float* scores,
                        int64_t t0, int64_t t1) {
   const PagedKvView& kv = *p.paged;
   const int64_t d = p.head_dim, ks = kv.kv_heads * d, P = kv.page_tokens;
-  ForEachKeyBlock(p, L, 0, t0, t1, [&](int64_t j, int64_t lo, int64_t hi, int64_t r0) {
-    const int64_t page = lo / P, row = (lo - page * P) * kv.kv_heads + j;
-    const float* q = qf + r0 * d;
-    float* out = scores + r0 * L.n_max + (lo - L.ulo[0]);
-    const int64_t ss = p.q_len * L.n_max;
-    if constexpr (kType == PagedKvView::Type::kF32) {
-      internal::DotKeysRowsF32(q, p.q_len * d, p.group,
-                               static_cast<const float*>(kv.k_pages[page]) + row * d, ks, hi - lo,
-                               d, out, ss);
-    } else if constexpr (kType == PagedKvView::Type::kBF16) {
-      internal::DotKeysRowsBF16(q, p.q_len * d, p.group,
-                                static_cast<const uint16_t*>(kv.k_pages[page]) + row * d, ks,
-                                hi - lo, d, out, ss);
-    } else {
-      internal::DotKeysRowsI8(q, p.q_len * d, p.group,
-                              static_cast<const int8_t*>(kv.k_pages[page]) + row * d, ks,
-                              kv.k_scales[page] + row, kv.kv_heads, hi - lo, d, out, ss);
-    }
-  });
+  ForEachKeyBlock<PagedBlock(kType)>(
+      p, L, 0, t0, t1, [&](int64_t j, int64_t lo0, int64_t hi0, int64_t r0) {
+        for (int64_t lo = lo0, hi; lo < hi0; lo = hi) {
+          const int64_t page = lo / P, row = (lo - page * P) * kv.kv_heads + j;
+          hi = std::min(hi0, (page + 1) * P);
+          const float* q = qf + r0 * d;
+          float* out = scores + r0 * L.n_max + (lo - L.ulo[0]);
+          const int64_t ss = p.q_len * L.n_max;
+          if constexpr (kType == PagedKvView::Type::kF32) {
+            internal::DotKeysRowsF32(q, p.q_len * d, p.group,
+                                     static_cast<const float*>(kv.k_pages[page]) + row * d, ks,
+                                     hi - lo, d, out, ss);
+          } else if constexpr (kType == PagedKvView::Type::kBF16) {
+            internal::DotKeysRowsBF16(q, p.q_len * d, p.group,
+                                      static_cast<const uint16_t*>(kv.k_pages[page]) + row * d, ks,
+                                      hi - lo, d, out, ss);
+          } else {
+            internal::DotKeysRowsI8(q, p.q_len * d, p.group,
+                                    static_cast<const int8_t*>(kv.k_pages[page]) + row * d, ks,
+                                    kv.k_scales[page] + row, kv.kv_heads, hi - lo, d, out, ss);
+          }
+        }
+      });
 }
 
 template <PagedKvView::Type kType>
@@ -685,25 +716,28 @@ void DecodeValuesPaged(const Plan& p, const DecodeLayout& L, const float* scores
                        int64_t t0, int64_t t1) {
   const PagedKvView& kv = *p.paged;
   const int64_t dv = p.v_dim, vs = kv.kv_heads * dv, P = kv.page_tokens;
-  ForEachKeyBlock(p, L, 0, t0, t1, [&](int64_t j, int64_t lo, int64_t hi, int64_t r0) {
-    const int64_t page = lo / P, row = (lo - page * P) * kv.kv_heads + j;
-    const float* w = scores + r0 * L.n_max + (lo - L.ulo[0]);
-    const int64_t ws = p.q_len * L.n_max;
-    if constexpr (kType == PagedKvView::Type::kF32) {
-      internal::WeightedSumRowsF32(w, ws, p.group,
-                                   static_cast<const float*>(kv.v_pages[page]) + row * dv, vs,
-                                   hi - lo, dv, acc + r0 * dv, p.q_len * dv);
-    } else if constexpr (kType == PagedKvView::Type::kBF16) {
-      internal::WeightedSumRowsBF16(w, ws, p.group,
-                                    static_cast<const uint16_t*>(kv.v_pages[page]) + row * dv, vs,
-                                    hi - lo, dv, acc + r0 * dv, p.q_len * dv);
-    } else {
-      internal::WeightedSumRowsI8(w, ws, p.group,
-                                  static_cast<const int8_t*>(kv.v_pages[page]) + row * dv, vs,
-                                  kv.v_scales[page] + row, kv.kv_heads, hi - lo, dv,
-                                  acc + r0 * dv, p.q_len * dv);
-    }
-  });
+  ForEachKeyBlock<PagedBlock(kType)>(
+      p, L, 0, t0, t1, [&](int64_t j, int64_t lo0, int64_t hi0, int64_t r0) {
+        for (int64_t lo = lo0, hi; lo < hi0; lo = hi) {
+          const int64_t page = lo / P, row = (lo - page * P) * kv.kv_heads + j;
+          hi = std::min(hi0, (page + 1) * P);
+          const float* w = scores + r0 * L.n_max + (lo - L.ulo[0]);
+          const int64_t ws = p.q_len * L.n_max;
+          if constexpr (kType == PagedKvView::Type::kF32) {
+            internal::WeightedSumRowsF32(w, ws, p.group,
+                                         static_cast<const float*>(kv.v_pages[page]) + row * dv, vs,
+                                         hi - lo, dv, acc + r0 * dv, p.q_len * dv);
+          } else if constexpr (kType == PagedKvView::Type::kBF16) {
+            internal::WeightedSumRowsBF16(w, ws, p.group,
+                                          static_cast<const uint16_t*>(kv.v_pages[page]) + row * dv,
+                                          vs, hi - lo, dv, acc + r0 * dv, p.q_len * dv);
+          } else {
+            internal::WeightedSumRowsI8(
+                w, ws, p.group, static_cast<const int8_t*>(kv.v_pages[page]) + row * dv, vs,
+                kv.v_scales[page] + row, kv.kv_heads, hi - lo, dv, acc + r0 * dv, p.q_len * dv);
+          }
+        }
+      });
 }
 
 // KvCache (batch 1): per kv head, each tile of the chunk in turn is scored for
@@ -1183,9 +1217,9 @@ absl::StatusOr<Plan> MakeCachePlan(const ConstTensorView& q, const KvCache& cach
   return p;
 }
 
-absl::StatusOr<Plan> MakePagedPlan(const ConstTensorView& q, const PagedKvView& kv,
-                                   int64_t length, const AttentionOptions& options,
-                                   const TensorView& out, const TensorView& probs) {
+absl::StatusOr<Plan> MakePagedPlan(const ConstTensorView& q, const PagedKvView& kv, int64_t length,
+                                   const AttentionOptions& options, const TensorView& out,
+                                   const TensorView& probs) {
   RA_RETURN_IF_ERROR(CheckBSHD(q, "q"));
   RA_RETURN_IF_ERROR(CheckBSHD(out, "out"));
   if (q.dim(0) != 1) {
@@ -1351,8 +1385,8 @@ absl::Status AttendInt8(ConstTensorView q, const Int8KvView& kv, int64_t length,
         "an int8 view needs seq >= 0, kv_heads >= 1, head_dim and v_dim >= 0; got %d, %d, %d, %d",
         kv.seq, kv.kv_heads, kv.head_dim, kv.v_dim));
   }
-  if (kv.seq > 0 && (kv.k == nullptr || kv.k_scale == nullptr || kv.v == nullptr ||
-                     kv.v_scale == nullptr)) {
+  if (kv.seq > 0 &&
+      (kv.k == nullptr || kv.k_scale == nullptr || kv.v == nullptr || kv.v_scale == nullptr)) {
     return absl::InvalidArgumentError("an int8 view of rows needs its k, v and scale pointers");
   }
   if (length < 0 || length > kv.seq) {
@@ -1423,7 +1457,8 @@ void AttendBatch(absl::Span<AttentionJob> jobs, int threads) {
   RunDecodePass(runs, threads);
   for (size_t n = 0; n < decode.size(); ++n) {
     decode_jobs[n]->status = runs[n].err.Get();
-    if (decode_jobs[n]->status.ok()) decode_jobs[n]->status = CheckResultFinite(decode_jobs[n]->out);
+    if (decode_jobs[n]->status.ok())
+      decode_jobs[n]->status = CheckResultFinite(decode_jobs[n]->out);
   }
 }
 

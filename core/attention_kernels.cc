@@ -548,14 +548,25 @@ void DotKeysRowsI8(const float* q, int64_t q_stride, int64_t rows, const int8_t*
                    int64_t k_stride, const float* k_scale, int64_t scale_stride, int64_t count,
                    int64_t d, float* out, int64_t out_stride) {
   DotKeysRowsImpl(q, q_stride, rows, k, k_stride, count, d, out, out_stride, LoadI8x8);
-  for (int64_t u = 0; u < count; ++u) {
-    const float s = k_scale[u * scale_stride];
-    for (int64_t r = 0; r < rows; ++r) out[r * out_stride + u] *= s;
+  // Each key's scale, gathered once, applied to every row 8 keys at a time.
+  constexpr int64_t kKeys = 64;
+  alignas(32) float scale[kKeys];
+  for (int64_t u0 = 0; u0 < count; u0 += kKeys) {
+    const int64_t n = std::min(kKeys, count - u0);
+    for (int64_t u = 0; u < n; ++u) scale[u] = k_scale[(u0 + u) * scale_stride];
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = out + r * out_stride + u0;
+      int64_t u = 0;
+      for (; u + 8 <= n; u += 8) {
+        _mm256_storeu_ps(o + u, _mm256_mul_ps(_mm256_loadu_ps(o + u), _mm256_load_ps(scale + u)));
+      }
+      for (; u < n; ++u) o[u] *= scale[u];
+    }
   }
 }
 void WeightedSumRowsI8(const float* w, int64_t w_stride, int64_t rows, const int8_t* v,
-                       int64_t v_stride, const float* v_scale, int64_t scale_stride,
-                       int64_t count, int64_t dv, float* acc, int64_t acc_stride) {
+                       int64_t v_stride, const float* v_scale, int64_t scale_stride, int64_t count,
+                       int64_t dv, float* acc, int64_t acc_stride) {
   // The scales fold into the weights; blocks of keys keep the buffer small.
   constexpr int64_t kKeys = 64;
   float ws[kKeys * 8];
@@ -568,8 +579,8 @@ void WeightedSumRowsI8(const float* w, int64_t w_stride, int64_t rows, const int
           ws[r * kKeys + u] = w[(r0 + r) * w_stride + u0 + u] * v_scale[(u0 + u) * scale_stride];
         }
       }
-      WeightedSumRowsImpl(ws, kKeys, nr, v + u0 * v_stride, v_stride, n, dv,
-                          acc + r0 * acc_stride, acc_stride, LoadI8x8);
+      WeightedSumRowsImpl(ws, kKeys, nr, v + u0 * v_stride, v_stride, n, dv, acc + r0 * acc_stride,
+                          acc_stride, LoadI8x8);
     }
   }
 }
