@@ -66,6 +66,7 @@ struct Plan {
   ConstTensorView q, k, v;             // k, v absent when keys come from `cache`
   const KvCache* cache = nullptr;      // AttendCache: keys [0, k_len) of a session cache
   const PagedKvView* paged = nullptr;  // AttendPaged: keys [0, k_len) of pages
+  int64_t page_token_rows = 0, page_head_rows = 0;  // its row layout (resolved)
   TensorView out, probs;
   int threads;
   int plan_threads;  // what the decode kernel's key cut is planned for
@@ -674,9 +675,9 @@ void DecodeValuesChunk(const Plan& p, const DecodeLayout& L, const float* scores
 // apply each key's scale to its scores and fold it into its weights.
 // Pages (batch 1): as above, runs split at page boundaries; int8 pages
 // apply each key's scale to its scores and fold it into its weights. int8
-// widens every element before its FMA, so its calls are made longer (16
-// keys) to spread each call's fixed work; the bits are the same (see
-// ForEachKeyBlock).
+// pages are head-major (a session's), so a 16-key run of one head is one
+// contiguous piece of its page and the heads follow in address order; the
+// bits are the same as with 8-key blocks (see ForEachKeyBlock).
 constexpr int64_t PagedBlock(PagedKvView::Type type) {
   return type == PagedKvView::Type::kInt8 ? 16 : kKeyBlock;
 }
@@ -685,11 +686,12 @@ template <PagedKvView::Type kType>
 void DecodeScoresPaged(const Plan& p, const DecodeLayout& L, const float* qf, float* scores,
                        int64_t t0, int64_t t1) {
   const PagedKvView& kv = *p.paged;
-  const int64_t d = p.head_dim, ks = kv.kv_heads * d, P = kv.page_tokens;
+  const int64_t d = p.head_dim, TR = p.page_token_rows, HR = p.page_head_rows, ks = TR * d;
+  const int64_t P = kv.page_tokens;
   ForEachKeyBlock<PagedBlock(kType)>(
       p, L, 0, t0, t1, [&](int64_t j, int64_t lo0, int64_t hi0, int64_t r0) {
         for (int64_t lo = lo0, hi; lo < hi0; lo = hi) {
-          const int64_t page = lo / P, row = (lo - page * P) * kv.kv_heads + j;
+          const int64_t page = lo / P, row = (lo - page * P) * TR + j * HR;
           hi = std::min(hi0, (page + 1) * P);
           const float* q = qf + r0 * d;
           float* out = scores + r0 * L.n_max + (lo - L.ulo[0]);
@@ -705,7 +707,7 @@ void DecodeScoresPaged(const Plan& p, const DecodeLayout& L, const float* qf, fl
           } else {
             internal::DotKeysRowsI8(q, p.q_len * d, p.group,
                                     static_cast<const int8_t*>(kv.k_pages[page]) + row * d, ks,
-                                    kv.k_scales[page] + row, kv.kv_heads, hi - lo, d, out, ss);
+                                    kv.k_scales[page] + row, TR, hi - lo, d, out, ss);
           }
         }
       });
@@ -715,11 +717,12 @@ template <PagedKvView::Type kType>
 void DecodeValuesPaged(const Plan& p, const DecodeLayout& L, const float* scores, float* acc,
                        int64_t t0, int64_t t1) {
   const PagedKvView& kv = *p.paged;
-  const int64_t dv = p.v_dim, vs = kv.kv_heads * dv, P = kv.page_tokens;
+  const int64_t dv = p.v_dim, TR = p.page_token_rows, HR = p.page_head_rows, vs = TR * dv;
+  const int64_t P = kv.page_tokens;
   ForEachKeyBlock<PagedBlock(kType)>(
       p, L, 0, t0, t1, [&](int64_t j, int64_t lo0, int64_t hi0, int64_t r0) {
         for (int64_t lo = lo0, hi; lo < hi0; lo = hi) {
-          const int64_t page = lo / P, row = (lo - page * P) * kv.kv_heads + j;
+          const int64_t page = lo / P, row = (lo - page * P) * TR + j * HR;
           hi = std::min(hi0, (page + 1) * P);
           const float* w = scores + r0 * L.n_max + (lo - L.ulo[0]);
           const int64_t ws = p.q_len * L.n_max;
@@ -734,7 +737,7 @@ void DecodeValuesPaged(const Plan& p, const DecodeLayout& L, const float* scores
           } else {
             internal::WeightedSumRowsI8(
                 w, ws, p.group, static_cast<const int8_t*>(kv.v_pages[page]) + row * dv, vs,
-                kv.v_scales[page] + row, kv.kv_heads, hi - lo, dv, acc + r0 * dv, p.q_len * dv);
+                kv.v_scales[page] + row, TR, hi - lo, dv, acc + r0 * dv, p.q_len * dv);
           }
         }
       });
@@ -1244,6 +1247,18 @@ absl::StatusOr<Plan> MakePagedPlan(const ConstTensorView& q, const PagedKvView& 
       return absl::InvalidArgumentError(absl::StrFormat("page %d of the paged view is missing", n));
     }
   }
+  int64_t token_rows = kv.token_rows, head_rows = kv.head_rows;
+  if (token_rows == 0 && head_rows == 0) {
+    token_rows = kv.kv_heads;
+    head_rows = 1;
+  }
+  if (!(token_rows == kv.kv_heads && head_rows == 1) &&
+      !(token_rows == 1 && head_rows == kv.page_tokens)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "a paged view's rows are token-major (token_rows %d = kv_heads, head_rows 1) or "
+        "head-major (token_rows 1, head_rows %d = page_tokens); got %d and %d",
+        kv.kv_heads, kv.page_tokens, kv.token_rows, kv.head_rows));
+  }
   if (length < 0 || length > kv.pages * kv.page_tokens) {
     return absl::OutOfRangeError(absl::StrFormat("length %d is outside the paged view's %d rows",
                                                  length, kv.pages * kv.page_tokens));
@@ -1263,6 +1278,8 @@ absl::StatusOr<Plan> MakePagedPlan(const ConstTensorView& q, const PagedKvView& 
   // int8 is computed in f32 from the dequantized values.
   p.kv_dtype = kv.type == PagedKvView::Type::kBF16 ? DType::kBF16 : DType::kF32;
   p.paged = &kv;
+  p.page_token_rows = token_rows;
+  p.page_head_rows = head_rows;
   RA_RETURN_IF_ERROR(PlanCommon(q, options, out, probs, p));
   return p;
 }
@@ -1300,27 +1317,30 @@ absl::Status PagedPrefill(const ConstTensorView& q, const PagedKvView& kv, int64
   RA_ASSIGN_OR_RETURN(Tensor k, Tensor::Create(dtype, {1, length, kv.kv_heads, kv.head_dim}));
   RA_ASSIGN_OR_RETURN(Tensor v, Tensor::Create(dtype, {1, length, kv.kv_heads, kv.v_dim}));
   const int64_t es = DTypeSize(dtype);
+  const bool head_major = kv.head_rows == kv.page_tokens && kv.token_rows == 1 && kv.kv_heads > 1;
+  // Row (t, j) of the page into row t0 + t, head j of the tensor.
+  auto gather = [&](const void* page, const float* scales, int64_t t, int64_t j, int64_t dim,
+                    char* base) {
+    const int64_t r = head_major ? j * kv.page_tokens + t : t * kv.kv_heads + j;
+    char* dst = base + (t * kv.kv_heads + j) * dim * es;
+    if (kv.type != PagedKvView::Type::kInt8) {
+      std::memcpy(dst, static_cast<const char*>(page) + r * dim * es, dim * es);
+      return;
+    }
+    const int8_t* src = static_cast<const int8_t*>(page) + r * dim;
+    float* f = reinterpret_cast<float*>(dst);
+    for (int64_t x = 0; x < dim; ++x) f[x] = scales[r] * static_cast<float>(src[x]);
+  };
+  const bool int8 = kv.type == PagedKvView::Type::kInt8;
   for (int64_t t0 = 0; t0 < length; t0 += kv.page_tokens) {
     const int64_t page = t0 / kv.page_tokens;
-    const int64_t rows = std::min(kv.page_tokens, length - t0) * kv.kv_heads;
+    const int64_t tokens = std::min(kv.page_tokens, length - t0);
     char* kd = k.data<char>() + t0 * kv.kv_heads * kv.head_dim * es;
     char* vd = v.data<char>() + t0 * kv.kv_heads * kv.v_dim * es;
-    if (kv.type != PagedKvView::Type::kInt8) {
-      std::memcpy(kd, kv.k_pages[page], rows * kv.head_dim * es);
-      std::memcpy(vd, kv.v_pages[page], rows * kv.v_dim * es);
-      continue;
-    }
-    const int8_t* kq = static_cast<const int8_t*>(kv.k_pages[page]);
-    const int8_t* vq = static_cast<const int8_t*>(kv.v_pages[page]);
-    float* kf = reinterpret_cast<float*>(kd);
-    float* vf = reinterpret_cast<float*>(vd);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float ks = kv.k_scales[page][r], vs = kv.v_scales[page][r];
-      for (int64_t x = 0; x < kv.head_dim; ++x) {
-        kf[r * kv.head_dim + x] = ks * static_cast<float>(kq[r * kv.head_dim + x]);
-      }
-      for (int64_t x = 0; x < kv.v_dim; ++x) {
-        vf[r * kv.v_dim + x] = vs * static_cast<float>(vq[r * kv.v_dim + x]);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t j = 0; j < kv.kv_heads; ++j) {
+        gather(kv.k_pages[page], int8 ? kv.k_scales[page] : nullptr, t, j, kv.head_dim, kd);
+        gather(kv.v_pages[page], int8 ? kv.v_scales[page] : nullptr, t, j, kv.v_dim, vd);
       }
     }
   }

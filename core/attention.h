@@ -163,13 +163,15 @@ absl::Status AttendInt8(ConstTensorView q, const Int8KvView& kv, int64_t length,
                         TensorView probs = TensorView());
 
 // A decoding session's keys and values in pages (docs/kv-memory.md): page
-// n holds tokens [n * page_tokens, (n + 1) * page_tokens), token-major,
-// batch 1: token t of kv head j is row (t % page_tokens) * kv_heads + j of
-// page t / page_tokens in k_pages (head_dim elements) and v_pages (v_dim
-// elements), of `type`. int8 pages also have a scale per row (k_scales,
-// v_scales: [page_tokens, kv_heads] f32 per page; value = scale * q).
-// page_tokens must be a multiple of 8 when there are several pages (the
-// decode's 8-key blocks never straddle two). Not owned.
+// n holds tokens [n * page_tokens, (n + 1) * page_tokens), batch 1. Token t
+// of kv head j is row r = (t % page_tokens) * token_rows + j * head_rows of
+// page t / page_tokens in k_pages (head_dim elements a row) and v_pages
+// (v_dim elements), of `type`: token-major (token_rows = kv_heads,
+// head_rows = 1, what 0 and 0 mean) or head-major (1 and page_tokens, a
+// session's pages: a page is read in address order). int8 pages also have
+// a scale per row (k_scales, v_scales: f32, row r's at index r of its page;
+// value = scale * q). page_tokens must be a multiple of 8 when there are
+// several pages (the decode's 8-key groups never straddle two). Not owned.
 struct PagedKvView {
   enum class Type { kF32, kBF16, kInt8 };
   Type type = Type::kF32;
@@ -179,6 +181,7 @@ struct PagedKvView {
   const float* const* v_scales = nullptr;  // kInt8 only
   int64_t pages = 0, page_tokens = 0;
   int64_t kv_heads = 0, head_dim = 0, v_dim = 0;
+  int64_t token_rows = 0, head_rows = 0;  // 0, 0: token-major
 };
 
 // Attend with keys and values [0, length) of a paged view, as AttendCache:

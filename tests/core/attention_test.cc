@@ -1351,7 +1351,6 @@ INSTANTIATE_TEST_SUITE_P(Kernels, AttendCacheTest,
                                                std::get<1>(info.param) ? "_avx512" : "_avx2");
                          });
 
-
 // --- Additive biases far from every visible key. ---
 //
 // With the query at 1e5 or 1e6 and the keys at 0..k_len-1, an ALiBi bias
@@ -1481,7 +1480,6 @@ TEST(FarBiasTest, AlibiFarMatchesFp64ThroughCacheAndBatch) {
   }
 }
 
-
 // --- The bf16 contract (core/attention.h): the same roundings for every
 // query count. ---
 //
@@ -1577,8 +1575,8 @@ TEST(Int8Test, QuantizeRoundsToNearestEvenWithOneScalePerRow) {
   // Row 0: max 1 -> scale 1/127; 0.5 * 127 = 63.5 -> 64 (even); 0.25 * 127
   // = 31.75 -> 32. Row 1: all zero -> scale 0, q 0. Row 2 (stride 4, one
   // element skipped): max 2.54 -> scale 0.02; -2.54 -> -127, 0.01 -> 0.5 -> 0.
-  const float x[12] = {0.5f, -1.0f, 0.25f, 99.0f, 0.0f, 0.0f, 0.0f, 99.0f,
-                       -2.54f, 0.01f, 1.27f, 99.0f};
+  const float x[12] = {0.5f, -1.0f, 0.25f,  99.0f, 0.0f,  0.0f,
+                       0.0f, 99.0f, -2.54f, 0.01f, 1.27f, 99.0f};
   int8_t q[9];
   float scales[3];
   QuantizeInt8Rows(x, 4, 3, 3, q, scales);
@@ -1713,13 +1711,13 @@ TEST(Int8Test, AttendInt8IsExactOverTheStoredValues) {
     bool causal;
     int64_t window;
   };
-  const Shape shapes[] = {{1, 1, 4, 4, 16, 16, true, 0},     {1, 70, 8, 2, 64, 64, true, 0},
+  const Shape shapes[] = {{1, 1, 4, 4, 16, 16, true, 0},      {1, 70, 8, 2, 64, 64, true, 0},
                           {3, 130, 8, 8, 128, 128, true, 0},  {16, 200, 32, 8, 128, 128, true, 32},
                           {40, 90, 4, 1, 64, 48, true, 0},    {5, 33, 6, 3, 24, 40, false, 7},
                           {2, 300, 32, 8, 128, 128, false, 0}};
   for (const Shape& c : shapes) {
-    SCOPED_TRACE(absl::StrCat("q ", c.q_len, " k ", c.k_len, " h ", c.heads, "/", c.kv_heads,
-                              " d ", c.d, " dv ", c.dv, " window ", c.window));
+    SCOPED_TRACE(absl::StrCat("q ", c.q_len, " k ", c.k_len, " h ", c.heads, "/", c.kv_heads, " d ",
+                              c.d, " dv ", c.dv, " window ", c.window));
     Tensor q = RandomTensor(DType::kF32, {1, c.q_len, c.heads, c.d}, 1);
     Tensor k = RandomTensor(DType::kF32, {1, c.k_len, c.kv_heads, c.d}, 2);
     Tensor v = RandomTensor(DType::kF32, {1, c.k_len, c.kv_heads, c.dv}, 3);
@@ -1808,7 +1806,8 @@ TEST(Int8Test, BadViewsAreRefused) {
 }
 
 // K/V [1, S, kvh, dim] (f32, bf16 or int8 rows with scales) cut into pages
-// of `page_tokens` tokens, each page its own allocation.
+// of `page_tokens` tokens, each page its own allocation, its rows
+// token-major or head-major.
 struct Pages {
   std::vector<std::vector<char>> k, v;
   std::vector<std::vector<float>> ks, vs;
@@ -1819,23 +1818,33 @@ struct Pages {
 
 Pages MakePages(PagedKvView::Type type, const void* k, const void* v, const float* k_scale,
                 const float* v_scale, int64_t seq, int64_t kvh, int64_t d, int64_t dv,
-                int64_t page_tokens) {
+                int64_t page_tokens, bool head_major = false) {
   Pages p;
   const int64_t es = type == PagedKvView::Type::kF32 ? 4 : type == PagedKvView::Type::kBF16 ? 2 : 1;
   const int64_t pages = (seq + page_tokens - 1) / page_tokens;
   for (int64_t n = 0; n < pages; ++n) {
-    const int64_t t0 = n * page_tokens, rows = std::min(page_tokens, seq - t0) * kvh;
+    const int64_t t0 = n * page_tokens, tokens = std::min(page_tokens, seq - t0);
     // Full-size pages; the rows past seq hold garbage that must never be read.
     p.k.emplace_back(page_tokens * kvh * d * es, static_cast<char>(0x7f));
     p.v.emplace_back(page_tokens * kvh * dv * es, static_cast<char>(0x7f));
-    std::memcpy(p.k.back().data(), static_cast<const char*>(k) + t0 * kvh * d * es, rows * d * es);
-    std::memcpy(p.v.back().data(), static_cast<const char*>(v) + t0 * kvh * dv * es,
-                rows * dv * es);
-    if (type == PagedKvView::Type::kInt8) {
+    const bool int8 = type == PagedKvView::Type::kInt8;
+    if (int8) {
       p.ks.emplace_back(page_tokens * kvh, 1e30f);
       p.vs.emplace_back(page_tokens * kvh, 1e30f);
-      std::copy(k_scale + t0 * kvh, k_scale + t0 * kvh + rows, p.ks.back().begin());
-      std::copy(v_scale + t0 * kvh, v_scale + t0 * kvh + rows, p.vs.back().begin());
+    }
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t j = 0; j < kvh; ++j) {
+        const int64_t from = (t0 + t) * kvh + j;
+        const int64_t to = head_major ? j * page_tokens + t : t * kvh + j;
+        std::memcpy(p.k.back().data() + to * d * es, static_cast<const char*>(k) + from * d * es,
+                    d * es);
+        std::memcpy(p.v.back().data() + to * dv * es, static_cast<const char*>(v) + from * dv * es,
+                    dv * es);
+        if (int8) {
+          p.ks.back()[to] = k_scale[from];
+          p.vs.back()[to] = v_scale[from];
+        }
+      }
     }
   }
   for (int64_t n = 0; n < pages; ++n) {
@@ -1856,15 +1865,19 @@ Pages MakePages(PagedKvView::Type type, const void* k, const void* v, const floa
   p.view.kv_heads = kvh;
   p.view.head_dim = d;
   p.view.v_dim = dv;
+  if (head_major) {
+    p.view.token_rows = 1;
+    p.view.head_rows = page_tokens;
+  }
   return p;
 }
 
 // Pages give the bytes of one tensor: AttendPaged over f32 and bf16 pages
 // equals Attend over the same rows as one tensor, and over int8 pages
 // AttendInt8 over one contiguous view, bit for bit, for page sizes 8, 16
-// and 24 and one page; on the decode path (1 and 3 queries, MHA and GQA,
-// windows that start inside a page and an 8-key block, soft-cap) and the
-// prefill path (40 queries); alone and in a batched pass.
+// and 24 and one page, token-major and head-major; on the decode path (1 and 3 queries, MHA and
+// GQA, windows that start inside a page and an 8-key block, soft-cap) and the prefill path (40
+// queries); alone and in a batched pass.
 TEST(PagedTest, PagesGiveTheBytesOfOneTensor) {
   struct Shape {
     int64_t q_len, k_len, heads, kv_heads, d, window;
@@ -1891,42 +1904,45 @@ TEST(PagedTest, PagesGiveTheBytesOfOneTensor) {
       o.num_threads = 2;
       Tensor want = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.d}).value();
       if (type == PagedKvView::Type::kInt8) {
-        ASSERT_TRUE(AttendInt8(q.cview(), rows.View(c.k_len, c.kv_heads, c.d, c.d), c.k_len, o,
-                               want.view())
-                        .ok());
+        ASSERT_TRUE(
+            AttendInt8(q.cview(), rows.View(c.k_len, c.kv_heads, c.d, c.d), c.k_len, o, want.view())
+                .ok());
       } else {
         ASSERT_TRUE(Attend(q.cview(), k.cview(), v.cview(), o, want.view()).ok());
       }
       for (int64_t page_tokens : {int64_t{8}, int64_t{16}, int64_t{24}, c.k_len}) {
-        SCOPED_TRACE(absl::StrFormat("q_len %d k_len %d heads %d/%d d %d window %d type %d "
-                                     "page_tokens %d",
-                                     c.q_len, c.k_len, c.heads, c.kv_heads, c.d, c.window,
-                                     static_cast<int>(type), page_tokens));
-        const bool int8 = type == PagedKvView::Type::kInt8;
-        Pages pages = MakePages(type, int8 ? static_cast<const void*>(rows.k.data()) : k.data<char>(),
-                                int8 ? static_cast<const void*>(rows.v.data()) : v.data<char>(),
-                                rows.k_scale.data(), rows.v_scale.data(), c.k_len, c.kv_heads,
-                                c.d, c.d, page_tokens);
-        Tensor got = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.d}).value();
-        ASSERT_TRUE(AttendPaged(q.cview(), pages.view, c.k_len, o, got.view()).ok());
-        EXPECT_EQ(std::memcmp(got.data<char>(), want.data<char>(), want.byte_size()), 0);
-        // Batched with a tensor job.
-        Tensor batched = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.d}).value();
-        Tensor other = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.d}).value();
-        std::vector<AttentionJob> jobs(2);
-        jobs[0].q = q.cview();
-        jobs[0].k = k.cview();
-        jobs[0].v = v.cview();
-        jobs[0].options = o;
-        jobs[0].out = other.view();
-        jobs[1].q = q.cview();
-        jobs[1].paged = &pages.view;
-        jobs[1].cache_length = c.k_len;
-        jobs[1].options = o;
-        jobs[1].out = batched.view();
-        AttendBatch(absl::MakeSpan(jobs), 2);
-        ASSERT_TRUE(jobs[1].status.ok()) << jobs[1].status;
-        EXPECT_EQ(std::memcmp(batched.data<char>(), want.data<char>(), want.byte_size()), 0);
+        for (bool head_major : {false, true}) {
+          SCOPED_TRACE(
+              absl::StrFormat("q_len %d k_len %d heads %d/%d d %d window %d type %d "
+                              "page_tokens %d head_major %d",
+                              c.q_len, c.k_len, c.heads, c.kv_heads, c.d, c.window,
+                              static_cast<int>(type), page_tokens, head_major));
+          const bool int8 = type == PagedKvView::Type::kInt8;
+          Pages pages = MakePages(
+              type, int8 ? static_cast<const void*>(rows.k.data()) : k.data<char>(),
+              int8 ? static_cast<const void*>(rows.v.data()) : v.data<char>(), rows.k_scale.data(),
+              rows.v_scale.data(), c.k_len, c.kv_heads, c.d, c.d, page_tokens, head_major);
+          Tensor got = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.d}).value();
+          ASSERT_TRUE(AttendPaged(q.cview(), pages.view, c.k_len, o, got.view()).ok());
+          EXPECT_EQ(std::memcmp(got.data<char>(), want.data<char>(), want.byte_size()), 0);
+          // Batched with a tensor job.
+          Tensor batched = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.d}).value();
+          Tensor other = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.d}).value();
+          std::vector<AttentionJob> jobs(2);
+          jobs[0].q = q.cview();
+          jobs[0].k = k.cview();
+          jobs[0].v = v.cview();
+          jobs[0].options = o;
+          jobs[0].out = other.view();
+          jobs[1].q = q.cview();
+          jobs[1].paged = &pages.view;
+          jobs[1].cache_length = c.k_len;
+          jobs[1].options = o;
+          jobs[1].out = batched.view();
+          AttendBatch(absl::MakeSpan(jobs), 2);
+          ASSERT_TRUE(jobs[1].status.ok()) << jobs[1].status;
+          EXPECT_EQ(std::memcmp(batched.data<char>(), want.data<char>(), want.byte_size()), 0);
+        }
       }
     }
   }
@@ -1939,8 +1955,8 @@ TEST(PagedTest, BadViewsAreRefused) {
   Tensor out = Tensor::Create(DType::kF32, {1, 1, 4, 16}).value();
   AttentionOptions o;
   o.causal = true;
-  Pages pages = MakePages(PagedKvView::Type::kF32, k.data<char>(), v.data<char>(), nullptr, nullptr, 40, 2, 16,
-                          16, 16);
+  Pages pages = MakePages(PagedKvView::Type::kF32, k.data<char>(), v.data<char>(), nullptr, nullptr,
+                          40, 2, 16, 16, 16);
   ASSERT_TRUE(AttendPaged(q.cview(), pages.view, 40, o, out.view()).ok());
   EXPECT_EQ(AttendPaged(q.cview(), pages.view, 49, o, out.view()).code(),
             absl::StatusCode::kOutOfRange);
@@ -1954,6 +1970,11 @@ TEST(PagedTest, BadViewsAreRefused) {
             absl::StatusCode::kInvalidArgument);
   bad = pages.view;
   bad.type = PagedKvView::Type::kInt8;  // no scales
+  EXPECT_EQ(AttendPaged(q.cview(), bad, 40, o, out.view()).code(),
+            absl::StatusCode::kInvalidArgument);
+  bad = pages.view;
+  bad.token_rows = 2;  // neither token-major nor head-major
+  bad.head_rows = 1;
   EXPECT_EQ(AttendPaged(q.cview(), bad, 40, o, out.view()).code(),
             absl::StatusCode::kInvalidArgument);
   bad = pages.view;
@@ -2008,12 +2029,11 @@ TEST(BF16ContractTest, SixteenAndSeventeenQueriesRoundTheSameValues) {
             << q_len << " queries";
       }
       // The 16 shared rows agree between the two calls.
-      EXPECT_TRUE(AllClose(ToDoubles(out[0].cview()),
-                           ToDoubles(out[1].cview().Slice(1, 0, 16)), 2 * kBF16ContractTol));
+      EXPECT_TRUE(AllClose(ToDoubles(out[0].cview()), ToDoubles(out[1].cview().Slice(1, 0, 16)),
+                           2 * kBF16ContractTol));
     }
   }
 }
-
 
 // The error table (issue 14's closing note), attention side: schemes at
 // query positions up to 1e6 against the fp64 reference, on both kernels,
