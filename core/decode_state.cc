@@ -200,11 +200,11 @@ absl::Status DecodeState::MakeWritable(int64_t from, int64_t to) {
       pages_[n] = std::move(page);
     }
   }
-  RebuildView();
+  RebuildView(static_cast<size_t>(first));  // pages before `first` are as they were
   return absl::OkStatus();
 }
 
-void DecodeState::RebuildView() {
+void DecodeState::RebuildView(size_t from) {
   const bool int8 = storage_ == Storage::kInt8;
   const PageLayout l = LayoutOf(config_, int8);
   const size_t n = pages_.size();
@@ -212,7 +212,7 @@ void DecodeState::RebuildView() {
   v_pages_.resize(n);
   k_scales_.resize(int8 ? n : 0);
   v_scales_.resize(int8 ? n : 0);
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = from; i < n; ++i) {
     const Page& page = *pages_[i];
     k_pages_[i] = page.part[0];
     v_pages_[i] = page.part[1];

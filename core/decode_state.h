@@ -180,7 +180,8 @@ class DecodeState {
   // Paged storage: makes the pages covering tokens [from, to) exist and this
   // state's alone (copying a shared one first), then refreshes the view.
   absl::Status MakeWritable(int64_t from, int64_t to);
-  void RebuildView();
+  // Refreshes the view; pages before `from` are unchanged since the last.
+  void RebuildView(size_t from = 0);
   // Writes rows [1, T, kv_heads, dim] of any dtype and strides (int8: f32
   // contiguous, quantized here) as tokens at .. at + T - 1 of the pages.
   absl::Status WritePaged(const ConstTensorView& rows, bool keys, int64_t at);
