@@ -10,6 +10,7 @@
 #include <set>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
@@ -35,77 +36,104 @@ absl::Status CheckStepTensor(const ConstTensorView& t, const std::string& name, 
 
 namespace {
 
-// Pages are carved from 2 MiB slabs backed by transparent huge pages where
-// the kernel offers them: a decode streams every page, and over 4 KiB pages
-// it takes a TLB miss every 4 KiB (measured: the GQA decode at 4k context
-// ran ~25% slower over separately allocated 128 KiB pages than over one
-// huge-page tensor, and as fast over slabs). One arena per page size; a
-// slab goes back to the system when its last page is freed, except one
-// empty slab per size kept so a session stepping across a page boundary
-// does not map and unmap each time. Thread-safe: pages are freed by
-// whichever thread drops the last holder.
+// Large page parts are carved from 2 MiB slabs backed by transparent huge
+// pages where the kernel offers them: a decode streams every page, and over
+// 4 KiB pages it takes a TLB miss every 4 KiB (measured: the GQA decode at
+// 4k context ran ~25% slower over separately allocated 128 KiB pages than
+// over one huge-page tensor, and as fast over slabs). One arena per part
+// size and stream, at most kMaxArenas of them (sizes are the client's
+// choice: later sizes, and parts under kMinSlabPart, are plain
+// allocations). A freed part's whole 4 KiB pages go back to the system at
+// once (MADV_DONTNEED), so a slab that keeps a few live parts holds little
+// more than them, and a slab is unmapped when its last part is freed.
+// Thread-safe: parts are freed by whichever thread drops the last holder.
 class PageArena {
  public:
   static constexpr int64_t kSlab = int64_t{2} << 20;
+  static constexpr int64_t kMinSlabPart = int64_t{16} << 10;
+  static constexpr size_t kMaxArenas = 64;
 
-  // `stream`: pages read in one pass share an arena (K parts apart from V
-  // parts, even of the same size).
-  static PageArena& For(int64_t bytes, int stream) {
+  // The arena for parts of `bytes` read in one pass (`stream`: K parts
+  // apart from V parts, even of the same size); null: plain allocations.
+  static PageArena* For(int64_t bytes, int stream) {
+    if (bytes < kMinSlabPart || bytes > kSlab) return nullptr;
     static absl::Mutex mu(absl::kConstInit);
     static auto* arenas = new std::map<std::pair<int64_t, int>, std::unique_ptr<PageArena>>();
     absl::MutexLock lock(&mu);
-    std::unique_ptr<PageArena>& a = (*arenas)[{bytes, stream}];
-    if (!a) a.reset(new PageArena(bytes));
-    return *a;
+    auto it = arenas->find({bytes, stream});
+    if (it != arenas->end()) return it->second.get();
+    if (arenas->size() >= kMaxArenas) return nullptr;
+    auto& a = (*arenas)[{bytes, stream}];
+    a.reset(new PageArena(bytes));
+    return a.get();
   }
-
   // Null when memory runs out.
-  char* Get() {
-    if (bytes_ > kSlab) return Map(bytes_);
-    absl::MutexLock lock(&mu_);
-    if (open_.empty()) {
-      char* base = Map(kSlab);
-      if (base == nullptr) return nullptr;
-      Slab& slab = slabs_[base];
-      for (int64_t i = kSlab / bytes_ - 1; i >= 0; --i) slab.free.push_back(base + i * bytes_);
-      open_.insert(base);
-      ++empty_;
-    }
-    char* base = *open_.begin();
-    Slab& slab = slabs_[base];
-    if (slab.used++ == 0) --empty_;
-    char* page = slab.free.back();
-    slab.free.pop_back();
-    if (slab.free.empty()) open_.erase(base);
-    return page;
+  static char* Get(int64_t bytes, int stream) {
+    if (PageArena* a = For(bytes, stream)) return a->Take();
+    return static_cast<char*>(std::aligned_alloc(64, bytes));
   }
-
-  void Put(char* page) {
-    if (bytes_ > kSlab) {
-      std::free(page);
-      return;
-    }
-    char* base = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(page) & ~(kSlab - 1));
-    absl::MutexLock lock(&mu_);
-    Slab& slab = slabs_[base];
-    slab.free.push_back(page);
-    open_.insert(base);
-    if (--slab.used == 0 && ++empty_ > 1) {
-      open_.erase(base);
-      slabs_.erase(base);
-      --empty_;
-      std::free(base);
+  static void Put(char* part, int64_t bytes, int stream) {
+    if (PageArena* a = For(bytes, stream)) {
+      a->Give(part);
+    } else {
+      std::free(part);
     }
   }
 
  private:
   explicit PageArena(int64_t bytes) : bytes_(bytes) {}
-  static char* Map(int64_t bytes) {
-    const int64_t rounded = (bytes + kSlab - 1) / kSlab * kSlab;
-    void* p = std::aligned_alloc(kSlab, rounded);
-    if (p != nullptr) madvise(p, rounded, MADV_HUGEPAGE);
-    return static_cast<char*>(p);
+
+  char* Take() {
+    absl::MutexLock lock(&mu_);
+    if (open_.empty()) {
+      char* base = MapSlab();
+      if (base == nullptr) return nullptr;
+      Slab& slab = slabs_[base];
+      for (int64_t i = kSlab / bytes_ - 1; i >= 0; --i) slab.free.push_back(base + i * bytes_);
+      open_.insert(base);
+    }
+    char* base = *open_.begin();
+    Slab& slab = slabs_[base];
+    ++slab.used;
+    char* part = slab.free.back();
+    slab.free.pop_back();
+    if (slab.free.empty()) open_.erase(base);
+    return part;
   }
+
+  void Give(char* part) {
+    char* base = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(part) & ~(kSlab - 1));
+    absl::MutexLock lock(&mu_);
+    Slab& slab = slabs_[base];
+    if (--slab.used == 0) {
+      open_.erase(base);
+      slabs_.erase(base);
+      munmap(base, kSlab);
+      return;
+    }
+    // Its whole 4 KiB pages back to the system; a later Take faults them in.
+    constexpr uintptr_t kPage = 4096;
+    const uintptr_t lo = (reinterpret_cast<uintptr_t>(part) + kPage - 1) & ~(kPage - 1);
+    const uintptr_t hi = (reinterpret_cast<uintptr_t>(part) + bytes_) & ~(kPage - 1);
+    if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+    slab.free.push_back(part);
+    open_.insert(base);
+  }
+
+  // A 2 MiB-aligned 2 MiB mapping (twice the size mapped, the rest unmapped).
+  static char* MapSlab() {
+    void* p = mmap(nullptr, 2 * kSlab, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return nullptr;
+    const uintptr_t start = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t base = (start + kSlab - 1) & ~static_cast<uintptr_t>(kSlab - 1);
+    if (base > start) munmap(p, base - start);
+    if (start + 2 * kSlab > base + kSlab) {
+      munmap(reinterpret_cast<void*>(base + kSlab), start + 2 * kSlab - (base + kSlab));
+    }
+    madvise(reinterpret_cast<void*>(base), kSlab, MADV_HUGEPAGE);
+    return reinterpret_cast<char*>(base);
+  }
+
   struct Slab {
     std::vector<char*> free;
     int64_t used = 0;
@@ -113,8 +141,7 @@ class PageArena {
   const int64_t bytes_;
   absl::Mutex mu_;
   std::map<char*, Slab> slabs_ ABSL_GUARDED_BY(mu_);
-  std::set<char*> open_ ABSL_GUARDED_BY(mu_);  // slabs with a free page
-  int64_t empty_ ABSL_GUARDED_BY(mu_) = 0;     // slabs with no page in use
+  std::set<char*> open_ ABSL_GUARDED_BY(mu_);  // slabs with a free part
 };
 
 }  // namespace
@@ -134,7 +161,7 @@ struct DecodeState::Page {
   Page& operator=(const Page&) = delete;
   ~Page() {
     for (int i = 0; i < 2; ++i) {
-      if (part[i] != nullptr) PageArena::For(part_bytes[i], i).Put(part[i]);
+      if (part[i] != nullptr) PageArena::Put(part[i], part_bytes[i], i);
     }
     if (payer) payer->Refund(part_bytes[0] + part_bytes[1]);
   }
@@ -171,6 +198,10 @@ absl::Status DecodeState::MakeWritable(int64_t from, int64_t to) {
   const PageLayout l = LayoutOf(config_, storage_ == Storage::kInt8);
   const int64_t bytes = l.total();
   const int64_t first = from / kPageTokens, end = (to + kPageTokens - 1) / kPageTokens;
+  // On every exit, an error half way included: pages from `first` on may
+  // have been replaced, and the view must not keep pointing at the old ones
+  // (their other holders may free them).
+  absl::Cleanup refresh = [this, first] { RebuildView(static_cast<size_t>(first)); };
   for (int64_t n = first; n < end; ++n) {
     const bool missing = n >= static_cast<int64_t>(pages_.size());
     if (!missing && pages_[n].use_count() == 1) {
@@ -184,7 +215,7 @@ absl::Status DecodeState::MakeWritable(int64_t from, int64_t to) {
     page->payer = charger_;
     for (int i = 0; i < 2; ++i) {
       page->part_bytes[i] = l.part(i == 0);
-      page->part[i] = PageArena::For(page->part_bytes[i], i).Get();
+      page->part[i] = PageArena::Get(page->part_bytes[i], i);
     }
     if (page->part[0] == nullptr || page->part[1] == nullptr) {
       return absl::ResourceExhaustedError(
@@ -200,8 +231,7 @@ absl::Status DecodeState::MakeWritable(int64_t from, int64_t to) {
       pages_[n] = std::move(page);
     }
   }
-  RebuildView(static_cast<size_t>(first));  // pages before `first` are as they were
-  return absl::OkStatus();
+  return absl::OkStatus();  // `refresh` runs: pages before `first` are as they were
 }
 
 void DecodeState::RebuildView(size_t from) {
@@ -666,10 +696,21 @@ absl::Status DecodeState::CopyFrom(const DecodeState& other) {
   } else if (kv_) {
     RA_RETURN_IF_ERROR(kv_->CopyFrom(*other.kv_, n));
   } else {
-    // Shared, not copied: the pages that hold other's n tokens.
+    // The full pages that hold other's n tokens are shared, not copied. A
+    // partly filled last page is copied now, paid by this state: so the
+    // source, writing its next token there, never has to (docs/kv-memory.md).
+    // Under a length-dependent rule every cached key is rewritten when the
+    // frequencies change, so nothing stays shared: all pages are copied.
     const size_t used = static_cast<size_t>((n + kPageTokens - 1) / kPageTokens);
     pages_.assign(other.pages_.begin(), other.pages_.begin() + std::min(used, other.pages_.size()));
     RebuildView();
+    const int64_t own_from = LengthDependent() ? 0 : n / kPageTokens * kPageTokens;
+    absl::Status copied = MakeWritable(own_from, n);
+    if (!copied.ok()) {
+      pages_.clear();
+      RebuildView();
+      return copied;
+    }
   }
   if (k_raw_.num_elements() > 0) {
     RA_RETURN_IF_ERROR(CopyRows(other.k_raw_.cview().Slice(1, 0, n), k_raw_.view().Slice(1, 0, n)));

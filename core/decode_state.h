@@ -147,9 +147,12 @@ class DecodeState {
   absl::Status Truncate(int64_t position);
   // Takes `other`'s history (a fork); `other` must have this config's
   // shapes and storage (InvalidArgument otherwise). Paged storage shares
-  // other's pages (nothing is copied until one side writes into a shared
-  // page: at most the one partly filled page, kPageTokens - 1 tokens); a
-  // KvCache, raw keys and linear sums are copied.
+  // other's full pages and copies its partly filled last one (at most
+  // kPageTokens - 1 tokens, charged to this state: a charge refused is
+  // returned, this state left empty); a shared page is copied again only by
+  // a side that truncates into it and writes. Under a length-dependent RoPE
+  // rule every page is copied (its keys are rewritten when the frequencies
+  // change). A KvCache, raw keys and linear sums are copied.
   absl::Status CopyFrom(const DecodeState& other);
   // Bytes held by the storage, shared pages included.
   int64_t byte_size() const;

@@ -130,13 +130,15 @@ int64_t FixedBytes(const SessionConfig& c) {
 }  // namespace
 
 Session::Session(std::string id, std::string owner, std::shared_ptr<const SessionConfig> config,
-                 bool resumable, absl::Duration idle_ttl, MemoryBudget::Reservation held)
+                 bool resumable, absl::Duration idle_ttl, MemoryBudget::Reservation held,
+                 int64_t quota_bytes)
     : id_(std::move(id)),
       owner_(std::move(owner)),
       config_(std::move(config)),
       resumable_(resumable),
       idle_ttl_(idle_ttl),
-      kv_bytes_(held.bytes()) {
+      kv_bytes_(held.bytes()),
+      quota_bytes_(quota_bytes) {
   const int64_t fixed = FixedBytes(*config_);
   {
     absl::MutexLock lock(&mu_);
@@ -189,6 +191,14 @@ void Session::End(absl::Status status) {
     FreeStateLocked();
     mu_.Unlock();
   }
+}
+
+Session::~Session() {
+  // A session dropped without FreeStateLocked (the last reference went
+  // while an operation held the state): its reservation shrinks to the
+  // pages forks still hold.
+  absl::MutexLock lock(&mu_);
+  FreeStateLocked();
 }
 
 void Session::FreeStateLocked() {
@@ -335,6 +345,10 @@ absl::Status Session::Truncate(int64_t position) {
 absl::Status Session::Import(ConstTensorView k, ConstTensorView v, DecodeState::KeyForm form,
                              const std::string& names) {
   absl::MutexLock lock(&mu_);
+  // Closed while this ran (End could not free the state): freed here.
+  absl::Cleanup free_if_ended = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (!Ended().ok()) FreeStateLocked();
+  };
   {
     absl::MutexLock meta(&meta_mu_);
     RA_RETURN_IF_ERROR(ended_);
@@ -348,6 +362,9 @@ absl::Status Session::Import(ConstTensorView k, ConstTensorView v, DecodeState::
 
 absl::StatusOr<DecodeState::Exported> Session::Export() {
   absl::MutexLock lock(&mu_);
+  absl::Cleanup free_if_ended = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (!Ended().ok()) FreeStateLocked();
+  };
   {
     absl::MutexLock meta(&meta_mu_);
     RA_RETURN_IF_ERROR(ended_);
@@ -417,6 +434,7 @@ SessionManager::Ticket& SessionManager::Ticket::operator=(Ticket&& other) noexce
     ttl_ = other.ttl_;
     owner_ = std::move(other.owner_);
     held_ = std::move(other.held_);
+    quota_bytes_ = other.quota_bytes_;
   }
   return *this;
 }
@@ -430,7 +448,7 @@ void SessionManager::ReleaseTicket(Ticket* ticket) {
     absl::MutexLock lock(&mu_);
     --reserved_sessions_;
     kv_in_use_ -= ticket->held_.bytes();
-    UncountLocked(ticket->owner_, ticket->held_.bytes());
+    UncountLocked(ticket->owner_, ticket->quota_bytes_);
     PublishLocked();
   }
   ticket->manager_ = nullptr;
@@ -450,6 +468,9 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
     std::shared_ptr<const SessionConfig> config, bool resumable, absl::Duration ttl,
     const Principal& owner, int64_t discount) {
   Cost cost = SessionOpenCost(SessionDimsOf(*config));
+  // The owner's quota counts the whole state; the budget, less the pages a
+  // fork shares (they are held, and paid, once).
+  const int64_t quota_bytes = cost.held_bytes;
   cost.held_bytes = std::max<int64_t>(FixedBytes(*config), cost.held_bytes - discount);
   Ticket ticket;
   absl::MutexLock lock(&mu_);
@@ -472,12 +493,12 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
           "close one first",
           QuoteForMessage(owner.name), options_.principal_max_sessions));
     }
-    if (cost.held_bytes > options_.principal_memory_bytes - usage.bytes) {
+    if (quota_bytes > options_.principal_memory_bytes - usage.bytes) {
       if (metrics_ != nullptr) metrics_->RecordQuotaRefused("memory");
       return absl::ResourceExhaustedError(absl::StrFormat(
           "principal %s: the session's %s needs %d bytes, but only %d of its quota of %d "
           "(--principal_memory_bytes) are free; lower max_context or close sessions",
-          QuoteForMessage(owner.name), cost.held_what, cost.held_bytes,
+          QuoteForMessage(owner.name), cost.held_what, quota_bytes,
           std::max<int64_t>(0, options_.principal_memory_bytes - usage.bytes),
           options_.principal_memory_bytes));
     }
@@ -493,7 +514,8 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
   ++reserved_sessions_;
   Usage& counted = usage_[owner.name];
   ++counted.sessions;
-  counted.bytes += ticket.held_.bytes();
+  counted.bytes += quota_bytes;
+  ticket.quota_bytes_ = quota_bytes;
   ticket.owner_ = owner.name;
   ticket.manager_ = this;
   ticket.config_ = std::move(config);
@@ -522,9 +544,12 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveFork(
   // The full pages the fork will share are not charged again: it holds
   // room for the rest of max_context (a partly filled last page is copied
   // on its first write, so it is charged).
+  // (Under a length-dependent RoPE rule a fork copies every page: no
+  // discount.)
   const SessionDims d = SessionDimsOf(*source->config_);
   const int64_t discount =
-      source->position_hint() / DecodeState::kPageTokens * KvPageBytes(d);
+      d.rope_length_dependent ? 0
+                              : source->position_hint() / DecodeState::kPageTokens * KvPageBytes(d);
   return ReserveRoom(source->config_, resumable, ForkTtl(idle_ttl_seconds), owner, discount);
 }
 
@@ -533,7 +558,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {
   const int64_t bytes = ticket.held_.bytes();
   auto session =
       std::shared_ptr<Session>(new Session(NewId(), ticket.owner_, ticket.config_,
-                                           ticket.resumable_, ticket.ttl_, std::move(ticket.held_)));
+                                           ticket.resumable_, ticket.ttl_, std::move(ticket.held_),
+                                           ticket.quota_bytes_));
   // The slot now belongs to the session (or is freed below); the bytes
   // moved with the reservation.
   ticket.manager_ = nullptr;
@@ -542,7 +568,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {
   --reserved_sessions_;
   if (!st.ok()) {
     kv_in_use_ -= bytes;
-    UncountLocked(session->owner_, bytes);
+    UncountLocked(session->owner_, session->quota_bytes_);
     PublishLocked();
     return st;  // the session (and its reservation) is released here
   }
@@ -622,7 +648,7 @@ void SessionManager::EraseLocked(const std::string& id, absl::string_view reason
   std::shared_ptr<Session> s = it->second;
   sessions_.erase(it);
   kv_in_use_ -= s->kv_bytes_;
-  UncountLocked(s->owner_, s->kv_bytes_);
+  UncountLocked(s->owner_, s->quota_bytes_);
   s->End(ended);  // frees its memory now, or as its running step ends
   ended_[id] = Ended{ended, s->owner_};
   ended_order_.push_back(id);

@@ -100,6 +100,7 @@ struct SessionStep {
 
 class Session {
  public:
+  ~Session();
   const std::string& id() const { return id_; }
   // The principal that opened (or forked) it: only it may use the session.
   const std::string& owner() const { return owner_; }
@@ -135,7 +136,8 @@ class Session {
  private:
   friend class SessionManager;
   Session(std::string id, std::string owner, std::shared_ptr<const SessionConfig> config,
-          bool resumable, absl::Duration idle_ttl, MemoryBudget::Reservation held);
+          bool resumable, absl::Duration idle_ttl, MemoryBudget::Reservation held,
+          int64_t quota_bytes);
   absl::Status Allocate();
   // Copies another session's history (a fork); both must share the config.
   absl::Status CopyStateFrom(Session& other);
@@ -160,6 +162,11 @@ class Session {
   const bool resumable_;
   const absl::Duration idle_ttl_;
   const int64_t kv_bytes_;
+  // Counted against the owner's quota: the full state, a fork's shared pages
+  // included (a fork may come to hold all its pages alone, and every page is
+  // paid by some session of the same owner), so the quota bounds what the
+  // owner's sessions hold whatever they share.
+  const int64_t quota_bytes_;
   std::atomic<int64_t> position_hint_{0};
   // Bytes of the pages the state holds and of those shared with other
   // sessions, as of its last operation (read without the state's lock).
@@ -224,6 +231,7 @@ class SessionManager {
     absl::Duration ttl_;
     std::string owner_;
     MemoryBudget::Reservation held_;
+    int64_t quota_bytes_ = 0;  // counted against the owner's quota
   };
   // ResourceExhausted (naming max_sessions, the memory budget, or the
   // owner's quota) when the room is not there. The new session will belong

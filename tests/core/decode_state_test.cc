@@ -393,8 +393,10 @@ class CountingCharger : public KvPageCharger {
 };
 
 // Forks share pages: 8 forks of a 100-token state, 3 new tokens each, hold
-// the parent's 7 pages once plus one page each (the shared, partly filled
-// last page, copied once by each writer); every fork and the parent go on
+// the parent's 7 pages once plus one page each (the partly filled last
+// page, copied by each fork as it forks, so the parent never copies it);
+// a fork that cannot pay for that copy fails and holds nothing; every fork
+// and the parent go on
 // exactly (bit for bit) as states that never shared anything; truncating
 // into a shared page and writing there leaves the others untouched; pages
 // are refunded when their last holder drops them; a charge that fails
@@ -430,8 +432,18 @@ TEST(DecodeStateTest, ForksSharePagesCopyOnWriteAndStayExact) {
       ASSERT_TRUE(forks.back().CopyFrom(parent).ok());
       news.push_back(RandomStep(c, 3, 600 + 10 * f));
     }
-    EXPECT_EQ(charger->live, 7 * page);  // nothing copied by forking
-    EXPECT_EQ(forks[0].shared_bytes(), 7 * page);
+    // Each fork copied the partly filled page 6; pages 0-5 are shared.
+    EXPECT_EQ(charger->live, 15 * page);
+    EXPECT_EQ(forks[0].shared_bytes(), 6 * page);
+    {
+      auto poor = std::make_shared<CountingCharger>();
+      poor->limit = 0;
+      DecodeState refused = DecodeState::Create(c).value();
+      refused.set_page_charger(poor);
+      EXPECT_EQ(refused.CopyFrom(parent).code(), absl::StatusCode::kResourceExhausted);
+      EXPECT_EQ(refused.byte_size(), 0);
+      EXPECT_EQ(poor->live, 0);
+    }
     for (int f = 0; f < 8; ++f) {
       Tensor got = Tensor::Create(DType::kF32, {1, 3, c.heads, c.v_dim}).value();
       ASSERT_TRUE(forks[f].Step(news[f].q.cview(), news[f].k.cview(), news[f].v.cview(),
@@ -457,8 +469,7 @@ TEST(DecodeStateTest, ForksSharePagesCopyOnWriteAndStayExact) {
     Tensor want = Tensor::Create(DType::kF32, {1, 2, c.heads, c.v_dim}).value();
     ASSERT_TRUE(twin.Step(next.q.cview(), next.k.cview(), next.v.cview(), want.view(), 2).ok());
     EXPECT_TRUE(SameBytes(got, want));
-    // Every fork copied page 6, so the parent holds its original alone and
-    // writes into it without a copy.
+    // The parent holds its page 6 alone and writes into it without a copy.
     EXPECT_EQ(charger->live, 15 * page);
     // A fork truncated into a shared page (page 2) writes its own copy.
     ASSERT_TRUE(forks[1].Truncate(40).ok());

@@ -620,6 +620,52 @@ TEST_F(SecurityTest, QuotasBindOnePrincipalAndNotAnother) {
   for (auto& s : bob) EXPECT_TRUE(s->Finish().ok());
 }
 
+// A fork counts its whole state against its owner's quota, though the
+// budget is charged only for what it does not share: a fork may come to hold
+// all its pages alone (truncating into the shared part and writing), and a
+// quota must bound that.
+TEST_F(SecurityTest, AForkCountsItsWholeStateAgainstTheQuota) {
+  server::ServerOptions o = TokenOptions();
+  o.principal_memory_bytes = 1 << 20;
+  const int port = Start(o);
+  ASSERT_GT(port, 0);
+  v1::DecodeResponse r;
+  // 5000 tokens x 2 heads x (8 + 8) dims x 4 bytes: 0.6 of the quota,
+  // opened holding 4992 tokens (312 full pages a fork would share, so the
+  // budget would charge a fork only 8 tokens' page).
+  Stream s(port, As(kAliceToken));
+  {
+    v1::DecodeRequest open;
+    open.mutable_open()->mutable_spec()->set_heads(2);
+    open.mutable_open()->mutable_spec()->set_head_dim(8);
+    open.mutable_open()->set_max_context(5000);
+    v1::KvPrefix* prefix = open.mutable_open()->mutable_prefix();
+    *prefix->mutable_k() = Ones(4992, 2, 8, 0.25f);
+    *prefix->mutable_v() = Ones(4992, 2, 8, 0.5f);
+    prefix->set_key_form(v1::KEY_FORM_RAW);
+    ASSERT_TRUE(s.Call(open, &r));
+    ASSERT_TRUE(r.has_opened()) << r.DebugString();
+    EXPECT_EQ(r.opened().position(), 4992);
+  }
+  ASSERT_TRUE(s.Step(1, 0.25f, &r));
+  ASSERT_TRUE(r.has_step()) << r.DebugString();
+  v1::DecodeRequest fork;
+  fork.mutable_fork()->set_seq(2);
+  ASSERT_TRUE(s.Call(fork, &r));
+  ASSERT_TRUE(r.has_error()) << r.DebugString();
+  EXPECT_EQ(r.error().code(), static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED));
+  EXPECT_THAT(r.error().message(), HasSubstr("principal_memory_bytes"));
+  // Bob, who holds nothing, forks his own session of the same size.
+  Stream b(port, As(kBobToken));
+  ASSERT_TRUE(b.Open(1000, false, &r));
+  ASSERT_TRUE(b.Step(1, 0.5f, &r));
+  fork.mutable_fork()->set_seq(2);
+  ASSERT_TRUE(b.Call(fork, &r));
+  EXPECT_TRUE(r.has_forked()) << r.DebugString();
+  EXPECT_TRUE(s.Finish().ok());
+  EXPECT_TRUE(b.Finish().ok());
+}
+
 // ------------------------------------------------------------- rotation --
 
 // The certificate files are replaced (a new CA, a new key) while a stream
