@@ -682,33 +682,43 @@ constexpr int64_t PagedBlock(PagedKvView::Type type) {
   return type == PagedKvView::Type::kInt8 ? 16 : kKeyBlock;
 }
 
+// Calls fn(page, row, lo, hi, r0) for each run of ForEachKeyBlock cut at
+// page boundaries: keys [lo, hi) of kv head j start at row `row` of page
+// `page` (rows token_rows apart).
+template <PagedKvView::Type kType, typename Fn>
+inline void ForEachPagedRun(const Plan& p, const DecodeLayout& L, int64_t t0, int64_t t1, Fn fn) {
+  const int64_t P = p.paged->page_tokens, TR = p.page_token_rows, HR = p.page_head_rows;
+  ForEachKeyBlock<PagedBlock(kType)>(p, L, 0, t0, t1,
+                                     [&](int64_t j, int64_t lo0, int64_t hi0, int64_t r0) {
+                                       for (int64_t lo = lo0, hi; lo < hi0; lo = hi) {
+                                         const int64_t page = lo / P;
+                                         hi = std::min(hi0, (page + 1) * P);
+                                         fn(page, (lo - page * P) * TR + j * HR, lo, hi, r0);
+                                       }
+                                     });
+}
+
 template <PagedKvView::Type kType>
 void DecodeScoresPaged(const Plan& p, const DecodeLayout& L, const float* qf, float* scores,
                        int64_t t0, int64_t t1) {
   const PagedKvView& kv = *p.paged;
-  const int64_t d = p.head_dim, TR = p.page_token_rows, HR = p.page_head_rows, ks = TR * d;
-  const int64_t P = kv.page_tokens;
-  ForEachKeyBlock<PagedBlock(kType)>(
-      p, L, 0, t0, t1, [&](int64_t j, int64_t lo0, int64_t hi0, int64_t r0) {
-        for (int64_t lo = lo0, hi; lo < hi0; lo = hi) {
-          const int64_t page = lo / P, row = (lo - page * P) * TR + j * HR;
-          hi = std::min(hi0, (page + 1) * P);
-          const float* q = qf + r0 * d;
-          float* out = scores + r0 * L.n_max + (lo - L.ulo[0]);
-          const int64_t ss = p.q_len * L.n_max;
-          if constexpr (kType == PagedKvView::Type::kF32) {
-            internal::DotKeysRowsF32(q, p.q_len * d, p.group,
-                                     static_cast<const float*>(kv.k_pages[page]) + row * d, ks,
-                                     hi - lo, d, out, ss);
-          } else if constexpr (kType == PagedKvView::Type::kBF16) {
-            internal::DotKeysRowsBF16(q, p.q_len * d, p.group,
-                                      static_cast<const uint16_t*>(kv.k_pages[page]) + row * d, ks,
-                                      hi - lo, d, out, ss);
-          } else {
-            internal::DotKeysRowsI8(q, p.q_len * d, p.group,
-                                    static_cast<const int8_t*>(kv.k_pages[page]) + row * d, ks,
-                                    kv.k_scales[page] + row, TR, hi - lo, d, out, ss);
-          }
+  const int64_t d = p.head_dim, TR = p.page_token_rows, ks = TR * d, ss = p.q_len * L.n_max;
+  ForEachPagedRun<kType>(
+      p, L, t0, t1, [&](int64_t page, int64_t row, int64_t lo, int64_t hi, int64_t r0) {
+        const float* q = qf + r0 * d;
+        float* out = scores + r0 * L.n_max + (lo - L.ulo[0]);
+        if constexpr (kType == PagedKvView::Type::kF32) {
+          internal::DotKeysRowsF32(q, p.q_len * d, p.group,
+                                   static_cast<const float*>(kv.k_pages[page]) + row * d, ks,
+                                   hi - lo, d, out, ss);
+        } else if constexpr (kType == PagedKvView::Type::kBF16) {
+          internal::DotKeysRowsBF16(q, p.q_len * d, p.group,
+                                    static_cast<const uint16_t*>(kv.k_pages[page]) + row * d, ks,
+                                    hi - lo, d, out, ss);
+        } else {
+          internal::DotKeysRowsI8(q, p.q_len * d, p.group,
+                                  static_cast<const int8_t*>(kv.k_pages[page]) + row * d, ks,
+                                  kv.k_scales[page] + row, TR, hi - lo, d, out, ss);
         }
       });
 }
@@ -717,28 +727,23 @@ template <PagedKvView::Type kType>
 void DecodeValuesPaged(const Plan& p, const DecodeLayout& L, const float* scores, float* acc,
                        int64_t t0, int64_t t1) {
   const PagedKvView& kv = *p.paged;
-  const int64_t dv = p.v_dim, TR = p.page_token_rows, HR = p.page_head_rows, vs = TR * dv;
-  const int64_t P = kv.page_tokens;
-  ForEachKeyBlock<PagedBlock(kType)>(
-      p, L, 0, t0, t1, [&](int64_t j, int64_t lo0, int64_t hi0, int64_t r0) {
-        for (int64_t lo = lo0, hi; lo < hi0; lo = hi) {
-          const int64_t page = lo / P, row = (lo - page * P) * TR + j * HR;
-          hi = std::min(hi0, (page + 1) * P);
-          const float* w = scores + r0 * L.n_max + (lo - L.ulo[0]);
-          const int64_t ws = p.q_len * L.n_max;
-          if constexpr (kType == PagedKvView::Type::kF32) {
-            internal::WeightedSumRowsF32(w, ws, p.group,
-                                         static_cast<const float*>(kv.v_pages[page]) + row * dv, vs,
-                                         hi - lo, dv, acc + r0 * dv, p.q_len * dv);
-          } else if constexpr (kType == PagedKvView::Type::kBF16) {
-            internal::WeightedSumRowsBF16(w, ws, p.group,
-                                          static_cast<const uint16_t*>(kv.v_pages[page]) + row * dv,
-                                          vs, hi - lo, dv, acc + r0 * dv, p.q_len * dv);
-          } else {
-            internal::WeightedSumRowsI8(
-                w, ws, p.group, static_cast<const int8_t*>(kv.v_pages[page]) + row * dv, vs,
-                kv.v_scales[page] + row, TR, hi - lo, dv, acc + r0 * dv, p.q_len * dv);
-          }
+  const int64_t dv = p.v_dim, TR = p.page_token_rows, vs = TR * dv, ws = p.q_len * L.n_max;
+  ForEachPagedRun<kType>(
+      p, L, t0, t1, [&](int64_t page, int64_t row, int64_t lo, int64_t hi, int64_t r0) {
+        const float* w = scores + r0 * L.n_max + (lo - L.ulo[0]);
+        float* a = acc + r0 * dv;
+        if constexpr (kType == PagedKvView::Type::kF32) {
+          internal::WeightedSumRowsF32(w, ws, p.group,
+                                       static_cast<const float*>(kv.v_pages[page]) + row * dv, vs,
+                                       hi - lo, dv, a, p.q_len * dv);
+        } else if constexpr (kType == PagedKvView::Type::kBF16) {
+          internal::WeightedSumRowsBF16(w, ws, p.group,
+                                        static_cast<const uint16_t*>(kv.v_pages[page]) + row * dv,
+                                        vs, hi - lo, dv, a, p.q_len * dv);
+        } else {
+          internal::WeightedSumRowsI8(w, ws, p.group,
+                                      static_cast<const int8_t*>(kv.v_pages[page]) + row * dv, vs,
+                                      kv.v_scales[page] + row, TR, hi - lo, dv, a, p.q_len * dv);
         }
       });
 }
