@@ -193,13 +193,11 @@ void Session::End(absl::Status status) {
   }
 }
 
-Session::~Session() {
-  // A session dropped without FreeStateLocked (the last reference went
-  // while an operation held the state): its reservation shrinks to the
-  // pages forks still hold.
-  absl::MutexLock lock(&mu_);
-  FreeStateLocked();
-}
+// A session dropped without FreeStateLocked (the last reference went while
+// an operation held the state): its reservation shrinks to the pages forks
+// still hold. No lock: whoever held mu_ held a reference, so nobody does
+// now (and the last reference may go under the manager's lock).
+Session::~Session() ABSL_NO_THREAD_SAFETY_ANALYSIS { FreeStateLocked(); }
 
 void Session::FreeStateLocked() {
   state_.reset();
