@@ -285,12 +285,13 @@ class Driver {
           HeapMeter::Check(step_cost.transient_bytes, "Decode.Export");
         } else if (r.has_fork()) {
           const int64_t held = HeldBytes(s.session->config());
+          const int64_t source_position = s.session->position();
           HeapMeter::Start();
           auto fork = w_.sessions.Fork(s.session, std::move(s.ticket));
           HeapMeter::Check(held, "Decode.Fork");
           status = fork.status();
           if (fork.ok()) {
-            CheckHeld(**fork);
+            CheckHeld(**fork, source_position);
             FUZZ_CHECK((*fork)->position() == s.session->position(),
                        "a fork does not start at its parent's position");
             w_.sessions.Detach(*fork, /*stream_cancelled=*/false);
@@ -331,11 +332,21 @@ class Driver {
     return server::SessionOpenCost(server::SessionDimsOf(config)).held_bytes;
   }
 
-  void CheckHeld(const Session& session) {
-    const server::Cost cost = server::SessionOpenCost(server::SessionDimsOf(session.config()));
-    FUZZ_CHECK(session.kv_bytes() == cost.held_bytes,
+  // `shared_tokens`: a fork's source position (its full pages are shared
+  // and not charged again, except under a length-dependent rule).
+  void CheckHeld(const Session& session, int64_t shared_tokens = 0) {
+    const server::SessionDims d = server::SessionDimsOf(session.config());
+    const server::Cost cost = server::SessionOpenCost(d);
+    const int64_t page = server::KvPageBytes(d);
+    const int64_t fixed =
+        cost.held_bytes - (d.max_context + DecodeState::kPageTokens - 1) /
+                              DecodeState::kPageTokens * page;
+    const int64_t discount =
+        d.rope_length_dependent ? 0 : shared_tokens / DecodeState::kPageTokens * page;
+    const int64_t want = std::max(fixed, cost.held_bytes - discount);
+    FUZZ_CHECK(session.kv_bytes() == want,
                "a session holds " + std::to_string(session.kv_bytes()) +
-                   " budget bytes, its cost is " + std::to_string(cost.held_bytes));
+                   " budget bytes, its cost is " + std::to_string(want));
   }
 
   void CheckStep(const Session& session, const v1::Step& step, const v1::DecodeResponse& response,
