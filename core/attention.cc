@@ -748,6 +748,20 @@ void DecodeValuesPaged(const Plan& p, const DecodeLayout& L, const float* scores
       });
 }
 
+// Calls fn with the view's element type as a compile-time constant.
+template <typename Fn>
+inline void WithPagedType(PagedKvView::Type type, Fn fn) {
+  using T = PagedKvView::Type;
+  switch (type) {
+    case T::kF32:
+      return fn(std::integral_constant<T, T::kF32>{});
+    case T::kBF16:
+      return fn(std::integral_constant<T, T::kBF16>{});
+    case T::kInt8:
+      return fn(std::integral_constant<T, T::kInt8>{});
+  }
+}
+
 // KvCache (batch 1): per kv head, each tile of the chunk in turn is scored for
 // the query rows sharing that head (one head's tiles are one contiguous run of
 // memory); only the visible keys are copied into the score rows.
@@ -821,17 +835,9 @@ struct DecodeRun {
       if (p->cache != nullptr) {
         DecodeScoresTiles(*p, L, qf, scores, t0, t1);
       } else if (p->paged != nullptr) {
-        switch (p->paged->type) {
-          case PagedKvView::Type::kF32:
-            DecodeScoresPaged<PagedKvView::Type::kF32>(*p, L, qf, scores, t0, t1);
-            break;
-          case PagedKvView::Type::kBF16:
-            DecodeScoresPaged<PagedKvView::Type::kBF16>(*p, L, qf, scores, t0, t1);
-            break;
-          case PagedKvView::Type::kInt8:
-            DecodeScoresPaged<PagedKvView::Type::kInt8>(*p, L, qf, scores, t0, t1);
-            break;
-        }
+        WithPagedType(p->paged->type, [&](auto type) {
+          DecodeScoresPaged<decltype(type)::value>(*p, L, qf, scores, t0, t1);
+        });
       } else if (f32) {
         DecodeScoresChunk<float>(*p, L, qf, scores, b, t0, t1);
       } else {
@@ -862,17 +868,9 @@ struct DecodeRun {
       if (p->cache != nullptr) {
         DecodeValuesDense(*p, L, scores, part_acc, t0, t1);
       } else if (p->paged != nullptr) {
-        switch (p->paged->type) {
-          case PagedKvView::Type::kF32:
-            DecodeValuesPaged<PagedKvView::Type::kF32>(*p, L, scores, part_acc, t0, t1);
-            break;
-          case PagedKvView::Type::kBF16:
-            DecodeValuesPaged<PagedKvView::Type::kBF16>(*p, L, scores, part_acc, t0, t1);
-            break;
-          case PagedKvView::Type::kInt8:
-            DecodeValuesPaged<PagedKvView::Type::kInt8>(*p, L, scores, part_acc, t0, t1);
-            break;
-        }
+        WithPagedType(p->paged->type, [&](auto type) {
+          DecodeValuesPaged<decltype(type)::value>(*p, L, scores, part_acc, t0, t1);
+        });
       } else if (f32) {
         DecodeValuesChunk<float>(*p, L, scores, part_acc, b, t0, t1);
       } else {
