@@ -16,6 +16,7 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
