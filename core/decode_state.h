@@ -54,8 +54,10 @@ struct DecodeStateConfig {
   // the bias points into must outlive the state.
   AttentionOptions attention;
   // Precomputed cos/sin rows; positions past it are computed on the fly
-  // (exactly, in fp64), so this only trades memory for speed.
-  int64_t rope_table_positions = 8192;
+  // (exactly, in fp64), so this only trades memory for speed. None by
+  // default: a session rotates each position's row about twice (its q and
+  // its k), so a table built at open mostly holds rows no step has reached.
+  int64_t rope_table_positions = 0;
 };
 
 // Who pays for a state's pages (docs/kv-memory.md): Charge is called before

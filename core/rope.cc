@@ -211,6 +211,11 @@ absl::StatusOr<std::vector<int64_t>> ResolvePositions(const Positions& positions
   return out;
 }
 
+int64_t RopeTablePositionsFor(int64_t positions_spanned, int64_t rotated_tokens, int64_t cap) {
+  if (positions_spanned <= 0 || positions_spanned > rotated_tokens) return 0;
+  return std::min(positions_spanned, std::max<int64_t>(cap, 0));
+}
+
 absl::StatusOr<RopeRotator> RopeRotator::Create(const RopeConfig& config, int64_t seq_len,
                                                 int64_t table_positions) {
   RA_ASSIGN_OR_RETURN(RopeFrequencies freqs, ComputeRopeFrequencies(config, seq_len));

@@ -199,6 +199,16 @@ absl::StatusOr<std::vector<int64_t>> ResolvePositions(const Positions& positions
 
 enum class RopeDirection { kForward, kInverse };
 
+// How many cos/sin rows a rotator should precompute for a call that rotates
+// `rotated_tokens` token rows at positions below `positions_spanned`: all of
+// them (at most `cap`) when the table has no more rows than the tokens, so
+// every row is used at least about once; otherwise none, and each token's
+// row is computed as it is rotated. Either way the fp64 angle work is at
+// most rotated_tokens rows, never proportional to how high the positions
+// are (a table of 2^16 rows for one token at position 65535 took 60 ms).
+// The rows are the same values with or without a table.
+int64_t RopeTablePositionsFor(int64_t positions_spanned, int64_t rotated_tokens, int64_t cap);
+
 // A planned rotation: validated config, frequencies, and a cos/sin table for
 // positions [0, table_positions) computed once (angles in fp64, stored fp32,
 // attention factor folded in). Positions past the table are computed on the

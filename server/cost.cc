@@ -91,11 +91,10 @@ Cost AttendCost(const AttendDims& d) {
     absl::StrAppendFormat(&c.reply_what, " + probs [%d, %d, %d, %d] f32", d.batch, d.heads,
                           d.q_len, d.k_len);
   }
-  const int64_t rope_rows = std::min<int64_t>(d.rope_positions, int64_t{1} << 16);
   c.transient_bytes =
       // The request as received and its aligned copy.
       Sum({SatMul(d.wire_bytes, 2), out_bytes, SatMul(probs_el, 4), c.reply_bytes,
-           d.rope_rotary_dim > 0 ? RopeTableBytes(rope_rows, d.rope_rotary_dim) : 0,
+           d.rope_rotary_dim > 0 ? RopeTableBytes(d.rope_table_rows, d.rope_rotary_dim) : 0,
            SatProduct({SatAdd(d.heads, 1), d.t5_rel_positions, 4}),
            SatProduct({d.batch, d.q_len, 16}),
            AttentionScratchBytes(d.batch, d.heads, d.kv_heads, d.q_len, d.k_len, d.head_dim,
@@ -108,9 +107,15 @@ Cost AttendCost(const AttendDims& d) {
   const int64_t elements =
       Sum({LoopSteps({d.batch, d.q_len, d.heads}), LoopSteps({d.batch, d.k_len, d.kv_heads}),
            rope_el, out_el, probs_el, SatMul(d.heads, d.t5_rel_positions)});
+  // cos/sin rows: the table's, and at most one per rotated token past it.
+  const int64_t sincos =
+      d.rope_rotary_dim > 0
+          ? SatMul(SatAdd(d.rope_table_rows, SatMul(d.batch, SatAdd(d.q_len, d.k_len))),
+                   d.rope_rotary_dim / 2)
+          : 0;
   // Each pair also costs its softmax (scale, max, exp, sum): one element step.
-  c.compute = SatAdd(SatMul(pairs, Sum({d.head_dim, d.v_dim, kElementWeight})),
-                     SatMul(elements, kElementWeight));
+  c.compute = Sum({SatMul(pairs, Sum({d.head_dim, d.v_dim, kElementWeight})),
+                   SatMul(elements, kElementWeight), SatMul(sincos, kSinCosWeight)});
   c.compute_what = absl::StrFormat(
       "the attention [batch %d x heads %d x Sq %d x Sk %d] over head_dim %d + v_dim %d%s", d.batch,
       d.heads, d.q_len, d.k_len, d.head_dim, d.v_dim,
@@ -129,21 +134,25 @@ Cost LayerAttendCost(const LayerDims& d) {
   c.reply_bytes = SatAdd(DenseBytes(out_el, d.out_dtype), kReplyOverheadBytes);
   c.reply_what = absl::StrFormat("out [%d, %d, %d] %s", d.batch, d.seq, d.hidden,
                                  DTypeName(d.out_dtype));
-  const int64_t rope_rows = std::min<int64_t>(d.rope_positions, 8192);
   c.transient_bytes =
       Sum({SatMul(DenseBytes(out_el, d.hidden_dtype), 2),  // hidden, received and copied
            SatMul(Sum({q_el, kv_el, kv_el, q_el}), 4),  // q, k, v, attention out
            SatMul(out_el, 8),                           // projected out (+ cast)
            c.reply_bytes,
-           d.rope_rotary_dim > 0 ? RopeTableBytes(rope_rows, d.rope_rotary_dim) : 0,
+           d.rope_rotary_dim > 0 ? RopeTableBytes(d.rope_table_rows, d.rope_rotary_dim) : 0,
            AttentionScratchBytes(d.batch, d.heads, d.kv_heads, d.seq, d.seq, d.head_dim,
                                  d.head_dim, DType::kF32, d.threads)});
   const int64_t proj = SatMul(SatProduct({tokens, d.hidden, d.head_dim}),
                               Sum({d.heads, d.kv_heads, d.kv_heads, d.heads}));
   const int64_t pairs = SatProduct({d.batch, d.heads, d.seq, d.seq});
   const int64_t elements = Sum({LoopSteps({d.batch, d.seq, d.heads}), q_el, kv_el, out_el});
+  // cos/sin rows: the table's, and at most one per rotated q or k token.
+  const int64_t sincos =
+      d.rope_rotary_dim > 0
+          ? SatMul(SatAdd(d.rope_table_rows, SatMul(tokens, 2)), d.rope_rotary_dim / 2)
+          : 0;
   c.compute = Sum({proj, SatMul(pairs, SatAdd(SatMul(d.head_dim, 2), kElementWeight)),
-                   SatMul(elements, kElementWeight)});
+                   SatMul(elements, kElementWeight), SatMul(sincos, kSinCosWeight)});
   c.compute_what = absl::StrFormat(
       "the layer [batch %d x seq %d, hidden %d, %d heads over %d kv heads of %d]", d.batch, d.seq,
       d.hidden, d.heads, d.kv_heads, d.head_dim);
@@ -206,11 +215,6 @@ Cost SessionOpenCost(const SessionDims& d) {
       c.held_bytes = SatAdd(c.held_bytes, SatProduct({d.max_context, d.kv_heads, d.head_dim, 4}));
     }
   }
-  if (d.rope_rotary_dim > 0 && !d.rope_length_dependent) {
-    c.held_bytes = SatAdd(
-        c.held_bytes,
-        RopeTableBytes(std::min(d.max_context, d.rope_table_positions), d.rope_rotary_dim));
-  }
   c.held_what = absl::StrFormat(
       "%s state for max_context %d x %d kv heads x (head_dim %d + v_dim %d) %s",
       d.linear ? "linear-attention" : "KV", d.max_context, d.kv_heads, d.head_dim, d.v_dim,
@@ -255,6 +259,17 @@ Cost StepCost(const SessionDims& s, const StepDims& d) {
   if (d.hidden > 0) {
     compute = SatAdd(compute, SatMul(SatProduct({d.tokens, d.hidden, s.head_dim}),
                                      Sum({d.heads, s.kv_heads, s.kv_heads, d.heads})));
+  }
+  if (s.rope_rotary_dim > 0) {
+    // Each new token's cos/sin row, for its q and its k (no table).
+    int64_t rows = SatMul(d.tokens, 2);
+    if (s.rope_length_dependent) {
+      // New frequencies re-rotate every cached key: its row and the rotation.
+      rows = SatAdd(rows, new_len);
+      compute = SatAdd(compute, SatMul(SatProduct({new_len, s.kv_heads, s.rope_rotary_dim / 2}),
+                                       kElementWeight));
+    }
+    compute = SatAdd(compute, SatProduct({rows, s.rope_rotary_dim / 2, kSinCosWeight}));
   }
   c.compute = SatAdd(compute, SatMul(Sum({q_el, kv_el, out_el, answer_el}), kElementWeight));
   c.compute_what = absl::StrFormat("a step of %d tokens at position %d (%d heads)", d.tokens,

@@ -24,6 +24,9 @@ namespace ropeattn::server {
 // A scalar element step weighs this many multiply-adds (the kernels run 16
 // f32 FMAs per instruction; element-wise and bookkeeping loops do not).
 inline constexpr int64_t kElementWeight = 16;
+// One RoPE cos/sin pair computed in fp64 (std::cos + std::sin of p * inv_freq):
+// ~11 ns on the reference machine, some 8 element steps.
+inline constexpr int64_t kSinCosWeight = 8 * kElementWeight;
 // Framing, shapes and small fields of any answer, on top of its tensors.
 inline constexpr int64_t kReplyOverheadBytes = 4096;
 
@@ -57,7 +60,7 @@ struct AttendDims {
   DType q_dtype = DType::kF32, kv_dtype = DType::kF32, out_dtype = DType::kF32;
   bool return_probs = false;
   int64_t rope_rotary_dim = 0;   // 0: no RoPE
-  int64_t rope_positions = 0;    // positions the RoPE plan covers (max position + 1)
+  int64_t rope_table_rows = 0;   // cos/sin rows precomputed (RopeTablePositionsFor)
   int64_t t5_rel_positions = 0;  // T5: relative positions the bias table spans
   int64_t wire_bytes = 0;        // bytes of q, k, v (and tables) on the wire
   int threads = 1;
@@ -69,7 +72,7 @@ struct LayerDims {
   int64_t batch = 0, seq = 0, hidden = 0, heads = 0, kv_heads = 0, head_dim = 0;
   DType hidden_dtype = DType::kF32, out_dtype = DType::kF32;
   int64_t rope_rotary_dim = 0;
-  int64_t rope_positions = 0;
+  int64_t rope_table_rows = 0;   // cos/sin rows precomputed (RopeTablePositionsFor)
   int threads = 1;
 };
 Cost LayerAttendCost(const LayerDims& d);
@@ -96,10 +99,9 @@ struct SessionDims {
   bool int8_kv = false;  // int8 rows + an f32 scale per (token, kv head)
   int64_t rope_rotary_dim = 0;      // 0: no RoPE
   bool rope_length_dependent = false;  // dynamic NTK / LongRoPE: raw keys kept
-  int64_t rope_table_positions = 0;    // cos/sin rows precomputed per session
 };
 // held_bytes: the session's state for its whole life (KV or linear state,
-// RoPE table, raw keys). Paged KV (token-major and int8, core/decode_state.h)
+// raw keys; no RoPE table: each step computes its positions' rows). Paged KV (token-major and int8, core/decode_state.h)
 // is charged as max_context rounded up to whole pages.
 Cost SessionOpenCost(const SessionDims& d);
 // Bytes of one KV page (DecodeState::kPageTokens tokens of K and V, int8

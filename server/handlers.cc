@@ -288,7 +288,8 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request, int thre
   if (!plan.empty) {
     if (spec.rope) {
       d.rope_rotary_dim = spec.rope->effective_rotary_dim();
-      d.rope_positions = plan.rope_seq_len;
+      d.rope_table_rows = RopeTablePositionsFor(
+          plan.rope_seq_len, SatMul(batch, SatAdd(q_len, k_len)), kMaxRopeTablePositions);
     }
     if (spec.options.bias.kind == BiasKind::kT5 && max_q_pos >= 0) {
       d.t5_rel_positions = std::max<int64_t>(0, (max_k_pos - min_q_pos) + (max_q_pos - min_k_pos) + 1);
@@ -353,8 +354,7 @@ absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* res
     RA_RETURN_IF_ERROR(CheckFinite(k, "k"));
     RA_ASSIGN_OR_RETURN(
         const RopeRotator rotator,
-        WithContext(RopeRotator::Create(*spec.rope, plan.rope_seq_len,
-                                        std::min(plan.rope_seq_len, kMaxRopeTablePositions)),
+        WithContext(RopeRotator::Create(*spec.rope, plan.rope_seq_len, d.rope_table_rows),
                     "spec.rope"));
     // q and k are already private copies of the wire bytes: rotate in place.
     // A bf16 k is rotated in f32 and rounded once, as a cache would hold it.

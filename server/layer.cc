@@ -19,7 +19,13 @@
 namespace ropeattn::server {
 namespace {
 
-constexpr int64_t kRopeTable = 8192;                // cos/sin rows precomputed per call
+constexpr int64_t kRopeTable = 8192;  // the most cos/sin rows precomputed per call
+
+// The cos/sin rows a call over [b, s] tokens at positions below `len`
+// precomputes: q and k each rotate b * s token rows (RopeTablePositionsFor).
+int64_t LayerRopeTableRows(int64_t len, int64_t b, int64_t s) {
+  return RopeTablePositionsFor(len, SatMul(SatMul(b, s), 2), kRopeTable);
+}
 
 // A dense [rows, cols] view of a dense tensor's memory.
 ConstTensorView As2D(const ConstTensorView& t, int64_t rows, int64_t cols) {
@@ -99,8 +105,9 @@ absl::StatusOr<Tensor> LayerForward(const Model& model, int64_t layer,
   if (const RopeConfig* rope = RopeOfLayer(c, layer); rope != nullptr) {
     int64_t len = s;
     for (int64_t off : offsets) len = std::max(len, off + s);
-    RA_ASSIGN_OR_RETURN(RopeRotator rot,
-                        RopeRotator::Create(*rope, len, std::min(len, kRopeTable)));
+    RA_ASSIGN_OR_RETURN(
+        RopeRotator rot,
+        RopeRotator::Create(*rope, len, LayerRopeTableRows(len, b, s)));
     const Positions at{{}, offsets};
     RA_RETURN_IF_ERROR(rot.Apply(p.q.view(), at, RopeDirection::kForward, threads));
     RA_RETURN_IF_ERROR(rot.Apply(p.k.view(), at, RopeDirection::kForward, threads));
@@ -247,7 +254,7 @@ absl::StatusOr<LayerPlan> PlanLayerAttend(const ModelRegistry& models,
   d.threads = threads;
   if (const RopeConfig* rope = RopeOfLayer(c, plan.layer.layer); rope != nullptr && !plan.empty) {
     d.rope_rotary_dim = rope->effective_rotary_dim();
-    d.rope_positions = len;
+    d.rope_table_rows = LayerRopeTableRows(len, b, s);
   }
   return plan;
 }

@@ -22,9 +22,6 @@ namespace ropeattn::server {
 namespace {
 
 constexpr size_t kMaxEndedIds = 4096;
-// Precomputed cos/sin rows per session; positions past it are computed on
-// the fly (exactly, in fp64), so this only trades memory for speed.
-constexpr int64_t kRopeTablePositions = 8192;
 
 }  // namespace
 
@@ -45,7 +42,6 @@ DecodeStateConfig StateConfigOf(const SessionConfig& c) {
   d.linear = c.linear;
   d.rope = c.spec.rope;
   d.attention = c.spec.options;
-  d.rope_table_positions = kRopeTablePositions;
   return d;
 }
 
@@ -62,7 +58,6 @@ SessionDims SessionDimsOf(const SessionConfig& c) {
   if (c.spec.rope) {
     d.rope_rotary_dim = c.spec.rope->effective_rotary_dim();
     d.rope_length_dependent = LengthDependentRope(c);
-    d.rope_table_positions = kRopeTablePositions;
   }
   return d;
 }

@@ -254,7 +254,11 @@ TEST_F(HardeningTest, EmbedAnswerAboveTheMessageLimitIsRefusedBeforeWork) {
 }
 
 // Memory: a session's RoPE table is charged with its KV.
-TEST_F(HardeningTest, SessionChargeIncludesTheRopeTable) {
+// A RoPE session holds no cos/sin table (each step computes its tokens'
+// rows): it is charged exactly what the same session without RoPE is. A table
+// for max_context rows built at open cost milliseconds of compute and up to
+// 4 MiB per session for rows no step had reached yet.
+TEST_F(HardeningTest, RopeSessionHoldsNoTable) {
   auto open_kv_bytes = [&](bool rope) {
     grpc::ClientContext ctx;
     auto stream = stub_->Decode(&ctx);

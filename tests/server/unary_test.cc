@@ -475,6 +475,41 @@ TEST(RunAttendTest, DecodeLongContextPastTheRopeTable) {
   ExpectAttendMatchesReference(c, kF32Tol);
 }
 
+// A few tokens at high positions: exact against the reference, and priced
+// (and computed) for the rows they rotate, not for a cos/sin table of every
+// position below them (2^16 rows for one query at 65534 took 60 ms).
+TEST(RunAttendTest, FewTokensAtHighPositionsBuildNoTableOfEveryPosition) {
+  AttendCase c;
+  c.q_len = 2;
+  c.k_len = 3;
+  c.heads = 2;
+  c.kv_heads = 1;
+  c.head_dim = 64;
+  c.v_dim = 4;
+  c.spec.mutable_rope();
+  c.q_offsets = {65534};
+  c.rope = RopeRef{ref::DefaultInvFreq(64, 10000.0), 1.0};
+  ExpectAttendMatchesReference(c, kF32Tol);
+
+  v1::AttendRequest r;
+  r.mutable_spec()->set_heads(2);
+  r.mutable_spec()->set_kv_heads(1);
+  r.mutable_spec()->set_head_dim(64);
+  r.mutable_spec()->mutable_rope();
+  *r.mutable_q() = Wire(RandomTensor(DType::kF32, {1, 2, 2, 64}, 1));
+  *r.mutable_k() = Wire(RandomTensor(DType::kF32, {1, 3, 1, 64}, 2));
+  *r.mutable_v() = Wire(RandomTensor(DType::kF32, {1, 3, 1, 4}, 3));
+  const absl::StatusOr<Cost> low = PriceAttend(r, kThreads);
+  r.add_q_offsets(65534);
+  const absl::StatusOr<Cost> high = PriceAttend(r, kThreads);
+  ASSERT_TRUE(low.ok() && high.ok());
+  // At most 5 tokens' cos/sin rows, whatever their positions.
+  EXPECT_LE(high->compute, low->compute);
+  EXPECT_LE(high->transient_bytes, low->transient_bytes);
+  // The table of 2^16 rows x 32 pairs would alone be 16 MiB.
+  EXPECT_LT(high->transient_bytes, 1 << 20);
+}
+
 TEST(RunAttendTest, EmptyBatchOrKeysGiveZerosWithoutTouchingHugeDims) {
   // Zero-byte tensors whose other dims are huge: answered at once.
   v1::AttendRequest r;
