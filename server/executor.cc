@@ -7,6 +7,12 @@
 #include <utility>
 
 namespace ropeattn::server {
+namespace {
+
+// What the worker on this thread is running, if it is a worker.
+thread_local void* current_taken = nullptr;
+
+}  // namespace
 
 Executor::Executor(int workers, int queue_capacity, int max_batch, BatchRunner runner,
                    int nice)
@@ -126,9 +132,26 @@ int64_t Executor::running() const {
   return running_;
 }
 
+void Executor::ComputeDone() {
+  if (current_taken == nullptr) return;
+  Taken& taken = *static_cast<Taken*>(current_taken);
+  taken.owner->Release(taken);
+}
+
+void Executor::Release(Taken& taken) {
+  absl::MutexLock lock(&mu_);
+  if (taken.released) return;
+  taken.released = true;
+  running_ -= static_cast<int64_t>(taken.work.size());
+  for (const auto& [kind, units] : taken.work) {
+    if ((running_units_[kind] -= units) <= 0) running_units_.erase(kind);
+  }
+}
+
 void Executor::WorkerLoop() {
   std::vector<BatchTask*> batch;
-  std::vector<std::pair<const char*, int64_t>> taken;  // kind, compute
+  Taken taken;
+  taken.owner = this;
   while (true) {
     Task task;
     batch.clear();
@@ -139,30 +162,29 @@ void Executor::WorkerLoop() {
       mu_.Await(absl::Condition(&ready));
       if (waiting_ == 0) return;  // stopping and drained
       PopLocked(/*batch_only=*/false, &task);
-      taken.clear();
-      taken.emplace_back(task.kind, task.compute);
+      taken.work.clear();
+      taken.released = false;
+      taken.work.emplace_back(task.kind, task.compute);
       if (task.batch != nullptr) {
         // Every step ready now joins this pass.
         batch.push_back(task.batch);
         Task more;
         while (static_cast<int>(batch.size()) < max_batch_ && PopLocked(true, &more)) {
           batch.push_back(more.batch);
-          taken.emplace_back(more.kind, more.compute);
+          taken.work.emplace_back(more.kind, more.compute);
         }
       }
-      running_ += static_cast<int64_t>(taken.size());
-      for (const auto& [kind, units] : taken) running_units_[kind] += units;
+      running_ += static_cast<int64_t>(taken.work.size());
+      for (const auto& [kind, units] : taken.work) running_units_[kind] += units;
     }
+    current_taken = &taken;
     if (batch.empty()) {
       std::move(task.run)();
     } else {
       runner_(absl::MakeConstSpan(batch));
     }
-    absl::MutexLock lock(&mu_);
-    running_ -= static_cast<int64_t>(taken.size());
-    for (const auto& [kind, units] : taken) {
-      if ((running_units_[kind] -= units) <= 0) running_units_.erase(kind);
-    }
+    current_taken = nullptr;
+    Release(taken);
   }
 }
 

@@ -17,6 +17,7 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -78,6 +79,14 @@ class Executor {
   // the task is not run. For requests so small that handing them to a
   // worker thread would cost more than computing them.
   bool TryRunInline(absl::FunctionRef<void()> task);
+  // Called by a task running on a worker once its compute is over, before it
+  // answers its caller: from then on its work no longer counts as running
+  // (WorkAhead, the busy-worker count). A caller sends its next request the
+  // moment it has the answer, and that request must not be priced as
+  // waiting behind work that has already ended (it was refused as too slow
+  // when the worker, at --compute_nice, lost its core right after
+  // answering). A no-op off a worker thread or when called again.
+  static void ComputeDone();
 
   // Stops accepting, runs every queued task, joins the workers. Idempotent.
   void Shutdown();
@@ -89,6 +98,14 @@ class Executor {
 
  private:
   void WorkerLoop();
+  // The work a worker took, counted in running_ / running_units_ until it
+  // is released (ComputeDone, or when the task returns).
+  struct Taken {
+    Executor* owner = nullptr;
+    std::vector<std::pair<const char*, int64_t>> work;  // kind, compute
+    bool released = false;
+  };
+  void Release(Taken& taken);
 
   struct Task {
     double tag;  // virtual finish time

@@ -179,6 +179,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
       // Only a request run to its end teaches the rate.
       admission_.Finished(method, compute, status.ok() ? SecondsSince(ran) : -1);
     }
+    Executor::ComputeDone();  // before the caller can have the answer
     // Stopped mid-way: the stop's own code, not the kernel's.
     if (!status.ok() && call->stop().ShouldStop()) status = call->stop().status();
     metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
@@ -885,6 +886,7 @@ void AttentionServiceImpl::RunDecodeSteps(absl::Span<BatchTask* const> tasks) {
     Session::StepMany(absl::MakeSpan(steps), options_.threads_per_call);
     seconds = SecondsSince(start);
   }
+  Executor::ComputeDone();  // before any stream can have its answer
   // Each step's share of the pass, by its priced compute, teaches the
   // admission its rate.
   int64_t total = 0;

@@ -24,7 +24,9 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "ropeattn/v1/attention.grpc.pb.h"
+#include "absl/synchronization/notification.h"
 #include "server/admission.h"
+#include "server/executor.h"
 #include "server/metrics.h"
 #include "server/server.h"
 #include "tests/core/test_util.h"
@@ -277,8 +279,8 @@ TEST_F(HardeningTest, RopeSessionHoldsNoTable) {
   };
   const int64_t plain = open_kv_bytes(false);
   const int64_t with_rope = open_kv_bytes(true);
-  // 256 positions x 32 pairs x (cos + sin) x 4 bytes.
-  EXPECT_EQ(with_rope - plain, 256 * 32 * 2 * 4);
+  EXPECT_GT(plain, 0);
+  EXPECT_EQ(with_rope, plain);
 }
 
 // Sessions: an attached session outlives its idle TTL (the reaper runs
@@ -469,6 +471,39 @@ TEST(HardeningDeadlineTest, LongAttendStopsAtItsDeadline) {
 // once (RESOURCE_EXHAUSTED, trailing retry-after-ms), not queued and left to
 // expire; and with --max_queue_delay_seconds, one whose wait would be longer
 // is refused likewise. The running request is unaffected.
+// A task that has computed and is answering no longer counts as work ahead:
+// a caller's next request, sent as soon as it has the answer, must not be
+// priced as waiting behind it (that refused it as too slow, now and then,
+// when the worker lost its core right after answering).
+TEST(ExecutorTest, ATaskStopsCountingOnceItsComputeIsDone) {
+  for (const bool says_done : {false, true}) {
+    server::Executor executor(1, 8);
+    absl::Notification computed, release;
+    ASSERT_TRUE(executor.TrySubmit(
+        "caller", 1000,
+        [&] {
+          if (says_done) server::Executor::ComputeDone();
+          computed.Notify();
+          release.WaitForNotification();
+        },
+        "Attend"));
+    computed.WaitForNotification();
+    const auto ahead = executor.WorkAhead("other", 10);
+    if (says_done) {
+      EXPECT_TRUE(ahead.empty());
+      EXPECT_EQ(executor.running(), 0);
+    } else {
+      ASSERT_EQ(ahead.size(), 1u);
+      EXPECT_EQ(ahead.begin()->second, 1000);
+      EXPECT_EQ(executor.running(), 1);
+    }
+    release.Notify();
+    executor.Shutdown();
+    EXPECT_EQ(executor.running(), 0);
+  }
+  server::Executor::ComputeDone();  // off a worker: nothing to release
+}
+
 TEST(HardeningAdmissionTest, RequestsThatCannotMakeItAreRefusedAtOnce) {
   server::ServerOptions o = TestServerOptions();
   o.compute_workers = 1;
