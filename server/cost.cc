@@ -178,7 +178,7 @@ Cost EncodeCost(const EncodeDims& d) {
   c.reply_what = d.what;
   c.transient_bytes =
       Sum({SatMul(d.in_bytes, 2), SatMul(d.out_bytes, 2), d.scratch_bytes, kReplyOverheadBytes});
-  c.compute = SatMul(d.loop_steps, kElementWeight);
+  c.compute = SatAdd(SatMul(d.loop_steps, kElementWeight), SatMul(d.sincos, kSinCosWeight));
   c.compute_what = d.what;
   return c;
 }

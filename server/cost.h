@@ -86,6 +86,7 @@ struct EncodeDims {
   int64_t out_bytes = 0;      // tensors and repeated fields in the answer
   int64_t in_bytes = 0;       // input tensors copied (rope_apply.x, t5.table)
   int64_t loop_steps = 0;     // LoopSteps of the op's loop nest
+  int64_t sincos = 0;         // fp64 cos/sin pairs computed (kSinCosWeight each)
   int64_t scratch_bytes = 0;  // working buffers besides in and out
 };
 Cost EncodeCost(const EncodeDims& d);

@@ -433,6 +433,7 @@ absl::Status EncodeSinusoidal(const v1::EncodeRequest::Sinusoidal& op, EncodeDim
   // d_model alone sizes the frequency list, even for an empty table.
   dims.scratch_bytes = SatMul(op.d_model(), 8);
   dims.loop_steps = SatAdd(LoopSteps({op.num_positions(), op.d_model()}), op.d_model());
+  dims.sincos = SatMul(op.num_positions(), op.d_model() / 2);
   if (response == nullptr) return absl::OkStatus();
   RA_ASSIGN_OR_RETURN(const Tensor table,
                       WithContext(SinusoidalTable(op.num_positions(), op.d_model(), base, layout,
@@ -506,6 +507,7 @@ absl::Status EncodeRopeCosSin(const v1::EncodeRequest::RopeCosSin& op, EncodeDim
   dims.what = absl::StrCat("the cos/sin tables ", DimsToString({n, half}), " x 2");
   dims.out_bytes = SatAdd(SatProduct({n, half, 8}), SatMul(half, 8));
   dims.loop_steps = LoopSteps({n, half});
+  dims.sincos = SatMul(n, half);
   if (response == nullptr) return absl::OkStatus();
   // No table: every requested position is computed once, directly.
   // 0: planned for the largest position + 1, as transformers plans its
@@ -589,6 +591,8 @@ absl::Status EncodeRopeApply(const v1::EncodeRequest::RopeApply& op, EncodeDims&
   dims.out_bytes = xs.bytes;
   // Rows are walked even when a row is empty; no table (see below).
   dims.loop_steps = xs.elements == 0 ? 0 : LoopSteps({batch, seq, xs.dim(2), xs.dim(3)});
+  // Each token's cos/sin row, once (no table).
+  dims.sincos = xs.elements == 0 ? 0 : SatProduct({batch, seq, config.effective_rotary_dim() / 2});
   if (response == nullptr) return absl::OkStatus();
 
   RA_ASSIGN_OR_RETURN(Tensor x, TensorFromProto(op.x(), "rope_apply.x"));

@@ -701,6 +701,33 @@ TEST(RunEncodeTest, RopeFrequenciesYarnTruncateAndLongRopeMaxPositionEmbeddings)
   EXPECT_NEAR(r->attention_factor(), std::sqrt(1.0 + std::log(32.0) / std::log(4096.0)), 1e-12);
 }
 
+// Every fp64 cos/sin pair an op computes is priced at kSinCosWeight (some 8
+// element steps), not as one element step: the admission's estimates and
+// --max_request_compute see the angle work of sinusoidal tables, cos/sin
+// rows and rope_apply.
+TEST(RunEncodeTest, AnglesArePricedAtTheirWeight) {
+  const auto compute_of = [](const v1::EncodeRequest& r) {
+    absl::StatusOr<Cost> c = PriceEncode(r);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? c->compute : 0;
+  };
+  v1::EncodeRequest none, some;
+  none.mutable_sinusoidal()->set_d_model(64);
+  some.mutable_sinusoidal()->set_d_model(64);
+  some.mutable_sinusoidal()->set_num_positions(1000);
+  EXPECT_GE(compute_of(some) - compute_of(none), 1000 * 32 * kSinCosWeight);
+  none.Clear();
+  none.mutable_rope_cos_sin()->set_head_dim(64);
+  some = none;
+  for (int i = 0; i < 1000; ++i) some.mutable_rope_cos_sin()->add_positions(i);
+  EXPECT_GE(compute_of(some) - compute_of(none), 1000 * 32 * kSinCosWeight);
+  none.Clear();
+  *none.mutable_rope_apply()->mutable_x() = Wire(RandomTensor(DType::kF32, {1, 1, 1, 64}, 1));
+  some.Clear();
+  *some.mutable_rope_apply()->mutable_x() = Wire(RandomTensor(DType::kF32, {1, 1000, 1, 64}, 1));
+  EXPECT_GE(compute_of(some) - compute_of(none), 999 * 32 * kSinCosWeight);
+}
+
 TEST(RunEncodeTest, RopeCosSinAtArbitraryPositions) {
   v1::EncodeRequest request;
   auto* op = request.mutable_rope_cos_sin();
