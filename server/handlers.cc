@@ -348,10 +348,6 @@ absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* res
     return absl::OkStatus();
   }
   if (spec.rope.has_value()) {
-    // Rotation mixes each channel pair, so a NaN would afterwards also show
-    // at its partner's index: report the input's own first bad element.
-    RA_RETURN_IF_ERROR(CheckFinite(q, "q"));
-    RA_RETURN_IF_ERROR(CheckFinite(k, "k"));
     RA_ASSIGN_OR_RETURN(
         const RopeRotator rotator,
         WithContext(RopeRotator::Create(*spec.rope, plan.rope_seq_len, d.rope_table_rows),
@@ -369,9 +365,23 @@ absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* res
         rotator.Apply(q_own.view(), q_at, RopeDirection::kForward, threads), "rotating q"));
     RA_RETURN_IF_ERROR(Annotate(
         rotator.Apply(k_own.view(), k_at, RopeDirection::kForward, threads), "rotating k"));
-    // A huge attention factor can take finite q or k past the float range.
-    RA_RETURN_IF_ERROR(CheckFinite(q, "rotated q (spec.rope.scaling.attention_factor)"));
-    RA_RETURN_IF_ERROR(CheckFinite(k, "rotated k (spec.rope.scaling.attention_factor)"));
+    // One pass over each rotated tensor. A non-finite input stays non-finite
+    // (and, rotation mixing each channel pair, shows at its partner's index
+    // too), so the message names the input's own first bad element, read
+    // from the untouched wire bytes; only if the input was finite did the
+    // rotation (a huge attention factor, or values near the float range)
+    // take it past the range.
+    for (const auto& [rotated, wire, name] :
+         {std::tuple(q, &request.q(), "q"), std::tuple(k, &request.k(), "k")}) {
+      if (CheckFinite(rotated, name).ok()) continue;
+      Tensor unused;
+      RA_ASSIGN_OR_RETURN(const ConstTensorView in, ViewOfWireTensor(*wire, name, &unused));
+      RA_RETURN_IF_ERROR(CheckFinite(in, name));
+      return CheckFinite(rotated,
+                         absl::StrCat("rotated ", name, " (spec.rope.scaling.attention_factor)"));
+    }
+    // k is checked; the core need only check v (and q, which it always does).
+    RA_RETURN_IF_ERROR(CheckFinite(v, "v"));
   }
 
   AttentionOptions& o = spec.options;
@@ -379,7 +389,7 @@ absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* res
   o.q_positions = plan.q_positions;
   o.k_positions = plan.k_positions;
   o.key_lengths = absl::MakeConstSpan(request.key_lengths().data(), request.key_lengths_size());
-  o.check_finite = true;
+  o.check_finite = !spec.rope.has_value();
   o.num_threads = threads;
   o.plan_threads = options.plan_threads;
   o.stop = options.stop;

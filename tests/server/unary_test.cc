@@ -1474,11 +1474,32 @@ TEST(BadInputTest, NaNInQNamesTensorAndIndex) {
     *r.mutable_q() = Wire(q);
     EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "q[1, 2, 3, 5] is NaN");
   }
+  for (bool rope : {false, true}) {
+    SCOPED_TRACE(rope);
+    v1::AttendRequest r = GoodAttend();
+    if (rope) r.mutable_spec()->mutable_rope();
+    Tensor k = RandomTensor(DType::kF32, {2, 5, 2, 8}, 22);
+    k.data<float>()[((1 * 5 + 4) * 2 + 1) * 8 + 2] = -std::numeric_limits<float>::infinity();
+    *r.mutable_k() = Wire(k);
+    EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "k[1, 4, 1, 2] is -inf");
+    r = GoodAttend();
+    if (rope) r.mutable_spec()->mutable_rope();
+    Tensor v = RandomTensor(DType::kF32, {2, 5, 2, 6}, 23);
+    v.data<float>()[7] = std::numeric_limits<float>::infinity();
+    *r.mutable_v() = Wire(v);
+    EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "v[0, 0, 1, 1] is +inf");
+  }
+  // Finite, but rotation adds two values near the float maximum: named as
+  // the rotated tensor, not as a bad input.
   v1::AttendRequest r = GoodAttend();
-  Tensor v = RandomTensor(DType::kF32, {2, 5, 2, 6}, 23);
-  v.data<float>()[7] = std::numeric_limits<float>::infinity();
-  *r.mutable_v() = Wire(v);
-  EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "v[0, 0, 1, 1] is +inf");
+  r.mutable_spec()->mutable_rope();
+  Tensor k = RandomTensor(DType::kF32, {2, 5, 2, 8}, 22);
+  // Position 1, kv head 0: cos 0.54, sin 0.84, so 3e38 * (0.54 + 0.84).
+  float* row = k.data<float>() + ((0 * 5 + 1) * 2 + 0) * 8;
+  row[0] = 3e38f;
+  row[4] = -3e38f;  // channel 0's half-split partner
+  *r.mutable_k() = Wire(k);
+  EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "rotated k");
 }
 
 TEST(BadInputTest, UnspecifiedAndUnknownDtypes) {
