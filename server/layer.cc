@@ -124,6 +124,31 @@ absl::StatusOr<Tensor> LayerForward(const Model& model, int64_t layer,
 
 absl::Status ModelLayerOptions(const ModelConfig& c, int64_t layer, const v1::AttentionSpec& spec,
                                AttentionOptions* options) {
+  // The geometry and the positional scheme are the model's: a spec that
+  // sets them asks for something else, which layer mode does not compute.
+  std::vector<std::string> set;
+  if (spec.heads() != 0) set.push_back(absl::StrCat("spec.heads = ", spec.heads()));
+  if (spec.kv_heads() != 0) set.push_back(absl::StrCat("spec.kv_heads = ", spec.kv_heads()));
+  if (spec.head_dim() != 0) set.push_back(absl::StrCat("spec.head_dim = ", spec.head_dim()));
+  switch (spec.positional_case()) {
+    case v1::AttentionSpec::POSITIONAL_NOT_SET:
+      break;
+    case v1::AttentionSpec::kRope:
+      set.push_back("spec.rope");
+      break;
+    case v1::AttentionSpec::kAlibi:
+      set.push_back("spec.alibi");
+      break;
+    case v1::AttentionSpec::kT5:
+      set.push_back("spec.t5");
+      break;
+  }
+  if (!set.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        absl::StrJoin(set, ", "), ": heads, kv_heads, head_dim and the positional scheme come "
+        "from the model (", FamilyName(c.family), ", ", c.num_heads, " heads over ",
+        c.num_kv_heads, ", head_dim ", c.head_dim, ") in layer mode; leave them unset"));
+  }
   RA_RETURN_IF_ERROR(CheckFiniteRange(spec.scale(), 0.0, kMaxLogitScale, "spec.scale"));
   RA_RETURN_IF_ERROR(CheckFiniteRange(spec.softcap(), 0.0, kMaxSoftcap, "spec.softcap"));
   if (spec.window() < 0) {

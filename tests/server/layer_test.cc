@@ -7,6 +7,9 @@
 #include <stdlib.h>
 
 #include <cmath>
+#include <functional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -226,6 +229,24 @@ TEST_F(LayerTest, LayerModeErrors) {
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(st.error_message(), HasSubstr("layer.hidden"));
   *req.mutable_layer()->mutable_hidden() = ToWire(x.view());
+  // The model's geometry and positional scheme cannot be overridden: a spec
+  // asking for ALiBi, another RoPE or other heads is refused, not ignored.
+  for (const auto& [field, set] :
+       std::vector<std::pair<std::string, std::function<void(v1::AttentionSpec*)>>>{
+           {"spec.alibi", [](v1::AttentionSpec* s) { s->mutable_alibi(); }},
+           {"spec.rope", [](v1::AttentionSpec* s) { s->mutable_rope()->set_theta(12345); }},
+           {"spec.t5", [](v1::AttentionSpec* s) { s->mutable_t5(); }},
+           {"spec.heads = 3", [](v1::AttentionSpec* s) { s->set_heads(3); }},
+           {"spec.head_dim = 99", [](v1::AttentionSpec* s) { s->set_head_dim(99); }}}) {
+    SCOPED_TRACE(field);
+    v1::AttendRequest bad = req;
+    set(bad.mutable_spec());
+    st = attend(bad);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), HasSubstr(field));
+    EXPECT_THAT(st.error_message(), HasSubstr("leave them unset"));
+  }
+  EXPECT_TRUE(attend(req).ok());
   *req.mutable_q() = ToWire(x.view());
   EXPECT_EQ(attend(req).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
