@@ -31,6 +31,17 @@ constexpr char kVersion[] = "0.2.0";
 
 double SecondsSince(absl::Time t) { return absl::ToDoubleSeconds(absl::Now() - t); }
 
+// Steps of more tokens than this run the prefill kernel (core/attention.cc,
+// ChooseAttentionPath); fewer, the decode kernel.
+constexpr int64_t kDecodeStepMaxTokens = 16;
+
+// A step's token count from its wire shape (q, or hidden in layer mode);
+// the shapes were validated when it was priced.
+int64_t StepTokens(const v1::Step& step) {
+  const v1::Tensor& t = step.has_hidden() ? step.hidden() : step.q();
+  return t.shape_size() >= 2 ? t.shape(1) : 0;
+}
+
 grpc::Status QueueFull(const Executor& executor, const char* method) {
   return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                       absl::StrFormat("%s: the compute queue is full (%d waiting); retry with "
@@ -430,7 +441,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
     Executor* control = service_->control_;
     const bool queued =
         request_.has_step()
-            ? service_->executor_->TrySubmitBatch(share_, compute, this, "Decode.Step")
+            ? service_->executor_->TrySubmitBatch(share_, compute, this, op_kind_)
             : control->TrySubmit(share_, compute, [this] { Process(); }, MethodOf(request_));
     if (!queued) {
       AdmittedDone(-1);
@@ -574,15 +585,23 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
                           PriceStep(c, request_.step(), session_->position_hint(),
                                     service_->options_.threads_per_call));
       RA_RETURN_IF_ERROR(CheckCost(cost, service_->limits_, "Decode.Step"));
+      // A step of a few tokens runs the decode kernel (memory-bound), a
+      // longer one the prefill (compute-bound): priced units take 10-100x
+      // different times on the two, so the admission learns each rate
+      // apart. One shared rate, taught by a one-token step slowed past 5 ms,
+      // made queued 300-token steps look like seconds of work and refused
+      // the steps behind them.
+      op_kind_ = StepTokens(request_.step()) > kDecodeStepMaxTokens ? "Decode.Prefill"
+                                                                     : "Decode.Step";
       absl::Duration retry_after;
       const auto ahead = service_->executor_->WorkAhead(share_, cost.compute);
-      RA_RETURN_IF_ERROR(service_->admission_.Admit("Decode.Step", cost.compute, stop_.deadline(),
+      RA_RETURN_IF_ERROR(service_->admission_.Admit(op_kind_, cost.compute, stop_.deadline(),
                                                     absl::Now(), &retry_after,
                                                     /*slowdown_applies=*/false, &ahead));
       absl::StatusOr<MemoryBudget::Reservation> held =
           service_->budget_->Reserve(cost.transient_bytes, "this decode step");
       if (!held.ok()) {
-        service_->admission_.Finished("Decode.Step", cost.compute, -1);
+        service_->admission_.Finished(op_kind_, cost.compute, -1);
         return held.status();
       }
       op_memory_ = *std::move(held);
@@ -840,11 +859,13 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   const std::string share_;  // the executor's fair-queueing key
   absl::Time queued_at_;  // when the current operation was queued
   int64_t op_compute_ = -1;  // the current step's admitted compute, -1: none
+  // The admission kind (and executor WorkAhead kind) of the current step.
+  const char* op_kind_ = "Decode.Step";
   // The admitted step left the queue (ran for `seconds`, or -1: did not run
   // to its end).
   void AdmittedDone(double seconds) {
     if (op_compute_ < 0) return;
-    service_->admission_.Finished("Decode.Step", op_compute_, seconds);
+    service_->admission_.Finished(op_kind_, op_compute_, seconds);
     op_compute_ = -1;
   }
   v1::DecodeRequest request_;
