@@ -15,6 +15,9 @@ namespace {
 // ceiling (core/attention.cc): they size the score buffers.
 constexpr int64_t kPrefillRows = 128;
 constexpr int64_t kDecodeMaxQueries = 16;
+// Fixed costs of a query row and of a query tile (AttendCost).
+constexpr int64_t kQueryRowWeight = 2048;
+constexpr int64_t kQueryTileWeight = 65536;
 
 std::string Bytes(int64_t n) {
   if (n == kInt64Max) return "more than 2^63 bytes";
@@ -113,9 +116,21 @@ Cost AttendCost(const AttendDims& d) {
           ? SatMul(SatAdd(d.rope_table_rows, SatMul(d.batch, SatAdd(d.q_len, d.k_len))),
                    d.rope_rotary_dim / 2)
           : 0;
+  // Fixed work per query row (its softmax pass, output row and bookkeeping)
+  // and per (batch row, kv head, query tile) (the prefill's GEMM calls and
+  // packing), which tiny head dims or one key would otherwise leave priced
+  // at a few units: measured ~100 ns a row and ~4 us a tile, where a unit
+  // of real attention work takes 0.03-0.08 ns (1 thread, AVX2). Unpriced,
+  // [200, 17, 1, 2]-shaped requests ran 50x their price and would teach the
+  // admission a rate that refuses everyone else.
+  const int64_t rows = SatProduct({d.batch, d.q_len, d.heads});
+  const int64_t tiles =
+      d.q_len == 0 ? 0
+                   : SatProduct({d.batch, d.kv_heads, (d.q_len + kPrefillRows - 1) / kPrefillRows});
   // Each pair also costs its softmax (scale, max, exp, sum): one element step.
   c.compute = Sum({SatMul(pairs, Sum({d.head_dim, d.v_dim, kElementWeight})),
-                   SatMul(elements, kElementWeight), SatMul(sincos, kSinCosWeight)});
+                   SatMul(elements, kElementWeight), SatMul(sincos, kSinCosWeight),
+                   SatMul(rows, kQueryRowWeight), SatMul(tiles, kQueryTileWeight)});
   c.compute_what = absl::StrFormat(
       "the attention [batch %d x heads %d x Sq %d x Sk %d] over head_dim %d + v_dim %d%s", d.batch,
       d.heads, d.q_len, d.k_len, d.head_dim, d.v_dim,

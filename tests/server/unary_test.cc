@@ -510,6 +510,25 @@ TEST(RunAttendTest, FewTokensAtHighPositionsBuildNoTableOfEveryPosition) {
   EXPECT_LT(high->transient_bytes, 1 << 20);
 }
 
+// Every query row and every (batch row, kv head, query tile) carries a fixed
+// price: requests of tiny head dims against one key were priced at a few
+// units a row (they ran ~50x their price, ~100 ns a row, ~4 us a tile) and
+// would teach the admission a rate that refuses everyone else.
+TEST(RunAttendTest, QueryRowsAndTilesArePricedWhateverTheirDims) {
+  v1::AttendRequest r;
+  r.mutable_spec()->set_heads(1);
+  r.mutable_spec()->set_head_dim(2);
+  for (int i = 0; i < 200; ++i) r.add_q_offsets(0);
+  *r.mutable_q() = Wire(RandomTensor(DType::kF32, {200, 17, 1, 2}, 1));
+  *r.mutable_k() = Wire(RandomTensor(DType::kF32, {200, 1, 1, 2}, 2));
+  *r.mutable_v() = Wire(RandomTensor(DType::kF32, {200, 1, 1, 1}, 3));
+  const absl::StatusOr<Cost> c = PriceAttend(r, kThreads);
+  ASSERT_TRUE(c.ok()) << c.status();
+  // 3400 query rows at 2048 units and 200 tiles (one per batch row) at
+  // 65536: >= 20M units, where pairs and element steps alone came to 0.24M.
+  EXPECT_GE(c->compute, 3400 * 2048 + 200 * 65536);
+}
+
 TEST(RunAttendTest, EmptyBatchOrKeysGiveZerosWithoutTouchingHugeDims) {
   // Zero-byte tensors whose other dims are huge: answered at once.
   v1::AttendRequest r;
