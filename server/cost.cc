@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/attention.h"
 #include "core/decode_state.h"
 #include "core/status_macros.h"
 
@@ -117,16 +118,18 @@ Cost AttendCost(const AttendDims& d) {
                    d.rope_rotary_dim / 2)
           : 0;
   // Fixed work per query row (its softmax pass, output row and bookkeeping)
-  // and per (batch row, kv head, query tile) (the prefill's GEMM calls and
-  // packing), which tiny head dims or one key would otherwise leave priced
+  // and, on the prefill path, per (batch row, kv head, query tile) (its GEMM
+  // calls and packing), which tiny head dims or one key would otherwise leave priced
   // at a few units: measured ~100 ns a row and ~4 us a tile, where a unit
   // of real attention work takes 0.03-0.08 ns (1 thread, AVX2). Unpriced,
   // [200, 17, 1, 2]-shaped requests ran 50x their price and would teach the
   // admission a rate that refuses everyone else.
   const int64_t rows = SatProduct({d.batch, d.q_len, d.heads});
+  const bool prefill = d.q_len > 0 && ChooseAttentionPath(d.q_len, d.heads, d.kv_heads,
+                                                          d.return_probs) == AttentionPath::kPrefill;
   const int64_t tiles =
-      d.q_len == 0 ? 0
-                   : SatProduct({d.batch, d.kv_heads, (d.q_len + kPrefillRows - 1) / kPrefillRows});
+      prefill ? SatProduct({d.batch, d.kv_heads, (d.q_len + kPrefillRows - 1) / kPrefillRows})
+              : 0;
   // Each pair also costs its softmax (scale, max, exp, sum): one element step.
   c.compute = Sum({SatMul(pairs, Sum({d.head_dim, d.v_dim, kElementWeight})),
                    SatMul(elements, kElementWeight), SatMul(sincos, kSinCosWeight),

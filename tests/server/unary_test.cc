@@ -524,8 +524,8 @@ TEST(RunAttendTest, QueryRowsAndTilesArePricedWhateverTheirDims) {
   *r.mutable_v() = Wire(RandomTensor(DType::kF32, {200, 1, 1, 1}, 3));
   const absl::StatusOr<Cost> c = PriceAttend(r, kThreads);
   ASSERT_TRUE(c.ok()) << c.status();
-  // 3400 query rows at 2048 units and 200 tiles (one per batch row) at
-  // 65536: >= 20M units, where pairs and element steps alone came to 0.24M.
+  // 3400 query rows at 2048 units and 200 prefill tiles (one per batch row)
+  // at 65536: >= 20M units, where pairs and element steps alone came to 0.24M.
   EXPECT_GE(c->compute, 3400 * 2048 + 200 * 65536);
 }
 
