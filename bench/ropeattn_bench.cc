@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "bench/copy_ceiling.h"
+#include "absl/strings/str_format.h"
 #include "benchmark/benchmark.h"
 #include "core/attention.h"
 #include "core/cpu.h"
@@ -435,6 +436,25 @@ void BM_Prefill(benchmark::State& state, DType dtype, int64_t s, int64_t kv_head
   });
 }
 
+// A chunk of q_len new tokens against k_len keys (chunked prefill, a
+// speculative step, a session's long step): causal, the queries the newest
+// positions, so they see about every key.
+void BM_PrefillChunk(benchmark::State& state, int64_t q_len, int64_t k_len, int64_t kv_heads) {
+  const int64_t h = 32, d = 128;
+  Tensor q = Random(DType::kF32, {1, q_len, h, d}, 1);
+  Tensor k = Random(DType::kF32, {1, k_len, kv_heads, d}, 2);
+  Tensor v = Random(DType::kF32, {1, k_len, kv_heads, d}, 3);
+  Tensor out = Tensor::Create(DType::kF32, {1, q_len, h, d}).value();
+  AttentionOptions opt;
+  opt.causal = true;
+  opt.num_threads = Threads();
+  const double flops = 4.0 * q_len * k_len * d * h;
+  RunTimed(state, flops, "FLOP/s", kGemmF32, [&](int64_t) {
+    absl::Status st = Attend(q.view(), k.view(), v.view(), opt, out.view());
+    if (!st.ok()) std::abort();
+  });
+}
+
 void Register() {
   auto* b = benchmark::RegisterBenchmark("ceiling/copy_bandwidth", BM_CopyBandwidth);
   b->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(1.0);
@@ -513,6 +533,13 @@ void Register() {
                                2048, 32)
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
+  for (const int64_t q_len : {17, 64}) {
+    benchmark::RegisterBenchmark(
+        absl::StrFormat("prefill/f32/chunk_q%d_kv4096_h32_kvh8_d128", q_len).c_str(),
+        BM_PrefillChunk, q_len, 4096, 8)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
 }
 
 }  // namespace
