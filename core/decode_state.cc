@@ -583,7 +583,11 @@ absl::Status DecodeState::Truncate(int64_t position) {
     return absl::UnimplementedError(
         "linear-attention sessions cannot be truncated: their state is a running sum");
   }
-  if (position < 0 || position > position_) {
+  if (position < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("truncate position must be >= 0, got %d", position));
+  }
+  if (position > position_) {
     return absl::OutOfRangeError(absl::StrFormat(
         "truncate position %d is outside [0, %d] (the session's length)", position, position_));
   }

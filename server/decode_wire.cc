@@ -193,8 +193,27 @@ Cost PriceExport(const SessionConfig& c, int64_t position) {
   return cost;
 }
 
+namespace {
+
+// A layer-mode session's steps carry hidden states, any other's q/k/v: the
+// other form is named as such, before its missing tensors are.
+absl::Status CheckStepForm(const SessionConfig& c, const v1::Step& step) {
+  if (c.model && (step.has_q() || step.has_k() || step.has_v())) {
+    return absl::InvalidArgumentError(
+        "this session is in layer mode: steps carry `hidden`, not q/k/v");
+  }
+  if (!c.model && step.has_hidden()) {
+    return absl::InvalidArgumentError(
+        "step.hidden is for layer-mode sessions (opened with a model); this session takes q/k/v");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<Cost> PriceStep(const SessionConfig& c, const v1::Step& step, int64_t position,
                                int threads) {
+  RA_RETURN_IF_ERROR(CheckStepForm(c, step));
   StepDims d;
   d.heads = c.spec.heads;
   d.position = position;
@@ -221,17 +240,10 @@ absl::StatusOr<Cost> PriceStep(const SessionConfig& c, const v1::Step& step, int
 absl::StatusOr<StepInput> StepInputFromProto(const SessionConfig& c, const v1::Step& step,
                                              std::array<Tensor, 3>& copies) {
   StepInput in;
+  RA_RETURN_IF_ERROR(CheckStepForm(c, step));
   if (c.model) {
-    if (step.has_q() || step.has_k() || step.has_v()) {
-      return absl::InvalidArgumentError(
-          "this session is in layer mode: steps carry `hidden`, not q/k/v");
-    }
     RA_ASSIGN_OR_RETURN(in.hidden, ViewOfWireTensor(step.hidden(), "step.hidden", &copies[0]));
     return in;
-  }
-  if (step.has_hidden()) {
-    return absl::InvalidArgumentError(
-        "step.hidden is for layer-mode sessions; this session takes q/k/v");
   }
   RA_ASSIGN_OR_RETURN(in.q, ViewOfWireTensor(step.q(), "step.q", &copies[0]));
   RA_ASSIGN_OR_RETURN(in.k, ViewOfWireTensor(step.k(), "step.k", &copies[1]));

@@ -366,6 +366,7 @@ TEST(DecodeStateTest, TruncateAndCopyContinueExactly) {
   ASSERT_TRUE(a.Step(s2.q.cview(), s2.k.cview(), s2.v.cview(), o2.view(), 2).ok());
   ASSERT_TRUE(a.Truncate(4).ok());
   EXPECT_EQ(a.Truncate(5).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(a.Truncate(-1).code(), absl::StatusCode::kInvalidArgument);  // as any negative position
   Tensor x = Tensor::Create(DType::kF32, {1, 1, 8, 32}).value();
   Tensor y = Tensor::Create(DType::kF32, {1, 1, 8, 32}).value();
   ASSERT_TRUE(a.Step(s3.q.cview(), s3.k.cview(), s3.v.cview(), x.view(), 2).ok());

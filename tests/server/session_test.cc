@@ -824,6 +824,14 @@ TEST_F(SessionTest, BadStepIsAnsweredInBandAndLosesNothing) {
        grpc::StatusCode::INVALID_ARGUMENT, "step.v[0, 0, 0, 5] is NaN"},
       {"unspecified dtype", [](v1::Step* st) { st->mutable_q()->set_dtype(v1::DTYPE_UNSPECIFIED); },
        grpc::StatusCode::INVALID_ARGUMENT, "step.q"},
+      {"hidden states instead of q/k/v",
+       [](v1::Step* st) {
+         *st->mutable_hidden() = st->q();
+         st->clear_q();
+         st->clear_k();
+         st->clear_v();
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "step.hidden is for layer-mode sessions"},
   };
   uint64_t n = 10;
   for (const Bad& b : bad) {
