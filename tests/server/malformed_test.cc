@@ -906,11 +906,14 @@ std::vector<Case> GenerateCases() {
     for (int64_t pos : {int64_t{-1}, int64_t{1}, int64_t{17}, kI64Max, kI64Min}) {
       v1::DecodeRequest t;
       t.mutable_truncate()->set_position(pos);
-      add(decode({BaseOpen(), t}), absl::StrCat("Decode truncate to ", pos, " of 0"),
-          Code::OUT_OF_RANGE, "position");
+      // Negative, as any negative position: INVALID_ARGUMENT; past the
+      // session's length: OUT_OF_RANGE.
+      const Code past = pos < 0 ? Code::INVALID_ARGUMENT : Code::OUT_OF_RANGE;
+      add(decode({BaseOpen(), t}), absl::StrCat("Decode truncate to ", pos, " of 0"), past,
+          "position");
       add(decode({BaseOpen(), BaseStep(), t}),
-          absl::StrCat("Decode truncate to ", pos, " of 1"),
-          pos == 1 ? Code::OK : Code::OUT_OF_RANGE, "position");
+          absl::StrCat("Decode truncate to ", pos, " of 1"), pos == 1 ? Code::OK : past,
+          "position");
     }
     // Steps that do not fit the session.
     v1::DecodeRequest too_long = BaseStep();
