@@ -19,6 +19,13 @@ constexpr int64_t kDecodeMaxQueries = 16;
 // Fixed costs of a query row and of a query tile (AttendCost).
 constexpr int64_t kQueryRowWeight = 2048;
 constexpr int64_t kQueryTileWeight = 65536;
+// A byte of K/V streamed from memory. The decode kernel is memory-bound:
+// one query against 4096 f32 keys (32 heads, d 128, 134 MB) took 16.8 ms on
+// one thread, ~0.125 ns a byte, where the prefill runs 0.013 ns a priced
+// unit; counted as max(arithmetic, bytes x this), a decode-shaped and a
+// prefill-shaped request of the same time cost about the same units, so one
+// learned rate serves both (they were 30x apart).
+constexpr int64_t kKvByteWeight = 8;
 
 std::string Bytes(int64_t n) {
   if (n == kInt64Max) return "more than 2^63 bytes";
@@ -130,8 +137,15 @@ Cost AttendCost(const AttendDims& d) {
   const int64_t tiles =
       prefill ? SatProduct({d.batch, d.kv_heads, (d.q_len + kPrefillRows - 1) / kPrefillRows})
               : 0;
+  // K/V bytes streamed: once per (batch row, kv head) by the decode kernel,
+  // once per query tile by the prefill's GEMMs.
+  const int64_t kv_bytes =
+      SatProduct({d.batch, d.kv_heads, d.k_len, SatAdd(d.head_dim, d.v_dim),
+                  static_cast<int64_t>(DTypeSize(d.kv_dtype)),
+                  prefill ? (d.q_len + kPrefillRows - 1) / kPrefillRows : 1});
   // Each pair also costs its softmax (scale, max, exp, sum): one element step.
-  c.compute = Sum({SatMul(pairs, Sum({d.head_dim, d.v_dim, kElementWeight})),
+  c.compute = Sum({std::max(SatMul(pairs, Sum({d.head_dim, d.v_dim, kElementWeight})),
+                            SatMul(kv_bytes, kKvByteWeight)),
                    SatMul(elements, kElementWeight), SatMul(sincos, kSinCosWeight),
                    SatMul(rows, kQueryRowWeight), SatMul(tiles, kQueryTileWeight)});
   c.compute_what = absl::StrFormat(
@@ -273,6 +287,13 @@ Cost StepCost(const SessionDims& s, const StepDims& d) {
   } else {
     compute = SatMul(SatProduct({d.heads, d.tokens, new_len}),
                      Sum({s.head_dim, s.v_dim, kElementWeight}));
+    // The cached K/V streamed (AttendCost): int8 rows plus a 4-byte scale
+    // per (token, kv head) for K and V, or rows of kv_dtype.
+    const int64_t row_bytes =
+        s.int8_kv ? SatAdd(SatAdd(s.head_dim, s.v_dim), 8)
+                  : SatMul(SatAdd(s.head_dim, s.v_dim), static_cast<int64_t>(DTypeSize(s.kv_dtype)));
+    const int64_t passes = d.tokens > kDecodeMaxQueries ? (d.tokens + kPrefillRows - 1) / kPrefillRows : 1;
+    compute = std::max(compute, SatProduct({new_len, s.kv_heads, row_bytes, passes, kKvByteWeight}));
   }
   if (d.hidden > 0) {
     compute = SatAdd(compute, SatMul(SatProduct({d.tokens, d.hidden, s.head_dim}),

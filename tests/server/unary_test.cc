@@ -529,6 +529,24 @@ TEST(RunAttendTest, QueryRowsAndTilesArePricedWhateverTheirDims) {
   EXPECT_GE(c->compute, 3400 * 2048 + 200 * 65536);
 }
 
+// The decode kernel streams K/V from memory: a request that reads many
+// bytes per multiply-add (one query, long context) is priced by its bytes,
+// so it costs about the units of a prefill-shaped request of the same time.
+TEST(RunAttendTest, MemoryBoundRequestsArePricedByTheirBytes) {
+  v1::AttendRequest r;
+  r.mutable_spec()->set_heads(32);
+  r.mutable_spec()->set_head_dim(128);
+  *r.mutable_q() = Wire(*Tensor::Create(DType::kF32, {1, 1, 32, 128}));
+  *r.mutable_k() = Wire(*Tensor::Create(DType::kF32, {1, 1024, 32, 128}));
+  *r.mutable_v() = Wire(*Tensor::Create(DType::kF32, {1, 1024, 32, 128}));
+  const absl::StatusOr<Cost> c = PriceAttend(r, kThreads);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const int64_t kv_bytes = int64_t{1024} * 32 * 256 * 4;  // 34 MB
+  EXPECT_GE(c->compute, kv_bytes * 8);
+  // The arithmetic alone (pairs x (head_dim + v_dim + 16)) is 8x less.
+  EXPECT_GE(c->compute, 8 * (int64_t{32} * 1024 * 272));
+}
+
 TEST(RunAttendTest, EmptyBatchOrKeysGiveZerosWithoutTouchingHugeDims) {
   // Zero-byte tensors whose other dims are huge: answered at once.
   v1::AttendRequest r;
