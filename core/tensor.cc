@@ -64,8 +64,13 @@ BasicTensorView<VoidT>::BasicTensorView(VoidT* data, DType dtype, Dims dims)
 
 template <typename VoidT>
 int64_t BasicTensorView<VoidT>::num_elements() const {
+  // A zero dim first: [2^33, 2^31 + 1, 0, 8] has no elements, and the
+  // product of its leading dims would overflow on the way (UBSan).
+  for (int64_t d : dims_) {
+    if (d == 0) return 0;
+  }
   int64_t n = 1;
-  for (int64_t d : dims_) n *= d;
+  for (int64_t d : dims_) n = SatMul(n, d);
   return n;
 }
 
