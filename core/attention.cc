@@ -1050,11 +1050,15 @@ absl::Status PrefillTask(const Plan& p, const PackedKV& kv, int64_t b, int64_t h
     }
     qa = {s.a.data(), DType::kF32, d, 1};
   }
-  const int64_t head_row0 = (b * p.kv_heads + kvh) * kv.n + (ulo - kv.first);
-  // B operands: K rows ulo..uhi read as a [d, n] matrix, V rows as [n, dv].
-  MatOperand kb{kv.k + head_row0 * d * es, p.kv_dtype, 1, d};
-  MatOperand vb{kv.v + head_row0 * dv * es, p.kv_dtype, dv, 1};
-  if (kv.direct) {
+  // B operands: K rows ulo..uhi read as a [d, n] matrix, V rows as [n, dv]
+  // (packed, or in place: kv.k / kv.v are null then, and no offset is
+  // applied to them).
+  MatOperand kb{}, vb{};
+  if (!kv.direct) {
+    const int64_t head_row0 = (b * p.kv_heads + kvh) * kv.n + (ulo - kv.first);
+    kb = {kv.k + head_row0 * d * es, p.kv_dtype, 1, d};
+    vb = {kv.v + head_row0 * dv * es, p.kv_dtype, dv, 1};
+  } else {
     kb = {static_cast<const char*>(p.k.raw()) +
               (b * p.k.stride(0) + ulo * p.k.stride(1) + kvh * p.k.stride(2)) * es,
           p.kv_dtype, 1, p.k.stride(1)};
