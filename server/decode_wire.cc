@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/attention.h"
 #include "core/limits.h"
 #include "core/status_macros.h"
 #include "server/convert.h"
@@ -210,6 +211,16 @@ absl::Status CheckStepForm(const SessionConfig& c, const v1::Step& step) {
 }
 
 }  // namespace
+
+const char* StepAdmissionKind(const SessionConfig& c, const v1::Step& step) {
+  const v1::Tensor& t = step.has_hidden() ? step.hidden() : step.q();
+  const int64_t tokens = t.shape_size() >= 2 ? t.shape(1) : 0;
+  if (c.linear || tokens <= 0) return "Decode.Step";
+  return ChooseAttentionPath(tokens, c.spec.heads, c.spec.kv_heads, false) ==
+                 AttentionPath::kPrefill
+             ? "Decode.Prefill"
+             : "Decode.Step";
+}
 
 absl::StatusOr<Cost> PriceStep(const SessionConfig& c, const v1::Step& step, int64_t position,
                                int threads) {

@@ -38,6 +38,13 @@ Cost PriceExport(const SessionConfig& config, int64_t position);
 
 // A step's cost from its wire tensors' shapes (InvalidArgument for a
 // malformed tensor or shape, as the step itself would say), at `position`.
+// The admission kind of a step (each kind learns its own rate): a step the
+// decode kernel computes, memory-bound ("Decode.Step"; linear sessions too),
+// or one the prefill computes, compute-bound ("Decode.Prefill"), as
+// ChooseAttentionPath decides from its tokens (q's or, in layer mode,
+// hidden's shape) and the session's heads.
+const char* StepAdmissionKind(const SessionConfig& config, const v1::Step& step);
+
 absl::StatusOr<Cost> PriceStep(const SessionConfig& config, const v1::Step& step, int64_t position,
                                int threads);
 

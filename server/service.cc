@@ -31,17 +31,6 @@ constexpr char kVersion[] = "0.2.0";
 
 double SecondsSince(absl::Time t) { return absl::ToDoubleSeconds(absl::Now() - t); }
 
-// Steps of more tokens than this run the prefill kernel (core/attention.cc,
-// ChooseAttentionPath); fewer, the decode kernel.
-constexpr int64_t kDecodeStepMaxTokens = 16;
-
-// A step's token count from its wire shape (q, or hidden in layer mode);
-// the shapes were validated when it was priced.
-int64_t StepTokens(const v1::Step& step) {
-  const v1::Tensor& t = step.has_hidden() ? step.hidden() : step.q();
-  return t.shape_size() >= 2 ? t.shape(1) : 0;
-}
-
 grpc::Status QueueFull(const Executor& executor, const char* method) {
   return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                       absl::StrFormat("%s: the compute queue is full (%d waiting); retry with "
@@ -591,8 +580,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       // apart. One shared rate, taught by a one-token step slowed past 5 ms,
       // made queued 300-token steps look like seconds of work and refused
       // the steps behind them.
-      op_kind_ = StepTokens(request_.step()) > kDecodeStepMaxTokens ? "Decode.Prefill"
-                                                                     : "Decode.Step";
+      op_kind_ = StepAdmissionKind(c, request_.step());
       absl::Duration retry_after;
       const auto ahead = service_->executor_->WorkAhead(share_, cost.compute);
       RA_RETURN_IF_ERROR(service_->admission_.Admit(op_kind_, cost.compute, stop_.deadline(),

@@ -26,6 +26,7 @@
 #include "ropeattn/v1/attention.grpc.pb.h"
 #include "absl/synchronization/notification.h"
 #include "server/admission.h"
+#include "server/decode_wire.h"
 #include "server/executor.h"
 #include "server/metrics.h"
 #include "server/server.h"
@@ -502,6 +503,51 @@ TEST(ExecutorTest, ATaskStopsCountingOnceItsComputeIsDone) {
     EXPECT_EQ(executor.running(), 0);
   }
   server::Executor::ComputeDone();  // off a worker: nothing to release
+}
+
+// Decode steps learn two rates: those the decode kernel computes and those
+// the prefill computes (units take 10-100x different times on the two). One
+// shared rate, taught by a one-token step slowed past 5 ms, made queued
+// 300-token steps look like seconds and refused other sessions' steps.
+TEST(HardeningAdmissionTest, DecodeStepsAndPrefillStepsAreAdmittedAsTwoKinds) {
+  const auto kind = [](int64_t heads, int64_t kv_heads, int64_t tokens, bool linear = false) {
+    server::SessionConfig c;
+    c.spec.heads = heads;
+    c.spec.kv_heads = kv_heads;
+    c.linear = linear;
+    v1::Step step;
+    for (int64_t d : {int64_t{1}, tokens, heads, int64_t{8}}) step.mutable_q()->add_shape(d);
+    return std::string(server::StepAdmissionKind(c, step));
+  };
+  EXPECT_EQ(kind(32, 8, 1), "Decode.Step");
+  EXPECT_EQ(kind(32, 8, 16), "Decode.Step");      // 64 query rows per kv head
+  EXPECT_EQ(kind(32, 4, 16), "Decode.Prefill");   // 128
+  EXPECT_EQ(kind(32, 32, 17), "Decode.Prefill");  // past 16 tokens
+  EXPECT_EQ(kind(32, 32, 300), "Decode.Prefill");
+  EXPECT_EQ(kind(32, 32, 300, /*linear=*/true), "Decode.Step");  // running sums, no kernel switch
+  // Layer mode: the tokens of the hidden states.
+  server::SessionConfig c;
+  c.spec.heads = 32;
+  c.spec.kv_heads = 8;
+  v1::Step step;
+  for (int64_t d : {1, 300, 64}) step.mutable_hidden()->add_shape(d);
+  EXPECT_STREQ(server::StepAdmissionKind(c, step), "Decode.Prefill");
+  // The two kinds learn apart: a slow one-token step does not slow the
+  // other's estimate.
+  server::Admission a(1, absl::ZeroDuration());
+  for (int i = 0; i < 4; ++i) {
+    absl::Duration retry;
+    ASSERT_TRUE(a.Admit("Decode.Prefill", 1'000'000'000, absl::InfiniteFuture(), absl::Now(),
+                        &retry, false)
+                    .ok());
+    a.Finished("Decode.Prefill", 1'000'000'000, 0.1);
+    ASSERT_TRUE(
+        a.Admit("Decode.Step", 1'000, absl::InfiniteFuture(), absl::Now(), &retry, false).ok());
+    a.Finished("Decode.Step", 1'000, 0.01);
+  }
+  const std::optional<double> prefill = a.ServiceSeconds("Decode.Prefill", 1'000'000'000);
+  ASSERT_TRUE(prefill.has_value());
+  EXPECT_LT(*prefill, 0.2);  // ~0.1 s, not 1e6 x the one-token step's 10 ms
 }
 
 TEST(HardeningAdmissionTest, RequestsThatCannotMakeItAreRefusedAtOnce) {
