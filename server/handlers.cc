@@ -701,8 +701,11 @@ absl::Status EncodeT5(const v1::EncodeRequest::T5& op, EncodeDims& dims,
   // Buckets travel as packed varints: at most 5 bytes each.
   dims.out_bytes = SatAdd(SatProduct({q_len, k_len, 5}), SatProduct({table_heads, q_len, k_len, 4}));
   dims.in_bytes = table_shape.bytes;
-  dims.scratch_bytes = SatProduct({q_len, k_len, 4});
+  dims.scratch_bytes = SatAdd(SatProduct({q_len, k_len, 4}), SatMul(SatAdd(q_len, k_len), 4));
   dims.loop_steps = SatAdd(LoopSteps({q_len, k_len}), LoopSteps({table_heads, q_len, k_len}));
+  // One bucket (two fp64 logs) per distinct relative position, priced as
+  // an angle; the grid then only looks them up.
+  dims.sincos = q_len > 0 && k_len > 0 ? SatAdd(q_len, k_len) : 0;
   if (response == nullptr) return absl::OkStatus();
 
   Tensor table;
@@ -714,9 +717,18 @@ absl::Status EncodeT5(const v1::EncodeRequest::T5& op, EncodeDims& dims,
     auto* buckets = response->mutable_buckets();
     buckets->Resize(static_cast<int>(q_len * k_len), 0);
     int32_t* out = buckets->mutable_data();
+    // Relative positions j - (q_offset + i) span [min_rel, k_len - 1 - q_offset]:
+    // q_len + k_len - 1 buckets, each computed once (a bucket costs two logs;
+    // per grid cell it was 25x the cell's price).
+    const int64_t min_rel = -(op.q_offset() + q_len - 1);
+    std::vector<int32_t> bucket_of(static_cast<size_t>(q_len + k_len - 1));
+    for (size_t r = 0; r < bucket_of.size(); ++r) {
+      bucket_of[r] = T5RelativeBucket(min_rel + static_cast<int64_t>(r), config);
+    }
     for (int64_t i = 0; i < q_len; ++i) {
-      const int64_t q_pos = op.q_offset() + i;
-      for (int64_t j = 0; j < k_len; ++j) out[i * k_len + j] = T5RelativeBucket(j - q_pos, config);
+      // Cell (i, j) is relative position j - q_offset - i: index j + q_len - 1 - i.
+      const int32_t* row = bucket_of.data() + (q_len - 1 - i);
+      for (int64_t j = 0; j < k_len; ++j) out[i * k_len + j] = row[j];
     }
   }
   if (op.has_table()) {
