@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "absl/utility/utility.h"
 #include "core/status_macros.h"
@@ -304,10 +305,12 @@ const std::vector<FamilyRow>& Families() {
   static const auto* rows = new std::vector<FamilyRow>{
       {Family::kLlama, "Llama", {"llama"}, 0, 0, 10000.0, true, true},
       {Family::kMistral, "Mistral", {"mistral", "mixtral"}, 0, 8, 10000.0, true, true},
-      {Family::kQwen2, "Qwen2", {"qwen2", "qwen2_moe"}, 0, 32, 10000.0, true, true},
-      {Family::kQwen3, "Qwen3", {"qwen3", "qwen3_moe"}, 128, 32, 10000.0, true, true},
+      {Family::kQwen2, "Qwen2", {"qwen2"}, 0, 32, 10000.0, true, true},
+      {Family::kQwen2, "Qwen2-MoE", {"qwen2_moe"}, 0, 16, 10000.0, true, true},
+      {Family::kQwen3, "Qwen3", {"qwen3"}, 128, 32, 10000.0, true, true},
+      {Family::kQwen3, "Qwen3-MoE", {"qwen3_moe"}, 0, 4, 10000.0, true, true},
       {Family::kGemma, "Gemma", {"gemma"}, 256, 16, 10000.0, true, true},
-      {Family::kGemma2, "Gemma 2", {"gemma2"}, 256, 8, 10000.0, true, true},
+      {Family::kGemma2, "Gemma 2", {"gemma2"}, 256, 4, 10000.0, true, true},
       {Family::kGemma3, "Gemma 3", {"gemma3_text"}, 256, 4, 1000000.0, true, true},
       {Family::kPhi3, "Phi-3", {"phi3"}, 0, 0, 10000.0, true, true},
       {Family::kGptNeoX, "GPT-NeoX", {"gpt_neox"}, 0, 0, 10000.0, false, false},
@@ -510,16 +513,19 @@ absl::StatusOr<int64_t> WindowKey(const KeyReader& top, int64_t absent_default) 
 absl::Status ResolveLayers(const KeyReader& top, ModelConfig& c) {
   c.layers.assign(static_cast<size_t>(c.num_layers), LayerAttention{});
   int64_t window = 0;
+  bool reads_layer_types = true;  // whether the family's transformers code reads layer_types
   std::vector<bool> sliding(static_cast<size_t>(c.num_layers), false);
   switch (c.family) {
     case Family::kMistral: {
       RA_ASSIGN_OR_RETURN(window, WindowKey(top, c.model_type == "mistral" ? 4096 : 0));
       sliding.assign(sliding.size(), true);
+      reads_layer_types = false;  // MistralConfig warns and ignores it
       break;
     }
     case Family::kPhi3: {
       RA_ASSIGN_OR_RETURN(window, WindowKey(top, 0));
       sliding.assign(sliding.size(), true);
+      reads_layer_types = false;  // Phi3Config has no such key
       break;
     }
     case Family::kQwen2:
@@ -528,9 +534,20 @@ absl::Status ResolveLayers(const KeyReader& top, ModelConfig& c) {
       if (use.value_or(false)) {
         RA_ASSIGN_OR_RETURN(window, WindowKey(top, 4096));
       }
+      if (c.model_type == "qwen3_moe") {
+        // Qwen3MoeAttention: the window on every layer, layer_types unread.
+        sliding.assign(sliding.size(), true);
+        reads_layer_types = false;
+        break;
+      }
       RA_ASSIGN_OR_RETURN(std::optional<int64_t> first, top.NonNegativeInt("max_window_layers"));
-      const int64_t from = first.value_or(28);
-      for (int64_t i = 0; i < c.num_layers; ++i) sliding[i] = window > 0 && i >= from;
+      const int64_t bound = first.value_or(28);
+      for (int64_t i = 0; i < c.num_layers; ++i) {
+        // Qwen2MoeConfig: even layers below max_window_layers; Qwen2 and
+        // Qwen3: the layers from max_window_layers on.
+        sliding[i] = window > 0 &&
+                     (c.model_type == "qwen2_moe" ? i % 2 == 0 && i < bound : i >= bound);
+      }
       break;
     }
     case Family::kGemma2: {
@@ -548,8 +565,10 @@ absl::Status ResolveLayers(const KeyReader& top, ModelConfig& c) {
     default:
       return absl::OkStatus();  // no sliding window in these families
   }
-  // An explicit layer_types list wins over the pattern.
-  if (const json* types = top.Find("layer_types"); types != nullptr) {
+  // An explicit layer_types list wins over the pattern where the family's
+  // transformers code reads it; where it does not, a list that asks for
+  // other layers than that code computes is refused, not followed or ignored.
+  if (const json* types = top.Find("layer_types"); types != nullptr && !types->is_null()) {
     if (!types->is_array() || static_cast<int64_t>(types->size()) != c.num_layers) {
       return top.TypeError("layer_types",
                            absl::StrCat("an array of ", c.num_layers, " strings (one per layer)"),
@@ -557,13 +576,24 @@ absl::Status ResolveLayers(const KeyReader& top, ModelConfig& c) {
     }
     for (int64_t i = 0; i < c.num_layers; ++i) {
       const json& t = (*types)[static_cast<size_t>(i)];
+      bool slides = false;
       if (t == "full_attention") {
-        sliding[i] = false;
+        slides = false;
       } else if (t == "sliding_attention") {
-        sliding[i] = true;
+        slides = true;
       } else {
         return Refuse(top.file(), absl::StrCat("layer_types[", i, "]"), t,
                       "only \"full_attention\" and \"sliding_attention\" layers are served");
+      }
+      if (reads_layer_types) {
+        sliding[i] = slides;
+      } else if ((slides && window > 0) != (sliding[i] && window > 0)) {
+        return Refuse(top.file(), absl::StrCat("layer_types[", i, "]"), t,
+                      absl::StrCat("transformers' ", c.model_type,
+                                   " code does not read layer_types: it runs every layer ",
+                                   window > 0 ? absl::StrCat("with sliding_window ", window)
+                                              : std::string("without a window"),
+                                   ", which this list contradicts"));
       }
     }
   }
@@ -688,9 +718,13 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
       case Family::kQwen2:
       case Family::kGptNeoX:
       case Family::kBert: {
-        // Qwen2: q/k/v always; GPT-NeoX: attention_bias, default true; BERT: always.
+        // Qwen2: q/k/v always; Qwen2-MoE: qkv_bias, default true; GPT-NeoX:
+        // attention_bias, default true; BERT: always.
         RA_ASSIGN_OR_RETURN(std::optional<bool> bias, top.Bool("attention_bias"));
-        config.attention_bias = family == Family::kGptNeoX ? bias.value_or(true) : true;
+        RA_ASSIGN_OR_RETURN(std::optional<bool> qkv_bias, top.Bool("qkv_bias"));
+        config.attention_bias = family == Family::kGptNeoX ? bias.value_or(true)
+                                : config.model_type == "qwen2_moe" ? qkv_bias.value_or(true)
+                                                                   : true;
         break;
       }
       case Family::kMistral:
@@ -761,6 +795,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
         return Refuse(file_name, "is_decoder", *top.Find("is_decoder"),
                       "BERT is served as the bidirectional encoder only");
       }
+      RA_ASSIGN_OR_RETURN(std::optional<int64_t> types, top.PositiveInt("type_vocab_size"));
+      config.type_vocab_size = types.value_or(2);
       RA_ASSIGN_OR_RETURN(std::optional<double> eps, top.Number("layer_norm_eps"));
       config.layer_norm_eps = eps.value_or(1e-12);
       if (!(config.layer_norm_eps > 0.0) || !std::isfinite(config.layer_norm_eps)) {
@@ -785,6 +821,20 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
     }
     RA_ASSIGN_OR_RETURN(config.rope, ResolveRope(top, config, file_name, block, block_name,
                                                  row->default_theta));
+    if (family == Family::kGptJ) {
+      // transformers' GPT-J builds its sinusoids with base 10000 and no
+      // scaling whatever the config says: other values are refused.
+      if (config.rope->theta != 10000.0) {
+        return absl::UnimplementedError(absl::StrFormat(
+            "%s: key rope_theta = %g is not supported: transformers' GPT-J rotates with base "
+            "10000 and does not read rope_theta",
+            file_name, config.rope->theta));
+      }
+      if (config.rope->scaling.type != RopeScalingType::kDefault) {
+        return Refuse(file_name, block_key, *block,
+                      "transformers' GPT-J does not read RoPE scaling");
+      }
+    }
     RA_RETURN_IF_ERROR(ResolveLayers(top, config));
     if (family == Family::kGemma3) {
       // Sliding layers: rope_local_base_freq (default 10000) with the default
@@ -1181,6 +1231,19 @@ class WeightBinder {
         closest.empty() ? "(no tensors)" : closest));
   }
 
+  // A weight that is NaN or Inf would make every answer of the model
+  // non-finite (or an error blamed on the caller's inputs): the checkpoint
+  // is refused at load, naming the tensor and the element.
+  static absl::StatusOr<ConstTensorView> Finite(ConstTensorView v, const std::string& file,
+                                                const std::string& name) {
+    absl::Status st = CheckFinite(v, name);
+    if (st.ok()) return v;
+    return absl::InvalidArgumentError(absl::StrCat(
+        file, ": tensor ",
+        absl::StrReplaceAll(st.message(), {{": inputs must be finite", ""}}),
+        ": a checkpoint's weights must be finite"));
+  }
+
   // `why` explains the expected shape in config terms for the message.
   absl::StatusOr<ConstTensorView> Bind(const std::string& name, const Dims& expected,
                                        absl::string_view why, bool optional,
@@ -1214,7 +1277,7 @@ class WeightBinder {
       }
       *resident += static_cast<int64_t>(t.byte_size());
       owned->push_back(std::move(t));
-      return owned->back().cview();
+      return Finite(owned->back().cview(), fname, name);
     }
     const DType dtype = rec.dtype == "F32" ? DType::kF32 : DType::kBF16;
     // A header whose length is not a multiple of the element size leaves the
@@ -1224,10 +1287,10 @@ class WeightBinder {
       std::memcpy(t.data<uint8_t>(), rec.data, static_cast<size_t>(rec.num_bytes));
       *resident += rec.num_bytes;
       owned->push_back(std::move(t));
-      return owned->back().cview();
+      return Finite(owned->back().cview(), fname, name);
     }
     *mapped += rec.num_bytes;
-    return ConstTensorView(rec.data, dtype, expected);
+    return Finite(ConstTensorView(rec.data, dtype, expected), fname, name);
   }
 
  private:
@@ -1355,16 +1418,14 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& name
                                              c.max_positions, c.hidden_size),
                              false));
     // Token type 0 is what transformers adds when no token_type_ids are given.
+    // BertEmbeddings always holds the table ([type_vocab_size, hidden]).
     const std::string tt = bert_prefix + "embeddings.token_type_embeddings.weight";
-    auto rec = src.table.find(tt);
-    if (rec != src.table.end()) {
-      const Dims tt_dims = rec->second.shape.size() == 2 && rec->second.shape[0] >= 1
-                               ? Dims{rec->second.shape[0], c.hidden_size}
-                               : Dims{1, c.hidden_size};
-      RA_ASSIGN_OR_RETURN(ConstTensorView table,
-                          bind(tt, tt_dims, "type_vocab_size, hidden_size", false));
-      model->token_type_row_ = table.Slice(0, 0, 1);
-    }
+    RA_ASSIGN_OR_RETURN(ConstTensorView table,
+                        bind(tt, {c.type_vocab_size, c.hidden_size},
+                             absl::StrFormat("type_vocab_size %d, hidden_size %d",
+                                             c.type_vocab_size, c.hidden_size),
+                             false));
+    model->token_type_row_ = table.Slice(0, 0, 1);
     // Older exports spell the LayerNorm's parameters gamma / beta.
     const std::string ln = bert_prefix + "embeddings.LayerNorm.";
     const bool old_names = src.table.count(ln + "gamma") != 0;

@@ -125,6 +125,7 @@ struct ModelConfig {
   // dtype); 1 for other families.
   double embed_scale = 1.0;
   double layer_norm_eps = 1e-12;  // BERT's embedding LayerNorm
+  int64_t type_vocab_size = 2;    // BERT's token type rows
   std::vector<LayerAttention> layers;  // num_layers entries
 };
 

@@ -101,7 +101,9 @@ std::vector<float> Values(int64_t n, int seed) {
 }
 
 // F16 bit patterns with their exact f32 values: normal, negative, the
-// largest finite, the smallest subnormal, a subnormal, infinity, 1/3.
+// largest finite, the smallest subnormal, a subnormal, the most negative
+// finite, 1/3 (infinity is a weight a checkpoint may not hold: see
+// NonFiniteWeightsAreRefusedAtLoad).
 const std::vector<std::pair<uint16_t, float>>& F16Samples() {
   static const auto* samples =
       new std::vector<std::pair<uint16_t, float>>{{0x3C00, 1.0f},
@@ -109,7 +111,7 @@ const std::vector<std::pair<uint16_t, float>>& F16Samples() {
                                                   {0x7BFF, 65504.0f},
                                                   {0x0001, std::ldexp(1.0f, -24)},
                                                   {0x8200, -std::ldexp(1.0f, -15)},
-                                                  {0x7C00, INFINITY},
+                                                  {0xFBFF, -65504.0f},
                                                   {0x3555, 0.333251953125f},
                                                   {0x0000, 0.0f}};
   return *samples;
@@ -468,6 +470,92 @@ TEST(ParseModelConfigTest, FamiliesTakeTheirTransformersDefaults) {
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->positions, PositionKind::kRope);
   EXPECT_EQ(c->layers[0].window, 0);
+}
+
+// The MoE variants, Mistral / Phi-3 and GPT-J as their own transformers
+// config and attention classes resolve them (an external review found each
+// one served with the dense family's rule or a key transformers never reads).
+TEST(ParseModelConfigTest, VariantsFollowTheirOwnTransformersClasses) {
+  auto parse = [](absl::string_view model_type, absl::string_view extra) {
+    return ParseModelConfig(
+        absl::StrCat(R"({"model_type": ")", model_type, R"(", "hidden_size": 64,
+            "num_attention_heads": 16, "vocab_size": 8, "num_hidden_layers": 4,
+            "max_position_embeddings": 64)",
+                     extra, "}"),
+        "config.json");
+  };
+  // Qwen2-MoE: 16 kv heads by default, qkv_bias (default true), sliding on
+  // the even layers below max_window_layers.
+  absl::StatusOr<ModelConfig> c = parse("qwen2_moe", "");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->num_kv_heads, 16);
+  EXPECT_TRUE(c->attention_bias);
+  c = parse("qwen2_moe", R"(, "qkv_bias": false, "use_sliding_window": true,
+      "sliding_window": 3, "max_window_layers": 3)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->attention_bias);
+  EXPECT_EQ(c->layers[0].window, 3);
+  EXPECT_EQ(c->layers[1].window, 0);
+  EXPECT_EQ(c->layers[2].window, 3);
+  EXPECT_EQ(c->layers[3].window, 0);  // not below max_window_layers
+  // Qwen2 (dense) keeps its own rule: from max_window_layers on.
+  c = parse("qwen2", R"(, "num_key_value_heads": 4, "use_sliding_window": true,
+      "sliding_window": 3, "max_window_layers": 3)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->layers[0].window, 0);
+  EXPECT_EQ(c->layers[3].window, 3);
+  // Qwen3-MoE: 4 kv heads, head_dim hidden / heads, the window on every
+  // layer when use_sliding_window.
+  c = parse("qwen3_moe", R"(, "use_sliding_window": true, "sliding_window": 3)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->num_kv_heads, 4);
+  EXPECT_EQ(c->head_dim, 4);
+  for (const LayerAttention& l : c->layers) EXPECT_EQ(l.window, 3);
+  c = parse("qwen3_moe", R"(, "sliding_window": 3)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  for (const LayerAttention& l : c->layers) EXPECT_EQ(l.window, 0);
+  // Gemma 2: 4 kv heads by default.
+  c = parse("gemma2", "");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->num_kv_heads, 4);
+  // Families whose code does not read layer_types: a list that agrees is
+  // fine, one that asks for other layers is refused naming the entry.
+  c = parse("mistral", R"(, "sliding_window": 3, "layer_types": ["sliding_attention",
+      "sliding_attention", "sliding_attention", "sliding_attention"])");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->layers[1].window, 3);
+  ExpectConfigError(
+      absl::StrCat(R"({"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 16,
+          "vocab_size": 8, "num_hidden_layers": 2, "max_position_embeddings": 64,
+          "sliding_window": 3, "layer_types": ["full_attention", "sliding_attention"]})"),
+      absl::StatusCode::kUnimplemented, {"layer_types[0]", "full_attention", "sliding_window 3"});
+  ExpectConfigError(
+      R"({"model_type": "phi3", "hidden_size": 64, "num_attention_heads": 16,
+          "vocab_size": 8, "num_hidden_layers": 2, "max_position_embeddings": 64,
+          "sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"]})",
+      absl::StatusCode::kUnimplemented, {"layer_types[1]", "phi3"});
+  ExpectConfigError(
+      R"({"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 16,
+          "vocab_size": 8, "num_hidden_layers": 2, "max_position_embeddings": 64,
+          "use_sliding_window": true, "sliding_window": 3,
+          "layer_types": ["sliding_attention", "full_attention"]})",
+      absl::StatusCode::kUnimplemented, {"layer_types[1]", "qwen3_moe"});
+  // Without a window a "sliding" layer is a full one, in transformers too.
+  c = parse("qwen3_moe", R"(, "layer_types": ["sliding_attention", "full_attention",
+      "full_attention", "full_attention"])");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->layers[0].window, 0);
+  // GPT-J: base 10000 and no scaling, whatever the config says.
+  c = parse("gptj", R"(, "rope_theta": 10000, "rotary_dim": 4)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ExpectConfigError(
+      R"({"model_type": "gptj", "n_embd": 64, "n_head": 4, "vocab_size": 8, "n_layer": 1,
+          "n_positions": 64, "rotary_dim": 16, "rope_theta": 100})",
+      absl::StatusCode::kUnimplemented, {"rope_theta", "10000"});
+  ExpectConfigError(
+      R"({"model_type": "gptj", "n_embd": 64, "n_head": 4, "vocab_size": 8, "n_layer": 1,
+          "n_positions": 64, "rotary_dim": 16, "rope_scaling": {"rope_type": "linear", "factor": 4}})",
+      absl::StatusCode::kUnimplemented, {"rope_scaling", "GPT-J"});
 }
 
 TEST(ParseModelConfigTest, WhatCannotBeComputedExactlyIsRefusedByKey) {
@@ -970,6 +1058,45 @@ TEST(ModelLoadErrorTest, ShapeNotMatchingConfig) {
   ExpectLoadError(
       dir, absl::StatusCode::kInvalidArgument,
       {"model.safetensors", kQ0, "has shape [32, 16], config expects [32, 32]", "hidden_size 32"});
+}
+
+// A NaN or Inf weight would turn every answer non-finite, or into an error
+// blamed on the caller's q: the checkpoint is refused at load, naming the
+// tensor and the element, whatever its dtype.
+TEST(ModelLoadErrorTest, NonFiniteWeightsAreRefusedAtLoad) {
+  {
+    TempDir dir;
+    std::vector<SafetensorsTensor> tensors = TinyTensors();
+    SafetensorsTensor* q = Find(tensors, "model.layers.0.self_attn.q_proj.weight");
+    ASSERT_NE(q, nullptr);
+    std::vector<float> v = Values(q->shape[0] * q->shape[1], 3);
+    v[5] = std::nanf("");
+    q->bytes = F32Bytes(v);
+    WriteCheckpoint(dir, tensors);
+    ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                    {"model.safetensors", "model.layers.0.self_attn.q_proj.weight[0, 5]", "NaN",
+                     "weights must be finite"});
+  }
+  {
+    TempDir dir;
+    std::vector<SafetensorsTensor> tensors = TinyTensors();
+    SafetensorsTensor* o = Find(tensors, "model.layers.1.self_attn.o_proj.weight");  // F16
+    ASSERT_NE(o, nullptr);
+    o->bytes[2 * 7] = static_cast<char>(0x00), o->bytes[2 * 7 + 1] = static_cast<char>(0xFC);  // element 7: -inf
+    WriteCheckpoint(dir, tensors);
+    ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                    {"model.layers.1.self_attn.o_proj.weight", "-inf"});
+  }
+  {
+    TempDir dir;
+    std::vector<SafetensorsTensor> tensors = TinyTensors();
+    SafetensorsTensor* v = Find(tensors, "model.layers.0.self_attn.v_proj.weight");  // BF16
+    ASSERT_NE(v, nullptr);
+    v->bytes[0] = static_cast<char>(0x80), v->bytes[1] = static_cast<char>(0x7F);  // element 0: +inf
+    WriteCheckpoint(dir, tensors);
+    ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                    {"model.layers.0.self_attn.v_proj.weight", "+inf"});
+  }
 }
 
 TEST(ModelLoadErrorTest, MissingTensorIsNotFound) {
