@@ -18,6 +18,12 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
                                                  const ServerOptions& options,
                                                  const ModelRegistry& models) {
   SessionConfig c;
+  if (open.model().empty() && open.layer() != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "open.layer = %d is set without open.model: a layer is chosen only in layer mode "
+        "(set open.model too, or leave open.layer unset)",
+        open.layer()));
+  }
   if (!open.model().empty()) {
     // Layer mode: the model's attention geometry and RoPE; only the mask and
     // logit options come from the spec.
@@ -68,8 +74,12 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
     c.int8_kv = true;  // computed in f32 over the stored int8 values
     c.kv_dtype = DType::kF32;
   } else {
-    RA_ASSIGN_OR_RETURN(c.kv_dtype,
-                        DTypeFromProto(open.kv_dtype(), "open.kv_dtype", DType::kF32));
+    absl::StatusOr<DType> kv = DTypeFromProto(open.kv_dtype(), "open.kv_dtype", DType::kF32);
+    if (!kv.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kv.status().message(), " (or DTYPE_INT8 for a softmax session's cache)"));
+    }
+    c.kv_dtype = *kv;
   }
   RA_ASSIGN_OR_RETURN(c.out_dtype, DTypeFromProto(open.out_dtype(), "open.out_dtype", DType::kF32));
   switch (open.kind()) {

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "core/encodings.h"
 #include "core/limits.h"
 #include "core/gemm.h"
@@ -40,6 +41,17 @@ absl::StatusOr<Tensor> Project(const ConstTensorView& x2d, const ConstTensorView
   absl::Status st = Linear(x2d, w, b, y2d, threads);
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
   return y;
+}
+
+// Finite inputs times finite weights can still overflow: such a result is
+// refused naming the tensor and the element, never answered.
+absl::Status CheckProduct(const Tensor& t, absl::string_view what, absl::string_view cause,
+                          absl::string_view advice = "; reduce the magnitude of the input") {
+  absl::Status st = CheckFinite(t.cview(), what);
+  if (st.ok()) return st;
+  return absl::InvalidArgumentError(
+      absl::StrCat(absl::StrReplaceAll(st.message(), {{": inputs must be finite", ""}}), ": ",
+                   cause, " overflows the float range", advice));
 }
 
 // Per-head RMSNorm of x [B, S, heads, head_dim] (f32, dense) in place:
@@ -84,6 +96,10 @@ absl::StatusOr<Projections> ProjectQKV(const Model& model, int64_t layer,
     NormHeads(p.q, w->q_norm, c.qk_norm, c.rms_norm_eps);
     NormHeads(p.k, w->k_norm, c.qk_norm, c.rms_norm_eps);
   }
+  const std::string cause = absl::StrCat("hidden times layer ", layer, "'s weights");
+  RA_RETURN_IF_ERROR(CheckProduct(p.q, "q_proj output", cause));
+  RA_RETURN_IF_ERROR(CheckProduct(p.k, "k_proj output", cause));
+  RA_RETURN_IF_ERROR(CheckProduct(p.v, "v_proj output", cause));
   return p;
 }
 
@@ -92,8 +108,11 @@ absl::StatusOr<Tensor> ProjectOutput(const Model& model, int64_t layer, const Co
   RA_ASSIGN_OR_RETURN(const LayerWeights* w, model.layer(layer));
   const ModelConfig& c = model.config();
   const int64_t b = attn.dim(0), s = attn.dim(1);
-  return Project(As2D(attn, b * s, c.num_heads * c.head_dim), w->o_proj, w->o_bias,
-                 {b, s, c.hidden_size}, threads, "o_proj");
+  RA_ASSIGN_OR_RETURN(Tensor out, Project(As2D(attn, b * s, c.num_heads * c.head_dim), w->o_proj,
+                                           w->o_bias, {b, s, c.hidden_size}, threads, "o_proj"));
+  RA_RETURN_IF_ERROR(CheckProduct(out, "o_proj output",
+                                  absl::StrCat("the attention times layer ", layer, "'s o_proj")));
+  return out;
 }
 
 absl::StatusOr<Tensor> LayerForward(const Model& model, int64_t layer,
@@ -318,6 +337,7 @@ absl::Status RunLayerAttend(const ModelRegistry& models, const v1::AttendRequest
                                                plan.options, plan.offsets, threads));
   if (plan.out_dtype != DType::kF32) {
     RA_ASSIGN_OR_RETURN(out, CastTensor(out.view(), plan.out_dtype));
+    RA_RETURN_IF_ERROR(CheckProduct(out, "out", "rounding to bf16", "; ask for f32"));
   }
   TensorToProto(out.view(), response->mutable_out());
   return absl::OkStatus();
@@ -452,8 +472,13 @@ absl::Status RunEmbed(const ModelRegistry& models, const v1::EmbedRequest& reque
       }
     }
   }
+  RA_RETURN_IF_ERROR(CheckProduct(out, "embeddings",
+                                  "this token's row of the model's embedding table (times the "
+                                  "model's scale, plus positions)",
+                                  " (the model's weights, not the request, are the cause)"));
   if (plan.out_dtype != DType::kF32) {
     RA_ASSIGN_OR_RETURN(out, CastTensor(out.view(), plan.out_dtype));
+    RA_RETURN_IF_ERROR(CheckProduct(out, "embeddings", "rounding to bf16", "; ask for f32"));
   }
   TensorToProto(out.view(), response->mutable_embeddings());
   return absl::OkStatus();

@@ -267,11 +267,31 @@ absl::Status Session::EndStepLocked(SessionStep& step, int threads, const Decode
   RA_RETURN_IF_ERROR(job.status);
   const SessionConfig& c = *config_;
   if (c.model) {
-    RA_ASSIGN_OR_RETURN(Tensor projected,
-                        ProjectOutput(*c.model, c.layer, attended.cview(), threads));
-    RA_ASSIGN_OR_RETURN(Tensor cast, CastTensor(projected.cview(), c.out_dtype));
-    RA_ASSIGN_OR_RETURN(TensorView out, step.output(c.out_dtype, cast.dims()));
-    std::memcpy(out.raw(), cast.data<char>(), cast.byte_size());  // `out` is dense
+    absl::StatusOr<Tensor> projected = ProjectOutput(*c.model, c.layer, attended.cview(), threads);
+    if (projected.ok() && c.out_dtype != DType::kF32) {
+      projected = CastTensor(projected->cview(), c.out_dtype);
+      if (projected.ok()) {
+        if (absl::Status fin = CheckFinite(projected->cview(), "step output (rounded to bf16)");
+            !fin.ok()) {
+          projected = fin;
+        }
+      }
+    }
+    if (!projected.ok()) {
+      // The step's keys and values are in the cache already: take them
+      // back, so a refused step leaves the session as it was.
+      const absl::Status undo = state_->Truncate(state_->position() - job.q.dim(1));
+      NoteStateLocked();
+      if (!undo.ok()) {
+        return absl::Status(projected.status().code(),
+                            absl::StrCat(projected.status().message(),
+                                         "; the step's tokens stay in the session (",
+                                         undo.message(), ")"));
+      }
+      return projected.status();
+    }
+    RA_ASSIGN_OR_RETURN(TensorView out, step.output(c.out_dtype, projected->dims()));
+    std::memcpy(out.raw(), projected->data<char>(), projected->byte_size());  // `out` is dense
   }
   {
     absl::MutexLock meta(&meta_mu_);

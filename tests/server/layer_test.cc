@@ -249,6 +249,22 @@ TEST_F(LayerTest, LayerModeErrors) {
   EXPECT_TRUE(attend(req).ok());
   *req.mutable_q() = ToWire(x.view());
   EXPECT_EQ(attend(req).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  // A session's layer without a model is refused, not ignored (it used to
+  // open a plain q/k/v session).
+  grpc::ClientContext sctx;
+  auto rw = stub_->Decode(&sctx);
+  v1::DecodeRequest open;
+  open.mutable_open()->set_layer(1);
+  open.mutable_open()->mutable_spec()->set_heads(2);
+  open.mutable_open()->mutable_spec()->set_head_dim(8);
+  ASSERT_TRUE(rw->Write(open));
+  v1::DecodeResponse r;
+  EXPECT_FALSE(rw->Read(&r)) << r.DebugString();
+  st = rw->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("open.layer = 1"));
+  EXPECT_THAT(st.error_message(), HasSubstr("open.model"));
 }
 
 // A checkpoint written to disk: Qwen2-style config (q/k/v biases) with bf16
@@ -347,6 +363,107 @@ TEST(CheckpointLayerTest, Bf16WeightsWithBiasesMatchTheReference) {
   const std::vector<double> want =
       RefLinear(ref::Attention(ap, q, k, v).out, s, w->o_proj, w->o_bias);
   EXPECT_TRUE(AllClose(WireToDoubles(resp.out()), want, kBF16Tol));
+  server->Shutdown(absl::Seconds(1));
+}
+
+// Finite inputs times finite weights can overflow the float range: each
+// such answer is refused with INVALID_ARGUMENT naming the tensor (never
+// returned as Inf), and a refused session step leaves the session as it
+// was. An external review found Attend, Decode and Embed answering Inf.
+TEST(CheckpointLayerTest, OverflowingProductsAreRefusedNotAnsweredAsInf) {
+  char dir_template[] = "/tmp/ropeattn_ckpt_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  const int64_t hidden = 64, heads = 4, kv = 2, hd = 16, vocab = 8;
+  WriteFileOrDie(dir + "/config.json", R"({"model_type": "gemma", "hidden_size": 64,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 8,
+    "max_position_embeddings": 128, "num_hidden_layers": 2})");
+  uint64_t seed = 7;
+  auto random = [&](int64_t n) {
+    const Tensor t = RandomTensor(DType::kF32, {n}, ++seed, -0.3f, 0.3f);
+    return std::vector<float>(t.data<float>(), t.data<float>() + n);
+  };
+  std::vector<float> embed = random(vocab * hidden);
+  for (int64_t h = 0; h < hidden; ++h) embed[3 * hidden + h] = 1e38f;  // row 3, times sqrt(64)
+  std::vector<SafetensorsTensor> tensors = {
+      {"model.embed_tokens.weight", "F32", {vocab, hidden}, F32Bytes(embed)}};
+  for (int layer = 0; layer < 2; ++layer) {
+    const std::string p = absl::StrCat("model.layers.", layer, ".self_attn.");
+    // Layer 0: q_proj overflows; layer 1: o_proj does.
+    std::vector<float> qw = random(heads * hd * hidden), ow = random(hidden * heads * hd);
+    for (float& w : layer == 0 ? qw : ow) w = 3e38f;
+    tensors.push_back({p + "q_proj.weight", "F32", {heads * hd, hidden}, F32Bytes(qw)});
+    tensors.push_back(
+        {p + "k_proj.weight", "F32", {kv * hd, hidden}, F32Bytes(random(kv * hd * hidden))});
+    tensors.push_back(
+        {p + "v_proj.weight", "F32", {kv * hd, hidden}, F32Bytes(random(kv * hd * hidden))});
+    tensors.push_back({p + "o_proj.weight", "F32", {hidden, heads * hd}, F32Bytes(ow)});
+  }
+  WriteFileOrDie(dir + "/model.safetensors", SafetensorsBytes(tensors));
+  server::ServerOptions o = TestServerOptions();
+  o.models = {{"big", dir}};
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  const Tensor x = RandomTensor(DType::kF32, {1, 3, hidden}, 9, 0.5f, 1.0f);
+  for (const auto& [layer, tensor] :
+       std::vector<std::pair<int, std::string>>{{0, "q_proj output"}, {1, "o_proj output"}}) {
+    SCOPED_TRACE(tensor);
+    v1::AttendRequest req;
+    req.mutable_layer()->set_model("big");
+    req.mutable_layer()->set_layer(layer);
+    *req.mutable_layer()->mutable_hidden() = ToWire(x.view());
+    grpc::ClientContext ctx;
+    v1::AttendResponse resp;
+    grpc::Status st = stub->Attend(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr(tensor));
+    EXPECT_THAT(st.error_message(), HasSubstr("overflows the float range"));
+
+    // A session step: refused the same way, and the session stays at 0 tokens.
+    grpc::ClientContext sctx;
+    auto rw = stub->Decode(&sctx);
+    v1::DecodeRequest open;
+    open.mutable_open()->set_model("big");
+    open.mutable_open()->set_layer(layer);
+    open.mutable_open()->set_max_context(16);
+    v1::DecodeResponse r;
+    ASSERT_TRUE(rw->Write(open));
+    ASSERT_TRUE(rw->Read(&r));
+    ASSERT_TRUE(r.has_opened()) << r.DebugString();
+    const std::string id = r.opened().session_id();
+    v1::DecodeRequest step;
+    step.mutable_step()->set_seq(1);
+    *step.mutable_step()->mutable_hidden() = ToWire(x.cview().Slice(1, 0, 2));
+    ASSERT_TRUE(rw->Write(step));
+    ASSERT_TRUE(rw->Read(&r));
+    ASSERT_TRUE(r.has_error()) << r.DebugString();
+    EXPECT_EQ(r.error().code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+    EXPECT_THAT(r.error().message(), HasSubstr(tensor));
+    EXPECT_THAT(r.error().message(), HasSubstr("overflows the float range"));
+    grpc::ClientContext gctx;
+    v1::GetSessionRequest get;
+    get.set_session_id(id);
+    v1::SessionInfo info;
+    ASSERT_TRUE(stub->GetSession(&gctx, get, &info).ok());
+    EXPECT_EQ(info.position(), 0);
+    EXPECT_EQ(info.kv_bytes_held(), 0);
+    rw->WritesDone();
+    EXPECT_TRUE(rw->Finish().ok());
+  }
+  // Embed: row 3 times sqrt(hidden) overflows.
+  v1::EmbedRequest ereq;
+  ereq.set_model("big");
+  for (int64_t id : {1, 3}) ereq.add_token_ids(id);
+  grpc::ClientContext ectx;
+  v1::EmbedResponse eresp;
+  grpc::Status st = stub->Embed(&ectx, ereq, &eresp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("embeddings[0, 1, 0] is +inf"));
+  ereq.clear_token_ids();
+  ereq.add_token_ids(1);
+  grpc::ClientContext ectx2;
+  EXPECT_TRUE(stub->Embed(&ectx2, ereq, &eresp).ok());
   server->Shutdown(absl::Seconds(1));
 }
 

@@ -836,11 +836,17 @@ std::vector<Case> GenerateCases() {
     f(d.mutable_open());
     return d;
   };
+  add(decode({open_with([](v1::OpenSession* o) { o->set_layer(2); })}),
+      "Decode.open layer without model", Code::INVALID_ARGUMENT, "open.layer = 2");
   for (int dt : {3, 9, -1}) {
     // kv_dtype 3 is DTYPE_INT8, a valid cache dtype: 4 stands for the unknown.
     const int kv = dt == 3 ? 4 : dt;
     add(decode({open_with([kv](v1::OpenSession* o) { o->set_kv_dtype(static_cast<v1::DType>(kv)); })}),
-        absl::StrCat("Decode.open kv_dtype=", kv), Code::INVALID_ARGUMENT, "kv_dtype");
+        absl::StrCat("Decode.open kv_dtype=", kv), Code::INVALID_ARGUMENT,
+        "kv_dtype has unknown value");
+    add(decode({open_with([kv](v1::OpenSession* o) { o->set_kv_dtype(static_cast<v1::DType>(kv)); })}),
+        absl::StrCat("Decode.open kv_dtype=", kv, " names int8"), Code::INVALID_ARGUMENT,
+        "or DTYPE_INT8");
     add(decode({open_with([dt](v1::OpenSession* o) { o->set_out_dtype(static_cast<v1::DType>(dt)); })}),
         absl::StrCat("Decode.open out_dtype=", dt), Code::INVALID_ARGUMENT, "out_dtype");
     add(decode({open_with([dt](v1::OpenSession* o) { o->set_kind(static_cast<v1::AttentionKind>(dt)); })}),
