@@ -417,6 +417,14 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
     }
     rope.rotary_dim = dim;
   } else if (partial.has_value()) {
+    if (family != Family::kPhi3 && *partial != 1.0) {
+      // Llama-style attention rotates the whole head: transformers builds
+      // cos/sin for the fraction and then fails to apply them.
+      return absl::UnimplementedError(absl::StrFormat(
+          "%s: key partial_rotary_factor = %g is not supported: transformers' %s attention "
+          "rotates the whole head (only phi3, gpt_neox and gptj rotate part of it)",
+          file, *partial, config.model_type));
+    }
     RA_ASSIGN_OR_RETURN(
         rope.rotary_dim,
         RotaryDimFromFraction(*partial_reader, "partial_rotary_factor", *partial, config.head_dim));
@@ -492,6 +500,16 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   RA_ASSIGN_OR_RETURN(std::optional<double> high, s.Number("high_freq_factor"));
   if (low.has_value()) sc.low_freq_factor = *low;
   if (high.has_value()) sc.high_freq_factor = *high;
+  if (sc.type == RopeScalingType::kLlama3) {
+    // transformers indexes these without a default (a KeyError when absent).
+    for (const auto& [key, value] : {std::pair<const char*, const std::optional<double>*>{
+                                         "low_freq_factor", &low},
+                                     {"high_freq_factor", &high}}) {
+      if (!value->has_value()) {
+        return s.Error(key, "is required by rope_type llama3 (transformers has no default)");
+      }
+    }
+  }
 
   if (absl::Status st = ValidateRopeConfig(rope); !st.ok()) {
     return absl::InvalidArgumentError(

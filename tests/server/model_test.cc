@@ -343,14 +343,21 @@ TEST(ParseModelConfigTest, GptJInterleavedRotaryDim) {
 }
 
 TEST(ParseModelConfigTest, PartialRotaryFactorAndExplicitHeadDim) {
-  // Phi-2 style partial_rotary_factor; head_dim given explicitly (Qwen3 /
-  // Gemma style, heads * head_dim != hidden_size).
+  // head_dim given explicitly (Qwen3 / Gemma style, heads * head_dim !=
+  // hidden_size); a factor of 1 is the whole head.
   absl::StatusOr<ModelConfig> c = ParseModelConfig(
-      TinyConfig({}, R"(, "head_dim": 20, "partial_rotary_factor": 0.4)"), "config.json");
+      TinyConfig({}, R"(, "head_dim": 20, "partial_rotary_factor": 1.0)"), "config.json");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->head_dim, 20);
   EXPECT_EQ(c->rope->head_dim, 20);
-  EXPECT_EQ(c->rope->rotary_dim, 8);
+  EXPECT_EQ(c->rope->rotary_dim, 20);
+  // Llama's attention cannot apply a partial rotary (transformers fails on
+  // it): refused, not computed with a made-up meaning.
+  c = ParseModelConfig(TinyConfig({}, R"(, "head_dim": 20, "partial_rotary_factor": 0.4)"),
+                       "config.json");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnimplemented) << c.status();
+  EXPECT_THAT(c.status().message(), AllOf(HasSubstr("partial_rotary_factor = 0.4"),
+                                          HasSubstr("llama")));
 }
 
 TEST(ParseModelConfigTest, LegacyDynamicAndRopeParameters) {
@@ -622,13 +629,22 @@ TEST(ParseModelConfigTest, Errors) {
                     {"rope_scaling.rope_type", "missing"});
   ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "llama3"})"),
                     C::kInvalidArgument, {"rope_scaling.factor"});
+  ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8,
+      "original_max_position_embeddings": 32, "high_freq_factor": 4})"),
+                    C::kInvalidArgument, {"rope_scaling.low_freq_factor", "required"});
+  ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8,
+      "original_max_position_embeddings": 32, "low_freq_factor": 1})"),
+                    C::kInvalidArgument, {"rope_scaling.high_freq_factor", "required"});
   ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "linear", "factor": 0.5})"),
                     C::kInvalidArgument, {"factor"});
   ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": "linear")"), C::kInvalidArgument,
                     {"rope_scaling"});
   ExpectConfigError(TinyConfig({}, R"(, "rope_theta": 0.5)"), C::kInvalidArgument, {"theta"});
-  ExpectConfigError(TinyConfig({}, R"(, "partial_rotary_factor": 0.375)"), C::kInvalidArgument,
-                    {"partial_rotary_factor"});
+  ExpectConfigError(
+      R"({"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4,
+          "vocab_size": 8, "num_hidden_layers": 1, "max_position_embeddings": 16,
+          "rotary_pct": 0.3125})",
+      C::kInvalidArgument, {"rotary_pct", "rotary_dim 5"});
   ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"type": "mrope"})"), C::kUnimplemented,
                     {"mrope"});
   ExpectConfigError(
