@@ -825,9 +825,13 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
       return config;
     }
     config.positions = PositionKind::kRope;
-    // rope_parameters (transformers >= 4.56) supersedes rope_scaling; Gemma 3
-    // may key it by layer type.
-    const char* block_key = top.Has("rope_parameters") ? "rope_parameters" : "rope_scaling";
+    // rope_parameters (transformers >= 4.56) is read unless a non-empty
+    // rope_scaling is given too: transformers' convert_rope_params_to_dict
+    // takes `rope_scaling or rope_parameters`. Gemma 3 may key it by layer type.
+    const json* scaling = top.Find("rope_scaling");
+    const bool scaling_given = scaling != nullptr && !(scaling->is_object() && scaling->empty());
+    const char* block_key =
+        top.Has("rope_parameters") && !scaling_given ? "rope_parameters" : "rope_scaling";
     const json* block = top.Find(block_key);
     const json* local_block = nullptr;
     std::string block_name = block_key;

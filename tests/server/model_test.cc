@@ -377,6 +377,25 @@ TEST(ParseModelConfigTest, LegacyDynamicAndRopeParameters) {
   EXPECT_EQ(params->rope->scaling.type, RopeScalingType::kLinear);
   EXPECT_EQ(params->rope->theta, 50000.0);
 
+  // Both blocks: transformers takes `rope_scaling or rope_parameters`, so a
+  // non-empty rope_scaling wins and a null or empty one does not.
+  params = ParseModelConfig(
+      TinyConfig({}, R"(, "rope_scaling": {"rope_type": "linear", "factor": 3.0},
+          "rope_parameters": {"rope_type": "dynamic", "factor": 2.0})"),
+      "config.json");
+  ASSERT_TRUE(params.ok()) << params.status();
+  EXPECT_EQ(params->rope->scaling.type, RopeScalingType::kLinear);
+  EXPECT_EQ(params->rope->scaling.factor, 3.0);
+  for (const char* empty : {"null", "{}"}) {
+    params = ParseModelConfig(
+        TinyConfig({}, absl::StrCat(R"(, "rope_scaling": )", empty,
+                                    R"(, "rope_parameters": {"rope_type": "linear", "factor": 2.0})")),
+        "config.json");
+    ASSERT_TRUE(params.ok()) << params.status();
+    EXPECT_EQ(params->rope->scaling.type, RopeScalingType::kLinear) << empty;
+    EXPECT_EQ(params->rope->scaling.factor, 2.0) << empty;
+  }
+
   absl::StatusOr<ModelConfig> none =
       ParseModelConfig(TinyConfig({}, R"(, "rope_scaling": null)"), "config.json");
   ASSERT_TRUE(none.ok()) << none.status();
