@@ -370,7 +370,6 @@ void BM_LayerDecodeStep(benchmark::State& state) {
     return rw->Write(step) && rw->Read(&resp) && resp.has_step();
   });
   state.counters["model_resident_bytes"] = static_cast<double>(model.resident_bytes());
-  state.counters["model_mapped_bytes"] = static_cast<double>(model.mapped_bytes());
   rw->WritesDone();
   while (rw->Read(&resp)) {
   }

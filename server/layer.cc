@@ -564,7 +564,6 @@ void FillModelInfo(const Model& model, v1::ModelInfo* info) {
       info->set_attention_factor(f->attention_factor);
     }
   }
-  info->set_mapped_bytes(model.mapped_bytes());
   info->set_resident_bytes(model.resident_bytes());
 }
 

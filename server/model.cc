@@ -77,9 +77,9 @@ bool FileExists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-// A whole file mapped read-only. The mapping outlives the fd (closed at
-// once). Weights files must not be truncated while served: the kernel would
-// raise SIGBUS on access, which no check at load time can prevent.
+// A whole file mapped read-only while a model loads. The mapping outlives the
+// fd (closed at once); the weights a model uses are copied out of it, and it
+// is unmapped when loading ends.
 class MappedFile {
  public:
   static absl::StatusOr<std::unique_ptr<MappedFile>> Open(const std::string& path,
@@ -1196,9 +1196,8 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ParseSafetensors(absl::string_vie
 }
 
 struct Model::Storage {
-  std::vector<std::unique_ptr<MappedFile>> files;
-  // Converted (F16) or realigned weights, and the demo model's weights.
-  // Tensor buffers do not move when the vector grows.
+  // Every weight served: copied or converted from the files, or the demo
+  // model's. Tensor buffers do not move when the vector grows.
   std::vector<Tensor> owned;
 };
 
@@ -1269,7 +1268,7 @@ class WeightBinder {
   // `why` explains the expected shape in config terms for the message.
   absl::StatusOr<ConstTensorView> Bind(const std::string& name, const Dims& expected,
                                        absl::string_view why, bool optional,
-                                       std::vector<Tensor>* owned, int64_t* mapped,
+                                       std::vector<Tensor>* owned,
                                        int64_t* resident) const {
     auto it = table_.find(name);
     if (it == table_.end()) {
@@ -1301,18 +1300,16 @@ class WeightBinder {
       owned->push_back(std::move(t));
       return Finite(owned->back().cview(), fname, name);
     }
+    // Copied, never served from the file's pages: a file truncated or
+    // rewritten in place while the server runs would otherwise kill it with
+    // SIGBUS or change its weights behind the finiteness check. The copy is
+    // also naturally aligned whatever the header length.
     const DType dtype = rec.dtype == "F32" ? DType::kF32 : DType::kBF16;
-    // A header whose length is not a multiple of the element size leaves the
-    // data misaligned; kernels expect natural alignment, so copy those.
-    if (reinterpret_cast<uintptr_t>(rec.data) % DTypeSize(dtype) != 0) {
-      RA_ASSIGN_OR_RETURN(Tensor t, Tensor::Create(dtype, expected));
-      std::memcpy(t.data<uint8_t>(), rec.data, static_cast<size_t>(rec.num_bytes));
-      *resident += rec.num_bytes;
-      owned->push_back(std::move(t));
-      return Finite(owned->back().cview(), fname, name);
-    }
-    *mapped += rec.num_bytes;
-    return Finite(ConstTensorView(rec.data, dtype, expected), fname, name);
+    RA_ASSIGN_OR_RETURN(Tensor t, Tensor::Create(dtype, expected));
+    std::memcpy(t.data<uint8_t>(), rec.data, static_cast<size_t>(rec.num_bytes));
+    *resident += rec.num_bytes;
+    owned->push_back(std::move(t));
+    return Finite(owned->back().cview(), fname, name);
   }
 
  private:
@@ -1378,7 +1375,7 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& name
   model->config_ = config;
   model->storage_ = std::make_unique<Storage>();
   std::vector<Tensor>* store = &model->storage_->owned;
-  int64_t mapped = 0, resident = 0;
+  int64_t resident = 0;
 
   const ModelConfig& c = config;
   const int64_t q_out = c.num_heads * c.head_dim;
@@ -1423,7 +1420,7 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& name
                             FamilyName(c.family));
   auto bind = [&](const std::string& tensor, const Dims& dims, absl::string_view why,
                   bool optional) {
-    return binder.Bind(tensor, dims, why, optional, store, &mapped, &resident);
+    return binder.Bind(tensor, dims, why, optional, store, &resident);
   };
   const std::string hidden_why = absl::StrFormat("hidden_size %d", c.hidden_size);
 
@@ -1523,6 +1520,17 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& name
         } else {
           // GPT-NeoX: per head [q(d) k(d) v(d)]; gathered once.
           RA_ASSIGN_OR_RETURN(FusedSplit split, SplitPerHead(w, b, c.num_heads, c.head_dim));
+          // The fused copies are not served: only the gathered q/k/v stay.
+          // (Erasing moves Tensor handles, never their buffers.)
+          for (const ConstTensorView& fused_view : {w, b}) {
+            if (fused_view.empty_view()) continue;
+            const auto held = std::find_if(store->begin(), store->end(), [&](const Tensor& t) {
+              return t.cview().raw() == fused_view.raw();
+            });
+            if (held == store->end()) continue;
+            resident -= static_cast<int64_t>(held->byte_size());
+            store->erase(held);
+          }
           for (Tensor& t : split.owned) {
             resident += static_cast<int64_t>(t.byte_size());
             store->push_back(std::move(t));
@@ -1602,9 +1610,8 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& name
                           bind(root + ".self_attn.k_norm.weight", {c.head_dim}, why, false));
     }
   }
-  model->mapped_bytes_ = mapped;
   model->resident_bytes_ = resident;
-  model->storage_->files = std::move(src.files);
+  // src's files are unmapped on return: nothing served points into them.
   return std::shared_ptr<const Model>(std::move(model));
 }
 

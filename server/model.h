@@ -2,20 +2,20 @@
 // model.safetensors, or a sharded set with model.safetensors.index.json),
 // loaded once at start-up, and the built-in demo model.
 //
-// Weights are memory-mapped (PROT_READ, MAP_PRIVATE), not copied: F32 and
-// BF16 tensors are used in place; F16 tensors are converted to F32 once at
-// load (the kernels have no f16 path). Data the header leaves misaligned for
-// its dtype (a header length that is not a multiple of 4) is copied instead of
-// read unaligned. A broken checkpoint stops loading with one clear message
-// naming the file and the tensor; a model is never half-loaded.
+// Files are memory-mapped (PROT_READ, MAP_PRIVATE) only while loading: the
+// tensors a model uses are copied out (F32 and BF16 as they are, F16
+// converted to F32: the kernels have no f16 path) and the files unmapped
+// before Load returns, so a served model holds no file open or mapped and a
+// file truncated, rewritten or deleted afterwards changes nothing (served
+// from the mapping, it would raise SIGBUS or change weights behind the
+// load-time checks). A broken checkpoint stops loading with one clear
+// message naming the file and the tensor; a model is never half-loaded.
 //
 // Every tensor of every file is bounds-checked at load (header length within
 // the file, data_offsets within the data buffer, end - begin equal to the
 // shape's element count times the dtype size, no two tensors overlapping),
 // whether the model uses it or not. Only tensors the model uses must be
 // F32/BF16/F16: checkpoints carry other buffers (int64 position ids, ...).
-// Files must not be truncated while a model maps them (the kernel would
-// raise SIGBUS on access; no load-time check can prevent that).
 //
 // Tensor names read, per family (L = layer index):
 //   Llama, Mistral, Qwen2/3, Gemma 1/2/3:
@@ -234,9 +234,8 @@ class Model {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // OutOfRange naming the layer for an index outside [0, num_layers).
   absl::StatusOr<const LayerWeights*> layer(int64_t index) const;
-  // Bytes of the weights this model uses: read in place from file mappings,
-  // and held in memory (F16 converted, misaligned copied, or generated).
-  int64_t mapped_bytes() const { return mapped_bytes_; }
+  // Bytes of the weights this model uses, all held in memory (copied or
+  // converted from the files, or generated).
   int64_t resident_bytes() const { return resident_bytes_; }
 
  private:
@@ -247,8 +246,8 @@ class Model {
   ConstTensorView embed_tokens_, position_table_;
   ConstTensorView token_type_row_, embed_norm_weight_, embed_norm_bias_;
   std::vector<LayerWeights> layers_;
-  int64_t mapped_bytes_ = 0, resident_bytes_ = 0;
-  std::unique_ptr<Storage> storage_;  // mappings and owned tensors
+  int64_t resident_bytes_ = 0;
+  std::unique_ptr<Storage> storage_;  // the tensors it serves
 };
 
 // Name -> model, filled at start-up. Immutable once the server runs.

@@ -152,7 +152,6 @@ void LogModelLoaded(const Model& model) {
             {"heads", c.num_heads},
             {"kv_heads", c.num_kv_heads},
             {"head_dim", c.head_dim},
-            {"mapped_bytes", model.mapped_bytes()},
             {"resident_bytes", model.resident_bytes()}});
 }
 

@@ -903,8 +903,7 @@ void PrintModelDetail(const v1::ModelInfo& m) {
                                           lo > 0 ? two_pi / lo : 0));
     }
   }
-  line("memory", absl::StrFormat("%s mapped, %s resident", HumanBytes(m.mapped_bytes()),
-                                 HumanBytes(m.resident_bytes())));
+  line("memory", absl::StrFormat("%s of weights", HumanBytes(m.resident_bytes())));
 }
 
 }  // namespace
@@ -951,7 +950,7 @@ int ModelsCommand(int argc, char** argv) {
                                  absl::StrCat(m.heads(), "/", m.kv_heads()), m.head_dim(),
                                  m.vocab_size(), m.num_layers(), m.max_positions(),
                                  PositionsName(m.positions()), RopeRule(m),
-                                 HumanBytes(m.mapped_bytes() + m.resident_bytes()));
+                                 HumanBytes(m.resident_bytes()));
   }
   std::cout << models->size() << " model" << (models->size() == 1 ? "" : "s") << "\n";
   return 0;
