@@ -5,7 +5,8 @@
 // followed by the event's own fields (docs/logging.md lists the events).
 //
 // Logging never throws and never fails a call: a field that cannot be
-// encoded (invalid UTF-8) is replaced, not dropped.
+// encoded (invalid UTF-8) is replaced, not dropped; a line stdout cannot
+// take (full disk, closed pipe: main ignores SIGPIPE) is dropped.
 #ifndef ROPEATTN_SERVER_LOG_H_
 #define ROPEATTN_SERVER_LOG_H_
 

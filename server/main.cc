@@ -167,6 +167,11 @@ std::string ConfigJson(const ropeattn::server::ServerOptions& o, int max_connect
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A log reader that goes away (a shipper or `| tee` that died) must not
+  // kill the server on its next line: writes to the closed pipe fail with
+  // EPIPE instead, and the lines are dropped (log.h). Sockets are gRPC's,
+  // which sends with MSG_NOSIGNAL either way.
+  signal(SIGPIPE, SIG_IGN);
   // Buffers of 4 MiB and more (KV caches, RoPE tables, request tensors) are
   // mapped on their own and unmapped when freed, so a closed session or a
   // finished large request gives its memory back to the system at once.

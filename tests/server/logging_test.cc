@@ -118,7 +118,9 @@ TEST(LogTest, TraceparentIsParsedAsW3cSays) {
 // ropeattn-server as a child process; a thread collects its log.
 class LoggedServer {
  public:
-  explicit LoggedServer(std::vector<std::string> flags) {
+  // keep_reading false: after start-up the log's read end is closed, as when
+  // a log shipper reading the server's stdout dies.
+  explicit LoggedServer(std::vector<std::string> flags, bool keep_reading = true) {
     std::vector<std::string> args = {"ropeattn-server", "--address=127.0.0.1:0",
                                      "--metrics_address=", "--shutdown_grace_seconds=2"};
     args.insert(args.end(), flags.begin(), flags.end());
@@ -143,6 +145,11 @@ class LoggedServer {
     {
       absl::MutexLock lock(&mu_);
       text_ = startup.text;
+    }
+    if (!keep_reading) {
+      fclose(out_);
+      out_ = nullptr;
+      return;
     }
     reader_ = std::thread([this] {
       for (std::string line = testing::ReadWholeLine(out_); !line.empty();
@@ -184,7 +191,7 @@ class LoggedServer {
     int status = 0;
     waitpid(pid_, &status, 0);
     pid_ = -1;
-    reader_.join();
+    if (reader_.joinable()) reader_.join();
     return status;
   }
 
@@ -349,6 +356,30 @@ TEST(ServerLogTest, TheBinaryLogsItsConfigErrorsCallsSessionsAndDrain) {
 }
 
 // Without --access_log only error answers are logged per call.
+// A server whose stdout reader went away (a log shipper or `| tee` that
+// died) goes on serving: log lines are dropped, the process is not killed
+// by SIGPIPE on its next line, and it still drains and exits 0.
+TEST(ServerLogTest, AClosedLogDoesNotStopTheServer) {
+  LoggedServer server({"--access_log"}, /*keep_reading=*/false);
+  ASSERT_GT(server.port(), 0) << server.Text();
+  auto stub = testing::TestStub(server.port());
+  for (int i = 0; i < 200; ++i) {  // error answers are logged: many lines
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    v1::AttendRequest req;  // no spec: refused
+    v1::AttendResponse resp;
+    ASSERT_EQ(stub->Attend(&ctx, req, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << "call " << i;
+  }
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  v1::ServerInfo info;
+  ASSERT_TRUE(stub->GetServerInfo(&ctx, {}, &info).ok());
+  const int status = server.Terminate();
+  EXPECT_TRUE(WIFEXITED(status)) << "killed by signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 0);
+}
+
 TEST(ServerLogTest, WithoutTheAccessLogOnlyErrorsAreLogged) {
   LoggedServer server({});
   ASSERT_GT(server.port(), 0) << server.Text();
