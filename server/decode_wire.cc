@@ -105,6 +105,21 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
       return absl::UnimplementedError(
           "linear-attention sessions support RoPE only: no ALiBi, T5, window or softcap");
     }
+    if (open.spec().scale() != 0) {
+      // elu(q)+1 and elu(k)+1 carry no score scale: read, it would cancel
+      // between numerator and normalizer (all but the epsilon), so it is
+      // refused rather than accepted and ignored.
+      return absl::UnimplementedError(absl::StrFormat(
+          "open.spec.scale %g: linear-attention sessions have no score scale (the elu+1 "
+          "feature map takes q and k as they are); leave it 0",
+          open.spec().scale()));
+    }
+    if (c.kv_dtype != DType::kF32 && !c.int8_kv) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "open.kv_dtype ", v1::DType_Name(open.kv_dtype()),
+          ": a linear-attention session keeps f32 running sums (S, z), not a KV cache; leave "
+          "it unset or DTYPE_F32"));
+    }
     if (LengthDependentRope(c)) {
       return absl::UnimplementedError(absl::StrCat(
           "linear-attention sessions cannot use rope_type \"",

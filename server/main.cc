@@ -195,8 +195,14 @@ int main(int argc, char** argv) {
   // Collect the repeatable --model flags.
   std::vector<std::pair<std::string, std::string>> models;
   std::vector<char*> args;
+  // Whether --memory_budget_bytes was given (its deprecated alias yields to
+  // it whatever its value, the default's included).
+  bool memory_budget_given = false;
   for (int i = 0; i < argc; ++i) {
     std::string a = argv[i];
+    for (const char* name : {"--memory_budget_bytes", "-memory_budget_bytes"}) {
+      if (a == name || absl::StartsWith(a, absl::StrCat(name, "="))) memory_budget_given = true;
+    }
     std::string value;
     if (a.rfind("--model=", 0) == 0) {
       value = a.substr(8);
@@ -252,9 +258,13 @@ int main(int argc, char** argv) {
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   o.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
-  if (absl::GetFlag(FLAGS_kv_budget_bytes) >= 0 &&
-      o.memory_budget_bytes == kDefaults.memory_budget_bytes) {
-    o.memory_budget_bytes = absl::GetFlag(FLAGS_kv_budget_bytes);
+  if (const int64_t alias = absl::GetFlag(FLAGS_kv_budget_bytes); alias != -1) {
+    if (alias < 0) {
+      std::fprintf(stderr, "ropeattn-server: --kv_budget_bytes must be >= 0, got %lld\n",
+                   static_cast<long long>(alias));
+      return 2;
+    }
+    if (!memory_budget_given) o.memory_budget_bytes = alias;
   }
   o.max_request_compute = absl::GetFlag(FLAGS_max_request_compute);
   o.default_max_context = absl::GetFlag(FLAGS_default_max_context);

@@ -178,17 +178,46 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::InvalidArgumentError(absl::StrFormat(
         "max_decode_batch must be in [1, 1024], got %d", options.max_decode_batch));
   }
-  if (options.compute_workers < 1 || options.threads_per_call < 1 || options.queue_depth < 1 ||
-      options.max_sessions < 1 || options.memory_budget_bytes < 0 ||
-      options.max_request_compute < 1 || options.max_message_bytes < 1024 ||
-      options.max_message_bytes > (int64_t{2} << 30) - 1) {
+  // Each option named with its valid range and the value given.
+  auto at_least = [](const char* name, int64_t value, int64_t min) {
+    return value >= min ? absl::OkStatus()
+                        : absl::InvalidArgumentError(
+                              absl::StrFormat("%s must be >= %d, got %d", name, min, value));
+  };
+  for (absl::Status st : {
+           at_least("compute_workers", options.compute_workers, 1),
+           at_least("threads_per_call", options.threads_per_call, 1),
+           at_least("queue_depth", options.queue_depth, 1),
+           at_least("max_sessions", options.max_sessions, 1),
+           at_least("memory_budget_bytes", options.memory_budget_bytes, 0),
+           at_least("max_request_compute", options.max_request_compute, 1),
+           at_least("max_context_limit", options.max_context_limit, 1),
+           at_least("default_max_context", options.default_max_context, 1),
+           at_least("max_idle_ttl_seconds", options.max_idle_ttl_seconds, 1),
+           at_least("default_idle_ttl_seconds", options.default_idle_ttl_seconds, 1),
+       }) {
+    if (!st.ok()) return st;
+  }
+  if (options.max_message_bytes < 1024 || options.max_message_bytes > (int64_t{2} << 30) - 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("max_message_bytes must be in [1024, 2^31 - 1], got %d",
+                        options.max_message_bytes));
+  }
+  // The defaults a session gets without asking must be ones it could ask for.
+  if (options.default_max_context > options.max_context_limit) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "invalid server options: compute_workers %d, threads_per_call %d, queue_depth %d, "
-        "max_sessions %d, memory_budget_bytes %d, max_request_compute %d, max_message_bytes %d "
-        "(1 KiB .. 2 GiB)",
-        options.compute_workers, options.threads_per_call, options.queue_depth,
-        options.max_sessions, options.memory_budget_bytes, options.max_request_compute,
-        options.max_message_bytes));
+        "default_max_context %d exceeds max_context_limit %d: a session that does not ask for "
+        "max_context would be refused",
+        options.default_max_context, options.max_context_limit));
+  }
+  if (options.default_idle_ttl_seconds > options.max_idle_ttl_seconds) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "default_idle_ttl_seconds %d exceeds max_idle_ttl_seconds %d",
+        options.default_idle_ttl_seconds, options.max_idle_ttl_seconds));
+  }
+  if (!(options.shutdown_grace_seconds >= 0 && options.shutdown_grace_seconds <= 3600)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "shutdown_grace_seconds must be in [0, 3600], got %g", options.shutdown_grace_seconds));
   }
   absl::Status security = CheckSecurityOptions(options);
   if (!security.ok()) return security;

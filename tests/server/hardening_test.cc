@@ -4,6 +4,7 @@
 // names the field, then that the server still answers a valid call.
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <cstring>
 #include <cstdlib>
 #include <cstdio>
@@ -1222,6 +1223,46 @@ TEST(HardeningInlineTest, ComputeWorkersRunAtTheirNiceValue) {
     auto refused = server::Server::Start(b);
     ASSERT_FALSE(refused.ok());
     EXPECT_THAT(std::string(refused.status().message()), HasSubstr("compute_nice"));
+  }
+}
+
+// Options that contradict each other, or are out of range, stop start-up
+// with a message naming the one at fault and its value (a default
+// max_context above the limit used to start a server that refused every
+// open without max_context, blaming a field the client never set; a default
+// TTL above the cap was used uncapped).
+TEST(ServerOptionsTest, EachBadOptionIsNamedWithItsValue) {
+  struct Bad {
+    std::function<void(server::ServerOptions&)> set;
+    std::string named;
+  };
+  const std::vector<Bad> cases = {
+      {[](auto& o) { o.compute_workers = 0; }, "compute_workers must be >= 1, got 0"},
+      {[](auto& o) { o.queue_depth = -3; }, "queue_depth must be >= 1, got -3"},
+      {[](auto& o) { o.max_message_bytes = 3000000000; }, "max_message_bytes must be in"},
+      {[](auto& o) { o.memory_budget_bytes = -1; }, "memory_budget_bytes must be >= 0, got -1"},
+      {[](auto& o) { o.default_max_context = 0; }, "default_max_context must be >= 1, got 0"},
+      {[](auto& o) { o.max_context_limit = 0; }, "max_context_limit must be >= 1, got 0"},
+      {[](auto& o) { o.default_max_context = o.max_context_limit + 1; },
+       "default_max_context 1048577 exceeds max_context_limit 1048576"},
+      {[](auto& o) { o.default_idle_ttl_seconds = 0; }, "default_idle_ttl_seconds must be >= 1"},
+      {[](auto& o) { o.default_idle_ttl_seconds = 5000; },
+       "default_idle_ttl_seconds 5000 exceeds max_idle_ttl_seconds 3600"},
+      {[](auto& o) { o.max_idle_ttl_seconds = 10; },
+       "default_idle_ttl_seconds 300 exceeds max_idle_ttl_seconds 10"},
+      {[](auto& o) { o.shutdown_grace_seconds = -1; }, "shutdown_grace_seconds must be in"},
+      {[](auto& o) { o.shutdown_grace_seconds = NAN; }, "shutdown_grace_seconds must be in"},
+  };
+  for (const Bad& bad : cases) {
+    server::ServerOptions o = TestServerOptions();
+    o.max_context_limit = 1 << 20;
+    o.default_idle_ttl_seconds = 300;
+    o.max_idle_ttl_seconds = 3600;
+    bad.set(o);
+    auto refused = server::Server::Start(o);
+    ASSERT_FALSE(refused.ok()) << bad.named;
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad.named;
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr(bad.named));
   }
 }
 

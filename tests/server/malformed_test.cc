@@ -869,6 +869,23 @@ std::vector<Case> GenerateCases() {
         *o->mutable_spec()->mutable_t5()->mutable_table() = Wire({32, 2});
       })}),
       "Decode.open t5", Code::UNIMPLEMENTED, "t5");
+  // A linear session has no score scale and no KV cache: both are refused,
+  // not accepted and ignored.
+  add(decode({open_with([](v1::OpenSession* o) {
+        o->set_kind(v1::ATTENTION_KIND_LINEAR);
+        o->mutable_spec()->set_scale(1e4);
+      })}),
+      "Decode.open linear with scale", Code::UNIMPLEMENTED, "open.spec.scale 10000");
+  add(decode({open_with([](v1::OpenSession* o) {
+        o->set_kind(v1::ATTENTION_KIND_LINEAR);
+        o->set_kv_dtype(v1::DTYPE_BF16);
+      })}),
+      "Decode.open linear with bf16 kv", Code::INVALID_ARGUMENT, "open.kv_dtype DTYPE_BF16");
+  add(decode({open_with([](v1::OpenSession* o) {
+        o->set_kind(v1::ATTENTION_KIND_LINEAR);
+        o->set_kv_dtype(v1::DTYPE_INT8);
+      })}),
+      "Decode.open linear with int8 kv", Code::INVALID_ARGUMENT, "open.kv_dtype DTYPE_INT8");
   for (const std::string& name : {std::string("nope"), std::string(1 << 20, 'n')}) {
     add(decode({open_with([name](v1::OpenSession* o) {
           o->clear_spec();
