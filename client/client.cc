@@ -46,6 +46,19 @@ absl::Status FromGrpc(const grpc::Status& s) {
       s.error_message());
 }
 
+// A message larger than the client may send is refused here, before gRPC
+// sees it: gRPC answers RESOURCE_EXHAUSTED only below 2 GiB, and above that
+// protobuf's serializer aborts the process.
+absl::Status CheckSendSize(const google::protobuf::MessageLite& m, int64_t max_bytes,
+                           absl::string_view what) {
+  const size_t bytes = m.ByteSizeLong();
+  if (bytes <= static_cast<size_t>(max_bytes)) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      what, " is ", bytes, " bytes, more than the client's max_message_bytes ", max_bytes,
+      bytes > static_cast<size_t>(INT_MAX) ? " (and than gRPC's 2 GiB message limit)" : "",
+      "; not sent"));
+}
+
 absl::Status FromStepError(const v1::StepError& e) {
   const int code = e.code();
   if (code == 0) {
@@ -398,6 +411,10 @@ absl::StatusOr<v1::AttendResponse> Client::Attend(const v1::AttendRequest& reque
                                                   std::optional<absl::Duration> deadline) {
   absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
   if (!d.ok()) return d.status();
+  if (absl::Status size = CheckSendSize(request, options_.max_message_bytes, "the Attend request");
+      !size.ok()) {
+    return size;
+  }
   return CallUnary<v1::AttendResponse>(*d, options_.max_retries,
                                        [&](grpc::ClientContext* ctx, auto* r) {
                                          return NextReplica().stub->Attend(ctx, request, r);
@@ -408,6 +425,10 @@ absl::StatusOr<v1::EncodeResponse> Client::Encode(const v1::EncodeRequest& reque
                                                   std::optional<absl::Duration> deadline) {
   absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
   if (!d.ok()) return d.status();
+  if (absl::Status size = CheckSendSize(request, options_.max_message_bytes, "the Encode request");
+      !size.ok()) {
+    return size;
+  }
   return CallUnary<v1::EncodeResponse>(*d, options_.max_retries,
                                        [&](grpc::ClientContext* ctx, auto* r) {
                                          return NextReplica().stub->Encode(ctx, request, r);
@@ -519,6 +540,10 @@ absl::StatusOr<v1::EmbedResponse> Client::Embed(const v1::EmbedRequest& request,
                                                 std::optional<absl::Duration> deadline) {
   absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
   if (!d.ok()) return d.status();
+  if (absl::Status size = CheckSendSize(request, options_.max_message_bytes, "the Embed request");
+      !size.ok()) {
+    return size;
+  }
   // A pure function of the request: safe to retry.
   return CallUnary<v1::EmbedResponse>(*d, options_.max_retries,
                                       [&](grpc::ClientContext* ctx, auto* r) {
@@ -569,6 +594,12 @@ absl::StatusOr<std::unique_ptr<Session>> Client::StartSession(size_t target_inde
                                                    replicas_.size(), " target(s)"));
   }
   if (absl::Status s = CheckRoutingKey(routing_key); !s.ok()) return s;
+  if (absl::Status size =
+          CheckSendSize(first, options_.max_message_bytes,
+                        absl::StrCat("the Decode `", OpName(first.msg_case()), "`"));
+      !size.ok()) {
+    return size;
+  }
   std::unique_ptr<Session> session(new Session());
   session->client_ = this;
   session->target_ = targets()[target_index];
@@ -700,6 +731,13 @@ absl::StatusOr<v1::DecodeResponse> Session::RoundTrip(v1::DecodeRequest& request
       break;
     default:
       return absl::InvalidArgumentError(absl::StrCat("`", op, "` is not a session operation"));
+  }
+  // Not sent: the session is unchanged and goes on.
+  if (absl::Status size = CheckSendSize(request, client_->options_.max_message_bytes,
+                                       absl::StrCat("the Decode `", op, "`"));
+      !size.ok()) {
+    --seq_;  // never sent: the next operation takes its seq
+    return size;
   }
   const uint64_t ticket =
       client_->timer_->Arm(absl::Now() + client_->options_.deadline, ctx_.get());

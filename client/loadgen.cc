@@ -549,11 +549,14 @@ absl::Status ValidateLoadSpec(const LoadSpec& spec) {
     if (head_dim < 2 || head_dim % 2 != 0) return bad("head_dim must be even, got ", head_dim);
     return absl::OkStatus();
   };
-  auto check_dtype = [&](v1::DType dtype, absl::string_view field) -> absl::Status {
-    if (dtype != v1::DTYPE_F32 && dtype != v1::DTYPE_BF16) {
-      return bad(field, " must be f32 or bf16, got ", static_cast<int>(dtype));
+  // Tensors are f32 or bf16; a session's cache may also be int8.
+  auto check_dtype = [&](v1::DType dtype, absl::string_view field,
+                         bool cache = false) -> absl::Status {
+    if (dtype == v1::DTYPE_F32 || dtype == v1::DTYPE_BF16 || (cache && dtype == v1::DTYPE_INT8)) {
+      return absl::OkStatus();
     }
-    return absl::OkStatus();
+    return bad(field, cache ? " must be f32, bf16 or int8, got " : " must be f32 or bf16, got ",
+               WireDTypeName(dtype), " (", static_cast<int>(dtype), ")");
   };
   const bool layer_mode = !spec.model.empty();
   if (layer_mode && spec.layer < 0) return bad("layer must be >= 0, got ", spec.layer);
@@ -593,7 +596,7 @@ absl::Status ValidateLoadSpec(const LoadSpec& spec) {
                  d.step_rate, " steps/s and ", absl::FormatDuration(d.think_time));
     }
     if (absl::Status s = check_dtype(d.dtype, "dtype"); !s.ok()) return s;
-    if (absl::Status s = check_dtype(d.kv_dtype, "kv_dtype"); !s.ok()) return s;
+    if (absl::Status s = check_dtype(d.kv_dtype, "kv_dtype", /*cache=*/true); !s.ok()) return s;
   }
   if (spec.mode == LoadMode::kClosed) {
     if (spec.concurrency.empty()) return bad("concurrency list is empty");

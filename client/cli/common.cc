@@ -528,6 +528,16 @@ absl::StatusOr<Inputs> InputsFromFlags(int64_t batch, int64_t q_len, int64_t k_l
           absl::StrCat("--", name, " must be in [1, 2^24], got ", value));
     }
   }
+  // Refused before generating gigabytes that could never be sent.
+  const int64_t elem = *dtype == v1::DTYPE_BF16 ? 2 : 4;
+  const double bytes = static_cast<double>(elem) * batch *
+                       (static_cast<double>(q_len) * heads * head_dim +
+                        static_cast<double>(k_len) * kv_heads * (head_dim + v_dim));
+  if (const int64_t max = absl::GetFlag(FLAGS_max_message_bytes); bytes > max) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "q, k and v of these shapes are %.0f bytes, more than --max_message_bytes %d; not sent",
+        bytes, max));
+  }
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
   const int64_t q_shape[] = {batch, q_len, heads, head_dim};
   const int64_t k_shape[] = {batch, k_len, kv_heads, head_dim};

@@ -468,6 +468,48 @@ TEST_F(ClientTest, InBandErrorKeepsSessionUsable) {
   EXPECT_EQ(r->seq(), 3u);
 }
 
+// A message larger than the client may send is refused before it is sent
+// (above 2 GiB gRPC's serializer would abort the process instead), naming
+// its size; a session's step refused so is never sent and the session goes
+// on with the next seq.
+TEST(ClientSendSizeTest, OversizedRequestsAreRefusedBeforeSending) {
+  auto server = testing::StartTestServer(testing::TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  ClientOptions o;
+  o.target = Local(server->port());
+  o.max_message_bytes = 64 << 10;
+  absl::StatusOr<std::unique_ptr<Client>> connected = Client::Connect(o);
+  ASSERT_TRUE(connected.ok()) << connected.status();
+  Client* client = connected->get();
+  v1::AttendRequest big;
+  big.mutable_spec()->set_heads(kHeads);
+  big.mutable_spec()->set_head_dim(kDim);
+  for (v1::Tensor* t : {big.mutable_q(), big.mutable_k(), big.mutable_v()}) {
+    *t = RandomTensor(v1::DTYPE_F32, {1, 2048, kHeads, kDim}, 1).value();
+  }
+  const size_t bytes = big.ByteSizeLong();
+  ASSERT_GT(bytes, size_t{64} << 10);
+  absl::Status s = client->Attend(big).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("the Attend request is ", bytes, " bytes")));
+  EXPECT_THAT(s.message(), HasSubstr("max_message_bytes 65536"));
+
+  absl::StatusOr<std::unique_ptr<Session>> session = client->OpenSession(SmallOpen());
+  ASSERT_TRUE(session.ok()) << session.status();
+  const v1::Tensor one = RandomTensor(v1::DTYPE_F32, {1, 1, kHeads, kDim}, 5).value();
+  const v1::Tensor many = RandomTensor(v1::DTYPE_F32, {1, 3, kHeads, kDim}, 5).value();
+  v1::Tensor huge = RandomTensor(v1::DTYPE_F32, {1, 3, kHeads, kDim}, 5).value();
+  huge.mutable_data()->append(70 << 10, '\0');  // malformed too, but never sent
+  s = (*session)->Step(huge, many, many).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("the Decode `step` is"));
+  EXPECT_EQ((*session)->position(), 0);
+  absl::StatusOr<v1::StepResult> r = (*session)->Step(one, one, one);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->position(), 1);
+  EXPECT_EQ(r->seq(), 1u);
+}
+
 TEST_F(ClientTest, OperatorCloseBreaksTheSession) {
   absl::StatusOr<std::unique_ptr<Session>> session = client_->OpenSession(SmallOpen());
   ASSERT_TRUE(session.ok()) << session.status();
