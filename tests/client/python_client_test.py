@@ -115,9 +115,43 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(back.tolist(), [1.0, 1.0, 1.015625, -2.5, back[4]])
         self.assertTrue(np.isfinite(back[4]))
 
+    def test_bf16_conversion_keeps_nan_a_nan(self):
+        # NaNs whose payload is only in the low 16 bits used to round to Inf.
+        bits = np.array([0x7F800001, 0xFF800001, 0x7FC00000, 0x7F80FFFF], np.uint32)
+        back = ropeattn.from_tensor(ropeattn.to_tensor(bits.view(np.float32), "bf16"))
+        self.assertTrue(np.isnan(back).all(), back)
+        self.assertEqual(np.signbit(back).tolist(), [False, True, False, False])
+
     def test_embed(self):
         e = self.client.embed("demo", [[1, 2, 3]])
         self.assertEqual(e.shape, (1, 3, 128))
+        self.assertEqual(self.client.embed("demo", [1, 2]).shape, (1, 2, 128))
+        with self.assertRaises(ValueError):  # was flattened into one row
+            self.client.embed("demo", [[[1, 2]], [[3, 4]]])
+
+    def test_numpy_offsets_and_positions(self):
+        q = self.rng.standard_normal((2, 3, 2, 8), dtype=np.float32)
+        k = self.rng.standard_normal((2, 5, 2, 8), dtype=np.float32)
+        got = self.client.attend(q, k, k, causal=True, q_offsets=np.array([1, 2]))
+        for b, off in ((0, 1), (1, 2)):
+            want = ref_attention(q[b:b + 1], k[b:b + 1], k[b:b + 1], causal=True, q_offset=off)
+            self.assertLess(rel_err(got[b:b + 1], want), 1e-5)
+        x = self.rng.standard_normal((1, 3, 2, 8), dtype=np.float32)
+        y = self.client.rope_apply(x, positions=np.array([5, 9, 2]))
+        self.assertLess(rel_err(y, ref_rope(x, np.array([5, 9, 2]))), 1e-5)
+
+    def test_token_without_tls_is_refused(self):
+        with self.assertRaises(ValueError) as e:
+            ropeattn.Client(self.target, token="secret")
+        self.assertIn("TLS", str(e.exception))
+
+    def test_an_exception_in_a_session_block_is_not_replaced(self):
+        class Boom(Exception):
+            pass
+        with self.assertRaises(Boom):
+            with self.client.session(heads=2, head_dim=8, max_context=8) as s:
+                s._responses.cancel()  # the stream breaks, as a lost connection would
+                raise Boom()  # close() then fails: it must not replace this
 
     def test_session_steps_match_attention_over_the_prefix(self):  # 1e-5
         q = self.rng.standard_normal((1, 6, 4, 16), dtype=np.float32)

@@ -46,6 +46,9 @@ def to_tensor(array, dtype="f32"):
     if dtype == "bf16":
         bits = a.view(np.uint32).astype(np.uint64)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        # A NaN stays a NaN (quiet, sign kept): rounding a NaN whose payload
+        # is in the low bits only would carry into the exponent and give Inf.
+        rounded = np.where(np.isnan(a), (bits >> 16) | 0x40, rounded)
         t.data = rounded.astype("<u2").tobytes()
     else:
         t.data = a.astype("<f4").tobytes()
@@ -61,6 +64,13 @@ def from_tensor(t):
         half = np.frombuffer(t.data, dtype="<u2").astype(np.uint32) << 16
         return half.view(np.float32).reshape(shape)
     return np.frombuffer(t.data, dtype="<f4").astype(np.float32).reshape(shape)
+
+
+def _ints(values):
+    """A list of Python ints from None, a sequence or a numpy array."""
+    if values is None:
+        return []
+    return [int(x) for x in np.asarray(values, dtype=np.int64).reshape(-1)]
 
 
 def _rope_spec(rope):
@@ -80,6 +90,10 @@ class Client:
                  token=None, timeout=30.0):
         self._target = target
         self._timeout = timeout
+        if token and not (tls_ca_file or tls_cert_file or tls_key_file):
+            # As the C++ client and the CLI: a bearer token is never sent in
+            # the clear.
+            raise ValueError("token needs TLS: give tls_ca_file (the server's CA) as well")
         self._metadata = (("authorization", "Bearer " + token),) if token else ()
         self._credentials = None
         if tls_ca_file or tls_cert_file or tls_key_file:
@@ -134,8 +148,8 @@ class Client:
         if alibi:
             spec.alibi.SetInParent()
         request = pb.AttendRequest(spec=spec, q=to_tensor(q, dtype), k=to_tensor(k, dtype),
-                                   v=to_tensor(v, dtype), q_offsets=q_offsets or [],
-                                   key_lengths=key_lengths or [], out_dtype=_DTYPES[out_dtype])
+                                   v=to_tensor(v, dtype), q_offsets=_ints(q_offsets),
+                                   key_lengths=_ints(key_lengths), out_dtype=_DTYPES[out_dtype])
         return from_tensor(self._call(self._stub.Attend, request).out)
 
     def rope_apply(self, x, *, rope=None, positions=None, offsets=None, inverse=False,
@@ -143,13 +157,15 @@ class Client:
         """x [B, S, H, D] rotated by RoPE (the default rule, theta 10000, when
         `rope` is None) at 0..S-1, per-row `offsets` or per-token `positions`."""
         op = pb.EncodeRequest.RopeApply(rope=_rope_spec(rope or {}), x=to_tensor(x, dtype),
-                                        positions=positions or [], offsets=offsets or [],
+                                        positions=_ints(positions), offsets=_ints(offsets),
                                         inverse=inverse)
         return from_tensor(self._call(self._stub.Encode, pb.EncodeRequest(rope_apply=op)).x)
 
     def embed(self, model, token_ids):
         """Embeddings [B, S, hidden] of a served model for ids [B, S] (or [S])."""
         ids = np.asarray(token_ids, dtype=np.int64)
+        if ids.ndim not in (1, 2):
+            raise ValueError("token_ids must be [S] or [B, S], got shape %s" % (ids.shape,))
         request = pb.EmbedRequest(model=model, token_ids=ids.reshape(-1).tolist(),
                                   shape=list(ids.shape) if ids.ndim == 2 else [])
         return from_tensor(self._call(self._stub.Embed, request).embeddings)
@@ -232,5 +248,14 @@ class Session:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+            return
+        # An exception is on its way out of the block: closing must not
+        # replace it (the session may be gone already, or the stream broken).
+        try:
+            self.close()
+        except (grpc.RpcError, StepError):
+            self._responses.cancel()
+            self._requests = None
