@@ -358,7 +358,7 @@ int AttendLayerMode() {
   if (!hidden.ok()) return Fail("attend", hidden.status());
   *layer->mutable_hidden() = *std::move(hidden);
   auto offsets = ParseIntList("offsets", absl::GetFlag(FLAGS_offsets));
-  if (!offsets.ok()) return Fail("attend", offsets.status());
+  if (!offsets.ok()) return UsageFail("attend", offsets.status().message());
   for (int64_t o : *offsets) request.add_q_offsets(o);
   const std::string probs_out = absl::GetFlag(FLAGS_probs_out);
   request.set_return_probs(absl::GetFlag(FLAGS_return_probs) || !probs_out.empty());
@@ -401,8 +401,10 @@ int AttendCommand(int argc, char** argv) {
       "Runs one Attend call. Inputs are random (seeded: q, k, v from --seed, --seed+1,\n"
       "--seed+2, uniform in [-1, 1)) or read from .npy files (--q, --k, --v; heads and\n"
       "head_dim then come from their shapes unless given). RoPE (--rope_*) is on unless\n"
-      "--norope or --alibi. Prints shapes, time and output statistics; --out writes the\n"
-      "output [B, Sq, H, Dv] as .npy, --probs_out the probabilities [B, H, Sq, Sk].\n"
+      "--norope or --alibi. --offsets gives each batch row's first query position\n"
+      "(default: the queries are the last Sq of the Sk keys). Prints shapes, time and\n"
+      "output statistics; --out writes the output [B, Sq, H, Dv] as .npy, --probs_out\n"
+      "the probabilities [B, H, Sq, Sk].\n"
       "\n"
       "Layer mode (--model NAME --layer L): self-attention of the model's layer over\n"
       "hidden states [B, S, hidden_size], random ([--batch, --q_len, hidden_size] from\n"
@@ -414,6 +416,8 @@ int AttendCommand(int argc, char** argv) {
   if (int code = NoPositional("attend", *args); code != 0) return code;
   if (!absl::GetFlag(FLAGS_model).empty()) return AttendLayerMode();
 
+  auto offsets = ParseIntList("offsets", absl::GetFlag(FLAGS_offsets));
+  if (!offsets.ok()) return UsageFail("attend", offsets.status().message());
   const int64_t q_len = absl::GetFlag(FLAGS_q_len);
   const int64_t k_len = absl::GetFlag(FLAGS_k_len) == 0 ? q_len : absl::GetFlag(FLAGS_k_len);
   absl::StatusOr<Inputs> inputs = InputsFromFlags(absl::GetFlag(FLAGS_batch), q_len, k_len);
@@ -436,6 +440,7 @@ int AttendCommand(int argc, char** argv) {
   *request.mutable_q() = inputs->q;
   *request.mutable_k() = inputs->k;
   *request.mutable_v() = inputs->v;
+  for (int64_t o : *offsets) request.add_q_offsets(o);
   const std::string probs_out = absl::GetFlag(FLAGS_probs_out);
   request.set_return_probs(absl::GetFlag(FLAGS_return_probs) || !probs_out.empty());
 
@@ -517,7 +522,7 @@ int EncodeCommand(int argc, char** argv) {
   const int64_t q_len = absl::GetFlag(FLAGS_q_len);
   const int64_t k_len = absl::GetFlag(FLAGS_k_len) == 0 ? q_len : absl::GetFlag(FLAGS_k_len);
   auto positions = ParseIntList("positions", absl::GetFlag(FLAGS_positions));
-  if (!positions.ok()) return Fail("encode", positions.status());
+  if (!positions.ok()) return UsageFail("encode", positions.status().message());
   if (op == "sinusoidal") {
     auto* s = request.mutable_sinusoidal();
     s->set_num_positions(absl::GetFlag(FLAGS_num_positions));
@@ -559,7 +564,7 @@ int EncodeCommand(int argc, char** argv) {
       a->set_inverse(absl::GetFlag(FLAGS_inverse));
       for (int64_t p : *positions) a->add_positions(p);
       auto offsets = ParseIntList("offsets", absl::GetFlag(FLAGS_offsets));
-      if (!offsets.ok()) return Fail("encode", offsets.status());
+      if (!offsets.ok()) return UsageFail("encode", offsets.status().message());
       for (int64_t o : *offsets) a->add_offsets(o);
       if (const std::string path = absl::GetFlag(FLAGS_x); !path.empty()) {
         absl::StatusOr<v1::Tensor> x = client::ReadNpy(path);

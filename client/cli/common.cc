@@ -592,7 +592,9 @@ std::string DescribeStats(const TensorStats& stats) {
 
 absl::StatusOr<std::vector<int64_t>> ParseIntList(absl::string_view flag, absl::string_view value) {
   std::vector<int64_t> result;
-  for (absl::string_view part : absl::StrSplit(value, ',', absl::SkipWhitespace())) {
+  if (absl::StripAsciiWhitespace(value).empty()) return result;
+  // Every element must be a number: "1,,2" is a typo, not [1, 2].
+  for (absl::string_view part : absl::StrSplit(value, ',')) {
     int64_t number;
     if (!absl::SimpleAtoi(part, &number)) {
       return absl::InvalidArgumentError(

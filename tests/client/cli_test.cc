@@ -561,6 +561,43 @@ TEST_F(CliTest, UsageErrorsExit64WithOneLine) {
   r = Cli({"encode", "--op=nope"});
   EXPECT_EQ(r.exit_code, 64) << Describe(r);
   ExpectOneErrorLine(r, "encode", "USAGE");
+
+  // Every integer list is a usage error when it does not parse, whichever
+  // subcommand reads it, and an empty element is no number.
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"encode", "--op=rope_apply", "--positions=1,x,3"},
+           {"encode", "--op=rope_apply", "--offsets=1,,2"},
+           {"attend", "--offsets=1,x"},
+           {"embed", "--model=demo", "--tokens=1,2,x"},
+           {"bench", "--concurrency=1,,2"}}) {
+    r = Cli(args);
+    EXPECT_EQ(r.exit_code, 64) << absl::StrJoin(args, " ") << ": " << Describe(r);
+    ExpectOneErrorLine(r, args[0], "USAGE");
+    EXPECT_THAT(r.err, HasSubstr("must be comma-separated integers"));
+  }
+}
+
+// --offsets reaches the server in plain (not only layer) mode: it was read
+// only in layer mode and silently ignored otherwise.
+TEST_F(CliTest, AttendSendsItsOffsets) {
+  RunResult r = Cli({"attend", "--q_len=2", "--k_len=4", "--heads=2", "--head_dim=8",
+                     "--offsets=-1"});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  ExpectOneErrorLine(r, "attend", "INVALID_ARGUMENT");
+  EXPECT_THAT(r.err, HasSubstr("q_offsets"));
+  r = Cli({"attend", "--q_len=2", "--k_len=4", "--heads=2", "--head_dim=8", "--offsets=1"});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+}
+
+// A request larger than --max_message_bytes is refused before anything is
+// generated or sent (above 2 GiB, protobuf's serializer used to abort the
+// process): RESOURCE_EXHAUSTED naming the bytes, at once.
+TEST_F(CliTest, ARequestPastTheMessageLimitIsRefusedBeforeItIsBuilt) {
+  const RunResult r =
+      Cli({"attend", "--q_len=24576", "--heads=64", "--head_dim=128"});
+  EXPECT_EQ(r.exit_code, 8) << Describe(r);
+  ExpectOneErrorLine(r, "attend", "RESOURCE_EXHAUSTED");
+  EXPECT_THAT(r.err, HasSubstr("2415919104 bytes, more than --max_message_bytes 268435456"));
 }
 
 // --- TLS and token flags: help and what is refused before any call. ---
