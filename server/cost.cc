@@ -56,6 +56,9 @@ int64_t AttentionScratchBytes(int64_t batch, int64_t heads, int64_t kv_heads, in
                               int64_t k_len, int64_t head_dim, int64_t v_dim, DType kv_dtype,
                               int threads) {
   const int64_t rows = SatProduct({batch, heads, q_len});
+  // No query row (an empty batch, say): the kernel is never entered, so a
+  // long k_len or q_len of an empty batch costs no tiles.
+  if (rows == 0) return 0;
   if (q_len <= kDecodeMaxQueries) {
     return Sum({SatProduct({rows, std::max<int64_t>(k_len, 1), 4}),
                 SatProduct({threads, rows, v_dim, 4}), SatProduct({rows, head_dim, 4})});

@@ -582,6 +582,25 @@ TEST(RunAttendTest, EmptyBatchOrKeysGiveZerosWithoutTouchingHugeDims) {
   r.mutable_v()->set_shape(3, huge);
   EXPECT_EQ(RunAttend(r, &response, ComputeOptions{kThreads}).code(),
             absl::StatusCode::kResourceExhausted);
+
+  // An empty batch is priced as what it is, nothing, however long its
+  // sequences: it used to be charged prefill tiles for 2^40 keys (2 PB) and
+  // refused as RESOURCE_EXHAUSTED.
+  for (const auto& [w, dims] :
+       {std::pair{r.mutable_q(), std::vector<int64_t>{0, huge, 4, 8}},
+        std::pair{r.mutable_k(), std::vector<int64_t>{0, huge, 2, 8}},
+        std::pair{r.mutable_v(), std::vector<int64_t>{0, huge, 2, 6}}}) {
+    w->Clear();
+    w->set_dtype(v1::DTYPE_F32);
+    for (int64_t d : dims) w->add_shape(d);
+  }
+  r.set_return_probs(false);
+  const absl::StatusOr<Cost> empty_cost = PriceAttend(r, kThreads);
+  ASSERT_TRUE(empty_cost.ok()) << empty_cost.status();
+  EXPECT_LT(empty_cost->transient_bytes, 1 << 20);
+  EXPECT_TRUE(CheckCost(*empty_cost, CostLimits(), "Attend").ok());
+  ASSERT_TRUE(RunAttend(r, &response, ComputeOptions{kThreads}).ok());
+  EXPECT_THAT(Shape(response.out()), ElementsAre(0, huge, 4, 6));
 }
 
 // --- Encode against the reference ---
