@@ -857,6 +857,14 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
                       "transformers' GPT-J does not read RoPE scaling");
       }
     }
+    if (family == Family::kPhi3 && config.rope->scaling.type != RopeScalingType::kDefault &&
+        config.rope->scaling.type != RopeScalingType::kLongRope) {
+      // Phi3Config raises on any other rule: such a file is no Phi-3 config.
+      return absl::InvalidArgumentError(absl::StrCat(
+          file_name, ": key ", block_key, " has rope_type \"",
+          RopeScalingTypeName(config.rope->scaling.type),
+          "\": Phi3Config accepts only default and longrope scaling"));
+    }
     RA_RETURN_IF_ERROR(ResolveLayers(top, config));
     if (family == Family::kGemma3) {
       // Sliding layers: rope_local_base_freq (default 10000) with the default

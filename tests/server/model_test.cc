@@ -563,6 +563,15 @@ TEST(ParseModelConfigTest, VariantsFollowTheirOwnTransformersClasses) {
           "vocab_size": 8, "num_hidden_layers": 2, "max_position_embeddings": 64,
           "sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"]})",
       absl::StatusCode::kUnimplemented, {"layer_types[1]", "phi3"});
+  // Phi3Config raises on a rule other than default and longrope.
+  for (const char* rule : {"linear", "dynamic", "yarn"}) {
+    ExpectConfigError(
+        absl::StrCat(R"({"model_type": "phi3", "hidden_size": 64, "num_attention_heads": 16,
+          "vocab_size": 8, "num_hidden_layers": 2, "max_position_embeddings": 64,
+          "original_max_position_embeddings": 32,
+          "rope_scaling": {"rope_type": ")", rule, R"(", "factor": 2.0}})"),
+        absl::StatusCode::kInvalidArgument, {"rope_scaling", rule, "Phi3Config"});
+  }
   ExpectConfigError(
       R"({"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 16,
           "vocab_size": 8, "num_hidden_layers": 2, "max_position_embeddings": 64,
