@@ -310,7 +310,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   // HTTP/2 hardening for gRPC 1.51's known weaknesses (the CVEs in deploy/README.md).
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 256);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 4 << 20);
-  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, 16 * 1024);
+  // Metadata: gRPC 1.51 cannot fail one call whose header block is past this
+  // limit without failing every call on its connection (its HPACK parser
+  // stops mid-block: CVE-2023-32731), so the limit sits well above what a
+  // proxy forwards (deploy/'s Envoy takes 16 KiB from a client), and one
+  // caller's large headers never reach the calls a proxy multiplexes with it.
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, kMaxMetadataBytes);
   // gRPC's default gives a silent connection 120 s to send its preface.
   builder.AddChannelArgument(
       GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,

@@ -18,6 +18,10 @@ class SessionManager;
 class AttentionServiceImpl;
 class ModelRegistry;
 
+// Largest header block (metadata) of one call, in bytes, as gRPC counts it
+// (name + value + 32 per entry).
+inline constexpr int kMaxMetadataBytes = 64 * 1024;
+
 class Server {
  public:
   // Binds, starts every part and marks health SERVING. Unavailable if an

@@ -1226,6 +1226,40 @@ TEST(HardeningInlineTest, ComputeWorkersRunAtTheirNiceValue) {
   }
 }
 
+// Large request metadata stays its own call's business: below the limit
+// the call is answered, and another call multiplexed on the same connection
+// (a session's stream, as behind a proxy) goes on either way. At 16 KiB,
+// the old limit, gRPC 1.51 failed every call on the connection.
+TEST_F(HardeningTest, LargeMetadataLeavesOtherCallsOnTheConnectionAlone) {
+  grpc::ClientContext stream_ctx;
+  auto stream = stub_->Decode(&stream_ctx);
+  v1::DecodeRequest open;
+  open.mutable_open()->mutable_spec()->set_heads(2);
+  open.mutable_open()->mutable_spec()->set_head_dim(8);
+  v1::DecodeResponse resp;
+  ASSERT_TRUE(stream->Write(open) && stream->Read(&resp) && resp.has_opened()) << resp.DebugString();
+  auto step = [&](uint64_t seq) {
+    v1::DecodeRequest req;
+    req.mutable_step()->set_seq(seq);
+    *req.mutable_step()->mutable_q() = ZeroWire(v1::DTYPE_F32, {1, 1, 2, 8});
+    *req.mutable_step()->mutable_k() = ZeroWire(v1::DTYPE_F32, {1, 1, 2, 8});
+    *req.mutable_step()->mutable_v() = ZeroWire(v1::DTYPE_F32, {1, 1, 2, 8});
+    return stream->Write(req) && stream->Read(&resp) && resp.has_step();
+  };
+  ASSERT_TRUE(step(1)) << resp.DebugString();
+  for (const size_t bytes : {size_t{20000}, size_t{60000}}) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    ctx.AddMetadata("x-large", std::string(bytes, 'a'));
+    v1::ServerInfo info;
+    EXPECT_TRUE(stub_->GetServerInfo(&ctx, {}, &info).ok()) << bytes << " bytes";
+  }
+  EXPECT_TRUE(step(2)) << resp.DebugString();
+  EXPECT_EQ(resp.step().position(), 2);
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
 // Options that contradict each other, or are out of range, stop start-up
 // with a message naming the one at fault and its value (a default
 // max_context above the limit used to start a server that refused every
