@@ -1,9 +1,5 @@
 #include "server/auth.h"
 
-#include <openssl/bio.h>
-#include <openssl/evp.h>
-#include <openssl/pem.h>
-#include <openssl/x509.h>
 #include <sys/stat.h>
 
 #include <cstdio>
@@ -21,6 +17,7 @@
 #include "grpcpp/security/tls_credentials_options.h"
 #include "server/log.h"
 #include "server/metrics.h"
+#include "server/tls_files.h"
 
 namespace ropeattn::server {
 namespace {
@@ -71,48 +68,6 @@ bool ConstantTimeEquals(absl::string_view given, absl::string_view stored) {
     diff |= g ^ static_cast<unsigned char>(stored[i]);
   }
   return diff == 0;
-}
-
-struct BioDeleter {
-  void operator()(BIO* b) const { BIO_free(b); }
-};
-struct X509Deleter {
-  void operator()(X509* x) const { X509_free(x); }
-};
-struct KeyDeleter {
-  void operator()(EVP_PKEY* k) const { EVP_PKEY_free(k); }
-};
-
-std::unique_ptr<X509, X509Deleter> ParseCert(const std::string& pem) {
-  std::unique_ptr<BIO, BioDeleter> bio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
-  if (bio == nullptr) return nullptr;
-  return std::unique_ptr<X509, X509Deleter>(PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr));
-}
-
-absl::Status CheckCertAndKey(const ServerOptions& o) {
-  absl::StatusOr<std::string> cert = ReadWholeFile(o.tls_cert_file, "tls_cert_file");
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadWholeFile(o.tls_key_file, "tls_key_file");
-  if (!key.ok()) return key.status();
-  auto x509 = ParseCert(*cert);
-  if (x509 == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls_cert_file: ", o.tls_cert_file, " holds no PEM certificate"));
-  }
-  std::unique_ptr<BIO, BioDeleter> bio(
-      BIO_new_mem_buf(key->data(), static_cast<int>(key->size())));
-  std::unique_ptr<EVP_PKEY, KeyDeleter> pkey(
-      bio == nullptr ? nullptr : PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr));
-  if (pkey == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tls_key_file: ", o.tls_key_file, " holds no PEM private key (or it is encrypted)"));
-  }
-  if (X509_check_private_key(x509.get(), pkey.get()) != 1) {
-    return absl::InvalidArgumentError(absl::StrCat("--tls_key_file: the key in ", o.tls_key_file,
-                                                   " does not belong to the certificate in ",
-                                                   o.tls_cert_file));
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -198,17 +153,9 @@ absl::Status CheckSecurityOptions(const ServerOptions& o) {
     }
     return absl::OkStatus();
   }
-  absl::Status pair = CheckCertAndKey(o);
-  if (!pair.ok()) return pair;
-  if (!o.tls_client_ca_file.empty()) {
-    absl::StatusOr<std::string> ca = ReadWholeFile(o.tls_client_ca_file, "tls_client_ca_file");
-    if (!ca.ok()) return ca.status();
-    if (ParseCert(*ca) == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--tls_client_ca_file: ", o.tls_client_ca_file, " holds no PEM certificate"));
-    }
-  }
-  return absl::OkStatus();
+  absl::StatusOr<TlsSet> set = ReadTlsSet(o);
+  if (!set.ok()) return set.status();
+  return ValidateTlsSet(*set, o);
 }
 
 Authenticator::Authenticator(const ServerOptions& options, Metrics* metrics)
@@ -361,11 +308,13 @@ absl::StatusOr<Principal> Authenticator::Identify(const grpc::ServerContextBase&
 }
 
 std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(
-    const ServerOptions& options, const std::shared_ptr<Authenticator>& authenticator) {
-  if (!TlsConfigured(options)) return grpc::InsecureServerCredentials();
+    const ServerOptions& options, const std::shared_ptr<Authenticator>& authenticator,
+    const TlsFiles* files) {
+  if (!TlsConfigured(options) || files == nullptr) return grpc::InsecureServerCredentials();
   const unsigned refresh = static_cast<unsigned>(options.credentials_reload_seconds);
+  // The staged copies (tls_files.h), never the operator's files themselves.
   auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-      options.tls_key_file, options.tls_cert_file, options.tls_client_ca_file, refresh);
+      files->key_path(), files->cert_path(), files->ca_path(), refresh);
   grpc::experimental::TlsServerCredentialsOptions tls(provider);
   tls.watch_identity_key_cert_pairs();
   if (!options.tls_client_ca_file.empty()) {

@@ -106,14 +106,18 @@ class Authenticator : public grpc::AuthMetadataProcessor {
   std::thread reloader_;
 };
 
+class TlsFiles;
+
 // The credentials the server listens with: plaintext without TLS; TLS from
-// gRPC's FileWatcherCertificateProvider (files re-read every
-// credentials_reload_seconds: new handshakes see a rotated certificate,
-// open connections keep theirs) with client certificates required and
-// verified when tls_client_ca_file is set; `authenticator` attached when
-// authentication is configured.
+// gRPC's FileWatcherCertificateProvider over `files`' validated copies
+// (re-read every credentials_reload_seconds: new handshakes see a rotated
+// certificate, open connections keep theirs) with client certificates
+// required and verified when tls_client_ca_file is set; `authenticator`
+// attached when authentication is configured. `files` must outlive the
+// server.
 std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(
-    const ServerOptions& options, const std::shared_ptr<Authenticator>& authenticator);
+    const ServerOptions& options, const std::shared_ptr<Authenticator>& authenticator,
+    const TlsFiles* files);
 
 
 }  // namespace ropeattn::server

@@ -22,6 +22,7 @@
 #include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/impl/server_builder_plugin.h"
 #include "server/auth.h"
+#include "server/tls_files.h"
 #include "server/cost.h"
 #include "server/call_log.h"
 #include "server/executor.h"
@@ -79,6 +80,8 @@ struct Server::Impl {
   std::unique_ptr<ModelRegistry> models;
   // Before the grpc::Server: its credentials hold a reference too.
   std::shared_ptr<Authenticator> authenticator;
+  // The validated TLS copies its credentials read: they outlive it.
+  std::unique_ptr<TlsFiles> tls_files;
   std::unique_ptr<Metrics> metrics;
   std::unique_ptr<MemoryBudget> budget;
   std::unique_ptr<Executor> executor;
@@ -293,8 +296,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   grpc::ServerBuilder builder;
   // Plaintext, TLS or mutual TLS, with the token / certificate
   // authenticator attached when authentication is configured.
+  if (TlsConfigured(options)) {
+    absl::StatusOr<std::unique_ptr<TlsFiles>> files = TlsFiles::Create(options);
+    if (!files.ok()) return files.status();
+    m.tls_files = *std::move(files);
+  }
   std::shared_ptr<grpc::ServerCredentials> credentials =
-      MakeServerCredentials(options, m.authenticator);
+      MakeServerCredentials(options, m.authenticator, m.tls_files.get());
   m.acceptor = builder.experimental().AddExternalConnectionAcceptor(
       grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
@@ -414,6 +422,7 @@ void Server::Shutdown(absl::Duration grace) {
   m.sessions->CloseAll();
   m.http.reset();
   m.authenticator->Stop();
+  if (m.tls_files != nullptr) m.tls_files->Stop();
   LogEvent(LogLevel::kInfo, "drain_end",
            {{"ms", std::round(absl::ToDoubleMilliseconds(absl::Now() - drain_start))},
             {"calls_answered_in_grace", answered_in_time},

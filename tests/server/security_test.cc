@@ -2,16 +2,20 @@
 // (docs/security.md), against a real server on a loopback port with real
 // handshakes; every certificate is made at test time with openssl
 // (tests/tools/test_certs.h).
+#include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <functional>
 #include <cstdio>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -24,6 +28,7 @@
 #include "server/auth.h"
 #include "server/metrics.h"
 #include "server/sessions.h"
+#include "server/tls_files.h"
 #include "server/server.h"
 #include "tests/server/server_test_util.h"
 #include "tests/tools/server_output.h"
@@ -726,6 +731,93 @@ TEST_F(SecurityTest, RotationKeepsOpenStreamsAndNewHandshakesSeeTheNewCertificat
   ASSERT_TRUE(testing::WriteFileAtomically(tokens_file_, "only-one-field\n").ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(2500));
   EXPECT_TRUE(Info(port, as_carol).ok());
+}
+
+// Overwrites `path` in place (truncate, then write), as `cp` or an editor
+// does: a reader can catch it empty.
+void WriteInPlace(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+}
+
+// The staged copies gRPC reads only ever hold a set that validated: an
+// empty, garbage or mismatched file keeps the set in use (it once crashed
+// the server on an empty key, and locked out every new client on the
+// others); a good set is staged with modification times no earlier set had.
+TEST_F(SecurityTest, TlsFilesStageOnlyValidatedSets) {
+  auto other = ca_->IssueServer("other");
+  ASSERT_TRUE(other.ok()) << other.status();
+  server::ServerOptions o = TlsOptions();
+  o.tls_cert_file = dir_ + "/stage-cert.pem";
+  o.tls_key_file = dir_ + "/stage-key.pem";
+  o.tls_client_ca_file = dir_ + "/stage-ca.pem";
+  WriteInPlace(o.tls_cert_file, server_cert_.cert_pem);
+  WriteInPlace(o.tls_key_file, server_cert_.key_pem);
+  WriteInPlace(o.tls_client_ca_file, ca_->cert_pem());
+  auto files = server::TlsFiles::Create(o);
+  ASSERT_TRUE(files.ok()) << files.status();
+  const auto staged = [&] {
+    return std::make_tuple(*testing::ReadFileText((*files)->cert_path()),
+                           *testing::ReadFileText((*files)->key_path()),
+                           *testing::ReadFileText((*files)->ca_path()));
+  };
+  const auto first = std::make_tuple(server_cert_.cert_pem, server_cert_.key_pem, ca_->cert_pem());
+  ASSERT_EQ(staged(), first);
+  struct stat before {};
+  ASSERT_EQ(::stat((*files)->key_path().c_str(), &before), 0);
+
+  const std::vector<std::tuple<std::string, std::string, std::string>> bad = {
+      {"empty key", o.tls_key_file, ""},
+      {"empty certificate", o.tls_cert_file, ""},
+      {"garbage certificate", o.tls_cert_file, "not a pem"},
+      {"another certificate's key", o.tls_key_file, other->key_pem},
+      {"garbage CA", o.tls_client_ca_file, "garbage"},
+      {"empty CA", o.tls_client_ca_file, ""},
+  };
+  for (const auto& [what, path, text] : bad) {
+    const std::string good = *testing::ReadFileText(path);
+    WriteInPlace(path, text);
+    const absl::Status st = (*files)->Refresh();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_THAT(st.message(), HasSubstr(path)) << what;
+    EXPECT_EQ(staged(), first) << what;
+    ::unlink(path.c_str());  // a deleted file too
+    EXPECT_FALSE((*files)->Refresh().ok()) << what;
+    EXPECT_EQ(staged(), first) << what;
+    WriteInPlace(path, good);
+    EXPECT_TRUE((*files)->Refresh().ok()) << what;
+  }
+  // A good new pair is taken, with a later modification time.
+  WriteInPlace(o.tls_cert_file, other->cert_pem);
+  WriteInPlace(o.tls_key_file, other->key_pem);
+  ASSERT_TRUE((*files)->Refresh().ok());
+  EXPECT_EQ(staged(), std::make_tuple(other->cert_pem, other->key_pem, ca_->cert_pem()));
+  struct stat after {};
+  ASSERT_EQ(::stat((*files)->key_path().c_str(), &after), 0);
+  EXPECT_GT(after.st_mtime, before.st_mtime);
+}
+
+// End to end: with the server running, an empty key written in place (which
+// aborted the process in gRPC's TLS stack) and a key of another certificate
+// (which failed every new handshake) are skipped; new clients still connect
+// with the certificate in use, through two reload intervals each.
+TEST_F(SecurityTest, ABadRotationKeepsServingTheCertificateInUse) {
+  auto other = ca_->IssueServer("other");
+  ASSERT_TRUE(other.ok()) << other.status();
+  server::ServerOptions o = TokenOptions();
+  o.tls_cert_file = dir_ + "/live-cert.pem";
+  o.tls_key_file = dir_ + "/live-key.pem";
+  WriteInPlace(o.tls_cert_file, server_cert_.cert_pem);
+  WriteInPlace(o.tls_key_file, server_cert_.key_pem);
+  const int port = Start(o);
+  ASSERT_GT(port, 0);
+  ASSERT_TRUE(Info(port, As(kAliceToken)).ok());
+  for (const std::string& key : {std::string(), other->key_pem}) {
+    WriteInPlace(o.tls_key_file, key);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2200));
+    const grpc::Status st = Info(port, As(kAliceToken));
+    EXPECT_TRUE(st.ok()) << (key.empty() ? "empty key: " : "mismatched key: ")
+                         << st.error_message();
+  }
 }
 
 // ------------------------------------------------------------- start-up --
