@@ -200,8 +200,15 @@ absl::Status Authenticator::ReloadIfChanged() {
   if (tokens_file_.empty()) return absl::OkStatus();
   const std::string identity = FileIdentity(tokens_file_);
   {
-    absl::ReaderMutexLock lock(&mu_);
+    absl::MutexLock lock(&mu_);
     if (identity == file_identity_) return absl::OkStatus();
+    // Read only once the change has settled (the same identity a whole
+    // interval apart): a file caught mid-write, "tokB bo" of "tokB bob",
+    // would otherwise give a token to the wrong principal.
+    if (identity != pending_identity_) {
+      pending_identity_ = identity;
+      return absl::OkStatus();
+    }
   }
   absl::StatusOr<std::string> text = ReadWholeFile(tokens_file_, "auth_tokens_file");
   absl::StatusOr<std::vector<TokenEntry>> parsed =
@@ -226,6 +233,12 @@ const TokenEntry* Authenticator::Find(absl::string_view token) const {
     if (equal) found = &e;
   }
   return found;
+}
+
+absl::StatusOr<Principal> Authenticator::IdentifyAuthorization(
+    absl::string_view authorization) const {
+  const char* reason = "";
+  return Resolve(true, authorization, nullptr, &reason);
 }
 
 absl::StatusOr<Principal> Authenticator::Resolve(bool present, absl::string_view value,

@@ -79,10 +79,15 @@ class Authenticator : public grpc::AuthMetadataProcessor {
   // metadata), else, with mutual TLS and no tokens file, from the
   // connection's client certificate. Unauthenticated otherwise.
   absl::StatusOr<Principal> Identify(const grpc::ServerContextBase& ctx) const;
+  // The principal an `authorization` metadata value names ("Bearer TOKEN"),
+  // as Identify resolves it (tokens file only).
+  absl::StatusOr<Principal> IdentifyAuthorization(absl::string_view authorization) const;
 
-  // Re-reads the tokens file now if its identity (inode, size, mtime)
-  // changed. A file that fails to parse keeps the previous table (logged).
-  // Returns the parse status of a re-read, OK when nothing changed.
+  // Re-reads the tokens file if its identity (inode, size, mtime) changed
+  // and has stayed the same since the previous call (a change settles for
+  // one reload interval before it is read). A file that fails to parse
+  // keeps the previous table (logged). Returns the parse status of a
+  // re-read, OK when nothing (settled) changed.
   absl::Status ReloadIfChanged();
 
  private:
@@ -102,6 +107,7 @@ class Authenticator : public grpc::AuthMetadataProcessor {
   mutable absl::Mutex mu_;
   std::vector<TokenEntry> tokens_ ABSL_GUARDED_BY(mu_);
   std::string file_identity_ ABSL_GUARDED_BY(mu_);
+  std::string pending_identity_ ABSL_GUARDED_BY(mu_);  // seen changed, not yet settled
   absl::Notification stop_;
   std::thread reloader_;
 };

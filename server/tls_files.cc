@@ -183,6 +183,13 @@ absl::Status TlsFiles::Refresh() {
   absl::Status why = set.status();
   if (set.ok()) {
     if (*set == staged_) return absl::OkStatus();
+    // Taken only once it has settled (the same contents a whole interval
+    // apart): a chain caught mid-write can still validate on its first
+    // certificate.
+    if (!(*set == pending_)) {
+      pending_ = *set;
+      return absl::OkStatus();
+    }
     why = ValidateTlsSet(*set, options_);
     if (why.ok()) {
       why = Stage(*set);

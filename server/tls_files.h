@@ -7,7 +7,8 @@
 // rotation caught half-written (`cp`, an editor, a non-atomic write) would do
 // either. So the provider watches copies in a private directory that only
 // ever holds a set that validated, and the operator's files are re-read every
-// credentials_reload_seconds: a changed set that validates (the certificate
+// credentials_reload_seconds: a changed set that has stayed the same for one
+// interval (not caught mid-write) and validates (the certificate
 // and key PEM, the key belonging to the certificate, the CA PEM) is staged;
 // anything else (unreadable, empty, garbage, mismatched) keeps the set in
 // use and is logged once per distinct content (`tls_reload_failed`).
@@ -64,9 +65,10 @@ class TlsFiles {
   std::string cert_path() const;
   std::string ca_path() const;
 
-  // Re-reads the operator's files now: OK when they are unchanged or the
-  // new set was staged; otherwise why the new set was refused (the set in
-  // use stays).
+  // Re-reads the operator's files now. A changed set is considered once
+  // the previous call read the same contents (it has settled for an
+  // interval): OK when nothing (settled) changed or the new set was staged;
+  // otherwise why it was refused (the set in use stays).
   absl::Status Refresh();
   // Stops the reload thread (idempotent).
   void Stop();
@@ -81,6 +83,7 @@ class TlsFiles {
   absl::Mutex mu_;
   TlsSet staged_ ABSL_GUARDED_BY(mu_);
   TlsSet last_refused_ ABSL_GUARDED_BY(mu_);
+  TlsSet pending_ ABSL_GUARDED_BY(mu_);  // read changed, not yet settled
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t first_mtime_ = 0;  // seconds; generation g gets first_mtime_ + g
   absl::Notification stop_;

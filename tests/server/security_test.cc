@@ -765,6 +765,11 @@ TEST_F(SecurityTest, TlsFilesStageOnlyValidatedSets) {
   struct stat before {};
   ASSERT_EQ(::stat((*files)->key_path().c_str(), &before), 0);
 
+  // Two reads: a change is taken once it has settled for an interval.
+  const auto refresh = [&] {
+    (*files)->Refresh().IgnoreError();
+    return (*files)->Refresh();
+  };
   const std::vector<std::tuple<std::string, std::string, std::string>> bad = {
       {"empty key", o.tls_key_file, ""},
       {"empty certificate", o.tls_cert_file, ""},
@@ -776,19 +781,23 @@ TEST_F(SecurityTest, TlsFilesStageOnlyValidatedSets) {
   for (const auto& [what, path, text] : bad) {
     const std::string good = *testing::ReadFileText(path);
     WriteInPlace(path, text);
-    const absl::Status st = (*files)->Refresh();
+    EXPECT_TRUE((*files)->Refresh().ok()) << what;  // not settled yet: nothing done
+    EXPECT_EQ(staged(), first) << what;
+    const absl::Status st = refresh();
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << what;
     EXPECT_THAT(st.message(), HasSubstr(path)) << what;
     EXPECT_EQ(staged(), first) << what;
     ::unlink(path.c_str());  // a deleted file too
-    EXPECT_FALSE((*files)->Refresh().ok()) << what;
+    EXPECT_FALSE(refresh().ok()) << what;
     EXPECT_EQ(staged(), first) << what;
     WriteInPlace(path, good);
-    EXPECT_TRUE((*files)->Refresh().ok()) << what;
+    EXPECT_TRUE(refresh().ok()) << what;
   }
   // A good new pair is taken, with a later modification time.
   WriteInPlace(o.tls_cert_file, other->cert_pem);
   WriteInPlace(o.tls_key_file, other->key_pem);
+  ASSERT_TRUE((*files)->Refresh().ok());
+  EXPECT_EQ(staged(), first);  // not before it settled
   ASSERT_TRUE((*files)->Refresh().ok());
   EXPECT_EQ(staged(), std::make_tuple(other->cert_pem, other->key_pem, ca_->cert_pem()));
   struct stat after {};
@@ -796,10 +805,36 @@ TEST_F(SecurityTest, TlsFilesStageOnlyValidatedSets) {
   EXPECT_GT(after.st_mtime, before.st_mtime);
 }
 
+// A tokens file that changes is read only once it has stayed the same for
+// a reload interval: a write caught half-way ("tok-bob-2 bo" of
+// "tok-bob-2 bob") never gives a token to the wrong principal.
+TEST_F(SecurityTest, TokensAreReadOnlyOnceTheFileHasSettled) {
+  auto auth = server::Authenticator::Create(TokenOptions(), nullptr);
+  ASSERT_TRUE(auth.ok()) << auth.status();
+  (*auth)->Stop();  // this test drives the reloads
+  const auto principal = [&](const std::string& token) {
+    absl::StatusOr<server::Principal> p =
+        (*auth)->IdentifyAuthorization(absl::StrCat("Bearer ", token));
+    return p.ok() ? p->name : std::string("(none)");
+  };
+  ASSERT_EQ(principal(kBobToken), "bob");
+  const std::string full = absl::StrCat(kBobToken, " bob\ntok-bob-2 bob\n");
+  WriteInPlace(tokens_file_, full.substr(0, full.size() - 2));  // "... tok-bob-2 bo"
+  EXPECT_TRUE((*auth)->ReloadIfChanged().ok());
+  EXPECT_EQ(principal("tok-bob-2"), "(none)");  // changed: not read before it settles
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a new mtime
+  WriteInPlace(tokens_file_, full);
+  EXPECT_TRUE((*auth)->ReloadIfChanged().ok());
+  EXPECT_EQ(principal("tok-bob-2"), "(none)");  // changed again since
+  EXPECT_TRUE((*auth)->ReloadIfChanged().ok());  // settled: read
+  EXPECT_EQ(principal("tok-bob-2"), "bob");
+  EXPECT_EQ(principal(kAliceToken), "(none)");
+}
+
 // End to end: with the server running, an empty key written in place (which
 // aborted the process in gRPC's TLS stack) and a key of another certificate
 // (which failed every new handshake) are skipped; new clients still connect
-// with the certificate in use, through two reload intervals each.
+// with the certificate in use, through three reload intervals each.
 TEST_F(SecurityTest, ABadRotationKeepsServingTheCertificateInUse) {
   auto other = ca_->IssueServer("other");
   ASSERT_TRUE(other.ok()) << other.status();
@@ -813,7 +848,7 @@ TEST_F(SecurityTest, ABadRotationKeepsServingTheCertificateInUse) {
   ASSERT_TRUE(Info(port, As(kAliceToken)).ok());
   for (const std::string& key : {std::string(), other->key_pem}) {
     WriteInPlace(o.tls_key_file, key);
-    std::this_thread::sleep_for(std::chrono::milliseconds(2200));
+    std::this_thread::sleep_for(std::chrono::milliseconds(3200));
     const grpc::Status st = Info(port, As(kAliceToken));
     EXPECT_TRUE(st.ok()) << (key.empty() ? "empty key: " : "mismatched key: ")
                          << st.error_message();
