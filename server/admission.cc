@@ -41,8 +41,8 @@ int64_t Admission::pending_compute() const {
 
 absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time deadline,
                               absl::Time now, absl::Duration* retry_after,
-                              bool slowdown_applies,
-                              const absl::flat_hash_map<const char*, int64_t>* ahead_units) {
+                              bool slowdown_applies, const UnitsByMethod* running,
+                              const UnitsByMethod* own_running, const UnitsByMethod* queued) {
   compute = std::max<int64_t>(0, compute);
   absl::MutexLock lock(&mu_);
   Kind& own = kinds_[method];
@@ -50,21 +50,31 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
     // The work ahead spreads over every worker; this request then runs on
     // one. Kinds whose rate is not known yet add nothing (the estimate
     // never invents a wait).
-    double ahead = 0;
     const auto seconds_of = [&](const Kind& k, int64_t units) {
-      if (units > 0 && k.rate_samples >= kMinSamples && k.units_per_second > 0) {
-        ahead += static_cast<double>(units) / k.units_per_second;
-      }
+      return units > 0 && k.rate_samples >= kMinSamples && k.units_per_second > 0
+                 ? static_cast<double>(units) / k.units_per_second
+                 : 0.0;
     };
-    if (ahead_units != nullptr) {
-      for (const auto& [name, units] : *ahead_units) {
+    const auto seconds_of_all = [&](const UnitsByMethod& units) {
+      double s = 0;
+      for (const auto& [name, n] : units) {
         auto k = kinds_.find(name);
-        if (k != kinds_.end()) seconds_of(k->second, units);
+        if (k != kinds_.end()) s += seconds_of(k->second, n);
       }
+      return s;
+    };
+    double running_s = 0, own_running_s = 0, queued_s = 0;
+    if (running != nullptr && own_running != nullptr && queued != nullptr) {
+      running_s = seconds_of_all(*running);
+      own_running_s = seconds_of_all(*own_running);
+      queued_s = seconds_of_all(*queued);
     } else {
-      for (const auto& [name, k] : kinds_) seconds_of(k, k.pending);
+      for (const auto& [name, k] : kinds_) queued_s += seconds_of(k, k.pending);
     }
-    const double wait_s = ahead / workers_;
+    const double wait_s = (running_s + queued_s) / workers_;
+    // What the slowdown holds against this request: work it waits for that
+    // is queued ahead of it, or its own caller's.
+    const double queued_wait_s = (queued_s + own_running_s) / workers_;
     const double service_s = *own_service;
     const absl::Duration wait = absl::Seconds(wait_s);
     const absl::Duration service = absl::Seconds(service_s);
@@ -88,12 +98,13 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
     }
     if (slowdown_applies && max_slowdown_ > 0) {
       const double limit_s = std::max(kMinSlowdownWaitSeconds, max_slowdown_ * service_s);
-      if (wait_s > limit_s) {
-        *retry_after = absl::Seconds(wait_s - limit_s);
+      if (queued_wait_s > limit_s) {
+        *retry_after = absl::Seconds(queued_wait_s - limit_s);
         return absl::ResourceExhaustedError(absl::StrFormat(
-            "%s: the estimated wait for a compute worker is %.0f ms, more than "
+            "%s: the estimated wait behind queued requests (and this caller's running ones) is "
+            "%.0f ms, more than "
             "--max_queue_slowdown (%g) times its own compute (%.1f ms); retry after about %.0f ms",
-            method, wait_s * 1e3, max_slowdown_, service_s * 1e3,
+            method, queued_wait_s * 1e3, max_slowdown_, service_s * 1e3,
             absl::ToDoubleMilliseconds(*retry_after)));
       }
     }

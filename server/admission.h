@@ -40,12 +40,22 @@ class Admission {
   // admitted (the estimate would be a guess).
   // `slowdown_applies`: whether max_slowdown applies (stateless calls; a
   // decode step is not refused for another caller's long request).
-  // `ahead` (optional): the compute by method that would run before this
-  // request (Executor::WorkAhead, which knows the fair-queueing order);
-  // without it, all pending compute counts as ahead.
+  // `running`, `own_running` and `queued` (optional, together): the compute
+  // by method running now, the part of it that is this caller's, and the
+  // work waiting to run before this request (Executor::WorkAhead, which
+  // knows the fair-queueing order); without them, all pending compute
+  // counts as ahead. The deadline and max_queue_delay see all of it; the
+  // slowdown sees `queued` and `own_running` only: another caller's running
+  // task cannot be preempted, so counting it refused every small request
+  // of a light caller while a heavy caller kept the workers busy, and
+  // admitted the heavy one, whose own compute dwarfs that wait (the light
+  // caller starved, though fair queueing puts its request next).
+  using UnitsByMethod = absl::flat_hash_map<const char*, int64_t>;
   absl::Status Admit(const char* method, int64_t compute, absl::Time deadline, absl::Time now,
                      absl::Duration* retry_after, bool slowdown_applies = true,
-                     const absl::flat_hash_map<const char*, int64_t>* ahead = nullptr);
+                     const UnitsByMethod* running = nullptr,
+                     const UnitsByMethod* own_running = nullptr,
+                     const UnitsByMethod* queued = nullptr);
   // An admitted request of `method` left the queue without running, or
   // finished running for `seconds` (negative: it never ran); its compute is
   // no longer pending.

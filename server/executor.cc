@@ -52,15 +52,18 @@ double Executor::TagLocked(const std::string& key, int64_t compute) const {
   return start + static_cast<double>(std::max<int64_t>(1, compute));
 }
 
-absl::flat_hash_map<const char*, int64_t> Executor::WorkAhead(const std::string& key,
-                                                              int64_t compute) const {
+Executor::Ahead Executor::WorkAhead(const std::string& key, int64_t compute) const {
   absl::MutexLock lock(&mu_);
-  absl::flat_hash_map<const char*, int64_t> ahead = running_units_;
+  Ahead ahead;
+  ahead.running = running_units_;
+  if (auto own = running_by_caller_.find(key); own != running_by_caller_.end()) {
+    ahead.own_running = own->second;
+  }
   const double tag = TagLocked(key, compute);
   for (const auto& [caller, tasks] : queues_) {
     for (const Task& t : tasks) {
       if (t.tag > tag) break;  // a caller's tags only grow
-      ahead[t.kind] += t.compute;
+      ahead.queued[t.kind] += t.compute;
     }
   }
   return ahead;
@@ -86,6 +89,7 @@ bool Executor::PushLocked(const std::string& key, int64_t compute, Task task) {
   last_tag_[key] = tag;
   task.tag = tag;
   task.compute = std::max<int64_t>(1, compute);
+  task.key = key;
   queues_[key].push_back(std::move(task));
   ++waiting_;
   return true;
@@ -143,8 +147,12 @@ void Executor::Release(Taken& taken) {
   if (taken.released) return;
   taken.released = true;
   running_ -= static_cast<int64_t>(taken.work.size());
-  for (const auto& [kind, units] : taken.work) {
-    if ((running_units_[kind] -= units) <= 0) running_units_.erase(kind);
+  for (const Work& w : taken.work) {
+    if ((running_units_[w.kind] -= w.compute) <= 0) running_units_.erase(w.kind);
+    auto caller = running_by_caller_.find(w.key);
+    if (caller == running_by_caller_.end()) continue;
+    if ((caller->second[w.kind] -= w.compute) <= 0) caller->second.erase(w.kind);
+    if (caller->second.empty()) running_by_caller_.erase(caller);
   }
 }
 
@@ -164,18 +172,21 @@ void Executor::WorkerLoop() {
       PopLocked(/*batch_only=*/false, &task);
       taken.work.clear();
       taken.released = false;
-      taken.work.emplace_back(task.kind, task.compute);
+      taken.work.push_back(Work{task.kind, task.compute, task.key});
       if (task.batch != nullptr) {
         // Every step ready now joins this pass.
         batch.push_back(task.batch);
         Task more;
         while (static_cast<int>(batch.size()) < max_batch_ && PopLocked(true, &more)) {
           batch.push_back(more.batch);
-          taken.work.emplace_back(more.kind, more.compute);
+          taken.work.push_back(Work{more.kind, more.compute, more.key});
         }
       }
       running_ += static_cast<int64_t>(taken.work.size());
-      for (const auto& [kind, units] : taken.work) running_units_[kind] += units;
+      for (const Work& w : taken.work) {
+        running_units_[w.kind] += w.compute;
+        running_by_caller_[w.key][w.kind] += w.compute;
+      }
     }
     current_taken = &taken;
     if (batch.empty()) {

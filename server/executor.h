@@ -68,12 +68,15 @@ class Executor {
   bool TrySubmitBatch(const std::string& key, int64_t compute, BatchTask* task,
                       const char* kind = "");
   // The priced compute, by kind, that would run before a task of caller
-  // `key` costing `compute` submitted now: every running task (whole: an
-  // upper bound) and every waiting task with a smaller finish tag than the
-  // new one would get. A light caller behind a heavy caller's deep queue
-  // sees only the running work and about one task of each other caller.
-  absl::flat_hash_map<const char*, int64_t> WorkAhead(const std::string& key,
-                                                      int64_t compute) const;
+  // `key` costing `compute` submitted now: `running`, every running task
+  // (whole: an upper bound), `own_running`, the part of it that is `key`'s,
+  // and `queued`, every waiting task with a smaller finish tag than the new
+  // one would get. A light caller behind a heavy caller's deep queue sees
+  // only the running work and about one task of each other caller.
+  struct Ahead {
+    absl::flat_hash_map<const char*, int64_t> running, own_running, queued;
+  };
+  Ahead WorkAhead(const std::string& key, int64_t compute) const;
   // Runs `task` on the calling thread, now, if a worker is free and nothing
   // waits (it then counts as running on that worker); false otherwise, and
   // the task is not run. For requests so small that handing them to a
@@ -100,9 +103,14 @@ class Executor {
   void WorkerLoop();
   // The work a worker took, counted in running_ / running_units_ until it
   // is released (ComputeDone, or when the task returns).
+  struct Work {
+    const char* kind;
+    int64_t compute;
+    std::string key;  // the caller
+  };
   struct Taken {
     Executor* owner = nullptr;
-    std::vector<std::pair<const char*, int64_t>> work;  // kind, compute
+    std::vector<Work> work;
     bool released = false;
   };
   void Release(Taken& taken);
@@ -113,6 +121,7 @@ class Executor {
     BatchTask* batch = nullptr;  // instead of run
     int64_t compute = 1;
     const char* kind = "";
+    std::string key;  // the caller
   };
   // The finish tag a task of `key` costing `compute` would get now.
   double TagLocked(const std::string& key, int64_t compute) const
@@ -134,8 +143,10 @@ class Executor {
   int64_t waiting_ ABSL_GUARDED_BY(mu_) = 0;
   double virtual_time_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t running_ ABSL_GUARDED_BY(mu_) = 0;
-  // Priced compute of the running tasks, by kind.
+  // Priced compute of the running tasks, by kind, and by caller and kind.
   absl::flat_hash_map<const char*, int64_t> running_units_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, absl::flat_hash_map<const char*, int64_t>> running_by_caller_
+      ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };

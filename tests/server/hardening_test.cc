@@ -491,12 +491,13 @@ TEST(ExecutorTest, ATaskStopsCountingOnceItsComputeIsDone) {
         "Attend"));
     computed.WaitForNotification();
     const auto ahead = executor.WorkAhead("other", 10);
+    EXPECT_TRUE(ahead.queued.empty());
     if (says_done) {
-      EXPECT_TRUE(ahead.empty());
+      EXPECT_TRUE(ahead.running.empty());
       EXPECT_EQ(executor.running(), 0);
     } else {
-      ASSERT_EQ(ahead.size(), 1u);
-      EXPECT_EQ(ahead.begin()->second, 1000);
+      ASSERT_EQ(ahead.running.size(), 1u);
+      EXPECT_EQ(ahead.running.begin()->second, 1000);
       EXPECT_EQ(executor.running(), 1);
     }
     release.Notify();
@@ -698,6 +699,56 @@ TEST(HardeningAdmissionTest, ShortRequestsAreNotQueuedBehindSecondsOfWork) {
     EXPECT_TRUE(stub->Attend(&ctx, long_request, &out).ok());  // waited, then computed
   }
   running.join();
+}
+
+// ... but another caller's short request behind that running request is
+// admitted: the running request cannot be preempted and fair queueing puts
+// the short one next, so refusing it only starved the light caller while
+// the heavy one, its own compute dwarfing that wait, was always admitted.
+TEST(HardeningAdmissionTest, AnotherCallersRunningRequestDoesNotShedAShortOne) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.threads_per_call = 1;
+  o.memory_budget_bytes = int64_t{2} << 30;
+  o.max_queue_delay_seconds = 0;  // only the relative limit
+  o.max_queue_slowdown = 4;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  const auto own_channel = [&] {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection, so a caller, of its own
+    return v1::AttentionService::NewStub(grpc::CreateCustomChannel(
+        absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials(), args));
+  };
+  auto heavy = own_channel();
+  auto light = own_channel();
+  for (int i = 0; i < 4; ++i) {  // teach the rate
+    grpc::ClientContext ctx;
+    v1::AttendResponse out;
+    ASSERT_TRUE(heavy->Attend(&ctx, ZeroAttend(3072), &out).ok());
+  }
+  std::atomic<bool> long_done{false};
+  std::thread running([&] {
+    grpc::ClientContext ctx;
+    v1::AttendResponse out;
+    EXPECT_TRUE(heavy->Attend(&ctx, ZeroAttend(12288), &out).ok());
+    long_done = true;
+  });
+  for (int i = 0; i < 500 && MetricValue(server->metrics().RenderPrometheus(),
+                                         "ropeattn_running") != 1;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_FALSE(long_done.load());
+  grpc::ClientContext ctx;
+  v1::AttendResponse out;
+  const grpc::Status st = light->Attend(&ctx, ZeroAttend(512), &out);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  running.join();
+  EXPECT_EQ(MetricValue(server->metrics().RenderPrometheus(),
+                        "ropeattn_rejected_total{method=\"Attend\"}"),
+            0);
 }
 
 // The wait a request is admitted on follows the fair-queueing order: a
