@@ -40,6 +40,9 @@ ABSL_FLAG(int, max_connections, kDefaults.max_connections,
 ABSL_FLAG(double, handshake_timeout_seconds, kDefaults.handshake_timeout_seconds,
           "A connection that has not started HTTP/2 (preface and SETTINGS) within this many "
           "seconds is closed, so silent sockets cannot hold connection slots");
+ABSL_FLAG(int, max_connection_idle_seconds, kDefaults.max_connection_idle_seconds,
+          "A connection with no call open for this many seconds is closed (GOAWAY; clients "
+          "reconnect on their next call), so idle peers cannot hold connection slots; 0: never");
 ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
           "Prometheus /metrics HTTP listen address host:port; empty disables it");
 ABSL_FLAG(int, metrics_port, -1,
@@ -132,6 +135,7 @@ std::string ConfigJson(const ropeattn::server::ServerOptions& o, int max_connect
   j["metrics_address"] = o.metrics_address;
   j["max_connections"] = max_connections;
   j["handshake_timeout_seconds"] = o.handshake_timeout_seconds;
+  j["max_connection_idle_seconds"] = o.max_connection_idle_seconds;
   j["compute_workers"] = o.compute_workers;
   j["threads_per_call"] = o.threads_per_call;
   j["queue_depth"] = o.queue_depth;
@@ -244,6 +248,7 @@ int main(int argc, char** argv) {
   o.address = absl::GetFlag(FLAGS_address);
   o.max_connections = absl::GetFlag(FLAGS_max_connections);
   o.handshake_timeout_seconds = absl::GetFlag(FLAGS_handshake_timeout_seconds);
+  o.max_connection_idle_seconds = absl::GetFlag(FLAGS_max_connection_idle_seconds);
   o.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
     o.metrics_address = absl::StrCat("127.0.0.1:", absl::GetFlag(FLAGS_metrics_port));

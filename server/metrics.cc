@@ -47,7 +47,8 @@ constexpr int kNumCodes = sizeof(kCodeNames) / sizeof(kCodeNames[0]);
 static_assert(kNumCodes == 17, "gRPC has codes 0..16");
 constexpr int kUnknownCode = 2;
 
-constexpr const char* kCloseReasons[] = {"closed", "disconnected", "reaped", "shutdown"};
+constexpr const char* kCloseReasons[] = {"closed", "disconnected", "stream_ended", "reaped",
+                                         "shutdown"};
 constexpr absl::string_view kOverflowLabel = "other";
 
 struct Histogram {

@@ -26,6 +26,11 @@ struct ServerOptions {
   // preface and SETTINGS) within this many seconds is closed: an idle socket
   // that never speaks holds a connection slot no longer than this.
   double handshake_timeout_seconds = 10;
+  // A connection with no call open for this long is closed (GOAWAY; gRPC
+  // clients reconnect on their next call), so a peer that completed its
+  // HTTP/2 start and went quiet holds a connection slot no longer than
+  // this. 0: never.
+  int max_connection_idle_seconds = 300;
   // Prometheus /metrics listen address; empty disables the endpoint.
   std::string metrics_address = "127.0.0.1:9464";
   // Compute workers of the executor (each runs one request at a time).

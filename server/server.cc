@@ -165,6 +165,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::InvalidArgumentError(absl::StrFormat(
         "handshake_timeout_seconds must be in (0, 3600], got %g", options.handshake_timeout_seconds));
   }
+  if (options.max_connection_idle_seconds < 0 || options.max_connection_idle_seconds > 86400) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "max_connection_idle_seconds must be in [0, 86400], got %d",
+        options.max_connection_idle_seconds));
+  }
   if (!(options.max_queue_delay_seconds >= 0 && options.max_queue_delay_seconds <= 3600)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "max_queue_delay_seconds must be in [0, 3600], got %g", options.max_queue_delay_seconds));
@@ -324,6 +329,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   // proxy forwards (deploy/'s Envoy takes 16 KiB from a client), and one
   // caller's large headers never reach the calls a proxy multiplexes with it.
   builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, kMaxMetadataBytes);
+  if (options.max_connection_idle_seconds > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                               options.max_connection_idle_seconds * 1000);
+  }
   // gRPC's default gives a silent connection 120 s to send its preface.
   builder.AddChannelArgument(
       GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,

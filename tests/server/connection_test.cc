@@ -488,5 +488,49 @@ TEST(ConnectionFloodTest, SilentConnectionsAreClosedAfterTheHandshakeTimeout) {
   EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
 }
 
+// A peer that completes its HTTP/2 start (preface and SETTINGS) and then
+// goes quiet is past the handshake timeout's reach; it is closed once it
+// has had no call open for --max_connection_idle_seconds (it held a slot
+// for good before), and the slot serves a real client again.
+TEST(ConnectionFloodTest, IdleHttp2ConnectionsAreClosed) {
+  constexpr int kCap = 4;
+  auto server = ServerProcess::Start(
+      kFdLimit, {absl::StrCat("--max_connections=", kCap), "--max_connection_idle_seconds=1"});
+  ASSERT_NE(server, nullptr);
+  static constexpr char kPreface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+  static constexpr unsigned char kEmptySettings[9] = {0, 0, 0, 4, 0, 0, 0, 0, 0};
+  std::vector<int> fds;
+  for (int i = 0; i < kCap; ++i) {
+    const int fd = ConnectRaw(server->port());
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(send(fd, kPreface, sizeof(kPreface) - 1, MSG_NOSIGNAL),
+              static_cast<ssize_t>(sizeof(kPreface) - 1));
+    ASSERT_EQ(send(fd, kEmptySettings, sizeof(kEmptySettings), MSG_NOSIGNAL), 9);
+    fds.push_back(fd);
+  }
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  int closed = 0;
+  for (int fd : fds) {
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          give_up - std::chrono::steady_clock::now());
+      if (left.count() <= 0) break;
+      const Fate fate = AwaitFate(fd, left);
+      if (fate == Fate::kClosed) {
+        ++closed;
+        break;
+      }
+      if (fate == Fate::kSilent) break;
+      // kServed: the server's SETTINGS, pings, its GOAWAY; read on.
+    }
+    close(fd);
+  }
+  EXPECT_EQ(closed, kCap) << "idle HTTP/2 connections still held after 10 s";
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status st = CheckHealth(server->port(), &response);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
 }  // namespace
 }  // namespace ropeattn::testing

@@ -396,7 +396,7 @@ TEST(MetricsRenderTest, EmptyRegistryHasEveryFamilyInOrder) {
   EXPECT_EQ(e.families.at("ropeattn_request_duration_seconds").type, "histogram");
   EXPECT_EQ(e.families.at("ropeattn_queue_depth").type, "gauge");
   EXPECT_EQ(e.families.at("ropeattn_requests_total").type, "counter");
-  for (const char* reason : {"closed", "disconnected", "reaped", "shutdown"}) {
+  for (const char* reason : {"closed", "disconnected", "stream_ended", "reaped", "shutdown"}) {
     EXPECT_EQ(e.Get("ropeattn_sessions_closed_total", {{"reason", reason}}), 0.0) << reason;
   }
   EXPECT_EQ(e.Get("ropeattn_decode_steps_total"), 0.0);
