@@ -41,8 +41,7 @@ int64_t Admission::pending_compute() const {
 
 absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time deadline,
                               absl::Time now, absl::Duration* retry_after,
-                              bool slowdown_applies, const UnitsByMethod* running,
-                              const UnitsByMethod* own_running, const UnitsByMethod* queued) {
+                              bool slowdown_applies, const Ahead* ahead) {
   compute = std::max<int64_t>(0, compute);
   absl::MutexLock lock(&mu_);
   Kind& own = kinds_[method];
@@ -50,31 +49,35 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
     // The work ahead spreads over every worker; this request then runs on
     // one. Kinds whose rate is not known yet add nothing (the estimate
     // never invents a wait).
-    const auto seconds_of = [&](const Kind& k, int64_t units) {
+    const auto seconds_of = [&](const char* name, int64_t units) {
+      auto it = kinds_.find(name);
+      if (it == kinds_.end()) return 0.0;
+      const Kind& k = it->second;
       return units > 0 && k.rate_samples >= kMinSamples && k.units_per_second > 0
                  ? static_cast<double>(units) / k.units_per_second
                  : 0.0;
     };
     const auto seconds_of_all = [&](const UnitsByMethod& units) {
       double s = 0;
-      for (const auto& [name, n] : units) {
-        auto k = kinds_.find(name);
-        if (k != kinds_.end()) s += seconds_of(k->second, n);
-      }
+      for (const auto& [name, n] : units) s += seconds_of(name, n);
       return s;
     };
-    double running_s = 0, own_running_s = 0, queued_s = 0;
-    if (running != nullptr && own_running != nullptr && queued != nullptr) {
-      running_s = seconds_of_all(*running);
-      own_running_s = seconds_of_all(*own_running);
-      queued_s = seconds_of_all(*queued);
+    double running_s = 0, queued_s = 0, slowdown_s = 0;
+    if (ahead != nullptr) {
+      running_s = seconds_of_all(ahead->running);
+      queued_s = seconds_of_all(ahead->queued);
+      slowdown_s = queued_s + seconds_of_all(ahead->own_running);
+      for (const auto& [name, units] : ahead->others_running) {
+        const double s = seconds_of(name, units);
+        if (s <= max_slowdown_ * *own_service) slowdown_s += s;
+      }
     } else {
-      for (const auto& [name, k] : kinds_) queued_s += seconds_of(k, k.pending);
+      for (const auto& [name, k] : kinds_) queued_s += seconds_of(name.c_str(), k.pending);
+      slowdown_s = queued_s;
     }
     const double wait_s = (running_s + queued_s) / workers_;
-    // What the slowdown holds against this request: work it waits for that
-    // is queued ahead of it, or its own caller's.
-    const double queued_wait_s = (queued_s + own_running_s) / workers_;
+    // What the slowdown holds against this request (see Admit's comment).
+    const double queued_wait_s = slowdown_s / workers_;
     const double service_s = *own_service;
     const absl::Duration wait = absl::Seconds(wait_s);
     const absl::Duration service = absl::Seconds(service_s);
@@ -101,8 +104,7 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
       if (queued_wait_s > limit_s) {
         *retry_after = absl::Seconds(queued_wait_s - limit_s);
         return absl::ResourceExhaustedError(absl::StrFormat(
-            "%s: the estimated wait behind queued requests (and this caller's running ones) is "
-            "%.0f ms, more than "
+            "%s: the estimated wait for a compute worker is %.0f ms, more than "
             "--max_queue_slowdown (%g) times its own compute (%.1f ms); retry after about %.0f ms",
             method, queued_wait_s * 1e3, max_slowdown_, service_s * 1e3,
             absl::ToDoubleMilliseconds(*retry_after)));

@@ -11,12 +11,15 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/executor.h"
 
 namespace ropeattn::server {
 
@@ -40,22 +43,22 @@ class Admission {
   // admitted (the estimate would be a guess).
   // `slowdown_applies`: whether max_slowdown applies (stateless calls; a
   // decode step is not refused for another caller's long request).
-  // `running`, `own_running` and `queued` (optional, together): the compute
-  // by method running now, the part of it that is this caller's, and the
-  // work waiting to run before this request (Executor::WorkAhead, which
-  // knows the fair-queueing order); without them, all pending compute
-  // counts as ahead. The deadline and max_queue_delay see all of it; the
-  // slowdown sees `queued` and `own_running` only: another caller's running
-  // task cannot be preempted, so counting it refused every small request
-  // of a light caller while a heavy caller kept the workers busy, and
-  // admitted the heavy one, whose own compute dwarfs that wait (the light
-  // caller starved, though fair queueing puts its request next).
+  // `ahead` (optional): the compute running now and waiting to run before
+  // this request (Executor::WorkAhead, which knows the fair-queueing order);
+  // without it, all pending compute counts as ahead. The deadline and
+  // max_queue_delay see all of it. The slowdown sees the queued work, this
+  // caller's running work, and another caller's running request only when
+  // that is no more than max_slowdown times this request: a running request
+  // cannot be preempted, so counting a far larger one refused every small
+  // request of a light caller while a heavy caller kept the workers busy,
+  // and admitted the heavy caller's, whose compute dwarfs the wait (the light
+  // caller starved, though fair queueing puts its request next). Behind a
+  // comparable request the wait is the overload the slowdown is for.
   using UnitsByMethod = absl::flat_hash_map<const char*, int64_t>;
+  using Ahead = Executor::Ahead;
   absl::Status Admit(const char* method, int64_t compute, absl::Time deadline, absl::Time now,
                      absl::Duration* retry_after, bool slowdown_applies = true,
-                     const UnitsByMethod* running = nullptr,
-                     const UnitsByMethod* own_running = nullptr,
-                     const UnitsByMethod* queued = nullptr);
+                     const Ahead* ahead = nullptr);
   // An admitted request of `method` left the queue without running, or
   // finished running for `seconds` (negative: it never ran); its compute is
   // no longer pending.

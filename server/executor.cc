@@ -56,8 +56,14 @@ Executor::Ahead Executor::WorkAhead(const std::string& key, int64_t compute) con
   absl::MutexLock lock(&mu_);
   Ahead ahead;
   ahead.running = running_units_;
-  if (auto own = running_by_caller_.find(key); own != running_by_caller_.end()) {
-    ahead.own_running = own->second;
+  for (const Taken* t : taken_) {
+    for (const Work& w : t->work) {
+      if (w.key == key) {
+        ahead.own_running[w.kind] += w.compute;
+      } else {
+        ahead.others_running.emplace_back(w.kind, w.compute);
+      }
+    }
   }
   const double tag = TagLocked(key, compute);
   for (const auto& [caller, tasks] : queues_) {
@@ -149,11 +155,8 @@ void Executor::Release(Taken& taken) {
   running_ -= static_cast<int64_t>(taken.work.size());
   for (const Work& w : taken.work) {
     if ((running_units_[w.kind] -= w.compute) <= 0) running_units_.erase(w.kind);
-    auto caller = running_by_caller_.find(w.key);
-    if (caller == running_by_caller_.end()) continue;
-    if ((caller->second[w.kind] -= w.compute) <= 0) caller->second.erase(w.kind);
-    if (caller->second.empty()) running_by_caller_.erase(caller);
   }
+  taken_.erase(&taken);
 }
 
 void Executor::WorkerLoop() {
@@ -183,10 +186,8 @@ void Executor::WorkerLoop() {
         }
       }
       running_ += static_cast<int64_t>(taken.work.size());
-      for (const Work& w : taken.work) {
-        running_units_[w.kind] += w.compute;
-        running_by_caller_[w.key][w.kind] += w.compute;
-      }
+      for (const Work& w : taken.work) running_units_[w.kind] += w.compute;
+      taken_.insert(&taken);
     }
     current_taken = &taken;
     if (batch.empty()) {

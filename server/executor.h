@@ -22,6 +22,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
@@ -69,12 +70,14 @@ class Executor {
                       const char* kind = "");
   // The priced compute, by kind, that would run before a task of caller
   // `key` costing `compute` submitted now: `running`, every running task
-  // (whole: an upper bound), `own_running`, the part of it that is `key`'s,
+  // (whole: an upper bound), split into `own_running`, `key`'s, and
+  // `others_running`, each other caller's task on its own (kind, compute);
   // and `queued`, every waiting task with a smaller finish tag than the new
   // one would get. A light caller behind a heavy caller's deep queue sees
   // only the running work and about one task of each other caller.
   struct Ahead {
     absl::flat_hash_map<const char*, int64_t> running, own_running, queued;
+    std::vector<std::pair<const char*, int64_t>> others_running;
   };
   Ahead WorkAhead(const std::string& key, int64_t compute) const;
   // Runs `task` on the calling thread, now, if a worker is free and nothing
@@ -143,10 +146,10 @@ class Executor {
   int64_t waiting_ ABSL_GUARDED_BY(mu_) = 0;
   double virtual_time_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t running_ ABSL_GUARDED_BY(mu_) = 0;
-  // Priced compute of the running tasks, by kind, and by caller and kind.
+  // Priced compute of the running tasks, by kind.
   absl::flat_hash_map<const char*, int64_t> running_units_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, absl::flat_hash_map<const char*, int64_t>> running_by_caller_
-      ABSL_GUARDED_BY(mu_);
+  // The work of every worker's current take (not yet released).
+  absl::flat_hash_set<const Taken*> taken_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };

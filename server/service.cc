@@ -147,8 +147,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
   absl::Duration retry_after;
   const auto ahead = executor_->WorkAhead(share, cost->compute);
   if (absl::Status st = admission_.Admit(method, cost->compute, DeadlineOf(ctx), absl::Now(),
-                                         &retry_after, /*slowdown_applies=*/true, &ahead.running,
-                                         &ahead.own_running, &ahead.queued);
+                                         &retry_after, /*slowdown_applies=*/true, &ahead);
       !st.ok()) {
     ctx->AddTrailingMetadata("retry-after-ms",
                              absl::StrCat(absl::ToInt64Milliseconds(retry_after)));
@@ -586,8 +585,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       const auto ahead = service_->executor_->WorkAhead(share_, cost.compute);
       RA_RETURN_IF_ERROR(service_->admission_.Admit(op_kind_, cost.compute, stop_.deadline(),
                                                     absl::Now(), &retry_after,
-                                                    /*slowdown_applies=*/false, &ahead.running,
-                                                    &ahead.own_running, &ahead.queued));
+                                                    /*slowdown_applies=*/false, &ahead));
       absl::StatusOr<MemoryBudget::Reservation> held =
           service_->budget_->Reserve(cost.transient_bytes, "this decode step");
       if (!held.ok()) {

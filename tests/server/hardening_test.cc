@@ -751,6 +751,51 @@ TEST(HardeningAdmissionTest, AnotherCallersRunningRequestDoesNotShedAShortOne) {
             0);
 }
 
+// The rule at the admission level: another caller's running request counts
+// against the slowdown only when it is no more than max_slowdown times the
+// new request (behind a comparable request the wait is overload); a far
+// larger one does not (it cannot be preempted, and refusing the small
+// request only starves its caller). The caller's own running work and the
+// queued work always count; the deadline sees everything.
+TEST(HardeningAdmissionTest, TheSlowdownCountsComparableOrOwnRunningWork) {
+  server::Admission a(1, absl::ZeroDuration(), /*max_slowdown=*/4);
+  for (int i = 0; i < 3; ++i) a.Finished("Attend", 1'000'000'000, 0.1);  // 1e10 units/s
+  const absl::Time now = absl::Now();
+  const auto admit = [&](const server::Admission::Ahead& ahead,
+                         absl::Time deadline = absl::InfiniteFuture()) {
+    absl::Duration retry;
+    absl::Status st = a.Admit("Attend", 200'000'000, deadline, now, &retry, true, &ahead);  // 20 ms
+    if (st.ok()) a.Finished("Attend", 200'000'000, -1);
+    return st.code();
+  };
+  const auto ahead_with = [](int64_t others, int64_t own, int64_t queued) {
+    server::Admission::Ahead ahead;
+    if (others > 0) {
+      ahead.running["Attend"] += others;
+      ahead.others_running.emplace_back("Attend", others);
+    }
+    if (own > 0) {
+      ahead.running["Attend"] += own;
+      ahead.own_running["Attend"] = own;
+    }
+    if (queued > 0) ahead.queued["Attend"] = queued;
+    return ahead;
+  };
+  using C = absl::StatusCode;
+  // Another caller's 10 s request: far larger, not held against it.
+  EXPECT_EQ(admit(ahead_with(100'000'000'000, 0, 0)), C::kOk);
+  // ... but the deadline still sees it.
+  EXPECT_EQ(admit(ahead_with(100'000'000'000, 0, 0), now + absl::Seconds(1)),
+            C::kResourceExhausted);
+  // Another caller's 80 ms request (4x): comparable, counted; 80 ms is past
+  // the 4 x 20 ms limit only together with queued work.
+  EXPECT_EQ(admit(ahead_with(800'000'000, 0, 0)), C::kOk);
+  EXPECT_EQ(admit(ahead_with(800'000'000, 0, 100'000'000)), C::kResourceExhausted);
+  // Its own caller's 10 s request always counts, and so does queued work.
+  EXPECT_EQ(admit(ahead_with(0, 100'000'000'000, 0)), C::kResourceExhausted);
+  EXPECT_EQ(admit(ahead_with(0, 0, 100'000'000'000)), C::kResourceExhausted);
+}
+
 // The wait a request is admitted on follows the fair-queueing order: a
 // light caller behind a heavy caller's deep queue waits for the running
 // request only, so --max_queue_slowdown does not shed it for work it will
