@@ -762,7 +762,7 @@ int DecodeCommand(int argc, char** argv) {
     if (spec->softcap() != 0) absl::StrAppend(&spec_line, " softcap ", spec->softcap());
     if (spec->scale() != 0) absl::StrAppend(&spec_line, " scale ", spec->scale());
   } else {
-    absl::StatusOr<Inputs> read = InputsFromFlags(1, total, total);
+    absl::StatusOr<Inputs> read = InputsFromFlags(1, total, total, /*one_message=*/false);
     if (!read.ok()) return Fail("decode", read.status());
     inputs = *std::move(read);
     for (const v1::Tensor* t : {&inputs.q, &inputs.k, &inputs.v}) {

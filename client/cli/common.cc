@@ -495,7 +495,8 @@ std::string DescribeSpec(const v1::AttentionSpec& spec) {
   return text;
 }
 
-absl::StatusOr<Inputs> InputsFromFlags(int64_t batch, int64_t q_len, int64_t k_len) {
+absl::StatusOr<Inputs> InputsFromFlags(int64_t batch, int64_t q_len, int64_t k_len,
+                                       bool one_message) {
   const std::string q_path = absl::GetFlag(FLAGS_q);
   const std::string k_path = absl::GetFlag(FLAGS_k);
   const std::string v_path = absl::GetFlag(FLAGS_v);
@@ -533,7 +534,7 @@ absl::StatusOr<Inputs> InputsFromFlags(int64_t batch, int64_t q_len, int64_t k_l
   const double bytes = static_cast<double>(elem) * batch *
                        (static_cast<double>(q_len) * heads * head_dim +
                         static_cast<double>(k_len) * kv_heads * (head_dim + v_dim));
-  if (const int64_t max = absl::GetFlag(FLAGS_max_message_bytes); bytes > max) {
+  if (const int64_t max = absl::GetFlag(FLAGS_max_message_bytes); one_message && bytes > max) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "q, k and v of these shapes are %.0f bytes, more than --max_message_bytes %d; not sent",
         bytes, max));

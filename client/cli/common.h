@@ -147,7 +147,11 @@ std::string DescribeSpec(const v1::AttentionSpec& spec);
 struct Inputs {
   v1::Tensor q, k, v;
 };
-absl::StatusOr<Inputs> InputsFromFlags(int64_t batch, int64_t q_len, int64_t k_len);
+// `one_message`: the three go out in one request, so shapes whose bytes
+// exceed --max_message_bytes are refused before anything is generated
+// (decode sends them in slices, each checked by the client as it is sent).
+absl::StatusOr<Inputs> InputsFromFlags(int64_t batch, int64_t q_len, int64_t k_len,
+                                       bool one_message = true);
 
 // "[1, 16, 8, 64] f32".
 std::string DescribeTensor(const v1::Tensor& tensor);

@@ -577,6 +577,15 @@ TEST_F(CliTest, UsageErrorsExit64WithOneLine) {
   }
 }
 
+// decode sends its tokens in slices: a run whose whole q/k/v exceed
+// --max_message_bytes is fine as long as each slice fits (the one-message
+// check of attend must not apply to it).
+TEST_F(CliTest, DecodeRunsLargerThanOneMessageAreSentInSlices) {
+  const RunResult r = Cli({"decode", "--context=64", "--prefill_chunk=8", "--steps=4",
+                           "--heads=2", "--head_dim=8", "--max_message_bytes=8192"});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+}
+
 // --offsets reaches the server in plain (not only layer) mode: it was read
 // only in layer mode and silently ignored otherwise.
 TEST_F(CliTest, AttendSendsItsOffsets) {
