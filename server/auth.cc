@@ -201,19 +201,26 @@ absl::Status Authenticator::ReloadIfChanged() {
   const std::string identity = FileIdentity(tokens_file_);
   {
     absl::MutexLock lock(&mu_);
-    if (identity == file_identity_) return absl::OkStatus();
-    // Read only once the change has settled (the same identity a whole
-    // interval apart): a file caught mid-write, "tokB bo" of "tokB bob",
-    // would otherwise give a token to the wrong principal.
-    if (identity != pending_identity_) {
-      pending_identity_ = identity;
+    if (identity == file_identity_) {
+      pending_text_.reset();  // back to the version in use: a change starts over
       return absl::OkStatus();
     }
   }
   absl::StatusOr<std::string> text = ReadWholeFile(tokens_file_, "auth_tokens_file");
+  absl::MutexLock lock(&mu_);
+  if (text.ok()) {
+    // Used only once it has settled: the same contents read a whole interval
+    // apart. A file caught mid-write, "tokB bo" of "tokB bob", would
+    // otherwise give a token to the wrong principal (the contents, not the
+    // identity, are compared: the file can change between stat and read).
+    if (!pending_text_.has_value() || *pending_text_ != *text) {
+      pending_text_ = *text;
+      return absl::OkStatus();
+    }
+    pending_text_.reset();
+  }
   absl::StatusOr<std::vector<TokenEntry>> parsed =
       text.ok() ? ParseTokens(*text, tokens_file_) : text.status();
-  absl::MutexLock lock(&mu_);
   file_identity_ = identity;  // a broken file is reported once, not every interval
   if (!parsed.ok()) {
     LogEvent(LogLevel::kError, "tokens_reload_failed",

@@ -8,6 +8,7 @@
 #define ROPEATTN_SERVER_AUTH_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -83,11 +84,11 @@ class Authenticator : public grpc::AuthMetadataProcessor {
   // as Identify resolves it (tokens file only).
   absl::StatusOr<Principal> IdentifyAuthorization(absl::string_view authorization) const;
 
-  // Re-reads the tokens file if its identity (inode, size, mtime) changed
-  // and has stayed the same since the previous call (a change settles for
-  // one reload interval before it is read). A file that fails to parse
-  // keeps the previous table (logged). Returns the parse status of a
-  // re-read, OK when nothing (settled) changed.
+  // Re-reads the tokens file if its identity (inode, size, mtime) changed,
+  // and uses it once two calls in a row read the same contents (a change
+  // settles for one reload interval). A file that fails to parse keeps the
+  // previous table (logged). Returns the parse status of a re-read, OK when
+  // nothing (settled) changed.
   absl::Status ReloadIfChanged();
 
  private:
@@ -107,7 +108,8 @@ class Authenticator : public grpc::AuthMetadataProcessor {
   mutable absl::Mutex mu_;
   std::vector<TokenEntry> tokens_ ABSL_GUARDED_BY(mu_);
   std::string file_identity_ ABSL_GUARDED_BY(mu_);
-  std::string pending_identity_ ABSL_GUARDED_BY(mu_);  // seen changed, not yet settled
+  // A changed file's contents, read once and not yet settled.
+  std::optional<std::string> pending_text_ ABSL_GUARDED_BY(mu_);
   absl::Notification stop_;
   std::thread reloader_;
 };

@@ -5,6 +5,7 @@
 #include <openssl/evp.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -87,6 +89,34 @@ absl::Status WriteStaged(const std::string& path, const std::string& contents, t
   return absl::OkStatus();
 }
 
+// Where the copies go: memory (/dev/shm) when it is there, so the private
+// key never lands on disk (a Kubernetes Secret volume is tmpfs for the same
+// reason; an emptyDir /tmp may be node disk); else $TMPDIR, else /tmp.
+std::string StagingBase() {
+  struct stat st {};
+  if (::stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) && ::access("/dev/shm", W_OK | X_OK) == 0) {
+    return "/dev/shm";
+  }
+  const char* tmp = std::getenv("TMPDIR");
+  return tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+}
+
+// Directories "ropeattn-tls-PID-XXXXXX" of processes that are gone (killed
+// before their destructor removed them): their key copies are deleted.
+void RemoveStaleDirectories(const std::string& base) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(base, ec)) {
+    const std::string name = entry.path().filename().string();
+    constexpr std::string_view kPrefix = "ropeattn-tls-";
+    if (name.rfind(kPrefix, 0) != 0) continue;
+    const long pid = std::strtol(name.c_str() + kPrefix.size(), nullptr, 10);
+    if (pid <= 0 || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)) {
+      std::error_code ignored;
+      std::filesystem::remove_all(entry.path(), ignored);
+    }
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<TlsSet> ReadTlsSet(const ServerOptions& o) {
@@ -134,9 +164,9 @@ absl::StatusOr<std::unique_ptr<TlsFiles>> TlsFiles::Create(const ServerOptions& 
   absl::StatusOr<TlsSet> set = ReadTlsSet(options);
   if (!set.ok()) return set.status();
   if (absl::Status valid = ValidateTlsSet(*set, options); !valid.ok()) return valid;
-  const char* tmp = std::getenv("TMPDIR");
-  std::string pattern = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp",
-                                     "/ropeattn-tls-XXXXXX");
+  const std::string base = StagingBase();
+  RemoveStaleDirectories(base);
+  std::string pattern = absl::StrCat(base, "/ropeattn-tls-", ::getpid(), "-XXXXXX");
   if (::mkdtemp(pattern.data()) == nullptr) {
     return absl::InternalError(absl::StrCat("cannot create a directory for the TLS files (",
                                             pattern, "): ", std::strerror(errno)));
@@ -182,7 +212,10 @@ absl::Status TlsFiles::Refresh() {
   absl::MutexLock lock(&mu_);
   absl::Status why = set.status();
   if (set.ok()) {
-    if (*set == staged_) return absl::OkStatus();
+    if (*set == staged_) {
+      pending_ = staged_;  // back to the set in use: a change starts over
+      return absl::OkStatus();
+    }
     // Taken only once it has settled (the same contents a whole interval
     // apart): a chain caught mid-write can still validate on its first
     // certificate.
@@ -195,6 +228,7 @@ absl::Status TlsFiles::Refresh() {
       why = Stage(*set);
       if (why.ok()) {
         last_refused_ = TlsSet();
+        last_failure_.clear();
         LogEvent(LogLevel::kInfo, "tls_reloaded", {{"generation", generation_}});
         return absl::OkStatus();
       }
@@ -203,7 +237,10 @@ absl::Status TlsFiles::Refresh() {
     } else {
       last_refused_ = *set;
     }
+  } else if (why.message() == last_failure_) {
+    return why;  // an unreadable file: logged once per message
   }
+  last_failure_ = std::string(why.message());
   LogEvent(LogLevel::kWarning, "tls_reload_failed",
            {{"message", std::string(why.message())}, {"kept_generation", generation_}});
   return why;

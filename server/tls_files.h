@@ -53,13 +53,17 @@ absl::Status ValidateTlsSet(const TlsSet& set, const ServerOptions& options);
 class TlsFiles {
  public:
   // Reads and validates the configured files, stages them under a new
-  // private directory (mode 0700) in $TMPDIR (else /tmp), and starts the
-  // thread that re-reads them every credentials_reload_seconds.
+  // private directory (mode 0700) in /dev/shm (memory: the key copy never
+  // lands on disk), else $TMPDIR, else /tmp, and starts the thread that
+  // re-reads them every credentials_reload_seconds. Directories left there
+  // by servers that died without cleaning up are removed.
   static absl::StatusOr<std::unique_ptr<TlsFiles>> Create(const ServerOptions& options);
   ~TlsFiles();  // stops the thread and removes the directory
   TlsFiles(const TlsFiles&) = delete;
   TlsFiles& operator=(const TlsFiles&) = delete;
 
+  // The private directory (under /dev/shm, $TMPDIR or /tmp).
+  const std::string& directory() const { return dir_; }
   // The paths gRPC's provider watches (ca_path empty without a client CA).
   std::string key_path() const;
   std::string cert_path() const;
@@ -84,6 +88,7 @@ class TlsFiles {
   TlsSet staged_ ABSL_GUARDED_BY(mu_);
   TlsSet last_refused_ ABSL_GUARDED_BY(mu_);
   TlsSet pending_ ABSL_GUARDED_BY(mu_);  // read changed, not yet settled
+  std::string last_failure_ ABSL_GUARDED_BY(mu_);  // the message logged last
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t first_mtime_ = 0;  // seconds; generation g gets first_mtime_ + g
   absl::Notification stop_;

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <functional>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -762,6 +763,23 @@ TEST_F(SecurityTest, TlsFilesStageOnlyValidatedSets) {
   };
   const auto first = std::make_tuple(server_cert_.cert_pem, server_cert_.key_pem, ca_->cert_pem());
   ASSERT_EQ(staged(), first);
+  // The key copy is kept in memory when /dev/shm is there, and a directory
+  // left by a server that died is removed by the next one; a live one's is
+  // kept.
+  const std::string base = std::filesystem::path((*files)->directory()).parent_path().string();
+  struct stat shm {};
+  if (::stat("/dev/shm", &shm) == 0 && ::access("/dev/shm", W_OK) == 0) EXPECT_EQ(base, "/dev/shm");
+  const std::string dead = base + "/ropeattn-tls-2147483646-test";  // no such pid
+  const std::string alive = absl::StrCat(base, "/ropeattn-tls-", ::getpid(), "-test");
+  ASSERT_TRUE(std::filesystem::create_directories(dead + "/gen-1"));
+  ASSERT_TRUE(std::filesystem::create_directories(alive));
+  {
+    auto another = server::TlsFiles::Create(o);
+    ASSERT_TRUE(another.ok()) << another.status();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dead));
+  EXPECT_TRUE(std::filesystem::exists(alive));
+  std::filesystem::remove_all(alive);
   struct stat before {};
   ASSERT_EQ(::stat((*files)->key_path().c_str(), &before), 0);
 
@@ -793,7 +811,15 @@ TEST_F(SecurityTest, TlsFilesStageOnlyValidatedSets) {
     WriteInPlace(path, good);
     EXPECT_TRUE(refresh().ok()) << what;
   }
-  // A good new pair is taken, with a later modification time.
+  // A good new pair is taken, with a later modification time, once it has
+  // settled: seen, then the old files back (a change starts over), then
+  // seen again is one read, not two.
+  WriteInPlace(o.tls_cert_file, other->cert_pem);
+  WriteInPlace(o.tls_key_file, other->key_pem);
+  ASSERT_TRUE((*files)->Refresh().ok());
+  WriteInPlace(o.tls_cert_file, server_cert_.cert_pem);
+  WriteInPlace(o.tls_key_file, server_cert_.key_pem);
+  ASSERT_TRUE((*files)->Refresh().ok());
   WriteInPlace(o.tls_cert_file, other->cert_pem);
   WriteInPlace(o.tls_key_file, other->key_pem);
   ASSERT_TRUE((*files)->Refresh().ok());
