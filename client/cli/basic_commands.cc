@@ -335,6 +335,10 @@ namespace {
 
 int AttendLayerMode() {
   if (absl::Status s = CheckLayerModeFlags(); !s.ok()) return UsageFail("attend", s.message());
+  if (FlagGiven("k_len")) {
+    return UsageFail("attend", "--k_len cannot be used with --model (layer mode is "
+                               "self-attention: the keys are the hidden states' own)");
+  }
   const std::string model = absl::GetFlag(FLAGS_model);
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail("attend", client.status());
@@ -521,6 +525,16 @@ int EncodeCommand(int argc, char** argv) {
   v1::EncodeRequest request;
   const int64_t q_len = absl::GetFlag(FLAGS_q_len);
   const int64_t k_len = absl::GetFlag(FLAGS_k_len) == 0 ? q_len : absl::GetFlag(FLAGS_k_len);
+  // A flag the op does not read is refused, not ignored.
+  for (const auto& [flag, readers] :
+       {std::pair<const char*, std::vector<std::string>>{"positions", {"rope_cos_sin", "rope_apply"}},
+        {"offsets", {"rope_apply"}},
+        {"x", {"rope_apply"}}}) {
+    if (FlagGiven(flag) && std::find(readers.begin(), readers.end(), op) == readers.end()) {
+      return UsageFail("encode", absl::StrCat("--", flag, " is read by --op ",
+                                              absl::StrJoin(readers, " and "), " only"));
+    }
+  }
   auto positions = ParseIntList("positions", absl::GetFlag(FLAGS_positions));
   if (!positions.ok()) return UsageFail("encode", positions.status().message());
   if (op == "sinusoidal") {

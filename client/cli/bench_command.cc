@@ -50,6 +50,7 @@
 #include <iostream>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -273,7 +274,7 @@ std::string Usage(const std::vector<OwnFlag>& flags) {
 // Takes the bench-only flags out of argv; the rest goes to ParseSubcommand.
 // Returns false (with *error) for a bad or missing value.
 bool ExtractOwnFlags(int argc, char** argv, std::vector<OwnFlag>& flags, std::vector<char*>* rest,
-                     std::string* error) {
+                     std::string* error, std::set<std::string>* given) {
   rest->push_back(argv[0]);
   for (int i = 1; i < argc; ++i) {
     absl::string_view arg = argv[i];
@@ -309,6 +310,7 @@ bool ExtractOwnFlags(int argc, char** argv, std::vector<OwnFlag>& flags, std::ve
       *error = absl::StrCat("bad value for --", name, ": '", *value, "'");
       return false;
     }
+    given->insert(std::string(name));
   }
   return true;
 }
@@ -708,7 +710,8 @@ int BenchCommand(int argc, char** argv) {
   std::vector<OwnFlag> own = OwnFlags(&f);
   std::vector<char*> rest;
   std::string error;
-  if (!ExtractOwnFlags(argc, argv, own, &rest, &error)) return UsageFail(kCommand, error);
+  std::set<std::string> given;
+  if (!ExtractOwnFlags(argc, argv, own, &rest, &error, &given)) return UsageFail(kCommand, error);
   int exit_code = 0;
   std::optional<std::vector<std::string>> positional =
       ParseSubcommand(static_cast<int>(rest.size()), rest.data(), Usage(own), kSharedFlags,
@@ -725,6 +728,14 @@ int BenchCommand(int argc, char** argv) {
   if (!mode.ok()) return UsageFail(kCommand, mode.status().message());
   spec.workload = *workload;
   spec.mode = *mode;
+  // A flag the chosen mode does not read is refused, not ignored.
+  if (spec.mode == client::LoadMode::kClosed && given.count("rate") > 0) {
+    return UsageFail(kCommand, "--rate is for --mode constant or poisson; closed loop takes "
+                               "--concurrency");
+  }
+  if (spec.mode != client::LoadMode::kClosed && given.count("concurrency") > 0) {
+    return UsageFail(kCommand, "--concurrency is for --mode closed; open loop takes --rate");
+  }
   if (spec.mode == client::LoadMode::kClosed) {
     absl::StatusOr<std::vector<int64_t>> list = ParseIntList("concurrency", f.concurrency);
     if (!list.ok()) return UsageFail(kCommand, list.status().message());
@@ -738,7 +749,8 @@ int BenchCommand(int argc, char** argv) {
     }
   } else {
     spec.rates.clear();
-    for (absl::string_view part : absl::StrSplit(f.rate, ',', absl::SkipWhitespace())) {
+    // Every element a number: "50,,100" is a typo, not [50, 100].
+    for (absl::string_view part : absl::StrSplit(f.rate, ',')) {
       double r;
       if (!absl::SimpleAtod(part, &r)) {
         return UsageFail(

@@ -575,6 +575,16 @@ TEST_F(CliTest, UsageErrorsExit64WithOneLine) {
     ExpectOneErrorLine(r, args[0], "USAGE");
     EXPECT_THAT(r.err, HasSubstr("must be comma-separated integers"));
   }
+  // A flag the chosen op or mode does not read: refused, not ignored.
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"encode", "--op=sinusoidal", "--positions=1,2"},
+           {"encode", "--op=alibi", "--offsets=1"},
+           {"encode", "--op=rope_cos_sin", "--x=/nonexistent.npy"},
+           {"attend", "--model=demo", "--layer=0", "--k_len=5"}}) {
+    r = Cli(args);
+    EXPECT_EQ(r.exit_code, 64) << absl::StrJoin(args, " ") << ": " << Describe(r);
+    ExpectOneErrorLine(r, args[0], "USAGE");
+  }
 }
 
 // decode sends its tokens in slices: a run whose whole q/k/v exceed

@@ -611,6 +611,14 @@ TEST(BenchCliTest, ErrorsAreOneLineWithTheStatusCode) {
   EXPECT_EQ(usage.exit_code, 64);
   EXPECT_EQ(std::count(usage.err.begin(), usage.err.end(), '\n'), 1) << usage.err;
 
+  // A flag the mode does not read, or a list with an empty element: usage
+  // errors, not silently ignored.
+  for (const char* args : {"--mode closed --rate 5", "--mode poisson --concurrency 2",
+                           "--mode poisson --rate 5,,6", "--mode closed --concurrency 1,,2"}) {
+    CliRun misuse = RunCli(absl::StrCat(args, " --target 127.0.0.1:1"));
+    EXPECT_EQ(misuse.exit_code, 64) << args << ": " << misuse.err;
+  }
+
   CliRun invalid = RunCli("--head_dim 15 --target 127.0.0.1:1");
   EXPECT_EQ(invalid.exit_code, 3) << invalid.err;  // INVALID_ARGUMENT, before connecting
   EXPECT_NE(invalid.err.find("INVALID_ARGUMENT"), std::string::npos) << invalid.err;
