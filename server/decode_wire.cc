@@ -117,8 +117,8 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
     if (c.kv_dtype != DType::kF32 && !c.int8_kv) {
       return absl::InvalidArgumentError(absl::StrCat(
           "open.kv_dtype ", v1::DType_Name(open.kv_dtype()),
-          ": a linear-attention session keeps f32 running sums (S, z), not a KV cache; leave "
-          "it unset or DTYPE_F32"));
+          ": a linear-attention session keeps running sums (S, z) in fp64, not a KV cache; "
+          "leave it unset or DTYPE_F32"));
     }
     if (LengthDependentRope(c)) {
       return absl::UnimplementedError(absl::StrCat(

@@ -139,6 +139,8 @@ class PythonClientTest(unittest.TestCase):
         x = self.rng.standard_normal((1, 3, 2, 8), dtype=np.float32)
         y = self.client.rope_apply(x, positions=np.array([5, 9, 2]))
         self.assertLess(rel_err(y, ref_rope(x, np.array([5, 9, 2]))), 1e-5)
+        with self.assertRaises(TypeError):  # a fractional offset is not truncated
+            self.client.attend(q, k, k, q_offsets=[1.7, 2.0])
 
     def test_token_without_tls_is_refused(self):
         with self.assertRaises(ValueError) as e:

@@ -67,10 +67,16 @@ def from_tensor(t):
 
 
 def _ints(values):
-    """A list of Python ints from None, a sequence or a numpy array."""
+    """A list of Python ints from None, a sequence or a numpy array of
+    integers (floats are refused, not truncated)."""
     if values is None:
         return []
-    return [int(x) for x in np.asarray(values, dtype=np.int64).reshape(-1)]
+    a = np.asarray(values)
+    if a.size == 0:
+        return []
+    if not np.issubdtype(a.dtype, np.integer):
+        raise TypeError("expected integers, got %s" % a.dtype)
+    return [int(x) for x in a.reshape(-1)]
 
 
 def _rope_spec(rope):
@@ -256,6 +262,6 @@ class Session:
         # replace it (the session may be gone already, or the stream broken).
         try:
             self.close()
-        except (grpc.RpcError, StepError):
+        except Exception:  # whatever close() raises, the block's own exception goes on
             self._responses.cancel()
             self._requests = None
