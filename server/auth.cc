@@ -3,8 +3,6 @@
 #include <sys/stat.h>
 
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -25,8 +23,6 @@ namespace {
 // Health is open to everyone: probes and load balancers carry no token.
 constexpr absl::string_view kHealthPrefix = "/grpc.health.v1.Health/";
 constexpr size_t kMaxPrincipalChars = 128;
-// A tokens file is small; a huge one is a mistake (or an attack on start-up).
-constexpr int64_t kMaxTokensFileBytes = 1 << 20;
 
 bool IsPrincipalChar(char c) {
   return absl::ascii_isalnum(static_cast<unsigned char>(c)) ||
@@ -36,19 +32,7 @@ bool IsPrincipalChar(char c) {
 bool IsTokenChar(char c) { return c > 0x20 && c < 0x7f; }
 
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path, const char* flag) {
-  struct stat st {};
-  if (stat(path.c_str(), &st) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read ", path));
-  }
-  if (st.st_size > kMaxTokensFileBytes * 16) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--", flag, ": ", path, " is ", st.st_size, " bytes, too large"));
-  }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  return ReadFlagFile(path, flag);
 }
 
 // inode, size and mtime (ns): a replaced or rewritten file gets a new one.

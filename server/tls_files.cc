@@ -25,15 +25,17 @@
 namespace ropeattn::server {
 namespace {
 
-constexpr int64_t kMaxTlsFileBytes = 16 << 20;
+constexpr int64_t kMaxFlagFileBytes = 16 << 20;
 
-absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) {
+}  // namespace
+
+absl::StatusOr<std::string> ReadFlagFile(const std::string& path, const char* flag) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--", flag, ": cannot read ", path, ": ", std::strerror(errno)));
   }
-  if (st.st_size > kMaxTlsFileBytes) {
+  if (st.st_size > kMaxFlagFileBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("--", flag, ": ", path, " is ", st.st_size, " bytes, too large"));
   }
@@ -43,6 +45,8 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) 
   ss << in.rdbuf();
   return ss.str();
 }
+
+namespace {
 
 struct BioDeleter {
   void operator()(BIO* b) const { BIO_free(b); }
@@ -121,14 +125,14 @@ void RemoveStaleDirectories(const std::string& base) {
 
 absl::StatusOr<TlsSet> ReadTlsSet(const ServerOptions& o) {
   TlsSet set;
-  absl::StatusOr<std::string> cert = ReadFile(o.tls_cert_file, "tls_cert_file");
+  absl::StatusOr<std::string> cert = ReadFlagFile(o.tls_cert_file, "tls_cert_file");
   if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadFile(o.tls_key_file, "tls_key_file");
+  absl::StatusOr<std::string> key = ReadFlagFile(o.tls_key_file, "tls_key_file");
   if (!key.ok()) return key.status();
   set.cert = *std::move(cert);
   set.key = *std::move(key);
   if (!o.tls_client_ca_file.empty()) {
-    absl::StatusOr<std::string> ca = ReadFile(o.tls_client_ca_file, "tls_client_ca_file");
+    absl::StatusOr<std::string> ca = ReadFlagFile(o.tls_client_ca_file, "tls_client_ca_file");
     if (!ca.ok()) return ca.status();
     set.ca = *std::move(ca);
   }

@@ -34,6 +34,10 @@
 
 namespace ropeattn::server {
 
+// The whole of the file a flag names (`flag` without dashes), at most
+// 16 MiB: InvalidArgument naming the flag and the file otherwise.
+absl::StatusOr<std::string> ReadFlagFile(const std::string& path, const char* flag);
+
 // The contents of the files named by --tls_cert_file, --tls_key_file and
 // --tls_client_ca_file (ca empty when none is configured).
 struct TlsSet {
