@@ -48,6 +48,9 @@ constexpr char kRoutingHeader[] = "x-ropeattn-session-key";
 // The server accepts at most one keepalive ping per 30 s
 // (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS in server/server.cc).
 constexpr double kServerMinPingIntervalSeconds = 30;
+// The server closes a connection with no call open for this long
+// (--max_connection_idle_seconds, default; the Deployment keeps it).
+constexpr double kServerIdleCloseSeconds = 300;
 // Process base of the memory arithmetic in ropeattn-deployment.yaml.
 constexpr int64_t kProcessBaseBytes = int64_t{256} << 20;
 
@@ -1077,6 +1080,16 @@ Problems CheckEnvoy(const YAML::Node& envoy, const YAML::Node& headless, int lis
     p.push_back("upstream connection_keepalive.interval missing");
   } else if (*ping < kServerMinPingIntervalSeconds) {
     p.push_back("upstream keepalive pings more often than the server accepts (30 s)");
+  }
+  // Envoy closes an idle upstream connection before the server does, so a
+  // new request never races the server's GOAWAY.
+  const auto upstream_idle = Seconds(Get(
+      cluster, {"typed_extension_protocol_options",
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "common_http_protocol_options", "idle_timeout"}));
+  if (!upstream_idle || *upstream_idle >= kServerIdleCloseSeconds) {
+    p.push_back("upstream idle_timeout must be set and below the server's "
+                "--max_connection_idle_seconds (300 s)");
   }
   // Endpoints: the headless Service's name and port.
   const std::string svc_name = Str(Get(headless, {"metadata", "name"}));
@@ -2410,6 +2423,12 @@ TEST(ChecksCatch, EnvoyHardening) {
               HasProblemContaining("global_downstream_max_connections"));
   EXPECT_THAT(MutateEnvoy([](YAML::Node e) { EnvoyHcm(e)["stream_idle_timeout"] = "60s"; }),
               HasProblemContaining("stream_idle_timeout"));
+  EXPECT_THAT(MutateEnvoy([](YAML::Node e) {
+                EnvoyCluster(e)["typed_extension_protocol_options"]
+                               ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+                               ["common_http_protocol_options"]["idle_timeout"] = "3600s";
+              }),
+              HasProblemContaining("upstream idle_timeout"));
   EXPECT_THAT(MutateEnvoy([](YAML::Node e) {
                 EnvoyCluster(e)["typed_extension_protocol_options"]
                                ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"]
