@@ -1386,14 +1386,29 @@ void QuantizeInt8Rows(const float* x, int64_t x_stride, int64_t rows, int64_t di
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x + r * x_stride;
     float m = 0.0f;
-    for (int64_t i = 0; i < dim; ++i) m = std::max(m, std::fabs(row[i]));
+    bool finite = true;
+    for (int64_t i = 0; i < dim; ++i) {
+      finite = finite && std::isfinite(row[i]);
+      m = std::max(m, std::fabs(row[i]));
+    }
     int8_t* out = q + r * dim;
+    if (!finite) {
+      // Non-finite input (not yet refused by the caller's checks): the row
+      // reads back as NaN (0 x NaN), never as a made-up value, and no NaN
+      // is converted to int8 (undefined behaviour).
+      scales[r] = std::numeric_limits<float>::quiet_NaN();
+      std::memset(out, 0, dim);
+      continue;
+    }
     if (m == 0.0f) {
       scales[r] = 0.0f;
       std::memset(out, 0, dim);
       continue;
     }
-    const float scale = m / 127.0f;
+    // A row of denormals below 127 x the smallest denormal would get a scale
+    // of 0 (and 0 / 0): the smallest denormal is then the step, exact for
+    // such values.
+    const float scale = std::max(m / 127.0f, std::numeric_limits<float>::denorm_min());
     scales[r] = scale;
     for (int64_t i = 0; i < dim; ++i) {
       // Round to nearest even (the default rounding mode); |x| <= m keeps

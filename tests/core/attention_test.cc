@@ -1592,6 +1592,28 @@ TEST(Int8Test, QuantizeRoundsToNearestEvenWithOneScalePerRow) {
   EXPECT_EQ(q[6], -127);
   EXPECT_EQ(q[7], 0);
   EXPECT_EQ(q[8], 64);  // 1.27 / 0.02 = 63.5 -> 64
+  // A row with a NaN or an infinity (input the caller has not refused yet)
+  // reads back as NaN, and nothing non-finite is converted to int8 (the
+  // decode fuzzer's UBSan build caught that conversion).
+  const float bad[6] = {1.0f, NAN, 2.0f, -INFINITY, 0.5f, 0.25f};
+  int8_t bq2[6];
+  float bs2[2];
+  QuantizeInt8Rows(bad, 3, 2, 3, bq2, bs2);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(std::isnan(bs2[r])) << r;
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(bq2[r * 3 + i], 0);
+  }
+  // Denormals so small that max / 127 underflows to 0: the smallest
+  // denormal is the step, and they come back exactly.
+  const float tiny = std::numeric_limits<float>::denorm_min();
+  const float small[3] = {3 * tiny, -tiny, 0.0f};
+  int8_t sq[3];
+  float ss[1];
+  QuantizeInt8Rows(small, 3, 1, 3, sq, ss);
+  EXPECT_EQ(ss[0], tiny);
+  EXPECT_EQ(sq[0], 3);
+  EXPECT_EQ(sq[1], -1);
+  EXPECT_EQ(sq[2], 0);
   // Every value comes back within half a step of its row's scale.
   std::vector<float> big(5 * 37);
   uint64_t state = 99;
