@@ -13,6 +13,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/limits.h"
 #include "core/status_macros.h"
 #include "server/layer.h"
 #include "server/log.h"
@@ -119,7 +120,9 @@ int64_t FixedBytes(const SessionConfig& c) {
   const SessionDims d = SessionDimsOf(c);
   const int64_t pages =
       (d.max_context + DecodeState::kPageTokens - 1) / DecodeState::kPageTokens;
-  return SessionOpenCost(d).held_bytes - pages * KvPageBytes(d);
+  // Saturating: a priced size can be "more than int64" (KvPageBytes), which
+  // only a budget of that size would have let open.
+  return std::max<int64_t>(0, SessionOpenCost(d).held_bytes - SatMul(pages, KvPageBytes(d)));
 }
 
 }  // namespace
