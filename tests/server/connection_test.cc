@@ -121,6 +121,28 @@ Fate AwaitFate(int fd, std::chrono::milliseconds wait) {
   return n > 0 ? Fate::kServed : Fate::kClosed;
 }
 
+// How many of `fds` the server closes within `wait` (reading on past its
+// frames: SETTINGS, pings, GOAWAY); every fd is closed here afterwards.
+int CountClosedBy(std::vector<int> fds, std::chrono::milliseconds wait) {
+  const auto give_up = std::chrono::steady_clock::now() + wait;
+  int closed = 0;
+  for (int fd : fds) {
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          give_up - std::chrono::steady_clock::now());
+      if (left.count() <= 0) break;
+      const Fate fate = AwaitFate(fd, left);
+      if (fate == Fate::kClosed) {
+        ++closed;
+        break;
+      }
+      if (fate == Fate::kSilent) break;
+    }
+    close(fd);
+  }
+  return closed;
+}
+
 // ----------------------------------------------------------- the port --
 
 TEST(ConnectionTest, SecondServerOnAnOccupiedPortFailsAndTheFirstKeepsServing) {
@@ -463,23 +485,7 @@ TEST(ConnectionFloodTest, SilentConnectionsAreClosedAfterTheHandshakeTimeout) {
     EXPECT_EQ(AwaitFate(fd, std::chrono::milliseconds(1000)), Fate::kServed) << "connection " << i;
   }
   // Each is closed by the server: the next read sees the end (or a reset).
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  int closed = 0;
-  for (int fd : fds) {
-    for (;;) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          give_up - std::chrono::steady_clock::now());
-      if (left.count() <= 0) break;
-      const Fate fate = AwaitFate(fd, left);
-      if (fate == Fate::kClosed) {
-        ++closed;
-        break;
-      }
-      if (fate == Fate::kSilent) break;
-      // kServed: more of the server's frames (its GOAWAY); read on.
-    }
-    close(fd);
-  }
+  const int closed = CountClosedBy(std::move(fds), std::chrono::seconds(10));
   EXPECT_EQ(closed, kCap) << "silent connections still held after 10 s";
   // Slots are free again: a real client is served.
   grpc::health::v1::HealthCheckResponse response;
@@ -508,23 +514,7 @@ TEST(ConnectionFloodTest, IdleHttp2ConnectionsAreClosed) {
     ASSERT_EQ(send(fd, kEmptySettings, sizeof(kEmptySettings), MSG_NOSIGNAL), 9);
     fds.push_back(fd);
   }
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  int closed = 0;
-  for (int fd : fds) {
-    for (;;) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          give_up - std::chrono::steady_clock::now());
-      if (left.count() <= 0) break;
-      const Fate fate = AwaitFate(fd, left);
-      if (fate == Fate::kClosed) {
-        ++closed;
-        break;
-      }
-      if (fate == Fate::kSilent) break;
-      // kServed: the server's SETTINGS, pings, its GOAWAY; read on.
-    }
-    close(fd);
-  }
+  const int closed = CountClosedBy(std::move(fds), std::chrono::seconds(10));
   EXPECT_EQ(closed, kCap) << "idle HTTP/2 connections still held after 10 s";
   grpc::health::v1::HealthCheckResponse response;
   const grpc::Status st = CheckHealth(server->port(), &response);

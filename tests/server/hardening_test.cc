@@ -650,6 +650,16 @@ TEST(HardeningAdmissionTest, EachMethodLearnsItsOwnRate) {
   EXPECT_EQ(a.pending_compute(), 0);
 }
 
+// A stub on a connection of its own: without authentication, a caller of
+// its own for fair queueing and admission.
+std::unique_ptr<v1::AttentionService::Stub> CallerOfItsOwn(int port) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return v1::AttentionService::NewStub(grpc::CreateCustomChannel(
+      absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials(), args));
+}
+
 // --max_queue_slowdown: behind a long running request, a short request
 // (whose wait would be many times its own compute) is refused at once
 // naming the flag, while a request as long as the running one is queued and
@@ -714,15 +724,8 @@ TEST(HardeningAdmissionTest, AnotherCallersRunningRequestDoesNotShedAShortOne) {
   o.max_queue_slowdown = 4;
   auto server = StartTestServer(o);
   ASSERT_NE(server, nullptr);
-  const auto own_channel = [&] {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(64 << 20);
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection, so a caller, of its own
-    return v1::AttentionService::NewStub(grpc::CreateCustomChannel(
-        absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials(), args));
-  };
-  auto heavy = own_channel();
-  auto light = own_channel();
+  auto heavy = CallerOfItsOwn(server->port());
+  auto light = CallerOfItsOwn(server->port());
   for (int i = 0; i < 4; ++i) {  // teach the rate
     grpc::ClientContext ctx;
     v1::AttendResponse out;
@@ -809,15 +812,8 @@ TEST(HardeningAdmissionTest, ALightCallerIsNotShedForAHeavyCallersBacklog) {
   o.max_queue_slowdown = 8;
   auto server = StartTestServer(o);
   ASSERT_NE(server, nullptr);
-  const auto own_channel = [&] {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(64 << 20);
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection, so a caller, of its own
-    return v1::AttentionService::NewStub(grpc::CreateCustomChannel(
-        absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials(), args));
-  };
-  auto heavy = own_channel();
-  auto light = own_channel();
+  auto heavy = CallerOfItsOwn(server->port());
+  auto light = CallerOfItsOwn(server->port());
   const v1::AttendRequest unit = ZeroAttend(3072);
   for (int i = 0; i < 4; ++i) {  // teach the rate
     grpc::ClientContext ctx;
