@@ -85,7 +85,6 @@ struct RopeRule {
   bool needs_original;
   bool original_defaults_to_max_positions;
   bool factor_defaults_to_extension;
-  bool factor_at_least_one;  // factor >= 1 (else > 0)
   // Rule-specific checks after the common ones (d = effective rotary dim).
   absl::Status (*validate)(const RopeConfig& config, int64_t d);
   // Inverse frequencies and attention factor for `seq_len` tokens.
@@ -105,7 +104,7 @@ uint32_t RopeFieldsRead(const RopeRule& rule, uint32_t given);
 struct RopeScaling {
   RopeScalingType type = RopeScalingType::kDefault;
   // f: linear, ntk, dynamic, yarn, longrope (for its attention factor), llama3.
-  // Must be >= 1 for every rule but default and longrope (> 0 there).
+  // Must be > 0 (below 1 compresses; transformers only warns).
   double factor = 1.0;
   // L0, the original (trained) context length. Required (> 0) by dynamic,
   // yarn, longrope and llama3.

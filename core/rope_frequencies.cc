@@ -61,6 +61,8 @@ std::vector<double> YarnInvFreq(int64_t d, double base, const RopeScaling& s) {
 
 double YarnAttentionFactor(const RopeScaling& s) {
   if (s.attention_factor.has_value()) return *s.attention_factor;
+  // transformers' get_mscale(scale) is 1 for scale <= 1, in the pair too.
+  if (s.factor <= 1.0) return 1.0;
   const double ln_f = std::log(s.factor);
   // transformers: `if mscale and mscale_all_dim` (0 is not given).
   if (s.mscale.value_or(0.0) != 0.0 && s.mscale_all_dim.value_or(0.0) != 0.0) {
@@ -142,15 +144,13 @@ absl::Status NeedTwoPairs(const RopeConfig& c, int64_t d) {
 
 absl::Status ValidateYarn(const RopeConfig& c, int64_t) {
   const RopeScaling& s = c.scaling;
-  if (!IsPositiveFinite(s.beta_slow) || !std::isfinite(s.beta_fast)) {
+  // Turns over the trained length: the logarithm in the correction range
+  // needs them > 0. Their order is free (transformers only warns when
+  // beta_fast < beta_slow; the ramp then runs the other way).
+  if (!IsPositiveFinite(s.beta_fast) || !IsPositiveFinite(s.beta_slow)) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("scaling.beta_fast and beta_slow must be finite with beta_slow > 0, "
+        absl::StrFormat("scaling.beta_fast and beta_slow must be finite and > 0, "
                         "got beta_fast %g, beta_slow %g",
-                        s.beta_fast, s.beta_slow));
-  }
-  if (s.beta_fast <= s.beta_slow) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("scaling.beta_fast must be > beta_slow, got beta_fast %g, beta_slow %g",
                         s.beta_fast, s.beta_slow));
   }
   RA_RETURN_IF_ERROR(ValidateOptionalPositive(s.attention_factor, "attention_factor"));
@@ -274,27 +274,27 @@ const std::vector<RopeRule>& RopeRules() {
   // clang-format off
   static const auto* rules = new std::vector<RopeRule>{
       // type, name, aliases, length-dependent, reads,
-      // needs factor, needs L0, L0 <- max_positions, factor <- extension, factor >= 1,
+      // needs factor, needs L0, L0 <- max_positions, factor <- extension,
       // validate, frequencies, conditional reads
       {T::kDefault, "default", {}, false, 0,
-       false, false, false, false, false, NoChecks, DefaultFreqs, nullptr},
+       false, false, false, false, NoChecks, DefaultFreqs, nullptr},
       {T::kLinear, "linear", {}, false, kRopeFactor,
-       true, false, false, false, true, NoChecks, LinearFreqs, nullptr},
+       true, false, false, false, NoChecks, LinearFreqs, nullptr},
       {T::kNtk, "ntk", {}, false, kRopeFactor,
-       true, false, false, false, true, NeedTwoPairs, NtkFreqs, nullptr},
+       true, false, false, false, NeedTwoPairs, NtkFreqs, nullptr},
       {T::kDynamicNtk, "dynamic", {}, true, kRopeFactor | kRopeOriginalMax,
-       true, true, true, false, true, NeedTwoPairs, DynamicNtkFreqs, nullptr},
+       true, true, true, false, NeedTwoPairs, DynamicNtkFreqs, nullptr},
       {T::kYarn, "yarn", {}, false,
        kRopeFactor | kRopeOriginalMax | kRopeBetaFast | kRopeBetaSlow | kRopeTruncate |
            kRopeAttentionFactor | kRopeMscale | kRopeMscaleAllDim,
-       false, true, true, true, true, ValidateYarn, YarnFreqs, YarnReads},
+       false, true, true, true, ValidateYarn, YarnFreqs, YarnReads},
       {T::kLongRope, "longrope", {"su"}, true,
        kRopeFactor | kRopeOriginalMax | kRopeAttentionFactor | kRopeShortFactor | kRopeLongFactor |
            kRopeMaxPositionEmbeddings,
-       false, true, true, true, false, ValidateLongRope, LongRopeFreqs, LongRopeReads},
+       false, true, true, true, ValidateLongRope, LongRopeFreqs, LongRopeReads},
       {T::kLlama3, "llama3", {}, false,
        kRopeFactor | kRopeOriginalMax | kRopeLowFreqFactor | kRopeHighFreqFactor,
-       true, true, false, false, true, ValidateLlama3, Llama3Freqs, nullptr},
+       true, true, false, false, ValidateLlama3, Llama3Freqs, nullptr},
   };
   // clang-format on
   return *rules;
@@ -400,10 +400,6 @@ absl::Status ValidateRopeConfig(const RopeConfig& config) {
   if (!IsPositiveFinite(s.factor)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("scaling.factor must be finite and > 0, got %g", s.factor));
-  }
-  if (rule.factor_at_least_one && s.factor < 1.0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("scaling.factor must be >= 1 for %s, got %g", rule.name, s.factor));
   }
   if (rule.needs_original && s.original_max_positions <= 0) {
     return absl::InvalidArgumentError(

@@ -325,8 +325,9 @@ absl::StatusOr<RopeConfig> RopeConfigFromProto(const v1::RopeSpec& spec, int64_t
   }
   s.factor = in.factor() == 0.0 ? 1.0 : in.factor();
   s.original_max_positions = in.original_max_position_embeddings();
-  if (in.has_beta_fast()) s.beta_fast = in.beta_fast();
-  if (in.has_beta_slow()) s.beta_slow = in.beta_slow();
+  // transformers: `get("beta_fast") or 32`, so 0 means the default.
+  if (in.has_beta_fast() && in.beta_fast() != 0.0) s.beta_fast = in.beta_fast();
+  if (in.has_beta_slow() && in.beta_slow() != 0.0) s.beta_slow = in.beta_slow();
   if (in.has_attention_factor()) s.attention_factor = in.attention_factor();
   if (in.has_mscale()) s.mscale = in.mscale();
   if (in.has_mscale_all_dim()) s.mscale_all_dim = in.mscale_all_dim();

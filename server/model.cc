@@ -199,6 +199,10 @@ class KeyReader {
   const std::string& prefix() const { return prefix_; }
   absl::string_view file() const { return file_; }
 
+  // "FILE: key PREFIX.KEY", as messages name a key.
+  std::string Name(absl::string_view key) const {
+    return absl::StrCat(file_, ": key ", prefix_, key);
+  }
   absl::Status Error(absl::string_view key, absl::string_view problem) const {
     return absl::InvalidArgumentError(absl::StrCat(file_, ": key ", prefix_, key, " ", problem));
   }
@@ -343,17 +347,33 @@ absl::Status Refuse(absl::string_view file, absl::string_view key, const json& v
       absl::StrCat(file, ": key ", key, " = ", Brief(value), " is not supported: ", why));
 }
 
-// rotary_dim from a fraction of head_dim, as transformers computes it
-// (int(head_dim * factor)), with a tolerance so 0.29 * 100 = 28.999... gives 29.
+// rotary_dim from a fraction of head_dim exactly as transformers computes
+// it, int(head_dim * factor): the double product truncated, so 100 * 0.29 =
+// 28.999999999999996 gives 28, as Python does.
 absl::StatusOr<int64_t> RotaryDimFromFraction(const KeyReader& r, absl::string_view key,
-                                              double fraction, int64_t head_dim) {
+                                              double fraction, int64_t head_dim, Family family) {
   if (!(fraction > 0.0 && fraction <= 1.0)) {
     return r.Error(key, absl::StrFormat("must be in (0, 1], got %g", fraction));
   }
-  const int64_t dim = static_cast<int64_t>(std::floor(head_dim * fraction + 1e-6));
-  if (dim <= 0 || dim % 2 != 0) {
-    return r.Error(key, absl::StrFormat("gives rotary_dim %d (head_dim %d * %g), which must be "
-                                        "even and > 0",
+  const int64_t dim = static_cast<int64_t>(static_cast<double>(head_dim) * fraction);
+  if (dim <= 0) {
+    return r.Error(key, absl::StrFormat("gives rotary_dim %d (int(head_dim %d * %.17g)), which "
+                                        "must be > 0",
+                                        dim, head_dim, fraction));
+  }
+  if (dim % 2 != 0) {
+    if (family == Family::kPhi3) {
+      // Phi-3 would rotate dim + 1 channels with frequencies base^(-2i/dim):
+      // a rotation this server's RoPE does not compute.
+      return absl::UnimplementedError(absl::StrFormat(
+          "%s is not supported: it gives an odd rotary_dim %d (int(head_dim %d * %.17g)), with "
+          "which transformers' Phi-3 rotates %d channels at frequencies base^(-2i/%d)",
+          r.Name(key), dim, head_dim, fraction, dim + 1, dim));
+    }
+    // GPT-NeoX slices dim channels and multiplies them by dim + 1 wide
+    // cos/sin: transformers fails on such a config.
+    return r.Error(key, absl::StrFormat("gives an odd rotary_dim %d (int(head_dim %d * %.17g)): "
+                                        "transformers' attention cannot apply it",
                                         dim, head_dim, fraction));
   }
   return dim;
@@ -406,10 +426,19 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
     RA_ASSIGN_OR_RETURN(rope.rotary_dim,
                         RotaryDimFromFraction(*partial_reader,
                                               from_pct ? "rotary_pct" : "partial_rotary_factor",
-                                              *partial, config.head_dim));
+                                              *partial, config.head_dim, family));
   } else if (family == Family::kGptJ) {
     RA_ASSIGN_OR_RETURN(std::optional<int64_t> rotary_dim, top.PositiveInt("rotary_dim"));
     // An explicit null rotates the whole head; absent means 64.
+    if (!rotary_dim.has_value() && top.Present("rotary_dim") && config.num_heads > 1) {
+      // transformers' GPT-J then builds cos/sin as wide as the hidden size
+      // and fails to multiply them with a head.
+      return top.Error("rotary_dim",
+                       absl::StrFormat("is null with %d heads: transformers' GPT-J rotates "
+                                       "hidden_size channels then, which fails unless there is "
+                                       "one head",
+                                       config.num_heads));
+    }
     const int64_t dim = rotary_dim.value_or(top.Present("rotary_dim") ? config.head_dim : 64);
     if (dim > config.head_dim || dim % 2 != 0) {
       return top.Error("rotary_dim", absl::StrFormat("must be even and <= head_dim (%d), got %d",
@@ -427,7 +456,8 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
     }
     RA_ASSIGN_OR_RETURN(
         rope.rotary_dim,
-        RotaryDimFromFraction(*partial_reader, "partial_rotary_factor", *partial, config.head_dim));
+        RotaryDimFromFraction(*partial_reader, "partial_rotary_factor", *partial, config.head_dim,
+                              family));
   }
 
   // Scaling rule.
@@ -444,6 +474,10 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
       return absl::UnimplementedError(
           absl::StrCat(file, ": key ", block_name, ".", type_key,
                        " \"mrope\" (multimodal RoPE) is not supported"));
+    }
+    if (family == Family::kPhi3 && type_key == "type" && *type_name == "yarn") {
+      // Phi3Config rewrites a legacy "type" of "su" or "yarn" to longrope.
+      *type_name = "longrope";
     }
     absl::StatusOr<RopeScalingType> type = ParseRopeScalingType(*type_name);
     if (!type.ok()) {
@@ -463,7 +497,11 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   }
   // What the rule needs and how transformers fills it in (core registry).
   const RopeRule& rule = RopeRuleOf(sc.type);
-  if (rule.original_defaults_to_max_positions && !l0.has_value()) {
+  if (sc.type == RopeScalingType::kDynamicNtk) {
+    // transformers' dynamic NTK scales from max_position_embeddings and never
+    // reads original_max_position_embeddings (block or top level).
+    l0 = config.max_positions;
+  } else if (rule.original_defaults_to_max_positions && !l0.has_value()) {
     // transformers takes the trained length from max_position_embeddings
     // when the scaling block does not give it.
     l0 = config.max_positions;

@@ -109,7 +109,8 @@ std::vector<RopeConfig> AllRuleConfigs() {
         const int64_t d = rotary_dim == 0 ? head_dim : rotary_dim;
         RopeConfig c = Config(head_dim, rotary_dim, theta, RopeScalingType::kDefault);
         out.push_back(c);
-        for (double f : {2.0, 8.0}) {
+        // Factors below 1 compress (transformers only warns about them).
+        for (double f : {0.5, 2.0, 8.0}) {
           c = Config(head_dim, rotary_dim, theta, RopeScalingType::kLinear);
           c.scaling.factor = f;
           out.push_back(c);
@@ -138,6 +139,14 @@ std::vector<RopeConfig> AllRuleConfigs() {
         out.push_back(y);
         y.scaling.attention_factor.reset();
         y.scaling.truncate = false;
+        out.push_back(y);
+        // Betas the other way round: the ramp runs backwards (transformers
+        // only warns); a factor below 1: attention factor 1 (get_mscale).
+        y.scaling.truncate = true;
+        y.scaling.beta_fast = 2.0;
+        y.scaling.beta_slow = 64.0;
+        out.push_back(y);
+        y.scaling.factor = 0.5;
         out.push_back(y);
         RopeConfig l = Config(head_dim, rotary_dim, theta, RopeScalingType::kLongRope);
         l.scaling.factor = 32.0;
@@ -529,9 +538,9 @@ std::vector<BadConfigCase> BadConfigs() {
     c.scaling.type = RopeScalingType::kLinear;
     c.scaling.factor = INFINITY;
   });
-  add("linear factor < 1", "scaling.factor must be >= 1 for linear, got 0.5", [](RopeConfig& c) {
+  add("linear factor 0", "scaling.factor must be finite and > 0, got 0", [](RopeConfig& c) {
     c.scaling.type = RopeScalingType::kLinear;
-    c.scaling.factor = 0.5;
+    c.scaling.factor = 0.0;
   });
   add("ntk rotary_dim 2", "ntk scaling needs rotary_dim >= 4, got 2", [](RopeConfig& c) {
     c.rotary_dim = 2;
@@ -541,12 +550,12 @@ std::vector<BadConfigCase> BadConfigs() {
       [](RopeConfig& c) { c.scaling.type = RopeScalingType::kDynamicNtk; });
   add("llama3 without L0", "original_max_position_embeddings must be > 0 for llama3",
       [](RopeConfig& c) { c.scaling.type = RopeScalingType::kLlama3; });
-  add("yarn beta order", "beta_fast must be > beta_slow, got beta_fast 1, beta_slow 32",
+  add("yarn beta negative",
+      "beta_fast and beta_slow must be finite and > 0, got beta_fast 32, beta_slow -1",
       [](RopeConfig& c) {
         c.scaling.type = RopeScalingType::kYarn;
         c.scaling.original_max_positions = 4096;
-        c.scaling.beta_fast = 1.0;
-        c.scaling.beta_slow = 32.0;
+        c.scaling.beta_slow = -1.0;
       });
   add("yarn attention_factor NaN", "scaling.attention_factor must be finite and > 0, got nan",
       [](RopeConfig& c) {

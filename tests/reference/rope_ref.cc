@@ -79,13 +79,17 @@ std::vector<double> YarnInvFreq(int64_t d, double base, const YarnRefParams& par
 
 double YarnAttentionFactor(const YarnRefParams& params) {
   if (params.attention_factor.has_value()) return *params.attention_factor;
-  double ln_f = std::log(params.factor);
+  // transformers' get_mscale(scale, mscale=1).
+  const auto get_mscale = [](double scale, double mscale) {
+    return scale <= 1.0 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
+  };
   const bool mscale = params.mscale.has_value() && *params.mscale != 0;
   const bool mscale_all_dim = params.mscale_all_dim.has_value() && *params.mscale_all_dim != 0;
   if (mscale && mscale_all_dim) {
-    return (0.1 * *params.mscale * ln_f + 1.0) / (0.1 * *params.mscale_all_dim * ln_f + 1.0);
+    return get_mscale(params.factor, *params.mscale) /
+           get_mscale(params.factor, *params.mscale_all_dim);
   }
-  return 0.1 * ln_f + 1.0;
+  return get_mscale(params.factor, 1.0);
 }
 
 std::vector<double> LongRopeInvFreq(int64_t d, double base, const std::vector<double>& short_factor,

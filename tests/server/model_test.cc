@@ -235,7 +235,7 @@ std::string Phi3Config(absl::string_view type_key, absl::string_view type,
 
 TEST(ParseModelConfigTest, Phi3LongRopeDerivesFactorFromLengths) {
   for (const auto& [key, type] : std::vector<std::pair<std::string, std::string>>{
-           {"rope_type", "longrope"}, {"type", "longrope"}, {"type", "su"}}) {
+           {"rope_type", "longrope"}, {"type", "longrope"}, {"type", "su"}, {"type", "yarn"}}) {
     SCOPED_TRACE(key + "=" + type);
     absl::StatusOr<ModelConfig> c = ParseModelConfig(Phi3Config(key, type), "config.json");
     ASSERT_TRUE(c.ok()) << c.status();
@@ -251,6 +251,16 @@ TEST(ParseModelConfigTest, Phi3LongRopeDerivesFactorFromLengths) {
     EXPECT_EQ(s.long_factor[3], 3.0);
     EXPECT_EQ(c->rope->theta, 10000.0);
   }
+}
+
+TEST(ParseModelConfigTest, Phi3RopeTypeYarnIsStillRefused) {
+  // Phi3Config rewrites only the legacy `type` key ("su" and "yarn" become
+  // longrope, tested above); a `rope_type` of yarn is a rule Phi3Config
+  // refuses.
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(
+      Phi3Config("rope_type", "yarn", R"(, "factor": 4.0, "original_max_position_embeddings": 4096)"),
+      "config.json");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
 }
 
 TEST(ParseModelConfigTest, Phi3ExplicitFactorWins) {
@@ -361,6 +371,111 @@ TEST(ParseModelConfigTest, PartialRotaryFactorAndExplicitHeadDim) {
   EXPECT_EQ(c.status().code(), absl::StatusCode::kUnimplemented) << c.status();
   EXPECT_THAT(c.status().message(), AllOf(HasSubstr("partial_rotary_factor = 0.4"),
                                           HasSubstr("llama")));
+}
+
+// transformers computes the rotary dimension as int(head_dim * fraction):
+// the double product truncated (100 * 0.29 = 28.999999999999996 gives 28).
+TEST(ParseModelConfigTest, PartialRotaryIsTruncatedAsPythonInt) {
+  const auto neox = [](absl::string_view pct) {
+    return absl::StrCat(
+        R"({"model_type": "gpt_neox", "hidden_size": 400, "num_attention_heads": 4,
+            "vocab_size": 8, "num_hidden_layers": 1, "max_position_embeddings": 16,
+            "rotary_pct": )",
+        pct, "}");
+  };
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(neox("0.29"), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->head_dim, 100);
+  EXPECT_EQ(c->rope->rotary_dim, 28);
+  // 0.57 * 100 = 56.99999999999999: 56, even, served.
+  c = ParseModelConfig(neox("0.57"), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope->rotary_dim, 56);
+  // 0.58 * 100 = 57.99999999999999: 57, odd. GPT-NeoX slices 57 channels
+  // against 58-wide cos/sin and fails: INVALID_ARGUMENT.
+  c = ParseModelConfig(neox("0.58"), "config.json");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_THAT(c.status().message(), AllOf(HasSubstr("rotary_pct"), HasSubstr("rotary_dim 57")));
+
+  const auto phi3 = [](absl::string_view factor) {
+    return absl::StrCat(
+        R"({"model_type": "phi3", "hidden_size": 400, "num_attention_heads": 4,
+            "vocab_size": 8, "num_hidden_layers": 1, "max_position_embeddings": 16,
+            "partial_rotary_factor": )",
+        factor, "}");
+  };
+  c = ParseModelConfig(phi3("0.57"), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope->rotary_dim, 56);
+  // Phi-3 computes an odd dimension (58 channels at base^(-2i/57)): not a
+  // rotation this server computes, so UNIMPLEMENTED naming the key.
+  c = ParseModelConfig(phi3("0.58"), "config.json");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnimplemented) << c.status();
+  EXPECT_THAT(c.status().message(),
+              AllOf(HasSubstr("partial_rotary_factor"), HasSubstr("odd rotary_dim 57")));
+}
+
+// transformers' dynamic NTK scales from max_position_embeddings whatever
+// original_max_position_embeddings says (block or top level).
+TEST(ParseModelConfigTest, DynamicScalesFromMaxPositionEmbeddings) {
+  for (const char* extra :
+       {R"(, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0,
+             "original_max_position_embeddings": 16})",
+        R"(, "original_max_position_embeddings": 16,
+             "rope_scaling": {"rope_type": "dynamic", "factor": 2.0})"}) {
+    SCOPED_TRACE(extra);
+    absl::StatusOr<ModelConfig> c = ParseModelConfig(TinyConfig({}, extra), "config.json");
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->rope->scaling.type, RopeScalingType::kDynamicNtk);
+    EXPECT_EQ(c->rope->scaling.original_max_positions, 128);  // max_position_embeddings
+  }
+}
+
+// Values transformers only warns about are computed: a factor below 1
+// (linear, dynamic, yarn, llama3) and yarn's betas the other way round.
+TEST(ParseModelConfigTest, ValuesTransformersOnlyWarnsAboutAreServed) {
+  for (const char* block :
+       {R"({"rope_type": "linear", "factor": 0.5})", R"({"rope_type": "dynamic", "factor": 0.5})",
+        R"({"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 64})",
+        R"({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 64,
+            "beta_fast": 1, "beta_slow": 32})",
+        R"({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 64,
+            "beta_fast": 0, "beta_slow": 0})",
+        R"({"rope_type": "llama3", "factor": 0.5, "original_max_position_embeddings": 64,
+            "low_freq_factor": 1, "high_freq_factor": 4})"}) {
+    SCOPED_TRACE(block);
+    absl::StatusOr<ModelConfig> c =
+        ParseModelConfig(TinyConfig({}, absl::StrCat(R"(, "rope_scaling": )", block)), "config.json");
+    ASSERT_TRUE(c.ok()) << c.status();
+    absl::StatusOr<RopeFrequencies> f = ComputeRopeFrequencies(*c->rope, 1);
+    ASSERT_TRUE(f.ok()) << f.status();
+  }
+  // beta 0 is transformers' `or 32` / `or 1`: the defaults.
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(
+      TinyConfig({}, R"(, "rope_scaling": {"rope_type": "yarn", "factor": 4,
+          "original_max_position_embeddings": 64, "beta_fast": 0, "beta_slow": 0})"),
+      "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope->scaling.beta_fast, 32.0);
+  EXPECT_EQ(c->rope->scaling.beta_slow, 1.0);
+}
+
+TEST(ParseModelConfigTest, GptJNullRotaryDimNeedsOneHead) {
+  const auto gptj = [](int heads) {
+    return absl::StrFormat(
+        R"({"model_type": "gptj", "n_embd": 64, "n_head": %d, "n_layer": 1,
+            "n_positions": 32, "rotary_dim": null, "vocab_size": 8})",
+        heads);
+  };
+  // One head: the whole head (= hidden_size) is rotated, as transformers does.
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(gptj(1), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope->rotary_dim, 64);
+  // More heads: transformers' cos/sin are hidden_size wide and fail against
+  // a head.
+  c = ParseModelConfig(gptj(4), "config.json");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_THAT(c.status().message(), AllOf(HasSubstr("rotary_dim"), HasSubstr("4 heads")));
 }
 
 TEST(ParseModelConfigTest, LegacyDynamicAndRopeParameters) {
@@ -666,8 +781,11 @@ TEST(ParseModelConfigTest, Errors) {
   ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8,
       "original_max_position_embeddings": 32, "low_freq_factor": 1})"),
                     C::kInvalidArgument, {"rope_scaling.high_freq_factor", "required"});
-  ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "linear", "factor": 0.5})"),
+  ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "linear", "factor": 0})"),
                     C::kInvalidArgument, {"factor"});
+  ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "yarn", "factor": 2,
+      "original_max_position_embeddings": 32, "beta_slow": -1})"),
+                    C::kInvalidArgument, {"beta_slow -1"});
   ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": "linear")"), C::kInvalidArgument,
                     {"rope_scaling"});
   ExpectConfigError(TinyConfig({}, R"(, "rope_theta": 0.5)"), C::kInvalidArgument, {"theta"});
@@ -675,7 +793,7 @@ TEST(ParseModelConfigTest, Errors) {
       R"({"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4,
           "vocab_size": 8, "num_hidden_layers": 1, "max_position_embeddings": 16,
           "rotary_pct": 0.3125})",
-      C::kInvalidArgument, {"rotary_pct", "rotary_dim 5"});
+      C::kInvalidArgument, {"rotary_pct", "odd rotary_dim 5"});
   ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"type": "mrope"})"), C::kUnimplemented,
                     {"mrope"});
   ExpectConfigError(

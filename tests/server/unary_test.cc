@@ -1109,11 +1109,12 @@ TEST(ConvertTest, ResolveSpecDefaults) {
   rope_spec.set_head_dim(64);
   rope_spec.mutable_rope()->mutable_scaling()->set_rope_type("yarn");
   rope_spec.mutable_rope()->mutable_scaling()->set_original_max_position_embeddings(4096);
-  rope_spec.mutable_rope()->mutable_scaling()->set_beta_fast(0.0);  // explicit zero is honoured
+  rope_spec.mutable_rope()->mutable_scaling()->set_beta_fast(-1.0);
   absl::StatusOr<ResolvedSpec> bad = ResolveSpec(rope_spec);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(bad.status().message(), HasSubstr("spec.rope"));
-  rope_spec.mutable_rope()->mutable_scaling()->clear_beta_fast();
+  EXPECT_THAT(bad.status().message(), AllOf(HasSubstr("spec.rope"), HasSubstr("beta_fast -1")));
+  // An explicit zero is the default, as transformers' `get("beta_fast") or 32`.
+  rope_spec.mutable_rope()->mutable_scaling()->set_beta_fast(0.0);
   absl::StatusOr<ResolvedSpec> ok = ResolveSpec(rope_spec);
   ASSERT_TRUE(ok.ok()) << ok.status();
   ASSERT_TRUE(ok->rope.has_value());
