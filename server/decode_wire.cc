@@ -190,6 +190,10 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
           "open.prefix holds %d tokens, more than the session's max_context of %d", tokens,
           c.max_context));
     }
+    if (c.model) {
+      RA_RETURN_IF_ERROR(
+          CheckTablePositions(c.model->config(), c.start_position + tokens, "open.prefix"));
+    }
   }
   return c;
 }

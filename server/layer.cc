@@ -231,6 +231,20 @@ struct LayerPlan {
   LayerDims dims;
 };
 
+}  // namespace
+
+absl::Status CheckTablePositions(const ModelConfig& config, int64_t end, absl::string_view what) {
+  if (config.family == Family::kGptJ && end > config.max_positions) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "%s reaches position %d, past the end of model %s's sinusoid table (n_positions %d: "
+        "transformers' GPT-J has no rotation beyond it)",
+        what, end - 1, config.model_type, config.max_positions));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
 absl::StatusOr<LayerPlan> PlanLayerAttend(const ModelRegistry& models,
                                           const v1::AttendRequest& request, int threads) {
   if (request.has_q() || request.has_k() || request.has_v()) {
@@ -286,6 +300,7 @@ absl::StatusOr<LayerPlan> PlanLayerAttend(const ModelRegistry& models,
   plan.offsets.assign(request.q_offsets().begin(), request.q_offsets().end());
   int64_t len = s;
   for (int64_t off : plan.offsets) len = std::max(len, off + s);
+  RA_RETURN_IF_ERROR(CheckTablePositions(c, len, "layer.hidden at q_offsets"));
   LayerDims& d = plan.dims;
   d.batch = b;
   d.seq = s;

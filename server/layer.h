@@ -53,6 +53,12 @@ struct ResolvedLayer {
   std::shared_ptr<const Model> model;
   int64_t layer = 0;
 };
+// GPT-J rotates from a sinusoid table of n_positions rows, as transformers
+// does, which fails past it: OUT_OF_RANGE naming `what` when the positions
+// reach `end` - 1 >= n_positions. OK for every other family (their RoPE is
+// computed at any position).
+absl::Status CheckTablePositions(const ModelConfig& config, int64_t end, absl::string_view what);
+
 absl::StatusOr<ResolvedLayer> ResolveLayer(const ModelRegistry& models, absl::string_view model,
                                            int64_t layer);
 

@@ -239,6 +239,9 @@ absl::Status Session::BeginStepLocked(SessionStep& step, int threads, std::array
           "a step of %d tokens at position %d would exceed the session's max_context of %d",
           hidden.dim(1), state_->position(), c.max_context));
     }
+    RA_RETURN_IF_ERROR(CheckTablePositions(c.model->config(),
+                                           c.start_position + state_->position() + hidden.dim(1),
+                                           "step.hidden"));
     RA_ASSIGN_OR_RETURN(Projections p, ProjectQKV(*c.model, c.layer, hidden, threads));
     owned[0] = std::move(p.q);
     owned[1] = std::move(p.k);

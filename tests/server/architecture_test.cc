@@ -546,6 +546,58 @@ TEST(ArchitectureLayerTest, AModelsRopeSpecCanBeSentBack) {
   }
 }
 
+// GPT-J's sinusoid table has n_positions (64 here) rows and transformers
+// fails past it: a layer computation reaching position 64 is OUT_OF_RANGE
+// (one shot, a session step, a session's prefix), and a refused step leaves
+// the session where it was.
+TEST(ArchitectureLayerTest, GptJPositionsEndWithItsTable) {
+  std::unique_ptr<Served> s = Serve("gptj");
+  ASSERT_NE(s, nullptr);
+  const Tensor x = RandomTensor(DType::kF32, {1, 4, 32}, 5);
+  for (const auto& [offset, code] : std::vector<std::pair<int64_t, grpc::StatusCode>>{
+           {60, grpc::StatusCode::OK}, {61, grpc::StatusCode::OUT_OF_RANGE}}) {
+    v1::AttendRequest req;
+    req.mutable_layer()->set_model("gptj");
+    *req.mutable_layer()->mutable_hidden() = ToWire(x.view());
+    req.add_q_offsets(offset);
+    grpc::ClientContext ctx;
+    v1::AttendResponse resp;
+    const grpc::Status st = s->stub->Attend(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), code) << offset << ": " << st.error_message();
+    if (code != grpc::StatusCode::OK) {
+      EXPECT_THAT(st.error_message(), AllOf(HasSubstr("position 64"), HasSubstr("n_positions 64")));
+    }
+  }
+
+  grpc::ClientContext sctx;
+  auto rw = s->stub->Decode(&sctx);
+  v1::DecodeRequest open;
+  open.mutable_open()->set_model("gptj");
+  open.mutable_open()->set_start_position(58);
+  v1::DecodeResponse r;
+  ASSERT_TRUE(rw->Write(open));
+  ASSERT_TRUE(rw->Read(&r));
+  ASSERT_TRUE(r.has_opened()) << r.DebugString();
+  v1::DecodeRequest step;
+  step.mutable_step()->set_seq(1);
+  *step.mutable_step()->mutable_hidden() = ToWire(x.cview().Slice(1, 0, 4));  // 58..61
+  ASSERT_TRUE(rw->Write(step));
+  ASSERT_TRUE(rw->Read(&r));
+  ASSERT_TRUE(r.has_step()) << r.DebugString();
+  step.mutable_step()->set_seq(2);  // 62..65: past the table
+  ASSERT_TRUE(rw->Write(step));
+  ASSERT_TRUE(rw->Read(&r));
+  ASSERT_TRUE(r.has_error()) << r.DebugString();
+  EXPECT_EQ(r.error().code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_THAT(r.error().message(), HasSubstr("position 65"));
+  *step.mutable_step()->mutable_hidden() = ToWire(x.cview().Slice(1, 0, 2));  // 62..63 fit
+  ASSERT_TRUE(rw->Write(step));
+  ASSERT_TRUE(rw->Read(&r));
+  ASSERT_TRUE(r.has_step()) << r.DebugString();
+  rw->WritesDone();
+  EXPECT_TRUE(rw->Finish().ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, ArchitectureTest,
                          ::testing::Values("llama", "mistral", "qwen2", "qwen3", "gemma2",
                                            "gemma3", "phi3", "gpt_neox", "gptj", "bert"),
