@@ -444,6 +444,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
 
   void OnWriteDone(bool ok) override {
     op_memory_.Release();  // the answer is on its way: its buffers are gone
+    ReleaseMessageMemory();
     if (!ok) {
       FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
       return;
@@ -473,6 +474,18 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
     if (session_ != nullptr) service_->sessions_->Detach(session_, cancelled_.load());
     service_->Unregister(this);
     Unref();
+  }
+
+  // Between operations a stream keeps nothing of its last messages beyond a
+  // small allowance: protobuf keeps a cleared field's capacity (and gRPC
+  // parses each message into request_ after clearing it), so a stream that
+  // once carried a 256 MiB step, answered or refused, would otherwise hold
+  // that much, outside the memory budget, for as long as it stayed open.
+  void ReleaseMessageMemory() {
+    constexpr size_t kKeepBytes = size_t{64} << 10;
+    if (request_.SpaceUsedLong() > kKeepBytes) request_ = v1::DecodeRequest();
+    if (response_.SpaceUsedLong() > kKeepBytes) response_ = v1::DecodeResponse();
+    for (Tensor& t : wire_copies_) t = Tensor();
   }
 
   // BeginShutdown pins a reactor while it drains it outside the service lock.

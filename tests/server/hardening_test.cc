@@ -2,6 +2,8 @@
 // loopback port: requests of a few bytes that crashed, pinned or ballooned
 // the landed server. Each case asserts the exact code and that the message
 // names the field, then that the server still answers a valid call.
+#include <malloc.h>
+
 #include <chrono>
 #include <cmath>
 #include <functional>
@@ -283,6 +285,57 @@ TEST_F(HardeningTest, RopeSessionHoldsNoTable) {
   const int64_t with_rope = open_kv_bytes(true);
   EXPECT_GT(plain, 0);
   EXPECT_EQ(with_rope, plain);
+}
+
+// Memory: an idle Decode stream keeps nothing of its last message. Each of
+// 16 streams sends one ~12 MiB step that its 16-token session refuses, then
+// waits. protobuf keeps a cleared field's capacity, so the landed server held
+// every refused step (16 x 12 MiB, outside the memory budget, measured +190
+// MiB here) until the streams ended; now the messages are let go.
+TEST_F(HardeningTest, IdleStreamsDoNotHoldTheirLastMessage) {
+  v1::DecodeRequest step;
+  step.mutable_step()->set_seq(1);
+  // 2048 tokens x 8 heads x 64 channels x 4 bytes = 4 MiB per tensor.
+  *step.mutable_step()->mutable_q() = ZeroWire(v1::DTYPE_F32, {1, 2048, 8, 64});
+  *step.mutable_step()->mutable_k() = ZeroWire(v1::DTYPE_F32, {1, 2048, 8, 64});
+  *step.mutable_step()->mutable_v() = ZeroWire(v1::DTYPE_F32, {1, 2048, 8, 64});
+  const int64_t step_bytes = static_cast<int64_t>(step.ByteSizeLong());
+  constexpr int kStreams = 16;
+  struct Stream {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> rw;
+  };
+  std::vector<std::unique_ptr<Stream>> streams;
+  // Freed memory the allocator keeps is not what this test is about.
+  malloc_trim(0);
+  const int64_t rss_before = ProcStatusBytes("VmRSS:");
+  for (int i = 0; i < kStreams; ++i) {
+    auto s = std::make_unique<Stream>();
+    s->rw = stub_->Decode(&s->ctx);
+    v1::DecodeRequest open;
+    open.mutable_open()->mutable_spec()->set_heads(8);
+    open.mutable_open()->mutable_spec()->set_head_dim(64);
+    open.mutable_open()->set_max_context(16);
+    ASSERT_TRUE(s->rw->Write(open));
+    v1::DecodeResponse r;
+    ASSERT_TRUE(s->rw->Read(&r));
+    ASSERT_TRUE(r.has_opened()) << r.DebugString();
+    ASSERT_TRUE(s->rw->Write(step));
+    ASSERT_TRUE(s->rw->Read(&r));
+    ASSERT_TRUE(r.has_error()) << r.DebugString();
+    EXPECT_EQ(r.error().code(), grpc::StatusCode::OUT_OF_RANGE);
+    streams.push_back(std::move(s));
+  }
+  // The server runs in this process: its RSS is ours.
+  malloc_trim(0);
+  const int64_t grown = ProcStatusBytes("VmRSS:") - rss_before;
+  EXPECT_LT(grown, kStreams * step_bytes / 4)
+      << "RSS grew by " << grown / (1 << 20) << " MiB with " << kStreams
+      << " idle streams (one step is " << step_bytes / (1 << 20) << " MiB)";
+  for (auto& s : streams) {
+    s->rw->WritesDone();
+    EXPECT_TRUE(s->rw->Finish().ok());
+  }
 }
 
 // Sessions: an attached session outlives its idle TTL (the reaper runs
