@@ -182,6 +182,7 @@ struct Metrics::State {
   mutable absl::Mutex mu;
   Data data ABSL_GUARDED_BY(mu);
   std::function<ConnectionCounts()> connections ABSL_GUARDED_BY(mu);
+  std::function<int64_t()> queue_depth ABSL_GUARDED_BY(mu);
 };
 
 Metrics::Metrics() : state_(std::make_unique<State>()) {
@@ -248,6 +249,11 @@ void Metrics::SetConnectionSource(std::function<ConnectionCounts()> source) {
   state_->connections = std::move(source);
 }
 
+void Metrics::SetQueueDepthSource(std::function<int64_t()> source) {
+  absl::MutexLock lock(&state_->mu);
+  state_->queue_depth = std::move(source);
+}
+
 void Metrics::SetQueueDepth(int64_t depth) {
   absl::MutexLock lock(&state_->mu);
   state_->data.queue_depth = depth;
@@ -294,11 +300,14 @@ void Metrics::RecordStep(int64_t tokens) {
 std::string Metrics::RenderPrometheus() const {
   Data d;
   std::function<ConnectionCounts()> connections;
+  std::function<int64_t()> queue_depth;
   {
     absl::ReaderMutexLock lock(&state_->mu);
     d = state_->data;
     connections = state_->connections;
+    queue_depth = state_->queue_depth;
   }
+  if (queue_depth) d.queue_depth = queue_depth();
   const ConnectionCounts conn = connections ? connections() : ConnectionCounts();
   const std::vector<std::string> methods = SortedKeys(d.methods);
   std::vector<std::string> escaped;
@@ -390,8 +399,8 @@ std::string Metrics::RenderPrometheus() const {
   absl::StrAppend(&out, "ropeattn_sessions_opened_total ", d.sessions_opened, "\n");
 
   AppendFamilyHeader(&out, "ropeattn_sessions_closed_total",
-                     "Sessions closed since start, by reason (closed, disconnected, reaped, "
-                     "shutdown).",
+                     "Sessions closed since start, by reason (closed, disconnected, stream_ended, "
+                     "reaped, shutdown).",
                      "counter");
   for (const std::string& reason : SortedKeys(d.closed_by_reason)) {
     absl::StrAppend(&out, "ropeattn_sessions_closed_total{reason=\"", EscapeLabelValue(reason),
@@ -404,7 +413,9 @@ std::string Metrics::RenderPrometheus() const {
   absl::StrAppend(&out, "ropeattn_kv_bytes_used ", d.kv_bytes_used, "\n");
 
   AppendFamilyHeader(&out, "ropeattn_kv_bytes_budget",
-                     "Bytes the KV caches of all sessions may hold together.", "gauge");
+                     "The memory budget: bytes session state (KV caches, linear states) and "
+                     "in-flight requests' buffers may hold together.",
+                     "gauge");
   absl::StrAppend(&out, "ropeattn_kv_bytes_budget ", d.kv_bytes_budget, "\n");
 
   AppendFamilyHeader(&out, "ropeattn_decode_steps_total", "Decode steps run.", "counter");

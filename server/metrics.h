@@ -56,6 +56,10 @@ class Metrics {
   // ropeattn_queue_depth and ropeattn_running (gauges): waiting for a
   // worker, and computing now.
   void SetQueueDepth(int64_t depth);
+  // Reads the queue depth when /metrics is scraped instead (the value set
+  // above is then unused): a gauge set only when requests arrive stayed at
+  // its last value after the queue emptied. Must outlive every scrape.
+  void SetQueueDepthSource(std::function<int64_t()> source);
   void SetRunning(int64_t running);
   // Sessions: ropeattn_sessions_open (gauge), ropeattn_sessions_opened_total,
   // ropeattn_sessions_closed_total{reason} with reason in

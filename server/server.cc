@@ -295,6 +295,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   m.listener = *std::move(listener);
   server->port_ = m.listener->port();
+  m.metrics->SetQueueDepthSource([e = m.executor.get()] { return e->queue_depth(); });
   m.metrics->SetConnectionSource([l = m.listener.get()] {
     return Metrics::ConnectionCounts{l->accepted(), l->refused_over_cap(), l->refused_no_fd()};
   });

@@ -393,6 +393,9 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the client half-closed or the call is gone
+      // A client that died (killed, connection lost) fails the read before
+      // gRPC runs OnCancel: the call's own state tells the two apart.
+      if (ctx_->IsCancelled()) cancelled_ = true;
       FinishOnce(grpc::Status::OK);
       return;
     }

@@ -7,12 +7,16 @@ the server binary."""
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import unittest
+import urllib.request
 
 import grpc
 import numpy as np
@@ -57,13 +61,15 @@ def ref_attention(q, k, v, causal, q_offset):
 class PythonClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.proc = subprocess.Popen([SERVER, "--address=127.0.0.1:0", "--metrics_address="],
+        cls.proc = subprocess.Popen([SERVER, "--address=127.0.0.1:0",
+                                     "--metrics_address=127.0.0.1:0"],
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         port = 0
         for line in cls.proc.stdout:  # JSON log lines; "listening" has the port
             event = json.loads(line)
             if event["event"] == "listening":
                 port = event["port"]
+                cls.metrics_url = event["metrics"]
                 break
         # Keep reading the log so the server never blocks on a full pipe.
         threading.Thread(target=lambda: cls.proc.stdout.read(), daemon=True).start()
@@ -173,6 +179,38 @@ class PythonClientTest(unittest.TestCase):
             self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
             self.assertIn("step.k", e.exception.message)
             self.assertEqual(s.truncate(3).position, 3)  # the session went on
+
+    def closed_sessions(self):
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        return {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^ropeattn_sessions_closed_total\{reason="(\w+)"\} (\S+)$', text, re.M)}
+
+    def test_a_killed_client_counts_as_disconnected(self):
+        # A client process killed while its session is idle: the server's read
+        # fails before gRPC reports the call cancelled, and the session was
+        # counted as a stream that ended normally (reason="stream_ended").
+        before = self.closed_sessions()
+        child = subprocess.Popen(
+            [sys.executable, "-c",
+             "import sys, time, ropeattn\n"
+             "c = ropeattn.Client(sys.argv[1])\n"
+             "s = c.session(heads=2, head_dim=8, max_context=8)\n"
+             "s.__enter__()\n"
+             "print('open', flush=True)\n"
+             "time.sleep(120)\n", self.target],
+            stdout=subprocess.PIPE, text=True)
+        self.assertEqual(child.stdout.readline().strip(), "open")
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        child.stdout.close()
+        deadline = time.monotonic() + 10
+        after = self.closed_sessions()
+        while after.get("disconnected", 0) == before.get("disconnected", 0) and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+            after = self.closed_sessions()
+        self.assertEqual(after.get("disconnected", 0), before.get("disconnected", 0) + 1)
+        self.assertEqual(after.get("stream_ended", 0), before.get("stream_ended", 0))
 
     def test_errors_are_the_servers(self):
         with self.assertRaises(grpc.RpcError) as e:

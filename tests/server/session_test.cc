@@ -1176,6 +1176,39 @@ TEST_F(SessionTest, MetricsEndpointReflectsTraffic) {
   EXPECT_THAT(text, HasSubstr("ropeattn_decode_steps_total"));
 }
 
+// ropeattn_queue_depth is read when /metrics is scraped: the landed gauge
+// was set only when a request arrived, so after a burst it stayed at the
+// depth the last arrival saw (8 or 9 after 10 concurrent calls) for good.
+TEST(ServerMetricsTest, QueueDepthFallsToZeroOnceTheQueueEmpties) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.max_queue_slowdown = 0;  // nothing shed: every call queues
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  v1::AttendRequest req;
+  req.mutable_spec()->set_heads(8);
+  req.mutable_spec()->set_head_dim(64);
+  *req.mutable_q() = ToWire(RandomTensor(DType::kF32, {1, 256, 8, 64}, 1).cview());
+  *req.mutable_k() = ToWire(RandomTensor(DType::kF32, {1, 1024, 8, 64}, 2).cview());
+  *req.mutable_v() = ToWire(RandomTensor(DType::kF32, {1, 1024, 8, 64}, 3).cview());
+  std::vector<std::thread> callers;
+  std::atomic<int> ok{0};
+  for (int i = 0; i < 6; ++i) {
+    callers.emplace_back([&] {
+      grpc::ClientContext ctx;
+      v1::AttendResponse resp;
+      if (stub->Attend(&ctx, req, &resp).ok()) ok.fetch_add(1);
+    });
+  }
+  for (std::thread& t : callers) t.join();
+  EXPECT_EQ(ok.load(), 6);
+  const std::string text = HttpGet(server->metrics_port(), "/metrics");
+  EXPECT_THAT(text, HasSubstr("ropeattn_queue_depth 0\n"));
+  EXPECT_THAT(text, HasSubstr("ropeattn_running 0\n"));
+  server->Shutdown(absl::Seconds(1));
+}
+
 // The same sequence through the unary Attend RPC: for rules that do not
 // depend on the length, every decode step equals the matching rows of one
 // Attend over the whole sequence; for dynamic NTK and LongRoPE, each step
