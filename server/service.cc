@@ -602,13 +602,18 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       RA_RETURN_IF_ERROR(service_->admission_.Admit(op_kind_, cost.compute, stop_.deadline(),
                                                     absl::Now(), &retry_after,
                                                     /*slowdown_applies=*/false, &ahead));
-      absl::StatusOr<MemoryBudget::Reservation> held =
-          service_->budget_->Reserve(cost.transient_bytes, "this decode step");
-      if (!held.ok()) {
-        service_->admission_.Finished(op_kind_, cost.compute, -1);
-        return held.status();
+      // The session's step room pays for a step of up to its size (every
+      // one-token step); a larger one takes the rest from the free budget.
+      const int64_t extra = cost.transient_bytes - session_->step_room();
+      if (extra > 0) {
+        absl::StatusOr<MemoryBudget::Reservation> held =
+            service_->budget_->Reserve(extra, "this decode step (beyond its session's step room)");
+        if (!held.ok()) {
+          service_->admission_.Finished(op_kind_, cost.compute, -1);
+          return held.status();
+        }
+        op_memory_ = *std::move(held);
       }
-      op_memory_ = *std::move(held);
       op_compute_ = cost.compute;
     }
     return absl::OkStatus();

@@ -63,6 +63,24 @@ SessionDims SessionDimsOf(const SessionConfig& c) {
   return d;
 }
 
+int64_t StepRoomBytes(const SessionConfig& c, int threads) {
+  StepDims d;
+  d.tokens = 1;
+  d.position = std::max<int64_t>(c.max_context - 1, 0);
+  d.heads = c.spec.heads;
+  d.out_dtype = c.out_dtype;
+  d.threads = threads;
+  if (c.model) {
+    d.hidden = c.model->config().hidden_size;
+    d.wire_bytes = SatMul(d.hidden, 4);
+  } else {
+    d.wire_bytes = SatMul(SatAdd(SatMul(c.spec.heads, c.spec.head_dim),
+                                 SatMul(c.spec.kv_heads, SatAdd(c.spec.head_dim, c.v_dim))),
+                          4);
+  }
+  return StepCost(SessionDimsOf(c), d).transient_bytes;
+}
+
 // ------------------------------------------------------------- Session --
 
 // A session's reservation, which its KV pages are paid from
@@ -405,6 +423,7 @@ void Session::FillInfo(v1::SessionInfo* info) const {
   info->set_attached(attached_);
   info->set_idle_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(idle_ttl_)));
   info->set_kv_bytes(kv_bytes_);
+  info->set_step_room_bytes(step_room_.bytes());
   info->set_kv_bytes_held(held_hint_.load(std::memory_order_relaxed));
   info->set_kv_bytes_shared(shared_hint_.load(std::memory_order_relaxed));
   info->set_steps(steps_);
@@ -453,6 +472,7 @@ SessionManager::Ticket& SessionManager::Ticket::operator=(Ticket&& other) noexce
     ttl_ = other.ttl_;
     owner_ = std::move(other.owner_);
     held_ = std::move(other.held_);
+    step_room_ = std::move(other.step_room_);
     quota_bytes_ = other.quota_bytes_;
   }
   return *this;
@@ -472,6 +492,7 @@ void SessionManager::ReleaseTicket(Ticket* ticket) {
   }
   ticket->manager_ = nullptr;
   ticket->held_.Release();
+  ticket->step_room_.Release();
   ticket->config_.reset();
 }
 
@@ -528,7 +549,17 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
     return absl::Status(r.status().code(),
                         absl::StrCat(r.status().message(), "; lower max_context or close sessions"));
   }
+  // Room for its one-token steps, so that filling the budget with sessions
+  // never leaves the admitted ones unable to step.
+  absl::StatusOr<MemoryBudget::Reservation> room = budget_->Reserve(
+      StepRoomBytes(*config, options_.threads_per_call),
+      "the session's state and the buffers of its one-token steps");
+  if (!room.ok()) {
+    return absl::Status(room.status().code(), absl::StrCat(room.status().message(),
+                                                           "; lower max_context or close sessions"));
+  }
   ticket.held_ = *std::move(r);
+  ticket.step_room_ = *std::move(room);
   kv_in_use_ += ticket.held_.bytes();
   ++reserved_sessions_;
   Usage& counted = usage_[owner.name];
@@ -579,6 +610,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {
       std::shared_ptr<Session>(new Session(NewId(), ticket.owner_, ticket.config_,
                                            ticket.resumable_, ticket.ttl_, std::move(ticket.held_),
                                            ticket.quota_bytes_));
+  session->step_room_ = std::move(ticket.step_room_);
   // The slot now belongs to the session (or is freed below); the bytes
   // moved with the reservation.
   ticket.manager_ = nullptr;

@@ -69,6 +69,9 @@ struct SessionConfig {
 // The cost model's view of a session (server/cost.h): what it holds, and
 // what a step of it costs.
 SessionDims SessionDimsOf(const SessionConfig& config);
+// The transient bytes of a one-token step at the session's last position
+// (StepCost, f32 wire tensors), reserved with the session.
+int64_t StepRoomBytes(const SessionConfig& config, int threads);
 // The core's view of a session: what DecodeState computes with.
 DecodeStateConfig StateConfigOf(const SessionConfig& config);
 // Whether `config` can use length-dependent RoPE (dynamic NTK, LongRoPE).
@@ -129,6 +132,11 @@ class Session {
   // The position without taking the session's lock (for pricing a step
   // while another operation may hold it); exact between operations.
   int64_t position_hint() const { return position_hint_.load(std::memory_order_relaxed); }
+  // Budget held for the transient buffers of this session's one-token steps
+  // (StepRoomBytes): a step needing no more is not charged again, so an
+  // admitted session can always take a one-token step, however full the
+  // budget is. A session runs one operation at a time.
+  int64_t step_room() const { return step_room_.bytes(); }
   // Bytes of session state charged to the memory budget.
   int64_t kv_bytes() const { return kv_bytes_; }
   void FillInfo(v1::SessionInfo* info) const;
@@ -167,6 +175,7 @@ class Session {
   // paid by some session of the same owner), so the quota bounds what the
   // owner's sessions hold whatever they share.
   const int64_t quota_bytes_;
+  MemoryBudget::Reservation step_room_;  // set once, before the session is published
   std::atomic<int64_t> position_hint_{0};
   // Bytes of the pages the state holds and of those shared with other
   // sessions, as of its last operation (read without the state's lock).
@@ -231,6 +240,7 @@ class SessionManager {
     absl::Duration ttl_;
     std::string owner_;
     MemoryBudget::Reservation held_;
+    MemoryBudget::Reservation step_room_;  // becomes the session's step_room
     int64_t quota_bytes_ = 0;  // counted against the owner's quota
   };
   // ResourceExhausted (naming max_sessions, the memory budget, or the

@@ -515,6 +515,55 @@ TEST_F(SessionTest, Int8IsRefusedWhereItCannotBeExact) {
   }
 }
 
+// Sessions that fill the memory budget can still step: each holds the room
+// of its one-token steps (SessionInfo.step_room_bytes). The landed server
+// charged every step's buffers to the budget the opens had filled, so no
+// admitted session could take a step ("needs 45088 bytes, 0 ... free").
+TEST_F(SessionTest, SessionsThatFillTheBudgetCanStillStep) {
+  server::ServerOptions o = TestServerOptions();
+  o.memory_budget_bytes = int64_t{64} << 20;
+  server_->Shutdown(absl::Seconds(1));
+  server_ = StartTestServer(o);
+  ASSERT_NE(server_, nullptr);
+  stub_ = TestStub(server_->port());
+  const Config big{"mha", 8, 8, 64, 64, "default"};
+  const Config small{"one_head", 1, 1, 64, 64, "default"};
+  const Sequence seq_big = MakeSequence(big, 3, 5), seq_small = MakeSequence(small, 3, 6);
+  std::vector<std::pair<std::unique_ptr<Stream>, const Sequence*>> streams;
+  // Opens sessions of `c` until one is refused for memory.
+  const auto fill = [&](const Config& c, int64_t max_context, const Sequence* seq) {
+    for (int n = 0; n < 200; ++n) {
+      auto s = std::make_unique<Stream>(stub_.get());
+      v1::DecodeRequest req;
+      *req.mutable_open() = MakeOpen(c, max_context);
+      EXPECT_TRUE(s->rw()->Write(req));
+      v1::DecodeResponse r;
+      if (!s->rw()->Read(&r)) {
+        const grpc::Status st = s->AwaitServerEnd();
+        EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+        EXPECT_THAT(st.error_message(), HasSubstr("--memory_budget_bytes"));
+        return;
+      }
+      EXPECT_TRUE(r.has_opened()) << r.DebugString();
+      EXPECT_GT(r.opened().step_room_bytes(), 0);
+      streams.emplace_back(std::move(s), seq);
+    }
+    ADD_FAILURE() << "200 sessions of " << c.name << " did not fill the budget";
+  };
+  fill(big, 1024, &seq_big);        // 4 MiB each
+  fill(small, 1024, &seq_small);    // 512 KiB each
+  fill(small, 16, &seq_small);      // 8 KiB each: less than a step's buffers stays free
+  ASSERT_GE(streams.size(), 3u);
+  // Every admitted session takes one-token steps.
+  for (size_t k = 0; k < streams.size(); ++k) {
+    for (int64_t t = 0; t < 3; ++t) {
+      v1::DecodeResponse r = streams[k].first->Step(*streams[k].second, t, t + 1, t + 1);
+      ASSERT_TRUE(r.has_step()) << "session " << k << " step " << t << ": " << r.DebugString();
+    }
+  }
+  for (auto& s : streams) EXPECT_TRUE(s.first->Finish().ok());
+}
+
 // --------------------------------------------------- truncate and fork --
 
 TEST_F(SessionTest, TruncateThenContinueEqualsAFreshSession) {
@@ -631,9 +680,14 @@ TEST_F(SessionTest, ForksShareTheirSourcesPagesAndPayOnlyForTheirOwn) {
     ASSERT_TRUE(fr.has_forked()) << fr.DebugString();
     // Charged for max_context less the 64 full pages it shares.
     EXPECT_EQ(fr.forked().kv_bytes(), opened.kv_bytes() - 64 * page);
+    EXPECT_EQ(fr.forked().step_room_bytes(), opened.step_room_bytes());
     forks.push_back(fr.forked().session_id());
   }
-  const int64_t charged = opened.kv_bytes() + kForks * (opened.kv_bytes() - 64 * page);
+  // Each session also holds the room of its one-token steps.
+  const int64_t room = opened.step_room_bytes();
+  EXPECT_GT(room, 0);
+  const int64_t charged =
+      opened.kv_bytes() + kForks * (opened.kv_bytes() - 64 * page) + (kForks + 1) * room;
   EXPECT_TRUE(Eventually([&] { return server_info().memory_bytes_in_use() == charged; }))
       << server_info().memory_bytes_in_use() << " != " << charged;
   for (int f = 0; f < kForks; ++f) {
