@@ -356,9 +356,14 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
   r->set_memory_budget_bytes(budget_->budget());
   r->set_memory_bytes_in_use(budget_->in_use());
   r->set_max_request_compute(options_.max_request_compute);
-  r->set_kv_bytes_in_use(sessions_->kv_bytes_in_use());
-  r->set_open_sessions(sessions_->open_sessions());
-  r->set_attached_sessions(sessions_->attached_sessions());
+  // Session figures: the caller's own under authentication (an admin's:
+  // all); the budget and the queue are the server's.
+  absl::StatusOr<Principal> caller = CallerOf(*ctx);
+  const SessionManager::Counts counts =
+      caller.ok() ? sessions_->CountsFor(*caller) : SessionManager::Counts{};
+  r->set_kv_bytes_in_use(counts.kv_bytes);
+  r->set_open_sessions(counts.open);
+  r->set_attached_sessions(counts.attached);
   r->set_default_idle_ttl_seconds(options_.default_idle_ttl_seconds);
   r->set_max_idle_ttl_seconds(options_.max_idle_ttl_seconds);
   r->set_default_max_context(options_.default_max_context);

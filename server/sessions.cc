@@ -829,6 +829,21 @@ int64_t SessionManager::kv_bytes_in_use() const {
   return kv_in_use_;
 }
 
+SessionManager::Counts SessionManager::CountsFor(const Principal& caller) const {
+  const bool everyone = !caller.authenticated || caller.admin;
+  absl::MutexLock lock(&mu_);
+  Counts c;
+  for (const auto& [id, s] : sessions_) {
+    if (!everyone && s->owner_ != caller.name) continue;
+    ++c.open;
+    c.kv_bytes += s->kv_bytes();
+    absl::MutexLock slock(&s->meta_mu_);
+    c.attached += s->attached_ ? 1 : 0;
+  }
+  if (everyone) c.kv_bytes = kv_in_use_;  // reserved (opening) sessions too
+  return c;
+}
+
 int SessionManager::open_sessions() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(sessions_.size());

@@ -280,6 +280,14 @@ class SessionManager {
   void CloseAll();
 
   int64_t kv_bytes_in_use() const;
+  // What GetServerInfo reports to `caller`: every session for an admin or
+  // without authentication, else only the caller's own (another
+  // principal's sessions, their number and size, are not its business).
+  struct Counts {
+    int open = 0, attached = 0;
+    int64_t kv_bytes = 0;
+  };
+  Counts CountsFor(const Principal& caller) const;
   int open_sessions() const;
   int attached_sessions() const;
   uint64_t reaped_total() const;

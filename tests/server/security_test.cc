@@ -353,6 +353,18 @@ TEST_F(SecurityTest, MutualTlsAcceptsOnlyCertificatesOfTheClientCa) {
     EXPECT_EQ(as_bob->GetSession(WithDeadline(&ctx), req, &info).error_code(),
               grpc::StatusCode::NOT_FOUND);
   }
+  // GetServerInfo's session figures are the caller's own: bob does not see
+  // that alice holds a session, nor its size (a side channel: he did).
+  for (const auto& [who, stub, sessions] :
+       std::vector<std::tuple<std::string, v1::AttentionService::Stub*, int>>{
+           {"alice", as_alice.get(), 1}, {"bob", as_bob.get(), 0}}) {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    ASSERT_TRUE(stub->GetServerInfo(WithDeadline(&ctx), {}, &info).ok()) << who;
+    EXPECT_EQ(info.open_sessions(), sessions) << who;
+    EXPECT_EQ(info.attached_sessions(), sessions) << who;
+    EXPECT_EQ(info.kv_bytes_in_use() > 0, sessions > 0) << who << ": " << info.kv_bytes_in_use();
+  }
   EXPECT_TRUE(mine.Finish().ok());
 }
 
