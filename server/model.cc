@@ -362,19 +362,13 @@ absl::StatusOr<int64_t> RotaryDimFromFraction(const KeyReader& r, absl::string_v
                                         dim, head_dim, fraction));
   }
   if (dim % 2 != 0) {
-    if (family == Family::kPhi3) {
-      // Phi-3 would rotate dim + 1 channels with frequencies base^(-2i/dim):
-      // a rotation this server's RoPE does not compute.
-      return absl::UnimplementedError(absl::StrFormat(
-          "%s is not supported: it gives an odd rotary_dim %d (int(head_dim %d * %.17g)), with "
-          "which transformers' Phi-3 rotates %d channels at frequencies base^(-2i/%d)",
-          r.Name(key), dim, head_dim, fraction, dim + 1, dim));
-    }
-    // GPT-NeoX slices dim channels and multiplies them by dim + 1 wide
-    // cos/sin: transformers fails on such a config.
-    return r.Error(key, absl::StrFormat("gives an odd rotary_dim %d (int(head_dim %d * %.17g)): "
-                                        "transformers' attention cannot apply it",
-                                        dim, head_dim, fraction));
+    // transformers' Phi-3 (and current GPT-NeoX, where older versions fail)
+    // rotate dim + 1 channels at frequencies base^(-2i/dim): a rotation this
+    // server's RoPE does not compute.
+    return absl::UnimplementedError(absl::StrFormat(
+        "%s is not supported: it gives an odd rotary_dim %d (int(head_dim %d * %.17g)), with "
+        "which transformers rotates %d channels at frequencies base^(-2i/%d)",
+        r.Name(key), dim, head_dim, fraction, dim + 1, dim));
   }
   return dim;
 }
@@ -475,8 +469,9 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
           absl::StrCat(file, ": key ", block_name, ".", type_key,
                        " \"mrope\" (multimodal RoPE) is not supported"));
     }
-    if (family == Family::kPhi3 && type_key == "type" && *type_name == "yarn") {
-      // Phi3Config rewrites a legacy "type" of "su" or "yarn" to longrope.
+    if (family == Family::kPhi3 && *type_name == "yarn") {
+      // Phi3Config rewrites "su" and "yarn" to longrope (older versions
+      // under `type`, current ones under `rope_type` too).
       *type_name = "longrope";
     }
     absl::StatusOr<RopeScalingType> type = ParseRopeScalingType(*type_name);

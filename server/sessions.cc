@@ -219,6 +219,7 @@ void Session::FreeStateLocked() {
   state_.reset();
   if (pages_) pages_->End();
   pages_.reset();
+  step_room_.Release();
   held_hint_.store(0, std::memory_order_relaxed);
   shared_hint_.store(0, std::memory_order_relaxed);
 }
@@ -423,7 +424,7 @@ void Session::FillInfo(v1::SessionInfo* info) const {
   info->set_attached(attached_);
   info->set_idle_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(idle_ttl_)));
   info->set_kv_bytes(kv_bytes_);
-  info->set_step_room_bytes(step_room_.bytes());
+  info->set_step_room_bytes(step_room_bytes_);
   info->set_kv_bytes_held(held_hint_.load(std::memory_order_relaxed));
   info->set_kv_bytes_shared(shared_hint_.load(std::memory_order_relaxed));
   info->set_steps(steps_);
@@ -510,7 +511,11 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
   Cost cost = SessionOpenCost(SessionDimsOf(*config));
   // The owner's quota counts the whole state; the budget, less the pages a
   // fork shares (they are held, and paid, once).
-  const int64_t quota_bytes = cost.held_bytes;
+  // With the state, room for the buffers of its one-token steps, so that
+  // filling the budget with sessions never leaves the admitted ones unable
+  // to step; the owner's quota counts both.
+  const int64_t room_bytes = StepRoomBytes(*config, options_.threads_per_call);
+  const int64_t quota_bytes = SatAdd(cost.held_bytes, room_bytes);
   cost.held_bytes = std::max<int64_t>(FixedBytes(*config), cost.held_bytes - discount);
   Ticket ticket;
   absl::MutexLock lock(&mu_);
@@ -536,7 +541,8 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
     if (quota_bytes > options_.principal_memory_bytes - usage.bytes) {
       if (metrics_ != nullptr) metrics_->RecordQuotaRefused("memory");
       return absl::ResourceExhaustedError(absl::StrFormat(
-          "principal %s: the session's %s needs %d bytes, but only %d of its quota of %d "
+          "principal %s: the session's %s and its step room need %d bytes, but only %d of its "
+          "quota of %d "
           "(--principal_memory_bytes) are free; lower max_context or close sessions",
           QuoteForMessage(owner.name), cost.held_what, quota_bytes,
           std::max<int64_t>(0, options_.principal_memory_bytes - usage.bytes),
@@ -549,11 +555,8 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
     return absl::Status(r.status().code(),
                         absl::StrCat(r.status().message(), "; lower max_context or close sessions"));
   }
-  // Room for its one-token steps, so that filling the budget with sessions
-  // never leaves the admitted ones unable to step.
-  absl::StatusOr<MemoryBudget::Reservation> room = budget_->Reserve(
-      StepRoomBytes(*config, options_.threads_per_call),
-      "the session's state and the buffers of its one-token steps");
+  absl::StatusOr<MemoryBudget::Reservation> room =
+      budget_->Reserve(room_bytes, "the session's step room (its one-token steps' buffers)");
   if (!room.ok()) {
     return absl::Status(room.status().code(), absl::StrCat(room.status().message(),
                                                            "; lower max_context or close sessions"));
@@ -610,7 +613,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {
       std::shared_ptr<Session>(new Session(NewId(), ticket.owner_, ticket.config_,
                                            ticket.resumable_, ticket.ttl_, std::move(ticket.held_),
                                            ticket.quota_bytes_));
-  session->step_room_ = std::move(ticket.step_room_);
+  session->step_room_bytes_ = ticket.step_room_.bytes();
+  {
+    absl::MutexLock state_lock(&session->mu_);
+    session->step_room_ = std::move(ticket.step_room_);
+  }
   // The slot now belongs to the session (or is freed below); the bytes
   // moved with the reservation.
   ticket.manager_ = nullptr;

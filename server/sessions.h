@@ -136,7 +136,9 @@ class Session {
   // (StepRoomBytes): a step needing no more is not charged again, so an
   // admitted session can always take a one-token step, however full the
   // budget is. A session runs one operation at a time.
-  int64_t step_room() const { return step_room_.bytes(); }
+  // The room is given back to the budget when the session ends (its state
+  // is freed), even while a stream still holds the object.
+  int64_t step_room() const { return step_room_bytes_; }
   // Bytes of session state charged to the memory budget.
   int64_t kv_bytes() const { return kv_bytes_; }
   void FillInfo(v1::SessionInfo* info) const;
@@ -175,7 +177,10 @@ class Session {
   // paid by some session of the same owner), so the quota bounds what the
   // owner's sessions hold whatever they share.
   const int64_t quota_bytes_;
-  MemoryBudget::Reservation step_room_;  // set once, before the session is published
+  // Set once, before the session is published; the reservation is released
+  // with the state (FreeStateLocked).
+  int64_t step_room_bytes_ = 0;
+  MemoryBudget::Reservation step_room_ ABSL_GUARDED_BY(mu_);
   std::atomic<int64_t> position_hint_{0};
   // Bytes of the pages the state holds and of those shared with other
   // sessions, as of its last operation (read without the state's lock).

@@ -596,6 +596,23 @@ TEST(ArchitectureLayerTest, GptJPositionsEndWithItsTable) {
   ASSERT_TRUE(r.has_step()) << r.DebugString();
   rw->WritesDone();
   EXPECT_TRUE(rw->Finish().ok());
+
+  // A prefix of 8 tokens from position 60 reaches 67: refused at open.
+  grpc::ClientContext pctx;
+  auto prw = s->stub->Decode(&pctx);
+  v1::DecodeRequest popen;
+  popen.mutable_open()->set_model("gptj");
+  popen.mutable_open()->set_start_position(60);
+  v1::KvPrefix* pre = popen.mutable_open()->mutable_prefix();
+  pre->set_key_form(v1::KEY_FORM_RAW);
+  *pre->mutable_k() = ToWire(RandomTensor(DType::kF32, {1, 8, 4, 8}, 7).cview());
+  *pre->mutable_v() = ToWire(RandomTensor(DType::kF32, {1, 8, 4, 8}, 8).cview());
+  ASSERT_TRUE(prw->Write(popen));
+  v1::DecodeResponse pr;
+  EXPECT_FALSE(prw->Read(&pr)) << pr.DebugString();
+  const grpc::Status pst = prw->Finish();
+  EXPECT_EQ(pst.error_code(), grpc::StatusCode::OUT_OF_RANGE) << pst.error_message();
+  EXPECT_THAT(pst.error_message(), AllOf(HasSubstr("open.prefix"), HasSubstr("position 67")));
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, ArchitectureTest,

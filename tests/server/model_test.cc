@@ -235,7 +235,8 @@ std::string Phi3Config(absl::string_view type_key, absl::string_view type,
 
 TEST(ParseModelConfigTest, Phi3LongRopeDerivesFactorFromLengths) {
   for (const auto& [key, type] : std::vector<std::pair<std::string, std::string>>{
-           {"rope_type", "longrope"}, {"type", "longrope"}, {"type", "su"}, {"type", "yarn"}}) {
+           {"rope_type", "longrope"}, {"type", "longrope"}, {"type", "su"}, {"type", "yarn"},
+           {"rope_type", "yarn"}}) {
     SCOPED_TRACE(key + "=" + type);
     absl::StatusOr<ModelConfig> c = ParseModelConfig(Phi3Config(key, type), "config.json");
     ASSERT_TRUE(c.ok()) << c.status();
@@ -253,15 +254,6 @@ TEST(ParseModelConfigTest, Phi3LongRopeDerivesFactorFromLengths) {
   }
 }
 
-TEST(ParseModelConfigTest, Phi3RopeTypeYarnIsStillRefused) {
-  // Phi3Config rewrites only the legacy `type` key ("su" and "yarn" become
-  // longrope, tested above); a `rope_type` of yarn is a rule Phi3Config
-  // refuses.
-  absl::StatusOr<ModelConfig> c = ParseModelConfig(
-      Phi3Config("rope_type", "yarn", R"(, "factor": 4.0, "original_max_position_embeddings": 4096)"),
-      "config.json");
-  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
-}
 
 TEST(ParseModelConfigTest, Phi3ExplicitFactorWins) {
   absl::StatusOr<ModelConfig> c =
@@ -391,10 +383,10 @@ TEST(ParseModelConfigTest, PartialRotaryIsTruncatedAsPythonInt) {
   c = ParseModelConfig(neox("0.57"), "config.json");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->rope->rotary_dim, 56);
-  // 0.58 * 100 = 57.99999999999999: 57, odd. GPT-NeoX slices 57 channels
-  // against 58-wide cos/sin and fails: INVALID_ARGUMENT.
+  // 0.58 * 100 = 57.99999999999999: 57, odd. Current transformers rotates
+  // 58 channels at base^(-2i/57) (older versions fail): UNIMPLEMENTED.
   c = ParseModelConfig(neox("0.58"), "config.json");
-  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnimplemented) << c.status();
   EXPECT_THAT(c.status().message(), AllOf(HasSubstr("rotary_pct"), HasSubstr("rotary_dim 57")));
 
   const auto phi3 = [](absl::string_view factor) {
@@ -678,8 +670,9 @@ TEST(ParseModelConfigTest, VariantsFollowTheirOwnTransformersClasses) {
           "vocab_size": 8, "num_hidden_layers": 2, "max_position_embeddings": 64,
           "sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"]})",
       absl::StatusCode::kUnimplemented, {"layer_types[1]", "phi3"});
-  // Phi3Config raises on a rule other than default and longrope.
-  for (const char* rule : {"linear", "dynamic", "yarn"}) {
+  // Phi3Config raises on a rule other than default and longrope ("su" and
+  // "yarn" it rewrites to longrope).
+  for (const char* rule : {"linear", "dynamic"}) {
     ExpectConfigError(
         absl::StrCat(R"({"model_type": "phi3", "hidden_size": 64, "num_attention_heads": 16,
           "vocab_size": 8, "num_hidden_layers": 2, "max_position_embeddings": 64,
@@ -793,7 +786,7 @@ TEST(ParseModelConfigTest, Errors) {
       R"({"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4,
           "vocab_size": 8, "num_hidden_layers": 1, "max_position_embeddings": 16,
           "rotary_pct": 0.3125})",
-      C::kInvalidArgument, {"rotary_pct", "odd rotary_dim 5"});
+      C::kUnimplemented, {"rotary_pct", "odd rotary_dim 5"});
   ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"type": "mrope"})"), C::kUnimplemented,
                     {"mrope"});
   ExpectConfigError(

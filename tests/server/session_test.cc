@@ -28,6 +28,8 @@
 #include "google/protobuf/descriptor.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "reflection_wire.grpc.pb.h"
+#include "server/decode_wire.h"
+#include "server/model.h"
 #include "server/sessions.h"
 #include "tests/core/test_util.h"
 #include "tests/reference/attention_ref.h"
@@ -562,6 +564,115 @@ TEST_F(SessionTest, SessionsThatFillTheBudgetCanStillStep) {
     }
   }
   for (auto& s : streams) EXPECT_TRUE(s.first->Finish().ok());
+}
+
+// The step room covers every one-token step a session can take: a
+// one-token step at any position is priced (PriceStep, whose transient
+// bytes admission charges) at no more than StepRoomBytes, for every kind of
+// session; a two-token step near the end needs more than it (the room is no
+// larger than it must be).
+TEST(StepRoomTest, CoversEveryOneTokenStep) {
+  server::ModelRegistry models;
+  ASSERT_TRUE(models.Add(server::Model::Demo("demo").value()).ok());
+  const server::ServerOptions options = TestServerOptions();
+  struct Case {
+    std::string name;
+    v1::OpenSession open;
+  };
+  std::vector<Case> cases;
+  const auto spec = [](int heads, int kv_heads, int d) {
+    v1::AttentionSpec s;
+    s.set_heads(heads);
+    s.set_kv_heads(kv_heads);
+    s.set_head_dim(d);
+    return s;
+  };
+  {
+    Case c{"mha f32"};
+    *c.open.mutable_spec() = spec(8, 8, 64);
+    cases.push_back(c);
+    c.name = "gqa bf16";
+    *c.open.mutable_spec() = spec(32, 8, 128);
+    c.open.set_kv_dtype(v1::DTYPE_BF16);
+    cases.push_back(c);
+    c.name = "mqa int8";
+    *c.open.mutable_spec() = spec(32, 1, 128);
+    c.open.set_kv_dtype(v1::DTYPE_INT8);
+    cases.push_back(c);
+    c.name = "dynamic rope";
+    c.open.set_kv_dtype(v1::DTYPE_F32);
+    *c.open.mutable_spec() = spec(8, 2, 64);
+    c.open.mutable_spec()->mutable_rope()->mutable_scaling()->set_rope_type("dynamic");
+    c.open.mutable_spec()->mutable_rope()->mutable_scaling()->set_factor(2.0);
+    c.open.mutable_spec()->mutable_rope()->mutable_scaling()->set_original_max_position_embeddings(
+        256);
+    cases.push_back(c);
+    c.name = "linear";
+    *c.open.mutable_spec() = spec(4, 4, 32);
+    c.open.set_kind(v1::ATTENTION_KIND_LINEAR);
+    cases.push_back(c);
+    c = Case{"layer"};
+    c.open.set_model("demo");
+    c.open.set_layer(1);
+    cases.push_back(c);
+  }
+  for (Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    c.open.set_max_context(1000);
+    absl::StatusOr<server::SessionConfig> config = server::ResolveOpenSession(c.open, options, models);
+    ASSERT_TRUE(config.ok()) << config.status();
+    const int64_t room = server::StepRoomBytes(*config, options.threads_per_call);
+    const auto price = [&](int64_t tokens, int64_t position) {
+      v1::Step step;
+      if (config->model) {
+        *step.mutable_hidden() =
+            ToWire(Tensor::Create(DType::kF32, {1, tokens, config->model->config().hidden_size})
+                       .value()
+                       .cview());
+      } else {
+        const v1::AttentionSpec& sp = c.open.spec();
+        const int64_t kvh = sp.kv_heads() == 0 ? sp.heads() : sp.kv_heads();
+        *step.mutable_q() =
+            ToWire(Tensor::Create(DType::kF32, {1, tokens, sp.heads(), sp.head_dim()}).value().cview());
+        *step.mutable_k() =
+            ToWire(Tensor::Create(DType::kF32, {1, tokens, kvh, sp.head_dim()}).value().cview());
+        *step.mutable_v() = *step.mutable_k();
+      }
+      absl::StatusOr<server::Cost> cost = server::PriceStep(*config, step, position, options.threads_per_call);
+      EXPECT_TRUE(cost.ok()) << cost.status();
+      return cost.ok() ? cost->transient_bytes : -1;
+    };
+    for (int64_t position : {0, 1, 500, 998, 999}) {
+      EXPECT_LE(price(1, position), room) << "one token at " << position;
+    }
+    EXPECT_EQ(price(1, 999), room);
+    if (!c.open.spec().has_rope() && c.open.kind() != v1::ATTENTION_KIND_LINEAR) {
+      EXPECT_GT(price(2, 998), room);
+    }
+  }
+}
+
+// A session closed by CloseSession while its stream sits idle gives its
+// whole charge back at once, step room included (the room stayed held by
+// the stream's reference until the client next wrote or went away).
+TEST_F(SessionTest, ClosingAnAttachedSessionFreesAllItsMemory) {
+  const auto memory_in_use = [&] {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    EXPECT_TRUE(stub_->GetServerInfo(&ctx, {}, &info).ok());
+    return info.memory_bytes_in_use();
+  };
+  ASSERT_TRUE(Eventually([&] { return memory_in_use() == 0; }));
+  Stream s(stub_.get());
+  const v1::SessionInfo opened = s.Open(MakeOpen(Config{"mha", 4, 4, 16, 16, "default"}, 256));
+  EXPECT_EQ(memory_in_use(), opened.kv_bytes() + opened.step_room_bytes());
+  grpc::ClientContext ctx;
+  v1::CloseSessionRequest close;
+  close.set_session_id(opened.session_id());
+  v1::CloseSessionResponse closed;
+  ASSERT_TRUE(stub_->CloseSession(&ctx, close, &closed).ok());
+  EXPECT_TRUE(Eventually([&] { return memory_in_use() == 0; })) << memory_in_use();
+  s.Finish();
 }
 
 // --------------------------------------------------- truncate and fork --
