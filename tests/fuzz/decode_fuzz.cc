@@ -401,8 +401,9 @@ class Driver {
                "detached sessions past their TTL survived the reaper");
   }
 
-  // The budget holds the admitted sessions' reservations (nothing else is
-  // outstanding between operations), their sum over sessions, plus at most
+  // The budget holds the admitted sessions' reservations and step rooms
+  // (nothing else is outstanding between operations), their sum over
+  // sessions, plus at most
   // the pages alive past those reservations (borrowed by a fork that
   // rewrote what it shared, or a closed session's pages a fork still
   // holds): never more than the pages the open sessions hold, and nothing
@@ -410,14 +411,14 @@ class Driver {
   void CheckBooks() {
     const int64_t kv = w_.sessions.kv_bytes_in_use();
     const int64_t in_use = w_.budget.in_use();
-    FUZZ_CHECK(in_use >= kv, "budget in use " + std::to_string(in_use) +
-                                 " < session state " + std::to_string(kv));
     FUZZ_CHECK(in_use <= w_.budget.budget(), "budget overdrawn");
-    int64_t sum = 0, held = 0;
+    int64_t sum = 0, held = 0, rooms = 0;
     const std::vector<v1::SessionInfo> list = w_.sessions.List(kCaller);
     for (const v1::SessionInfo& info : list) {
       sum += info.kv_bytes();
       held += info.kv_bytes_held();
+      rooms += info.step_room_bytes();
+      FUZZ_CHECK(info.step_room_bytes() > 0, "a session without a step room");
       FUZZ_CHECK(info.position() >= 0 && info.position() <= info.max_context(),
                  "a session's position outside [0, max_context]");
       FUZZ_CHECK(info.kv_bytes_shared() >= 0 && info.kv_bytes_shared() <= info.kv_bytes_held(),
@@ -425,9 +426,13 @@ class Driver {
     }
     FUZZ_CHECK(sum == kv, "kv_bytes_in_use " + std::to_string(kv) + " != sum over sessions " +
                               std::to_string(sum));
-    FUZZ_CHECK(in_use <= kv + held,
+    FUZZ_CHECK(in_use >= kv + rooms, "budget in use " + std::to_string(in_use) +
+                                         " < session state " + std::to_string(kv) +
+                                         " + step rooms " + std::to_string(rooms));
+    FUZZ_CHECK(in_use <= kv + rooms + held,
                "budget in use " + std::to_string(in_use) + " > reservations " +
-                   std::to_string(kv) + " + pages held " + std::to_string(held));
+                   std::to_string(kv) + " + step rooms " + std::to_string(rooms) +
+                   " + pages held " + std::to_string(held));
     if (list.empty()) FUZZ_CHECK(in_use == 0, "the budget kept bytes after every session closed");
     FUZZ_CHECK(static_cast<int>(list.size()) <= w_.options.max_sessions, "past max_sessions");
   }
