@@ -630,6 +630,7 @@ absl::Status DecodeState::Import(ConstTensorView k, ConstTensorView v, KeyForm f
     // the state re-rotates from raw keys when the frequencies change.
     RA_ASSIGN_OR_RETURN(RopeRotator given, RopeRotator::Create(*c.rope, start + tokens, 0));
     RA_RETURN_IF_ERROR(given.Apply(raw.view(), at, RopeDirection::kInverse, 1));
+    RA_RETURN_IF_ERROR(CheckFinite(raw.cview(), names + "k (un-rotated)"));
   }
   if (k_raw_.num_elements() > 0) {
     RA_RETURN_IF_ERROR(CopyRows(raw.cview(), k_raw_.view().Slice(1, 0, tokens)));
@@ -646,6 +647,16 @@ absl::Status DecodeState::Import(ConstTensorView k, ConstTensorView v, KeyForm f
       }
       RA_RETURN_IF_ERROR(rotator_->Apply(rotated.view(), at, RopeDirection::kForward, 1));
     }
+  }
+  // Finite keys can leave the float range when rotated, and finite f32
+  // values the bf16 range when stored: refused, as a step's would be, never
+  // held as Inf (every later step would fail on them).
+  RA_RETURN_IF_ERROR(CheckFinite(rotated.cview(), names + "k (rotated at its positions)"));
+  if (storage_ != Storage::kInt8 && !kv_ && c.kv_dtype == DType::kBF16) {
+    RA_ASSIGN_OR_RETURN(Tensor kb, CastTensor(rotated.cview(), DType::kBF16));
+    RA_RETURN_IF_ERROR(CheckFinite(kb.cview(), names + "k (rounded to the bf16 cache)"));
+    RA_ASSIGN_OR_RETURN(Tensor vb, CastTensor(v, DType::kBF16));
+    RA_RETURN_IF_ERROR(CheckFinite(vb.cview(), names + "v (rounded to the bf16 cache)"));
   }
   if (kv_) {
     RA_RETURN_IF_ERROR(kv_->WriteK(0, rotated.cview()));

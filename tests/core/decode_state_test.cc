@@ -640,6 +640,46 @@ TEST(DecodeStateTest, ImportIsRefusedWhereItCannotBeExact) {
   EXPECT_EQ(DecodeState::Create(c).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Finite prefix keys that leave the float range when rotated, and finite f32
+// values beyond bf16's range for a bf16 cache, are refused naming the
+// tensor, the state left empty. They were stored as Inf (every later step
+// then failed on them).
+TEST(DecodeStateTest, ImportRefusesWhatWouldBeStoredAsInf) {
+  for (DType kv : {DType::kF32, DType::kBF16}) {
+    for (bool int8 : {false, true}) {
+      if (int8 && kv == DType::kBF16) continue;
+      SCOPED_TRACE(::testing::Message() << DTypeName(kv) << (int8 ? " int8" : ""));
+      DecodeStateConfig c = BaseConfig();
+      c.kv_dtype = kv;
+      c.int8_kv = int8;
+      c.start_position = 3;  // a rotation that mixes the pair's channels
+      StepTensors t = RandomStep(c, 2, 9);
+      Tensor& k = t.k;
+      float* kf = k.data<float>();
+      for (int64_t i = 0; i < k.num_elements(); ++i) kf[i] = (i % 2 == 0 ? 3e38f : -3e38f);
+      DecodeState s = DecodeState::Create(c).value();
+      absl::Status st = s.Import(k.cview(), t.v.cview(), DecodeState::KeyForm::kRaw, "prefix.");
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+      EXPECT_THAT(st.message(), HasSubstr("prefix.k (rotated at its positions)"));
+      EXPECT_EQ(s.position(), 0);
+    }
+  }
+  // 3.39e38 is a finite f32 that rounds to Inf in bf16.
+  DecodeStateConfig c = BaseConfig();
+  c.kv_dtype = DType::kBF16;
+  StepTensors t = RandomStep(c, 2, 10);
+  Tensor& v = t.v;
+  v.data<float>()[5] = 3.3999e38f;
+  DecodeState s = DecodeState::Create(c).value();
+  absl::Status st = s.Import(t.k.cview(), v.cview(), DecodeState::KeyForm::kRaw, "prefix.");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(st.message(), HasSubstr("prefix.v (rounded to the bf16 cache)"));
+  EXPECT_EQ(s.position(), 0);
+  v.data<float>()[5] = 3.3e38f;  // rounds to bf16's largest finite: stored
+  ASSERT_TRUE(s.Import(t.k.cview(), v.cview(), DecodeState::KeyForm::kRaw, "prefix.").ok());
+  EXPECT_EQ(s.position(), 2);
+}
+
 }  // namespace
 }  // namespace ropeattn
 
