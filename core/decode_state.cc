@@ -37,7 +37,7 @@ absl::Status CheckStepTensor(const ConstTensorView& t, const std::string& name, 
 namespace {
 
 // Large page parts are carved from 2 MiB slabs backed by transparent huge
-// pages where the kernel offers them: a decode streams every page, and over
+// pages where the kernel offers them (an arena's first slab excepted, below): a decode streams every page, and over
 // 4 KiB pages it takes a TLB miss every 4 KiB (measured: the GQA decode at
 // 4k context ran ~25% slower over separately allocated 128 KiB pages than
 // over one huge-page tensor, and as fast over slabs). One arena per part
@@ -86,7 +86,13 @@ class PageArena {
   char* Take() {
     absl::MutexLock lock(&mu_);
     if (open_.empty()) {
-      char* base = MapSlab();
+      // An arena's first slab stays on 4 KiB pages: a huge page is resident
+      // whole at its first touch, so a slab holding one small part would
+      // cost 2 MiB the budget never charged (64 arenas: 128 MiB). A new slab
+      // is mapped only once every other is full, so huge pages go to arenas
+      // already holding 2 MiB of live parts: the caches long enough for
+      // the TLB to matter.
+      char* base = MapSlab(/*huge=*/!slabs_.empty());
       if (base == nullptr) return nullptr;
       Slab& slab = slabs_[base];
       for (int64_t i = kSlab / bytes_ - 1; i >= 0; --i) slab.free.push_back(base + i * bytes_);
@@ -121,7 +127,7 @@ class PageArena {
   }
 
   // A 2 MiB-aligned 2 MiB mapping (twice the size mapped, the rest unmapped).
-  static char* MapSlab() {
+  static char* MapSlab(bool huge) {
     void* p = mmap(nullptr, 2 * kSlab, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return nullptr;
     const uintptr_t start = reinterpret_cast<uintptr_t>(p);
@@ -130,7 +136,7 @@ class PageArena {
     if (start + 2 * kSlab > base + kSlab) {
       munmap(reinterpret_cast<void*>(base + kSlab), start + 2 * kSlab - (base + kSlab));
     }
-    madvise(reinterpret_cast<void*>(base), kSlab, MADV_HUGEPAGE);
+    madvise(reinterpret_cast<void*>(base), kSlab, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
     return reinterpret_cast<char*>(base);
   }
 
