@@ -279,8 +279,9 @@ class Session {
   absl::StatusOr<v1::SessionInfo> Truncate(int64_t position);
   // A resumable copy of the history, detached; attach it by its id.
   absl::StatusOr<v1::SessionInfo> Fork(uint32_t idle_ttl_seconds = 0);
-  // The session's rotated keys and values (open another session with them
-  // as `open.prefix`, KEY_FORM_ROTATED, and the same start_position).
+  // The session's keys and values (open another session with them as
+  // `open.prefix` with the export's key_form, ROTATED or, under dynamic /
+  // longrope, RAW, and the same start_position).
   absl::StatusOr<v1::KvExport> ExportKv();
   // Closes the session on the server and ends the stream. Seq numbers of
   // step/truncate/fork/close count from 1 on each stream.

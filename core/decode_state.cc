@@ -700,6 +700,10 @@ absl::StatusOr<DecodeState::Exported> DecodeState::Export() const {
     RA_ASSIGN_OR_RETURN(e.k, ReadPaged(/*keys=*/true, n));
     RA_ASSIGN_OR_RETURN(e.v, ReadPaged(/*keys=*/false, n));
   }
+  if (k_raw_.num_elements() > 0) {
+    RA_ASSIGN_OR_RETURN(e.k, Tensor::CopyOf(k_raw_.cview().Slice(1, 0, n)));
+    e.key_form = KeyForm::kRaw;
+  }
   return e;
 }
 

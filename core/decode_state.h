@@ -117,8 +117,16 @@ class DecodeState {
   // The held keys (rotated at their positions, in the state's kv dtype;
   // f32 for a KvCache) and values: [1, position(), kv_heads, dim] each.
   // Unimplemented for linear states.
+  // The held keys, rotated at their positions (in the state's kv dtype; f32
+  // for a KvCache), or, under a length-dependent rule, the raw f32 keys the
+  // state keeps (key_form kRaw): rotated keys rounded to the cache dtype
+  // would be un-rotated and rounded again by an import, not the same keys.
+  // Values: [1, position(), kv_heads, v_dim] in the cache dtype. Importing
+  // k (with key_form) and v into a state of the same config gives the same
+  // cache bit for bit.
   struct Exported {
     Tensor k, v;
+    KeyForm key_form = KeyForm::kRotated;
   };
   absl::StatusOr<Exported> Export() const;
 

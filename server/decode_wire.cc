@@ -212,7 +212,10 @@ Cost PriceExport(const SessionConfig& c, int64_t position) {
   const DType dtype =
       DecodeState::StorageFor(StateConfigOf(c)) == DecodeState::Storage::kKvCache ? DType::kF32
                                                                                  : c.kv_dtype;
-  const int64_t k = DenseBytes(SatProduct({position, c.spec.kv_heads, c.spec.head_dim}), dtype);
+  // Under a length-dependent rule the keys leave raw, as the state keeps
+  // them: f32.
+  const DType k_dtype = SessionDimsOf(c).rope_length_dependent ? DType::kF32 : dtype;
+  const int64_t k = DenseBytes(SatProduct({position, c.spec.kv_heads, c.spec.head_dim}), k_dtype);
   const int64_t v = DenseBytes(SatProduct({position, c.spec.kv_heads, c.v_dim}), dtype);
   Cost cost;
   cost.reply_bytes = SatAdd(SatAdd(k, v), kReplyOverheadBytes);

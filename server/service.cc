@@ -841,7 +841,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
             v1::KvExport* e = response_.mutable_exported();
             TensorToProto(kv->k.cview(), e->mutable_k());
             TensorToProto(kv->v.cview(), e->mutable_v());
-            e->set_key_form(v1::KEY_FORM_ROTATED);
+            e->set_key_form(kv->key_form == DecodeState::KeyForm::kRaw ? v1::KEY_FORM_RAW
+                                                                       : v1::KEY_FORM_ROTATED);
             e->set_start_position(session_->config().start_position);
             e->set_position(kv->k.dim(1));
           }

@@ -593,9 +593,11 @@ TEST(DecodeStateTest, ImportedPrefixContinuesLikeTheStepsThatMadeIt) {
       ASSERT_EQ(e->k.dim(1), prefix);
       DecodeState raw = DecodeState::Create(c).value();
       ASSERT_TRUE(raw.Import(pre.k.cview(), pre.v.cview(), DecodeState::KeyForm::kRaw).ok());
+      // Under dynamic NTK the export carries the raw keys the state keeps.
+      EXPECT_EQ(e->key_form,
+                dynamic ? DecodeState::KeyForm::kRaw : DecodeState::KeyForm::kRotated);
       DecodeState rotated = DecodeState::Create(c).value();
-      absl::Status st =
-          rotated.Import(e->k.cview(), e->v.cview(), DecodeState::KeyForm::kRotated, "prefix.");
+      absl::Status st = rotated.Import(e->k.cview(), e->v.cview(), e->key_form, "prefix.");
       ASSERT_TRUE(st.ok()) << st;
       EXPECT_EQ(raw.position(), prefix);
       const double tol = kv == DType::kF32 ? testing::kF32Tol : testing::kBF16Tol;
@@ -608,7 +610,10 @@ TEST(DecodeStateTest, ImportedPrefixContinuesLikeTheStepsThatMadeIt) {
           outs.push_back(ToDoubles(out.cview()));
         }
         EXPECT_TRUE(AllClose(outs[1], outs[0], tol)) << "raw import, step " << step;
-        EXPECT_TRUE(AllClose(outs[2], outs[0], tol)) << "rotated import, step " << step;
+        // The export moves the same cache: the same answers, bit for bit
+        // (bf16 under dynamic NTK differed by ~2e-3 when the export carried
+        // rounded rotated keys).
+        EXPECT_EQ(outs[2], outs[0]) << "import of the export, step " << step;
       }
     }
   }

@@ -1578,14 +1578,16 @@ TEST_F(SessionTest, StartPositionAndKvPrefixMoveASessionExactly) {
     const v1::KvExport exported = r.exported();
     EXPECT_EQ(exported.position(), prefix);
     EXPECT_EQ(exported.start_position(), c.start);
-    EXPECT_EQ(exported.key_form(), v1::KEY_FORM_ROTATED);
+    // Under dynamic NTK the export carries the raw keys the session keeps.
+    EXPECT_EQ(exported.key_form(),
+              c.rope_type == "dynamic" ? v1::KEY_FORM_RAW : v1::KEY_FORM_ROTATED);
     EXPECT_THAT(exported.k().shape(), ::testing::ElementsAre(1, prefix, c.kv_heads, c.head_dim));
 
     Stream moved(stub_.get());
     v1::OpenSession open = MakeOpen(c);
     *open.mutable_prefix()->mutable_k() = exported.k();
     *open.mutable_prefix()->mutable_v() = exported.v();
-    open.mutable_prefix()->set_key_form(v1::KEY_FORM_ROTATED);
+    open.mutable_prefix()->set_key_form(exported.key_form());
     EXPECT_EQ(moved.Open(open).position(), prefix);
 
     Stream raw(stub_.get());

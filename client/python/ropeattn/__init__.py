@@ -237,7 +237,9 @@ class Session:
         return self._send(pb.DecodeRequest(fork=pb.Fork(seq=self._next_seq())), "forked")
 
     def export_kv(self):
-        """(keys, values) as float32 arrays [1, T, Hkv, D], keys rotated."""
+        """(keys, values) as float32 arrays [1, T, Hkv, D]: keys rotated at
+        their positions, or, under a dynamic or longrope rule, the raw keys
+        the session keeps (KvExport.key_form RAW)."""
         e = self._send(pb.DecodeRequest(export_kv=pb.ExportKv(seq=self._next_seq())), "exported")
         return from_tensor(e.k), from_tensor(e.v)
 
