@@ -156,6 +156,12 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
   c.resumable = open.resumable();
   RA_RETURN_IF_ERROR(CheckPositions(c.start_position, std::max<int64_t>(c.max_context, 1),
                                     "open.start_position (with max_context tokens after it)"));
+  if (c.model) {
+    // A session whose first token would be past the model's position table
+    // could never step.
+    RA_RETURN_IF_ERROR(
+        CheckTablePositions(c.model->config(), c.start_position + 1, "open.start_position"));
+  }
   if (open.has_prefix()) {
     // Shapes, sizes and the key form here, before the session is reserved;
     // the bytes are read when it is filled.

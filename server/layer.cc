@@ -300,7 +300,8 @@ absl::StatusOr<LayerPlan> PlanLayerAttend(const ModelRegistry& models,
   plan.offsets.assign(request.q_offsets().begin(), request.q_offsets().end());
   int64_t len = s;
   for (int64_t off : plan.offsets) len = std::max(len, off + s);
-  RA_RETURN_IF_ERROR(CheckTablePositions(c, len, "layer.hidden at q_offsets"));
+  RA_RETURN_IF_ERROR(CheckTablePositions(
+      c, len, plan.offsets.empty() ? "layer.hidden" : "layer.hidden at its q_offsets"));
   LayerDims& d = plan.dims;
   d.batch = b;
   d.seq = s;

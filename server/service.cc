@@ -343,7 +343,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
                         "padding",
                         "truncate",
                         "fork",
-                        "resumable"}) {
+                        "resumable",
+                        "int8",
+                        "prefix",
+                        "export_kv",
+                        "layer",
+                        "embed"}) {
     r->add_capabilities(c);
   }
   // One entry per RoPE rule of the core's registry.
@@ -369,7 +374,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
   r->set_default_max_context(options_.default_max_context);
   r->set_queue_depth(static_cast<int32_t>(executor_->queue_depth()));
   r->set_queue_capacity(executor_->capacity());
-  r->set_reaped_sessions(sessions_->reaped_total());
+  r->set_reaped_sessions(counts.reaped);
   metrics_->RecordRequest("GetServerInfo", 0, SecondsSince(start));
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);

@@ -807,6 +807,7 @@ int SessionManager::ReapIdle(absl::Time now) {
     }
     for (const auto& [id, status] : expired) EraseLocked(id, "reaped", status);
     reaped_ += expired.size();
+    for (const Reaped& r : reaped) ++reaped_by_owner_[r.owner];
   }
   // Logged outside the manager's lock: a slow log never holds up sessions.
   for (const Reaped& r : reaped) {
@@ -848,6 +849,11 @@ SessionManager::Counts SessionManager::CountsFor(const Principal& caller) const 
     c.attached += s->attached_ ? 1 : 0;
   }
   if (everyone) c.kv_bytes = kv_in_use_;  // reserved (opening) sessions too
+  if (everyone) {
+    c.reaped = reaped_;
+  } else if (auto it = reaped_by_owner_.find(caller.name); it != reaped_by_owner_.end()) {
+    c.reaped = it->second;
+  }
   return c;
 }
 

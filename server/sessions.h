@@ -291,6 +291,7 @@ class SessionManager {
   struct Counts {
     int open = 0, attached = 0;
     int64_t kv_bytes = 0;
+    uint64_t reaped = 0;  // sessions reaped since start
   };
   Counts CountsFor(const Principal& caller) const;
   int open_sessions() const;
@@ -332,6 +333,8 @@ class SessionManager {
   int64_t kv_in_use_ ABSL_GUARDED_BY(mu_) = 0;  // held bytes of admitted sessions
   int reserved_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reaped_ ABSL_GUARDED_BY(mu_) = 0;
+  // Per owner (one entry per principal that ever had a session reaped).
+  absl::flat_hash_map<std::string, uint64_t> reaped_by_owner_ ABSL_GUARDED_BY(mu_);
   // Recently ended ids, so a late caller learns "expired" or "closed" rather
   // than "unknown". Bounded.
   struct Ended {

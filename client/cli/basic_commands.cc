@@ -288,6 +288,9 @@ int SessionsCommand(int argc, char** argv) {
                       kFlags, true, &exit_code);
   if (!args.has_value()) return exit_code;
   if (int code = NoPositional("sessions", *args); code != 0) return code;
+  if (FlagGiven("close") && absl::GetFlag(FLAGS_close).empty()) {
+    return UsageFail("sessions", "--close needs a session id");
+  }
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail("sessions", client.status());
   if (const std::string id = absl::GetFlag(FLAGS_close); !id.empty()) {

@@ -787,6 +787,11 @@ TEST_F(CliTest, SessionsListsAndCloses) {
   r = Cli({"sessions", "--close", "00000000000000000000000000000000"});
   EXPECT_EQ(r.exit_code, 5) << Describe(r);
   ExpectOneErrorLine(r, "sessions", "NOT_FOUND");
+  // An empty id is a usage error, not a listing.
+  r = Cli({"sessions", "--close="});
+  EXPECT_EQ(r.exit_code, 64) << Describe(r);
+  ExpectOneErrorLine(r, "sessions", "USAGE");
+  EXPECT_THAT(r.err, HasSubstr("--close needs a session id"));
 }
 
 // --- attend. ---

@@ -597,6 +597,20 @@ TEST(ArchitectureLayerTest, GptJPositionsEndWithItsTable) {
   rw->WritesDone();
   EXPECT_TRUE(rw->Finish().ok());
 
+  // A session starting at 64 could never step: refused at open.
+  {
+    grpc::ClientContext octx;
+    auto orw = s->stub->Decode(&octx);
+    v1::DecodeRequest late;
+    late.mutable_open()->set_model("gptj");
+    late.mutable_open()->set_start_position(64);
+    ASSERT_TRUE(orw->Write(late));
+    v1::DecodeResponse lr;
+    EXPECT_FALSE(orw->Read(&lr)) << lr.DebugString();
+    const grpc::Status lst = orw->Finish();
+    EXPECT_EQ(lst.error_code(), grpc::StatusCode::OUT_OF_RANGE) << lst.error_message();
+    EXPECT_THAT(lst.error_message(), HasSubstr("open.start_position"));
+  }
   // A prefix of 8 tokens from position 60 reaches 67: refused at open.
   grpc::ClientContext pctx;
   auto prw = s->stub->Decode(&pctx);

@@ -300,6 +300,7 @@ TEST_F(SecurityTest, MutualTlsAcceptsOnlyCertificatesOfTheClientCa) {
   ASSERT_TRUE(alice.ok() && bob.ok() && stranger.ok() && expired.ok() && nameless.ok());
   server::ServerOptions o = TlsOptions();
   o.tls_client_ca_file = ca_->cert_file();
+  o.default_idle_ttl_seconds = 1;  // alice's detached session is reaped at the end
   const int port = Start(o);
   ASSERT_GT(port, 0);
   const auto with = [&](const CertFiles* cert) {
@@ -366,6 +367,17 @@ TEST_F(SecurityTest, MutualTlsAcceptsOnlyCertificatesOfTheClientCa) {
     EXPECT_EQ(info.kv_bytes_in_use() > 0, sessions > 0) << who << ": " << info.kv_bytes_in_use();
   }
   EXPECT_TRUE(mine.Finish().ok());
+  // Detached, it is reaped after its 1 s TTL: counted for alice, not bob.
+  const auto reaped = [&](v1::AttentionService::Stub* stub) {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    EXPECT_TRUE(stub->GetServerInfo(WithDeadline(&ctx), {}, &info).ok());
+    return info.reaped_sessions();
+  };
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (reaped(as_alice.get()) == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(reaped(as_alice.get()), 1u);
+  EXPECT_EQ(reaped(as_bob.get()), 0u);
 }
 
 // ------------------------------------------------------- ownership matrix --
