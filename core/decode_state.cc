@@ -510,6 +510,15 @@ absl::Status DecodeState::Prepare(Job& job, int plan_threads, AttentionJob* atte
   // bf16, or quantized per (token, kv head)).
   RA_ASSIGN_OR_RETURN(Tensor kf, CastTensor(job.k, DType::kF32));
   if (c.rope) RA_RETURN_IF_ERROR(rotator_->Apply(kf.view(), at, RopeDirection::kForward, 1));
+  // Finite keys can leave the float range when rotated, and finite f32
+  // keys or values the bf16 range when stored: refused before anything is
+  // written (a key whose score is -Inf for this step's queries would
+  // otherwise be committed as Inf, and fail every later step).
+  RA_RETURN_IF_ERROR(CheckFinite(kf.cview(), job.names + "k (rotated at its positions)"));
+  if (storage_ != Storage::kInt8 && !kv_ && c.kv_dtype == DType::kBF16) {
+    RA_RETURN_IF_ERROR(CheckFitsBF16(kf.cview(), job.names + "k (rounded to the bf16 cache)"));
+    RA_RETURN_IF_ERROR(CheckFitsBF16(job.v, job.names + "v (rounded to the bf16 cache)"));
+  }
   if (kv_) {
     RA_RETURN_IF_ERROR(kv_->WriteK(position_, kf.cview()));
     if (job.v.dtype() == DType::kF32) {
@@ -641,12 +650,10 @@ absl::Status DecodeState::Import(ConstTensorView k, ConstTensorView v, KeyForm f
   if (k_raw_.num_elements() > 0) {
     RA_RETURN_IF_ERROR(CopyRows(raw.cview(), k_raw_.view().Slice(1, 0, tokens)));
   }
-  Tensor rotated;
-  if (c.rope && form == KeyForm::kRotated && !LengthDependent()) {
-    // Stored exactly as given.
-    RA_ASSIGN_OR_RETURN(rotated, CastTensor(k, DType::kF32));
-  } else {
-    rotated = std::move(raw);
+  // Stored exactly as given when they come rotated (outside a
+  // length-dependent rule `raw` is then k itself, in f32).
+  Tensor rotated = std::move(raw);
+  if (!(c.rope && form == KeyForm::kRotated && !LengthDependent())) {
     if (c.rope) {
       if (LengthDependent()) {
         RA_RETURN_IF_ERROR(PrepareRope(tokens));  // position_ is 0: nothing re-rotated
@@ -659,10 +666,8 @@ absl::Status DecodeState::Import(ConstTensorView k, ConstTensorView v, KeyForm f
   // held as Inf (every later step would fail on them).
   RA_RETURN_IF_ERROR(CheckFinite(rotated.cview(), names + "k (rotated at its positions)"));
   if (storage_ != Storage::kInt8 && !kv_ && c.kv_dtype == DType::kBF16) {
-    RA_ASSIGN_OR_RETURN(Tensor kb, CastTensor(rotated.cview(), DType::kBF16));
-    RA_RETURN_IF_ERROR(CheckFinite(kb.cview(), names + "k (rounded to the bf16 cache)"));
-    RA_ASSIGN_OR_RETURN(Tensor vb, CastTensor(v, DType::kBF16));
-    RA_RETURN_IF_ERROR(CheckFinite(vb.cview(), names + "v (rounded to the bf16 cache)"));
+    RA_RETURN_IF_ERROR(CheckFitsBF16(rotated.cview(), names + "k (rounded to the bf16 cache)"));
+    RA_RETURN_IF_ERROR(CheckFitsBF16(v, names + "v (rounded to the bf16 cache)"));
   }
   if (kv_) {
     RA_RETURN_IF_ERROR(kv_->WriteK(0, rotated.cview()));

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -300,6 +301,29 @@ absl::Status CheckFinite(const ConstTensorView& t, absl::string_view name) {
       }
     }
     for (int a = split - 1; a >= 0; --a) {
+      if (++index[a] < t.dim(a)) break;
+      index[a] = 0;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFitsBF16(const ConstTensorView& t, absl::string_view name) {
+  if (t.dtype() != DType::kF32) return absl::OkStatus();
+  const int64_t n = t.num_elements();
+  const int rank = t.rank();
+  Dims index(rank, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = reinterpret_cast<const float*>(t.raw())[t.Offset(index)];
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    // Finite values from 0x7f7f8000 up round (to nearest even) to Inf.
+    if ((bits & 0x7fffffffu) >= 0x7f7f8000u && std::isfinite(x)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s%s is %g, beyond bf16's range: stored as bf16 it would be Inf", name,
+          DimsToString(index), x));
+    }
+    for (int a = rank - 1; a >= 0; --a) {
       if (++index[a] < t.dim(a)) break;
       index[a] = 0;
     }

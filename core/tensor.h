@@ -177,6 +177,10 @@ absl::Status CheckBSHD(const ConstTensorView& t, absl::string_view name);
 // Every element is finite; otherwise InvalidArgument such as
 // "q[0, 3, 1, 17] is NaN" or "k[0, 2, 0, 5] is +inf".
 absl::Status CheckFinite(const ConstTensorView& t, absl::string_view name);
+// InvalidArgument naming `name` and the first element of an f32 tensor that
+// rounds to Inf in bf16 (|x| at or past 0x1.fffp+127 rounded to nearest
+// even); OK for bf16 tensors. Allocates nothing.
+absl::Status CheckFitsBF16(const ConstTensorView& t, absl::string_view name);
 
 }  // namespace ropeattn
 

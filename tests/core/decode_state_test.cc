@@ -682,6 +682,36 @@ TEST(DecodeStateTest, SmallStatesDoNotPinHugePages) {
       << " KiB of parts";
 }
 
+// A step's finite f32 key beyond bf16's range is refused for a bf16 cache,
+// the state unchanged: it was stored as Inf when this step's query scored
+// it -Inf (weight 0), and every later step then failed.
+TEST(DecodeStateTest, StepRefusesAKeyTheBf16CacheWouldHoldAsInf) {
+  DecodeStateConfig c;
+  c.heads = 1;
+  c.kv_heads = 1;
+  c.head_dim = 8;
+  c.v_dim = 8;
+  c.max_context = 8;
+  c.kv_dtype = DType::kBF16;
+  DecodeState s = DecodeState::Create(c).value();
+  Tensor q = Tensor::Create(DType::kF32, {1, 1, 1, 8}).value();
+  Tensor k = Tensor::Create(DType::kF32, {1, 1, 1, 8}).value();
+  Tensor v = Tensor::Create(DType::kF32, {1, 1, 1, 8}).value();
+  for (int i = 0; i < 8; ++i) {
+    q.data<float>()[i] = i == 0 ? -100.0f : 0.0f;
+    k.data<float>()[i] = i == 0 ? 3.3999e38f : 0.0f;
+    v.data<float>()[i] = 1.0f;
+  }
+  Tensor out = Tensor::Create(DType::kF32, {1, 1, 1, 8}).value();
+  absl::Status st = s.Step(q.cview(), k.cview(), v.cview(), out.view(), 1, nullptr, "step.");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(st.message(), HasSubstr("step.k (rounded to the bf16 cache)"));
+  EXPECT_EQ(s.position(), 0);
+  k.data<float>()[0] = 1.0f;
+  ASSERT_TRUE(s.Step(q.cview(), k.cview(), v.cview(), out.view(), 1, nullptr, "step.").ok());
+  EXPECT_EQ(s.position(), 1);
+}
+
 // Finite prefix keys that leave the float range when rotated, and finite f32
 // values beyond bf16's range for a bf16 cache, are refused naming the
 // tensor, the state left empty. They were stored as Inf (every later step
