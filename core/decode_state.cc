@@ -81,26 +81,29 @@ class PageArena {
   }
 
  private:
+  struct Slab;
   explicit PageArena(int64_t bytes) : bytes_(bytes) {}
 
   char* Take() {
     absl::MutexLock lock(&mu_);
     if (open_.empty()) {
-      // An arena's first slab stays on 4 KiB pages: a huge page is resident
-      // whole at its first touch, so a slab holding one small part would
-      // cost 2 MiB the budget never charged (64 arenas: 128 MiB). A new slab
-      // is mapped only once every other is full, so huge pages go to arenas
-      // already holding 2 MiB of live parts: the caches long enough for
-      // the TLB to matter.
-      char* base = MapSlab(/*huge=*/!slabs_.empty());
+      // Huge pages only for an arena already holding a slab's worth of
+      // live parts (a new slab is mapped only once every other is full):
+      // a huge page is resident whole at its first touch, so a slab holding
+      // one small part would cost 2 MiB the budget never charged (64
+      // arenas: 128 MiB). Give() takes them back when that stops holding.
+      const bool huge = live_ >= kSlab / bytes_;
+      char* base = MapSlab(huge);
       if (base == nullptr) return nullptr;
       Slab& slab = slabs_[base];
+      slab.huge = huge;
       for (int64_t i = kSlab / bytes_ - 1; i >= 0; --i) slab.free.push_back(base + i * bytes_);
       open_.insert(base);
     }
     char* base = *open_.begin();
     Slab& slab = slabs_[base];
     ++slab.used;
+    ++live_;
     char* part = slab.free.back();
     slab.free.pop_back();
     if (slab.free.empty()) open_.erase(base);
@@ -111,19 +114,43 @@ class PageArena {
     char* base = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(part) & ~(kSlab - 1));
     absl::MutexLock lock(&mu_);
     Slab& slab = slabs_[base];
+    --live_;
     if (--slab.used == 0) {
       open_.erase(base);
       slabs_.erase(base);
       munmap(base, kSlab);
-      return;
+    } else {
+      // Its whole 4 KiB pages back to the system; a later Take faults them
+      // in. A slab with a hole stays on 4 KiB pages from now on (khugepaged
+      // would otherwise fill the hole again to rebuild the huge page).
+      Release(part);
+      slab.free.push_back(part);
+      open_.insert(base);
+      if (slab.huge) Shrink(base, slab);
     }
-    // Its whole 4 KiB pages back to the system; a later Take faults them in.
+    // Fewer than a slab's worth of live parts left: no huge page stays, so
+    // what is resident is the parts (a huge slab holding one part of a small
+    // session after a long one closed kept its whole 2 MiB).
+    if (live_ < kSlab / bytes_) {
+      for (auto& [b, sl] : slabs_) {
+        if (sl.huge) Shrink(b, sl);
+      }
+    }
+  }
+
+  // The whole 4 KiB pages of a free part back to the system.
+  void Release(char* part) const {
     constexpr uintptr_t kPage = 4096;
     const uintptr_t lo = (reinterpret_cast<uintptr_t>(part) + kPage - 1) & ~(kPage - 1);
     const uintptr_t hi = (reinterpret_cast<uintptr_t>(part) + bytes_) & ~(kPage - 1);
     if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
-    slab.free.push_back(part);
-    open_.insert(base);
+  }
+  // A huge slab to 4 KiB pages: no huge page again, and the pages of its
+  // free parts (never taken ones too) back to the system.
+  void Shrink(char* base, Slab& slab) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    madvise(base, kSlab, MADV_NOHUGEPAGE);
+    for (char* p : slab.free) Release(p);
+    slab.huge = false;
   }
 
   // A 2 MiB-aligned 2 MiB mapping (twice the size mapped, the rest unmapped).
@@ -143,9 +170,11 @@ class PageArena {
   struct Slab {
     std::vector<char*> free;
     int64_t used = 0;
+    bool huge = false;  // mapped MADV_HUGEPAGE, no part freed since
   };
   const int64_t bytes_;
   absl::Mutex mu_;
+  int64_t live_ ABSL_GUARDED_BY(mu_) = 0;  // parts taken and not given back
   std::map<char*, Slab> slabs_ ABSL_GUARDED_BY(mu_);
   std::set<char*> open_ ABSL_GUARDED_BY(mu_);  // slabs with a free part
 };

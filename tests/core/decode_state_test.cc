@@ -3,11 +3,14 @@
 // solo calls, bit for bit.
 #include "core/decode_state.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -680,6 +683,45 @@ TEST(DecodeStateTest, SmallStatesDoNotPinHugePages) {
   EXPECT_LT(grown, parts + (int64_t{8} << 20))
       << "resident memory grew by " << grown / 1024 << " KiB for " << parts / 1024
       << " KiB of parts";
+}
+
+// A long session fills a slab, so the next slab of its arena gets huge
+// pages; a one-page session's part lands there; the long one ends. The
+// huge slab then goes back to 4 KiB pages and gives back everything but
+// that part (it kept its whole 2 MiB, for K and for V, the budget charging
+// one page).
+TEST(DecodeStateTest, AHugeSlabLeftWithOnePartGivesTheRestBack) {
+  DecodeStateConfig c;
+  c.heads = 1;
+  c.kv_heads = 1;
+  c.head_dim = 2000;  // 125 KiB parts, 16 to a slab; a size no other test uses
+  c.v_dim = c.head_dim;
+  const auto step = [](DecodeState& s, const DecodeStateConfig& cfg, int64_t tokens) {
+    StepTensors t = RandomStep(cfg, tokens, 50 + tokens);
+    Tensor out = Tensor::Create(DType::kF32, {1, tokens, 1, cfg.v_dim}).value();
+    return s.Step(t.q.cview(), t.k.cview(), t.v.cview(), out.view(), 1);
+  };
+  DecodeStateConfig lc = c;
+  lc.max_context = 256;  // 16 pages: one full slab per arena
+  {
+    // The same long step once before measuring: the threads' scratch
+    // buffers, kept between calls, are not what this is about.
+    DecodeState warm = DecodeState::Create(lc).value();
+    ASSERT_TRUE(step(warm, lc, 256).ok());
+  }
+  malloc_trim(0);
+  const int64_t before = ResidentBytes();
+  std::optional<DecodeState> x = DecodeState::Create(lc).value();
+  ASSERT_TRUE(step(*x, lc, 256).ok());
+  c.max_context = 16;
+  DecodeState y = DecodeState::Create(c).value();
+  ASSERT_TRUE(step(y, c, 1).ok());
+  x.reset();  // the long session ends
+  malloc_trim(0);  // the steps' freed buffers are not what this is about
+  const int64_t grown = ResidentBytes() - before;
+  EXPECT_LT(grown, int64_t{1536} << 10)
+      << "resident memory grew by " << grown / 1024 << " KiB holding one 125 KiB page";
+  EXPECT_EQ(y.position(), 1);
 }
 
 // A step's finite f32 key beyond bf16's range is refused for a bf16 cache,
