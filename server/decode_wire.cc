@@ -227,7 +227,11 @@ Cost PriceExport(const SessionConfig& c, int64_t position) {
   cost.reply_bytes = SatAdd(SatAdd(k, v), kReplyOverheadBytes);
   cost.transient_bytes = SatMul(cost.reply_bytes, 2);  // the copies and the message
   cost.compute = SatAdd(k, v);
-  cost.reply_what = absl::StrFormat("the KV of %d tokens (%s)", position, DTypeName(dtype));
+  cost.reply_what =
+      k_dtype == dtype
+          ? absl::StrFormat("the KV of %d tokens (%s)", position, DTypeName(dtype))
+          : absl::StrFormat("the KV of %d tokens (raw f32 keys, %s values)", position,
+                            DTypeName(dtype));
   cost.compute_what = cost.reply_what;
   return cost;
 }
