@@ -206,8 +206,8 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
 
 absl::StatusOr<WirePrefix> PrefixFromProto(const v1::KvPrefix& prefix) {
   WirePrefix p;
-  RA_ASSIGN_OR_RETURN(p.k, TensorFromProto(prefix.k(), "open.prefix.k"));
-  RA_ASSIGN_OR_RETURN(p.v, TensorFromProto(prefix.v(), "open.prefix.v"));
+  RA_ASSIGN_OR_RETURN(p.k, ViewOfWireTensor(prefix.k(), "open.prefix.k", &p.copies[0]));
+  RA_ASSIGN_OR_RETURN(p.v, ViewOfWireTensor(prefix.v(), "open.prefix.v", &p.copies[1]));
   p.form = prefix.key_form() == v1::KEY_FORM_ROTATED ? DecodeState::KeyForm::kRotated
                                                       : DecodeState::KeyForm::kRaw;
   return p;

@@ -23,11 +23,15 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
                                                  const ServerOptions& options,
                                                  const ModelRegistry& models);
 
-// An open's KV prefix as core tensors (over copies of the wire bytes) and
-// its key form; InvalidArgument naming open.prefix.k / .v for a malformed
-// tensor. Shapes were checked by ResolveOpenSession.
+// An open's KV prefix as core views over the wire bytes (copied only when
+// misaligned, into `copies`: the open's reservation counts one f32 copy of
+// k and v, which the import's rotated keys need) and its key form;
+// InvalidArgument naming open.prefix.k / .v for a malformed tensor. Shapes
+// were checked by ResolveOpenSession. The views live as long as the
+// message.
 struct WirePrefix {
-  Tensor k, v;
+  ConstTensorView k, v;
+  Tensor copies[2];
   DecodeState::KeyForm form = DecodeState::KeyForm::kRaw;
 };
 absl::StatusOr<WirePrefix> PrefixFromProto(const v1::KvPrefix& prefix);

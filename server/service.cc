@@ -802,8 +802,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
           // The new session starts from the caller's KV; if it cannot, the
           // open fails and the session is gone.
           absl::StatusOr<WirePrefix> prefix = PrefixFromProto(request_.open().prefix());
-          status = prefix.ok() ? session_->Import(prefix->k.cview(), prefix->v.cview(),
-                                                  prefix->form, "open.prefix.")
+          status = prefix.ok() ? session_->Import(prefix->k, prefix->v, prefix->form,
+                                                  "open.prefix.")
                                : prefix.status();
           if (!status.ok()) {
             (void)service_->sessions_->Close(session_->id(), "its prefix was refused",
