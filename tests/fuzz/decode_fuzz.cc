@@ -232,8 +232,8 @@ class Driver {
         s.session = *std::move(opened);
         if (r.has_open() && r.open().has_prefix()) {
           absl::StatusOr<server::WirePrefix> prefix = server::PrefixFromProto(r.open().prefix());
-          status = prefix.ok() ? s.session->Import(prefix->k.cview(), prefix->v.cview(),
-                                                   prefix->form, "open.prefix.")
+          status = prefix.ok() ? s.session->Import(prefix->k, prefix->v, prefix->form,
+                                                   "open.prefix.")
                                : prefix.status();
           if (!status.ok()) {
             (void)w_.sessions.Close(s.session->id(), "its prefix was refused", kCaller);
