@@ -368,13 +368,15 @@ TEST(ParseModelConfigTest, PartialRotaryFactorAndExplicitHeadDim) {
 // transformers computes the rotary dimension as int(head_dim * fraction):
 // the double product truncated (100 * 0.29 = 28.999999999999996 gives 28).
 TEST(ParseModelConfigTest, PartialRotaryIsTruncatedAsPythonInt) {
-  const auto neox = [](absl::string_view pct) {
-    return absl::StrCat(
-        R"({"model_type": "gpt_neox", "hidden_size": 400, "num_attention_heads": 4,
-            "vocab_size": 8, "num_hidden_layers": 1, "max_position_embeddings": 16,
-            "rotary_pct": )",
-        pct, "}");
+  // A 4-head, head_dim 100 config of `type` with `key` = `fraction`.
+  const auto config = [](absl::string_view type, absl::string_view key,
+                         absl::string_view fraction) {
+    return absl::StrCat(R"({"model_type": ")", type, R"(", "hidden_size": 400,
+            "num_attention_heads": 4, "vocab_size": 8, "num_hidden_layers": 1,
+            "max_position_embeddings": 16, ")",
+                        key, "\": ", fraction, "}");
   };
+  const auto neox = [&](absl::string_view pct) { return config("gpt_neox", "rotary_pct", pct); };
   absl::StatusOr<ModelConfig> c = ParseModelConfig(neox("0.29"), "config.json");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->head_dim, 100);
@@ -389,12 +391,8 @@ TEST(ParseModelConfigTest, PartialRotaryIsTruncatedAsPythonInt) {
   EXPECT_EQ(c.status().code(), absl::StatusCode::kUnimplemented) << c.status();
   EXPECT_THAT(c.status().message(), AllOf(HasSubstr("rotary_pct"), HasSubstr("rotary_dim 57")));
 
-  const auto phi3 = [](absl::string_view factor) {
-    return absl::StrCat(
-        R"({"model_type": "phi3", "hidden_size": 400, "num_attention_heads": 4,
-            "vocab_size": 8, "num_hidden_layers": 1, "max_position_embeddings": 16,
-            "partial_rotary_factor": )",
-        factor, "}");
+  const auto phi3 = [&](absl::string_view factor) {
+    return config("phi3", "partial_rotary_factor", factor);
   };
   c = ParseModelConfig(phi3("0.57"), "config.json");
   ASSERT_TRUE(c.ok()) << c.status();
