@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "core/limits.h"
 #include "core/status_macros.h"
+#include "core/trig.h"
 
 namespace ropeattn {
 namespace {
@@ -120,7 +121,8 @@ absl::StatusOr<Tensor> SinusoidalTable(int64_t num_positions, int64_t d_model, d
   for (int64_t i = 0; i < half; ++i) {
     inv_freq[i] = std::pow(base, -static_cast<double>(2 * i) / static_cast<double>(d_model));
   }
-  // Positions stay exact in fp64 up to 2^53, so p * w_i rounds only once.
+  // Positions stay exact in fp64 up to 2^53; the product p * w_i's own
+  // rounding is corrected (core/trig.h).
   // The interleaved layout writes sin/cos of pair i to columns 2i, 2i+1; the
   // half layout to columns i, half + i.
   const bool interleaved = layout == SinusoidalLayout::kInterleaved;
@@ -131,9 +133,10 @@ absl::StatusOr<Tensor> SinusoidalTable(int64_t num_positions, int64_t d_model, d
     const double p = static_cast<double>(first_position + row);
     float* r = out + row * d_model;
     for (int64_t i = 0; i < half; ++i) {
-      const double angle = p * inv_freq[i];
-      r[i * sin_stride] = static_cast<float>(std::sin(angle));
-      r[cos_start + i * sin_stride] = static_cast<float>(std::cos(angle));
+      double sn, cs;
+      internal::SinCosOfProduct(p, inv_freq[i], &sn, &cs);
+      r[i * sin_stride] = static_cast<float>(sn);
+      r[cos_start + i * sin_stride] = static_cast<float>(cs);
     }
   }
   return table;

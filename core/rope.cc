@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "core/limits.h"
 #include "core/status_macros.h"
+#include "core/trig.h"
 
 namespace ropeattn {
 namespace {
@@ -25,16 +26,18 @@ constexpr int64_t kMaxTableEntries = int64_t{1} << 28;
 // Below this many rotated elements a thread team costs more than it saves.
 constexpr int64_t kMinElementsPerThread = int64_t{1} << 14;
 
-// cos/sin of position * inv_freq in fp64, scaled by the attention factor, then
-// rounded once to fp32. fp32 angles would lose the phase of large positions
-// (p * theta needs ~log2(p) more mantissa bits than fp32 has to spare).
+// cos/sin of position * inv_freq in fp64 (the product's rounding corrected,
+// core/trig.h), scaled by the attention factor, then rounded once to fp32.
+// fp32 angles would lose the phase of large positions (p * theta needs
+// ~log2(p) more mantissa bits than fp32 has to spare).
 void ComputeCosSinRow(int64_t position, const std::vector<double>& inv_freq, double factor,
                       float* cos_row, float* sin_row) {
   const double p = static_cast<double>(position);
   for (size_t i = 0; i < inv_freq.size(); ++i) {
-    const double angle = p * inv_freq[i];
-    cos_row[i] = static_cast<float>(factor * std::cos(angle));
-    sin_row[i] = static_cast<float>(factor * std::sin(angle));
+    double sn, cs;
+    internal::SinCosOfProduct(p, inv_freq[i], &sn, &cs);
+    cos_row[i] = static_cast<float>(factor * cs);
+    sin_row[i] = static_cast<float>(factor * sn);
   }
 }
 

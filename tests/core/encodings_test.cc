@@ -6,6 +6,8 @@
 // that bf16 is rounded once from the fp32 sum.
 #include "core/encodings.h"
 
+#include <quadmath.h>
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -129,6 +131,25 @@ TEST(SinusoidalTableTest, FirstPositionShiftsRows) {
   Tensor tail = SinusoidalTable(8, 16, 10000.0, SinusoidalLayout::kInterleaved, 12).value();
   for (int64_t i = 0; i < 8 * 16; ++i) {
     EXPECT_EQ(tail.data<float>()[i], full.data<float>()[12 * 16 + i]) << i;
+  }
+}
+
+// Rows at the last positions (2^40): each angle is the exact product of
+// the position and the fp64 frequency base^(-2i/d) (rounded to fp64 the
+// product is off by up to 1e-4 rad), within fp32's rounding of a
+// __float128 evaluation (the 94-bit product exact, sinq/cosq exact).
+TEST(SinusoidalTableTest, RowsAtThePositionLimitAreExactProducts) {
+  constexpr int64_t kD = 64, kRows = 4, kFirst = (int64_t{1} << 40) - kRows + 1;
+  Tensor t = SinusoidalTable(kRows, kD, 10000.0, SinusoidalLayout::kSinCosHalf, kFirst).value();
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t i = 0; i < kD / 2; ++i) {
+      const double w = std::pow(10000.0, -static_cast<double>(2 * i) / static_cast<double>(kD));
+      const __float128 angle = static_cast<__float128>(kFirst + r) * w;
+      EXPECT_NEAR(t.data<float>()[r * kD + i], static_cast<double>(sinq(angle)), 6e-8)
+          << "row " << r << " pair " << i;
+      EXPECT_NEAR(t.data<float>()[r * kD + kD / 2 + i], static_cast<double>(cosq(angle)), 6e-8)
+          << "row " << r << " pair " << i;
+    }
   }
 }
 

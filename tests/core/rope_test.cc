@@ -8,6 +8,8 @@
 // rows, thread counts, bf16 vs f32 before rounding) the comparison is bitwise.
 #include "core/rope.h"
 
+#include <quadmath.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -444,6 +446,37 @@ TEST(RopePropertyTest, LargePositionsAreAccurate) {
       const Tensor y = Rotated(r, x, p);
       EXPECT_TRUE(AllClose(ToDoubles(y.cview()), RefRotate(ToDoubles(x.cview()), dims, c, pos),
                            dtype == DType::kF32 ? kF32Tol : kBF16Tol));
+    }
+  }
+}
+
+// At the largest positions (2^40) and under a large frequency (linear
+// factor 1e-6: angles near 1e18 rad), p * inv_freq rounded to fp64 is off
+// by up to 1e-4 rad or by whole radians. Each angle is taken as the exact
+// product of the position and the fp64 frequency: cos and sin are within
+// fp32's rounding of a __float128 evaluation (113-bit mantissa: the 94-bit
+// product is exact, and sinq/cosq reduce it exactly).
+TEST(RopePropertyTest, AnglesAreExactProductsAtThePositionLimit) {
+  RopeConfig big = MakeConfig(64, 0, RopeLayout::kHalfSplit);
+  RopeConfig fast = big;
+  fast.scaling.type = RopeScalingType::kLinear;
+  fast.scaling.factor = 1e-6;
+  const std::vector<int64_t> pos = {(int64_t{1} << 40) - 1, int64_t{1} << 40, 999999999989,
+                                    123456789012, 1000003};
+  for (const RopeConfig& c : {big, fast}) {
+    const RopeRotator r = MakeRotator(c, 64);
+    const std::vector<double>& inv_freq = r.frequencies().inv_freq;  // the fp64 frequencies
+    ASSERT_EQ(inv_freq.size(), 32u);
+    std::vector<float> cs(pos.size() * 32), sn(pos.size() * 32);
+    ASSERT_TRUE(r.CosSin(pos, absl::MakeSpan(cs), absl::MakeSpan(sn)).ok());
+    for (size_t k = 0; k < pos.size(); ++k) {
+      for (int i = 0; i < 32; ++i) {
+        const __float128 angle = static_cast<__float128>(pos[k]) * inv_freq[i];
+        EXPECT_NEAR(cs[k * 32 + i], static_cast<double>(cosq(angle)), 6e-8)
+            << "position " << pos[k] << " pair " << i << " factor " << c.scaling.factor;
+        EXPECT_NEAR(sn[k * 32 + i], static_cast<double>(sinq(angle)), 6e-8)
+            << "position " << pos[k] << " pair " << i << " factor " << c.scaling.factor;
+      }
     }
   }
 }

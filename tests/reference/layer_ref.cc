@@ -44,8 +44,9 @@ void Rope(std::vector<double>& x, int64_t seq, int64_t heads, const LayerRefPara
     for (int64_t h = 0; h < heads; ++h) {
       double* v = &x[(s * heads + h) * d];
       for (int64_t i = 0; i < half; ++i) {
-        const double a = pos * p.inv_freq[i];
-        const double c = std::cos(a) * p.attention_factor, sn = std::sin(a) * p.attention_factor;
+        const long double a = static_cast<long double>(pos) * p.inv_freq[i];
+        const double c = static_cast<double>(std::cos(a)) * p.attention_factor,
+                     sn = static_cast<double>(std::sin(a)) * p.attention_factor;
         const int64_t i0 = p.interleaved ? 2 * i : i;
         const int64_t i1 = p.interleaved ? 2 * i + 1 : i + half;
         const double x0 = v[i0], x1 = v[i1];

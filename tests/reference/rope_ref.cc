@@ -144,9 +144,11 @@ std::vector<double> Rotate(const RotateRefParams& p, const std::vector<double>& 
           // Which two channels form pair i.
           int64_t first = p.interleaved ? 2 * i : i;
           int64_t second = p.interleaved ? 2 * i + 1 : i + half;
-          double angle = position * p.inv_freq[i];
-          double c = std::cos(angle);
-          double sn = std::sin(angle);
+          // The angle of the fp64 frequency, taken exactly: long double
+          // carries the product to 2^-64 of itself.
+          const long double angle = static_cast<long double>(position) * p.inv_freq[i];
+          double c = static_cast<double>(std::cos(angle));
+          double sn = static_cast<double>(std::sin(angle));
           double a = p.attention_factor;
           if (p.inverse) {
             sn = -sn;
