@@ -195,7 +195,9 @@ absl::Status PlanCommon(const ConstTensorView& q, const AttentionOptions& o, con
   if (o.window < 0) {
     return absl::InvalidArgumentError(absl::StrFormat("window must be >= 0, got %d", o.window));
   }
-  p.window = o.window;
+  // Positions lie in [0, kMaxPosition]: any window past kMaxPosition + 1
+  // sees every key, and clamping it keeps pos +- window inside int64.
+  p.window = std::min<int64_t>(o.window, kMaxPosition + 1);
   p.causal = o.causal;
   if (o.num_threads < 1) {
     return absl::InvalidArgumentError(
@@ -1408,7 +1410,11 @@ void QuantizeInt8Rows(const float* x, int64_t x_stride, int64_t rows, int64_t di
     // A row of denormals below 127 x the smallest denormal would get a scale
     // of 0 (and 0 / 0): the smallest denormal is then the step, exact for
     // such values.
-    const float scale = std::max(m / 127.0f, std::numeric_limits<float>::denorm_min());
+    float scale = std::max(m / 127.0f, std::numeric_limits<float>::denorm_min());
+    // Near FLT_MAX, m / 127 rounded up would read 127 back as +-Inf: the
+    // next float down keeps every stored row finite (its quotients still
+    // round into [-127, 127]).
+    if (!std::isfinite(127.0f * scale)) scale = std::nextafter(scale, 0.0f);
     scales[r] = scale;
     for (int64_t i = 0; i < dim; ++i) {
       // Round to nearest even (the default rounding mode); |x| <= m keeps

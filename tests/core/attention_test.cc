@@ -1404,6 +1404,44 @@ TEST(FarBiasTest, AlibiFarFromEveryKeyMatchesFp64OnBothKernels) {
   }
 }
 
+// A window wider than any distance sees every key, up to INT64_MAX: the
+// window is clamped before position +- window is formed (it overflowed,
+// and a non-causal row saw no key at all).
+TEST(WindowTest, WindowsPastEveryDistanceSeeEveryKey) {
+  for (Path path : {Path::kDecode, Path::kPrefill}) {
+    for (bool causal : {false, true}) {
+      for (bool explicit_positions : {false, true}) {
+        Case c;
+        c.path = path;
+        c.causal = causal;
+        c.q_len = 3;
+        c.k_len = 7;
+        c.heads = 2;
+        c.head_dim = 16;
+        c.probs = true;
+        c.q_offsets = {4};
+        if (explicit_positions) {
+          c.q_offsets.clear();
+          c.q_positions = {9, 10, int64_t{1} << 40};
+          c.k_positions = {0, 1, 2, 5, 9, 10, int64_t{1} << 40};
+        }
+        const Inputs in = MakeInputs(c);
+        const Outputs full = RunAttend(c, in);
+        ASSERT_TRUE(full.status.ok()) << full.status;
+        for (int64_t w : {int64_t{1} << 41, std::numeric_limits<int64_t>::max() - 1,
+                          std::numeric_limits<int64_t>::max()}) {
+          c.window = w;
+          SCOPED_TRACE(Describe(c));
+          const Outputs wide = RunAttend(c, in);
+          ASSERT_TRUE(wide.status.ok()) << wide.status;
+          EXPECT_EQ(ToDoubles(wide.out.cview()), ToDoubles(full.out.cview()));
+          EXPECT_EQ(ToDoubles(wide.probs.cview()), ToDoubles(full.probs.cview()));
+        }
+      }
+    }
+  }
+}
+
 TEST(FarBiasTest, AlibiFarWithWindowPaddingSoftcapAndNegativeSlopes) {
   for (int64_t pos : kFarPositions) {
     for (Path path : {Path::kDecode, Path::kPrefill}) {
@@ -1627,6 +1665,27 @@ TEST(Int8Test, QuantizeRoundsToNearestEvenWithOneScalePerRow) {
   for (int r = 0; r < 5; ++r) {
     for (int i = 0; i < 37; ++i) {
       EXPECT_LE(std::fabs(bs[r] * bq[r * 37 + i] - big[r * 37 + i]), 0.5f * bs[r] * 1.0001f);
+    }
+  }
+}
+
+// Rows whose largest magnitude is at (or an ulp below) FLT_MAX: m / 127
+// rounds up, and 127 x that scale would read back as Inf; every row reads
+// back finite and within one step of its values.
+TEST(Int8Test, RowsAtTheFloatLimitReadBackFinite) {
+  const float mx = std::numeric_limits<float>::max();
+  const float rows[3][4] = {{mx, -mx, 1.0f, 0.0f},
+                            {-mx, 0.5f * mx, 3.0f, -1.0f},
+                            {std::nextafter(mx, 0.0f), 1e30f, -1e38f, 2.0f}};
+  int8_t q[12];
+  float scales[3];
+  QuantizeInt8Rows(&rows[0][0], 4, 3, 4, q, scales);
+  for (int r = 0; r < 3; ++r) {
+    for (int i = 0; i < 4; ++i) {
+      const float back = scales[r] * static_cast<float>(q[r * 4 + i]);
+      ASSERT_TRUE(std::isfinite(back)) << "row " << r << " column " << i;
+      EXPECT_LE(std::fabs(static_cast<double>(back) - rows[r][i]), 1.0001 * scales[r])
+          << "row " << r << " column " << i;
     }
   }
 }
