@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/attention.h"
+#include "core/attention_kernels.h"
 #include "core/kv_cache.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -27,6 +28,18 @@
 
 namespace ropeattn {
 namespace {
+
+// f32 states are paged only where a KvCache decodes no faster (its AVX-512
+// kernels off): the page tests turn them off for their lifetime, so they
+// test pages on every machine.
+class F32Paged {
+ public:
+  F32Paged() : previous_(internal::SetAvx512KernelsForTesting(false)) {}
+  ~F32Paged() { internal::SetAvx512KernelsForTesting(previous_); }
+
+ private:
+  const bool previous_;
+};
 
 using ::ropeattn::testing::AllClose;
 using ::ropeattn::testing::RandomTensor;
@@ -407,6 +420,7 @@ class CountingCharger : public KvPageCharger {
 // are refunded when their last holder drops them; a charge that fails
 // refuses the step and leaves the state as it was. f32, bf16 and int8.
 TEST(DecodeStateTest, ForksSharePagesCopyOnWriteAndStayExact) {
+  const F32Paged paged;
   for (int kind = 0; kind < 3; ++kind) {
     SCOPED_TRACE(kind);
     DecodeStateConfig c = BaseConfig();
@@ -663,6 +677,7 @@ int64_t ResidentBytes() {
 // huge page per arena (measured before: +48 MiB where madvise'd huge pages
 // are on, uncharged by the memory budget).
 TEST(DecodeStateTest, SmallStatesDoNotPinHugePages) {
+  const F32Paged paged;
   std::vector<DecodeState> states;
   const int64_t before = ResidentBytes();
   int64_t parts = 0;
@@ -691,6 +706,7 @@ TEST(DecodeStateTest, SmallStatesDoNotPinHugePages) {
 // that part (it kept its whole 2 MiB, for K and for V, the budget charging
 // one page).
 TEST(DecodeStateTest, AHugeSlabLeftWithOnePartGivesTheRestBack) {
+  const F32Paged paged;
   DecodeStateConfig c;
   c.heads = 1;
   c.kv_heads = 1;
