@@ -13,6 +13,7 @@
 #include "core/attention.h"
 #include "core/rope.h"
 #include "core/tensor.h"
+#include "server/param_limits.h"
 #include "grpcpp/support/status.h"
 #include "ropeattn/v1/attention.pb.h"
 
@@ -29,14 +30,9 @@ std::string CapStatusMessage(absl::string_view message);
 // 64 bytes (then "..." and its full length), non-printable bytes escaped.
 std::string QuoteForMessage(absl::string_view s);
 
-// Documented ranges of the float parameters (README "Limits"): a value
-// outside [lo, hi], or not finite, is InvalidArgument naming `field`.
-inline constexpr double kMaxTheta = 1e12;         // RoPE theta, sinusoidal base
-inline constexpr double kMaxScalingFactor = 1e6;  // factor, long/short factors, freq factors, betas
-inline constexpr double kMaxAttentionFactor = 1e3;  // attention_factor, |mscale|, |mscale_all_dim|
-inline constexpr double kMaxLogitScale = 1e4;     // spec.scale
-inline constexpr double kMaxSoftcap = 1e6;        // spec.softcap
-inline constexpr double kMaxAlibiSlope = 1e3;     // |spec.alibi.slopes[h]|
+// Documented ranges of the float parameters (server/param_limits.h, README
+// "Limits"): a value outside [lo, hi], or not finite, is InvalidArgument
+// naming `field`.
 absl::Status CheckFiniteRange(double value, double lo, double hi, absl::string_view field);
 
 // A wire tensor's dtype and shape, validated like TensorFromProto (dtype,

@@ -1,6 +1,7 @@
 #include "server/layer.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -175,13 +176,23 @@ absl::Status ModelLayerOptions(const ModelConfig& c, int64_t layer, const v1::At
         absl::StrFormat("spec.window must be >= 0 (0 means none), got %d", spec.window()));
   }
   const int64_t window = c.layers.empty() ? 0 : c.layers[static_cast<size_t>(layer)].window;
-  const double scale = c.scale > 0.0 ? c.scale : 1.0 / std::sqrt(static_cast<double>(c.head_dim));
-  // The spec may restate the model's values, never change them.
-  if (spec.scale() != 0.0 && spec.scale() != scale) {
+  // transformers' scaling: head_dim**-0.5 (or query_pre_attn_scalar**-0.5).
+  const double scale = c.scale > 0.0 ? c.scale : std::pow(static_cast<double>(c.head_dim), -0.5);
+  // The spec may restate the model's values, never change them. The kernels
+  // scale in f32: a restated value that rounds to the same f32 is the same
+  // computation (1/sqrt(x) and x**-0.5 differ in fp64's last bit for many x).
+  if (spec.scale() != 0.0 && static_cast<float>(spec.scale()) != static_cast<float>(scale)) {
+    // Shortest round-trip spellings: two values that differ show how.
+    auto shortest = [](double v) {
+      char buf[32];
+      const auto r = std::to_chars(buf, buf + sizeof(buf), v);
+      return std::string(buf, r.ptr);
+    };
     return absl::InvalidArgumentError(absl::StrFormat(
-        "spec.scale = %g differs from layer %d's own logit scale %.17g (%s); leave it 0 in layer "
-        "mode",
-        spec.scale(), layer, scale, c.scale > 0.0 ? "query_pre_attn_scalar^-0.5" : "1/sqrt(head_dim)"));
+        "spec.scale = %s differs from layer %d's own logit scale %s (%s); leave it 0 in "
+        "layer mode",
+        shortest(spec.scale()), layer, shortest(scale),
+        c.scale > 0.0 ? "query_pre_attn_scalar^-0.5" : "head_dim^-0.5"));
   }
   if (spec.softcap() != 0.0 && spec.softcap() != c.softcap) {
     return absl::InvalidArgumentError(absl::StrFormat(

@@ -22,6 +22,7 @@
 #include "absl/utility/utility.h"
 #include "core/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "server/param_limits.h"
 
 // Views of F32/BF16 weights point straight into the file, whose bytes are
 // little-endian by the safetensors spec.
@@ -84,7 +85,9 @@ class MappedFile {
  public:
   static absl::StatusOr<std::unique_ptr<MappedFile>> Open(const std::string& path,
                                                           std::string display_name) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a FIFO for reading would wait for a writer (and
+    // start-up with it); it is refused below as not a regular file.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return ErrnoStatus(errno, "cannot open", path);
     struct stat st;
     if (::fstat(fd, &st) != 0) {
@@ -130,10 +133,17 @@ class MappedFile {
 };
 
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path, absl::string_view display) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO would block the open (and start-up) until a writer
+  // came; only a regular file is read.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     if (errno == ENOENT) return absl::NotFoundError(absl::StrCat(display, " not found: ", path));
     return ErrnoStatus(errno, "cannot open", path);
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(display, ": not a regular file: ", path));
   }
   std::string out;
   char buf[65536];
@@ -159,17 +169,66 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path, absl::string_
 
 // A short rendering of a JSON value for messages (hostile files can hold
 // megabytes in one value).
+// Appends value's JSON to out, nested values past `depth` levels as [...] or
+// {...}, stopping once out holds more than `budget` characters: a value
+// nested 100,000 deep (json::dump recurses once per level) or megabytes long
+// is named in a few dozen characters, never by walking all of it.
+void BriefInto(const json& value, int depth, size_t budget, std::string* out) {
+  if (out->size() > budget) return;
+  if (!value.is_structured()) {
+    std::string s = value.dump();
+    out->append(s.size() > budget ? s.substr(0, budget + 1) : s);
+    return;
+  }
+  const bool object = value.is_object();
+  if (depth == 0) {
+    out->append(value.empty() ? (object ? "{}" : "[]") : (object ? "{...}" : "[...]"));
+    return;
+  }
+  out->push_back(object ? '{' : '[');
+  bool first = true;
+  for (auto it = value.begin(); it != value.end() && out->size() <= budget; ++it) {
+    if (!first) out->push_back(',');
+    first = false;
+    if (object) absl::StrAppend(out, json(it.key()).dump(), ":");
+    BriefInto(*it, depth - 1, budget, out);
+  }
+  out->push_back(object ? '}' : ']');
+}
+
 std::string Brief(const json& value) {
-  std::string s = value.dump();
+  std::string s;
+  BriefInto(value, /*depth=*/4, /*budget=*/64, &s);
   if (s.size() > 64) s = absl::StrCat(s.substr(0, 61), "...");
   return s;
 }
 
+// `unique_top_keys`: a key the top-level object gives twice is refused
+// (json keeps the last; a safetensors header naming a tensor twice is one
+// the reference loader rejects, the first entry's bytes left unclaimed).
 absl::StatusOr<json> ParseJson(absl::string_view text, absl::string_view file,
-                               absl::string_view what) {
+                               absl::string_view what, bool unique_top_keys = false) {
+  std::set<std::string> keys;
+  std::string duplicate;
+  const json::parser_callback_t check = [&](int depth, json::parse_event_t event,
+                                            json& parsed) {
+    if (depth == 1 && event == json::parse_event_t::key && duplicate.empty() &&
+        !keys.insert(parsed.get<std::string>()).second) {
+      duplicate = parsed.get<std::string>();
+    }
+    return true;
+  };
   try {
     // in_place: json's implicit conversions make plain `return` ambiguous.
-    return absl::StatusOr<json>(absl::in_place, json::parse(text.begin(), text.end()));
+    absl::StatusOr<json> out(absl::in_place,
+                             json::parse(text.begin(), text.end(),
+                                         unique_top_keys ? check : json::parser_callback_t()));
+    if (!duplicate.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          file, ": ", what.empty() ? "the top level" : what, " gives key ",
+          Brief(json(duplicate)), " twice"));
+    }
+    return out;
   } catch (const json::exception& e) {
     return absl::InvalidArgumentError(
         absl::StrCat(file, ": invalid JSON", what.empty() ? "" : " in ", what, ": ", e.what()));
@@ -648,6 +707,25 @@ absl::Status ResolveLayers(const KeyReader& top, ModelConfig& c) {
       }
     }
   }
+  // A sliding layer without a window: transformers' mask for it
+  // (create_sliding_window_causal_mask) raises "Could not find a
+  // sliding_window argument"; Gemma 2 and 3 build that mask on every call.
+  // Mistral, Phi-3 and Qwen3-MoE run such layers as full attention (their
+  // code asks for the sliding mask only when a window is set).
+  if (window == 0 && reads_layer_types) {
+    const bool gemma = c.family == Family::kGemma2 || c.family == Family::kGemma3;
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+      if (gemma || sliding[i]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            top.file(), ": sliding_window is none, but ",
+            gemma ? absl::StrCat("every ", c.model_type, " forward builds a sliding-window mask")
+                  : absl::StrCat("layer ", i, " is a sliding_attention layer"),
+            ": transformers fails on a sliding-window mask without a window (set "
+            "sliding_window",
+            gemma ? "" : " and use_sliding_window", ")"));
+      }
+    }
+  }
   for (int64_t i = 0; i < c.num_layers; ++i) {
     LayerAttention& l = c.layers[static_cast<size_t>(i)];
     l.window = sliding[i] ? window : 0;
@@ -794,18 +872,27 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
     if (family == Family::kGemma2 || family == Family::kGemma3) {
       RA_ASSIGN_OR_RETURN(std::optional<double> qpas, top.Number("query_pre_attn_scalar"));
       const double scalar = qpas.value_or(256.0);
-      if (!(scalar > 0.0) || !std::isfinite(scalar)) {
-        return top.Error("query_pre_attn_scalar", absl::StrFormat("must be > 0, got %g", scalar));
+      // Its logit scale, scalar^-0.5 as transformers computes it (Python's
+      // ** is C's pow), within what a request's spec.scale may be: sessions
+      // carry the model's scale and softcap through the same checks.
+      if (!(scalar > 0.0) || !std::isfinite(scalar) ||
+          std::pow(scalar, -0.5) > kMaxLogitScale) {
+        return top.Error("query_pre_attn_scalar",
+                         absl::StrFormat("must be finite and >= %g (a logit scale of at most "
+                                         "%g), got %g",
+                                         1.0 / (kMaxLogitScale * kMaxLogitScale), kMaxLogitScale,
+                                         scalar));
       }
-      config.scale = 1.0 / std::sqrt(scalar);
+      config.scale = std::pow(scalar, -0.5);
       RA_ASSIGN_OR_RETURN(std::optional<double> cap, top.Number("attn_logit_softcapping"));
       if (family == Family::kGemma2 && !cap.has_value() &&
           !top.Present("attn_logit_softcapping")) {
         cap = 50.0;
       }
       if (cap.has_value()) {
-        if (!(*cap > 0.0) || !std::isfinite(*cap)) {
-          return top.Error("attn_logit_softcapping", absl::StrFormat("must be > 0, got %g", *cap));
+        if (!(*cap > 0.0) || !std::isfinite(*cap) || *cap > kMaxSoftcap) {
+          return top.Error("attn_logit_softcapping",
+                           absl::StrFormat("must be > 0 and <= %g, got %g", kMaxSoftcap, *cap));
         }
         config.softcap = *cap;
       }
@@ -983,7 +1070,8 @@ absl::Status IndexSafetensorsBytes(absl::string_view bytes, const std::string& f
   const uint8_t* buffer = data + 8 + header_len;
   const uint64_t buffer_size = room - header_len;
 
-  RA_ASSIGN_OR_RETURN(json header, ParseJson(header_text, fname, "header"));
+  RA_ASSIGN_OR_RETURN(json header,
+                      ParseJson(header_text, fname, "header", /*unique_top_keys=*/true));
   if (!header.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat(fname, ": header must be a JSON object, got ", Brief(header)));
@@ -1419,6 +1507,16 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& name
   int64_t resident = 0;
 
   const ModelConfig& c = config;
+  // Each size is capped alone; their products could still leave int64 (a
+  // fused q/k/v of (heads + 2 kv_heads) * head_dim rows of hidden_size).
+  const __int128 projection = static_cast<__int128>(c.num_heads + 2 * c.num_kv_heads) *
+                              c.head_dim * std::max<int64_t>(c.hidden_size, 1);
+  if (projection > (__int128{1} << 50)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: num_attention_heads %d, num_key_value_heads %d, head_dim %d and hidden_size %d make "
+        "q/k/v projections of more than 2^50 weights",
+        dir, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size));
+  }
   const int64_t q_out = c.num_heads * c.head_dim;
   const int64_t kv_out = c.num_kv_heads * c.head_dim;
   const std::string q_why = absl::StrFormat("num_attention_heads %d * head_dim %d, hidden_size %d",

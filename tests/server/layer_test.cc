@@ -247,6 +247,19 @@ TEST_F(LayerTest, LayerModeErrors) {
     EXPECT_THAT(st.error_message(), HasSubstr("leave them unset"));
   }
   EXPECT_TRUE(attend(req).ok());
+  // The spec may restate the model's logit scale (head_dim^-0.5 = 0.25 for
+  // the demo) in any spelling that is the same f32 (transformers' x**-0.5
+  // and 1/sqrt(x) differ in fp64's last bit for many x); another is refused.
+  for (double same : {0.25, std::pow(16.0, -0.5), 0.25 * (1 + 1e-12)}) {
+    v1::AttendRequest restated = req;
+    restated.mutable_spec()->set_scale(same);
+    EXPECT_TRUE(attend(restated).ok()) << same;
+  }
+  v1::AttendRequest other = req;
+  other.mutable_spec()->set_scale(0.2501);
+  st = attend(other);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("spec.scale = 0.2501"));
   *req.mutable_q() = ToWire(x.view());
   EXPECT_EQ(attend(req).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 

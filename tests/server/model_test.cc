@@ -4,6 +4,7 @@
 // the demo model and the registry.
 #include "server/model.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -794,6 +795,53 @@ TEST(ParseModelConfigTest, Errors) {
       C::kUnimplemented, {"relative_key"});
 }
 
+// Configs transformers itself fails on, or values past what a request's
+// spec may give (sessions carry the model's scale and softcap through the
+// same checks): refused at load, naming the key.
+TEST(ParseModelConfigTest, SlidingLayersWithoutAWindowAndOutOfRangeScalesAreRefused) {
+  using C = absl::StatusCode;
+  const std::string base = R"("hidden_size": 64, "num_attention_heads": 4, "vocab_size": 8,
+      "num_hidden_layers": 2, "max_position_embeddings": 64, "num_key_value_heads": 4)";
+  // transformers' create_sliding_window_causal_mask raises without a window.
+  ExpectConfigError(absl::StrCat(R"({"model_type": "qwen2", "use_sliding_window": false,
+      "layer_types": ["full_attention", "sliding_attention"], )", base, "}"),
+                    C::kInvalidArgument, {"sliding_window", "layer 1"});
+  ExpectConfigError(absl::StrCat(R"({"model_type": "gemma2", "sliding_window": null, )", base, "}"),
+                    C::kInvalidArgument, {"sliding_window", "gemma2"});
+  ExpectConfigError(
+      absl::StrCat(R"({"model_type": "gemma3_text", "sliding_window": null, )", base, "}"),
+      C::kInvalidArgument, {"sliding_window", "gemma3_text"});
+  // Mistral runs a null window as full attention, as before.
+  EXPECT_TRUE(ParseModelConfig(absl::StrCat(R"({"model_type": "mistral", "sliding_window": null, )",
+                                            base, "}"),
+                               "config.json")
+                  .ok());
+  ExpectConfigError(absl::StrCat(R"({"model_type": "gemma2", "query_pre_attn_scalar": 1e-12, )",
+                                 base, "}"),
+                    C::kInvalidArgument, {"query_pre_attn_scalar", "1e-12"});
+  ExpectConfigError(absl::StrCat(R"({"model_type": "gemma2", "attn_logit_softcapping": 1e7, )",
+                                 base, "}"),
+                    C::kInvalidArgument, {"attn_logit_softcapping", "1e+07"});
+  // The scale is transformers' x**-0.5 (pow), not 1/sqrt(x): they differ in
+  // fp64's last bit for 96.
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(
+      absl::StrCat(R"({"model_type": "gemma2", "query_pre_attn_scalar": 96, )", base, "}"),
+      "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->scale, std::pow(96.0, -0.5));
+}
+
+// A value nested 100,000 deep where a number or object belongs is named in a
+// short message (the message once dumped it recursively and overflowed the
+// stack).
+TEST(ParseModelConfigTest, DeeplyNestedValuesAreNamedBriefly) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  ExpectConfigError(TinyConfig({}, absl::StrCat(R"(, "rope_scaling": )", deep)),
+                    absl::StatusCode::kInvalidArgument, {"rope_scaling", "[[[[[...]]]]]"});
+  ExpectConfigError(TinyConfig({}, absl::StrCat(R"(, "rope_theta": )", deep)),
+                    absl::StatusCode::kInvalidArgument, {"rope_theta"});
+}
+
 // ============================ safetensors ===================================
 
 TEST(ModelLoadTest, LlamaCheckpointIsCopiedAndItsFileReleased) {
@@ -1103,6 +1151,44 @@ TEST(ModelLoadErrorTest, MissingConfigIsNotFound) {
   TempDir dir;
   WriteFileOrDie(dir.File("model.safetensors"), SafetensorsBytes(TinyTensors()));
   ExpectLoadError(dir, absl::StatusCode::kNotFound, {"config.json"});
+}
+
+// A FIFO (or any file that is not a regular one) in place of the config or
+// the weights is refused at once: opening a FIFO for reading waited for a
+// writer, and start-up with it (SIGTERM could not stop it).
+TEST(ModelLoadErrorTest, FifosAreRefusedWithoutWaiting) {
+  for (const char* name : {"config.json", "model.safetensors"}) {
+    TempDir dir;
+    WriteCheckpoint(dir, TinyTensors(), TinyConfig());
+    ASSERT_EQ(std::remove(dir.File(name).c_str()), 0);
+    ASSERT_EQ(mkfifo(dir.File(name).c_str(), 0600), 0) << std::strerror(errno);
+    ExpectLoadError(dir, absl::StatusCode::kInvalidArgument, {name, "not a regular file"});
+  }
+}
+
+// A tensor named twice in one header (json keeps the last entry; the
+// reference loader refuses the file, the first entry's bytes unclaimed), an
+// entry nested 100,000 deep, and sizes whose fused q/k/v product leaves
+// int64.
+TEST(ModelLoadErrorTest, DuplicateNamesDeepEntriesAndHugeProductsAreRefused) {
+  TempDir dir;
+  WriteFileOrDie(dir.File("config.json"), TinyConfig());
+  const std::string entry = R"({"dtype": "F32", "shape": [1], "data_offsets": [0, 4]})";
+  WriteFileOrDie(dir.File("model.safetensors"),
+                 SafetensorsFromHeader(absl::StrCat("{\"", kQ0, "\": ", entry, ", \"", kQ0,
+                                                    "\": ", entry, "}"),
+                                       std::string(4, '\0')));
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument, {"model.safetensors", kQ0, "twice"});
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  WriteFileOrDie(dir.File("model.safetensors"),
+                 SafetensorsFromHeader(absl::StrCat("{\"", kQ0, "\": ", deep, "}"), ""));
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument, {"model.safetensors", kQ0});
+
+  WriteCheckpoint(dir, TinyTensors(),
+                  R"({"model_type": "phi3", "hidden_size": 64, "num_attention_heads": 2147483647,
+                      "num_key_value_heads": 2147483647, "head_dim": 2147483646,
+                      "vocab_size": 8, "num_hidden_layers": 1, "max_position_embeddings": 64})");
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument, {"2^50"});
 }
 
 TEST(ModelLoadErrorTest, MissingWeightsIsNotFound) {
