@@ -176,6 +176,10 @@ int main(int argc, char** argv) {
   // EPIPE instead, and the lines are dropped (log.h). Sockets are gRPC's,
   // which sends with MSG_NOSIGNAL either way.
   signal(SIGPIPE, SIG_IGN);
+  // A hangup (the terminal or session that started the server went away)
+  // is not a reason to drop every session without a drain: ignored.
+  // Certificates and tokens are reloaded by polling their files.
+  signal(SIGHUP, SIG_IGN);
   // Buffers of 4 MiB and more (KV caches, RoPE tables, request tensors) are
   // mapped on their own and unmapped when freed, so a closed session or a
   // finished large request gives its memory back to the system at once.

@@ -324,6 +324,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   // HTTP/2 hardening for gRPC 1.51's known weaknesses (the CVEs in deploy/README.md).
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 256);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 4 << 20);
+  // No compressed requests: gRPC 1.51 inflates a whole message before it
+  // checks the size limit (a 0.5 MiB gzip body inflated to 512 MiB). With
+  // gzip and deflate disabled a compressed call is refused from its headers
+  // (UNIMPLEMENTED), before its message is read.
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
   // Metadata: gRPC 1.51 cannot fail one call whose header block is past this
   // limit without failing every call on its connection (its HPACK parser
   // stops mid-block: CVE-2023-32731), so the limit sits well above what a

@@ -92,11 +92,17 @@ namespace {
 
 // The call's deadline as absl time (none: InfiniteFuture).
 absl::Time DeadlineOf(const grpc::CallbackServerContext* ctx) {
-  const auto deadline = ctx->deadline();
-  if (deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
-    return absl::InfiniteFuture();
+  // The raw gpr_timespec: ctx->deadline() is a system_clock time in int64
+  // nanoseconds, which wraps past the year 2262 (a grpc-timeout of 2562047H,
+  // what grpc-go sends for the largest Go duration, came back as passed).
+  const gpr_timespec raw = ctx->raw_deadline();
+  if (gpr_time_cmp(raw, gpr_inf_future(raw.clock_type)) == 0) return absl::InfiniteFuture();
+  const gpr_timespec real = gpr_convert_clock_type(raw, GPR_CLOCK_REALTIME);
+  const absl::Time now = absl::Now();
+  if (real.tv_sec >= absl::ToUnixSeconds(now) + int64_t{365} * 24 * 3600) {
+    return absl::InfiniteFuture();  // a year or more away: no deadline to plan for
   }
-  return absl::FromChrono(deadline);
+  return absl::FromUnixSeconds(real.tv_sec) + absl::Nanoseconds(real.tv_nsec);
 }
 
 // One unary call that computes: owns the call's stop token (cancelled by

@@ -35,6 +35,12 @@ absl::StatusOr<std::string> ReadFlagFile(const std::string& path, const char* fl
     return absl::InvalidArgumentError(
         absl::StrCat("--", flag, ": cannot read ", path, ": ", std::strerror(errno)));
   }
+  // A FIFO (or a device) would block the read, and start-up or a reload
+  // with it.
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, ": ", path, " is not a regular file"));
+  }
   if (st.st_size > kMaxFlagFileBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("--", flag, ": ", path, " is ", st.st_size, " bytes, too large"));

@@ -418,6 +418,35 @@ TEST_F(HardeningTest, FloatParametersOutsideTheirRangeAreInvalid) {
 }
 
 // Values: a 1 MiB session id came back in a 1 MiB status trailer.
+// A deadline centuries away (grpc-go sends 2562047H for its largest
+// duration) is no deadline: it was read through a system_clock time in
+// nanoseconds, which wraps past 2262, and refused as already passed. A
+// compressed request is refused from its headers (UNIMPLEMENTED): gRPC 1.51
+// inflates a whole message before it checks the size limit.
+TEST_F(HardeningTest, FarDeadlinesAreNoDeadlineAndCompressedCallsAreRefused) {
+  v1::AttendRequest r;
+  r.mutable_spec()->set_heads(2);
+  r.mutable_spec()->set_head_dim(4);
+  *r.mutable_q() = ZeroWire(v1::DTYPE_F32, {1, 3, 2, 4});
+  *r.mutable_k() = ZeroWire(v1::DTYPE_F32, {1, 3, 2, 4});
+  *r.mutable_v() = ZeroWire(v1::DTYPE_F32, {1, 3, 2, 4});
+  for (int64_t hours : {int64_t{2100000}, int64_t{2562047}, int64_t{99999999}}) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(gpr_time_add(gpr_now(GPR_CLOCK_REALTIME),
+                                  gpr_time_from_hours(hours, GPR_TIMESPAN)));
+    v1::AttendResponse out;
+    const grpc::Status st = stub_->Attend(&ctx, r, &out);
+    EXPECT_TRUE(st.ok()) << hours << " hours: " << st.error_message();
+  }
+  grpc::ClientContext ctx;
+  ctx.set_compression_algorithm(GRPC_COMPRESS_GZIP);
+  v1::AttendResponse out;
+  const grpc::Status st = stub_->Attend(&ctx, r, &out);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNIMPLEMENTED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("gzip"));
+  ExpectServerStillWorks();
+}
+
 TEST_F(HardeningTest, ErrorMessagesQuoteOnlyAShortPrefixOfClientStrings) {
   const std::string id(1 << 20, 'x');
   grpc::ClientContext ctx;
