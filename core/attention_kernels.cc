@@ -439,8 +439,11 @@ void DotTileAvx2(const float* q, const float* tile, int64_t d, float* out) {
   for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + 8 * u, a[u]);
 }
 
-// R rows (1 or 2) x NV*16 lanes in registers, over all keys. With kMasked
-// the last vector holds only the lanes in `last`.
+// R rows (1 or 2) x NV*16 lanes in registers, over all keys, added to acc
+// at the end (the keys' sum starts from zero, so a caller cutting a long run
+// into tiles sums each tile apart and adds the tile sums: the error does not
+// grow with the run). With kMasked the last vector holds only the lanes in
+// `last`.
 template <int R, int NV, bool kMasked>
 __attribute__((target("avx512f"))) void WeightedDenseSlab(const float* w, int64_t ws,
                                                           const float* v, int64_t count, int64_t dv,
@@ -448,12 +451,8 @@ __attribute__((target("avx512f"))) void WeightedDenseSlab(const float* w, int64_
   __m512 c0[NV], c1[NV];
 #pragma GCC unroll 8
   for (int x = 0; x < NV; ++x) {
-    const bool tail = kMasked && x == NV - 1;
-    c0[x] = tail ? _mm512_maskz_loadu_ps(last, acc + 16 * x) : _mm512_loadu_ps(acc + 16 * x);
-    if constexpr (R == 2) {
-      c1[x] = tail ? _mm512_maskz_loadu_ps(last, acc + as + 16 * x)
-                   : _mm512_loadu_ps(acc + as + 16 * x);
-    }
+    c0[x] = _mm512_setzero_ps();
+    if constexpr (R == 2) c1[x] = _mm512_setzero_ps();
   }
   for (int64_t u = 0; u < count; ++u) {
     const float* vr = v + u * dv;
@@ -470,11 +469,19 @@ __attribute__((target("avx512f"))) void WeightedDenseSlab(const float* w, int64_
 #pragma GCC unroll 8
   for (int x = 0; x < NV; ++x) {
     if (kMasked && x == NV - 1) {
-      _mm512_mask_storeu_ps(acc + 16 * x, last, c0[x]);
-      if constexpr (R == 2) _mm512_mask_storeu_ps(acc + as + 16 * x, last, c1[x]);
+      _mm512_mask_storeu_ps(acc + 16 * x, last,
+                            _mm512_add_ps(_mm512_maskz_loadu_ps(last, acc + 16 * x), c0[x]));
+      if constexpr (R == 2) {
+        _mm512_mask_storeu_ps(
+            acc + as + 16 * x, last,
+            _mm512_add_ps(_mm512_maskz_loadu_ps(last, acc + as + 16 * x), c1[x]));
+      }
     } else {
-      _mm512_storeu_ps(acc + 16 * x, c0[x]);
-      if constexpr (R == 2) _mm512_storeu_ps(acc + as + 16 * x, c1[x]);
+      _mm512_storeu_ps(acc + 16 * x, _mm512_add_ps(_mm512_loadu_ps(acc + 16 * x), c0[x]));
+      if constexpr (R == 2) {
+        _mm512_storeu_ps(acc + as + 16 * x,
+                         _mm512_add_ps(_mm512_loadu_ps(acc + as + 16 * x), c1[x]));
+      }
     }
   }
 }
@@ -642,23 +649,50 @@ void SoftcapInPlace(float* x, int64_t n, float cap) {
 }
 
 float ExpSubMaxSum(float* x, int64_t n, float max) {
+  // Sixteen lanes sum blocks of 1024 weights; the block sums add up in
+  // fp64, so the sum's error does not grow with the row's length.
+  constexpr int64_t kBlock = 1024;
   const __m256 m = _mm256_set1_ps(max);
-  __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+  double total = 0.0;
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 e0 = ExpNonPositive8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
-    const __m256 e1 = ExpNonPositive8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), m));
-    _mm256_storeu_ps(x + i, e0);
-    _mm256_storeu_ps(x + i + 8, e1);
-    s0 = _mm256_add_ps(s0, e0);
-    s1 = _mm256_add_ps(s1, e1);
+  while (i + 16 <= n) {
+    const int64_t end = std::min(n, i + kBlock) / 16 * 16;
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    for (; i < end; i += 16) {
+      const __m256 e0 = ExpNonPositive8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
+      const __m256 e1 = ExpNonPositive8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), m));
+      _mm256_storeu_ps(x + i, e0);
+      _mm256_storeu_ps(x + i + 8, e1);
+      s0 = _mm256_add_ps(s0, e0);
+      s1 = _mm256_add_ps(s1, e1);
+    }
+    total += HSum(_mm256_add_ps(s0, s1));
   }
-  float s = HSum(_mm256_add_ps(s0, s1));
+  float s = 0.0f;
   for (; i < n; ++i) {
     x[i] = ExpNonPositive(x[i] - max);
     s += x[i];
   }
-  return s;
+  return static_cast<float>(total + s);
+}
+
+void KahanAddInPlace(const float* x, float* sum, float* comp, int64_t n) {
+  // Kahan's compensated summation, lane by lane: sum + comp carries the
+  // running total to about one rounding, however many chunks are added.
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 y = _mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(comp + i));
+    const __m256 s = _mm256_loadu_ps(sum + i);
+    const __m256 t = _mm256_add_ps(s, y);
+    _mm256_storeu_ps(comp + i, _mm256_sub_ps(_mm256_sub_ps(t, s), y));
+    _mm256_storeu_ps(sum + i, t);
+  }
+  for (; i < n; ++i) {
+    const float y = x[i] - comp[i];
+    const float t = sum[i] + y;
+    comp[i] = (t - sum[i]) - y;
+    sum[i] = t;
+  }
 }
 
 float RowMax(const float* x, int64_t n) {

@@ -75,6 +75,9 @@ void SoftcapInPlace(float* x, int64_t n, float cap);
 // x[i] = exp(x[i] - max) in place, returns the sum. Requires x[i] <= max
 // (finite). Accuracy ~2 ulp; arguments below -87 give 0.
 float ExpSubMaxSum(float* x, int64_t n, float max);
+// sum[i] += x[i] for i < n by Kahan's compensated summation, comp[i] the
+// running compensation (zero before the first add).
+void KahanAddInPlace(const float* x, float* sum, float* comp, int64_t n);
 
 // max over x[0..n), n >= 1; NaN when any x[i] is NaN (a logit of inf - inf:
 // callers report overflow rather than exponentiate it).
