@@ -568,7 +568,8 @@ int64_t CacheChunk(const Plan& p, int64_t n) {
 
 DecodeLayout PlanDecode(const Plan& p) {
   DecodeLayout L;
-  if (p.cache != nullptr) L.align = KvCache::kTile;
+  const bool tiles = p.cache != nullptr || (p.paged != nullptr && p.paged->tiles);
+  if (tiles) L.align = KvCache::kTile;
   L.rows = p.batch * p.heads * p.q_len;
   L.lo.resize(p.batch * p.q_len);
   L.hi.resize(p.batch * p.q_len);
@@ -592,7 +593,7 @@ DecodeLayout PlanDecode(const Plan& p) {
     L.uhi[b] = uhi;
     L.n_max = std::max(L.n_max, uhi - ulo);
   }
-  if (p.cache != nullptr) L.chunk = CacheChunk(p, L.n_max);
+  if (tiles) L.chunk = CacheChunk(p, L.n_max);
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t base = L.ulo[b] / L.align * L.align;
     L.chunk_begin.push_back(L.chunks);
@@ -775,7 +776,9 @@ void DecodeScoresTiles(const Plan& p, const DecodeLayout& L, const float* qf, fl
   std::vector<float> tmp(p.group * kT);
   for (int64_t j = 0; j < p.kv_heads; ++j) {
     for (int64_t tb = t0 / kT * kT; tb < t1; tb += kT) {
-      const float* tile = p.cache->KTile(j, tb / kT);
+      const float* tile = p.cache != nullptr ? p.cache->KTile(j, tb / kT)
+                                             : static_cast<const float*>(p.paged->k_pages[tb / kT]) +
+                                                   j * d * kT;
       for (int64_t i = 0; i < p.q_len; ++i) {
         const int64_t lo = std::max({t0, tb, L.lo[i]});
         const int64_t hi = std::min({t1, tb + kT, L.hi[i]});
@@ -804,9 +807,14 @@ void DecodeValuesDense(const Plan& p, const DecodeLayout& L, const float* scores
       // does not grow with its length.
       for (int64_t a = lo, e; a < hi; a = e) {
         e = std::min(hi, (a / KvCache::kTile + 1) * KvCache::kTile);
+        const float* v =
+            p.cache != nullptr
+                ? p.cache->VRow(j, a)
+                : static_cast<const float*>(p.paged->v_pages[a / KvCache::kTile]) +
+                      (j * KvCache::kTile + a % KvCache::kTile) * dv;
         internal::WeightedSumDenseRows(scores + r0 * L.n_max + (a - L.ulo[0]),
-                                       p.q_len * L.n_max, p.group, p.cache->VRow(j, a), e - a,
-                                       dv, acc + r0 * dv, p.q_len * dv);
+                                       p.q_len * L.n_max, p.group, v, e - a, dv, acc + r0 * dv,
+                                       p.q_len * dv);
       }
     }
   }
@@ -847,7 +855,7 @@ struct DecodeRun {
     for (int64_t c = PartBegin(t); c < PartBegin(t + 1); ++c) {
       int64_t b, t0, t1;
       Locate(c, &b, &t0, &t1);
-      if (p->cache != nullptr) {
+      if (p->cache != nullptr || (p->paged != nullptr && p->paged->tiles)) {
         DecodeScoresTiles(*p, L, qf, scores, t0, t1);
       } else if (p->paged != nullptr) {
         WithPagedType(p->paged->type, [&](auto type) {
@@ -892,7 +900,7 @@ struct DecodeRun {
       Locate(c, &b, &t0, &t1);
       if (keys_in_sums == 0) std::memset(sums, 0, n * sizeof(float));
       keys_in_sums += t1 - t0;
-      if (p->cache != nullptr) {
+      if (p->cache != nullptr || (p->paged != nullptr && p->paged->tiles)) {
         DecodeValuesDense(*p, L, scores, sums, t0, t1);
       } else if (p->paged != nullptr) {
         WithPagedType(p->paged->type, [&](auto type) {
@@ -1312,9 +1320,14 @@ absl::StatusOr<Plan> MakePagedPlan(const ConstTensorView& q, const PagedKvView& 
       return absl::InvalidArgumentError(absl::StrFormat("page %d of the paged view is missing", n));
     }
   }
+  if (kv.tiles && (kv.type != PagedKvView::Type::kF32 || kv.page_tokens != KvCache::kTile)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "a paged view in tiles holds f32 pages of %d tokens; got type %d, page_tokens %d",
+        KvCache::kTile, static_cast<int>(kv.type), kv.page_tokens));
+  }
   int64_t token_rows = kv.token_rows, head_rows = kv.head_rows;
-  if (token_rows == 0 && head_rows == 0) {
-    token_rows = kv.kv_heads;
+  if (kv.tiles || (token_rows == 0 && head_rows == 0)) {
+    token_rows = kv.kv_heads;  // unused for tiles
     head_rows = 1;
   }
   if (!(token_rows == kv.kv_heads && head_rows == 1) &&
@@ -1385,9 +1398,21 @@ absl::Status PagedPrefill(const ConstTensorView& q, const PagedKvView& kv, int64
   const bool head_major = kv.head_rows == kv.page_tokens && kv.token_rows == 1 && kv.kv_heads > 1;
   // Row (t, j) of the page into row t0 + t, head j of the tensor.
   auto gather = [&](const void* page, const float* scales, int64_t t, int64_t j, int64_t dim,
-                    char* base) {
+                    char* base, bool keys) {
     const int64_t r = head_major ? j * kv.page_tokens + t : t * kv.kv_heads + j;
     char* dst = base + (t * kv.kv_heads + j) * dim * es;
+    if (kv.tiles) {
+      // K (t, j, x) at (j * dim + x) * P + t; V row (t, j) at (j * P + t).
+      const float* f = static_cast<const float*>(page);
+      float* o = reinterpret_cast<float*>(dst);
+      const int64_t P = kv.page_tokens;
+      if (keys) {
+        for (int64_t x = 0; x < dim; ++x) o[x] = f[(j * dim + x) * P + t];
+      } else {
+        std::memcpy(o, f + (j * P + t) * dim, dim * sizeof(float));
+      }
+      return;
+    }
     if (kv.type != PagedKvView::Type::kInt8) {
       std::memcpy(dst, static_cast<const char*>(page) + r * dim * es, dim * es);
       return;
@@ -1404,8 +1429,8 @@ absl::Status PagedPrefill(const ConstTensorView& q, const PagedKvView& kv, int64
     char* vd = v.data<char>() + t0 * kv.kv_heads * kv.v_dim * es;
     for (int64_t t = 0; t < tokens; ++t) {
       for (int64_t j = 0; j < kv.kv_heads; ++j) {
-        gather(kv.k_pages[page], int8 ? kv.k_scales[page] : nullptr, t, j, kv.head_dim, kd);
-        gather(kv.v_pages[page], int8 ? kv.v_scales[page] : nullptr, t, j, kv.v_dim, vd);
+        gather(kv.k_pages[page], int8 ? kv.k_scales[page] : nullptr, t, j, kv.head_dim, kd, true);
+        gather(kv.v_pages[page], int8 ? kv.v_scales[page] : nullptr, t, j, kv.v_dim, vd, false);
       }
     }
   }

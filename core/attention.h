@@ -171,7 +171,11 @@ absl::Status AttendInt8(ConstTensorView q, const Int8KvView& kv, int64_t length,
 // session's pages: a page is read in address order). int8 pages also have
 // a scale per row (k_scales, v_scales: f32, row r's at index r of its page;
 // value = scale * q). page_tokens must be a multiple of 8 when there are
-// several pages (the decode's 8-key groups never straddle two). Not owned.
+// several pages (the decode's 8-key groups never straddle two). With
+// `tiles` (f32 only, page_tokens = KvCache::kTile, token_rows and head_rows
+// unused) a page holds the KvCache layout for its tokens: K [kv_heads]
+// [head_dim][page_tokens] (one tile per head) and V [kv_heads][page_tokens]
+// [v_dim], read by the KvCache's decode kernel. Not owned.
 struct PagedKvView {
   enum class Type { kF32, kBF16, kInt8 };
   Type type = Type::kF32;
@@ -182,6 +186,7 @@ struct PagedKvView {
   int64_t pages = 0, page_tokens = 0;
   int64_t kv_heads = 0, head_dim = 0, v_dim = 0;
   int64_t token_rows = 0, head_rows = 0;  // 0, 0: token-major
+  bool tiles = false;
 };
 
 // Attend with keys and values [0, length) of a paged view, as AttendCache:

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "core/cpu.h"
+#include "core/kv_cache.h"
 
 namespace ropeattn::internal {
 namespace {
@@ -399,44 +400,44 @@ inline void WeightedSumRowsImpl(const float* w, int64_t wst, int64_t rows, const
 // that is what lets the hardware prefetchers keep a stream in flight while
 // the FMAs run (docs/core-design.md).
 
-constexpr int64_t kTile = 64;
+constexpr int64_t kTile = KvCache::kTile;
+constexpr int kTileZmm = static_cast<int>(kTile / 16), kTileYmm = static_cast<int>(kTile / 8);
 
-// R rows x 64 keys in R*4 zmm accumulators; one tile row (64 keys at one
-// channel) per step, no horizontal sums.
+// R rows x kTile keys in R * kTile/16 zmm accumulators; one tile row (the
+// tile's keys at one channel) per step, no horizontal sums.
 template <int R>
 __attribute__((target("avx512f"))) void DotTileAvx512(const float* q, int64_t qs, const float* tile,
                                                       int64_t d, float* out) {
-  __m512 a[R][4];
+  __m512 a[R][kTileZmm];
   for (int r = 0; r < R; ++r) {
-    for (int u = 0; u < 4; ++u) a[r][u] = _mm512_setzero_ps();
+    for (int u = 0; u < kTileZmm; ++u) a[r][u] = _mm512_setzero_ps();
   }
   for (int64_t i = 0; i < d; ++i) {
     const float* row = tile + i * kTile;
-    const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16);
-    const __m512 k2 = _mm512_loadu_ps(row + 32), k3 = _mm512_loadu_ps(row + 48);
+    __m512 k[kTileZmm];
+    for (int u = 0; u < kTileZmm; ++u) k[u] = _mm512_loadu_ps(row + 16 * u);
     for (int r = 0; r < R; ++r) {
       const __m512 qb = _mm512_set1_ps(q[r * qs + i]);
-      a[r][0] = _mm512_fmadd_ps(qb, k0, a[r][0]);
-      a[r][1] = _mm512_fmadd_ps(qb, k1, a[r][1]);
-      a[r][2] = _mm512_fmadd_ps(qb, k2, a[r][2]);
-      a[r][3] = _mm512_fmadd_ps(qb, k3, a[r][3]);
+      for (int u = 0; u < kTileZmm; ++u) a[r][u] = _mm512_fmadd_ps(qb, k[u], a[r][u]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int u = 0; u < 4; ++u) _mm512_storeu_ps(out + r * kTile + 16 * u, a[r][u]);
+    for (int u = 0; u < kTileZmm; ++u) _mm512_storeu_ps(out + r * kTile + 16 * u, a[r][u]);
   }
 }
 
-// One row x 64 keys in 8 ymm accumulators.
+// One row x kTile keys in kTile/8 ymm accumulators.
 void DotTileAvx2(const float* q, const float* tile, int64_t d, float* out) {
-  __m256 a[8];
-  for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+  __m256 a[kTileYmm];
+  for (int u = 0; u < kTileYmm; ++u) a[u] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; ++i) {
     const float* row = tile + i * kTile;
     const __m256 qb = _mm256_set1_ps(q[i]);
-    for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(row + 8 * u), a[u]);
+    for (int u = 0; u < kTileYmm; ++u) {
+      a[u] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(row + 8 * u), a[u]);
+    }
   }
-  for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + 8 * u, a[u]);
+  for (int u = 0; u < kTileYmm; ++u) _mm256_storeu_ps(out + 8 * u, a[u]);
 }
 
 // R rows (1 or 2) x NV*16 lanes in registers, over all keys, added to acc

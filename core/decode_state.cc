@@ -213,10 +213,14 @@ struct PageLayout {
   int64_t total() const { return k_bytes + v_bytes + 2 * scale_bytes; }
 };
 
-PageLayout LayoutOf(const DecodeStateConfig& c, bool int8) {
-  const int64_t rows = DecodeState::kPageTokens * c.kv_heads;
+PageLayout LayoutOf(const DecodeStateConfig& c, DecodeState::Storage storage) {
+  const bool int8 = storage == DecodeState::Storage::kInt8;
+  // kTiles: K [kv_heads][head_dim][kTile] (one KvCache tile per head), V
+  // [kv_heads][kTile][v_dim], f32; the others [tokens][kv_heads][dim] rows
+  // (int8: head-major) of their element type.
+  const int64_t rows = DecodeState::PageTokensOf(storage) * c.kv_heads;
   PageLayout l;
-  l.elem = int8 ? 1 : DTypeSize(c.kv_dtype);
+  l.elem = int8 ? 1 : storage == DecodeState::Storage::kTiles ? 4 : DTypeSize(c.kv_dtype);
   l.k_bytes = RoundUp64(rows * c.head_dim * l.elem);
   l.v_bytes = RoundUp64(rows * c.v_dim * l.elem);
   l.scale_bytes = int8 ? RoundUp64(rows * static_cast<int64_t>(sizeof(float))) : 0;
@@ -225,14 +229,28 @@ PageLayout LayoutOf(const DecodeStateConfig& c, bool int8) {
 
 }  // namespace
 
+int64_t DecodeState::PageTokensOf(Storage storage) {
+  switch (storage) {
+    case Storage::kLinear:
+      return 0;
+    case Storage::kTiles:
+      return KvCache::kTile;
+    case Storage::kTokenMajor:
+    case Storage::kInt8:
+      return kPageTokens;
+  }
+  return 0;
+}
+
 int64_t DecodeState::page_bytes() const {
-  return Paged() ? LayoutOf(config_, storage_ == Storage::kInt8).total() : 0;
+  return Paged() ? LayoutOf(config_, storage_).total() : 0;
 }
 
 absl::Status DecodeState::MakeWritable(int64_t from, int64_t to) {
-  const PageLayout l = LayoutOf(config_, storage_ == Storage::kInt8);
+  const PageLayout l = LayoutOf(config_, storage_);
   const int64_t bytes = l.total();
-  const int64_t first = from / kPageTokens, end = (to + kPageTokens - 1) / kPageTokens;
+  const int64_t P = PageTokens();
+  const int64_t first = from / P, end = (to + P - 1) / P;
   // On every exit, an error half way included: pages from `first` on may
   // have been replaced, and the view must not keep pointing at the old ones
   // (their other holders may free them).
@@ -271,7 +289,7 @@ absl::Status DecodeState::MakeWritable(int64_t from, int64_t to) {
 
 void DecodeState::RebuildView(size_t from) {
   const bool int8 = storage_ == Storage::kInt8;
-  const PageLayout l = LayoutOf(config_, int8);
+  const PageLayout l = LayoutOf(config_, storage_);
   const size_t n = pages_.size();
   k_pages_.resize(n);
   v_pages_.resize(n);
@@ -294,7 +312,8 @@ void DecodeState::RebuildView(size_t from) {
   view_.k_scales = int8 ? k_scales_.data() : nullptr;
   view_.v_scales = int8 ? v_scales_.data() : nullptr;
   view_.pages = static_cast<int64_t>(n);
-  view_.page_tokens = kPageTokens;
+  view_.page_tokens = PageTokens();
+  view_.tiles = storage_ == Storage::kTiles;
   view_.kv_heads = config_.kv_heads;
   view_.head_dim = config_.head_dim;
   view_.v_dim = config_.v_dim;
@@ -303,19 +322,41 @@ void DecodeState::RebuildView(size_t from) {
   // token-major at 4k MHA); f32 and bf16 token-major, where head-major
   // measured slower (bf16 MHA 3.4-4.5 ms against 2.6-2.8, f32 GQA 2.5-2.8
   // against 1.4-1.9).
-  view_.token_rows = int8 ? 1 : config_.kv_heads;
-  view_.head_rows = int8 ? kPageTokens : 1;
+  // (kTiles: the tile layout, no rows.)
+  view_.token_rows = view_.tiles ? 0 : int8 ? 1 : config_.kv_heads;
+  view_.head_rows = view_.tiles ? 0 : int8 ? kPageTokens : 1;
 }
 
 absl::Status DecodeState::WritePaged(const ConstTensorView& rows, bool keys, int64_t at) {
   const DecodeStateConfig& c = config_;
   const bool int8 = storage_ == Storage::kInt8;
-  const PageLayout l = LayoutOf(c, int8);
+  const PageLayout l = LayoutOf(c, storage_);
   const int64_t dim = keys ? c.head_dim : c.v_dim;
   const int64_t tokens = rows.dim(1);
+  const int64_t P = PageTokens();
+  if (storage_ == Storage::kTiles) {
+    // rows is f32 here (any strides). K element (token o, head j, channel
+    // x) at (j * dim + x) * P + o; V row (o, j) at (j * P + o) * dim.
+    const float* src = rows.data<float>();
+    const int64_t st = rows.stride(1), sj = rows.stride(2), sx = rows.stride(3);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t o = (at + t) % P;
+      float* base = reinterpret_cast<float*>(pages_[(at + t) / P]->part[keys ? 0 : 1]);
+      for (int64_t j = 0; j < c.kv_heads; ++j) {
+        const float* r = src + t * st + j * sj;
+        if (keys) {
+          for (int64_t x = 0; x < dim; ++x) base[(j * dim + x) * P + o] = r[x * sx];
+        } else {
+          float* dst = base + (j * P + o) * dim;
+          for (int64_t x = 0; x < dim; ++x) dst[x] = r[x * sx];
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
   for (int64_t t = 0; t < tokens;) {
-    const int64_t page = (at + t) / kPageTokens, off = (at + t) % kPageTokens;
-    const int64_t n = std::min(tokens - t, kPageTokens - off);
+    const int64_t page = (at + t) / P, off = (at + t) % P;
+    const int64_t n = std::min(tokens - t, P - off);
     char* base = pages_[page]->part[keys ? 0 : 1];
     for (int64_t j = 0; j < c.kv_heads; ++j) {
       const int64_t row = off * view_.token_rows + j * view_.head_rows;
@@ -340,17 +381,27 @@ absl::Status DecodeState::WritePaged(const ConstTensorView& rows, bool keys, int
 absl::StatusOr<Tensor> DecodeState::ReadPaged(bool keys, int64_t n) const {
   const DecodeStateConfig& c = config_;
   const bool int8 = storage_ == Storage::kInt8;
-  const PageLayout l = LayoutOf(c, int8);
+  const PageLayout l = LayoutOf(c, storage_);
   const int64_t dim = keys ? c.head_dim : c.v_dim;
   const int64_t es = int8 ? 4 : l.elem;  // of the result
   RA_ASSIGN_OR_RETURN(Tensor t,
                       Tensor::Create(int8 ? DType::kF32 : c.kv_dtype, {1, n, c.kv_heads, dim}));
+  const int64_t P = PageTokens();
   for (int64_t tok = 0; tok < n; ++tok) {
-    const Page& page = *pages_[tok / kPageTokens];
+    const Page& page = *pages_[tok / P];
     const char* base = page.part[keys ? 0 : 1];
     for (int64_t j = 0; j < c.kv_heads; ++j) {
-      const int64_t row = tok % kPageTokens * view_.token_rows + j * view_.head_rows;
       char* dst = t.data<char>() + (tok * c.kv_heads + j) * dim * es;
+      if (storage_ == Storage::kTiles) {
+        const float* b = reinterpret_cast<const float*>(base);
+        float* out = reinterpret_cast<float*>(dst);
+        const int64_t o = tok % P;
+        for (int64_t x = 0; x < dim; ++x) {
+          out[x] = keys ? b[(j * dim + x) * P + o] : b[(j * P + o) * dim + x];
+        }
+        continue;
+      }
+      const int64_t row = tok % P * view_.token_rows + j * view_.head_rows;
       if (!int8) {
         std::memcpy(dst, base + row * dim * l.elem, dim * l.elem);
         continue;
@@ -367,7 +418,7 @@ absl::StatusOr<Tensor> DecodeState::ReadPaged(bool keys, int64_t n) const {
 DecodeState::Storage DecodeState::StorageFor(const DecodeStateConfig& c) {
   if (c.linear) return Storage::kLinear;
   if (c.int8_kv) return Storage::kInt8;
-  if (c.kv_dtype == DType::kF32 && KvCacheDecodeIsFaster()) return Storage::kKvCache;
+  if (c.kv_dtype == DType::kF32 && KvCacheDecodeIsFaster()) return Storage::kTiles;
   return Storage::kTokenMajor;
 }
 
@@ -414,12 +465,7 @@ absl::StatusOr<DecodeState> DecodeState::Create(DecodeStateConfig config) {
       s.linear_.emplace(std::move(st));
       break;
     }
-    case Storage::kKvCache: {
-      RA_ASSIGN_OR_RETURN(KvCache kv,
-                          KvCache::Create(k.kv_heads, k.head_dim, k.v_dim, k.max_context));
-      s.kv_.emplace(std::move(kv));
-      break;
-    }
+    case Storage::kTiles:
     case Storage::kInt8:
     case Storage::kTokenMajor:
       s.RebuildView();  // no pages until tokens arrive
@@ -441,7 +487,6 @@ absl::StatusOr<DecodeState> DecodeState::Create(DecodeStateConfig config) {
 int64_t DecodeState::byte_size() const {
   int64_t bytes =
       static_cast<int64_t>(k_raw_.byte_size()) + static_cast<int64_t>(pages_.size()) * page_bytes();
-  if (kv_) bytes += static_cast<int64_t>(kv_->byte_size());
   if (linear_) bytes += linear_->byte_size();
   return bytes;
 }
@@ -471,13 +516,9 @@ absl::Status DecodeState::PrepareRope(int64_t new_len) {
     const int64_t start = c.start_position;
     RA_RETURN_IF_ERROR(r.Apply(keys.view(), Positions{{}, absl::MakeConstSpan(&start, 1)},
                                RopeDirection::kForward, 1));
-    if (kv_) {
-      RA_RETURN_IF_ERROR(kv_->WriteK(0, keys.cview()));
-    } else {
-      // Every cached key changes: the pages become this state's own first.
-      RA_RETURN_IF_ERROR(MakeWritable(0, position_));
-      RA_RETURN_IF_ERROR(WritePaged(keys.cview(), /*keys=*/true, 0));
-    }
+    // Every cached key changes: the pages become this state's own first.
+    RA_RETURN_IF_ERROR(MakeWritable(0, position_));
+    RA_RETURN_IF_ERROR(WritePaged(keys.cview(), /*keys=*/true, 0));
   }
   rotator_.emplace(std::move(r));
   rotator_freqs_ = std::move(key);
@@ -544,22 +585,14 @@ absl::Status DecodeState::Prepare(Job& job, int plan_threads, AttentionJob* atte
   // written (a key whose score is -Inf for this step's queries would
   // otherwise be committed as Inf, and fail every later step).
   RA_RETURN_IF_ERROR(CheckFinite(kf.cview(), job.names + "k (rotated at its positions)"));
-  if (storage_ != Storage::kInt8 && !kv_ && c.kv_dtype == DType::kBF16) {
+  if (storage_ == Storage::kTokenMajor && c.kv_dtype == DType::kBF16) {
     RA_RETURN_IF_ERROR(CheckFitsBF16(kf.cview(), job.names + "k (rounded to the bf16 cache)"));
     RA_RETURN_IF_ERROR(CheckFitsBF16(job.v, job.names + "v (rounded to the bf16 cache)"));
   }
-  if (kv_) {
-    RA_RETURN_IF_ERROR(kv_->WriteK(position_, kf.cview()));
-    if (job.v.dtype() == DType::kF32) {
-      RA_RETURN_IF_ERROR(kv_->WriteV(position_, job.v));
-    } else {
-      RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(job.v, DType::kF32));
-      RA_RETURN_IF_ERROR(kv_->WriteV(position_, vf.cview()));
-    }
-    attention->cache = &*kv_;
-  } else {
+  {
     RA_RETURN_IF_ERROR(WritePaged(kf.cview(), /*keys=*/true, position_));
-    if (storage_ == Storage::kInt8) {
+    if (storage_ == Storage::kInt8 ||
+        (storage_ == Storage::kTiles && job.v.dtype() != DType::kF32)) {
       RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(job.v, DType::kF32));
       RA_RETURN_IF_ERROR(WritePaged(vf.cview(), /*keys=*/false, position_));
     } else {
@@ -639,7 +672,8 @@ absl::Status DecodeState::Truncate(int64_t position) {
   if (Paged()) {
     // Pages past the new length go (freed when no one else holds them); the
     // page the cut falls in is kept, and copied before a write if shared.
-    pages_.resize(std::min<size_t>(pages_.size(), (position + kPageTokens - 1) / kPageTokens));
+    const int64_t P = PageTokens();
+    pages_.resize(std::min<size_t>(pages_.size(), (position + P - 1) / P));
     RebuildView();
   }
   return absl::OkStatus();
@@ -694,18 +728,15 @@ absl::Status DecodeState::Import(ConstTensorView k, ConstTensorView v, KeyForm f
   // values the bf16 range when stored: refused, as a step's would be, never
   // held as Inf (every later step would fail on them).
   RA_RETURN_IF_ERROR(CheckFinite(rotated.cview(), names + "k (rotated at its positions)"));
-  if (storage_ != Storage::kInt8 && !kv_ && c.kv_dtype == DType::kBF16) {
+  if (storage_ == Storage::kTokenMajor && c.kv_dtype == DType::kBF16) {
     RA_RETURN_IF_ERROR(CheckFitsBF16(rotated.cview(), names + "k (rounded to the bf16 cache)"));
     RA_RETURN_IF_ERROR(CheckFitsBF16(v, names + "v (rounded to the bf16 cache)"));
   }
-  if (kv_) {
-    RA_RETURN_IF_ERROR(kv_->WriteK(0, rotated.cview()));
-    RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(v, DType::kF32));
-    RA_RETURN_IF_ERROR(kv_->WriteV(0, vf.cview()));
-  } else {
+  {
     RA_RETURN_IF_ERROR(MakeWritable(0, tokens));
     RA_RETURN_IF_ERROR(WritePaged(rotated.cview(), /*keys=*/true, 0));
-    if (storage_ == Storage::kInt8) {
+    if (storage_ == Storage::kInt8 ||
+        (storage_ == Storage::kTiles && v.dtype() != DType::kF32)) {
       RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(v, DType::kF32));
       RA_RETURN_IF_ERROR(WritePaged(vf.cview(), /*keys=*/false, 0));
     } else {
@@ -724,12 +755,7 @@ absl::StatusOr<DecodeState::Exported> DecodeState::Export() const {
   }
   Exported e;
   const int64_t n = position_;
-  if (kv_) {
-    RA_ASSIGN_OR_RETURN(e.k, Tensor::Create(DType::kF32, {1, n, c.kv_heads, c.head_dim}));
-    RA_ASSIGN_OR_RETURN(e.v, Tensor::Create(DType::kF32, {1, n, c.kv_heads, c.v_dim}));
-    RA_RETURN_IF_ERROR(kv_->ReadK(0, e.k.view()));
-    RA_RETURN_IF_ERROR(kv_->ReadV(0, e.v.view()));
-  } else {
+  {
     // int8: the stored values, dequantized (scale * q).
     RA_ASSIGN_OR_RETURN(e.k, ReadPaged(/*keys=*/true, n));
     RA_ASSIGN_OR_RETURN(e.v, ReadPaged(/*keys=*/false, n));
@@ -752,18 +778,17 @@ absl::Status DecodeState::CopyFrom(const DecodeState& other) {
   const int64_t n = other.position_;
   if (linear_) {
     linear_ = other.linear_;
-  } else if (kv_) {
-    RA_RETURN_IF_ERROR(kv_->CopyFrom(*other.kv_, n));
   } else {
     // The full pages that hold other's n tokens are shared, not copied. A
     // partly filled last page is copied now, paid by this state: so the
     // source, writing its next token there, never has to (docs/kv-memory.md).
     // Under a length-dependent rule every cached key is rewritten when the
     // frequencies change, so nothing stays shared: all pages are copied.
-    const size_t used = static_cast<size_t>((n + kPageTokens - 1) / kPageTokens);
+    const int64_t P = PageTokens();
+    const size_t used = static_cast<size_t>((n + P - 1) / P);
     pages_.assign(other.pages_.begin(), other.pages_.begin() + std::min(used, other.pages_.size()));
     RebuildView();
-    const int64_t own_from = LengthDependent() ? 0 : n / kPageTokens * kPageTokens;
+    const int64_t own_from = LengthDependent() ? 0 : n / P * P;
     absl::Status copied = MakeWritable(own_from, n);
     if (!copied.ok()) {
       pages_.clear();

@@ -73,14 +73,17 @@ class KvPageCharger {
 
 class DecodeState {
  public:
-  // Where a softmax state keeps K/V: f32 in a KvCache where its decode is
-  // the faster one (KvCacheDecodeIsFaster), else token-major pages of
-  // kPageTokens tokens of kv_dtype (kTokenMajor), or of int8 rows and
-  // scales (kInt8, config.int8_kv). Pages are allocated as tokens arrive and
-  // shared by forks until written (copy on write).
-  enum class Storage { kLinear, kKvCache, kTokenMajor, kInt8 };
+  // Where a softmax state keeps K/V, always in pages allocated as tokens
+  // arrive and shared by forks until written (copy on write): f32 pages of
+  // KvCache::kTile tokens in the KvCache's tile layout where that decode is
+  // the faster one (kTiles, KvCacheDecodeIsFaster), else token-major pages
+  // of kPageTokens tokens of kv_dtype (kTokenMajor), or of int8 rows and
+  // scales (kInt8, config.int8_kv).
+  enum class Storage { kLinear, kTiles, kTokenMajor, kInt8 };
   static constexpr int64_t kPageTokens = 16;
   static Storage StorageFor(const DecodeStateConfig& config);
+  // Tokens per page of a storage (0 for kLinear).
+  static int64_t PageTokensOf(Storage storage);
   // Whether a rule's frequencies depend on the length (dynamic NTK,
   // LongRoPE): the state then keeps raw keys and re-rotates them.
   static bool RopeIsLengthDependent(const std::optional<RopeConfig>& rope);
@@ -158,11 +161,11 @@ class DecodeState {
   // Takes `other`'s history (a fork); `other` must have this config's
   // shapes and storage (InvalidArgument otherwise). Paged storage shares
   // other's full pages and copies its partly filled last one (at most
-  // kPageTokens - 1 tokens, charged to this state: a charge refused is
+  // PageTokensOf - 1 tokens, charged to this state: a charge refused is
   // returned, this state left empty); a shared page is copied again only by
   // a side that truncates into it and writes. Under a length-dependent RoPE
   // rule every page is copied (its keys are rewritten when the frequencies
-  // change). A KvCache, raw keys and linear sums are copied.
+  // change). Raw keys and linear sums are copied.
   absl::Status CopyFrom(const DecodeState& other);
   // Bytes held by the storage, shared pages included.
   int64_t byte_size() const;
@@ -171,7 +174,7 @@ class DecodeState {
   int64_t shared_bytes() const;
   // Bytes of one page (0 for storage without pages).
   int64_t page_bytes() const;
-  // The view over the pages (kTokenMajor, kInt8; null otherwise), valid
+  // The view over the pages (null for a linear state), valid
   // until the state next changes: for benchmarks and tests.
   const PagedKvView* paged_view() const { return Paged() ? &view_ : nullptr; }
   // Pages this state allocates from now on are charged to `charger` (none:
@@ -201,16 +204,16 @@ class DecodeState {
   // Reads tokens [0, n) of the pages as [1, n, kv_heads, dim] (int8:
   // dequantized, f32).
   absl::StatusOr<Tensor> ReadPaged(bool keys, int64_t n) const;
-  bool Paged() const { return storage_ == Storage::kTokenMajor || storage_ == Storage::kInt8; }
+  bool Paged() const { return storage_ != Storage::kLinear; }
+  int64_t PageTokens() const { return PageTokensOf(storage_); }
 
   DecodeStateConfig config_;
   Storage storage_ = Storage::kTokenMajor;
   int64_t position_ = 0;
   int64_t step_offset_ = 0;  // the preparing step's first index (its queries' offset)
   int64_t rope_offset_ = 0;  // the preparing step's first absolute position (RoPE)
-  std::optional<KvCache> kv_;           // kKvCache
   Tensor k_raw_;                        // unrotated keys, length-dependent RoPE only
-  // kTokenMajor, kInt8: page n holds tokens [n * kPageTokens, ...); the view
+  // Page n holds tokens [n * PageTokens(), ...); the view
   // the attention reads, over the pointer arrays beside it.
   struct Page;
   std::vector<std::shared_ptr<Page>> pages_;

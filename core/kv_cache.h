@@ -29,7 +29,7 @@ bool KvCacheDecodeIsFaster();
 
 class KvCache {
  public:
-  static constexpr int64_t kTile = 64;  // keys per K tile
+  static constexpr int64_t kTile = 32;  // keys per K tile
 
   // Room for `capacity` positions (rounded up to a whole tile), zero-filled.
   // InvalidArgument for negative sizes, ResourceExhausted if memory runs out.

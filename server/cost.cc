@@ -218,11 +218,17 @@ Cost EncodeCost(const EncodeDims& d) {
   return c;
 }
 
+int64_t KvPageTokens(const SessionDims& d) {
+  if (d.linear) return 0;
+  return d.kv_cache_layout ? KvCache::kTile : DecodeState::kPageTokens;
+}
+
 int64_t KvPageBytes(const SessionDims& d) {
-  if (d.linear || d.kv_cache_layout) return 0;
+  if (d.linear) return 0;
   auto line = [](int64_t n) { return SatMul(SatAdd(n, 63) / 64, 64); };
-  const int64_t rows = SatMul(DecodeState::kPageTokens, d.kv_heads);
-  const int64_t elem = d.int8_kv ? 1 : static_cast<int64_t>(DTypeSize(d.kv_dtype));
+  const int64_t rows = SatMul(KvPageTokens(d), d.kv_heads);
+  const int64_t elem =
+      d.int8_kv ? 1 : d.kv_cache_layout ? 4 : static_cast<int64_t>(DTypeSize(d.kv_dtype));
   int64_t bytes = SatAdd(line(SatProduct({rows, d.head_dim, elem})),
                          line(SatProduct({rows, d.v_dim, elem})));
   if (d.int8_kv) bytes = SatAdd(bytes, SatMul(line(SatMul(rows, 4)), 2));
@@ -235,14 +241,10 @@ Cost SessionOpenCost(const SessionDims& d) {
     // LinearAttentionState: S [kv_heads, head_dim, v_dim] and z [kv_heads,
     // head_dim], fp64.
     c.held_bytes = SatProduct({d.kv_heads, d.head_dim, SatAdd(d.v_dim, 1), 8});
-  } else if (d.kv_cache_layout) {
-    const int64_t rows = SatMul((SatAdd(d.max_context, 63)) / 64, 64);
-    c.held_bytes = SatProduct({rows, d.kv_heads, SatAdd(d.head_dim, d.v_dim), 4});
   } else {
-    // Pages: int8 rows and a 4-byte scale per (token, kv head), or rows of
-    // kv_dtype, for K and V.
-    const int64_t pages =
-        SatAdd(d.max_context, DecodeState::kPageTokens - 1) / DecodeState::kPageTokens;
+    // Pages: f32 tiles, int8 rows and a 4-byte scale per (token, kv head),
+    // or rows of kv_dtype, for K and V.
+    const int64_t pages = SatAdd(d.max_context, KvPageTokens(d) - 1) / KvPageTokens(d);
     c.held_bytes = SatMul(pages, KvPageBytes(d));
   }
   if (!d.linear) {

@@ -94,7 +94,7 @@ Cost EncodeCost(const EncodeDims& d);
 // --- Decoding sessions ---
 struct SessionDims {
   bool linear = false;
-  bool kv_cache_layout = false;  // f32 KvCache (whole 64-key tiles)
+  bool kv_cache_layout = false;  // f32 pages in the KvCache's tiles (KvCache::kTile tokens)
   int64_t kv_heads = 0, head_dim = 0, v_dim = 0, max_context = 0;
   DType kv_dtype = DType::kF32;
   bool int8_kv = false;  // int8 rows + an f32 scale per (token, kv head)
@@ -105,9 +105,13 @@ struct SessionDims {
 // raw keys; no RoPE table: each step computes its positions' rows). Paged KV (token-major and int8, core/decode_state.h)
 // is charged as max_context rounded up to whole pages.
 Cost SessionOpenCost(const SessionDims& d);
-// Bytes of one KV page (DecodeState::kPageTokens tokens of K and V, int8
-// scales, each part on a 64-byte line), 0 for storage without pages (linear,
-// the KvCache layout). Must equal DecodeState::page_bytes().
+// Tokens of one KV page (DecodeState::PageTokensOf the session's storage:
+// KvCache::kTile for f32 tiles, DecodeState::kPageTokens otherwise), 0 for
+// a linear state.
+int64_t KvPageTokens(const SessionDims& d);
+// Bytes of one KV page (KvPageTokens tokens of K and V, int8 scales, each
+// part on a 64-byte line), 0 for a linear state. Must equal
+// DecodeState::page_bytes().
 int64_t KvPageBytes(const SessionDims& d);
 
 struct StepDims {

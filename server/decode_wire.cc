@@ -214,10 +214,10 @@ absl::StatusOr<WirePrefix> PrefixFromProto(const v1::KvPrefix& prefix) {
 }
 
 Cost PriceExport(const SessionConfig& c, int64_t position) {
-  // A KvCache exports f32; token-major storage its own dtype.
+  // f32 tiles export f32; token-major storage its own dtype.
   const DType dtype =
-      DecodeState::StorageFor(StateConfigOf(c)) == DecodeState::Storage::kKvCache ? DType::kF32
-                                                                                 : c.kv_dtype;
+      DecodeState::StorageFor(StateConfigOf(c)) == DecodeState::Storage::kTiles ? DType::kF32
+                                                                               : c.kv_dtype;
   // Under a length-dependent rule the keys leave raw, as the state keeps
   // them: f32.
   const DType k_dtype = SessionDimsOf(c).rope_length_dependent ? DType::kF32 : dtype;

@@ -49,7 +49,7 @@ DecodeStateConfig StateConfigOf(const SessionConfig& c) {
 SessionDims SessionDimsOf(const SessionConfig& c) {
   SessionDims d;
   d.linear = c.linear;
-  d.kv_cache_layout = DecodeState::StorageFor(StateConfigOf(c)) == DecodeState::Storage::kKvCache;
+  d.kv_cache_layout = DecodeState::StorageFor(StateConfigOf(c)) == DecodeState::Storage::kTiles;
   d.kv_heads = c.spec.kv_heads;
   d.head_dim = c.spec.head_dim;
   d.v_dim = c.v_dim;
@@ -136,8 +136,8 @@ namespace {
 // The reserved bytes of a session's state that are not pages.
 int64_t FixedBytes(const SessionConfig& c) {
   const SessionDims d = SessionDimsOf(c);
-  const int64_t pages =
-      (d.max_context + DecodeState::kPageTokens - 1) / DecodeState::kPageTokens;
+  const int64_t per_page = std::max<int64_t>(1, KvPageTokens(d));
+  const int64_t pages = (d.max_context + per_page - 1) / per_page;
   // Saturating: a priced size can be "more than int64" (KvPageBytes), which
   // only a budget of that size would have let open.
   return std::max<int64_t>(0, SessionOpenCost(d).held_bytes - SatMul(pages, KvPageBytes(d)));
@@ -602,7 +602,8 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveFork(
   const SessionDims d = SessionDimsOf(*source->config_);
   const int64_t discount =
       d.rope_length_dependent ? 0
-                              : source->position_hint() / DecodeState::kPageTokens * KvPageBytes(d);
+                              : source->position_hint() / std::max<int64_t>(1, KvPageTokens(d)) *
+                                    KvPageBytes(d);
   return ReserveRoom(source->config_, resumable, ForkTtl(idle_ttl_seconds), owner, discount);
 }
 

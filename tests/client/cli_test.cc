@@ -749,6 +749,9 @@ TEST_F(CliTest, SessionsListsAndCloses) {
   open.mutable_spec()->set_head_dim(8);
   open.set_resumable(true);
   open.set_max_context(64);
+  // bf16: pages of 16 tokens on every machine (f32 pages hold 64 tokens
+  // where the tiled f32 decode runs).
+  open.set_kv_dtype(v1::DTYPE_BF16);
   auto session = client->OpenSession(open);
   ASSERT_TRUE(session.ok()) << session.status();
   const int64_t shape[] = {1, 3, 2, 8};
@@ -774,7 +777,7 @@ TEST_F(CliTest, SessionsListsAndCloses) {
   EXPECT_EQ(row[1], "3");
   EXPECT_EQ(row[2], "64");
   EXPECT_EQ(row[3], "softmax");
-  EXPECT_EQ(row[4], "f32");
+  EXPECT_EQ(row[4], "bf16");
   EXPECT_EQ(row[5], "yes");
 
   r = Cli({"sessions", "--close", id});

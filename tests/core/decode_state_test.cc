@@ -420,9 +420,17 @@ class CountingCharger : public KvPageCharger {
 // are refunded when their last holder drops them; a charge that fails
 // refuses the step and leaves the state as it was. f32, bf16 and int8.
 TEST(DecodeStateTest, ForksSharePagesCopyOnWriteAndStayExact) {
-  const F32Paged paged;
-  for (int kind = 0; kind < 3; ++kind) {
-    SCOPED_TRACE(kind);
+  // f32 in token-major pages of 16 tokens (AVX-512 kernels off) and, where
+  // the machine has AVX-512, in tile pages of 64 (on); bf16 and int8.
+  for (int run = 0; run < 6; ++run) {
+    const bool avx512 = run >= 3;
+    const int kind = run % 3;
+    SCOPED_TRACE(absl::StrCat("kind ", kind, avx512 ? " avx512" : ""));
+    const bool previous = internal::SetAvx512KernelsForTesting(avx512);
+    struct Restore {
+      bool previous;
+      ~Restore() { internal::SetAvx512KernelsForTesting(previous); }
+    } restore{previous};
     DecodeStateConfig c = BaseConfig();
     c.max_context = 256;
     c.kv_dtype = kind == 1 ? DType::kBF16 : DType::kF32;
@@ -441,8 +449,14 @@ TEST(DecodeStateTest, ForksSharePagesCopyOnWriteAndStayExact) {
     replay({&prompt, &one}, parent);
     ASSERT_EQ(parent.position(), 100);
     const int64_t page = parent.page_bytes();
-    EXPECT_EQ(parent.byte_size(), 7 * page);
-    EXPECT_EQ(charger->live, 7 * page);
+    const int64_t P = DecodeState::PageTokensOf(parent.storage());
+    const int64_t total = (100 + P - 1) / P, full = 100 / P;  // 7 and 6, or 2 and 1
+    EXPECT_EQ(parent.storage(), kind == 2 ? DecodeState::Storage::kInt8
+                                : kind == 0 && avx512 && KvCacheDecodeIsFaster()
+                                    ? DecodeState::Storage::kTiles
+                                    : DecodeState::Storage::kTokenMajor);
+    EXPECT_EQ(parent.byte_size(), total * page);
+    EXPECT_EQ(charger->live, total * page);
     std::vector<DecodeState> forks;
     std::vector<StepTensors> news;
     for (int f = 0; f < 8; ++f) {
@@ -451,9 +465,9 @@ TEST(DecodeStateTest, ForksSharePagesCopyOnWriteAndStayExact) {
       ASSERT_TRUE(forks.back().CopyFrom(parent).ok());
       news.push_back(RandomStep(c, 3, 600 + 10 * f));
     }
-    // Each fork copied the partly filled page 6; pages 0-5 are shared.
-    EXPECT_EQ(charger->live, 15 * page);
-    EXPECT_EQ(forks[0].shared_bytes(), 6 * page);
+    // Each fork copied the partly filled last page; the full ones are shared.
+    EXPECT_EQ(charger->live, (total + 8) * page);
+    EXPECT_EQ(forks[0].shared_bytes(), full * page);
     {
       auto poor = std::make_shared<CountingCharger>();
       poor->limit = 0;
@@ -475,10 +489,10 @@ TEST(DecodeStateTest, ForksSharePagesCopyOnWriteAndStayExact) {
           twin.Step(news[f].q.cview(), news[f].k.cview(), news[f].v.cview(), want.view(), 2).ok());
       EXPECT_TRUE(SameBytes(got, want)) << "fork " << f;
     }
-    // 7 shared pages + one copied page per fork: 15 pages for 9 states.
-    EXPECT_EQ(charger->live, 15 * page);
-    EXPECT_EQ(forks[0].byte_size(), 7 * page);
-    EXPECT_EQ(forks[0].shared_bytes(), 6 * page);
+    // The parent's pages + one copied page per fork, for 9 states.
+    EXPECT_EQ(charger->live, (total + 8) * page);
+    EXPECT_EQ(forks[0].byte_size(), total * page);
+    EXPECT_EQ(forks[0].shared_bytes(), full * page);
     // The parent's next step reads its own (never written) pages.
     StepTensors next = RandomStep(c, 2, 700);
     Tensor got = Tensor::Create(DType::kF32, {1, 2, c.heads, c.v_dim}).value();
@@ -488,11 +502,11 @@ TEST(DecodeStateTest, ForksSharePagesCopyOnWriteAndStayExact) {
     Tensor want = Tensor::Create(DType::kF32, {1, 2, c.heads, c.v_dim}).value();
     ASSERT_TRUE(twin.Step(next.q.cview(), next.k.cview(), next.v.cview(), want.view(), 2).ok());
     EXPECT_TRUE(SameBytes(got, want));
-    // The parent holds its page 6 alone and writes into it without a copy.
-    EXPECT_EQ(charger->live, 15 * page);
-    // A fork truncated into a shared page (page 2) writes its own copy.
+    // The parent holds its last page alone and writes into it without a copy.
+    EXPECT_EQ(charger->live, (total + 8) * page);
+    // A fork truncated into a shared page writes its own copy.
     ASSERT_TRUE(forks[1].Truncate(40).ok());
-    EXPECT_EQ(forks[1].byte_size(), 3 * page);
+    EXPECT_EQ(forks[1].byte_size(), (40 + P - 1) / P * page);
     StepTensors mid = RandomStep(c, 5, 800);
     replay({&mid}, forks[1]);
     ASSERT_TRUE(parent.Truncate(100).ok());
@@ -509,8 +523,9 @@ TEST(DecodeStateTest, ForksSharePagesCopyOnWriteAndStayExact) {
     // A refused charge refuses the step; the state is as it was.
     const int64_t live = charger->live;
     charger->limit = live;
-    StepTensors far = RandomStep(c, 20, 900);
-    Tensor o20 = Tensor::Create(DType::kF32, {1, 20, c.heads, c.v_dim}).value();
+    // 30 tokens from 103 need a new page at either page size.
+    StepTensors far = RandomStep(c, 30, 900);
+    Tensor o20 = Tensor::Create(DType::kF32, {1, 30, c.heads, c.v_dim}).value();
     const absl::Status refused =
         forks[2].Step(far.q.cview(), far.k.cview(), far.v.cview(), o20.view(), 2);
     EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
@@ -519,7 +534,7 @@ TEST(DecodeStateTest, ForksSharePagesCopyOnWriteAndStayExact) {
     ASSERT_TRUE(forks[2].Step(far.q.cview(), far.k.cview(), far.v.cview(), o20.view(), 2).ok());
     DecodeState twin2 = DecodeState::Create(c).value();
     replay({&prompt, &one, &news[2]}, twin2);
-    Tensor w20 = Tensor::Create(DType::kF32, {1, 20, c.heads, c.v_dim}).value();
+    Tensor w20 = Tensor::Create(DType::kF32, {1, 30, c.heads, c.v_dim}).value();
     ASSERT_TRUE(twin2.Step(far.q.cview(), far.k.cview(), far.v.cview(), w20.view(), 2).ok());
     EXPECT_TRUE(SameBytes(o20, w20));
     // Every page is refunded when its last holder goes.

@@ -338,11 +338,9 @@ class Driver {
     const server::SessionDims d = server::SessionDimsOf(session.config());
     const server::Cost cost = server::SessionOpenCost(d);
     const int64_t page = server::KvPageBytes(d);
-    const int64_t fixed =
-        cost.held_bytes - (d.max_context + DecodeState::kPageTokens - 1) /
-                              DecodeState::kPageTokens * page;
-    const int64_t discount =
-        d.rope_length_dependent ? 0 : shared_tokens / DecodeState::kPageTokens * page;
+    const int64_t per_page = std::max<int64_t>(1, server::KvPageTokens(d));
+    const int64_t fixed = cost.held_bytes - (d.max_context + per_page - 1) / per_page * page;
+    const int64_t discount = d.rope_length_dependent ? 0 : shared_tokens / per_page * page;
     const int64_t want = std::max(fixed, cost.held_bytes - discount);
     FUZZ_CHECK(session.kv_bytes() == want,
                "a session holds " + std::to_string(session.kv_bytes()) +
