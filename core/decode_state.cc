@@ -20,6 +20,10 @@
 namespace ropeattn {
 namespace {
 
+constexpr absl::string_view kRotationOverflow =
+    "the finite keys left the float range when rotated (values near the range limit, or times "
+    "the rule's attention factor); reduce their magnitude";
+
 absl::Status CheckStepTensor(const ConstTensorView& t, const std::string& name, int64_t tokens,
                              int64_t heads, int64_t dim) {
   if (t.rank() != 4 || t.dim(0) != 1 || t.dim(1) != tokens || t.dim(2) != heads ||
@@ -568,6 +572,10 @@ absl::Status DecodeState::Prepare(Job& job, int plan_threads, AttentionJob* atte
   if (c.rope) {
     RA_RETURN_IF_ERROR(PrepareRope(new_len));
     RA_RETURN_IF_ERROR(rotator_->Apply(q_scratch->view(), at, RopeDirection::kForward, 1));
+    RA_RETURN_IF_ERROR(CheckFinite(q_scratch->cview(), job.names + "q (rotated at its positions)",
+                                   "the finite queries left the float range when rotated (values "
+                                   "near the range limit, or times the rule's attention factor); "
+                                   "reduce their magnitude"));
   }
   // Rows past position_ are scratch until position_ moves, so writing them
   // before the attention succeeds loses nothing on error (a page copied or
@@ -584,7 +592,8 @@ absl::Status DecodeState::Prepare(Job& job, int plan_threads, AttentionJob* atte
   // keys or values the bf16 range when stored: refused before anything is
   // written (a key whose score is -Inf for this step's queries would
   // otherwise be committed as Inf, and fail every later step).
-  RA_RETURN_IF_ERROR(CheckFinite(kf.cview(), job.names + "k (rotated at its positions)"));
+  RA_RETURN_IF_ERROR(CheckFinite(kf.cview(), job.names + "k (rotated at its positions)",
+                                 kRotationOverflow));
   if (storage_ == Storage::kTokenMajor && c.kv_dtype == DType::kBF16) {
     RA_RETURN_IF_ERROR(CheckFitsBF16(kf.cview(), job.names + "k (rounded to the bf16 cache)"));
     RA_RETURN_IF_ERROR(CheckFitsBF16(job.v, job.names + "v (rounded to the bf16 cache)"));
@@ -708,7 +717,7 @@ absl::Status DecodeState::Import(ConstTensorView k, ConstTensorView v, KeyForm f
     // the state re-rotates from raw keys when the frequencies change.
     RA_ASSIGN_OR_RETURN(RopeRotator given, RopeRotator::Create(*c.rope, start + tokens, 0));
     RA_RETURN_IF_ERROR(given.Apply(raw.view(), at, RopeDirection::kInverse, 1));
-    RA_RETURN_IF_ERROR(CheckFinite(raw.cview(), names + "k (un-rotated)"));
+    RA_RETURN_IF_ERROR(CheckFinite(raw.cview(), names + "k (un-rotated)", kRotationOverflow));
   }
   if (k_raw_.num_elements() > 0) {
     RA_RETURN_IF_ERROR(CopyRows(raw.cview(), k_raw_.view().Slice(1, 0, tokens)));
@@ -727,7 +736,8 @@ absl::Status DecodeState::Import(ConstTensorView k, ConstTensorView v, KeyForm f
   // Finite keys can leave the float range when rotated, and finite f32
   // values the bf16 range when stored: refused, as a step's would be, never
   // held as Inf (every later step would fail on them).
-  RA_RETURN_IF_ERROR(CheckFinite(rotated.cview(), names + "k (rotated at its positions)"));
+  RA_RETURN_IF_ERROR(
+      CheckFinite(rotated.cview(), names + "k (rotated at its positions)", kRotationOverflow));
   if (storage_ == Storage::kTokenMajor && c.kv_dtype == DType::kBF16) {
     RA_RETURN_IF_ERROR(CheckFitsBF16(rotated.cview(), names + "k (rounded to the bf16 cache)"));
     RA_RETURN_IF_ERROR(CheckFitsBF16(v, names + "v (rounded to the bf16 cache)"));

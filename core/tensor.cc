@@ -269,7 +269,8 @@ bool AnyNonFinite(const void* data, DType dtype, int64_t n) {
 
 }  // namespace
 
-absl::Status CheckFinite(const ConstTensorView& t, absl::string_view name) {
+absl::Status CheckFinite(const ConstTensorView& t, absl::string_view name,
+                         absl::string_view why) {
   const int64_t n = t.num_elements();
   if (n == 0) return absl::OkStatus();
   const int rank = t.rank();
@@ -297,7 +298,7 @@ absl::Status CheckFinite(const ConstTensorView& t, absl::string_view name) {
         }
         const char* what = std::isnan(v) ? "NaN" : (v > 0 ? "+inf" : "-inf");
         return absl::InvalidArgumentError(
-            absl::StrFormat("%s%s is %s: inputs must be finite", name, DimsToString(idx), what));
+            absl::StrFormat("%s%s is %s: %s", name, DimsToString(idx), what, why));
       }
     }
     for (int a = split - 1; a >= 0; --a) {

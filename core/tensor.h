@@ -175,8 +175,11 @@ absl::Status CheckRank(const ConstTensorView& t, int rank, absl::string_view nam
 // Present, rank 4, innermost two axes packed (see the layout note above).
 absl::Status CheckBSHD(const ConstTensorView& t, absl::string_view name);
 // Every element is finite; otherwise InvalidArgument such as
-// "q[0, 3, 1, 17] is NaN" or "k[0, 2, 0, 5] is +inf".
-absl::Status CheckFinite(const ConstTensorView& t, absl::string_view name);
+// "q[0, 3, 1, 17] is NaN: inputs must be finite". `why` replaces "inputs
+// must be finite" for a tensor the call computed (a rotation, a product):
+// its finite inputs overflowed, and the message says so.
+absl::Status CheckFinite(const ConstTensorView& t, absl::string_view name,
+                         absl::string_view why = "inputs must be finite");
 // InvalidArgument naming `name` and the first element of an f32 tensor that
 // rounds to Inf in bf16 (|x| at or past 0x1.fffp+127 rounded to nearest
 // even); OK for bf16 tensors. Allocates nothing.

@@ -377,8 +377,11 @@ absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* res
       Tensor unused;
       RA_ASSIGN_OR_RETURN(const ConstTensorView in, ViewOfWireTensor(*wire, name, &unused));
       RA_RETURN_IF_ERROR(CheckFinite(in, name));
-      return CheckFinite(rotated,
-                         absl::StrCat("rotated ", name, " (spec.rope.scaling.attention_factor)"));
+      return CheckFinite(rotated, absl::StrCat(name, " (rotated by spec.rope)"),
+                         absl::StrCat("the finite ", name,
+                                      " left the float range when rotated (values near the range "
+                                      "limit, or times the rule's attention factor); reduce the "
+                                      "magnitude of ", name));
     }
     // k is checked; the core need only check v (and q, which it always does).
     RA_RETURN_IF_ERROR(CheckFinite(v, "v"));
@@ -628,7 +631,10 @@ absl::Status EncodeRopeApply(const v1::EncodeRequest::RopeApply& op, EncodeDims&
       "rope_apply"));
   // Finite inputs near the float limit can overflow once scaled by the
   // attention factor (or its inverse); never answer with inf.
-  RA_RETURN_IF_ERROR(CheckFinite(x.cview(), "rotated rope_apply.x"));
+  RA_RETURN_IF_ERROR(CheckFinite(x.cview(), "rope_apply.x (rotated)",
+                                 "the finite rope_apply.x left the float range when rotated "
+                                 "(values near the range limit, or times the rule's attention "
+                                 "factor); reduce its magnitude"));
   TensorToProto(x.cview(), response->mutable_x());
   return absl::OkStatus();
 }

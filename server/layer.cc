@@ -131,6 +131,14 @@ absl::StatusOr<Tensor> LayerForward(const Model& model, int64_t layer,
     const Positions at{{}, offsets};
     RA_RETURN_IF_ERROR(rot.Apply(p.q.view(), at, RopeDirection::kForward, threads));
     RA_RETURN_IF_ERROR(rot.Apply(p.k.view(), at, RopeDirection::kForward, threads));
+    // The projections were finite (checked); rotated, values near the
+    // float range can leave it: named as what they are, not as inputs.
+    RA_RETURN_IF_ERROR(CheckProduct(p.q, "q (q_proj output rotated by RoPE)",
+                                    absl::StrCat("hidden times layer ", layer,
+                                                 "'s q_proj, rotated,")));
+    RA_RETURN_IF_ERROR(CheckProduct(p.k, "k (k_proj output rotated by RoPE)",
+                                    absl::StrCat("hidden times layer ", layer,
+                                                 "'s k_proj, rotated,")));
   }
   // Keys sit at the same positions as the queries: shift the mask frame so
   // query i of row b (at offset + i) sees key j (at offset + j) for j <= i.

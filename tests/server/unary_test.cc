@@ -1556,7 +1556,10 @@ TEST(BadInputTest, NaNInQNamesTensorAndIndex) {
   row[0] = 3e38f;
   row[4] = -3e38f;  // channel 0's half-split partner
   *r.mutable_k() = Wire(k);
-  EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "rotated k");
+  // Named as the rotation's result, not as a bad input (the default rule
+  // has no attention factor to blame either).
+  EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "k (rotated by spec.rope)[0, 1, 0, 0] is +inf");
+  EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "the finite k left the float range");
 }
 
 TEST(BadInputTest, UnspecifiedAndUnknownDtypes) {
