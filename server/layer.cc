@@ -1,5 +1,7 @@
 #include "server/layer.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -476,10 +478,13 @@ absl::Status RunEmbed(const ModelRegistry& models, const v1::EmbedRequest& reque
   if (c.embed_scale != 1.0) {
     // Gemma: embeddings * sqrt(hidden_size), the factor rounded to the
     // table's dtype as transformers casts it; the product rounded to f32.
+    // An F16 table (held as F32) rounds it to f16, nearest even (F16C).
     const ConstTensorView t = plan.model->embed_tokens();
-    const float normalizer = t.dtype() == DType::kBF16
-                                 ? BF16ToFloat(FloatToBF16(static_cast<float>(c.embed_scale)))
-                                 : static_cast<float>(c.embed_scale);
+    const float scale = static_cast<float>(c.embed_scale);
+    const float normalizer =
+        t.dtype() == DType::kBF16      ? BF16ToFloat(FloatToBF16(scale))
+        : plan.model->embed_tokens_f16() ? _cvtsh_ss(_cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT))
+                                         : scale;
     float* data = out.data<float>();
     for (int64_t i = 0; i < n * c.hidden_size; ++i) data[i] *= normalizer;
   }

@@ -1357,6 +1357,12 @@ class WeightBinder {
     return false;
   }
   bool Contains(const std::string& name) const { return table_.count(name) != 0; }
+  // The dtype the file stores a tensor in ("" when absent): F16 tensors are
+  // widened to F32 at load.
+  std::string FileDtype(const std::string& name) const {
+    auto it = table_.find(name);
+    return it == table_.end() ? std::string() : it->second.dtype;
+  }
 
   absl::Status Missing(const std::string& name) const {
     if (KnownNaming()) {
@@ -1563,6 +1569,7 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& name
   };
   const std::string hidden_why = absl::StrFormat("hidden_size %d", c.hidden_size);
 
+  model->embed_tokens_f16_ = binder.FileDtype(embed_name) == "F16";
   RA_ASSIGN_OR_RETURN(model->embed_tokens_,
                       bind(embed_name, {c.vocab_size, c.hidden_size},
                            absl::StrFormat("vocab_size %d, hidden_size %d", c.vocab_size,

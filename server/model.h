@@ -224,6 +224,9 @@ class Model {
   const ModelConfig& config() const { return config_; }
   // [vocab_size, hidden_size]
   ConstTensorView embed_tokens() const { return embed_tokens_; }
+  // Whether the file stored the table in F16 (held widened to F32): Gemma's
+  // embedding factor is rounded to the file's dtype, as transformers does.
+  bool embed_tokens_f16() const { return embed_tokens_f16_; }
   // Learned absolute positions [max_positions, hidden_size] (kLearned only).
   ConstTensorView position_table() const { return position_table_; }
   // BERT: token type 0's embedding row [1, hidden_size] and the embedding
@@ -244,6 +247,7 @@ class Model {
   std::string name_, source_;
   ModelConfig config_;
   ConstTensorView embed_tokens_, position_table_;
+  bool embed_tokens_f16_ = false;
   ConstTensorView token_type_row_, embed_norm_weight_, embed_norm_bias_;
   std::vector<LayerWeights> layers_;
   int64_t resident_bytes_ = 0;

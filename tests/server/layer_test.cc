@@ -4,6 +4,7 @@
 // x -> q/k/v projections -> the model's RoPE (tests/reference/rope_ref) ->
 // causal attention (tests/reference/attention_ref) -> output projection.
 // Tolerance: 1e-5 relative (norm-wise) for f32 weights and activations.
+#include <immintrin.h>
 #include <stdlib.h>
 
 #include <cmath>
@@ -383,6 +384,71 @@ TEST(CheckpointLayerTest, Bf16WeightsWithBiasesMatchTheReference) {
 // such answer is refused with INVALID_ARGUMENT naming the tensor (never
 // returned as Inf), and a refused session step leaves the session as it
 // was. An external review found Attend, Decode and Embed answering Inf.
+// Gemma's embeddings are scaled by sqrt(hidden_size) rounded to the table's
+// dtype, as transformers casts it: for hidden 48, 6.9282032 in F32, 6.9375
+// in BF16 and 6.9296875 in F16 (an F16 table is held widened to F32; its
+// factor was the F32 one, 2e-4 off on every element). Every stored value
+// here is exact in all three dtypes, so each answer is exactly row * factor.
+TEST(CheckpointLayerTest, GemmaEmbeddingFactorIsRoundedToTheFilesDtype) {
+  const int64_t hidden = 48, vocab = 4, heads = 2, kv = 1, hd = 24;
+  const float sq = std::sqrt(48.0f);
+  for (const auto& [dtype, factor] : std::vector<std::pair<std::string, float>>{
+           {"F32", sq}, {"BF16", 6.9375f}, {"F16", 6.9296875f}}) {
+    SCOPED_TRACE(dtype);
+    char dir_template[] = "/tmp/ropeattn_ckpt_XXXXXX";
+    ASSERT_NE(mkdtemp(dir_template), nullptr);
+    const std::string dir = dir_template;
+    WriteFileOrDie(dir + "/config.json", R"({"model_type": "gemma", "hidden_size": 48,
+      "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 24, "vocab_size": 4,
+      "max_position_embeddings": 64, "num_hidden_layers": 1})");
+    // Values k / 8 for small k: exact in F16, BF16 and F32.
+    std::vector<float> embed(vocab * hidden);
+    for (size_t i = 0; i < embed.size(); ++i) embed[i] = static_cast<float>(i % 13) / 8.0f - 0.75f;
+    std::string bytes;
+    if (dtype == "F32") bytes = F32Bytes(embed);
+    if (dtype == "BF16") bytes = BF16Bytes(embed);
+    if (dtype == "F16") {
+      std::vector<uint16_t> bits(embed.size());
+      for (size_t i = 0; i < embed.size(); ++i) {
+        bits[i] = _cvtss_sh(embed[i], _MM_FROUND_TO_NEAREST_INT);
+      }
+      bytes = U16Bytes(bits);
+    }
+    std::vector<SafetensorsTensor> tensors = {
+        {"model.embed_tokens.weight", dtype, {vocab, hidden}, bytes}};
+    const std::vector<float> w(heads * hd * hidden, 0.01f);
+    const std::string p = "model.layers.0.self_attn.";
+    tensors.push_back({p + "q_proj.weight", "F32", {heads * hd, hidden}, F32Bytes(w)});
+    tensors.push_back({p + "k_proj.weight", "F32", {kv * hd, hidden},
+                       F32Bytes(std::vector<float>(kv * hd * hidden, 0.01f))});
+    tensors.push_back({p + "v_proj.weight", "F32", {kv * hd, hidden},
+                       F32Bytes(std::vector<float>(kv * hd * hidden, 0.01f))});
+    tensors.push_back({p + "o_proj.weight", "F32", {hidden, heads * hd}, F32Bytes(w)});
+    WriteFileOrDie(dir + "/model.safetensors", SafetensorsBytes(tensors));
+    server::ServerOptions o = TestServerOptions();
+    o.models = {{"g", dir}};
+    auto server = StartTestServer(o);
+    ASSERT_NE(server, nullptr);
+    auto stub = TestStub(server->port());
+    v1::EmbedRequest req;
+    req.set_model("g");
+    for (int64_t id : {2, 0, 3}) req.add_token_ids(id);
+    grpc::ClientContext ctx;
+    v1::EmbedResponse resp;
+    const grpc::Status st = stub->Embed(&ctx, req, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    const std::vector<double> got = WireToDoubles(resp.embeddings());
+    ASSERT_EQ(got.size(), 3u * hidden);
+    int i = 0;
+    for (int64_t id : {2, 0, 3}) {
+      for (int64_t h = 0; h < hidden; ++h, ++i) {
+        EXPECT_EQ(got[i], static_cast<double>(embed[id * hidden + h] * factor)) << id << " " << h;
+      }
+    }
+    server->Shutdown(absl::Seconds(1));
+  }
+}
+
 TEST(CheckpointLayerTest, OverflowingProductsAreRefusedNotAnsweredAsInf) {
   char dir_template[] = "/tmp/ropeattn_ckpt_XXXXXX";
   ASSERT_NE(mkdtemp(dir_template), nullptr);
