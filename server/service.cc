@@ -404,6 +404,22 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
         share_(service->FairShareKey(*ctx)) {
     stop_.set_deadline(DeadlineOf(ctx));
     service_->Register(this);
+    // A caller the server cannot authenticate is answered now, not after
+    // its first message: an open stream costs memory however idle it is.
+    if (!principal_.ok()) {
+      FinishOnce(ToGrpcStatus(principal_.status()));
+      return;
+    }
+    // What gRPC keeps for an open stream (~20 KiB measured: buffers, call
+    // and reactor state) is held from the budget while it is open, so
+    // streams that never send anything cannot grow memory past it.
+    absl::StatusOr<MemoryBudget::Reservation> overhead =
+        service_->budget_->Reserve(kDecodeStreamBytes, "an open Decode stream");
+    if (!overhead.ok()) {
+      FinishOnce(ToGrpcStatus(overhead.status()));
+      return;
+    }
+    overhead_ = *std::move(overhead);
     StartRead(&request_);
   }
 
@@ -901,6 +917,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   std::shared_ptr<Session> session_;
   bool close_after_write_ = false;
   StopToken stop_;                        // the stream's: cancel or deadline
+  // Held from the budget while the stream is open (kDecodeStreamBytes).
+  MemoryBudget::Reservation overhead_;
   MemoryBudget::Reservation op_memory_;  // the current operation's buffers
   // An open's or fork's reserved session room (Admit), used by Process.
   SessionManager::Ticket ticket_;

@@ -21,6 +21,11 @@
 
 namespace ropeattn::server {
 
+// An open Decode stream's share of the memory budget, held from its start
+// to its end (gRPC keeps ~20 KiB for a stream however idle; README
+// "Limits").
+inline constexpr int64_t kDecodeStreamBytes = int64_t{32} << 10;
+
 class Authenticator;
 class DecodeReactor;
 

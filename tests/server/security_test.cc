@@ -272,6 +272,12 @@ TEST_F(SecurityTest, TokensRightOnesAcceptedWrongOrMissingRefused) {
     EXPECT_FALSE(s.Open(16, false, &r));
     EXPECT_EQ(s.Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
   }
+  {
+    // Refused as it starts, not after a first message: a stream that sends
+    // nothing holds nothing.
+    Stream s(port, As("nope"));
+    EXPECT_EQ(s.Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
   // Health needs no token (probes and load balancers carry none).
   EXPECT_TRUE(Health(port, As("")).ok());
   // Reflection is a call like any other.
@@ -286,7 +292,7 @@ TEST_F(SecurityTest, TokensRightOnesAcceptedWrongOrMissingRefused) {
   EXPECT_THAT(metrics, Not(HasSubstr("tok-")));
   EXPECT_THAT(metrics, Not(HasSubstr("alice")));
   EXPECT_THAT(metrics, HasSubstr("ropeattn_auth_refused_total{reason=\"missing_token\"} 3"));
-  EXPECT_THAT(metrics, HasSubstr("ropeattn_auth_refused_total{reason=\"invalid_token\"} 3"));
+  EXPECT_THAT(metrics, HasSubstr("ropeattn_auth_refused_total{reason=\"invalid_token\"} 4"));
 }
 
 TEST_F(SecurityTest, MutualTlsAcceptsOnlyCertificatesOfTheClientCa) {

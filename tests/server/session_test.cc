@@ -30,6 +30,7 @@
 #include "reflection_wire.grpc.pb.h"
 #include "server/decode_wire.h"
 #include "server/model.h"
+#include "server/service.h"
 #include "server/sessions.h"
 #include "tests/core/test_util.h"
 #include "tests/reference/attention_ref.h"
@@ -665,14 +666,59 @@ TEST_F(SessionTest, ClosingAnAttachedSessionFreesAllItsMemory) {
   ASSERT_TRUE(Eventually([&] { return memory_in_use() == 0; }));
   Stream s(stub_.get());
   const v1::SessionInfo opened = s.Open(MakeOpen(Config{"mha", 4, 4, 16, 16, "default"}, 256));
-  EXPECT_EQ(memory_in_use(), opened.kv_bytes() + opened.step_room_bytes());
+  // The open stream holds its own share too.
+  EXPECT_EQ(memory_in_use(),
+            opened.kv_bytes() + opened.step_room_bytes() + server::kDecodeStreamBytes);
   grpc::ClientContext ctx;
   v1::CloseSessionRequest close;
   close.set_session_id(opened.session_id());
   v1::CloseSessionResponse closed;
   ASSERT_TRUE(stub_->CloseSession(&ctx, close, &closed).ok());
-  EXPECT_TRUE(Eventually([&] { return memory_in_use() == 0; })) << memory_in_use();
+  EXPECT_TRUE(Eventually([&] { return memory_in_use() == server::kDecodeStreamBytes; }))
+      << memory_in_use();
   s.Finish();
+  EXPECT_TRUE(Eventually([&] { return memory_in_use() == 0; })) << memory_in_use();
+}
+
+// A Decode stream holds its share of the memory budget from its start,
+// before it sends anything, until it ends: streams that never send a message
+// cannot grow memory past the budget (gRPC keeps ~20 KiB for each), and one
+// the budget cannot pay for is ended at once with RESOURCE_EXHAUSTED.
+TEST(DecodeStreamBudgetTest, IdleStreamsHoldTheirShareOfTheBudget) {
+  server::ServerOptions o = TestServerOptions();
+  o.memory_budget_bytes = 3 * server::kDecodeStreamBytes;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  const auto in_use = [&] {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    EXPECT_TRUE(stub->GetServerInfo(&ctx, {}, &info).ok());
+    return info.memory_bytes_in_use();
+  };
+  const auto eventually = [](auto f) {
+    for (int i = 0; i < 500 && !f(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return f();
+  };
+  {
+    std::vector<std::unique_ptr<Stream>> idle;
+    for (int i = 0; i < 3; ++i) idle.push_back(std::make_unique<Stream>(stub.get()));
+    EXPECT_TRUE(eventually([&] { return in_use() == 3 * server::kDecodeStreamBytes; }))
+        << in_use();
+    Stream refused(stub.get());
+    const grpc::Status st = refused.Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr("an open Decode stream"));
+  }
+  EXPECT_TRUE(eventually([&] { return in_use() == 0; })) << in_use();
+  // With the streams gone, a new one opens a session as usual.
+  Stream s(stub.get());
+  v1::DecodeRequest open;
+  open.mutable_open()->mutable_spec()->set_heads(1);
+  open.mutable_open()->mutable_spec()->set_head_dim(4);
+  open.mutable_open()->set_max_context(4);
+  EXPECT_TRUE(s.Send(open).has_opened());
+  server->Shutdown(absl::Seconds(1));
 }
 
 // --------------------------------------------------- truncate and fork --
@@ -797,8 +843,9 @@ TEST_F(SessionTest, ForksShareTheirSourcesPagesAndPayOnlyForTheirOwn) {
   // Each session also holds the room of its one-token steps.
   const int64_t room = opened.step_room_bytes();
   EXPECT_GT(room, 0);
-  const int64_t charged =
-      opened.kv_bytes() + kForks * (opened.kv_bytes() - 64 * page) + (kForks + 1) * room;
+  // (And the parent's open stream its share.)
+  const int64_t charged = opened.kv_bytes() + kForks * (opened.kv_bytes() - 64 * page) +
+                          (kForks + 1) * room + server::kDecodeStreamBytes;
   EXPECT_TRUE(Eventually([&] { return server_info().memory_bytes_in_use() == charged; }))
       << server_info().memory_bytes_in_use() << " != " << charged;
   for (int f = 0; f < kForks; ++f) {
@@ -835,8 +882,9 @@ TEST_F(SessionTest, ForksShareTheirSourcesPagesAndPayOnlyForTheirOwn) {
     tr.mutable_truncate()->set_seq(1);
     tr.mutable_truncate()->set_position(0);
     ASSERT_TRUE(child.Send(tr).has_truncated());
-    // Only the sessions' charges are held now (nothing in flight).
-    const int64_t before = charged;
+    // Only the sessions' charges are held now (nothing in flight), and the
+    // two open streams' shares.
+    const int64_t before = charged + server::kDecodeStreamBytes;
     EXPECT_TRUE(Eventually([&] { return server_info().memory_bytes_in_use() == before; }))
         << server_info().memory_bytes_in_use() << " != " << before;
     v1::DecodeResponse r = child.Step(fresh, 0, 80, 2);
