@@ -6,9 +6,11 @@
 
 #include "absl/random/random.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "grpcpp/support/interceptor.h"
 #include "server/log.h"
+#include "server/metrics.h"
 
 namespace ropeattn::server {
 namespace {
@@ -70,8 +72,8 @@ double Milliseconds(absl::Duration d) { return std::round(absl::ToDoubleMillisec
 
 class CallLog final : public grpc::experimental::Interceptor {
  public:
-  CallLog(grpc::experimental::ServerRpcInfo* info, bool access_log)
-      : info_(info), access_log_(access_log), start_(absl::Now()) {}
+  CallLog(grpc::experimental::ServerRpcInfo* info, bool access_log, Metrics* metrics)
+      : info_(info), access_log_(access_log), metrics_(metrics), start_(absl::Now()) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
@@ -113,7 +115,29 @@ class CallLog final : public grpc::experimental::Interceptor {
   }
 
  private:
-  void Report(const grpc::Status& status) {
+  void Report(grpc::Status status) {
+    // A call whose client cancelled it before its request arrived never
+    // reaches a handler; gRPC then answers UNIMPLEMENTED (no message came),
+    // which the client never sees: it is logged as what it was (an expired
+    // deadline; a cancellation, where gRPC has marked it by then).
+    if (status.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+      const gpr_timespec deadline = info_->server_context()->raw_deadline();
+      if (gpr_time_cmp(gpr_convert_clock_type(deadline, GPR_CLOCK_MONOTONIC),
+                       gpr_now(GPR_CLOCK_MONOTONIC)) <= 0) {
+        status = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                              "the call's deadline passed before its request arrived");
+      } else if (info_->server_context()->IsCancelled()) {
+        status = grpc::Status(grpc::StatusCode::CANCELLED,
+                              "the call was cancelled before its request arrived");
+      }
+      // Counted here: its handler, which counts the others, never ran.
+      absl::string_view method = info_->method();
+      if (status.error_code() != grpc::StatusCode::UNIMPLEMENTED && metrics_ != nullptr &&
+          absl::ConsumePrefix(&method, "/ropeattn.v1.AttentionService/")) {
+        metrics_->RecordRequest(method, static_cast<int>(status.error_code()),
+                                absl::ToDoubleSeconds(absl::Now() - start_));
+      }
+    }
     const int code = static_cast<int>(status.error_code());
     if (!status.ok() || access_log_) {
       peer_ = info_->server_context()->peer();
@@ -144,6 +168,7 @@ class CallLog final : public grpc::experimental::Interceptor {
 
   grpc::experimental::ServerRpcInfo* const info_;
   const bool access_log_;
+  Metrics* const metrics_;
   const absl::Time start_;
   std::string request_id_;
   std::string trace_id_;
@@ -153,21 +178,22 @@ class CallLog final : public grpc::experimental::Interceptor {
 
 class CallLogFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  explicit CallLogFactory(bool access_log) : access_log_(access_log) {}
+  CallLogFactory(bool access_log, Metrics* metrics) : access_log_(access_log), metrics_(metrics) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
-    return new CallLog(info, access_log_);
+    return new CallLog(info, access_log_, metrics_);
   }
 
  private:
   const bool access_log_;
+  Metrics* const metrics_;
 };
 
 }  // namespace
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeCallLogFactory(
-    bool access_log) {
-  return std::make_unique<CallLogFactory>(access_log);
+    bool access_log, Metrics* metrics) {
+  return std::make_unique<CallLogFactory>(access_log, metrics);
 }
 
 std::string RequestIdOf(const grpc::ServerContextBase& ctx) {

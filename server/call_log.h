@@ -23,8 +23,13 @@
 
 namespace ropeattn::server {
 
+class Metrics;
+
+// `metrics` (not owned, may be null): a call of the service that gRPC ended
+// before its handler ran (deadline passed or cancelled before the request
+// arrived) is counted there under its real code, as handlers count theirs.
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeCallLogFactory(
-    bool access_log);
+    bool access_log, Metrics* metrics = nullptr);
 
 // The request id of a call (see above); "" before the interceptor ran.
 std::string RequestIdOf(const grpc::ServerContextBase& ctx);

@@ -350,7 +350,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   builder.RegisterService(m.service.get());
   // Request ids, error answers and the access log, for every method.
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(MakeCallLogFactory(options.access_log));
+  interceptors.push_back(MakeCallLogFactory(options.access_log, m.metrics.get()));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   m.grpc_server = builder.BuildAndStart();
   if (m.grpc_server == nullptr) {
