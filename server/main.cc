@@ -99,6 +99,9 @@ ABSL_FLAG(std::string, model, "",
           "built-in demo model is served as \"demo\"");
 ABSL_FLAG(double, shutdown_grace_seconds, kDefaults.shutdown_grace_seconds,
           "On SIGTERM/SIGINT: time in-flight calls get to finish before they are cancelled");
+ABSL_FLAG(double, answer_timeout_seconds, kDefaults.answer_timeout_seconds,
+          "An answer the client has not taken this long after it was ready cancels its call "
+          "(and frees what the call held); [1, 3600]");
 ABSL_FLAG(std::string, tls_cert_file, "",
           "TLS: the server's certificate chain (PEM); with --tls_key_file. Re-read when it "
           "changes (new handshakes see the new one); empty: plaintext");
@@ -152,6 +155,7 @@ std::string ConfigJson(const ropeattn::server::ServerOptions& o, int max_connect
   j["default_idle_ttl_seconds"] = o.default_idle_ttl_seconds;
   j["max_idle_ttl_seconds"] = o.max_idle_ttl_seconds;
   j["shutdown_grace_seconds"] = o.shutdown_grace_seconds;
+  j["answer_timeout_seconds"] = o.answer_timeout_seconds;
   j["tls_cert_file"] = o.tls_cert_file;
   j["tls_key_file"] = o.tls_key_file;
   j["tls_client_ca_file"] = o.tls_client_ca_file;
@@ -281,6 +285,7 @@ int main(int argc, char** argv) {
   o.default_idle_ttl_seconds = absl::GetFlag(FLAGS_default_idle_ttl_seconds);
   o.max_idle_ttl_seconds = absl::GetFlag(FLAGS_max_idle_ttl_seconds);
   o.shutdown_grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
+  o.answer_timeout_seconds = absl::GetFlag(FLAGS_answer_timeout_seconds);
   o.models = models;
   o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
   o.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);

@@ -80,6 +80,10 @@ struct ServerOptions {
   double reap_interval_seconds = 1.0;
   // Graceful shutdown: time in-flight work gets before the server cancels it.
   double shutdown_grace_seconds = 10.0;
+  // An answer (a unary call's, a Decode stream's next) the client has not
+  // taken this long after it was ready cancels its call, freeing what the
+  // call held (gRPC has no write timeout of its own).
+  double answer_timeout_seconds = 60.0;
   // TLS (docs/security.md): the server's certificate chain and private key,
   // PEM files, both or neither. Re-read when they change.
   std::string tls_cert_file;

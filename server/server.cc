@@ -223,6 +223,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
         "default_idle_ttl_seconds %d exceeds max_idle_ttl_seconds %d",
         options.default_idle_ttl_seconds, options.max_idle_ttl_seconds));
   }
+  if (!(options.answer_timeout_seconds >= 1 && options.answer_timeout_seconds <= 3600)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "answer_timeout_seconds must be in [1, 3600], got %g", options.answer_timeout_seconds));
+  }
   if (!(options.shutdown_grace_seconds >= 0 && options.shutdown_grace_seconds <= 3600)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "shutdown_grace_seconds must be in [0, 3600], got %g", options.shutdown_grace_seconds));

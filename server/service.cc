@@ -58,7 +58,8 @@ AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options, Executo
       auth_configured_(AuthConfigured(options)),
       authenticator_(authenticator),
       admission_(options.compute_workers, absl::Seconds(options.max_queue_delay_seconds),
-                 options.max_queue_slowdown) {}
+                 options.max_queue_slowdown),
+      answer_watch_(absl::Seconds(options.answer_timeout_seconds)) {}
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
@@ -110,22 +111,30 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext* ctx) {
 // alive until gRPC is done with the call, answer included.
 class ComputeCall : public grpc::ServerUnaryReactor {
  public:
-  ComputeCall(AttentionServiceImpl* service, const grpc::CallbackServerContext* ctx)
-      : service_(service) {
+  ComputeCall(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
+      : service_(service), watch_(std::make_shared<AnswerWatch::Handle>(ctx)) {
     stop_.set_deadline(DeadlineOf(ctx));
     service_->CallStarted();
   }
   void OnCancel() override { stop_.Cancel(); }
   void OnDone() override {
+    watch_->Ended();
     AttentionServiceImpl* service = service_;
     delete this;  // the reservation goes before the call counts as ended
     service->CallEnded();
   }
   StopToken& stop() { return stop_; }
   void Hold(MemoryBudget::Reservation r) { reservation_ = std::move(r); }
+  // Finishes with the computed answer; a client that does not take it
+  // within --answer_timeout_seconds has the call cancelled.
+  void FinishAnswer(const grpc::Status& status) {
+    service_->WatchAnswer(watch_);
+    Finish(status);
+  }
 
  private:
   AttentionServiceImpl* const service_;
+  const std::shared_ptr<AnswerWatch::Handle> watch_;
   StopToken stop_;
   MemoryBudget::Reservation reservation_;
 };
@@ -189,7 +198,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
     // Stopped mid-way: the stop's own code, not the kernel's.
     if (!status.ok() && call->stop().ShouldStop()) status = call->stop().status();
     metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
-    call->Finish(ToGrpcStatus(status));
+    call->FinishAnswer(ToGrpcStatus(status));
   };
   // A small request finding a worker idle runs here, on one thread: two
   // thread hand-offs would cost more than its compute (docs/scheduler.md).
@@ -400,6 +409,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   DecodeReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
       : service_(service),
         ctx_(ctx),
+        watch_(std::make_shared<AnswerWatch::Handle>(ctx)),
         principal_(service->CallerOf(*ctx)),
         share_(service->FairShareKey(*ctx)) {
     stop_.set_deadline(DeadlineOf(ctx));
@@ -478,6 +488,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   }
 
   void OnWriteDone(bool ok) override {
+    watch_->Disarm();
     op_memory_.Release();  // the answer is on its way: its buffers are gone
     ReleaseMessageMemory();
     if (!ok) {
@@ -505,6 +516,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   }
 
   void OnDone() override {
+    watch_->Ended();
     // Normally released in FinishOnce; this covers a stream gRPC ends itself.
     if (session_ != nullptr) service_->sessions_->Detach(session_, cancelled_.load());
     service_->Unregister(this);
@@ -666,6 +678,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
     e->set_code(static_cast<int>(status.code()));
     e->set_message(CapStatusMessage(status.message()));
     LogInBand(MethodOf(request_), status);
+    service_->answer_watch_.Arm(watch_);
     StartWrite(&response_);
   }
 
@@ -738,6 +751,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       e->set_message(CapStatusMessage(status.message()));
       LogInBand(method, status);
     }
+    service_->answer_watch_.Arm(watch_);
     StartWrite(&response_);
   }
 
@@ -917,6 +931,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   std::shared_ptr<Session> session_;
   bool close_after_write_ = false;
   StopToken stop_;                        // the stream's: cancel or deadline
+  // Armed while an answer is being written (--answer_timeout_seconds).
+  const std::shared_ptr<AnswerWatch::Handle> watch_;
   // Held from the budget while the stream is open (kDecodeStreamBytes).
   MemoryBudget::Reservation overhead_;
   MemoryBudget::Reservation op_memory_;  // the current operation's buffers

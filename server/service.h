@@ -10,6 +10,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "ropeattn/v1/attention.grpc.pb.h"
+#include "server/answer_watch.h"
 #include "server/admission.h"
 #include "server/cost.h"
 #include "server/executor.h"
@@ -86,6 +87,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
 
   // A unary compute call's lifetime, reactor creation to OnDone.
   void CallStarted();
+  // A unary answer handed to gRPC: cancelled if not taken in time.
+  void WatchAnswer(const std::shared_ptr<AnswerWatch::Handle>& h) { answer_watch_.Arm(h); }
   void CallEnded();
 
   // One request or decode operation on a compute worker, start to end:
@@ -144,6 +147,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   const bool auth_configured_;
   const Authenticator* const authenticator_;
   Admission admission_;  // by time: deadline and --max_queue_delay_seconds
+  // Cancels calls whose answers stay untaken (--answer_timeout_seconds).
+  AnswerWatch answer_watch_;
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> computing_{0};
   absl::Mutex mu_;

@@ -721,6 +721,130 @@ TEST(DecodeStreamBudgetTest, IdleStreamsHoldTheirShareOfTheBudget) {
   server->Shutdown(absl::Seconds(1));
 }
 
+// A client that keeps its connection but never takes an answer (its
+// flow-control window stays shut) held the call, and all the call held,
+// forever: gRPC has no write timeout. Past --answer_timeout_seconds the call
+// is cancelled and what it held goes back: a unary Attend's reservation, a
+// Decode stream's session and budget share.
+TEST(AnswerTimeoutTest, AnswersNotTakenCancelTheirCalls) {
+  server::ServerOptions o = TestServerOptions();
+  o.answer_timeout_seconds = 1;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  // A client whose receive window stays at 64 KiB unless it reads.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetMaxReceiveMessageSize(256 << 20);
+  args.SetMaxSendMessageSize(256 << 20);
+  auto lazy = v1::AttentionService::NewStub(grpc::CreateCustomChannel(
+      absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials(), args));
+  const auto in_use = [&] {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    EXPECT_TRUE(stub->GetServerInfo(&ctx, {}, &info).ok());
+    return info.memory_bytes_in_use();
+  };
+  const auto eventually = [](auto f, int ms) {
+    for (int i = 0; i < ms / 10 && !f(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return f();
+  };
+  // Unary: an Attend from a raw HTTP/2 client that announces a receive
+  // window of 0 and never opens it: the answer cannot leave the server.
+  {
+    v1::AttendRequest req;
+    req.mutable_spec()->set_heads(1);
+    req.mutable_spec()->set_head_dim(4);
+    const int64_t shape[] = {1, 2, 1, 4};
+    const Tensor q = RandomTensor(DType::kF32, shape, 1);
+    *req.mutable_q() = ToWire(q.cview());
+    *req.mutable_k() = ToWire(q.cview());
+    *req.mutable_v() = ToWire(q.cview());
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(server->port()));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    auto frame = [](uint8_t type, uint8_t flags, uint32_t stream, const std::string& payload) {
+      std::string f(9, '\0');
+      f[0] = static_cast<char>(payload.size() >> 16);
+      f[1] = static_cast<char>(payload.size() >> 8);
+      f[2] = static_cast<char>(payload.size());
+      f[3] = static_cast<char>(type);
+      f[4] = static_cast<char>(flags);
+      for (int i = 0; i < 4; ++i) f[5 + i] = static_cast<char>(stream >> (24 - 8 * i));
+      return f + payload;
+    };
+    // HPACK literals without indexing, plain strings (all under 127 bytes).
+    std::string headers;
+    for (const auto& [name, value] : std::vector<std::pair<std::string, std::string>>{
+             {":method", "POST"},
+             {":scheme", "http"},
+             {":path", "/ropeattn.v1.AttentionService/Attend"},
+             {":authority", "localhost"},
+             {"content-type", "application/grpc"},
+             {"te", "trailers"}}) {
+      headers += '\0';
+      headers += static_cast<char>(name.size());
+      headers += name;
+      headers += static_cast<char>(value.size());
+      headers += value;
+    }
+    const std::string body = req.SerializeAsString();
+    std::string message(5, '\0');
+    for (int i = 0; i < 4; ++i) message[1 + i] = static_cast<char>(body.size() >> (24 - 8 * i));
+    message += body;
+    ASSERT_LT(message.size(), 16384u);  // one DATA frame
+    const std::string out = std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") +
+                            frame(4, 0, 0, std::string("\x00\x04\x00\x00\x00\x00", 6)) +
+                            frame(1, 4, 1, headers) + frame(0, 1, 1, message);
+    ASSERT_EQ(send(fd, out.data(), out.size(), MSG_NOSIGNAL), static_cast<ssize_t>(out.size()));
+    // Acknowledge the server's SETTINGS (a peer that never does is dropped).
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    const std::string ack = frame(4, 1, 0, "");
+    ASSERT_EQ(send(fd, ack.data(), ack.size(), MSG_NOSIGNAL), static_cast<ssize_t>(ack.size()));
+    // Computed, its reservation held while the answer waits...
+    EXPECT_TRUE(eventually([&] { return in_use() > 0; }, 3000)) << in_use();
+    // ...and given back once the server cancels the call.
+    EXPECT_TRUE(eventually([&] { return in_use() == 0; }, 5000)) << in_use();
+    close(fd);
+  }
+  // Decode: a step whose 8 MiB output is never read; the session (not
+  // resumable) closes with its stream.
+  {
+    grpc::ClientContext ctx;
+    auto rw = lazy->Decode(&ctx);
+    v1::DecodeRequest open;
+    open.mutable_open()->mutable_spec()->set_heads(8);
+    open.mutable_open()->mutable_spec()->set_head_dim(128);
+    open.mutable_open()->set_max_context(2048);
+    ASSERT_TRUE(rw->Write(open));
+    v1::DecodeResponse r;
+    ASSERT_TRUE(rw->Read(&r));
+    ASSERT_TRUE(r.has_opened()) << r.DebugString();
+    EXPECT_GT(in_use(), 0);
+    v1::DecodeRequest step;
+    const int64_t shape[] = {1, 2048, 8, 128};
+    const Tensor x = RandomTensor(DType::kF32, shape, 2);
+    *step.mutable_step()->mutable_q() = ToWire(x.cview());
+    *step.mutable_step()->mutable_k() = ToWire(x.cview());
+    *step.mutable_step()->mutable_v() = ToWire(x.cview());
+    ASSERT_TRUE(rw->Write(step));
+    EXPECT_TRUE(eventually([&] { return in_use() == 0; }, 8000)) << in_use();
+    rw->WritesDone();
+    while (rw->Read(&r)) {
+    }
+    EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  server->Shutdown(absl::Seconds(1));
+}
+
 // --------------------------------------------------- truncate and fork --
 
 TEST_F(SessionTest, TruncateThenContinueEqualsAFreshSession) {
