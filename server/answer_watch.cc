@@ -5,15 +5,17 @@
 namespace ropeattn::server {
 
 void AnswerWatch::Handle::Ended() {
-  absl::MutexLock lock(&mu_);
-  const std::thread::id self = std::this_thread::get_id();
-  mu_.Await(absl::Condition(
-      +[](std::pair<Handle*, std::thread::id>* s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        return !s->first->cancelling_ || s->first->canceller_ == s->second;
-      },
-      std::make_unique<std::pair<Handle*, std::thread::id>>(this, self).get()));
-  ctx_ = nullptr;
-  armed_ = false;
+  {
+    absl::MutexLock lock(&mu_);
+    const std::thread::id self = std::this_thread::get_id();
+    auto done = [this, self]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !cancelling_ || canceller_ == self;
+    };
+    mu_.Await(absl::Condition(&done));
+    ctx_ = nullptr;
+    armed_ = false;
+  }
+  watch_->Dequeue(this);
 }
 
 void AnswerWatch::Handle::Disarm() {
@@ -21,7 +23,8 @@ void AnswerWatch::Handle::Disarm() {
   armed_ = false;
 }
 
-AnswerWatch::AnswerWatch(absl::Duration timeout) : timeout_(timeout) {
+AnswerWatch::AnswerWatch(absl::Duration timeout)
+    : timeout_(std::chrono::duration_cast<Clock::duration>(absl::ToChronoNanoseconds(timeout))) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -33,16 +36,38 @@ AnswerWatch::~AnswerWatch() {
   thread_.join();
 }
 
-void AnswerWatch::Arm(const std::shared_ptr<Handle>& handle) {
-  uint64_t generation;
+std::shared_ptr<AnswerWatch::Handle> AnswerWatch::Watch(grpc::ServerContextBase* ctx) {
+  return std::make_shared<Handle>(this, ctx);
+}
+
+void AnswerWatch::Arm(const std::shared_ptr<Handle>& h) {
   {
-    absl::MutexLock lock(&handle->mu_);
-    if (handle->ctx_ == nullptr) return;  // ended already
-    handle->armed_ = true;
-    generation = ++handle->generation_;
+    absl::MutexLock lock(&h->mu_);
+    if (h->ctx_ == nullptr) return;  // ended already
+    h->armed_ = true;
+    h->due_ = Clock::now() + timeout_;
   }
   absl::MutexLock lock(&mu_);
-  due_.push(Due{absl::Now() + timeout_, handle, generation});
+  EnqueueLocked(h);
+}
+
+void AnswerWatch::EnqueueLocked(const std::shared_ptr<Handle>& h) {
+  if (h->queued_) return;  // its entry stays; the loop sees the new deadline
+  if (fifo_.empty()) kick_ = true;
+  h->pos_ = fifo_.insert(fifo_.end(), h);
+  h->queued_ = true;
+}
+
+void AnswerWatch::Dequeue(Handle* h) {
+  absl::MutexLock lock(&mu_);
+  if (!h->queued_) return;
+  h->queued_ = false;
+  fifo_.erase(h->pos_);  // may drop the last reference: h is not used after
+}
+
+size_t AnswerWatch::queued() const {
+  absl::MutexLock lock(&mu_);
+  return fifo_.size();
 }
 
 int64_t AnswerWatch::cancelled() const {
@@ -54,41 +79,56 @@ int64_t AnswerWatch::cancelled() const {
 // OnCancel and OnDone inside it, on this thread), the call pinned by
 // `cancelling_`: an OnDone on another thread waits in Ended() until it
 // returns, so the context outlives the TryCancel.
-void AnswerWatch::CancelIfArmed(const std::shared_ptr<Handle>& h, uint64_t generation,
-                                bool* did) {
+bool AnswerWatch::CancelIfDue(const std::shared_ptr<Handle>& h, bool* cancelled) {
   grpc::ServerContextBase* ctx;
   {
     absl::MutexLock hl(&h->mu_);
-    if (h->ctx_ == nullptr || !h->armed_ || h->generation_ != generation) return;
+    if (h->ctx_ == nullptr || !h->armed_) return false;
+    if (h->due_ > Clock::now()) return true;  // a later write moved it
     ctx = h->ctx_;
     h->armed_ = false;
     h->cancelling_ = true;
     h->canceller_ = std::this_thread::get_id();
   }
   ctx->TryCancel();
-  *did = true;
+  *cancelled = true;
   absl::MutexLock hl(&h->mu_);
   h->cancelling_ = false;
+  return false;
 }
 
 void AnswerWatch::Loop() {
   absl::MutexLock lock(&mu_);
   while (!stop_) {
-    const absl::Time wake = due_.empty() ? absl::Now() + absl::Seconds(1) : due_.top().at;
-    seen_ = due_.size();
-    mu_.AwaitWithDeadline(absl::Condition(this, &AnswerWatch::Woken), wake);
-    const absl::Time now = absl::Now();
-    while (!stop_ && !due_.empty() && due_.top().at <= now) {
-      Due d = due_.top();
-      due_.pop();
-      std::shared_ptr<Handle> h = d.handle.lock();
-      if (h == nullptr) continue;
-      bool did = false;
-      mu_.Unlock();  // Arm may run from the callbacks TryCancel triggers
-      CancelIfArmed(h, d.generation, &did);
+    // The front's deadline is the earliest (one timeout for all): sleep to
+    // it, or until the FIFO stops being empty, or the stop.
+    Clock::duration wait = std::chrono::seconds(1);
+    if (!fifo_.empty()) {
+      std::shared_ptr<Handle> front = fifo_.front();
+      mu_.Unlock();
+      Clock::time_point due;
+      {
+        absl::MutexLock hl(&front->mu_);
+        due = front->armed_ ? front->due_ : Clock::now();
+      }
       mu_.Lock();
-      if (did) ++cancelled_;
+      wait = std::max(Clock::duration::zero(), due - Clock::now());
     }
+    kick_ = false;
+    if (wait > Clock::duration::zero()) {
+      mu_.AwaitWithTimeout(absl::Condition(this, &AnswerWatch::Woken),
+                           absl::FromChrono(std::chrono::duration_cast<std::chrono::nanoseconds>(wait)));
+    }
+    if (stop_ || fifo_.empty()) continue;
+    std::shared_ptr<Handle> h = fifo_.front();
+    fifo_.pop_front();
+    h->queued_ = false;
+    bool cancelled = false;
+    mu_.Unlock();  // Arm and Ended may run from the callbacks TryCancel triggers
+    const bool again = CancelIfDue(h, &cancelled);
+    mu_.Lock();
+    if (cancelled) ++cancelled_;
+    if (again) EnqueueLocked(h);
   }
 }
 

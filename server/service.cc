@@ -112,7 +112,7 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext* ctx) {
 class ComputeCall : public grpc::ServerUnaryReactor {
  public:
   ComputeCall(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
-      : service_(service), watch_(std::make_shared<AnswerWatch::Handle>(ctx)) {
+      : service_(service), watch_(service->WatchAnswers()->Watch(ctx)) {
     stop_.set_deadline(DeadlineOf(ctx));
     service_->CallStarted();
   }
@@ -409,9 +409,9 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   DecodeReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
       : service_(service),
         ctx_(ctx),
-        watch_(std::make_shared<AnswerWatch::Handle>(ctx)),
         principal_(service->CallerOf(*ctx)),
-        share_(service->FairShareKey(*ctx)) {
+        share_(service->FairShareKey(*ctx)),
+        watch_(service->WatchAnswers()->Watch(ctx)) {
     stop_.set_deadline(DeadlineOf(ctx));
     service_->Register(this);
     // A caller the server cannot authenticate is answered now, not after

@@ -89,6 +89,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   void CallStarted();
   // A unary answer handed to gRPC: cancelled if not taken in time.
   void WatchAnswer(const std::shared_ptr<AnswerWatch::Handle>& h) { answer_watch_.Arm(h); }
+  AnswerWatch* WatchAnswers() { return &answer_watch_; }
   void CallEnded();
 
   // One request or decode operation on a compute worker, start to end:

@@ -28,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "ropeattn/v1/attention.grpc.pb.h"
 #include "absl/synchronization/notification.h"
+#include "server/answer_watch.h"
 #include "server/admission.h"
 #include "server/decode_wire.h"
 #include "server/executor.h"
@@ -445,6 +446,32 @@ TEST_F(HardeningTest, FarDeadlinesAreNoDeadlineAndCompressedCallsAreRefused) {
   EXPECT_EQ(st.error_code(), grpc::StatusCode::UNIMPLEMENTED) << st.error_message();
   EXPECT_THAT(st.error_message(), HasSubstr("gzip"));
   ExpectServerStillWorks();
+}
+
+// The answer watch keeps at most one entry per live call, whatever its
+// writes, and none for an ended call (an entry per write, kept until its
+// deadline, grew with the answer rate times the timeout).
+TEST(AnswerWatchTest, KeepsOneEntryPerLiveCall) {
+  server::AnswerWatch watch(absl::Seconds(60));
+  grpc::ServerContext ctx;  // never cancelled: the timeout is far
+  for (int i = 0; i < 1000; ++i) {
+    std::shared_ptr<server::AnswerWatch::Handle> h = watch.Watch(&ctx);
+    watch.Arm(h);
+    h->Disarm();
+    watch.Arm(h);
+    h->Ended();
+    watch.Arm(h);  // after its end: nothing
+  }
+  EXPECT_EQ(watch.queued(), 0u);
+  std::shared_ptr<server::AnswerWatch::Handle> live = watch.Watch(&ctx);
+  for (int i = 0; i < 1000; ++i) {
+    watch.Arm(live);
+    live->Disarm();
+  }
+  EXPECT_EQ(watch.queued(), 1u);
+  live->Ended();
+  EXPECT_EQ(watch.queued(), 0u);
+  EXPECT_EQ(watch.cancelled(), 0);
 }
 
 TEST_F(HardeningTest, ErrorMessagesQuoteOnlyAShortPrefixOfClientStrings) {
