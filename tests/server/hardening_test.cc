@@ -973,7 +973,9 @@ TEST(HardeningFairnessTest, AHeavyCallerDoesNotStarveALightOne) {
   auto heavy = v1::AttentionService::NewStub(channel());
   auto light = v1::AttentionService::NewStub(channel());
   const auto attend = ZeroAttend;
-  const v1::AttendRequest big = attend(6144);
+  // Long enough that the three queued behind the first are still waiting
+  // when the light request arrives, on a fast (AVX-512) machine too.
+  const v1::AttendRequest big = attend(10240);
   absl::Mutex mu;
   std::vector<std::string> finished;  // in completion order
   std::vector<std::thread> calls;
@@ -991,10 +993,13 @@ TEST(HardeningFairnessTest, AHeavyCallerDoesNotStarveALightOne) {
   const auto depth = [&] {
     return MetricValue(server->metrics().RenderPrometheus(), "ropeattn_queue_depth");
   };
-  for (int i = 0; i < 5000 && depth() < 1; ++i) {
+  // Read once per turn: the gauge is read at scrape time, and a second read
+  // could find the queue already drained.
+  double queued = 0;
+  for (int i = 0; i < 5000 && (queued = depth()) < 1; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
-  if (depth() < 1) {
+  if (queued < 1) {
     ADD_FAILURE() << "the heavy caller's requests never queued";
     for (auto& t : calls) t.join();  // never leave a joinable thread behind
     return;
