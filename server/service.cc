@@ -453,6 +453,18 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       FinishOnce(ToGrpcStatus(principal_.status()));
       return;
     }
+    // The tokens file is re-read while streams stay open: a token revoked
+    // (or given to another principal) since the stream started ends it at
+    // its next message, as the token's new calls are refused.
+    if (principal_->authenticated) {
+      const absl::StatusOr<Principal> now = service_->CallerOf(*ctx_);
+      if (!now.ok() || now->name != principal_->name || now->admin != principal_->admin) {
+        FinishOnce(grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                                "this stream's credentials are no longer accepted (its token was "
+                                "revoked or now names another principal); open a new stream"));
+        return;
+      }
+    }
     // Priced and checked here, before anything is allocated or queued.
     if (absl::Status admitted = Admit(); !admitted.ok()) {
       service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(admitted.code()), 0.0);

@@ -710,7 +710,9 @@ TEST_F(SecurityTest, AForkCountsItsWholeStateAgainstTheQuota) {
 TEST_F(SecurityTest, RotationKeepsOpenStreamsAndNewHandshakesSeeTheNewCertificate) {
   const int port = Start(TokenOptions());
   ASSERT_GT(port, 0);
-  Stream open(port, As(kAliceToken));
+  // Bob's token stays in the new tokens file (a revoked token ends its
+  // streams: ARevokedTokenEndsItsOpenStreams).
+  Stream open(port, As(kBobToken));
   v1::DecodeResponse r;
   ASSERT_TRUE(open.Open(64, false, &r));
   ASSERT_TRUE(open.Step(1, 0.5f, &r));
@@ -864,6 +866,38 @@ TEST_F(SecurityTest, TlsFilesStageOnlyValidatedSets) {
 // A tokens file that changes is read only once it has stayed the same for
 // a reload interval: a write caught half-way ("tok-bob-2 bo" of
 // "tok-bob-2 bob") never gives a token to the wrong principal.
+// A token taken out of the tokens file ends the streams it opened at their
+// next message (they kept stepping, and forking sessions charged to it),
+// as its new calls are refused.
+TEST_F(SecurityTest, ARevokedTokenEndsItsOpenStreams) {
+  const int port = Start(TokenOptions());
+  ASSERT_GT(port, 0);
+  Stream alice(port, As(kAliceToken));
+  v1::DecodeResponse r;
+  ASSERT_TRUE(alice.Open(64, false, &r));
+  ASSERT_TRUE(r.has_opened()) << r.DebugString();
+  Stream bob(port, As(kBobToken));
+  ASSERT_TRUE(bob.Open(64, false, &r));
+  ASSERT_TRUE(r.has_opened()) << r.DebugString();
+  WriteInPlace(tokens_file_, absl::StrCat(kBobToken, " bob\n", kAdminToken, " ops admin\n"));
+  bool refused = false;
+  for (int i = 0; i < 100 && !refused; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    refused = Info(port, As(kAliceToken)).error_code() == grpc::StatusCode::UNAUTHENTICATED;
+  }
+  ASSERT_TRUE(refused) << "the tokens file was not reloaded";
+  v1::DecodeRequest truncate;
+  truncate.mutable_truncate()->set_seq(1);
+  truncate.mutable_truncate()->set_position(0);
+  EXPECT_FALSE(alice.Call(truncate, &r)) << r.DebugString();
+  const grpc::Status st = alice.Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("no longer accepted"));
+  // Bob's token stays: his stream goes on.
+  ASSERT_TRUE(bob.Call(truncate, &r));
+  EXPECT_TRUE(r.has_truncated()) << r.DebugString();
+}
+
 TEST_F(SecurityTest, TokensAreReadOnlyOnceTheFileHasSettled) {
   auto auth = server::Authenticator::Create(TokenOptions(), nullptr);
   ASSERT_TRUE(auth.ok()) << auth.status();
