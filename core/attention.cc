@@ -192,6 +192,13 @@ absl::Status PlanCommon(const ConstTensorView& q, const AttentionOptions& o, con
         absl::StrFormat("softcap must be finite and >= 0, got %g", o.softcap));
   }
   p.softcap = static_cast<float>(o.softcap);
+  // 0 means no cap: a positive cap must not round to it (nor to a
+  // subnormal, whose few bits no longer hold the value).
+  if (o.softcap > 0 && !(p.softcap >= std::numeric_limits<float>::min())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "softcap %g is below the smallest normal float (%g): it cannot be applied in f32",
+        o.softcap, std::numeric_limits<float>::min()));
+  }
   if (o.window < 0) {
     return absl::InvalidArgumentError(absl::StrFormat("window must be >= 0, got %d", o.window));
   }
@@ -238,7 +245,8 @@ absl::Status PlanCommon(const ConstTensorView& q, const AttentionOptions& o, con
     }
     if (!o.q_offsets.empty()) {
       const int64_t off = o.q_offsets[b];
-      RA_RETURN_IF_ERROR(CheckPositions(off, p.q_len, absl::StrFormat("q_offsets[%d]", b)));
+      RA_RETURN_IF_ERROR(
+          CheckPositions(off, p.q_len, absl::StrFormat("q_offsets[%d]", b), "q.shape[1]"));
       p.q_offset[b] = off;
     } else {
       p.q_offset[b] = p.k_len - p.q_len;

@@ -58,7 +58,8 @@ struct AttentionOptions {
   bool causal = false;
   // > 0: sliding window width (keys with |q_pos - j| < window). 0: none.
   int64_t window = 0;
-  // > 0: logits are soft-capped to (-softcap, softcap). 0: none.
+  // > 0: logits are soft-capped to (-softcap, softcap); at least the
+  // smallest normal float (a cap that rounds below it is refused). 0: none.
   double softcap = 0.0;
   // Per batch row: absolute position of query 0. Empty: k_len - q_len for every
   // row (queries are the last q_len tokens, as when decoding against a cache).

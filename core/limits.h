@@ -45,9 +45,13 @@ constexpr int64_t LoopSteps(std::initializer_list<int64_t> extents) {
 }
 
 // `first` .. `first + count - 1` must lie in [0, kMaxPosition]:
-// InvalidArgument naming `field` for a negative first position, OutOfRange
-// when the last one is past kMaxPosition. count 0 checks `first` alone.
-absl::Status CheckPositions(int64_t first, int64_t count, absl::string_view field);
+// InvalidArgument naming `first_field` for a negative first position,
+// OutOfRange when the last one is past kMaxPosition, naming both fields and
+// values (count_field names where `count` came from; needed when count > 1).
+// An empty first_field means the positions start at an implicit 0. count 0
+// checks `first` alone.
+absl::Status CheckPositions(int64_t first, int64_t count, absl::string_view first_field,
+                            absl::string_view count_field = {});
 
 }  // namespace ropeattn
 

@@ -33,8 +33,8 @@ absl::Status CheckLengths(int64_t q_len, int64_t k_len, int64_t q_offset) {
   }
   // Keeps q_offset + i and the differences j - q_pos inside int64; the same
   // bound as every other position (core/limits.h).
-  RA_RETURN_IF_ERROR(CheckPositions(q_offset, q_len, "q_offset"));
-  return CheckPositions(0, k_len, "k_len");
+  RA_RETURN_IF_ERROR(CheckPositions(q_offset, q_len, "q_offset", "q_len"));
+  return CheckPositions(0, k_len, "", "k_len");
 }
 
 }  // namespace

@@ -100,6 +100,16 @@ absl::Status CheckFiniteRange(double value, double lo, double hi, absl::string_v
   return absl::OkStatus();
 }
 
+absl::Status CheckSoftcap(double value, absl::string_view field) {
+  if (value == 0.0) return absl::OkStatus();
+  if (!std::isfinite(value) || value < kMinSoftcap || value > kMaxSoftcap) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s must be 0 (none) or finite and in [%g, %g], got %g", field,
+                        kMinSoftcap, kMaxSoftcap, value));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Annotate(const absl::Status& status, absl::string_view context) {
   if (status.ok()) return status;
   return absl::Status(status.code(), absl::StrCat(context, ": ", status.message()));
@@ -415,7 +425,7 @@ absl::StatusOr<ResolvedSpec> ResolveSpec(const v1::AttentionSpec& spec) {
         "spec.heads (%d) must be a multiple of spec.kv_heads (%d)", r.heads, r.kv_heads));
   }
   RA_RETURN_IF_ERROR(CheckNonNegativeFinite(spec.scale(), kMaxLogitScale, "spec.scale"));
-  RA_RETURN_IF_ERROR(CheckNonNegativeFinite(spec.softcap(), kMaxSoftcap, "spec.softcap"));
+  RA_RETURN_IF_ERROR(CheckSoftcap(spec.softcap(), "spec.softcap"));
   if (spec.window() < 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("spec.window must be >= 0 (0 means none), got %d", spec.window()));

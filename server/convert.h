@@ -34,6 +34,8 @@ std::string QuoteForMessage(absl::string_view s);
 // "Limits"): a value outside [lo, hi], or not finite, is InvalidArgument
 // naming `field`.
 absl::Status CheckFiniteRange(double value, double lo, double hi, absl::string_view field);
+// A soft-cap: 0 (none) or in [kMinSoftcap, kMaxSoftcap] (param_limits.h).
+absl::Status CheckSoftcap(double value, absl::string_view field);
 
 // A wire tensor's dtype and shape, validated like TensorFromProto (dtype,
 // rank, non-negative dims, no overflow, byte length) without copying data.

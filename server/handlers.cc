@@ -187,7 +187,7 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request, int thre
   }
   for (int b = 0; b < in_offsets.size(); ++b) {
     RA_RETURN_IF_ERROR(
-        CheckPositions(in_offsets[b], q_len, absl::StrFormat("q_offsets[%d]", b)));
+        CheckPositions(in_offsets[b], q_len, absl::StrFormat("q_offsets[%d]", b), "q.shape[1]"));
   }
   // Explicit positions: counts, ranges and the keys' order, named by field.
   if (!request.q_positions().empty()) {
@@ -425,7 +425,7 @@ absl::Status EncodeSinusoidal(const v1::EncodeRequest::Sinusoidal& op, EncodeDim
         absl::StrFormat("sinusoidal.d_model must be even and > 0, got %d", op.d_model()));
   }
   RA_RETURN_IF_ERROR(CheckPositions(op.first_position(), op.num_positions(),
-                                    "sinusoidal.first_position"));
+                                    "sinusoidal.first_position", "sinusoidal.num_positions"));
   SinusoidalLayout layout;
   switch (op.layout()) {
     case v1::SINUSOIDAL_LAYOUT_UNSPECIFIED:
@@ -583,10 +583,11 @@ absl::Status EncodeRopeApply(const v1::EncodeRequest::RopeApply& op, EncodeDims&
     }
     for (int b = 0; b < op.offsets_size(); ++b) {
       RA_RETURN_IF_ERROR(
-          CheckPositions(op.offsets(b), seq, absl::StrFormat("rope_apply.offsets[%d]", b)));
+          CheckPositions(op.offsets(b), seq, absl::StrFormat("rope_apply.offsets[%d]", b),
+                         "rope_apply.x.shape[1]"));
     }
   } else if (op.positions_size() == 0) {
-    RA_RETURN_IF_ERROR(CheckPositions(0, seq, "rope_apply.x.shape[1] (seq)"));
+    RA_RETURN_IF_ERROR(CheckPositions(0, seq, "", "rope_apply.x.shape[1]"));
   }
   // Unless given, the length-dependent rules are planned for the largest
   // position rotated + 1, as transformers plans them from max(position_ids):
@@ -647,8 +648,8 @@ absl::Status EncodeAlibi(const v1::EncodeRequest::Alibi& op, EncodeDims& dims,
   }
   RA_RETURN_IF_ERROR(CheckNonNegative(op.q_len(), "alibi.q_len"));
   RA_RETURN_IF_ERROR(CheckNonNegative(op.k_len(), "alibi.k_len"));
-  RA_RETURN_IF_ERROR(CheckPositions(op.q_offset(), op.q_len(), "alibi.q_offset"));
-  RA_RETURN_IF_ERROR(CheckPositions(0, op.k_len(), "alibi.k_len"));
+  RA_RETURN_IF_ERROR(CheckPositions(op.q_offset(), op.q_len(), "alibi.q_offset", "alibi.q_len"));
+  RA_RETURN_IF_ERROR(CheckPositions(0, op.k_len(), "", "alibi.k_len"));
   // AlibiSlopes validates the head count (its own bound) before anything
   // is sized by it.
   RA_ASSIGN_OR_RETURN(const std::vector<double> slopes,
@@ -680,8 +681,8 @@ absl::Status EncodeT5(const v1::EncodeRequest::T5& op, EncodeDims& dims,
   RA_RETURN_IF_ERROR(CheckNonNegative(op.q_len(), "t5.q_len"));
   RA_RETURN_IF_ERROR(CheckNonNegative(op.k_len(), "t5.k_len"));
   // Keeps every q_offset + i and j - q_pos inside int64, as the core does.
-  RA_RETURN_IF_ERROR(CheckPositions(op.q_offset(), op.q_len(), "t5.q_offset"));
-  RA_RETURN_IF_ERROR(CheckPositions(0, op.k_len(), "t5.k_len"));
+  RA_RETURN_IF_ERROR(CheckPositions(op.q_offset(), op.q_len(), "t5.q_offset", "t5.q_len"));
+  RA_RETURN_IF_ERROR(CheckPositions(0, op.k_len(), "", "t5.k_len"));
   const int64_t q_len = op.q_len();
   const int64_t k_len = op.k_len();
   int64_t table_heads = 0;

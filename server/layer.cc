@@ -180,7 +180,7 @@ absl::Status ModelLayerOptions(const ModelConfig& c, int64_t layer, const v1::At
         c.num_kv_heads, ", head_dim ", c.head_dim, ") in layer mode; leave them unset"));
   }
   RA_RETURN_IF_ERROR(CheckFiniteRange(spec.scale(), 0.0, kMaxLogitScale, "spec.scale"));
-  RA_RETURN_IF_ERROR(CheckFiniteRange(spec.softcap(), 0.0, kMaxSoftcap, "spec.softcap"));
+  RA_RETURN_IF_ERROR(CheckSoftcap(spec.softcap(), "spec.softcap"));
   if (spec.window() < 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("spec.window must be >= 0 (0 means none), got %d", spec.window()));
@@ -299,7 +299,8 @@ absl::StatusOr<LayerPlan> PlanLayerAttend(const ModelRegistry& models,
   }
   for (int i = 0; i < request.q_offsets_size(); ++i) {
     RA_RETURN_IF_ERROR(
-        CheckPositions(request.q_offsets(i), s, absl::StrFormat("q_offsets[%d]", i)));
+        CheckPositions(request.q_offsets(i), s, absl::StrFormat("q_offsets[%d]", i),
+                       "layer.hidden.shape[1]"));
   }
   if (!request.key_lengths().empty() && request.key_lengths_size() != b) {
     return absl::InvalidArgumentError(
@@ -422,7 +423,8 @@ absl::StatusOr<EmbedPlan> PlanEmbed(const ModelRegistry& models, const v1::Embed
   }
   for (int i = 0; i < request.q_offsets_size(); ++i) {
     RA_RETURN_IF_ERROR(
-        CheckPositions(request.q_offsets(i), s, absl::StrFormat("q_offsets[%d]", i)));
+        CheckPositions(request.q_offsets(i), s, absl::StrFormat("q_offsets[%d]", i),
+                       "the sequence length (shape[1], or the token_ids count)"));
   }
   RA_ASSIGN_OR_RETURN(plan.out_dtype,
                       DTypeFromProto(request.out_dtype(), "out_dtype", DType::kF32));

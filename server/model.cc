@@ -890,9 +890,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
         cap = 50.0;
       }
       if (cap.has_value()) {
-        if (!(*cap > 0.0) || !std::isfinite(*cap) || *cap > kMaxSoftcap) {
+        if (!(*cap >= kMinSoftcap) || !std::isfinite(*cap) || *cap > kMaxSoftcap) {
           return top.Error("attn_logit_softcapping",
-                           absl::StrFormat("must be > 0 and <= %g, got %g", kMaxSoftcap, *cap));
+                           absl::StrFormat("must be in [%g, %g], got %g", kMinSoftcap,
+                                           kMaxSoftcap, *cap));
         }
         config.softcap = *cap;
       }

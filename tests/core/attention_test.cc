@@ -1029,10 +1029,17 @@ TEST_P(AttentionValidationTest, BadNumericOptions) {
     o.scale = scale;
     ExpectError(Call(o), absl::StatusCode::kInvalidArgument, {"scale"});
   }
-  for (double softcap : {-0.5, kNaN, kInf}) {
+  // Caps below the smallest normal float: 1e-46 rounds to 0 in f32, which
+  // means no cap at all; they are refused, not run uncapped.
+  for (double softcap : {-0.5, kNaN, kInf, 1e-46, 1e-300, 1e-40}) {
     AttentionOptions o = Options();
     o.softcap = softcap;
     ExpectError(Call(o), absl::StatusCode::kInvalidArgument, {"softcap"});
+  }
+  {
+    AttentionOptions o = Options();
+    o.softcap = static_cast<double>(std::numeric_limits<float>::min());
+    EXPECT_TRUE(Call(o).ok());
   }
   {
     AttentionOptions o = Options();

@@ -726,6 +726,48 @@ std::vector<Case> GenerateCases() {
         }),
         absl::StrCat("Encode.rope_apply offsets=", far), Code::OUT_OF_RANGE, "offsets");
   }
+  // A length past the last position is named with its own value, not the
+  // first position's.
+  {
+    const int64_t len = int64_t{1} << 41;
+    const std::string shown = absl::StrCat(" = ", len);
+    add(encode([len](v1::EncodeRequest* e) {
+          e->mutable_sinusoidal()->set_num_positions(len);
+          e->mutable_sinusoidal()->set_d_model(8);
+        }),
+        "Encode.sinusoidal num_positions=2^41", Code::OUT_OF_RANGE,
+        absl::StrCat("sinusoidal.num_positions", shown));
+    for (const char* op : {"alibi", "t5"}) {
+      for (const char* field : {"q_len", "k_len"}) {
+        const bool t5 = op[0] == 't', k = field[0] == 'k';
+        add(encode([=](v1::EncodeRequest* e) {
+              if (t5) {
+                auto* t = e->mutable_t5();
+                t->set_q_len(k ? 2 : len);
+                t->set_k_len(k ? len : 2);
+              } else {
+                auto* a = e->mutable_alibi();
+                a->set_heads(2);
+                a->set_q_len(k ? 2 : len);
+                a->set_k_len(k ? len : 2);
+              }
+            }),
+            absl::StrCat("Encode.", op, " ", field, "=2^41"), Code::OUT_OF_RANGE,
+            absl::StrCat(op, ".", field, shown));
+      }
+    }
+    add(encode([len](v1::EncodeRequest* e) {
+          *e = BaseRopeApply();
+          // No heads: an empty tensor, so its length is checked, not its bytes.
+          v1::Tensor* x = e->mutable_rope_apply()->mutable_x();
+          x->set_shape(1, len);
+          x->set_shape(2, 0);
+          x->clear_data();
+          x->clear_f32_values();
+        }),
+        "Encode.rope_apply x.shape[1]=2^41", Code::OUT_OF_RANGE,
+        absl::StrCat("rope_apply.x.shape[1]", shown));
+  }
   for (int n : {1, 2, 4, 7}) {
     add(encode([n](v1::EncodeRequest* e) {
           *e = BaseRopeApply();

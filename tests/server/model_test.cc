@@ -822,6 +822,9 @@ TEST(ParseModelConfigTest, SlidingLayersWithoutAWindowAndOutOfRangeScalesAreRefu
   ExpectConfigError(absl::StrCat(R"({"model_type": "gemma2", "attn_logit_softcapping": 1e7, )",
                                  base, "}"),
                     C::kInvalidArgument, {"attn_logit_softcapping", "1e+07"});
+  ExpectConfigError(absl::StrCat(R"({"model_type": "gemma2", "attn_logit_softcapping": 1e-300, )",
+                                 base, "}"),
+                    C::kInvalidArgument, {"attn_logit_softcapping", "1e-300"});
   // The scale is transformers' x**-0.5 (pow), not 1/sqrt(x): they differ in
   // fp64's last bit for 96.
   absl::StatusOr<ModelConfig> c = ParseModelConfig(

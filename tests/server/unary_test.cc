@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -1619,6 +1620,17 @@ TEST(BadInputTest, BadSpecScalars) {
   r = GoodAttend();
   r.mutable_spec()->set_softcap(std::nan(""));
   EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "spec.softcap");
+  // A cap too small for f32 (it would round to 0, "none") is refused by
+  // value, not run without a cap.
+  for (double cap : {1e-46, 1e-300, 5e-324}) {
+    r = GoodAttend();
+    r.mutable_spec()->set_softcap(cap);
+    EXPECT_STATUS(AttendStatus(r), kInvalidArgument,
+                  absl::StrFormat("spec.softcap must be 0 (none) or finite and in [1e-30, 1e+06], got %g", cap));
+  }
+  r = GoodAttend();
+  r.mutable_spec()->set_softcap(1e-30);
+  EXPECT_TRUE(AttendStatus(r).ok());
   r = GoodAttend();
   r.mutable_spec()->set_window(-2);
   EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "spec.window must be >= 0");
