@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "google/protobuf/stubs/logging.h"
 #include "core/cpu.h"
 #include "server/admission.h"
 #include "server/auth.h"
@@ -21,6 +22,7 @@
 #include "server/decode_wire.h"
 #include "server/handlers.h"
 #include "server/layer.h"
+#include "server/log.h"
 #include "core/rope.h"
 #include "core/status_macros.h"
 
@@ -106,13 +108,16 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext* ctx) {
   return absl::FromUnixSeconds(real.tv_sec) + absl::Nanoseconds(real.tv_nsec);
 }
 
-// One unary call that computes: owns the call's stop token (cancelled by
-// gRPC's OnCancel, or past the deadline) and its memory reservation, both
+}  // namespace
+
+// One unary call: owns its typed request and response (parsed from and
+// serialized to gRPC's buffers here), the call's stop token (cancelled by
+// gRPC's OnCancel, or past the deadline) and its memory reservation, all
 // alive until gRPC is done with the call, answer included.
-class ComputeCall : public grpc::ServerUnaryReactor {
+class UnaryCall : public grpc::ServerUnaryReactor {
  public:
-  ComputeCall(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
-      : service_(service), watch_(service->WatchAnswers()->Watch(ctx)) {
+  UnaryCall(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* out)
+      : service_(service), out_(out), watch_(service->WatchAnswers()->Watch(ctx)) {
     stop_.set_deadline(DeadlineOf(ctx));
     service_->CallStarted();
   }
@@ -125,32 +130,135 @@ class ComputeCall : public grpc::ServerUnaryReactor {
   }
   StopToken& stop() { return stop_; }
   void Hold(MemoryBudget::Reservation r) { reservation_ = std::move(r); }
-  // Finishes with the computed answer; a client that does not take it
+  // A message living as long as the call.
+  template <typename T>
+  T* Own() {
+    auto m = std::make_unique<T>();
+    T* raw = m.get();
+    messages_.push_back(std::move(m));
+    return raw;
+  }
+  // The message answered on success.
+  void SetResponse(const google::protobuf::MessageLite* response) { response_ = response; }
+  // Finishes with `status`, and with the response when it is OK.
+  void Answer(const grpc::Status& status) {
+    if (!status.ok() || response_ == nullptr) {
+      Finish(status);
+      return;
+    }
+    bool own_buffer = false;
+    grpc::Status written =
+        grpc::SerializationTraits<google::protobuf::MessageLite>::Serialize(*response_, out_,
+                                                                           &own_buffer);
+    Finish(written.ok() ? status
+                        : grpc::Status(grpc::StatusCode::INTERNAL,
+                                       absl::StrCat("the answer could not be serialized: ",
+                                                    written.error_message())));
+  }
+  // Answers with the computed result; a client that does not take it
   // within --answer_timeout_seconds has the call cancelled.
   void FinishAnswer(const grpc::Status& status) {
     service_->WatchAnswer(watch_);
-    Finish(status);
+    Answer(status);
   }
 
  private:
   AttentionServiceImpl* const service_;
+  grpc::ByteBuffer* const out_;
   const std::shared_ptr<AnswerWatch::Handle> watch_;
   StopToken stop_;
   MemoryBudget::Reservation reservation_;
+  std::vector<std::unique_ptr<google::protobuf::MessageLite>> messages_;
+  const google::protobuf::MessageLite* response_ = nullptr;
 };
+
+namespace {
+
+// Protobuf reports why a string field failed to parse (not UTF-8) through
+// its log, naming the field; while a request is parsed on this thread its
+// messages are kept here for the answer (and otherwise go to our log).
+thread_local std::string* t_parse_errors = nullptr;
+
+void ProtobufLogHandler(google::protobuf::LogLevel level, const char* file, int line,
+                        const std::string& message) {
+  if (t_parse_errors != nullptr) {
+    if (!t_parse_errors->empty()) t_parse_errors->append("; ");
+    t_parse_errors->append(message);
+    return;
+  }
+  LogEvent(level >= google::protobuf::LOGLEVEL_ERROR ? LogLevel::kError : LogLevel::kWarning,
+           "protobuf", {{"message", message}, {"file", file}, {"line", line}});
+}
 
 }  // namespace
 
+// Parses one request message from gRPC's bytes; INVALID_ARGUMENT naming the
+// message type (and the field, for a string that is not UTF-8) when the
+// bytes are not one.
+namespace {
+absl::Status ParseRequest(const grpc::ByteBuffer& in, google::protobuf::MessageLite* message) {
+  static const bool installed = [] {
+    google::protobuf::SetLogHandler(&ProtobufLogHandler);
+    return true;
+  }();
+  (void)installed;
+  grpc::ByteBuffer copy(in);  // shares the slices; Deserialize consumes its buffer
+  std::string errors;
+  t_parse_errors = &errors;
+  const grpc::Status parsed =
+      grpc::SerializationTraits<google::protobuf::MessageLite>::Deserialize(&copy, message);
+  t_parse_errors = nullptr;
+  if (parsed.ok()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the message is not a valid ", message->GetTypeName(), ": ",
+      errors.empty() ? "its bytes are not protobuf wire format for it (truncated or corrupt)"
+                     : errors));
+}
+}  // namespace
+
+template <typename Req, typename Resp>
+grpc::ServerUnaryReactor* AttentionServiceImpl::ServeUnary(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in, grpc::ByteBuffer* out,
+    const char* method,
+    void (AttentionServiceImpl::*handler)(UnaryCall*, grpc::CallbackServerContext*, const Req*,
+                                          Resp*)) {
+  auto* call = new UnaryCall(this, ctx, out);
+  Req* request = call->Own<Req>();
+  Resp* response = call->Own<Resp>();
+  call->SetResponse(response);
+  if (absl::Status parsed = ParseRequest(*in, request); !parsed.ok()) {
+    metrics_->RecordRequest(method, static_cast<int>(parsed.code()), 0.0);
+    call->Answer(ToGrpcStatus(parsed));
+    return call;
+  }
+  (this->*handler)(call, ctx, request, response);
+  return call;
+}
+
+#define ROPEATTN_SERVE_UNARY(Name, Req, Resp)                                            \
+  grpc::ServerUnaryReactor* AttentionServiceImpl::Name(                                  \
+      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in, grpc::ByteBuffer* out) { \
+    return ServeUnary<Req, Resp>(ctx, in, out, #Name, &AttentionServiceImpl::Do##Name);   \
+  }
+ROPEATTN_SERVE_UNARY(Attend, v1::AttendRequest, v1::AttendResponse)
+ROPEATTN_SERVE_UNARY(Encode, v1::EncodeRequest, v1::EncodeResponse)
+ROPEATTN_SERVE_UNARY(Embed, v1::EmbedRequest, v1::EmbedResponse)
+ROPEATTN_SERVE_UNARY(GetSession, v1::GetSessionRequest, v1::SessionInfo)
+ROPEATTN_SERVE_UNARY(ListSessions, v1::ListSessionsRequest, v1::ListSessionsResponse)
+ROPEATTN_SERVE_UNARY(CloseSession, v1::CloseSessionRequest, v1::CloseSessionResponse)
+ROPEATTN_SERVE_UNARY(GetServerInfo, v1::GetServerInfoRequest, v1::ServerInfo)
+ROPEATTN_SERVE_UNARY(ListModels, v1::ListModelsRequest, v1::ListModelsResponse)
+ROPEATTN_SERVE_UNARY(GetModel, v1::GetModelRequest, v1::ModelInfo)
+#undef ROPEATTN_SERVE_UNARY
+
 template <typename PriceFn, typename RunFn>
-grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServerContext* ctx,
-                                                              const char* method, PriceFn price,
-                                                              RunFn run, bool may_inline) {
-  auto* call = new ComputeCall(this, ctx);
+void AttentionServiceImpl::RunOnExecutor(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                                         const char* method, PriceFn price, RunFn run,
+                                         bool may_inline) {
   const absl::Time start = absl::Now();
   auto refuse = [&](const absl::Status& status) {
     metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
-    call->Finish(ToGrpcStatus(status));
-    return call;
+    call->Answer(ToGrpcStatus(status));
   };
   // Priced and checked on this thread, before anything is allocated or queued.
   absl::StatusOr<Cost> cost = price();
@@ -204,7 +312,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
   // thread hand-offs would cost more than its compute (docs/scheduler.md).
   if (may_inline && compute <= kInlineMaxCompute &&
       executor_->TryRunInline([&body] { body(1); })) {
-    return call;
+    return;
   }
   const bool queued = executor_->TrySubmit(
       share, compute, [body, threads = options_.threads_per_call]() mutable { body(threads); },
@@ -213,19 +321,17 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RunOnExecutor(grpc::CallbackServ
     admission_.Finished(method, compute, -1);
     metrics_->RecordRejected(method);
     metrics_->RecordRequest(method, grpc::StatusCode::RESOURCE_EXHAUSTED, SecondsSince(start));
-    call->Finish(QueueFull(*executor_, method));
+    call->Answer(QueueFull(*executor_, method));
   }
   metrics_->SetQueueDepth(executor_->queue_depth());
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* ctx,
-                                                       const v1::AttendRequest* request,
-                                                       v1::AttendResponse* response) {
+void AttentionServiceImpl::DoAttend(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                                   const v1::AttendRequest* request, v1::AttendResponse* response) {
   const int threads = options_.threads_per_call;
   const ModelRegistry* models = models_;
-  return RunOnExecutor(
-      ctx, "Attend",
+  RunOnExecutor(
+      call, ctx, "Attend",
       [&]() -> absl::StatusOr<Cost> {
         if (request->has_layer()) return PriceLayerAttend(*models, *request, threads);
         return PriceAttend(*request, threads);
@@ -238,59 +344,50 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
       /*may_inline=*/!request->has_layer());
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::Encode(grpc::CallbackServerContext* ctx,
-                                                       const v1::EncodeRequest* request,
-                                                       v1::EncodeResponse* response) {
+void AttentionServiceImpl::DoEncode(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                                   const v1::EncodeRequest* request, v1::EncodeResponse* response) {
   const int threads = options_.threads_per_call;
-  return RunOnExecutor(
-      ctx, "Encode", [&] { return PriceEncode(*request); },
+  RunOnExecutor(
+      call, ctx, "Encode", [&] { return PriceEncode(*request); },
       [request, response, plan = threads](const StopToken* stop, int threads) {
         return RunEncode(*request, response, ComputeOptions{threads, stop, plan});
       },
       /*may_inline=*/true);
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::Embed(grpc::CallbackServerContext* ctx,
-                                                      const v1::EmbedRequest* request,
-                                                      v1::EmbedResponse* response) {
+void AttentionServiceImpl::DoEmbed(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                                   const v1::EmbedRequest* request, v1::EmbedResponse* response) {
   const ModelRegistry* models = models_;
-  return RunOnExecutor(
-      ctx, "Embed", [&] { return PriceEmbed(*models, *request); },
+  RunOnExecutor(
+      call, ctx, "Embed", [&] { return PriceEmbed(*models, *request); },
       [request, response, models](const StopToken*, int) {
         return RunEmbed(*models, *request, response);
       },
       /*may_inline=*/true);
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* ctx,
-                                                           const v1::ListModelsRequest* request,
-                                                           v1::ListModelsResponse* response) {
+void AttentionServiceImpl::DoListModels(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                                     const v1::ListModelsRequest* request, v1::ListModelsResponse* response) {
   const absl::Time start = absl::Now();
   for (const auto& m : models_->List()) FillModelInfo(*m, response->add_models());
   metrics_->RecordRequest("ListModels", 0, SecondsSince(start));
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  call->Answer(grpc::Status::OK);
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* ctx,
-                                                         const v1::GetModelRequest* request,
-                                                         v1::ModelInfo* response) {
+void AttentionServiceImpl::DoGetModel(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                                     const v1::GetModelRequest* request, v1::ModelInfo* response) {
   const absl::Time start = absl::Now();
   auto model = models_->Get(request->name());
   absl::Status status = model.status();
   if (model.ok()) FillModelInfo(**model, response);
   metrics_->RecordRequest("GetModel", static_cast<int>(status.code()), SecondsSince(start));
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+  call->Answer(ToGrpcStatus(status));
 }
 
 // Operator calls are cheap bookkeeping: answered inline, so an overloaded
 // compute queue never hides the server's state from its operators.
-grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(grpc::CallbackServerContext* ctx,
-                                                           const v1::GetSessionRequest* request,
-                                                           v1::SessionInfo* response) {
+void AttentionServiceImpl::DoGetSession(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                                     const v1::GetSessionRequest* request, v1::SessionInfo* response) {
   const absl::Time start = absl::Now();
   absl::StatusOr<Principal> caller = CallerOf(*ctx);
   absl::StatusOr<v1::SessionInfo> info =
@@ -298,14 +395,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(grpc::CallbackServerC
   absl::Status status = info.status();
   if (info.ok()) *response = *std::move(info);
   metrics_->RecordRequest("GetSession", static_cast<int>(status.code()), SecondsSince(start));
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+  call->Answer(ToGrpcStatus(status));
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::ListSessions(grpc::CallbackServerContext* ctx,
-                                                             const v1::ListSessionsRequest* request,
-                                                             v1::ListSessionsResponse* response) {
+void AttentionServiceImpl::DoListSessions(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                                     const v1::ListSessionsRequest* request, v1::ListSessionsResponse* response) {
   const absl::Time start = absl::Now();
   absl::StatusOr<Principal> caller = CallerOf(*ctx);
   if (caller.ok()) {
@@ -315,14 +409,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListSessions(grpc::CallbackServe
   }
   metrics_->RecordRequest("ListSessions", static_cast<int>(caller.status().code()),
                           SecondsSince(start));
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(caller.status()));
-  return reactor;
+  call->Answer(ToGrpcStatus(caller.status()));
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServerContext* ctx,
-                                                             const v1::CloseSessionRequest* request,
-                                                             v1::CloseSessionResponse* response) {
+void AttentionServiceImpl::DoCloseSession(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                                     const v1::CloseSessionRequest* request, v1::CloseSessionResponse* response) {
   const absl::Time start = absl::Now();
   absl::StatusOr<Principal> caller = CallerOf(*ctx);
   absl::StatusOr<v1::SessionInfo> info =
@@ -330,13 +421,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServe
   absl::Status status = info.status();
   if (info.ok()) *response->mutable_session() = *std::move(info);
   metrics_->RecordRequest("CloseSession", static_cast<int>(status.code()), SecondsSince(start));
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+  call->Answer(ToGrpcStatus(status));
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
-    grpc::CallbackServerContext* ctx, const v1::GetServerInfoRequest* request, v1::ServerInfo* r) {
+void AttentionServiceImpl::DoGetServerInfo(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                                          const v1::GetServerInfoRequest* request,
+                                          v1::ServerInfo* r) {
   const absl::Time start = absl::Now();
   r->set_version(kVersion);
   r->set_cpu(CpuDescription());
@@ -391,9 +481,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
   r->set_queue_capacity(executor_->capacity());
   r->set_reaped_sessions(counts.reaped);
   metrics_->RecordRequest("GetServerInfo", 0, SecondsSince(start));
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  call->Answer(grpc::Status::OK);
 }
 
 // ------------------------------------------------------------ Decode --
@@ -403,7 +491,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
 // only then read the next. So steps are
 // answered in order, at most one write is ever queued (a slow reader cannot
 // grow server memory), and a session is never used by two steps at once.
-class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>,
+class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                       public BatchTask {
  public:
   DecodeReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
@@ -430,7 +518,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       return;
     }
     overhead_ = *std::move(overhead);
-    StartRead(&request_);
+    StartRead(&read_buf_);
   }
 
   void OnReadDone(bool ok) override {
@@ -441,6 +529,16 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       FinishOnce(grpc::Status::OK);
       return;
     }
+    // Parsed here, not by gRPC, which would end the stream with OK as if
+    // the client had half-closed. A message that does not parse has no seq
+    // to answer in band: the stream ends, naming why.
+    if (absl::Status parsed = ParseRequest(read_buf_, &request_); !parsed.ok()) {
+      read_buf_.Clear();
+      service_->metrics_->RecordRequest("Decode", static_cast<int>(parsed.code()), 0.0);
+      FinishOnce(ToGrpcStatus(parsed));
+      return;
+    }
+    read_buf_.Clear();
     {
       absl::MutexLock lock(&mu_);
       busy_ = true;
@@ -519,7 +617,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       absl::MutexLock lock(&mu_);
       busy_ = false;
     }
-    StartRead(&request_);
+    StartRead(&read_buf_);
   }
 
   void OnCancel() override {
@@ -541,6 +639,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   // once carried a 256 MiB step, answered or refused, would otherwise hold
   // that much, outside the memory budget, for as long as it stayed open.
   void ReleaseMessageMemory() {
+    write_buf_.Clear();
     constexpr size_t kKeepBytes = size_t{64} << 10;
     if (request_.SpaceUsedLong() > kKeepBytes) request_ = v1::DecodeRequest();
     if (response_.SpaceUsedLong() > kKeepBytes) response_ = v1::DecodeResponse();
@@ -677,6 +776,22 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
 
   // An operation refused before it ran: in-band for a stream with a session
   // (the stream stays open), the stream's status otherwise.
+  // Sends response_ (serialized here: the stream's messages are raw bytes).
+  void Write() {
+    bool own_buffer = false;
+    const grpc::Status written =
+        grpc::SerializationTraits<v1::DecodeResponse>::Serialize(response_, &write_buf_, &own_buffer);
+    if (!written.ok()) {
+      watch_->Disarm();
+      op_memory_.Release();
+      FinishOnce(grpc::Status(grpc::StatusCode::INTERNAL,
+                              absl::StrCat("the answer could not be serialized: ",
+                                           written.error_message())));
+      return;
+    }
+    StartWrite(&write_buf_);
+  }
+
   void Refuse(const absl::Status& status) {
     if (session_ == nullptr) {
       FinishOnce(ToGrpcStatus(status));
@@ -691,7 +806,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
     e->set_message(CapStatusMessage(status.message()));
     LogInBand(MethodOf(request_), status);
     service_->answer_watch_.Arm(watch_);
-    StartWrite(&response_);
+    Write();
   }
 
   // An error answered inside the stream (the call's own status, logged by
@@ -764,7 +879,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
       LogInBand(method, status);
     }
     service_->answer_watch_.Arm(watch_);
-    StartWrite(&response_);
+    Write();
   }
 
  public:
@@ -938,6 +1053,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::Deco
   }
   v1::DecodeRequest request_;
   v1::DecodeResponse response_;
+  grpc::ByteBuffer read_buf_;   // the next message's bytes, parsed into request_
+  grpc::ByteBuffer write_buf_;  // response_ serialized, until its write is done
   absl::Time step_start_;                // when the current step left the queue
   std::array<Tensor, 3> wire_copies_;    // a step's misaligned wire tensors, copied
   std::shared_ptr<Session> session_;
@@ -991,7 +1108,7 @@ void AttentionServiceImpl::RunDecodeSteps(absl::Span<BatchTask* const> tasks) {
   }
 }
 
-grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* AttentionServiceImpl::Decode(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::Decode(
     grpc::CallbackServerContext* ctx) {
   return new DecodeReactor(this, ctx);
 }

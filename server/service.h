@@ -30,7 +30,26 @@ inline constexpr int64_t kDecodeStreamBytes = int64_t{32} << 10;
 class Authenticator;
 class DecodeReactor;
 
-class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
+class UnaryCall;
+
+// Every method of the service raw (gRPC hands over the message bytes): the
+// service parses each request itself, so a message that does not parse is
+// answered INVALID_ARGUMENT naming its type and why. gRPC's own parsing
+// answers a unary call UNIMPLEMENTED with no message and ends a Decode
+// stream as if its client had half-closed (status OK, the step dropped).
+using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_Attend<
+    v1::AttentionService::WithRawCallbackMethod_Encode<
+        v1::AttentionService::WithRawCallbackMethod_Decode<
+            v1::AttentionService::WithRawCallbackMethod_GetSession<
+                v1::AttentionService::WithRawCallbackMethod_ListSessions<
+                    v1::AttentionService::WithRawCallbackMethod_CloseSession<
+                        v1::AttentionService::WithRawCallbackMethod_GetServerInfo<
+                            v1::AttentionService::WithRawCallbackMethod_ListModels<
+                                v1::AttentionService::WithRawCallbackMethod_GetModel<
+                                    v1::AttentionService::WithRawCallbackMethod_Embed<
+                                        v1::AttentionService::Service>>>>>>>>>>;
+
+class AttentionServiceImpl final : public RawAttentionService {
  public:
   // `budget` (not owned) is the server-wide memory budget requests reserve
   // their transient bytes from (sessions reserve theirs through `sessions`).
@@ -44,35 +63,24 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                        MemoryBudget* budget, const Authenticator* authenticator);
   ~AttentionServiceImpl() override;
 
-  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx,
-                                   const v1::AttendRequest* request,
-                                   v1::AttendResponse* response) override;
-  grpc::ServerUnaryReactor* Encode(grpc::CallbackServerContext* ctx,
-                                   const v1::EncodeRequest* request,
-                                   v1::EncodeResponse* response) override;
-  grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* Decode(
+  // The raw methods: parse the request (INVALID_ARGUMENT when it does not
+  // parse), run the typed handler below, serialize its answer.
+#define ROPEATTN_RAW_UNARY(Name)                                                        \
+  grpc::ServerUnaryReactor* Name(grpc::CallbackServerContext* ctx,                      \
+                                 const grpc::ByteBuffer* request, grpc::ByteBuffer* response) \
+      override;
+  ROPEATTN_RAW_UNARY(Attend)
+  ROPEATTN_RAW_UNARY(Encode)
+  ROPEATTN_RAW_UNARY(Embed)
+  ROPEATTN_RAW_UNARY(GetSession)
+  ROPEATTN_RAW_UNARY(ListSessions)
+  ROPEATTN_RAW_UNARY(CloseSession)
+  ROPEATTN_RAW_UNARY(GetServerInfo)
+  ROPEATTN_RAW_UNARY(ListModels)
+  ROPEATTN_RAW_UNARY(GetModel)
+#undef ROPEATTN_RAW_UNARY
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Decode(
       grpc::CallbackServerContext* ctx) override;
-  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* ctx,
-                                       const v1::GetSessionRequest* request,
-                                       v1::SessionInfo* response) override;
-  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* ctx,
-                                         const v1::ListSessionsRequest* request,
-                                         v1::ListSessionsResponse* response) override;
-  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
-                                         const v1::CloseSessionRequest* request,
-                                         v1::CloseSessionResponse* response) override;
-  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
-                                          const v1::GetServerInfoRequest* request,
-                                          v1::ServerInfo* response) override;
-  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* ctx,
-                                       const v1::ListModelsRequest* request,
-                                       v1::ListModelsResponse* response) override;
-  grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* ctx,
-                                     const v1::GetModelRequest* request,
-                                     v1::ModelInfo* response) override;
-  grpc::ServerUnaryReactor* Embed(grpc::CallbackServerContext* ctx,
-                                  const v1::EmbedRequest* request,
-                                  v1::EmbedResponse* response) override;
 
   // Shutdown: streams waiting for their next message end at once with
   // UNAVAILABLE; streams in a step end right after answering it.
@@ -120,6 +128,35 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
 
  private:
   friend class DecodeReactor;
+  // The typed handlers: each answers through `call` (UnaryCall::Answer).
+  void DoAttend(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                const v1::AttendRequest* request, v1::AttendResponse* response);
+  void DoEncode(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                const v1::EncodeRequest* request, v1::EncodeResponse* response);
+  void DoEmbed(UnaryCall* call, grpc::CallbackServerContext* ctx,
+               const v1::EmbedRequest* request, v1::EmbedResponse* response);
+  void DoGetSession(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                    const v1::GetSessionRequest* request, v1::SessionInfo* response);
+  void DoListSessions(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                      const v1::ListSessionsRequest* request,
+                      v1::ListSessionsResponse* response);
+  void DoCloseSession(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                      const v1::CloseSessionRequest* request,
+                      v1::CloseSessionResponse* response);
+  void DoGetServerInfo(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                       const v1::GetServerInfoRequest* request, v1::ServerInfo* response);
+  void DoListModels(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                    const v1::ListModelsRequest* request, v1::ListModelsResponse* response);
+  void DoGetModel(UnaryCall* call, grpc::CallbackServerContext* ctx,
+                  const v1::GetModelRequest* request, v1::ModelInfo* response);
+  // Parses `in` into a Req owned by a new UnaryCall and runs `handler`, or
+  // answers INVALID_ARGUMENT when it does not parse.
+  template <typename Req, typename Resp>
+  grpc::ServerUnaryReactor* ServeUnary(
+      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in, grpc::ByteBuffer* out,
+      const char* method,
+      void (AttentionServiceImpl::*handler)(UnaryCall*, grpc::CallbackServerContext*,
+                                            const Req*, Resp*));
   // Prices the request (`price`), checks the cost against the limits and
   // reserves its transient bytes, then queues `run` (given the call's stop
   // token) on the executor. Refusals answer at once, nothing allocated.
@@ -128,8 +165,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // worker idle and nobody waiting runs on the gRPC thread, on one kernel
   // thread (its answer planned for threads_per_call all the same).
   template <typename PriceFn, typename RunFn>
-  grpc::ServerUnaryReactor* RunOnExecutor(grpc::CallbackServerContext* ctx, const char* method,
-                                          PriceFn price, RunFn run, bool may_inline);
+  void RunOnExecutor(UnaryCall* call, grpc::CallbackServerContext* ctx, const char* method,
+                     PriceFn price, RunFn run, bool may_inline);
   // About 100 us of one core (at the ~0.05 ns a unit Attend runs at, with
   // its fixed per-row price): below it, two thread hand-offs cost more than
   // the compute.

@@ -17,6 +17,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "absl/synchronization/notification.h"
+#include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "ropeattn/v1/attention.grpc.pb.h"
@@ -1165,6 +1168,150 @@ TEST(MalformedMatrixTest, EveryCaseGetsItsCodeAndNamesItsFieldThenTheServerStill
   std::memcpy(got, out.out().data().data(), 8);
   EXPECT_NEAR(got[0], 3.0f, 1e-6);  // (1 + 3 + 5) / 3
   EXPECT_NEAR(got[1], 4.0f, 1e-6);  // (2 + 4 + 6) / 3
+}
+
+
+// ------------------------------------------------- bytes that do not parse --
+
+namespace raw {
+
+grpc::ByteBuffer Bytes(const std::string& s) {
+  grpc::Slice slice(s);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+// One unary call of `method` carrying `bytes` as its message.
+grpc::Status Unary(grpc::GenericStub* stub, const std::string& method, const std::string& bytes) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  const grpc::ByteBuffer request = Bytes(bytes);
+  grpc::ByteBuffer response;
+  absl::Notification done;
+  grpc::Status status;
+  stub->UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response,
+                  [&](grpc::Status s) {
+                    status = std::move(s);
+                    done.Notify();
+                  });
+  done.WaitForNotification();
+  return status;
+}
+
+// A Decode stream: `messages` written in order (the stream left open), then
+// the stream's final status and how many answers came before it.
+class Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  Stream(grpc::GenericStub* stub, std::vector<std::string> messages)
+      : messages_(std::move(messages)) {
+    ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    stub->PrepareBidiStreamingCall(&ctx_, "/ropeattn.v1.AttentionService/Decode",
+                                   grpc::StubOptions(), this);
+    StartRead(&in_);
+    WriteNext();
+    StartCall();
+  }
+  grpc::Status Await(int* answers) {
+    done_.WaitForNotification();
+    *answers = answers_;
+    return status_;
+  }
+  void OnWriteDone(bool ok) override {
+    if (ok) WriteNext();
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    ++answers_;
+    StartRead(&in_);
+  }
+  void OnDone(const grpc::Status& s) override {
+    status_ = s;
+    done_.Notify();
+  }
+
+ private:
+  void WriteNext() {
+    if (next_ == messages_.size()) return;
+    out_ = Bytes(messages_[next_++]);
+    StartWrite(&out_);
+  }
+  grpc::ClientContext ctx_;
+  std::vector<std::string> messages_;
+  size_t next_ = 0;
+  grpc::ByteBuffer in_, out_;
+  int answers_ = 0;
+  grpc::Status status_;
+  absl::Notification done_;
+};
+
+}  // namespace raw
+
+// gRPC's own parsing answered a unary call whose bytes do not parse
+// UNIMPLEMENTED with no message, and ended a Decode stream with OK as if
+// its client had half-closed (the step dropped, a non-resumable session
+// freed). The service parses them itself now: INVALID_ARGUMENT naming the
+// message type, and the field for a string that is not UTF-8.
+TEST(UnparseableBytesTest, AreInvalidArgumentNamingTheMessageOnEveryMethod) {
+  auto server = StartTestServer(TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  grpc::GenericStub stub(TestChannel(server->port()));
+  // A field 1 length prefix past the end; a group end tag with no start.
+  v1::AttendRequest attend;
+  attend.mutable_spec()->set_heads(1);
+  const std::string good = attend.SerializeAsString();
+  const std::vector<std::string> bad = {good.substr(0, good.size() - 1) + "\x0a\x7f",
+                                        std::string("\x0c\xff\xff", 3)};
+  const std::vector<std::pair<const char*, const char*>> methods = {
+      {"Attend", "AttendRequest"},
+      {"Encode", "EncodeRequest"},
+      {"Embed", "EmbedRequest"},
+      {"GetSession", "GetSessionRequest"},
+      {"ListSessions", "ListSessionsRequest"},
+      {"CloseSession", "CloseSessionRequest"},
+      {"GetServerInfo", "GetServerInfoRequest"},
+      {"ListModels", "ListModelsRequest"},
+      {"GetModel", "GetModelRequest"}};
+  for (const auto& [method, type] : methods) {
+    for (const std::string& bytes : bad) {
+      const grpc::Status st =
+          raw::Unary(&stub, absl::StrCat("/ropeattn.v1.AttentionService/", method), bytes);
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
+      EXPECT_THAT(st.error_message(),
+                  ::testing::HasSubstr(absl::StrCat("not a valid ropeattn.v1.", type)))
+          << method;
+    }
+  }
+  // A string that is not UTF-8: named by field.
+  {
+    v1::GetSessionRequest r;
+    r.set_session_id("ab\xff\xfe");
+    const grpc::Status st =
+        raw::Unary(&stub, "/ropeattn.v1.AttentionService/GetSession", r.SerializeAsString());
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr("GetSessionRequest.session_id"));
+  }
+  // Decode: a good open answered, then bytes that do not parse end the
+  // stream with INVALID_ARGUMENT, not OK.
+  v1::DecodeRequest open;
+  v1::OpenSession* o = open.mutable_open();
+  o->mutable_spec()->set_heads(1);
+  o->mutable_spec()->set_head_dim(4);
+  o->set_max_context(8);
+  v1::DecodeRequest attach;
+  attach.mutable_attach()->set_session_id("ab\xff\xfe");
+  for (const std::string& bytes : {bad[0], bad[1], attach.SerializeAsString()}) {
+    raw::Stream stream(&stub, {open.SerializeAsString(), bytes});
+    int answers = 0;
+    const grpc::Status st = stream.Await(&answers);
+    EXPECT_EQ(answers, 1);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr("not a valid ropeattn.v1.DecodeRequest"));
+  }
+  // The server still answers well-formed calls.
+  auto typed = TestStub(server->port());
+  grpc::ClientContext ctx;
+  v1::ServerInfo info;
+  ASSERT_TRUE(typed->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+  EXPECT_EQ(info.open_sessions(), 0);
 }
 
 }  // namespace
