@@ -226,6 +226,16 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ServeUnary(
   Req* request = call->Own<Req>();
   Resp* response = call->Own<Resp>();
   call->SetResponse(response);
+  if (!in->Valid()) {
+    // No message came: the call ended (deadline, cancellation) before its
+    // request arrived, or the client half-closed without one.
+    absl::Status none = call->stop().status();
+    if (none.ok() && ctx->IsCancelled()) none = absl::CancelledError("the call was cancelled");
+    if (none.ok()) none = absl::InvalidArgumentError("the call carried no request message");
+    metrics_->RecordRequest(method, static_cast<int>(none.code()), 0.0);
+    call->Answer(ToGrpcStatus(none));
+    return call;
+  }
   if (absl::Status parsed = ParseRequest(*in, request); !parsed.ok()) {
     metrics_->RecordRequest(method, static_cast<int>(parsed.code()), 0.0);
     call->Answer(ToGrpcStatus(parsed));
