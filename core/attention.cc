@@ -475,7 +475,17 @@ bool FinishRow(const Plan& p, int64_t b, int64_t h, int64_t i, int64_t lo, float
     }
   const float max = internal::RowMax(x, n);
   if (max == -std::numeric_limits<float>::infinity()) {
-    // Every visible key was masked by the bias tensor: a fully masked row.
+    // Only a bias tensor masks keys (with -inf): a row it masks entirely is
+    // a fully masked row, answered with zeros. Any other row of -inf logits
+    // overflowed from finite q and k (-2e40 for every key): its softmax is
+    // defined (uniform when they are equal), not computable in f32.
+    if (p.bias_kind != BiasKind::kTensor) return false;
+    const float* row = p.bias_tensor.data<float>() +
+                       ((p.bias_has_batch ? b * p.heads : 0) + h) * p.q_len * p.k_len +
+                       i * p.k_len + lo;
+    for (int64_t j = 0; j < n; ++j) {
+      if (row[j] != -std::numeric_limits<float>::infinity()) return false;
+    }
     std::memset(x, 0, n * sizeof(float));
     return true;
   }
@@ -486,11 +496,18 @@ bool FinishRow(const Plan& p, int64_t b, int64_t h, int64_t i, int64_t lo, float
   return true;
 }
 
-absl::Status OverflowError(int64_t b, int64_t h, int64_t i) {
-  return absl::InvalidArgumentError(
-      absl::StrFormat("attention logits for batch %d, head %d, query %d overflow the float range; "
-                      "reduce scale or the magnitude of q and k",
-                      b, h, i));
+// Logits past the f32 range: their softmax (and the answer, a weighted mean
+// of v) exists, but the kernels cannot compute it, so the request is refused
+// as unimplemented, naming the limit. It is the dot product q.k (for int8
+// keys q times the key's codes) that must fit: it is formed before the scale
+// (and an int8 key's scale) is applied.
+absl::Status OverflowError(const Plan& p, int64_t b, int64_t h, int64_t i) {
+  return absl::UnimplementedError(absl::StrFormat(
+      "attention logits for batch %d, head %d, query %d overflow the float range (to +inf or "
+      "-inf): q.k is formed in f32 before the scale %g is applied and must stay within "
+      "+-3.4e38 (for int8 keys, q times the key's int8 codes); inputs of this magnitude are "
+      "not supported, reduce the magnitude of q or k",
+      b, h, i, p.scale));
 }
 
 template <typename T>
@@ -882,7 +899,7 @@ struct DecodeRun {
     const int64_t lo = L.lo[b * q.q_len + i], hi = L.hi[b * q.q_len + i];
     float* x = scores + r * L.n_max + (lo - L.ulo[b]);
     if (!FinishRow(q, b, h, i, lo, x, hi - lo)) {
-      err.Set(OverflowError(b, h, i));
+      err.Set(OverflowError(q, b, h, i));
       return;
     }
     WriteProbsRow(q, b, h, i, lo, x, hi - lo);
@@ -1129,7 +1146,7 @@ absl::Status PrefillTask(const Plan& p, const PackedKV& kv, int64_t b, int64_t h
       WriteProbsRow(p, b, h, i0 + r, 0, nullptr, 0);
       continue;
     }
-    if (!FinishRow(p, b, h, i0 + r, lo[r], row + l, len)) return OverflowError(b, h, i0 + r);
+    if (!FinishRow(p, b, h, i0 + r, lo[r], row + l, len)) return OverflowError(p, b, h, i0 + r);
     std::memset(row, 0, l * sizeof(float));
     std::memset(row + l + len, 0, (n - l - len) * sizeof(float));
     WriteProbsRow(p, b, h, i0 + r, ulo, row, n);

@@ -677,6 +677,44 @@ TEST_P(AttentionPathDtypeTest, ScaleBeyondFloatRangeIsRejectedOrCorrect) {
   EXPECT_TRUE(AllClose(ToDoubles(r.out.cview()), Reference(c, in).out, c.tol()));
 }
 
+// Finite q and k whose dot products overflow f32 to -inf for every key of a
+// row (q = 1e20, k = -1e20): the softmax is defined (here uniform), so the
+// row is not a masked one. It was answered with zeros; it is refused as
+// unimplemented (logits past f32), as +inf logits are. A row where only some keys overflow to -inf
+// is computed: their weights are 0 in f32 as they are exactly.
+TEST_P(AttentionPathDtypeTest, LogitsOverflowingToMinusInfinityAreRefusedNotMasked) {
+  Case c = Base();
+  c.batch = 1;
+  c.q_len = 3;
+  c.k_len = 5;
+  c.heads = 2;
+  c.kv_heads = 1;
+  c.seed = 810;
+  for (float k : {-1e20f, 1e20f}) {
+    Inputs in = MakeInputs(c);
+    for (int64_t i = 0; i < c.q_len; ++i)
+      for (int64_t h = 0; h < c.heads; ++h)
+        for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.q, {0, i, h, x}, 1e20f);
+    for (int64_t j = 0; j < c.k_len; ++j)
+      for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.k, {0, j, 0, x}, k);
+    const Outputs r = RunAttend(c, in);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kUnimplemented) << r.status;
+    EXPECT_THAT(std::string(r.status.message()), HasSubstr("overflow"));
+  }
+  {
+    // Keys 0 and 3 overflow to -inf; the others are small.
+    Inputs in = MakeInputs(c);
+    for (int64_t i = 0; i < c.q_len; ++i)
+      for (int64_t h = 0; h < c.heads; ++h)
+        for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.q, {0, i, h, x}, x == 0 ? 1e20f : 0.0f);
+    for (int64_t j : {0, 3}) SetElement(in.k, {0, j, 0, 0}, -1e20f);
+    for (int64_t j : {1, 2, 4}) SetElement(in.k, {0, j, 0, 0}, 0.0f);
+    const Outputs r = RunAttend(c, in);
+    ASSERT_TRUE(r.status.ok()) << r.status;
+    EXPECT_TRUE(AllClose(ToDoubles(r.out.cview()), Reference(c, in).out, c.tol()));
+  }
+}
+
 TEST_P(AttentionPathDtypeTest, NonFiniteInputsAreRejectedNamingTensorAndIndex) {
   Case c = Base();
   c.batch = 2;
