@@ -15,8 +15,11 @@ thread_local void* current_taken = nullptr;
 }  // namespace
 
 Executor::Executor(int workers, int queue_capacity, int max_batch, BatchRunner runner,
-                   int nice)
-    : capacity_(queue_capacity), max_batch_(std::max(1, max_batch)), runner_(std::move(runner)) {
+                   int nice, int64_t max_batch_join_compute)
+    : capacity_(queue_capacity),
+      max_batch_(std::max(1, max_batch)),
+      max_batch_join_compute_(max_batch_join_compute),
+      runner_(std::move(runner)) {
   for (int i = 0; i < std::max(1, workers); ++i) {
     threads_.emplace_back([this, nice] {
       // Linux keeps a nice value per thread, and the kernel threads of this
@@ -101,13 +104,14 @@ bool Executor::PushLocked(const std::string& key, int64_t compute, Task task) {
   return true;
 }
 
-bool Executor::PopLocked(bool batch_only, Task* out) {
+bool Executor::PopLocked(bool batch_only, Task* out, int64_t max_compute) {
   auto best = queues_.end();
   for (auto it = queues_.begin(); it != queues_.end(); ++it) {
     if (batch_only && it->second.front().batch == nullptr) continue;
     if (best == queues_.end() || it->second.front().tag < best->second.front().tag) best = it;
   }
   if (best == queues_.end()) return false;
+  if (best->second.front().compute > max_compute) return false;
   Task task = std::move(best->second.front());
   best->second.pop_front();
   if (best->second.empty()) {
@@ -180,7 +184,9 @@ void Executor::WorkerLoop() {
         // Every step ready now joins this pass.
         batch.push_back(task.batch);
         Task more;
-        while (static_cast<int>(batch.size()) < max_batch_ && PopLocked(true, &more)) {
+        int64_t room = max_batch_join_compute_;
+        while (static_cast<int>(batch.size()) < max_batch_ && PopLocked(true, &more, room)) {
+          room -= more.compute;
           batch.push_back(more.batch);
           taken.work.push_back(Work{more.kind, more.compute, more.key});
         }

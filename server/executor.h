@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <string>
 #include <thread>
 #include <utility>
@@ -48,12 +49,23 @@ class Executor {
   // every other batch task then at the head of a caller's queue (smallest
   // finish tags first, up to `max_batch` in all) and hands them to the
   // runner at once: continuous batching, under the same fair queueing.
+  // A task joins only while the batch's compute stays within the first
+  // task's plus `max_batch_join_compute`: every answer waits for the whole
+  // pass, so a one-token step must not wait for other callers' queued
+  // prompt-sized steps (it waits for at most one, the batch's first). The
+  // next task in tag order that does not fit ends the batch (none is
+  // skipped, so the order stays fair).
   // `nice` > 0 lowers the workers' scheduling priority (and that of their
   // kernel threads), so the gRPC threads answering control calls and health
   // checks get a core at once while compute saturates the machine; idle
   // cores still go to compute.
   Executor(int workers, int queue_capacity, int max_batch = 1, BatchRunner runner = nullptr,
-           int nice = 0);
+           int nice = 0, int64_t max_batch_join_compute = kMaxBatchJoinCompute);
+  // About 32 one-token steps of a 4k-token session of 32 heads of 128
+  // (33.5M multiply-adds each, ~1 ms of memory-bound kernel apiece on the
+  // development machine); one 300-token prompt step of that session is
+  // already past it.
+  static constexpr int64_t kMaxBatchJoinCompute = int64_t{1} << 30;
   ~Executor();  // Shutdown()
 
   // Queues a task of caller `key` costing `compute` (>= 1 is used); false
@@ -134,10 +146,14 @@ class Executor {
   // The waiting task with the smallest tag (only batch tasks when
   // `batch_only`), removed; its caller's queue is dropped once empty. False
   // when there is none.
-  bool PopLocked(bool batch_only, Task* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // With `max_compute`, false (nothing removed) when that task costs more.
+  bool PopLocked(bool batch_only, Task* out,
+                 int64_t max_compute = std::numeric_limits<int64_t>::max())
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int capacity_;
   const int max_batch_;
+  const int64_t max_batch_join_compute_;
   const BatchRunner runner_;
   mutable absl::Mutex mu_;
   // Per caller, FIFO; callers with nothing waiting have no entry.

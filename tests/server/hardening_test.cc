@@ -616,6 +616,59 @@ TEST(ExecutorTest, ATaskStopsCountingOnceItsComputeIsDone) {
   server::Executor::ComputeDone();  // off a worker: nothing to release
 }
 
+// Every answer of a batch waits for the whole pass: a light caller's
+// one-token step joined one caller's twelve queued prompt-sized steps and
+// waited for all of them (5-8x one of them). Tasks join a batch only while
+// it stays within its first task's compute plus the join budget, so no
+// batch holds two heavy steps and the light one waits for at most one.
+TEST(ExecutorTest, ABatchTakesNoMoreThanItsJoinBudget) {
+  struct Step : server::BatchTask {
+    int64_t compute;
+    explicit Step(int64_t c) : compute(c) {}
+  };
+  std::vector<std::vector<int64_t>> batches;
+  absl::Mutex mu;
+  server::Executor executor(
+      1, 32, 64,
+      [&](absl::Span<server::BatchTask* const> tasks) {
+        absl::MutexLock lock(&mu);
+        batches.emplace_back();
+        for (server::BatchTask* t : tasks) batches.back().push_back(static_cast<Step*>(t)->compute);
+      },
+      /*nice=*/0, /*max_batch_join_compute=*/100);
+  absl::Notification started, release;
+  ASSERT_TRUE(executor.TrySubmit("blocker", 1, [&] {
+    started.Notify();
+    release.WaitForNotification();
+  }));
+  started.WaitForNotification();
+  std::vector<std::unique_ptr<Step>> steps;
+  auto submit = [&](const char* key, int64_t compute) {
+    steps.push_back(std::make_unique<Step>(compute));
+    ASSERT_TRUE(executor.TrySubmitBatch(key, compute, steps.back().get(), "Decode.Step"));
+  };
+  for (int i = 0; i < 6; ++i) submit("heavy", 1000);
+  for (int i = 0; i < 3; ++i) submit("light", 10);
+  for (int i = 0; i < 4; ++i) submit(absl::StrCat("small", i).c_str(), 30);
+  release.Notify();
+  executor.Shutdown();
+  absl::MutexLock lock(&mu);
+  int64_t seen = 0;
+  for (const std::vector<int64_t>& b : batches) {
+    int64_t heavy = 0, followers = 0;
+    for (size_t i = 0; i < b.size(); ++i) {
+      heavy += b[i] == 1000;
+      if (i > 0) followers += b[i];
+    }
+    EXPECT_LE(heavy, 1);
+    EXPECT_LE(followers, 100);
+    seen += static_cast<int64_t>(b.size());
+  }
+  EXPECT_EQ(seen, 13);
+  // Small steps still share passes.
+  EXPECT_LT(batches.size(), 13u);
+}
+
 // Decode steps learn two rates: those the decode kernel computes and those
 // the prefill computes (units take 10-100x different times on the two). One
 // shared rate, taught by a one-token step slowed past 5 ms, made queued
