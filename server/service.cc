@@ -261,6 +261,20 @@ ROPEATTN_SERVE_UNARY(ListModels, v1::ListModelsRequest, v1::ListModelsResponse)
 ROPEATTN_SERVE_UNARY(GetModel, v1::GetModelRequest, v1::ModelInfo)
 #undef ROPEATTN_SERVE_UNARY
 
+absl::Duration AttentionServiceImpl::QueueRetryHint(const Executor::Ahead& ahead) const {
+  double seconds = 0;
+  bool known = false;
+  for (const auto& [kind, units] : ahead.running) {
+    if (const std::optional<double> s = admission_.ServiceSeconds(kind, units); s.has_value()) {
+      seconds += *s;
+      known = true;
+    }
+  }
+  if (!known) return absl::Milliseconds(100);
+  seconds /= std::max(1, executor_->workers());
+  return std::clamp(absl::Seconds(seconds), absl::Milliseconds(1), absl::Seconds(10));
+}
+
 template <typename PriceFn, typename RunFn>
 void AttentionServiceImpl::RunOnExecutor(UnaryCall* call, grpc::CallbackServerContext* ctx,
                                          const char* method, PriceFn price, RunFn run,
@@ -331,6 +345,9 @@ void AttentionServiceImpl::RunOnExecutor(UnaryCall* call, grpc::CallbackServerCo
     admission_.Finished(method, compute, -1);
     metrics_->RecordRejected(method);
     metrics_->RecordRequest(method, grpc::StatusCode::RESOURCE_EXHAUSTED, SecondsSince(start));
+    ctx->AddTrailingMetadata(
+        "retry-after-ms",
+        absl::StrCat(absl::ToInt64Milliseconds(QueueRetryHint(executor_->WorkAhead(share, compute)))));
     call->Answer(QueueFull(*executor_, method));
   }
   metrics_->SetQueueDepth(executor_->queue_depth());
@@ -601,7 +618,9 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       AdmittedDone(-1);
       op_memory_.Release();
       ticket_.Release();
-      service_->metrics_->RecordRejected("Decode");
+      const char* method = MethodOf(request_);
+      service_->metrics_->RecordRejected(method);
+      service_->metrics_->RecordRequest(method, grpc::StatusCode::RESOURCE_EXHAUSTED, 0.0);
       Refuse(absl::ResourceExhaustedError(
           QueueFull(*service_->executor_, "Decode").error_message()));
     }
@@ -764,9 +783,13 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       op_kind_ = StepAdmissionKind(c, request_.step());
       absl::Duration retry_after;
       const auto ahead = service_->executor_->WorkAhead(share_, cost.compute);
-      RA_RETURN_IF_ERROR(service_->admission_.Admit(op_kind_, cost.compute, stop_.deadline(),
-                                                    absl::Now(), &retry_after,
-                                                    /*slowdown_applies=*/false, &ahead));
+      if (absl::Status admitted = service_->admission_.Admit(
+              op_kind_, cost.compute, stop_.deadline(), absl::Now(), &retry_after,
+              /*slowdown_applies=*/false, &ahead);
+          !admitted.ok()) {
+        service_->metrics_->RecordRejected(MethodOf(request_));  // shed by admission
+        return admitted;
+      }
       // The session's step room pays for a step of up to its size (every
       // one-token step); a larger one takes the rest from the free budget.
       const int64_t extra = cost.transient_bytes - session_->step_room();
@@ -784,8 +807,6 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     return absl::OkStatus();
   }
 
-  // An operation refused before it ran: in-band for a stream with a session
-  // (the stream stays open), the stream's status otherwise.
   // Sends response_ (serialized here: the stream's messages are raw bytes).
   void Write() {
     bool own_buffer = false;
@@ -802,6 +823,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     StartWrite(&write_buf_);
   }
 
+  // An operation refused before it ran: in-band for a stream with a session
+  // (the stream stays open), the stream's status otherwise.
   void Refuse(const absl::Status& status) {
     if (session_ == nullptr) {
       FinishOnce(ToGrpcStatus(status));

@@ -171,6 +171,10 @@ class AttentionServiceImpl final : public RawAttentionService {
   // its fixed per-row price): below it, two thread hand-offs cost more than
   // the compute.
   static constexpr int64_t kInlineMaxCompute = int64_t{2} << 20;
+  // The retry-after-ms hint of a refusal because the queue is full: when the
+  // work running now should be done (admission's measured rates, spread
+  // over the workers), within [1 ms, 10 s]; 100 ms before any rate is known.
+  absl::Duration QueueRetryHint(const Executor::Ahead& ahead) const;
   void Register(DecodeReactor* r);
   void Unregister(DecodeReactor* r);
 

@@ -1611,21 +1611,32 @@ TEST(ServerLimitsTest, FullQueueAnswersResourceExhaustedAtOnce) {
   *req.mutable_v() = ToWire(q.view());
   constexpr int kCalls = 16;
   std::vector<grpc::Status> results(kCalls);
+  std::vector<std::string> hints(kCalls);  // trailing retry-after-ms
   std::vector<std::thread> threads;
   for (int i = 0; i < kCalls; ++i) {
     threads.emplace_back([&, i] {
       grpc::ClientContext ctx;
       v1::AttendResponse resp;
       results[i] = stub->Attend(&ctx, req, &resp);
+      const auto hint = ctx.GetServerTrailingMetadata().find("retry-after-ms");
+      if (hint != ctx.GetServerTrailingMetadata().end()) {
+        hints[i] = std::string(hint->second.data(), hint->second.size());
+      }
     });
   }
   for (auto& t : threads) t.join();
   int ok = 0, exhausted = 0;
-  for (const grpc::Status& st : results) {
+  for (int i = 0; i < kCalls; ++i) {
+    const grpc::Status& st = results[i];
     if (st.ok()) ++ok;
     if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
       ++exhausted;
       EXPECT_THAT(st.error_message(), HasSubstr("queue is full"));
+      // Shed with a hint of when to retry, as admission's refusals are.
+      int64_t ms = 0;
+      EXPECT_TRUE(absl::SimpleAtoi(hints[i], &ms)) << "retry-after-ms: '" << hints[i] << "'";
+      EXPECT_GE(ms, 1);
+      EXPECT_LE(ms, 10000);
     }
   }
   EXPECT_EQ(ok + exhausted, kCalls);
