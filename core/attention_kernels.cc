@@ -528,150 +528,6 @@ bool UseAvx512() {
   return has && g_avx512_kernels.load(std::memory_order_relaxed);
 }
 
-// ------------------------------------------- AVX-512 row kernels (bf16, int8) --
-// The token-major rows of bf16 and int8 pages, 16 lanes at a time: a load
-// widens 16 elements to f32 in two instructions (half the AVX2 versions'
-// count per byte), which keeps the loop ahead of memory.
-// GCC 12's unmasked AVX-512 conversion intrinsics pass _mm512_undefined_*
-// as their merge source, which -Wmaybe-uninitialized reports once inlined.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-struct LoadBF16Zmm {
-  __attribute__((target("avx512f"))) __m512 operator()(const uint16_t* p) const {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-};
-struct LoadI8Zmm {
-  __attribute__((target("avx512f"))) __m512 operator()(const int8_t* p) const {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-  }
-};
-
-__attribute__((target("avx512f"))) inline __m256 HalfSum(__m512 a) {
-  return _mm256_add_ps(_mm512_castps512_ps256(a),
-                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
-
-// R rows x K keys (R * K == 8), d % 16 == 0.
-template <int R, int K, typename T, typename Load, typename Scale>
-__attribute__((target("avx512f"), always_inline)) inline void DotBlockZmm(
-    const float* q, int64_t qs, const T* k, int64_t ks, int64_t d, float* out, int64_t os,
-    Load load, Scale sc) {
-  static_assert(R * K == 8, "8 accumulators");
-  __m512 acc[8];
-  for (int a = 0; a < 8; ++a) acc[a] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += 16) {
-    __m512 kv[K];
-    for (int u = 0; u < K; ++u) kv[u] = load(k + u * ks + i);
-    for (int r = 0; r < R; ++r) {
-      const __m512 qv = _mm512_loadu_ps(q + r * qs + i);
-      for (int u = 0; u < K; ++u) acc[r * K + u] = _mm512_fmadd_ps(qv, kv[u], acc[r * K + u]);
-    }
-  }
-  alignas(32) float sums[8];
-  _mm256_store_ps(sums, Transpose8Sum(HalfSum(acc[0]), HalfSum(acc[1]), HalfSum(acc[2]),
-                                      HalfSum(acc[3]), HalfSum(acc[4]), HalfSum(acc[5]),
-                                      HalfSum(acc[6]), HalfSum(acc[7])));
-  for (int r = 0; r < R; ++r) {
-    for (int u = 0; u < K; ++u) {
-      out[r * os + u] = Scale::kOn ? sums[r * K + u] * sc(u) : sums[r * K + u];
-    }
-  }
-}
-
-template <int R, typename T, typename Load, typename Scale>
-__attribute__((target("avx512f"))) void DotRowsZmm(const float* q, int64_t qs, const T* k,
-                                                   int64_t ks, int64_t count, int64_t d,
-                                                   float* out, int64_t os, Load load, Scale sc) {
-  constexpr int K = 8 / R;
-  int64_t u = 0;
-  for (; u + K <= count; u += K) {
-    DotBlockZmm<R, K>(q, qs, k + u * ks, ks, d, out + u, os, load, sc.At(u));
-  }
-  for (; u < count; ++u) {
-    for (int r = 0; r < R; ++r) {
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t i = 0; i < d; i += 16) {
-        a = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * qs + i), load(k + u * ks + i), a);
-      }
-      const float s = _mm512_reduce_add_ps(a);
-      out[r * os + u] = Scale::kOn ? s * sc(u) : s;
-    }
-  }
-}
-
-// R rows x V vectors of 16 output lanes (R * V <= 16 accumulators), over
-// all keys; each V slice is loaded once for the R rows.
-template <int R, int V, typename T, typename Load, typename Scale>
-__attribute__((target("avx512f"))) void WeightedRowsZmm(const float* w, int64_t wst, const T* v,
-                                                        int64_t vs, int64_t count, float* acc,
-                                                        int64_t as, Load load, Scale sc) {
-  __m512 c[R * V];
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < V; ++j) c[r * V + j] = _mm512_loadu_ps(acc + r * as + 16 * j);
-  }
-  for (int64_t u = 0; u < count; ++u, v += vs) {
-    __m512 vv[V];
-    for (int j = 0; j < V; ++j) vv[j] = load(v + 16 * j);
-    for (int r = 0; r < R; ++r) {
-      const __m512 wv = _mm512_set1_ps(Scale::kOn ? w[r * wst + u] * sc(u) : w[r * wst + u]);
-      for (int j = 0; j < V; ++j) c[r * V + j] = _mm512_fmadd_ps(wv, vv[j], c[r * V + j]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < V; ++j) _mm512_storeu_ps(acc + r * as + 16 * j, c[r * V + j]);
-  }
-}
-
-// Whether the AVX-512 row kernels take rows of d (or dv) channels.
-bool ZmmRows(int64_t d) { return d % 16 == 0 && UseAvx512(); }
-
-template <typename T, typename Load, typename Scale>
-__attribute__((target("avx512f"))) void DotKeysRowsZmm(const float* q, int64_t qs, int64_t rows,
-                                                       const T* k, int64_t ks, int64_t count,
-                                                       int64_t d, float* out, int64_t os,
-                                                       Load load, Scale sc) {
-  int64_t r = 0;
-  for (; r + 2 <= rows; r += 2) DotRowsZmm<2>(q + r * qs, qs, k, ks, count, d, out + r * os, os, load, sc);
-  for (; r < rows; ++r) DotRowsZmm<1>(q + r * qs, qs, k, ks, count, d, out + r * os, os, load, sc);
-}
-
-template <typename T, typename Load, typename Scale>
-__attribute__((target("avx512f"))) void WeightedSumRowsZmm(const float* w, int64_t wst,
-                                                           int64_t rows, const T* v, int64_t vs,
-                                                           int64_t count, int64_t dv, float* acc,
-                                                           int64_t as, Load load, Scale sc) {
-  // 128 lanes (8 vectors) per pass: two rows share each loaded slice.
-  for (int64_t x = 0; x < dv; x += 128) {
-    const int64_t nv = std::min<int64_t>(8, (dv - x) / 16);
-    int64_t r = 0;
-    auto run = [&](auto rr) {
-      constexpr int R = decltype(rr)::value;
-      switch (nv) {
-#define ROPEATTN_ZMM_CASE(N)                                                              \
-  case N:                                                                                 \
-    WeightedRowsZmm<R, N>(w + r * wst, wst, v + x, vs, count, acc + r * as + x, as, load, \
-                          sc);                                                            \
-    break;
-        ROPEATTN_ZMM_CASE(1)
-        ROPEATTN_ZMM_CASE(2)
-        ROPEATTN_ZMM_CASE(3)
-        ROPEATTN_ZMM_CASE(4)
-        ROPEATTN_ZMM_CASE(5)
-        ROPEATTN_ZMM_CASE(6)
-        ROPEATTN_ZMM_CASE(7)
-        ROPEATTN_ZMM_CASE(8)
-#undef ROPEATTN_ZMM_CASE
-      }
-    };
-    for (; r + 2 <= rows; r += 2) run(std::integral_constant<int, 2>{});
-    for (; r < rows; ++r) run(std::integral_constant<int, 1>{});
-  }
-}
-#pragma GCC diagnostic pop
-
 }  // namespace
 
 bool SetAvx512KernelsForTesting(bool enabled) { return g_avx512_kernels.exchange(enabled); }
@@ -730,11 +586,6 @@ void DotKeysRowsF32(const float* q, int64_t q_stride, int64_t rows, const float*
 }
 void DotKeysRowsBF16(const float* q, int64_t q_stride, int64_t rows, const uint16_t* k,
                      int64_t k_stride, int64_t count, int64_t d, float* out, int64_t out_stride) {
-  if (ZmmRows(d)) {
-    DotKeysRowsZmm(q, q_stride, rows, k, k_stride, count, d, out, out_stride, LoadBF16Zmm{},
-                   Unit{});
-    return;
-  }
   DotKeysRowsImpl(q, q_stride, rows, k, k_stride, count, d, out, out_stride, LoadBF16x8);
 }
 void WeightedSumRowsF32(const float* w, int64_t w_stride, int64_t rows, const float* v,
@@ -746,11 +597,6 @@ void DotKeysRowsI8(const float* q, int64_t q_stride, int64_t rows, const int8_t*
                    int64_t k_stride, const float* k_scale, int64_t scale_stride, int64_t count,
                    int64_t d, float* out, int64_t out_stride) {
   // Each key's scale multiplies its scores as they leave the registers.
-  if (ZmmRows(d)) {
-    DotKeysRowsZmm(q, q_stride, rows, k, k_stride, count, d, out, out_stride, LoadI8Zmm{},
-                   KeyScale{k_scale, scale_stride});
-    return;
-  }
   DotKeysRowsImpl(q, q_stride, rows, k, k_stride, count, d, out, out_stride, LoadI8x8,
                   KeyScale{k_scale, scale_stride});
 }
@@ -758,22 +604,12 @@ void WeightedSumRowsI8(const float* w, int64_t w_stride, int64_t rows, const int
                        int64_t v_stride, const float* v_scale, int64_t scale_stride, int64_t count,
                        int64_t dv, float* acc, int64_t acc_stride) {
   // Each key's scale folds into its weight as the weight is broadcast.
-  if (ZmmRows(dv)) {
-    WeightedSumRowsZmm(w, w_stride, rows, v, v_stride, count, dv, acc, acc_stride, LoadI8Zmm{},
-                       KeyScale{v_scale, scale_stride});
-    return;
-  }
   WeightedSumRowsImpl(w, w_stride, rows, v, v_stride, count, dv, acc, acc_stride, LoadI8x8,
                       KeyScale{v_scale, scale_stride});
 }
 void WeightedSumRowsBF16(const float* w, int64_t w_stride, int64_t rows, const uint16_t* v,
                          int64_t v_stride, int64_t count, int64_t dv, float* acc,
                          int64_t acc_stride) {
-  if (ZmmRows(dv)) {
-    WeightedSumRowsZmm(w, w_stride, rows, v, v_stride, count, dv, acc, acc_stride, LoadBF16Zmm{},
-                       Unit{});
-    return;
-  }
   WeightedSumRowsImpl(w, w_stride, rows, v, v_stride, count, dv, acc, acc_stride, LoadBF16x8);
 }
 
