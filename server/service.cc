@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/call_once.h"
 #include "absl/strings/match.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
@@ -44,6 +45,25 @@ grpc::Status QueueFull(const Executor& executor, const char* method) {
 
 // ------------------------------------------------------------- unary --
 
+namespace {
+// Protobuf reports why a string field failed to parse (not UTF-8) through
+// its log, naming the field; while a request is parsed on this thread its
+// messages are kept here for the answer (and otherwise go to our log).
+thread_local std::string* t_parse_errors = nullptr;
+
+void ProtobufLogHandler(google::protobuf::LogLevel level, const char* file, int line,
+                        const std::string& message) {
+  if (t_parse_errors != nullptr) {
+    if (!t_parse_errors->empty()) t_parse_errors->append("; ");
+    t_parse_errors->append(message);
+    return;
+  }
+  LogEvent(level >= google::protobuf::LOGLEVEL_ERROR ? LogLevel::kError : LogLevel::kWarning,
+           "protobuf", {{"message", message}, {"file", file}, {"line", line}});
+}
+
+}  // namespace
+
 AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options, Executor* executor,
                                            Executor* control, SessionManager* sessions,
                                            Metrics* metrics, const ModelRegistry* models,
@@ -61,7 +81,13 @@ AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options, Executo
       authenticator_(authenticator),
       admission_(options.compute_workers, absl::Seconds(options.max_queue_delay_seconds),
                  options.max_queue_slowdown),
-      answer_watch_(absl::Seconds(options.answer_timeout_seconds)) {}
+      answer_watch_(absl::Seconds(options.answer_timeout_seconds)) {
+  // Installed once, before any call: protobuf's messages (a request's
+  // string field that is not UTF-8, while it is parsed) reach the answer or
+  // the JSON log, never stderr as plain text.
+  static absl::once_flag once;
+  absl::call_once(once, [] { google::protobuf::SetLogHandler(&ProtobufLogHandler); });
+}
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
@@ -176,35 +202,10 @@ class UnaryCall : public grpc::ServerUnaryReactor {
 };
 
 namespace {
-
-// Protobuf reports why a string field failed to parse (not UTF-8) through
-// its log, naming the field; while a request is parsed on this thread its
-// messages are kept here for the answer (and otherwise go to our log).
-thread_local std::string* t_parse_errors = nullptr;
-
-void ProtobufLogHandler(google::protobuf::LogLevel level, const char* file, int line,
-                        const std::string& message) {
-  if (t_parse_errors != nullptr) {
-    if (!t_parse_errors->empty()) t_parse_errors->append("; ");
-    t_parse_errors->append(message);
-    return;
-  }
-  LogEvent(level >= google::protobuf::LOGLEVEL_ERROR ? LogLevel::kError : LogLevel::kWarning,
-           "protobuf", {{"message", message}, {"file", file}, {"line", line}});
-}
-
-}  // namespace
-
 // Parses one request message from gRPC's bytes; INVALID_ARGUMENT naming the
 // message type (and the field, for a string that is not UTF-8) when the
 // bytes are not one.
-namespace {
 absl::Status ParseRequest(const grpc::ByteBuffer& in, google::protobuf::MessageLite* message) {
-  static const bool installed = [] {
-    google::protobuf::SetLogHandler(&ProtobufLogHandler);
-    return true;
-  }();
-  (void)installed;
   grpc::ByteBuffer copy(in);  // shares the slices; Deserialize consumes its buffer
   std::string errors;
   t_parse_errors = &errors;
