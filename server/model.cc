@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -1874,8 +1875,9 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRegistry::Get(absl::string_vie
   if (it == models_.end()) {
     std::vector<std::string> known;
     for (const auto& [n, m] : models_) known.push_back(n);
-    // The name is the caller's: quote a short prefix only.
-    const absl::string_view shown = name.substr(0, 64);
+    // The name is the caller's: a short prefix, escaped (control bytes and
+    // a cut UTF-8 sequence must not reach the status message raw).
+    const std::string shown = absl::CHexEscape(name.substr(0, 64));
     return absl::NotFoundError(absl::StrCat("model \"", shown, name.size() > 64 ? "\"..." : "\"",
                                             " not found; known models: ",
                                             known.empty() ? "(none)" : absl::StrJoin(known, ", ")));

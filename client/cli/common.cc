@@ -534,7 +534,13 @@ absl::StatusOr<Inputs> InputsFromFlags(int64_t batch, int64_t q_len, int64_t k_l
   const double bytes = static_cast<double>(elem) * batch *
                        (static_cast<double>(q_len) * heads * head_dim +
                         static_cast<double>(k_len) * kv_heads * (head_dim + v_dim));
-  if (const int64_t max = absl::GetFlag(FLAGS_max_message_bytes); one_message && bytes > max) {
+  const int64_t max = absl::GetFlag(FLAGS_max_message_bytes);
+  if (max <= 0 || max > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes must be in [1, ",
+                                                   std::numeric_limits<int32_t>::max(),
+                                                   "], got ", max));
+  }
+  if (one_message && bytes > max) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "q, k and v of these shapes are %.0f bytes, more than --max_message_bytes %d; not sent",
         bytes, max));

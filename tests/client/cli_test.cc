@@ -619,6 +619,17 @@ TEST_F(CliTest, ARequestPastTheMessageLimitIsRefusedBeforeItIsBuilt) {
   EXPECT_THAT(r.err, HasSubstr("2415919104 bytes, more than --max_message_bytes 268435456"));
 }
 
+// A --max_message_bytes out of range is a usage error on every command
+// (attend compared its inputs against it first: RESOURCE_EXHAUSTED for 0).
+TEST_F(CliTest, AMessageLimitOutOfRangeIsInvalidOnAttend) {
+  for (const char* bad : {"--max_message_bytes=0", "--max_message_bytes=-5"}) {
+    const RunResult r = Cli({"attend", bad});
+    EXPECT_EQ(r.exit_code, 3) << Describe(r);
+    ExpectOneErrorLine(r, "attend", "INVALID_ARGUMENT");
+    EXPECT_THAT(r.err, HasSubstr("--max_message_bytes must be in [1, 2147483647]"));
+  }
+}
+
 // --- TLS and token flags: help and what is refused before any call. ---
 
 // The help text of `flag` in `help` (the indented lines below its name),

@@ -1481,6 +1481,16 @@ TEST(ModelRegistryTest, AddGetList) {
   absl::Status missing = registry.Get("llama").status();
   EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(missing.message(), AllOf(HasSubstr("llama"), HasSubstr("alpha, demo")));
+  // The caller's name is escaped: control bytes and a UTF-8 sequence cut
+  // at the 64-byte prefix reach the message as \x escapes, never raw.
+  const std::string odd = std::string("a\nb\x1b\0c", 6) + std::string(57, 'x') + "\xc3\xa9tail";
+  missing = registry.Get(odd).status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+  for (char ch : missing.message()) {
+    const unsigned char c = static_cast<unsigned char>(ch);
+    EXPECT_TRUE(c >= 0x20 && c < 0x7f) << "raw byte " << static_cast<int>(c);
+  }
+  EXPECT_THAT(missing.message(), HasSubstr("a\\nb\\x1b"));
 
   std::vector<std::string> names;
   for (const auto& m : registry.List()) names.push_back(m->name());
