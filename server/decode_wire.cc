@@ -264,6 +264,13 @@ const char* StepAdmissionKind(const SessionConfig& c, const v1::Step& step) {
              : "Decode.Step";
 }
 
+bool StepJoinsBatches(const SessionConfig& c, const v1::Step& step) {
+  const v1::Tensor& t = step.has_hidden() ? step.hidden() : step.q();
+  const int64_t tokens = t.shape_size() >= 2 ? t.shape(1) : 0;
+  return tokens <= kBatchStepMaxTokens &&
+         std::string_view(StepAdmissionKind(c, step)) == "Decode.Step";
+}
+
 absl::StatusOr<Cost> PriceStep(const SessionConfig& c, const v1::Step& step, int64_t position,
                                int threads) {
   RA_RETURN_IF_ERROR(CheckStepForm(c, step));

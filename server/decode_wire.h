@@ -48,6 +48,12 @@ Cost PriceExport(const SessionConfig& config, int64_t position);
 // ChooseAttentionPath decides from its tokens (q's or, in layer mode,
 // hidden's shape) and the session's heads.
 const char* StepAdmissionKind(const SessionConfig& config, const v1::Step& step);
+// Whether a step shares a batched pass with other sessions' steps: decode
+// kernel steps of at most kBatchStepMaxTokens tokens. Longer ones (prompts,
+// prefill) run alone: every answer of a pass waits for all of it, so a
+// one-token step must not wait for several callers' prompt-sized steps.
+inline constexpr int64_t kBatchStepMaxTokens = 16;
+bool StepJoinsBatches(const SessionConfig& config, const v1::Step& step);
 
 absl::StatusOr<Cost> PriceStep(const SessionConfig& config, const v1::Step& step, int64_t position,
                                int threads);

@@ -15,11 +15,8 @@ thread_local void* current_taken = nullptr;
 }  // namespace
 
 Executor::Executor(int workers, int queue_capacity, int max_batch, BatchRunner runner,
-                   int nice, int64_t max_batch_join_compute)
-    : capacity_(queue_capacity),
-      max_batch_(std::max(1, max_batch)),
-      max_batch_join_compute_(max_batch_join_compute),
-      runner_(std::move(runner)) {
+                   int nice)
+    : capacity_(queue_capacity), max_batch_(std::max(1, max_batch)), runner_(std::move(runner)) {
   for (int i = 0; i < std::max(1, workers); ++i) {
     threads_.emplace_back([this, nice] {
       // Linux keeps a nice value per thread, and the kernel threads of this
@@ -35,14 +32,14 @@ Executor::~Executor() { Shutdown(); }
 bool Executor::TrySubmit(const std::string& key, int64_t compute,
                          absl::AnyInvocable<void() &&> task, const char* kind) {
   absl::MutexLock lock(&mu_);
-  return PushLocked(key, compute, Task{0, std::move(task), nullptr, 1, kind});
+  return PushLocked(key, compute, Task{0, std::move(task), nullptr, true, 1, kind});
 }
 
 bool Executor::TrySubmitBatch(const std::string& key, int64_t compute, BatchTask* task,
-                              const char* kind) {
+                              const char* kind, bool joins) {
   if (!runner_ || task == nullptr) return false;
   absl::MutexLock lock(&mu_);
-  return PushLocked(key, compute, Task{0, nullptr, task, 1, kind});
+  return PushLocked(key, compute, Task{0, nullptr, task, joins, 1, kind});
 }
 
 double Executor::TagLocked(const std::string& key, int64_t compute) const {
@@ -104,14 +101,14 @@ bool Executor::PushLocked(const std::string& key, int64_t compute, Task task) {
   return true;
 }
 
-bool Executor::PopLocked(bool batch_only, Task* out, int64_t max_compute) {
+bool Executor::PopLocked(bool batch_only, Task* out) {
   auto best = queues_.end();
   for (auto it = queues_.begin(); it != queues_.end(); ++it) {
-    if (batch_only && it->second.front().batch == nullptr) continue;
-    if (best == queues_.end() || it->second.front().tag < best->second.front().tag) best = it;
+    const Task& head = it->second.front();
+    if (batch_only && (head.batch == nullptr || !head.joins)) continue;
+    if (best == queues_.end() || head.tag < best->second.front().tag) best = it;
   }
   if (best == queues_.end()) return false;
-  if (best->second.front().compute > max_compute) return false;
   Task task = std::move(best->second.front());
   best->second.pop_front();
   if (best->second.empty()) {
@@ -181,12 +178,11 @@ void Executor::WorkerLoop() {
       taken.released = false;
       taken.work.push_back(Work{task.kind, task.compute, task.key});
       if (task.batch != nullptr) {
-        // Every step ready now joins this pass.
+        // Steps ready now join this pass, unless it is one that runs alone.
         batch.push_back(task.batch);
         Task more;
-        int64_t room = max_batch_join_compute_;
-        while (static_cast<int>(batch.size()) < max_batch_ && PopLocked(true, &more, room)) {
-          room -= more.compute;
+        while (task.joins && static_cast<int>(batch.size()) < max_batch_ &&
+               PopLocked(true, &more)) {
           batch.push_back(more.batch);
           taken.work.push_back(Work{more.kind, more.compute, more.key});
         }

@@ -49,23 +49,16 @@ class Executor {
   // every other batch task then at the head of a caller's queue (smallest
   // finish tags first, up to `max_batch` in all) and hands them to the
   // runner at once: continuous batching, under the same fair queueing.
-  // A task joins only while the batch's compute stays within the first
-  // task's plus `max_batch_join_compute`: every answer waits for the whole
-  // pass, so a one-token step must not wait for other callers' queued
-  // prompt-sized steps (it waits for at most one, the batch's first). The
-  // next task in tag order that does not fit ends the batch (none is
-  // skipped, so the order stays fair).
+  // Only batch tasks submitted as joining (decode-sized steps) share a pass:
+  // every answer waits for the whole pass, so a one-token step must not wait
+  // for other callers' queued prompt-sized steps, which run alone (a waiting
+  // step waits for at most the one running).
   // `nice` > 0 lowers the workers' scheduling priority (and that of their
   // kernel threads), so the gRPC threads answering control calls and health
   // checks get a core at once while compute saturates the machine; idle
   // cores still go to compute.
   Executor(int workers, int queue_capacity, int max_batch = 1, BatchRunner runner = nullptr,
-           int nice = 0, int64_t max_batch_join_compute = kMaxBatchJoinCompute);
-  // About 32 one-token steps of a 4k-token session of 32 heads of 128
-  // (33.5M multiply-adds each, ~1 ms of memory-bound kernel apiece on the
-  // development machine); one 300-token prompt step of that session is
-  // already past it.
-  static constexpr int64_t kMaxBatchJoinCompute = int64_t{1} << 30;
+           int nice = 0);
   ~Executor();  // Shutdown()
 
   // Queues a task of caller `key` costing `compute` (>= 1 is used); false
@@ -78,8 +71,10 @@ class Executor {
   bool TrySubmit(absl::AnyInvocable<void() &&> task) { return TrySubmit("", 1, std::move(task)); }
   // Queues a batch task (not owned: it must live until the runner has
   // seen it). False as TrySubmit.
+  // `joins` false: the task runs alone (it neither joins another batch nor
+  // takes others into its pass).
   bool TrySubmitBatch(const std::string& key, int64_t compute, BatchTask* task,
-                      const char* kind = "");
+                      const char* kind = "", bool joins = true);
   // The priced compute, by kind, that would run before a task of caller
   // `key` costing `compute` submitted now: `running`, every running task
   // (whole: an upper bound), split into `own_running`, `key`'s, and
@@ -134,6 +129,7 @@ class Executor {
     double tag;  // virtual finish time
     absl::AnyInvocable<void() &&> run;
     BatchTask* batch = nullptr;  // instead of run
+    bool joins = true;           // a batch task that may share a pass
     int64_t compute = 1;
     const char* kind = "";
     std::string key;  // the caller
@@ -146,14 +142,10 @@ class Executor {
   // The waiting task with the smallest tag (only batch tasks when
   // `batch_only`), removed; its caller's queue is dropped once empty. False
   // when there is none.
-  // With `max_compute`, false (nothing removed) when that task costs more.
-  bool PopLocked(bool batch_only, Task* out,
-                 int64_t max_compute = std::numeric_limits<int64_t>::max())
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool PopLocked(bool batch_only, Task* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int capacity_;
   const int max_batch_;
-  const int64_t max_batch_join_compute_;
   const BatchRunner runner_;
   mutable absl::Mutex mu_;
   // Per caller, FIFO; callers with nothing waiting have no entry.

@@ -621,7 +621,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     Executor* control = service_->control_;
     const bool queued =
         request_.has_step()
-            ? service_->executor_->TrySubmitBatch(share_, compute, this, op_kind_)
+            ? service_->executor_->TrySubmitBatch(share_, compute, this, op_kind_, op_joins_)
             : control->TrySubmit(share_, compute, [this] { Process(); }, MethodOf(request_));
     if (!queued) {
       AdmittedDone(-1);
@@ -790,6 +790,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       // made queued 300-token steps look like seconds of work and refused
       // the steps behind them.
       op_kind_ = StepAdmissionKind(c, request_.step());
+      op_joins_ = StepJoinsBatches(c, request_.step());
       absl::Duration retry_after;
       const auto ahead = service_->executor_->WorkAhead(share_, cost.compute);
       if (absl::Status admitted = service_->admission_.Admit(
@@ -1086,6 +1087,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   int64_t op_compute_ = -1;  // the current step's admitted compute, -1: none
   // The admission kind (and executor WorkAhead kind) of the current step.
   const char* op_kind_ = "Decode.Step";
+  bool op_joins_ = true;  // a step that may share a batched pass
   // The admitted step left the queue (ran for `seconds`, or -1: did not run
   // to its end).
   void AdmittedDone(double seconds) {

@@ -618,24 +618,22 @@ TEST(ExecutorTest, ATaskStopsCountingOnceItsComputeIsDone) {
 
 // Every answer of a batch waits for the whole pass: a light caller's
 // one-token step joined one caller's twelve queued prompt-sized steps and
-// waited for all of them (5-8x one of them). Tasks join a batch only while
-// it stays within its first task's compute plus the join budget, so no
-// batch holds two heavy steps and the light one waits for at most one.
-TEST(ExecutorTest, ABatchTakesNoMoreThanItsJoinBudget) {
+// waited for all of them (5-8x one of them). Steps submitted as not joining
+// (longer than kBatchStepMaxTokens tokens, or prefill-kind) run alone: they
+// neither join a pass nor take others into theirs; decode-sized steps still
+// share passes, whatever their priced compute.
+TEST(ExecutorTest, PromptSizedStepsRunAloneAndDecodeStepsShareAPass) {
   struct Step : server::BatchTask {
     int64_t compute;
     explicit Step(int64_t c) : compute(c) {}
   };
   std::vector<std::vector<int64_t>> batches;
   absl::Mutex mu;
-  server::Executor executor(
-      1, 32, 64,
-      [&](absl::Span<server::BatchTask* const> tasks) {
-        absl::MutexLock lock(&mu);
-        batches.emplace_back();
-        for (server::BatchTask* t : tasks) batches.back().push_back(static_cast<Step*>(t)->compute);
-      },
-      /*nice=*/0, /*max_batch_join_compute=*/100);
+  server::Executor executor(1, 32, 64, [&](absl::Span<server::BatchTask* const> tasks) {
+    absl::MutexLock lock(&mu);
+    batches.emplace_back();
+    for (server::BatchTask* t : tasks) batches.back().push_back(static_cast<Step*>(t)->compute);
+  });
   absl::Notification started, release;
   ASSERT_TRUE(executor.TrySubmit("blocker", 1, [&] {
     started.Notify();
@@ -643,30 +641,29 @@ TEST(ExecutorTest, ABatchTakesNoMoreThanItsJoinBudget) {
   }));
   started.WaitForNotification();
   std::vector<std::unique_ptr<Step>> steps;
-  auto submit = [&](const char* key, int64_t compute) {
+  auto submit = [&](const std::string& key, int64_t compute, bool joins) {
     steps.push_back(std::make_unique<Step>(compute));
-    ASSERT_TRUE(executor.TrySubmitBatch(key, compute, steps.back().get(), "Decode.Step"));
+    ASSERT_TRUE(executor.TrySubmitBatch(key, compute, steps.back().get(),
+                                        joins ? "Decode.Step" : "Decode.Prefill", joins));
   };
-  for (int i = 0; i < 6; ++i) submit("heavy", 1000);
-  for (int i = 0; i < 3; ++i) submit("light", 10);
-  for (int i = 0; i < 4; ++i) submit(absl::StrCat("small", i).c_str(), 30);
+  for (int i = 0; i < 6; ++i) submit("heavy", 1000000, /*joins=*/false);
+  for (int i = 0; i < 3; ++i) submit("light", 10, true);
+  // Decode-sized steps of long sessions: priced far above the light ones.
+  for (int i = 0; i < 4; ++i) submit(absl::StrCat("long", i), 5000, true);
   release.Notify();
   executor.Shutdown();
   absl::MutexLock lock(&mu);
   int64_t seen = 0;
+  size_t shared = 0;
   for (const std::vector<int64_t>& b : batches) {
-    int64_t heavy = 0, followers = 0;
-    for (size_t i = 0; i < b.size(); ++i) {
-      heavy += b[i] == 1000;
-      if (i > 0) followers += b[i];
+    for (int64_t c : b) {
+      if (c == 1000000) EXPECT_EQ(b.size(), 1u) << "a prompt-sized step shared a pass";
     }
-    EXPECT_LE(heavy, 1);
-    EXPECT_LE(followers, 100);
+    shared = std::max(shared, b.size());
     seen += static_cast<int64_t>(b.size());
   }
   EXPECT_EQ(seen, 13);
-  // Small steps still share passes.
-  EXPECT_LT(batches.size(), 13u);
+  EXPECT_GE(shared, 2u);  // decode steps still share passes
 }
 
 // Decode steps learn two rates: those the decode kernel computes and those
@@ -689,6 +686,21 @@ TEST(HardeningAdmissionTest, DecodeStepsAndPrefillStepsAreAdmittedAsTwoKinds) {
   EXPECT_EQ(kind(32, 32, 17), "Decode.Prefill");  // past 16 tokens
   EXPECT_EQ(kind(32, 32, 300), "Decode.Prefill");
   EXPECT_EQ(kind(32, 32, 300, /*linear=*/true), "Decode.Step");  // running sums, no kernel switch
+  // Which share a batched pass: decode-kernel steps of at most 16 tokens.
+  const auto joins = [](int64_t heads, int64_t kv_heads, int64_t tokens, bool linear = false) {
+    server::SessionConfig c;
+    c.spec.heads = heads;
+    c.spec.kv_heads = kv_heads;
+    c.linear = linear;
+    v1::Step step;
+    for (int64_t d : {int64_t{1}, tokens, heads, int64_t{8}}) step.mutable_q()->add_shape(d);
+    return server::StepJoinsBatches(c, step);
+  };
+  EXPECT_TRUE(joins(32, 8, 1));
+  EXPECT_TRUE(joins(32, 8, 16));
+  EXPECT_FALSE(joins(32, 32, 17));
+  EXPECT_FALSE(joins(32, 4, 16));                     // prefill-kind
+  EXPECT_FALSE(joins(32, 32, 300, /*linear=*/true));  // a long linear step runs alone
   // Layer mode: the tokens of the hidden states.
   server::SessionConfig c;
   c.spec.heads = 32;
