@@ -116,11 +116,12 @@ class CallLog final : public grpc::experimental::Interceptor {
 
  private:
   void Report(grpc::Status status) {
-    // A call whose client cancelled it before its request arrived never
-    // reaches a handler; gRPC then answers UNIMPLEMENTED (no message came),
-    // which the client never sees: it is logged as what it was (an expired
-    // deadline; a cancellation, where gRPC has marked it by then).
-    if (status.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+    // gRPC's own UNIMPLEMENTED, with no message (the service's methods are
+    // raw and always reach their handler, which names its refusals): a call
+    // gRPC ended before any handler, which the client never sees when it
+    // had given up: logged as what it was (an expired deadline; a
+    // cancellation, where gRPC has marked it by then).
+    if (status.error_code() == grpc::StatusCode::UNIMPLEMENTED && status.error_message().empty()) {
       const gpr_timespec deadline = info_->server_context()->raw_deadline();
       if (gpr_time_cmp(gpr_convert_clock_type(deadline, GPR_CLOCK_MONOTONIC),
                        gpr_now(GPR_CLOCK_MONOTONIC)) <= 0) {

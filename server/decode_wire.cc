@@ -155,7 +155,7 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
   c.idle_ttl = absl::Seconds(ttl);
   c.resumable = open.resumable();
   RA_RETURN_IF_ERROR(CheckPositions(c.start_position, std::max<int64_t>(c.max_context, 1),
-                                    "open.start_position", "max_context"));
+                                    "open.start_position", "open.max_context (or its default)"));
   if (c.model) {
     // A session whose first token would be past the model's position table
     // could never step.

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/base/call_once.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
@@ -24,6 +25,8 @@
 #include "server/handlers.h"
 #include "server/layer.h"
 #include "server/log.h"
+#include "server/wire_bound.h"
+#include "grpcpp/support/proto_buffer_reader.h"
 #include "core/rope.h"
 #include "core/status_macros.h"
 
@@ -166,6 +169,9 @@ class UnaryCall : public grpc::ServerUnaryReactor {
   }
   // The message answered on success.
   void SetResponse(const google::protobuf::MessageLite* response) { response_ = response; }
+  // What parsing the request took beyond its wire bytes (ParseRequest),
+  // held while the request is.
+  MemoryBudget::Reservation* parse_reservation() { return &parse_held_; }
   // Finishes with `status`, and with the response when it is OK.
   void Answer(const grpc::Status& status) {
     if (!status.ok() || response_ == nullptr) {
@@ -179,6 +185,7 @@ class UnaryCall : public grpc::ServerUnaryReactor {
     // Serialized: the typed messages go now, not when the answer is taken.
     response_ = nullptr;
     messages_.clear();
+    parse_held_.Release();
     Finish(written.ok() ? status
                         : grpc::Status(grpc::StatusCode::INTERNAL,
                                        absl::StrCat("the answer could not be serialized: ",
@@ -198,6 +205,7 @@ class UnaryCall : public grpc::ServerUnaryReactor {
   StopToken stop_;
   MemoryBudget::Reservation reservation_;
   std::vector<std::unique_ptr<google::protobuf::MessageLite>> messages_;
+  MemoryBudget::Reservation parse_held_;
   const google::protobuf::MessageLite* response_ = nullptr;
 };
 
@@ -205,13 +213,44 @@ namespace {
 // Parses one request message from gRPC's bytes; INVALID_ARGUMENT naming the
 // message type (and the field, for a string that is not UTF-8) when the
 // bytes are not one.
-absl::Status ParseRequest(const grpc::ByteBuffer& in, google::protobuf::MessageLite* message) {
+//
+// Its cost is checked first: the memory protobuf may allocate beyond the
+// wire bytes (repeated numbers widen 8x and more, unknown fields take an
+// entry each: 32 MiB of one-byte token ids parsed into ~512 MiB) is
+// reserved from `budget` into `*held` for as long as the message is kept,
+// or the request is refused RESOURCE_EXHAUSTED before it is parsed.
+absl::Status ParseRequest(const grpc::ByteBuffer& in, google::protobuf::Message* message,
+                          MemoryBudget* budget, MemoryBudget::Reservation* held) {
+  {
+    grpc::ByteBuffer scan(in);
+    grpc::ProtoBufferReader reader(&scan);
+    const std::optional<int64_t> bound = ParsedBytesBound(&reader, message->GetDescriptor());
+    if (bound.has_value()) {
+      // A small request's object overhead is in the server's fixed allowance
+      // (README "Limits"), not worth a reservation.
+      constexpr int64_t kSlackBytes = int64_t{64} << 10;
+      const int64_t beyond = *bound - static_cast<int64_t>(in.Length());
+      if (beyond > kSlackBytes) {
+        absl::StatusOr<MemoryBudget::Reservation> r = budget->Reserve(
+            beyond, absl::StrCat("parsing this ", message->GetTypeName(), " (", in.Length(),
+                                 " wire bytes; its repeated numbers, nested messages and "
+                                 "unknown fields take more in memory)"));
+        if (!r.ok()) return r.status();
+        *held = *std::move(r);
+      }
+    }
+  }
   grpc::ByteBuffer copy(in);  // shares the slices; Deserialize consumes its buffer
   std::string errors;
   t_parse_errors = &errors;
-  const grpc::Status parsed =
-      grpc::SerializationTraits<google::protobuf::MessageLite>::Deserialize(&copy, message);
-  t_parse_errors = nullptr;
+  const absl::Cleanup stop_capture = [] { t_parse_errors = nullptr; };
+  grpc::Status parsed;
+  try {
+    parsed = grpc::SerializationTraits<google::protobuf::MessageLite>::Deserialize(&copy, message);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the server ran out of memory parsing this ", message->GetTypeName()));
+  }
   if (parsed.ok()) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
       "the message is not a valid ", message->GetTypeName(), ": ",
@@ -240,7 +279,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ServeUnary(
     call->Answer(ToGrpcStatus(none));
     return call;
   }
-  const absl::Status parsed = ParseRequest(*in, request);
+  const absl::Status parsed = ParseRequest(*in, request, budget_, call->parse_reservation());
   // The wire bytes are not needed once parsed: gRPC would keep them until
   // the call ends, beside the parsed request (twice a large request's size
   // for its whole compute). gRPC does not read them after this handler.
@@ -568,7 +607,9 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     // Parsed here, not by gRPC, which would end the stream with OK as if
     // the client had half-closed. A message that does not parse has no seq
     // to answer in band: the stream ends, naming why.
-    if (absl::Status parsed = ParseRequest(read_buf_, &request_); !parsed.ok()) {
+    if (absl::Status parsed =
+            ParseRequest(read_buf_, &request_, service_->budget_, &parse_held_);
+        !parsed.ok()) {
       read_buf_.Clear();
       service_->metrics_->RecordRequest("Decode", static_cast<int>(parsed.code()), 0.0);
       FinishOnce(ToGrpcStatus(parsed));
@@ -678,6 +719,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   // that much, outside the memory budget, for as long as it stayed open.
   void ReleaseMessageMemory() {
     write_buf_.Clear();
+    parse_held_.Release();
     constexpr size_t kKeepBytes = size_t{64} << 10;
     if (request_.SpaceUsedLong() > kKeepBytes) request_ = v1::DecodeRequest();
     if (response_.SpaceUsedLong() > kKeepBytes) response_ = v1::DecodeResponse();
@@ -1098,6 +1140,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   v1::DecodeRequest request_;
   v1::DecodeResponse response_;
   grpc::ByteBuffer read_buf_;   // the next message's bytes, parsed into request_
+  MemoryBudget::Reservation parse_held_;  // request_'s memory beyond its wire bytes
   grpc::ByteBuffer write_buf_;  // response_ serialized, until its write is done
   absl::Time step_start_;                // when the current step left the queue
   std::array<Tensor, 3> wire_copies_;    // a step's misaligned wire tensors, copied

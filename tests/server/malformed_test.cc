@@ -23,7 +23,9 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "ropeattn/v1/attention.grpc.pb.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "server/server.h"
+#include "server/wire_bound.h"
 #include "tests/server/server_test_util.h"
 
 namespace ropeattn::testing {
@@ -1312,6 +1314,89 @@ TEST(UnparseableBytesTest, AreInvalidArgumentNamingTheMessageOnEveryMethod) {
   v1::ServerInfo info;
   ASSERT_TRUE(typed->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
   EXPECT_EQ(info.open_sessions(), 0);
+}
+
+}  // namespace
+}  // namespace ropeattn::testing
+
+namespace ropeattn::testing {
+namespace {
+
+// The bound is at least what parsing allocates, on the shapes that widen.
+TEST(ParsedBytesBoundTest, CoversWhatParsingAllocates) {
+  std::vector<std::pair<std::string, std::unique_ptr<google::protobuf::Message>>> cases;
+  {
+    auto e = std::make_unique<v1::EmbedRequest>();
+    e->set_model("demo");
+    for (int i = 0; i < 100000; ++i) e->add_token_ids(i % 100);  // 1-byte varints
+    cases.emplace_back(e->SerializeAsString(), std::make_unique<v1::EmbedRequest>());
+  }
+  {
+    // Unknown varint fields, each 2-3 wire bytes.
+    std::string bytes;
+    for (int i = 0; i < 100000; ++i) bytes += std::string("\xa0\x06\x01", 3);  // field 100
+    cases.emplace_back(bytes, std::make_unique<v1::GetServerInfoRequest>());
+  }
+  {
+    v1::AttendRequest a = [] {
+      v1::AttendRequest r;
+      r.mutable_spec()->set_heads(2);
+      r.mutable_spec()->set_head_dim(4);
+      for (int i = 0; i < 1000; ++i) r.add_q_positions(i);
+      *r.mutable_q() = Wire({1, 8, 2, 4});
+      return r;
+    }();
+    cases.emplace_back(a.SerializeAsString(), std::make_unique<v1::AttendRequest>());
+  }
+  for (auto& [bytes, message] : cases) {
+    google::protobuf::io::ArrayInputStream in(bytes.data(), static_cast<int>(bytes.size()));
+    const std::optional<int64_t> bound = server::ParsedBytesBound(&in, message->GetDescriptor());
+    ASSERT_TRUE(bound.has_value()) << message->GetTypeName();
+    ASSERT_TRUE(message->ParseFromString(bytes)) << message->GetTypeName();
+    EXPECT_GE(*bound, static_cast<int64_t>(message->SpaceUsedLong())) << message->GetTypeName();
+    EXPECT_GT(*bound, static_cast<int64_t>(bytes.size())) << message->GetTypeName();
+  }
+  // Not wire format: no bound (the parse refuses it).
+  const std::string junk("\x0c\xff\xff", 3);
+  google::protobuf::io::ArrayInputStream in(junk.data(), static_cast<int>(junk.size()));
+  EXPECT_FALSE(server::ParsedBytesBound(&in, v1::AttendRequest::descriptor()).has_value());
+}
+
+// Parsing is a cost checked before the work: 32 MiB of one-byte token ids
+// parsed into ~545 MiB (each an int64, the array doubling) before any
+// budget check. What parsing takes beyond the wire bytes is now reserved
+// from the memory budget first, or the request is refused.
+TEST(UnparseableBytesTest, ParsingThatWidensPastTheBudgetIsRefusedBeforeIt) {
+  server::ServerOptions o = TestServerOptions();
+  o.memory_budget_bytes = int64_t{64} << 20;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  grpc::GenericStub stub(TestChannel(server->port()));
+  v1::EmbedRequest embed;
+  embed.set_model("demo");
+  for (int i = 0; i < (8 << 20); ++i) embed.add_token_ids(1);  // 8 MiB on the wire
+  grpc::Status st =
+      raw::Unary(&stub, "/ropeattn.v1.AttentionService/Embed", embed.SerializeAsString());
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_THAT(st.error_message(), ::testing::HasSubstr("parsing this ropeattn.v1.EmbedRequest"));
+  std::string unknown;
+  for (int i = 0; i < (3 << 20); ++i) unknown += std::string("\xa0\x06\x01", 3);
+  st = raw::Unary(&stub, "/ropeattn.v1.AttentionService/GetServerInfo", unknown);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_THAT(st.error_message(),
+              ::testing::HasSubstr("parsing this ropeattn.v1.GetServerInfoRequest"));
+  // Ordinary requests are unaffected, and nothing stays reserved.
+  auto typed = TestStub(server->port());
+  grpc::ClientContext ctx;
+  v1::ServerInfo info;
+  ASSERT_TRUE(typed->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+  EXPECT_EQ(info.memory_bytes_in_use(), 0);
+  v1::EmbedRequest small;
+  small.set_model("demo");
+  for (int i = 0; i < 1000; ++i) small.add_token_ids(1);
+  grpc::ClientContext ectx;
+  v1::EmbedResponse out;
+  EXPECT_TRUE(typed->Embed(&ectx, small, &out).ok());
 }
 
 }  // namespace
