@@ -172,8 +172,11 @@ class UnaryCall : public grpc::ServerUnaryReactor {
   // What parsing the request took beyond its wire bytes (ParseRequest),
   // held while the request is.
   MemoryBudget::Reservation* parse_reservation() { return &parse_held_; }
-  // Finishes with `status`, and with the response when it is OK.
+  // Finishes with `status`, and with the response when it is OK. Every
+  // answer (computed, control call or refusal) is watched: a client that
+  // does not take it within --answer_timeout_seconds has the call cancelled.
   void Answer(const grpc::Status& status) {
+    service_->WatchAnswer(watch_);
     if (!status.ok() || response_ == nullptr) {
       Finish(status);
       return;
@@ -191,12 +194,8 @@ class UnaryCall : public grpc::ServerUnaryReactor {
                                        absl::StrCat("the answer could not be serialized: ",
                                                     written.error_message())));
   }
-  // Answers with the computed result; a client that does not take it
-  // within --answer_timeout_seconds has the call cancelled.
-  void FinishAnswer(const grpc::Status& status) {
-    service_->WatchAnswer(watch_);
-    Answer(status);
-  }
+  // Answers with the computed result.
+  void FinishAnswer(const grpc::Status& status) { Answer(status); }
 
  private:
   AttentionServiceImpl* const service_;
@@ -272,9 +271,14 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ServeUnary(
   if (!in->Valid()) {
     // No message came: the call ended (deadline, cancellation) before its
     // request arrived, or the client half-closed without one.
+    // A client that resets the call before its message is complete is by
+    // far the common case; gRPC may not have marked it cancelled yet.
     absl::Status none = call->stop().status();
-    if (none.ok() && ctx->IsCancelled()) none = absl::CancelledError("the call was cancelled");
-    if (none.ok()) none = absl::InvalidArgumentError("the call carried no request message");
+    if (none.ok()) {
+      none = absl::CancelledError(
+          "the call ended before its request message arrived (cancelled by the client, or "
+          "closed without one)");
+    }
     metrics_->RecordRequest(method, static_cast<int>(none.code()), 0.0);
     call->Answer(ToGrpcStatus(none));
     return call;
@@ -681,6 +685,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     op_memory_.Release();  // the answer is on its way: its buffers are gone
     ReleaseMessageMemory();
     if (!ok) {
+      // The stream is broken (lost, or cancelled, e.g. its answer not taken
+      // in time): its session was disconnected, whether or not gRPC has run
+      // OnCancel yet.
+      cancelled_ = true;
       FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
       return;
     }
