@@ -224,7 +224,14 @@ absl::Status ParseRequest(const grpc::ByteBuffer& in, google::protobuf::Message*
     grpc::ByteBuffer scan(in);
     grpc::ProtoBufferReader reader(&scan);
     const std::optional<int64_t> bound = ParsedBytesBound(&reader, message->GetDescriptor());
-    if (bound.has_value()) {
+    // Bytes the walk cannot follow are not parsed at all (protobuf would
+    // refuse them too; parsing them unpriced is what must not happen).
+    if (!bound.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the message is not a valid ", message->GetTypeName(),
+          ": its bytes are not protobuf wire format for it (truncated or corrupt)"));
+    }
+    {
       // A small request's object overhead is in the server's fixed allowance
       // (README "Limits"), not worth a reservation.
       constexpr int64_t kSlackBytes = int64_t{64} << 10;
