@@ -671,14 +671,22 @@ TEST(ExecutorTest, PromptSizedStepsRunAloneAndDecodeStepsShareAPass) {
 // shared rate, taught by a one-token step slowed past 5 ms, made queued
 // 300-token steps look like seconds and refused other sessions' steps.
 TEST(HardeningAdmissionTest, DecodeStepsAndPrefillStepsAreAdmittedAsTwoKinds) {
-  const auto kind = [](int64_t heads, int64_t kv_heads, int64_t tokens, bool linear = false) {
+  // A session of `heads` over `kv_heads` and a step of `tokens` tokens.
+  struct Case {
     server::SessionConfig c;
-    c.spec.heads = heads;
-    c.spec.kv_heads = kv_heads;
-    c.linear = linear;
     v1::Step step;
-    for (int64_t d : {int64_t{1}, tokens, heads, int64_t{8}}) step.mutable_q()->add_shape(d);
-    return std::string(server::StepAdmissionKind(c, step));
+  };
+  const auto make = [](int64_t heads, int64_t kv_heads, int64_t tokens, bool linear) {
+    Case k;
+    k.c.spec.heads = heads;
+    k.c.spec.kv_heads = kv_heads;
+    k.c.linear = linear;
+    for (int64_t d : {int64_t{1}, tokens, heads, int64_t{8}}) k.step.mutable_q()->add_shape(d);
+    return k;
+  };
+  const auto kind = [&](int64_t heads, int64_t kv_heads, int64_t tokens, bool linear = false) {
+    const Case k = make(heads, kv_heads, tokens, linear);
+    return std::string(server::StepAdmissionKind(k.c, k.step));
   };
   EXPECT_EQ(kind(32, 8, 1), "Decode.Step");
   EXPECT_EQ(kind(32, 8, 16), "Decode.Step");      // 64 query rows per kv head
@@ -687,14 +695,9 @@ TEST(HardeningAdmissionTest, DecodeStepsAndPrefillStepsAreAdmittedAsTwoKinds) {
   EXPECT_EQ(kind(32, 32, 300), "Decode.Prefill");
   EXPECT_EQ(kind(32, 32, 300, /*linear=*/true), "Decode.Step");  // running sums, no kernel switch
   // Which share a batched pass: decode-kernel steps of at most 16 tokens.
-  const auto joins = [](int64_t heads, int64_t kv_heads, int64_t tokens, bool linear = false) {
-    server::SessionConfig c;
-    c.spec.heads = heads;
-    c.spec.kv_heads = kv_heads;
-    c.linear = linear;
-    v1::Step step;
-    for (int64_t d : {int64_t{1}, tokens, heads, int64_t{8}}) step.mutable_q()->add_shape(d);
-    return server::StepJoinsBatches(c, step);
+  const auto joins = [&](int64_t heads, int64_t kv_heads, int64_t tokens, bool linear = false) {
+    const Case k = make(heads, kv_heads, tokens, linear);
+    return server::StepJoinsBatches(k.c, k.step);
   };
   EXPECT_TRUE(joins(32, 8, 1));
   EXPECT_TRUE(joins(32, 8, 16));
