@@ -220,31 +220,30 @@ namespace {
 // or the request is refused RESOURCE_EXHAUSTED before it is parsed.
 absl::Status ParseRequest(const grpc::ByteBuffer& in, google::protobuf::Message* message,
                           MemoryBudget* budget, MemoryBudget::Reservation* held) {
+  std::optional<int64_t> bound;
   {
     grpc::ByteBuffer scan(in);
     grpc::ProtoBufferReader reader(&scan);
-    const std::optional<int64_t> bound = ParsedBytesBound(&reader, message->GetDescriptor());
-    // Bytes the walk cannot follow are not parsed at all (protobuf would
-    // refuse them too; parsing them unpriced is what must not happen).
-    if (!bound.has_value()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the message is not a valid ", message->GetTypeName(),
-          ": its bytes are not protobuf wire format for it (truncated or corrupt)"));
-    }
-    {
-      // A small request's object overhead is in the server's fixed allowance
-      // (README "Limits"), not worth a reservation.
-      constexpr int64_t kSlackBytes = int64_t{64} << 10;
-      const int64_t beyond = *bound - static_cast<int64_t>(in.Length());
-      if (beyond > kSlackBytes) {
-        absl::StatusOr<MemoryBudget::Reservation> r = budget->Reserve(
-            beyond, absl::StrCat("parsing this ", message->GetTypeName(), " (", in.Length(),
-                                 " wire bytes; its repeated numbers, nested messages and "
-                                 "unknown fields take more in memory)"));
-        if (!r.ok()) return r.status();
-        *held = *std::move(r);
-      }
-    }
+    bound = ParsedBytesBound(&reader, message->GetDescriptor());
+  }
+  // Bytes the walk cannot follow are not parsed at all (protobuf would
+  // refuse them too; parsing them unpriced is what must not happen).
+  if (!bound.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the message is not a valid ", message->GetTypeName(),
+        ": its bytes are not protobuf wire format for it (truncated or corrupt)"));
+  }
+  // A small request's object overhead is in the server's fixed allowance
+  // (README "Limits"), not worth a reservation.
+  constexpr int64_t kSlackBytes = int64_t{64} << 10;
+  const int64_t beyond = *bound - static_cast<int64_t>(in.Length());
+  if (beyond > kSlackBytes) {
+    RA_ASSIGN_OR_RETURN(
+        *held, budget->Reserve(beyond, absl::StrCat("parsing this ", message->GetTypeName(), " (",
+                                                    in.Length(),
+                                                    " wire bytes; its repeated numbers, nested "
+                                                    "messages and unknown fields take more in "
+                                                    "memory)")));
   }
   grpc::ByteBuffer copy(in);  // shares the slices; Deserialize consumes its buffer
   std::string errors;
