@@ -622,6 +622,17 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
         !parsed.ok()) {
       read_buf_.Clear();
       service_->metrics_->RecordRequest("Decode", static_cast<int>(parsed.code()), 0.0);
+      if (absl::IsResourceExhausted(parsed) && session_ != nullptr) {
+        // Well-formed, but the budget cannot hold its parse now: refused in
+        // band (seq 0: the message was not read), the stream stays open.
+        {
+          absl::MutexLock lock(&mu_);
+          busy_ = true;
+        }
+        request_.Clear();
+        Refuse(parsed);
+        return;
+      }
       FinishOnce(ToGrpcStatus(parsed));
       return;
     }

@@ -21,6 +21,30 @@ constexpr int64_t kMessageBytes = 512;
 constexpr int64_t kStringBytes = 32;
 constexpr int64_t kUnknownFieldBytes = 64;
 constexpr int kMaxDepth = 100;  // protobuf's default recursion limit
+// A string longer than this (protobuf 3.21's kSafeStringSize) is read from
+// a chunked stream by appending, so its capacity may double past its length.
+constexpr int64_t kSafeStringSize = 50'000'000;
+
+// A string's (or an unknown length-delimited field's) bytes of `length`.
+int64_t StringBytes(int64_t length) {
+  return kStringBytes + (length > kSafeStringSize ? 2 * length : length);
+}
+
+// Wire bytes of one element of a packed fixed-width field, 0 for varints.
+int FixedWireBytes(const FieldDescriptor* f) {
+  switch (f->type()) {
+    case FieldDescriptor::TYPE_FIXED64:
+    case FieldDescriptor::TYPE_SFIXED64:
+    case FieldDescriptor::TYPE_DOUBLE:
+      return 8;
+    case FieldDescriptor::TYPE_FIXED32:
+    case FieldDescriptor::TYPE_SFIXED32:
+    case FieldDescriptor::TYPE_FLOAT:
+      return 4;
+    default:
+      return 0;
+  }
+}
 
 // Bytes a value of `f` takes in memory, in a repeated field.
 int64_t ElementBytes(const FieldDescriptor* f) {
@@ -58,36 +82,38 @@ bool Walk(CodedInputStream* in, const Descriptor* type, int depth, int64_t* boun
     if (f != nullptr && f->cpp_type() == FieldDescriptor::CPPTYPE_STRING && length_delimited) {
       uint32_t length;
       if (!in->ReadVarint32(&length) || !in->Skip(static_cast<int>(length))) return false;
-      *bound += kStringBytes + length + (f->is_repeated() ? 16 : 0);
+      *bound += StringBytes(length) + (f->is_repeated() ? 16 : 0);
       continue;
     }
+    const bool own_wire =
+        f != nullptr && wire == WireFormatLite::WireTypeForFieldType(
+                                    static_cast<WireFormatLite::FieldType>(f->type()));
     if (f != nullptr && f->is_repeated() && f->cpp_type() != FieldDescriptor::CPPTYPE_STRING &&
-        f->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE) {
-      // Each element takes at least one wire byte; the array may double.
+        f->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE && (length_delimited || own_wire)) {
+      // The array may double its capacity as it grows.
       const int64_t element = 2 * ElementBytes(f);
-      if (length_delimited) {  // packed
+      if (length_delimited) {  // packed: a varint takes at least one wire byte
         uint32_t length;
         if (!in->ReadVarint32(&length) || !in->Skip(static_cast<int>(length))) return false;
-        *bound += element * static_cast<int64_t>(length);
+        const int fixed = FixedWireBytes(f);
+        *bound += element * (fixed > 0 ? static_cast<int64_t>(length) / fixed + 1
+                                       : static_cast<int64_t>(length));
         continue;
       }
-      // Unpacked (or, of another wire type, an unknown field's entry).
-      *bound += std::max<int64_t>(element, kUnknownFieldBytes);
+      *bound += element;  // unpacked, its own wire type
       if (!WireFormatLite::SkipField(in, tag)) return false;
       continue;
     }
     const int before = in->CurrentPosition();
     if (!WireFormatLite::SkipField(in, tag)) return false;
-    const bool expected =
-        f != nullptr && wire == WireFormatLite::WireTypeForFieldType(
-                                    static_cast<WireFormatLite::FieldType>(f->type()));
-    if (!expected) {
-      // Unknown (or of a wire type its field does not have): kept as
-      // unknown fields; a group's every field is one.
+    if (!own_wire) {
+      // Unknown (or of a wire type its field does not have, a group on a
+      // number field included): kept as unknown fields; a group's every
+      // field is one, and every nested group a field set of its own.
       const int64_t skipped = in->CurrentPosition() - before;
       *bound += kUnknownFieldBytes + (wire == WireFormatLite::WIRETYPE_START_GROUP
-                                          ? kUnknownFieldBytes * skipped
-                                          : skipped);
+                                          ? 2 * kUnknownFieldBytes * skipped
+                                          : StringBytes(skipped));
     }
   }
 }

@@ -1348,13 +1348,41 @@ TEST(ParsedBytesBoundTest, CoversWhatParsingAllocates) {
     }();
     cases.emplace_back(a.SerializeAsString(), std::make_unique<v1::AttendRequest>());
   }
+  {
+    // A group on a repeated number field (token_ids): kept as unknown
+    // fields, one entry per inner field; it was bounded at 576 bytes.
+    const int field = v1::EmbedRequest::descriptor()->FindFieldByName("token_ids")->number();
+    std::string bytes(1, static_cast<char>(field << 3 | 3));
+    for (int i = 0; i < 100000; ++i) bytes += std::string("\x08\x00", 2);
+    bytes += static_cast<char>(field << 3 | 4);
+    cases.emplace_back(bytes, std::make_unique<v1::EmbedRequest>());
+  }
   for (auto& [bytes, message] : cases) {
-    google::protobuf::io::ArrayInputStream in(bytes.data(), static_cast<int>(bytes.size()));
+    // Chunked, as gRPC hands over a message's slices.
+    google::protobuf::io::ArrayInputStream in(bytes.data(), static_cast<int>(bytes.size()), 16384);
     const std::optional<int64_t> bound = server::ParsedBytesBound(&in, message->GetDescriptor());
     ASSERT_TRUE(bound.has_value()) << message->GetTypeName();
-    ASSERT_TRUE(message->ParseFromString(bytes)) << message->GetTypeName();
+    google::protobuf::io::ArrayInputStream again(bytes.data(), static_cast<int>(bytes.size()),
+                                                 16384);
+    ASSERT_TRUE(message->ParseFromZeroCopyStream(&again)) << message->GetTypeName();
     EXPECT_GE(*bound, static_cast<int64_t>(message->SpaceUsedLong())) << message->GetTypeName();
     EXPECT_GT(*bound, static_cast<int64_t>(bytes.size())) << message->GetTypeName();
+  }
+  // Packed floats are bounded by their count (4 wire bytes each), not their
+  // bytes: a one-token step of 32 heads of 128 given as f32_values stays
+  // within the 64 KiB the server does not reserve for.
+  {
+    v1::DecodeRequest step;
+    for (v1::Tensor* t : {step.mutable_step()->mutable_q(), step.mutable_step()->mutable_k(),
+                          step.mutable_step()->mutable_v()}) {
+      for (int64_t d : {1, 1, 32, 128}) t->add_shape(d);
+      for (int i = 0; i < 32 * 128; ++i) t->add_f32_values(0.5f);
+    }
+    const std::string bytes = step.SerializeAsString();
+    google::protobuf::io::ArrayInputStream in(bytes.data(), static_cast<int>(bytes.size()));
+    const std::optional<int64_t> bound = server::ParsedBytesBound(&in, v1::DecodeRequest::descriptor());
+    ASSERT_TRUE(bound.has_value());
+    EXPECT_LT(*bound - static_cast<int64_t>(bytes.size()), int64_t{64} << 10);
   }
   // Not wire format: no bound (the parse refuses it).
   const std::string junk("\x0c\xff\xff", 3);
