@@ -1152,13 +1152,31 @@ absl::Status PrefillTask(const Plan& p, const PackedKV& kv, int64_t b, int64_t h
     WriteProbsRow(p, b, h, i0 + r, ulo, row, n);
   }
   MatOperand pa{scores, DType::kF32, n, 1};
+  float out_scale = 1.0f;
   if (p.kv_dtype == DType::kBF16) {
+    // A bf16 GEMM on AVX512-BF16 flushes subnormal products to zero: with
+    // values near 1e-37 every p * v is one, and the answer came back 0.
+    // Tiny values are met by probabilities scaled up by a power of two
+    // (exact, and rounded to bf16 as before), the answer scaled back in f32.
+    const uint16_t* v0 = static_cast<const uint16_t*>(vb.data);
+    uint16_t top = 0;  // bf16 bits of max |v|: magnitudes order as their bits
+    for (int64_t j = 0; j < n; ++j) {
+      const uint16_t* row = v0 + j * vb.row_stride;
+      for (int64_t x = 0; x < dv; ++x) top = std::max<uint16_t>(top, row[x] & 0x7fff);
+    }
+    const float vmax = BF16ToFloat(top);
+    if (vmax > 0 && vmax < 0x1p-32f) {
+      const int k = std::min(126, -std::ilogb(vmax));
+      internal::ScaleInPlace(scores, rows * n, std::ldexp(1.0f, k));
+      out_scale = std::ldexp(1.0f, -k);
+    }
     s.h2.resize(rows * n);
     internal::F32ToBF16(scores, s.h2.data(), rows * n);
     pa = {s.h2.data(), DType::kBF16, n, 1};
   }
   s.c.resize(rows * dv);
   RA_RETURN_IF_ERROR(internal::Gemm(rows, dv, n, pa, vb, s.c.data(), dv, 1));
+  if (out_scale != 1.0f) internal::ScaleInPlace(s.c.data(), rows * dv, out_scale);
   for (int64_t r = 0; r < rows; ++r) WriteOutRow(p, b, i0 + r, h, s.c.data() + r * dv);
   return absl::OkStatus();
 }

@@ -715,6 +715,44 @@ TEST_P(AttentionPathDtypeTest, LogitsOverflowingToMinusInfinityAreRefusedNotMask
   }
 }
 
+// Values near 1e-37 (normal floats in f32 and bf16): with equal weights the
+// answer is their mean. The bf16 prefill's GEMM on AVX512-BF16 flushed every
+// weight x value product (subnormal) to zero and answered 0. Checked
+// relative to the answer's own size (the suite's error floor of 1e-30 would
+// hide it).
+TEST_P(AttentionPathDtypeTest, TinyValuesAreNotFlushedToZero) {
+  Case c = Base();
+  c.batch = 1;
+  c.q_len = 40;
+  c.k_len = 200;
+  c.heads = 2;
+  c.kv_heads = 1;
+  c.seed = 820;
+  for (const double magnitude : {1e-37, 1e-35, 1e-20}) {
+    Inputs in = MakeInputs(c);
+    for (int64_t i = 0; i < c.q_len; ++i)
+      for (int64_t h = 0; h < c.heads; ++h)
+        for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.q, {0, i, h, x}, 0.0f);
+    for (int64_t j = 0; j < c.k_len; ++j) {
+      for (int64_t x = 0; x < c.head_dim; ++x) {
+        SetElement(in.k, {0, j, 0, x}, 0.0f);
+        const double t = static_cast<double>((j * 31 + x * 7) % 17) / 17.0;
+        SetElement(in.v, {0, j, 0, x}, static_cast<float>(magnitude * (1.0 + t)));
+      }
+    }
+    const Outputs r = RunAttend(c, in);
+    ASSERT_TRUE(r.status.ok()) << r.status;
+    const std::vector<double> got = ToDoubles(r.out.cview());
+    const std::vector<double> want = Reference(c, in).out;
+    ASSERT_EQ(got.size(), want.size());
+    double worst = 0;
+    for (size_t e = 0; e < got.size(); ++e) {
+      worst = std::max(worst, std::abs(got[e] - want[e]) / std::abs(want[e]));
+    }
+    EXPECT_LE(worst, c.tol()) << "values near " << magnitude << ", " << Describe(c);
+  }
+}
+
 TEST_P(AttentionPathDtypeTest, NonFiniteInputsAreRejectedNamingTensorAndIndex) {
   Case c = Base();
   c.batch = 2;
