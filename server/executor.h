@@ -51,8 +51,9 @@ class Executor {
   // runner at once: continuous batching, under the same fair queueing.
   // Only batch tasks submitted as joining (decode-sized steps) share a pass:
   // every answer waits for the whole pass, so a one-token step must not wait
-  // for other callers' queued prompt-sized steps, which run alone (a waiting
-  // step waits for at most the one running).
+  // for other callers' queued prompt-sized steps, which run alone. It still
+  // waits for the pass it joins (up to `max_batch` decode-sized steps, of any
+  // context length) or the pass or prompt step running when it arrives.
   // `nice` > 0 lowers the workers' scheduling priority (and that of their
   // kernel threads), so the gRPC threads answering control calls and health
   // checks get a core at once while compute saturates the machine; idle
