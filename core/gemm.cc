@@ -17,6 +17,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -396,20 +397,43 @@ absl::Status Linear(ConstTensorView x, ConstTensorView weight, ConstTensorView b
   }
   if (rows == 0 || out == 0) return absl::OkStatus();
   // The GEMM wants matching input dtypes: bring x to the weight's dtype.
+  // A bf16 GEMM on AVX512-BF16 also flushes subnormal products x * w to
+  // zero: hidden states near 1e-36 came out 0. A row whose largest value is
+  // below 2^-32 is scaled up by a power of two as it is converted (exact:
+  // rounding to bf16 commutes with it) and its output scaled back.
+  std::vector<int> row_exp(rows, 0);
+  bool scaled = false;
+  if (weight.dtype() == DType::kBF16) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float top = 0;
+      for (int64_t c = 0; c < in; ++c) {
+        const float v = x.dtype() == DType::kF32 ? x.data<float>()[r * in + c]
+                                                 : BF16ToFloat(x.data<uint16_t>()[r * in + c]);
+        top = std::max(top, std::fabs(v));
+      }
+      if (top > 0 && top < 0x1p-32f) {
+        row_exp[r] = std::min(126, -std::ilogb(top));
+        scaled = true;
+      }
+    }
+  }
   Tensor converted;
   ConstTensorView a = x;
-  if (x.dtype() != weight.dtype()) {
+  if (x.dtype() != weight.dtype() || scaled) {
     absl::StatusOr<Tensor> t = Tensor::Create(weight.dtype(), x.dims());
     if (!t.ok()) return t.status();
     converted = *std::move(t);
-    const int64_t n = x.num_elements();
-    if (weight.dtype() == DType::kBF16) {
-      for (int64_t i = 0; i < n; ++i) {
-        converted.data<uint16_t>()[i] = FloatToBF16(x.data<float>()[i]);
-      }
-    } else {
-      for (int64_t i = 0; i < n; ++i) {
-        converted.data<float>()[i] = BF16ToFloat(x.data<uint16_t>()[i]);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float up = std::ldexp(1.0f, row_exp[r]);
+      for (int64_t c = 0; c < in; ++c) {
+        const int64_t i = r * in + c;
+        const float v = x.dtype() == DType::kF32 ? x.data<float>()[i]
+                                                 : BF16ToFloat(x.data<uint16_t>()[i]);
+        if (weight.dtype() == DType::kBF16) {
+          converted.data<uint16_t>()[i] = FloatToBF16(v * up);
+        } else {
+          converted.data<float>()[i] = v;
+        }
       }
     }
     a = converted.view();
@@ -419,8 +443,16 @@ absl::Status Linear(ConstTensorView x, ConstTensorView weight, ConstTensorView b
   const internal::MatOperand ao{a.raw(), a.dtype(), in, 1};
   const internal::MatOperand bo{weight.raw(), weight.dtype(), 1, in};
   absl::Status st = internal::Gemm(rows, out, in, ao, bo, y.data<float>(), out, num_threads);
-  if (!st.ok() || !has_bias) return st;
+  if (!st.ok()) return st;
   float* yp = y.data<float>();
+  if (scaled) {
+    for (int64_t r = 0; r < rows; ++r) {
+      if (row_exp[r] == 0) continue;
+      const float down = std::ldexp(1.0f, -row_exp[r]);
+      for (int64_t c = 0; c < out; ++c) yp[r * out + c] *= down;
+    }
+  }
+  if (!has_bias) return absl::OkStatus();
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < out; ++c) {
       yp[r * out + c] += bias.dtype() == DType::kF32 ? bias.data<float>()[c]

@@ -118,6 +118,43 @@ TEST(MatMulTest, TwoThreadsMatchReference) {
                        kF32Tol));
 }
 
+// bf16 weights: a bf16 GEMM on AVX512-BF16 flushes subnormal products to
+// zero, so hidden states near 1e-36 came out 0. Each output row is checked
+// against fp64 relative to its own size (bf16 x bf16 products are exact in
+// fp64; the f32 sums round).
+TEST(LinearTest, TinyRowsWithBf16WeightsAreNotFlushed) {
+  const int64_t in = 64, out = 24;
+  const Tensor w = RandomTensor(DType::kBF16, {out, in}, 5, -1.0, 1.0);
+  const double magnitudes[] = {1.0, 1e-36, 1e-20, 3e-38};
+  const int64_t rows = 4;
+  Tensor x = Tensor::Create(DType::kF32, {rows, in}).value();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < in; ++c) {
+      x.data<float>()[r * in + c] =
+          static_cast<float>(magnitudes[r] * (0.5 + static_cast<double>((r * 13 + c * 7) % 11) / 11.0));
+    }
+  }
+  Tensor y = Tensor::Create(DType::kF32, {rows, out}).value();
+  ASSERT_TRUE(Linear(x.cview(), w.cview(), ConstTensorView(), y.view(), 1).ok());
+  for (int64_t r = 0; r < rows; ++r) {
+    double worst = 0, size = 0;
+    std::vector<double> want(out);
+    for (int64_t o = 0; o < out; ++o) {
+      double acc = 0;
+      for (int64_t c = 0; c < in; ++c) {
+        const double xv = BF16ToFloat(FloatToBF16(x.data<float>()[r * in + c]));
+        acc += xv * static_cast<double>(BF16ToFloat(w.data<uint16_t>()[o * in + c]));
+      }
+      want[o] = acc;
+      size = std::max(size, std::abs(acc));
+    }
+    for (int64_t o = 0; o < out; ++o) {
+      worst = std::max(worst, std::abs(y.data<float>()[r * out + o] - want[o]) / size);
+    }
+    EXPECT_LE(worst, 1e-5) << "row of magnitude " << magnitudes[r];
+  }
+}
+
 TEST(MatMulTest, ZeroSizes) {
   Tensor a = Tensor::Create(DType::kF32, {0, 5}).value();
   Tensor b = RandomTensor(DType::kF32, {5, 3}, 10);
