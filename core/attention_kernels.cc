@@ -28,10 +28,15 @@ inline uint32_t F2Bits(float f) {
 inline float Bf(uint16_t b) { return Bits2F(static_cast<uint32_t>(b) << 16); }
 
 // exp(v) for v <= 0: Cody-Waite reduction by ln2, degree-6 polynomial on
-// |r| <= ln2/2, scale by 2^k built from the exponent bits. Branch-free so the
-// loop vectorizes.
+// |r| <= ln2/2, scale by 2^k built from the exponent bits, in two steps
+// (2^(k+64), then 2^-64) so that results below the smallest normal float
+// underflow gradually, as exp does: a weight of e^-90 times a value near
+// 3e38 is 0.3, not 0 (and it was e^-87 for every v below -87, which
+// turned a key 1000 below the row's max into 5.9 of a 1.0 answer). Below
+// -104, where exp rounds to 0, 0. Branch-free so the loop vectorizes.
 inline float ExpNonPositive(float v) {
-  v = v < -87.0f ? -87.0f : v;
+  const bool zero = v < -104.0f;
+  v = v < -104.0f ? -104.0f : v;
   const float kLog2e = 1.44269504088896341f;
   const float kLn2Hi = 0.693145751953125f;
   const float kLn2Lo = 1.42860682030941723212e-6f;
@@ -45,13 +50,15 @@ inline float ExpNonPositive(float v) {
   p = p * r + 1.0f;
   p = p * r + 1.0f;
   const int32_t ki = static_cast<int32_t>(kf);
-  const float scale = Bits2F(static_cast<uint32_t>(ki + 127) << 23);
-  return p * scale;
+  const float scale = Bits2F(static_cast<uint32_t>(ki + 64 + 127) << 23);
+  const float result = (p * scale) * 0x1p-64f;
+  return zero ? 0.0f : result;
 }
 
-// Eight lanes of ExpNonPositive, same reduction and polynomial.
+// Eight lanes of ExpNonPositive, same reduction, polynomial and scaling.
 inline __m256 ExpNonPositive8(__m256 v) {
-  v = _mm256_max_ps(v, _mm256_set1_ps(-87.0f));
+  const __m256 zero = _mm256_cmp_ps(v, _mm256_set1_ps(-104.0f), _CMP_LT_OQ);
+  v = _mm256_max_ps(v, _mm256_set1_ps(-104.0f));
   const __m256 kf = _mm256_floor_ps(
       _mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
   __m256 r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(0.693145751953125f), v);
@@ -63,8 +70,10 @@ inline __m256 ExpNonPositive8(__m256 v) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i ki = _mm256_add_epi32(_mm256_cvttps_epi32(kf), _mm256_set1_epi32(127));
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(ki, 23)));
+  const __m256i ki = _mm256_add_epi32(_mm256_cvttps_epi32(kf), _mm256_set1_epi32(64 + 127));
+  const __m256 result = _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(ki, 23))),
+                                      _mm256_set1_ps(0x1p-64f));
+  return _mm256_andnot_ps(zero, result);
 }
 
 }  // namespace

@@ -73,7 +73,8 @@ void AxpyBF16(float w, const uint16_t* x, float* acc, int64_t n);
 void SoftcapInPlace(float* x, int64_t n, float cap);
 
 // x[i] = exp(x[i] - max) in place, returns the sum. Requires x[i] <= max
-// (finite). Accuracy ~2 ulp; arguments below -87 give 0.
+// (finite). Accuracy ~2 ulp; results below the smallest normal float
+// underflow gradually, arguments below -104 give 0.
 float ExpSubMaxSum(float* x, int64_t n, float max);
 // sum[i] += x[i] for i < n by Kahan's compensated summation, comp[i] the
 // running compensation (zero before the first add).

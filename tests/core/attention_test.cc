@@ -753,6 +753,39 @@ TEST_P(AttentionPathDtypeTest, TinyValuesAreNotFlushedToZero) {
   }
 }
 
+// A key far below the row's max has weight exp(gap), not e^-87: every key
+// more than 87 below got 1.65e-38, so a key 1000 below with a value of 3e38
+// turned a 1.0 answer into 5.9. Gaps of 1000 (weight 0) and 90 (weight
+// e^-90, subnormal: the answer 1 + e^-90 * 3e38 = 1.37) on every path; the
+// bf16 prefill's GEMM flushes subnormal weights, so the 90 gap is checked
+// where the weights are f32.
+TEST_P(AttentionPathDtypeTest, FarKeysHaveTheirExactWeights) {
+  Case c = Base();
+  c.batch = 1;
+  c.q_len = c.path == Path::kDecode ? 1 : 24;
+  c.k_len = 2;
+  c.heads = 1;
+  c.kv_heads = 1;
+  c.scale = 1.0;
+  c.seed = 830;
+  for (const float gap : {1000.0f, 90.0f}) {
+    if (gap < 100 && c.dtype == DType::kBF16 && c.path != Path::kDecode) continue;
+    Inputs in = MakeInputs(c);
+    for (int64_t i = 0; i < c.q_len; ++i)
+      for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.q, {0, i, 0, x}, x == 0 ? 10.0f : 0.0f);
+    for (int64_t j = 0; j < 2; ++j) {
+      for (int64_t x = 0; x < c.head_dim; ++x) {
+        SetElement(in.k, {0, j, 0, x}, j == 1 && x == 0 ? -gap / 10.0f : 0.0f);
+        SetElement(in.v, {0, j, 0, x}, j == 0 ? 1.0f : 3e38f);
+      }
+    }
+    const Outputs r = RunAttend(c, in);
+    ASSERT_TRUE(r.status.ok()) << r.status;
+    EXPECT_TRUE(AllClose(ToDoubles(r.out.cview()), Reference(c, in).out, c.tol()))
+        << "gap " << gap << ", " << Describe(c);
+  }
+}
+
 TEST_P(AttentionPathDtypeTest, NonFiniteInputsAreRejectedNamingTensorAndIndex) {
   Case c = Base();
   c.batch = 2;
