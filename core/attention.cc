@@ -536,7 +536,44 @@ void WriteProbsRow(const Plan& p, int64_t b, int64_t h, int64_t i, int64_t lo, c
 struct Scratch {
   std::vector<float> a, b, c;
   std::vector<uint16_t> h1, h2;
+  std::vector<float> kf, vf;  // bf16 K / V widened, when FTZ could bite
 };
+
+// The smallest nonzero magnitude among `rows` rows of `cols` bf16 values
+// (row r at p + r * rs, columns cs apart), as a float; +inf when all are 0.
+float MinNonzeroBF16(const uint16_t* p, int64_t rows, int64_t rs, int64_t cols, int64_t cs) {
+  // Magnitudes order as their bits; a zero counts as 0xffff (branch-free,
+  // so the contiguous case vectorizes: it runs on every prefill tile).
+  uint16_t low = 0xffff;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* row = p + r * rs;
+    if (cs == 1) {
+      uint16_t l = 0xffff;
+#pragma omp simd reduction(min : l)
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint16_t m = row[c] & 0x7fff;
+        const uint16_t e = m == 0 ? 0xffff : m;
+        l = e < l ? e : l;
+      }
+      low = l < low ? l : low;
+      continue;
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint16_t m = row[c * cs] & 0x7fff;
+      if (m != 0 && m < low) low = m;
+    }
+  }
+  return low == 0xffff ? std::numeric_limits<float>::infinity() : BF16ToFloat(low);
+}
+
+// Whether a bf16 GEMM of operands whose smallest nonzero magnitudes are `a`
+// and `b` could meet a subnormal input or product, which the AVX512-BF16
+// GEMM flushes to zero (an answer of values near 1e-37 came back 0; a q of
+// 1e-39 against keys of 1e38 scored 0).
+bool Bf16GemmMayFlush(float a, float b) {
+  const float normal = std::numeric_limits<float>::min();
+  return a < normal || b < normal || static_cast<double>(a) * static_cast<double>(b) < 0x1p-126;
+}
 Scratch& ThreadScratch() {
   thread_local Scratch s;
   return s;
@@ -1137,6 +1174,24 @@ absl::Status PrefillTask(const Plan& p, const PackedKV& kv, int64_t b, int64_t h
   }
   s.b.resize(rows * n);
   float* scores = s.b.data();
+  if (p.kv_dtype == DType::kBF16 &&
+      Bf16GemmMayFlush(MinNonzeroBF16(s.h1.data(), rows, d, d, 1),
+                       MinNonzeroBF16(static_cast<const uint16_t*>(kb.data), n, kb.col_stride, d,
+                                      kb.row_stride))) {
+    // The same bf16 values in an f32 GEMM, which keeps subnormals (bf16
+    // products are exact in f32).
+    s.a.resize(rows * d);
+    internal::BF16ToF32(s.h1.data(), s.a.data(), rows * d);
+    s.kf.resize(n * d);
+    const uint16_t* k0 = static_cast<const uint16_t*>(kb.data);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t x = 0; x < d; ++x) {
+        s.kf[j * d + x] = BF16ToFloat(k0[j * kb.col_stride + x * kb.row_stride]);
+      }
+    }
+    qa = {s.a.data(), DType::kF32, d, 1};
+    kb = {s.kf.data(), DType::kF32, 1, d};
+  }
   RA_RETURN_IF_ERROR(internal::Gemm(rows, n, d, qa, kb, scores, n, 1));
   for (int64_t r = 0; r < rows; ++r) {
     float* row = scores + r * n;
@@ -1152,31 +1207,30 @@ absl::Status PrefillTask(const Plan& p, const PackedKV& kv, int64_t b, int64_t h
     WriteProbsRow(p, b, h, i0 + r, ulo, row, n);
   }
   MatOperand pa{scores, DType::kF32, n, 1};
-  float out_scale = 1.0f;
   if (p.kv_dtype == DType::kBF16) {
-    // A bf16 GEMM on AVX512-BF16 flushes subnormal products to zero: with
-    // values near 1e-37 every p * v is one, and the answer came back 0.
-    // Tiny values are met by probabilities scaled up by a power of two
-    // (exact, and rounded to bf16 as before), the answer scaled back in f32.
-    const uint16_t* v0 = static_cast<const uint16_t*>(vb.data);
-    uint16_t top = 0;  // bf16 bits of max |v|: magnitudes order as their bits
-    for (int64_t j = 0; j < n; ++j) {
-      const uint16_t* row = v0 + j * vb.row_stride;
-      for (int64_t x = 0; x < dv; ++x) top = std::max<uint16_t>(top, row[x] & 0x7fff);
-    }
-    const float vmax = BF16ToFloat(top);
-    if (vmax > 0 && vmax < 0x1p-32f) {
-      const int k = std::min(126, -std::ilogb(vmax));
-      internal::ScaleInPlace(scores, rows * n, std::ldexp(1.0f, k));
-      out_scale = std::ldexp(1.0f, -k);
-    }
     s.h2.resize(rows * n);
     internal::F32ToBF16(scores, s.h2.data(), rows * n);
     pa = {s.h2.data(), DType::kBF16, n, 1};
+    // Weights of far keys (e^-90) or values near 1e-37 make subnormal
+    // products, which the bf16 GEMM flushes: the same bf16 P and V then go
+    // through an f32 GEMM.
+    if (Bf16GemmMayFlush(MinNonzeroBF16(s.h2.data(), rows, n, n, 1),
+                         MinNonzeroBF16(static_cast<const uint16_t*>(vb.data), n, vb.row_stride,
+                                        dv, vb.col_stride))) {
+      internal::BF16ToF32(s.h2.data(), scores, rows * n);
+      s.vf.resize(n * dv);
+      const uint16_t* v0 = static_cast<const uint16_t*>(vb.data);
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t x = 0; x < dv; ++x) {
+          s.vf[j * dv + x] = BF16ToFloat(v0[j * vb.row_stride + x * vb.col_stride]);
+        }
+      }
+      pa = {scores, DType::kF32, n, 1};
+      vb = {s.vf.data(), DType::kF32, dv, 1};
+    }
   }
   s.c.resize(rows * dv);
   RA_RETURN_IF_ERROR(internal::Gemm(rows, dv, n, pa, vb, s.c.data(), dv, 1));
-  if (out_scale != 1.0f) internal::ScaleInPlace(s.c.data(), rows * dv, out_scale);
   for (int64_t r = 0; r < rows; ++r) WriteOutRow(p, b, i0 + r, h, s.c.data() + r * dv);
   return absl::OkStatus();
 }

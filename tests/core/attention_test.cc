@@ -786,6 +786,51 @@ TEST_P(AttentionPathDtypeTest, FarKeysHaveTheirExactWeights) {
   }
 }
 
+// The bf16 prefill's GEMM on AVX512-BF16 also flushes subnormal inputs: a
+// q of 1e-39 against keys near 1e38 (logits near 0.1 x scale) scored 0.
+// And a causal prompt whose first 100 values are near 1e-37 answered 0 on
+// those rows when later values were normal (the guard looked at the tile).
+TEST_P(AttentionPathDtypeTest, SubnormalInputsAndMixedRowsAreNotFlushed) {
+  Case c = Base();
+  c.batch = 1;
+  c.q_len = 40;
+  c.k_len = 40;
+  c.heads = 1;
+  c.kv_heads = 1;
+  c.causal = true;
+  c.seed = 840;
+  {
+    c.scale = 100.0;
+    Inputs in = MakeInputs(c);
+    for (int64_t i = 0; i < c.q_len; ++i)
+      for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.q, {0, i, 0, x}, x == 0 ? 1e-39f : 0.0f);
+    for (int64_t j = 0; j < c.k_len; ++j)
+      SetElement(in.k, {0, j, 0, 0}, static_cast<float>(((j * 7) % 5 - 2) * 1e38));
+    const Outputs r = RunAttend(c, in);
+    ASSERT_TRUE(r.status.ok()) << r.status;
+    EXPECT_TRUE(AllClose(ToDoubles(r.out.cview()), Reference(c, in).out, c.tol())) << Describe(c);
+  }
+  {
+    c.scale = 0.0;
+    Inputs in = MakeInputs(c);
+    for (int64_t i = 0; i < c.q_len; ++i)
+      for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.q, {0, i, 0, x}, 0.0f);
+    for (int64_t j = 0; j < c.k_len; ++j) {
+      for (int64_t x = 0; x < c.head_dim; ++x) {
+        SetElement(in.k, {0, j, 0, x}, 0.0f);
+        SetElement(in.v, {0, j, 0, x}, (j < 20 ? 1e-37f : 1.0f) * (1.0f + 0.1f * ((j + x) % 7)));
+      }
+    }
+    const Outputs r = RunAttend(c, in);
+    ASSERT_TRUE(r.status.ok()) << r.status;
+    const std::vector<double> got = ToDoubles(r.out.cview());
+    const std::vector<double> want = Reference(c, in).out;
+    for (size_t e = 0; e < got.size(); ++e) {
+      EXPECT_LE(std::abs(got[e] - want[e]), c.tol() * std::abs(want[e])) << "element " << e;
+    }
+  }
+}
+
 TEST_P(AttentionPathDtypeTest, NonFiniteInputsAreRejectedNamingTensorAndIndex) {
   Case c = Base();
   c.batch = 2;
