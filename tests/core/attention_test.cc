@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <functional>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -120,6 +121,14 @@ struct Inputs {
   Tensor t5_table;
   Tensor bias_tensor;
 };
+
+// Every query of batch row 0 (all positions and heads) set channel by
+// channel to value(x).
+void SetQueries(Inputs& in, const Case& c, const std::function<float(int64_t)>& value) {
+  for (int64_t i = 0; i < c.q_len; ++i)
+    for (int64_t h = 0; h < c.heads; ++h)
+      for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.q, {0, i, h, x}, value(x));
+}
 
 Inputs MakeInputs(const Case& c) {
   Inputs in;
@@ -692,9 +701,7 @@ TEST_P(AttentionPathDtypeTest, LogitsOverflowingToMinusInfinityAreRefusedNotMask
   c.seed = 810;
   for (float k : {-1e20f, 1e20f}) {
     Inputs in = MakeInputs(c);
-    for (int64_t i = 0; i < c.q_len; ++i)
-      for (int64_t h = 0; h < c.heads; ++h)
-        for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.q, {0, i, h, x}, 1e20f);
+    SetQueries(in, c, [](int64_t) { return 1e20f; });
     for (int64_t j = 0; j < c.k_len; ++j)
       for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.k, {0, j, 0, x}, k);
     const Outputs r = RunAttend(c, in);
@@ -704,9 +711,7 @@ TEST_P(AttentionPathDtypeTest, LogitsOverflowingToMinusInfinityAreRefusedNotMask
   {
     // Keys 0 and 3 overflow to -inf; the others are small.
     Inputs in = MakeInputs(c);
-    for (int64_t i = 0; i < c.q_len; ++i)
-      for (int64_t h = 0; h < c.heads; ++h)
-        for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.q, {0, i, h, x}, x == 0 ? 1e20f : 0.0f);
+    SetQueries(in, c, [](int64_t x) { return x == 0 ? 1e20f : 0.0f; });
     for (int64_t j : {0, 3}) SetElement(in.k, {0, j, 0, 0}, -1e20f);
     for (int64_t j : {1, 2, 4}) SetElement(in.k, {0, j, 0, 0}, 0.0f);
     const Outputs r = RunAttend(c, in);
@@ -730,9 +735,7 @@ TEST_P(AttentionPathDtypeTest, TinyValuesAreNotFlushedToZero) {
   c.seed = 820;
   for (const double magnitude : {1e-37, 1e-35, 1e-20}) {
     Inputs in = MakeInputs(c);
-    for (int64_t i = 0; i < c.q_len; ++i)
-      for (int64_t h = 0; h < c.heads; ++h)
-        for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.q, {0, i, h, x}, 0.0f);
+    SetQueries(in, c, [](int64_t) { return 0.0f; });
     for (int64_t j = 0; j < c.k_len; ++j) {
       for (int64_t x = 0; x < c.head_dim; ++x) {
         SetElement(in.k, {0, j, 0, x}, 0.0f);
@@ -771,8 +774,7 @@ TEST_P(AttentionPathDtypeTest, FarKeysHaveTheirExactWeights) {
   for (const float gap : {1000.0f, 90.0f}) {
     if (gap < 100 && c.dtype == DType::kBF16 && c.path != Path::kDecode) continue;
     Inputs in = MakeInputs(c);
-    for (int64_t i = 0; i < c.q_len; ++i)
-      for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.q, {0, i, 0, x}, x == 0 ? 10.0f : 0.0f);
+    SetQueries(in, c, [](int64_t x) { return x == 0 ? 10.0f : 0.0f; });
     for (int64_t j = 0; j < 2; ++j) {
       for (int64_t x = 0; x < c.head_dim; ++x) {
         SetElement(in.k, {0, j, 0, x}, j == 1 && x == 0 ? -gap / 10.0f : 0.0f);
@@ -802,8 +804,7 @@ TEST_P(AttentionPathDtypeTest, SubnormalInputsAndMixedRowsAreNotFlushed) {
   {
     c.scale = 100.0;
     Inputs in = MakeInputs(c);
-    for (int64_t i = 0; i < c.q_len; ++i)
-      for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.q, {0, i, 0, x}, x == 0 ? 1e-39f : 0.0f);
+    SetQueries(in, c, [](int64_t x) { return x == 0 ? 1e-39f : 0.0f; });
     for (int64_t j = 0; j < c.k_len; ++j)
       SetElement(in.k, {0, j, 0, 0}, static_cast<float>(((j * 7) % 5 - 2) * 1e38));
     const Outputs r = RunAttend(c, in);
@@ -813,8 +814,7 @@ TEST_P(AttentionPathDtypeTest, SubnormalInputsAndMixedRowsAreNotFlushed) {
   {
     c.scale = 0.0;
     Inputs in = MakeInputs(c);
-    for (int64_t i = 0; i < c.q_len; ++i)
-      for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.q, {0, i, 0, x}, 0.0f);
+    SetQueries(in, c, [](int64_t) { return 0.0f; });
     for (int64_t j = 0; j < c.k_len; ++j) {
       for (int64_t x = 0; x < c.head_dim; ++x) {
         SetElement(in.k, {0, j, 0, x}, 0.0f);
