@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <new>
 #include <tuple>
@@ -33,6 +34,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "core/gemm_internal.h"
+#include "core/status_macros.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace ropeattn {
@@ -312,6 +314,81 @@ absl::Status Gemm(int64_t m, int64_t n, int64_t k, const MatOperand& a, const Ma
   return status;
 }
 
+namespace {
+
+// A bf16 GEMM on AVX512-BF16 treats subnormal inputs, products and partial
+// sums as zero. With no subnormal in a's row, each flush loses less than
+// FLT_MIN times the larger of 1 and the row's largest |a| (a subnormal b
+// times an a; a product or a partial sum below FLT_MIN), and a dot product of
+// k terms has fewer than 2k of them. Where that bound is not 2^-24 below |c|
+// (f32 rounding), the element is recomputed from the same bf16 values in
+// double. A row with a subnormal input, or with many such elements, goes
+// through the f32 GEMM on the same bf16 values instead (exact products).
+absl::Status FlushRepair(int64_t m, int64_t n, int64_t k, const MatOperand& a,
+                         const MatOperand& b, const float* row_top, float* c, int64_t ldc,
+                         int num_threads) {
+  if (!NativeBf16Matmul()) return absl::OkStatus();  // widened: nothing flushed
+  const auto* ap = static_cast<const uint16_t*>(a.data);
+  const auto* bp = static_cast<const uint16_t*>(b.data);
+  const double normal = std::numeric_limits<float>::min();
+  std::vector<int64_t> redo, cols;
+  for (int64_t r = 0; r < m; ++r) {
+    const uint16_t* arow = ap + r * a.row_stride;
+    bool subnormal = false;
+    for (int64_t t = 0; t < k; ++t) {
+      const uint16_t mag = arow[t * a.col_stride] & 0x7fff;
+      subnormal |= mag != 0 && mag < 0x0080;
+    }
+    if (subnormal) {
+      redo.push_back(r);
+      continue;
+    }
+    if (row_top[r] == 0) continue;  // every product is 0: nothing to lose
+    const double bound =
+        0x1p24 * 2.0 * static_cast<double>(k) * normal * std::max(1.0, double{row_top[r]});
+    float* crow = c + r * ldc;
+    cols.clear();
+    for (int64_t j = 0; j < n; ++j) {
+      if (!(std::fabs(static_cast<double>(crow[j])) >= bound)) cols.push_back(j);
+    }
+    if (cols.empty()) continue;
+    if (static_cast<int64_t>(cols.size()) > std::max<int64_t>(1, n / 16)) {
+      redo.push_back(r);
+      continue;
+    }
+    for (const int64_t j : cols) {
+      double acc = 0;
+      for (int64_t t = 0; t < k; ++t) {
+        acc += static_cast<double>(BF16ToFloat(arow[t * a.col_stride])) *
+               static_cast<double>(BF16ToFloat(bp[t * b.row_stride + j * b.col_stride]));
+      }
+      crow[j] = static_cast<float>(acc);
+    }
+  }
+  if (redo.empty()) return absl::OkStatus();
+  const int64_t rr = static_cast<int64_t>(redo.size());
+  std::vector<uint16_t> rows_a(static_cast<size_t>(rr * k));
+  for (int64_t i = 0; i < rr; ++i) {
+    for (int64_t t = 0; t < k; ++t) {
+      rows_a[i * k + t] = ap[redo[i] * a.row_stride + t * a.col_stride];
+    }
+  }
+  std::vector<float> rows_c(static_cast<size_t>(rr * n));
+  const int saved = omp_get_max_threads();
+  const int threads = omp_in_parallel() ? 1 : std::max(1, num_threads);
+  if (saved != threads) omp_set_num_threads(threads);
+  const absl::Status st = RunWidened(rr, n, k, MatOperand{rows_a.data(), DType::kBF16, k, 1}, b,
+                                     rows_c.data(), n, threads);
+  if (saved != threads) omp_set_num_threads(saved);
+  if (!st.ok()) return st;
+  for (int64_t i = 0; i < rr; ++i) {
+    std::memcpy(c + redo[i] * ldc, rows_c.data() + i * n, n * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 }  // namespace internal
 
 namespace {
@@ -397,11 +474,13 @@ absl::Status Linear(ConstTensorView x, ConstTensorView weight, ConstTensorView b
   }
   if (rows == 0 || out == 0) return absl::OkStatus();
   // The GEMM wants matching input dtypes: bring x to the weight's dtype.
-  // A bf16 GEMM on AVX512-BF16 also flushes subnormal products x * w to
-  // zero: hidden states near 1e-36 came out 0. A row whose largest value is
-  // below 2^-32 is scaled up by a power of two as it is converted (exact:
-  // rounding to bf16 commutes with it) and its output scaled back.
+  // A bf16 GEMM on AVX512-BF16 also flushes subnormal inputs, products and
+  // partial sums to zero: hidden states near 1e-36 came out 0. A row whose
+  // largest value is below 2^-32 is scaled up by a power of two once
+  // rounded to bf16 (exact) and its output scaled back; what flushing can
+  // still lose is bounded and repaired after the GEMM (FlushRepair).
   std::vector<int> row_exp(rows, 0);
+  std::vector<float> row_top(rows, 0.0f);
   bool scaled = false;
   if (weight.dtype() == DType::kBF16) {
     for (int64_t r = 0; r < rows; ++r) {
@@ -415,6 +494,7 @@ absl::Status Linear(ConstTensorView x, ConstTensorView weight, ConstTensorView b
         row_exp[r] = std::min(126, -std::ilogb(top));
         scaled = true;
       }
+      row_top[r] = std::ldexp(top, row_exp[r]);
     }
   }
   Tensor converted;
@@ -430,7 +510,9 @@ absl::Status Linear(ConstTensorView x, ConstTensorView weight, ConstTensorView b
         const float v = x.dtype() == DType::kF32 ? x.data<float>()[i]
                                                  : BF16ToFloat(x.data<uint16_t>()[i]);
         if (weight.dtype() == DType::kBF16) {
-          converted.data<uint16_t>()[i] = FloatToBF16(v * up);
+          // Rounded to bf16 first, as bf16 inference rounds it (subnormals
+          // keep fewer bits), then scaled: exact on a bf16 value.
+          converted.data<uint16_t>()[i] = FloatToBF16(BF16ToFloat(FloatToBF16(v)) * up);
         } else {
           converted.data<float>()[i] = v;
         }
@@ -445,6 +527,10 @@ absl::Status Linear(ConstTensorView x, ConstTensorView weight, ConstTensorView b
   absl::Status st = internal::Gemm(rows, out, in, ao, bo, y.data<float>(), out, num_threads);
   if (!st.ok()) return st;
   float* yp = y.data<float>();
+  if (weight.dtype() == DType::kBF16) {
+    RA_RETURN_IF_ERROR(internal::FlushRepair(rows, out, in, ao, bo, row_top.data(), yp, out,
+                                             num_threads));
+  }
   if (scaled) {
     for (int64_t r = 0; r < rows; ++r) {
       if (row_exp[r] == 0) continue;

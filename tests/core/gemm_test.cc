@@ -155,6 +155,54 @@ TEST(LinearTest, TinyRowsWithBf16WeightsAreNotFlushed) {
   }
 }
 
+// What row scaling cannot reach: products of tiny weights (1e-35 * 1e-3),
+// rows mixing a 1.0 (whose weight column is 0) with values near 1e-37 and
+// subnormal ones, and a weight row of zeros (an output that is exactly 0).
+// Every output is checked against fp64 on the same bf16 values, relative to
+// its row's largest output.
+TEST(LinearTest, TinyProductsAndMixedRowsWithBf16WeightsAreExact) {
+  const int64_t in = 64, out = 40, rows = 4;
+  Tensor tiny_w = RandomTensor(DType::kBF16, {out, in}, 6, -1e-35f, 1e-35f);
+  Tensor w = RandomTensor(DType::kBF16, {out, in}, 7, -1.0f, 1.0f);
+  for (int64_t o = 0; o < out; ++o) w.data<uint16_t>()[o * in] = 0;         // column 0
+  for (int64_t c = 0; c < in; ++c) w.data<uint16_t>()[3 * in + c] = 0;      // row 3
+  Tensor x = Tensor::Create(DType::kF32, {rows, in}).value();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < in; ++c) {
+      const double u = 0.5 + static_cast<double>((r * 13 + c * 7) % 11) / 11.0;
+      // rows: 1e-3 (for the tiny weights); 1.0 then 1e-37; 1.0 then
+      // subnormals; 1e-37 throughout.
+      const double m = r == 0 ? 1e-3 : r == 1 ? 1e-37 : r == 2 ? 3e-40 : 1e-37;
+      x.data<float>()[r * in + c] = static_cast<float>((c % 3 == 0 ? -u : u) * m);
+    }
+    if (r == 1 || r == 2) x.data<float>()[r * in] = 1.0f;
+  }
+  for (const Tensor* wt : {&tiny_w, &w}) {
+    Tensor y = Tensor::Create(DType::kF32, {rows, out}).value();
+    ASSERT_TRUE(Linear(x.cview(), wt->cview(), ConstTensorView(), y.view(), 2).ok());
+    for (int64_t r = 0; r < rows; ++r) {
+      std::vector<double> want(out);
+      double size = 0;
+      for (int64_t o = 0; o < out; ++o) {
+        double acc = 0;
+        for (int64_t c = 0; c < in; ++c) {
+          const double xv = BF16ToFloat(FloatToBF16(x.data<float>()[r * in + c]));
+          acc += xv * static_cast<double>(BF16ToFloat(wt->data<uint16_t>()[o * in + c]));
+        }
+        want[o] = acc;
+        size = std::max(size, std::abs(acc));
+      }
+      for (int64_t o = 0; o < out; ++o) {
+        // Plus half the smallest subnormal: tiny weights times 1e-37 are
+        // near 1e-72, whose float is 0.
+        EXPECT_LE(std::abs(y.data<float>()[r * out + o] - want[o]), 1e-5 * size + 0x1p-150)
+            << (wt == &tiny_w ? "tiny weights" : "normal weights") << ", row " << r << ", output "
+            << o << ": got " << y.data<float>()[r * out + o] << ", want " << want[o];
+      }
+    }
+  }
+}
+
 TEST(MatMulTest, ZeroSizes) {
   Tensor a = Tensor::Create(DType::kF32, {0, 5}).value();
   Tensor b = RandomTensor(DType::kF32, {5, 3}, 10);
