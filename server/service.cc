@@ -178,6 +178,13 @@ class UnaryCall : public grpc::ServerUnaryReactor {
   void Answer(const grpc::Status& status) {
     service_->WatchAnswer(watch_);
     if (!status.ok() || response_ == nullptr) {
+      // Nothing computes for this call any more (refused, or its compute
+      // returned): what it held goes now, not when a slow client takes the
+      // status.
+      response_ = nullptr;
+      messages_.clear();
+      parse_held_.Release();
+      reservation_.Release();
       Finish(status);
       return;
     }
