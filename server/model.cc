@@ -204,6 +204,35 @@ std::string Brief(const json& value) {
   return s;
 }
 
+// Deeper nesting is refused before parsing: the parser builds every level
+// first (a header of 30 million '[' took 2.2 GB and 20 s before it failed).
+// Real files nest 3 (safetensors) to about 5 (config.json) levels.
+constexpr int kMaxJsonDepth = 64;
+
+// Whether arrays and objects in `text` nest deeper than kMaxJsonDepth
+// (brackets inside strings do not count).
+bool NestsTooDeep(absl::string_view text) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxJsonDepth) return true;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return false;
+}
+
 // `unique_top_keys`: a key the top-level object gives twice is refused
 // (json keeps the last; a safetensors header naming a tensor twice is one
 // the reference loader rejects, the first entry's bytes left unclaimed).
@@ -219,6 +248,12 @@ absl::StatusOr<json> ParseJson(absl::string_view text, absl::string_view file,
     }
     return true;
   };
+  if (NestsTooDeep(text)) {
+    return absl::InvalidArgumentError(absl::StrCat(file, ": invalid JSON",
+                                                   what.empty() ? "" : " in ", what,
+                                                   ": arrays and objects nest deeper than ",
+                                                   kMaxJsonDepth, " levels"));
+  }
   try {
     // in_place: json's implicit conversions make plain `return` ambiguous.
     absl::StatusOr<json> out(absl::in_place,
@@ -448,14 +483,13 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   static const json kEmpty = json::object();
   const KeyReader s(block != nullptr ? *block : kEmpty, file, absl::StrCat(block_name, "."));
 
-  // Base: rope_theta (inside the block in newer transformers), GPT-NeoX's
-  // rotary_emb_base, else the family's default.
+  // Base: rope_theta (inside the block in newer transformers), else the top
+  // level's, else the family's default. GPT-NeoX names it rotary_emb_base
+  // and never reads a top-level rope_theta (GPTNeoXConfig).
   RA_ASSIGN_OR_RETURN(std::optional<double> theta, s.Number("rope_theta"));
   if (!theta.has_value()) {
-    RA_ASSIGN_OR_RETURN(theta, top.Number("rope_theta"));
-  }
-  if (!theta.has_value() && family == Family::kGptNeoX) {
-    RA_ASSIGN_OR_RETURN(theta, top.Number("rotary_emb_base"));
+    RA_ASSIGN_OR_RETURN(theta, top.Number(family == Family::kGptNeoX ? "rotary_emb_base"
+                                                                      : "rope_theta"));
   }
   rope.theta = theta.value_or(theta_default);
 
@@ -465,21 +499,38 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   rope.layout = family == Family::kGptJ ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit;
   rope.rotary_dim = config.head_dim;
   RA_ASSIGN_OR_RETURN(std::optional<double> partial, s.Number("partial_rotary_factor"));
+  RA_ASSIGN_OR_RETURN(std::optional<double> top_partial, top.Number("partial_rotary_factor"));
   const KeyReader* partial_reader = &s;
+  if (partial.has_value() && top_partial.has_value() && *partial != *top_partial) {
+    // transformers 5 moves the top-level value into the block when building
+    // the config (the block's wins) and again when building the rotary
+    // embedding (the top level's wins): no single answer to compute.
+    return absl::UnimplementedError(absl::StrFormat(
+        "%s: keys %spartial_rotary_factor = %g and partial_rotary_factor = %g disagree: "
+        "transformers reads one or the other depending on where it looks",
+        file, s.prefix(), *partial, *top_partial));
+  }
   if (!partial.has_value()) {
-    RA_ASSIGN_OR_RETURN(partial, top.Number("partial_rotary_factor"));
+    partial = top_partial;
     partial_reader = &top;
   }
   if (family == Family::kGptNeoX) {
     RA_ASSIGN_OR_RETURN(std::optional<double> rotary_pct, top.Number("rotary_pct"));
-    if (!partial.has_value()) {
-      partial = rotary_pct.value_or(0.25);
-      partial_reader = &top;
+    const double pct = rotary_pct.value_or(0.25);
+    const bool from_block = s.Has("partial_rotary_factor");
+    if (!from_block && partial.has_value() && *partial != pct) {
+      // GPTNeoXConfig rotates rotary_pct (default 0.25); transformers before
+      // 5 overwrote a top-level partial_rotary_factor with it, 5 may let
+      // that key win when it builds the rotary embedding.
+      return absl::UnimplementedError(absl::StrFormat(
+          "%s: key partial_rotary_factor = %g disagrees with GPT-NeoX's rotary_pct = %g%s: "
+          "transformers versions differ in which one they rotate",
+          file, *partial, pct, rotary_pct.has_value() ? "" : " (its default)"));
     }
-    const bool from_pct = !s.Has("partial_rotary_factor") && !top.Has("partial_rotary_factor");
+    if (!from_block) partial = pct;
     RA_ASSIGN_OR_RETURN(rope.rotary_dim,
-                        RotaryDimFromFraction(*partial_reader,
-                                              from_pct ? "rotary_pct" : "partial_rotary_factor",
+                        RotaryDimFromFraction(from_block ? s : top,
+                                              from_block ? "partial_rotary_factor" : "rotary_pct",
                                               *partial, config.head_dim, family));
   } else if (family == Family::kGptJ) {
     RA_ASSIGN_OR_RETURN(std::optional<int64_t> rotary_dim, top.PositiveInt("rotary_dim"));
@@ -545,10 +596,15 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   }
 
   RA_ASSIGN_OR_RETURN(std::optional<double> factor, s.Number("factor"));
-  RA_ASSIGN_OR_RETURN(std::optional<int64_t> l0, s.PositiveInt("original_max_position_embeddings"));
-  if (!l0.has_value()) {
-    // Phi-3 keeps the original length at the top level.
-    RA_ASSIGN_OR_RETURN(l0, top.PositiveInt("original_max_position_embeddings"));
+  // The trained length: a top-level original_max_position_embeddings wins
+  // over the block's (transformers' standardize_rope_params overwrites the
+  // block with it; before 5, longrope read only the top level). Phi3Config
+  // always has one (default 4096), so a Phi-3 block's is never read.
+  RA_ASSIGN_OR_RETURN(std::optional<int64_t> l0, top.PositiveInt("original_max_position_embeddings"));
+  if (!l0.has_value() && family == Family::kPhi3) {
+    l0 = 4096;
+  } else if (!l0.has_value()) {
+    RA_ASSIGN_OR_RETURN(l0, s.PositiveInt("original_max_position_embeddings"));
   }
   // What the rule needs and how transformers fills it in (core registry).
   const RopeRule& rule = RopeRuleOf(sc.type);

@@ -333,6 +333,68 @@ TEST(ParseModelConfigTest, GptNeoXPartialRotaryHalfSplit) {
   EXPECT_EQ(c->rope->scaling.type, RopeScalingType::kDefault);
 }
 
+// Phi3Config always has a top-level original_max_position_embeddings
+// (default 4096), which transformers writes over the block's; other families'
+// top-level key wins over the block's too (standardize_rope_params).
+TEST(ParseModelConfigTest, TopLevelOriginalLengthWinsAndPhi3DefaultsTo4096) {
+  auto l0_of = [](std::string config) -> int64_t {
+    absl::StatusOr<ModelConfig> c = ParseModelConfig(config, "config.json");
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? c->rope->scaling.original_max_positions : -1;
+  };
+  auto replace = [](std::string s, const std::string& from, const std::string& to) {
+    s.replace(s.find(from), from.size(), to);
+    return s;
+  };
+  const std::string phi3 =
+      Phi3Config("rope_type", "longrope", R"(, "original_max_position_embeddings": 32)");
+  EXPECT_EQ(l0_of(replace(phi3, R"("original_max_position_embeddings": 4096)",
+                          R"("original_max_position_embeddings": 16)")),
+            16);  // top 16 over the block's 32
+  const std::string no_top =
+      replace(replace(phi3, R"("original_max_position_embeddings": 4096,)", ""), "131072",
+              "16384");
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(no_top, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope->scaling.original_max_positions, 4096);  // Phi3Config's default
+  EXPECT_EQ(c->rope->scaling.factor, 16384.0 / 4096.0);
+  EXPECT_EQ(l0_of(TinyConfig({}, R"(, "original_max_position_embeddings": 64,
+      "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32})")),
+            64);
+  EXPECT_EQ(l0_of(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+      "original_max_position_embeddings": 32})")),
+            32);
+}
+
+// GPT-NeoX's base is rotary_emb_base (a top-level rope_theta is never read)
+// and its fraction rotary_pct; a top-level partial_rotary_factor that
+// disagrees is one transformers versions read differently: refused.
+TEST(ParseModelConfigTest, GptNeoXReadsRotaryEmbBaseAndRefusesAmbiguousFractions) {
+  auto neox = [](absl::string_view extra) {
+    return absl::StrCat(R"({"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4,
+        "num_hidden_layers": 1, "vocab_size": 8, "max_position_embeddings": 64)",
+                        extra, "}");
+  };
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(neox(R"(, "rope_theta": 100)"), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope->theta, 10000.0);
+  c = ParseModelConfig(neox(R"(, "rotary_emb_base": 100, "rope_theta": 10000)"), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope->theta, 100.0);
+  c = ParseModelConfig(neox(R"(, "rotary_pct": 0.5, "partial_rotary_factor": 0.5)"),
+                       "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope->rotary_dim, 8);
+  ExpectConfigError(neox(R"(, "rotary_pct": 0.5, "partial_rotary_factor": 1.0)"),
+                    absl::StatusCode::kUnimplemented, {"partial_rotary_factor", "rotary_pct"});
+  ExpectConfigError(neox(R"(, "partial_rotary_factor": 0.5)"), absl::StatusCode::kUnimplemented,
+                    {"partial_rotary_factor", "0.25"});
+  ExpectConfigError(
+      TinyConfig({}, R"(, "partial_rotary_factor": 1.0, "rope_scaling": {"rope_type": "default",
+          "partial_rotary_factor": 0.5})"),
+      absl::StatusCode::kUnimplemented, {"rope_scaling.partial_rotary_factor", "disagree"});
+}
+
 TEST(ParseModelConfigTest, GptJInterleavedRotaryDim) {
   const char* kConfig = R"({
     "architectures": ["GPTJForCausalLM"], "model_type": "gptj", "n_embd": 4096, "n_head": 16,
@@ -838,11 +900,26 @@ TEST(ParseModelConfigTest, SlidingLayersWithoutAWindowAndOutOfRangeScalesAreRefu
 // short message (the message once dumped it recursively and overflowed the
 // stack).
 TEST(ParseModelConfigTest, DeeplyNestedValuesAreNamedBriefly) {
-  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  const std::string deep = std::string(60, '[') + std::string(60, ']');
   ExpectConfigError(TinyConfig({}, absl::StrCat(R"(, "rope_scaling": )", deep)),
                     absl::StatusCode::kInvalidArgument, {"rope_scaling", "[[[[[...]]]]]"});
   ExpectConfigError(TinyConfig({}, absl::StrCat(R"(, "rope_theta": )", deep)),
                     absl::StatusCode::kInvalidArgument, {"rope_theta"});
+}
+
+// The parser builds every level before it can fail: 30 million '[' took
+// 2.2 GB. Past 64 levels the file is refused before parsing; brackets in
+// strings do not count.
+TEST(ParseModelConfigTest, NestingPast64LevelsIsRefusedBeforeParsing) {
+  const std::string deep = std::string(10000000, '[') + std::string(10000000, ']');
+  ExpectConfigError(TinyConfig({}, absl::StrCat(R"(, "rope_scaling": )", deep)),
+                    absl::StatusCode::kInvalidArgument, {"nest deeper than 64 levels"});
+  const std::string at_limit = std::string(63, '[') + std::string(63, ']');
+  ExpectConfigError(TinyConfig({}, absl::StrCat(R"(, "rope_theta": )", at_limit)),
+                    absl::StatusCode::kInvalidArgument, {"rope_theta"});
+  const std::string in_string = absl::StrCat("\"", std::string(100, '['), "\\\"", "\"");
+  ExpectConfigError(TinyConfig({}, absl::StrCat(R"(, "rope_theta": )", in_string)),
+                    absl::StatusCode::kInvalidArgument, {"rope_theta", "a number"});
 }
 
 // ============================ safetensors ===================================
@@ -1185,6 +1262,11 @@ TEST(ModelLoadErrorTest, DuplicateNamesDeepEntriesAndHugeProductsAreRefused) {
   const std::string deep = std::string(100000, '[') + std::string(100000, ']');
   WriteFileOrDie(dir.File("model.safetensors"),
                  SafetensorsFromHeader(absl::StrCat("{\"", kQ0, "\": ", deep, "}"), ""));
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", "nest deeper than 64 levels"});
+  const std::string nested = std::string(50, '[') + std::string(50, ']');
+  WriteFileOrDie(dir.File("model.safetensors"),
+                 SafetensorsFromHeader(absl::StrCat("{\"", kQ0, "\": ", nested, "}"), ""));
   ExpectLoadError(dir, absl::StatusCode::kInvalidArgument, {"model.safetensors", kQ0});
 
   WriteCheckpoint(dir, TinyTensors(),
