@@ -470,19 +470,23 @@ absl::StatusOr<std::vector<v1::SessionInfo>> Client::ListSessions(
     std::optional<absl::Duration> deadline) {
   absl::StatusOr<absl::Duration> d = ResolveDeadline(deadline, options_.deadline);
   if (!d.ok()) return d.status();
-  const v1::ListSessionsRequest request;
   std::vector<v1::SessionInfo> sessions;
   for (size_t i = 0; i < replicas_.size(); ++i) {  // every target's list, merged
-    absl::StatusOr<v1::ListSessionsResponse> response = CallUnary<v1::ListSessionsResponse>(
-        *d, options_.max_retries, [&](grpc::ClientContext* ctx, auto* r) {
-          return replicas_[i].stub->ListSessions(ctx, request, r);
-        });
-    if (!response.ok()) {
-      if (replicas_.size() == 1) return response.status();
-      return absl::Status(response.status().code(),
-                          absl::StrCat("target ", targets()[i], ": ", response.status().message()));
-    }
-    sessions.insert(sessions.end(), response->sessions().begin(), response->sessions().end());
+    v1::ListSessionsRequest request;
+    do {  // page by page (each answer fits in one message)
+      absl::StatusOr<v1::ListSessionsResponse> response = CallUnary<v1::ListSessionsResponse>(
+          *d, options_.max_retries, [&](grpc::ClientContext* ctx, auto* r) {
+            return replicas_[i].stub->ListSessions(ctx, request, r);
+          });
+      if (!response.ok()) {
+        if (replicas_.size() == 1) return response.status();
+        return absl::Status(
+            response.status().code(),
+            absl::StrCat("target ", targets()[i], ": ", response.status().message()));
+      }
+      sessions.insert(sessions.end(), response->sessions().begin(), response->sessions().end());
+      request.set_page_token(response->next_page_token());
+    } while (!request.page_token().empty());
   }
   return sessions;
 }

@@ -68,6 +68,7 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
     RA_ASSIGN_OR_RETURN(c.spec, ResolveSpec(open.spec()));
     c.spec_proto = open.spec();
   }
+  c.spec_wire_bytes = static_cast<int64_t>(c.spec_proto.ByteSizeLong());
   c.spec.options.causal = true;
   c.start_position = open.start_position();
   if (open.kv_dtype() == v1::DTYPE_INT8) {
@@ -211,6 +212,29 @@ absl::StatusOr<WirePrefix> PrefixFromProto(const v1::KvPrefix& prefix) {
   p.form = prefix.key_form() == v1::KEY_FORM_ROTATED ? DecodeState::KeyForm::kRotated
                                                       : DecodeState::KeyForm::kRaw;
   return p;
+}
+
+absl::StatusOr<Cost> PriceOpen(const SessionConfig& c, const v1::OpenSession& open) {
+  Cost cost;
+  cost.reply_bytes = SatAdd(SessionInfoBytesBound(c, kMaxSessionIdBytes), kReplyOverheadBytes);
+  cost.reply_what = absl::StrFormat("the session's SessionInfo (its spec: %d bytes)",
+                                    c.spec_wire_bytes);
+  if (open.has_prefix()) {
+    RA_ASSIGN_OR_RETURN(const WireShape k, ParseWireShape(open.prefix().k(), "open.prefix.k"));
+    RA_ASSIGN_OR_RETURN(const WireShape v, ParseWireShape(open.prefix().v(), "open.prefix.v"));
+    const SessionDims dims = SessionDimsOf(c);
+    // Copied (and converted) twice, keys rotated element by element.
+    int64_t compute = SatMul(SatAdd(SatMul(SatAdd(k.elements, v.elements), 2), k.elements),
+                             kElementWeight);
+    if (dims.rope_rotary_dim > 0 && dims.kv_heads > 0 && dims.head_dim > 0) {
+      const int64_t tokens = k.elements / SatMul(dims.kv_heads, dims.head_dim);
+      compute = SatAdd(compute, SatProduct({tokens, dims.rope_rotary_dim / 2, kSinCosWeight}));
+    }
+    cost.compute = compute;
+    cost.compute_what = absl::StrFormat("importing a KV prefix of %d key and %d value elements",
+                                        k.elements, v.elements);
+  }
+  return cost;
 }
 
 Cost PriceExport(const SessionConfig& c, int64_t position) {

@@ -36,6 +36,13 @@ struct WirePrefix {
 };
 absl::StatusOr<WirePrefix> PrefixFromProto(const v1::KvPrefix& prefix);
 
+// An open's (or attach's) cost: its answer, a SessionInfo echoing the spec
+// (so every later answer carrying the session's SessionInfo fits too), and
+// the compute of importing its KV prefix (copied to f32, keys rotated or
+// un-rotated: a cos/sin row per token). InvalidArgument for a malformed
+// prefix tensor.
+absl::StatusOr<Cost> PriceOpen(const SessionConfig& config, const v1::OpenSession& open);
+
 // An export's cost at `position` tokens: the answer's bytes (checked against
 // the reply limit before anything is copied) and its transient copies.
 Cost PriceExport(const SessionConfig& config, int64_t position);

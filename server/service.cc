@@ -493,15 +493,36 @@ void AttentionServiceImpl::DoGetSession(UnaryCall* call, grpc::CallbackServerCon
 void AttentionServiceImpl::DoListSessions(UnaryCall* call, grpc::CallbackServerContext* ctx,
                                      const v1::ListSessionsRequest* request, v1::ListSessionsResponse* response) {
   const absl::Time start = absl::Now();
-  absl::StatusOr<Principal> caller = CallerOf(*ctx);
-  if (caller.ok()) {
-    for (v1::SessionInfo& info : sessions_->List(*caller)) {
+  absl::Status status = [&]() -> absl::Status {
+    RA_ASSIGN_OR_RETURN(const Principal caller, CallerOf(*ctx));
+    if (request->page_size() < 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "page_size = %d: must be >= 0 (0: as many sessions as fit in one answer)",
+          request->page_size()));
+    }
+    // The page is planned from the sessions' sizes before anything is
+    // copied: it fits in one message (its token too), and its typed and
+    // serialized copies are held from the memory budget while it is built
+    // and sent.
+    const int64_t room = limits_.max_message_bytes - kReplyOverheadBytes;
+    const SessionManager::ListPage page =
+        sessions_->PlanList(caller, request->page_token(), request->page_size(), room);
+    if (!page.ids.empty()) {
+      RA_ASSIGN_OR_RETURN(MemoryBudget::Reservation held,
+                          budget_->Reserve(SatMul(page.bytes, 3),
+                                           absl::StrFormat("this ListSessions answer (%d "
+                                                           "sessions, up to %d bytes)",
+                                                           page.ids.size(), page.bytes)));
+      call->Hold(std::move(held));
+    }
+    for (v1::SessionInfo& info : sessions_->FillList(page.ids, caller)) {
       *response->add_sessions() = std::move(info);
     }
-  }
-  metrics_->RecordRequest("ListSessions", static_cast<int>(caller.status().code()),
-                          SecondsSince(start));
-  call->Answer(ToGrpcStatus(caller.status()));
+    if (page.more) response->set_next_page_token(page.ids.back());
+    return absl::OkStatus();
+  }();
+  metrics_->RecordRequest("ListSessions", static_cast<int>(status.code()), SecondsSince(start));
+  call->Answer(ToGrpcStatus(status));
 }
 
 void AttentionServiceImpl::DoCloseSession(UnaryCall* call, grpc::CallbackServerContext* ctx,
@@ -821,6 +842,11 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       RA_ASSIGN_OR_RETURN(SessionConfig config,
                           ResolveOpenSession(request_.open(), service_->options_,
                                              *service_->models_));
+      // Its answer echoes the spec (as every later answer carrying the
+      // session's SessionInfo does) and its prefix is imported: both are
+      // checked against the limits before anything is reserved.
+      RA_ASSIGN_OR_RETURN(const Cost open_cost, PriceOpen(config, request_.open()));
+      RA_RETURN_IF_ERROR(CheckCost(open_cost, service_->limits_, "Decode.Open"));
       if (request_.open().has_prefix()) {
         // Filling it copies the prefix to f32 (and rotates it): its
         // transient bytes, at 4 bytes an element, twice.

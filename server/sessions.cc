@@ -762,6 +762,53 @@ absl::StatusOr<v1::SessionInfo> SessionManager::Info(const std::string& id,
   return info;
 }
 
+int64_t SessionInfoBytesBound(const SessionConfig& config, size_t id_size) {
+  // 14 scalar fields at 12 bytes at most each, the id's and the spec's tags
+  // and lengths, and this entry's own tag and length in the answer.
+  return config.spec_wire_bytes + static_cast<int64_t>(id_size) + 14 * 12 + 2 * 6 + 6;
+}
+
+SessionManager::ListPage SessionManager::PlanList(const Principal& caller,
+                                                  const std::string& after, int64_t max_count,
+                                                  int64_t max_bytes) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<const std::string*, int64_t>> mine;
+  for (const auto& [id, s] : sessions_) {
+    if (s->owner_ != caller.name && !caller.admin) continue;
+    if (id <= after) continue;
+    mine.emplace_back(&id, SessionInfoBytesBound(s->config(), id.size()));
+  }
+  std::sort(mine.begin(), mine.end(),
+            [](const auto& a, const auto& b) { return *a.first < *b.first; });
+  ListPage page;
+  for (const auto& [id, bytes] : mine) {
+    const bool full = (max_count > 0 && static_cast<int64_t>(page.ids.size()) >= max_count) ||
+                      (!page.ids.empty() && page.bytes + bytes > max_bytes);
+    if (full) {
+      page.more = true;
+      break;
+    }
+    page.ids.push_back(*id);
+    page.bytes += bytes;
+  }
+  return page;
+}
+
+std::vector<v1::SessionInfo> SessionManager::FillList(const std::vector<std::string>& ids,
+                                                      const Principal& caller) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::SessionInfo> out;
+  out.reserve(ids.size());
+  for (const std::string& id : ids) {
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) continue;
+    if (it->second->owner_ != caller.name && !caller.admin) continue;
+    out.emplace_back();
+    it->second->FillInfo(&out.back());
+  }
+  return out;
+}
+
 std::vector<v1::SessionInfo> SessionManager::List(const Principal& caller) const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::SessionInfo> out;

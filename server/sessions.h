@@ -46,11 +46,20 @@
 namespace ropeattn::server {
 
 class Metrics;
+struct SessionConfig;
+
+// Bytes a SessionInfo of a session with this config and id takes in an
+// answer (its spec, the id and every other field at its widest, and the
+// repeated field's framing).
+int64_t SessionInfoBytesBound(const SessionConfig& config, size_t id_size);
+// Session ids are 32 hex digits.
+inline constexpr size_t kMaxSessionIdBytes = 32;
 
 // What a session is, resolved from OpenSession.
 struct SessionConfig {
   ResolvedSpec spec;
   v1::AttentionSpec spec_proto;  // as opened, for SessionInfo
+  int64_t spec_wire_bytes = 0;   // spec_proto's serialized size (SessionInfoBytesBound)
   DType kv_dtype = DType::kF32;
   bool int8_kv = false;  // OpenSession.kv_dtype DTYPE_INT8 (kv_dtype is then f32)
   DType out_dtype = DType::kF32;
@@ -277,6 +286,20 @@ class SessionManager {
   absl::StatusOr<v1::SessionInfo> Info(const std::string& id, const Principal& caller) const;
   // The caller's sessions (an admin: all), sorted by id.
   std::vector<v1::SessionInfo> List(const Principal& caller) const;
+  // One page of ListSessions, planned before anything is copied: the ids of
+  // the caller's sessions (an admin: all) after `after` in id order, at most
+  // `max_count` of them (0: any number) whose SessionInfoBytesBound sum to at
+  // most `max_bytes` (one at least), that sum, and whether more follow.
+  struct ListPage {
+    std::vector<std::string> ids;
+    int64_t bytes = 0;
+    bool more = false;
+  };
+  ListPage PlanList(const Principal& caller, const std::string& after, int64_t max_count,
+                    int64_t max_bytes) const;
+  // The SessionInfo of those of `ids` that still exist, in order.
+  std::vector<v1::SessionInfo> FillList(const std::vector<std::string>& ids,
+                                        const Principal& caller) const;
   // Reaps detached sessions idle past their TTL now (the reaper thread calls
   // this). A session attached to a stream never expires; its TTL counts from
   // its detach or its last accepted operation, whichever is later.

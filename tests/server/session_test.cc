@@ -1875,6 +1875,115 @@ TEST(SessionLimitTest, AnExportPastTheReplyLimitIsRefusedFirst) {
 }
 
 
+// Every answer carrying a SessionInfo echoes the session's spec: an open
+// whose answer could not fit in one message is refused before anything is
+// reserved, and ListSessions answers in pages that each fit, planned from
+// the sessions' sizes before anything is copied (a list of large specs was
+// built whole and then refused by gRPC: 159 MB against a 32 MiB limit).
+TEST(SessionLimitTest, ListSessionsPagesFitAndOpensWhoseAnswerCannotAreRefused) {
+  server::ServerOptions o = TestServerOptions();
+  o.max_message_bytes = 64 << 10;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  Config c;
+  c.heads = 2048;
+  c.kv_heads = 1;
+  c.head_dim = 4;
+  c.v_dim = 4;
+  c.alibi = true;
+  auto open_with_slopes = [&](int count) {
+    v1::OpenSession open = MakeOpen(c, 16, /*resumable=*/true);
+    c.heads = count;
+    open.mutable_spec()->set_heads(count);
+    for (int h = 0; h < count; ++h) open.mutable_spec()->mutable_alibi()->add_slopes(1e-3 * (h + 1));
+    return open;
+  };
+  std::set<std::string> opened;
+  for (int i = 0; i < 7; ++i) {  // 16 KiB of slopes each
+    Stream s(stub.get());
+    opened.insert(s.Open(open_with_slopes(2048)).session_id());
+    ASSERT_TRUE(s.Finish().ok());  // detached: resumable sessions stay
+  }
+  for (const int page_size : {0, 2}) {
+    SCOPED_TRACE(page_size);
+    std::vector<std::string> listed;
+    v1::ListSessionsRequest req;
+    req.set_page_size(page_size);
+    int pages = 0;
+    do {
+      grpc::ClientContext ctx;
+      v1::ListSessionsResponse list;
+      ASSERT_TRUE(stub->ListSessions(&ctx, req, &list).ok());
+      EXPECT_LE(list.ByteSizeLong(), size_t{64} << 10);
+      EXPECT_GE(list.sessions_size(), 1);
+      if (page_size > 0) EXPECT_LE(list.sessions_size(), page_size);
+      for (const auto& info : list.sessions()) {
+        listed.push_back(info.session_id());
+        EXPECT_EQ(info.spec().alibi().slopes_size(), 2048);
+      }
+      req.set_page_token(list.next_page_token());
+      ++pages;
+    } while (!req.page_token().empty());
+    EXPECT_GT(pages, 1);
+    EXPECT_TRUE(std::is_sorted(listed.begin(), listed.end()));
+    EXPECT_EQ(std::set<std::string>(listed.begin(), listed.end()), opened);
+    EXPECT_EQ(listed.size(), opened.size());
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::ListSessionsRequest req;
+    req.set_page_size(-1);
+    v1::ListSessionsResponse list;
+    const grpc::Status st = stub->ListSessions(&ctx, req, &list);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), HasSubstr("page_size = -1"));
+  }
+  {  // 62 KiB of slopes: the open fits, its answer would not
+    Stream s(stub.get());
+    v1::DecodeRequest req;
+    *req.mutable_open() = open_with_slopes(7900);
+    ASSERT_LT(req.ByteSizeLong(), size_t{64} << 10);
+    ASSERT_TRUE(s.rw()->Write(req));
+    const grpc::Status st = s.AwaitServerEnd();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(st.error_message(), HasSubstr("SessionInfo"));
+  }
+  server->Shutdown(absl::Seconds(1));
+}
+
+// Importing a KV prefix is compute (copies, a cos/sin row per token): an
+// open past --max_request_compute is refused before anything is reserved.
+TEST(SessionLimitTest, AnOpensPrefixIsPricedAgainstTheComputeLimit) {
+  server::ServerOptions o = TestServerOptions();
+  o.max_request_compute = 1000000;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  Config c;
+  c.rope_type = "default";
+  const Sequence seq = MakeSequence(c, 1024, 11);
+  for (const int64_t tokens : {int64_t{16}, int64_t{1024}}) {
+    Stream s(stub.get());
+    v1::DecodeRequest req;
+    *req.mutable_open() = MakeOpen(c, 2048);
+    *req.mutable_open()->mutable_prefix()->mutable_k() = ToWire(seq.k.cview().Slice(1, 0, tokens));
+    *req.mutable_open()->mutable_prefix()->mutable_v() = ToWire(seq.v.cview().Slice(1, 0, tokens));
+    req.mutable_open()->mutable_prefix()->set_key_form(v1::KEY_FORM_RAW);
+    ASSERT_TRUE(s.rw()->Write(req));
+    v1::DecodeResponse r;
+    if (tokens == 16) {
+      ASSERT_TRUE(s.rw()->Read(&r));
+      EXPECT_EQ(r.opened().position(), 16);
+      continue;
+    }
+    const grpc::Status st = s.AwaitServerEnd();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(st.error_message(), HasSubstr("importing a KV prefix"));
+  }
+  server->Shutdown(absl::Seconds(1));
+}
+
 // ------------------------------------------------------------- grpcurl --
 
 // The README's grpcurl requests (docs/grpcurl/), parsed with protobuf's JSON
