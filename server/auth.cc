@@ -23,6 +23,9 @@ namespace {
 // Health is open to everyone: probes and load balancers carry no token.
 constexpr absl::string_view kHealthPrefix = "/grpc.health.v1.Health/";
 constexpr size_t kMaxPrincipalChars = 128;
+// A certificate's identity is its principal whole, never cut: one longer
+// than this is refused.
+constexpr size_t kMaxCertificateIdentityChars = 2048;
 
 bool IsPrincipalChar(char c) {
   return absl::ascii_isalnum(static_cast<unsigned char>(c)) ||
@@ -255,7 +258,16 @@ absl::StatusOr<Principal> Authenticator::Resolve(bool present, absl::string_view
       return absl::UnauthenticatedError(
           "the client certificate names no principal: it needs a URI or DNS subjectAltName");
     }
-    principal.name = identity.substr(0, kMaxPrincipalChars);
+    // The whole identity: two SPIFFE ids sharing their first 128 characters
+    // were one principal (and reached each other's sessions) when it was cut.
+    if (identity.size() > kMaxCertificateIdentityChars) {
+      *reason = "identity_too_long";
+      return absl::UnauthenticatedError(absl::StrFormat(
+          "the client certificate's principal (its first URI or DNS subjectAltName) has %d "
+          "characters, more than %d",
+          identity.size(), kMaxCertificateIdentityChars));
+    }
+    principal.name = std::move(identity);
     return principal;
   }
   if (!present) {

@@ -455,7 +455,8 @@ std::string Metrics::RenderPrometheus() const {
 
   AppendFamilyHeader(&out, "ropeattn_auth_refused_total",
                      "Calls refused UNAUTHENTICATED, by reason (missing_token, invalid_token, "
-                     "no_identity: a client certificate without a URI or DNS name).",
+                     "no_identity: a client certificate without a URI or DNS name, identity_too_long: one "
+                     "whose name has more than 2048 characters).",
                      "counter");
   for (size_t i = 0; i < d.auth_refused.size(); ++i) {
     absl::StrAppend(&out, "ropeattn_auth_refused_total{reason=\"", kAuthRefusalReasons[i], "\"} ",

@@ -386,6 +386,51 @@ TEST_F(SecurityTest, MutualTlsAcceptsOnlyCertificatesOfTheClientCa) {
   EXPECT_EQ(reaped(as_bob.get()), 0u);
 }
 
+// A certificate's identity is its principal whole: two SPIFFE ids sharing
+// their first 128 characters were one principal when it was cut there (and
+// reached each other's sessions); one past 2048 characters is refused.
+TEST_F(SecurityTest, LongCertificateIdentitiesAreWholePrincipals) {
+  const std::string stem = "URI:spiffe://example.org/ns/" + std::string(100, 'n') + "/sa/";
+  auto front = ca_->Issue("front", stem + "frontend", /*client=*/true);
+  auto batch = ca_->Issue("batch", stem + "batch-jobs", /*client=*/true);
+  auto huge = ca_->Issue("huge", "URI:spiffe://example.org/" + std::string(2100, 'x'),
+                         /*client=*/true);
+  ASSERT_TRUE(front.ok() && batch.ok() && huge.ok());
+  server::ServerOptions o = TlsOptions();
+  o.tls_client_ca_file = ca_->cert_file();
+  const int port = Start(o);
+  ASSERT_GT(port, 0);
+  const auto with = [&](const CertFiles& cert) {
+    Creds c = As("");
+    c.cert = cert.cert_pem;
+    c.key = cert.key_pem;
+    return c;
+  };
+  Stream mine(port, with(*front));
+  v1::DecodeResponse opened;
+  ASSERT_TRUE(mine.Open(16, true, &opened));
+  ASSERT_TRUE(opened.has_opened()) << opened.DebugString();
+  auto as_batch = v1::AttentionService::NewStub(Channel(port, with(*batch)));
+  {
+    grpc::ClientContext ctx;
+    v1::ListSessionsResponse list;
+    ASSERT_TRUE(as_batch->ListSessions(WithDeadline(&ctx), {}, &list).ok());
+    EXPECT_EQ(list.sessions_size(), 0);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::GetSessionRequest req;
+    req.set_session_id(opened.opened().session_id());
+    v1::SessionInfo info;
+    EXPECT_EQ(as_batch->GetSession(WithDeadline(&ctx), req, &info).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+  const grpc::Status too_long = Info(port, with(*huge));
+  EXPECT_EQ(too_long.error_code(), grpc::StatusCode::UNAUTHENTICATED) << too_long.error_message();
+  EXPECT_THAT(too_long.error_message(), HasSubstr("more than 2048"));
+  EXPECT_TRUE(mine.Finish().ok());
+}
+
 // ------------------------------------------------------- ownership matrix --
 
 // Every session operation by bob on alice's sessions, attached and
