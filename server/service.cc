@@ -1112,7 +1112,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
                                                   "open.prefix.")
                                : prefix.status();
           if (!status.ok()) {
-            (void)service_->sessions_->Close(session_->id(), "its prefix was refused",
+            (void)service_->sessions_->Close(session_->id(), "closed",
                                              *principal_);
             stream_fatal = true;
             break;

@@ -658,7 +658,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindLocked(const std::s
   // A recently ended id gets its own story (expired, closed, freed), told to
   // its owner only.
   auto ended = ended_.find(id);
-  if (it == sessions_.end() && ended != ended_.end() && visible(ended->second.owner)) {
+  if (it == sessions_.end() && ended != ended_.end() && ended->second.owner == caller.name) {
     return ended->second.status;
   }
   // The same words whether the id never existed or belongs to someone else.

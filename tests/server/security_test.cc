@@ -644,6 +644,21 @@ TEST_F(SecurityTest, AdminListsAndClosesAllButCannotAttach) {
     EXPECT_TRUE(as_admin->CloseSession(WithDeadline(&ctx), req, &resp).ok());
   }
   EXPECT_EQ(server_->sessions().open_sessions(), 0);
+  // How a session ended is its owner's to hear: the admin who closed
+  // alice's gets the words of an unknown id, alice "was closed".
+  for (const auto& [token, code, words] :
+       std::vector<std::tuple<const char*, grpc::StatusCode, std::string>>{
+           {kAdminToken, grpc::StatusCode::NOT_FOUND, "unknown session id"},
+           {kAliceToken, grpc::StatusCode::FAILED_PRECONDITION, "was closed"}}) {
+    auto stub = v1::AttentionService::NewStub(Channel(port, As(token)));
+    grpc::ClientContext ctx;
+    v1::GetSessionRequest req;
+    req.set_session_id(ids[0]);
+    v1::SessionInfo info;
+    const grpc::Status st = stub->GetSession(WithDeadline(&ctx), req, &info);
+    EXPECT_EQ(st.error_code(), code) << token;
+    EXPECT_THAT(st.error_message(), HasSubstr(words)) << token;
+  }
 }
 
 // --------------------------------------------------------------- quotas --

@@ -43,6 +43,7 @@ namespace ropeattn::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // ---------------------------------------------------------------- setup --
 
@@ -1838,6 +1839,11 @@ TEST_F(SessionTest, APrefixOrExportThatCannotBeExactIsRefused) {
   v1::ListSessionsResponse list;
   ASSERT_TRUE(stub_->ListSessions(&ctx, {}, &list).ok());
   EXPECT_EQ(list.sessions_size(), 0);
+  // Its session is counted closed under a label of the documented set (it
+  // was "its prefix was refused").
+  const std::string metrics = server_->metrics().RenderPrometheus();
+  EXPECT_THAT(metrics, HasSubstr("ropeattn_sessions_closed_total{reason=\"closed\"} 1"));
+  EXPECT_THAT(metrics, Not(HasSubstr("prefix was refused")));
 
   // Linear sessions have no KV to export: an in-band error, the stream stays.
   Stream s(stub_.get());
