@@ -156,10 +156,20 @@ absl::StatusOr<RopeRows> MakeRopeRows(const RopeRotator& rope,
 // Runs the recurrence over all tokens of q/k/v, updating s_state
 // [batch, kv_heads, head_dim, v_dim] and z_state [batch, kv_heads, head_dim]
 // and writing out. Returns InvalidArgument if an output is not finite.
+//
+// The rotated numerator can cancel: S holds cross terms of size
+// |R phi(k)| |v| that vanish only in the dot product with R phi(q), so fp64
+// rounding of order u |R phi(q)| sum_s |R phi(k_s)| |v_s| is divided by the
+// denominator. a_state [batch, kv_heads, v_dim] keeps
+// sum_s ||R_s phi(k_s)||_2 |v_s|; an answer whose rounding bound, with the
+// usual sqrt(n) growth of a sum of n terms, is not 2^-24 below the row's
+// largest output is refused (UNIMPLEMENTED) rather than answered inexactly:
+// keys near -30 and features of 1e4 that cancel gave answers 35-82% off.
+// `before`: tokens already summed into the state.
 absl::Status RunRecurrence(const Shapes& sh, const ConstTensorView& q, const ConstTensorView& k,
                            const ConstTensorView& v, const LinearAttentionOptions& options,
                            const RopeRows* rope_rows, TensorView out, double* s_state,
-                           double* z_state) {
+                           double* z_state, double* a_state, int64_t before) {
   const int64_t d = sh.head_dim;
   const int64_t dv = sh.v_dim;
   const int64_t group = sh.kv_heads == 0 ? 1 : sh.heads / sh.kv_heads;
@@ -171,6 +181,9 @@ absl::Status RunRecurrence(const Shapes& sh, const ConstTensorView& q, const Con
       static_cast<int>(std::min<int64_t>(options.num_threads, std::max<int64_t>(tasks, 1)));
   // First failing (b, t, h), reported after the parallel loop; tasks write disjoint slots.
   std::vector<int64_t> bad_token(tasks, -1), bad_head(tasks, -1);
+  // First (t, h, bound / size) whose rounding bound is too large, per task.
+  std::vector<int64_t> inexact_token(tasks, -1), inexact_head(tasks, -1);
+  std::vector<double> inexact_ratio(tasks, 0.0);
 
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
   for (int64_t task = 0; task < tasks; ++task) {
@@ -178,6 +191,7 @@ absl::Status RunRecurrence(const Shapes& sh, const ConstTensorView& q, const Con
     const int64_t kvh = task % sh.kv_heads;
     double* S = s_state + task * d * dv;
     double* z = z_state + task * d;
+    double* a = a_state + task * dv;
     std::vector<double> phik(d), rk(d), vrow(dv), phiq(d), rq(d), num(dv);
     for (int64_t t = 0; t < sh.seq; ++t) {
       const float* cos_row = nullptr;
@@ -191,26 +205,47 @@ absl::Status RunRecurrence(const Shapes& sh, const ConstTensorView& q, const Con
       rk = phik;
       if (rope_rows != nullptr) Rotate(rk.data(), cos_row, sin_row, rotary_dim, interleaved);
       LoadRow(v, b, t, kvh, vrow.data());
+      double rk_norm = 0;
       for (int64_t i = 0; i < d; ++i) {
         z[i] += phik[i];
+        rk_norm += rk[i] * rk[i];
         double* srow = S + i * dv;
         const double ri = rk[i];
         for (int64_t e = 0; e < dv; ++e) srow[e] += ri * vrow[e];
       }
+      rk_norm = std::sqrt(rk_norm);
+      for (int64_t e = 0; e < dv; ++e) a[e] += rk_norm * std::fabs(vrow[e]);
+      // Rounding of a dot product of d terms and of sums over n tokens.
+      const double gamma =
+          (static_cast<double>(d) + 2.0 * std::sqrt(static_cast<double>(before + t + 1)) + 16.0) *
+          0x1p-53;
       for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
         LoadRow(q, b, t, h, phiq.data());
         Phi(phiq.data(), d);
         rq = phiq;
         if (rope_rows != nullptr) Rotate(rq.data(), cos_row, sin_row, rotary_dim, interleaved);
         double den = options.eps;
+        double rq_norm = 0;
         std::fill(num.begin(), num.end(), 0.0);
         for (int64_t i = 0; i < d; ++i) {
           den += phiq[i] * z[i];
+          rq_norm += rq[i] * rq[i];
           const double* srow = S + i * dv;
           const double ri = rq[i];
           for (int64_t e = 0; e < dv; ++e) num[e] += ri * srow[e];
         }
         for (int64_t e = 0; e < dv; ++e) num[e] /= den;
+        double size = 0, bound = 0;
+        for (int64_t e = 0; e < dv; ++e) {
+          size = std::max(size, std::fabs(num[e]));
+          bound = std::max(bound, a[e]);
+        }
+        bound *= gamma * std::sqrt(rq_norm) / den;
+        if (bound > 0x1p-24 * size && inexact_token[task] < 0) {
+          inexact_token[task] = t;
+          inexact_head[task] = h;
+          inexact_ratio[task] = size > 0 ? bound / size : INFINITY;
+        }
         if (!StoreRow(out, b, t, h, num.data()) && bad_token[task] < 0) {
           bad_token[task] = t;
           bad_head[task] = h;
@@ -219,6 +254,13 @@ absl::Status RunRecurrence(const Shapes& sh, const ConstTensorView& q, const Con
     }
   }
   for (int64_t task = 0; task < tasks; ++task) {
+    if (inexact_token[task] >= 0) {
+      return absl::UnimplementedError(absl::StrFormat(
+          "linear attention out[%d, %d, %d, :]: the rotated numerator cancels so far that fp64 "
+          "rounding could reach %.2g of the answer's size (more than f32 rounding): not "
+          "computed. Its features are large and nearly orthogonal, with a small denominator",
+          task / sh.kv_heads, inexact_token[task], inexact_head[task], inexact_ratio[task]));
+    }
     if (bad_token[task] >= 0) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "linear attention output out[%d, %d, %d, :] is not finite in %s: inputs are too large "
@@ -244,8 +286,9 @@ absl::Status LinearAttend(ConstTensorView q, ConstTensorView k, ConstTensorView 
   }
   std::vector<double> s_state(sh.batch * sh.kv_heads * sh.head_dim * sh.v_dim, 0.0);
   std::vector<double> z_state(sh.batch * sh.kv_heads * sh.head_dim, 0.0);
+  std::vector<double> a_state(sh.batch * sh.kv_heads * sh.v_dim, 0.0);
   return RunRecurrence(sh, q, k, v, options, options.rope != nullptr ? &rows : nullptr, out,
-                       s_state.data(), z_state.data());
+                       s_state.data(), z_state.data(), a_state.data(), 0);
 }
 
 absl::StatusOr<LinearAttentionState> LinearAttentionState::Create(int64_t batch, int64_t kv_heads,
@@ -264,11 +307,12 @@ absl::StatusOr<LinearAttentionState> LinearAttentionState::Create(int64_t batch,
   state.v_dim_ = v_dim;
   state.s_.assign(s_size, 0.0);
   state.z_.assign(batch * kv_heads * head_dim, 0.0);
+  state.a_.assign(batch * kv_heads * v_dim, 0.0);
   return state;
 }
 
 int64_t LinearAttentionState::byte_size() const {
-  return static_cast<int64_t>((s_.size() + z_.size()) * sizeof(double));
+  return static_cast<int64_t>((s_.size() + z_.size() + a_.size()) * sizeof(double));
 }
 
 absl::Status LinearAttentionState::Step(ConstTensorView q, ConstTensorView k, ConstTensorView v,
@@ -294,10 +338,12 @@ absl::Status LinearAttentionState::Step(ConstTensorView q, ConstTensorView k, Co
   // Work on copies so a failure leaves the session exactly as it was.
   std::vector<double> s_next = s_;
   std::vector<double> z_next = z_;
+  std::vector<double> a_next = a_;
   RA_RETURN_IF_ERROR(RunRecurrence(sh, q, k, v, options, options.rope != nullptr ? &rows : nullptr,
-                                   out, s_next.data(), z_next.data()));
+                                   out, s_next.data(), z_next.data(), a_next.data(), position_));
   s_ = std::move(s_next);
   z_ = std::move(z_next);
+  a_ = std::move(a_next);
   position_ += sh.seq;
   return absl::OkStatus();
 }

@@ -38,7 +38,10 @@ struct LinearAttentionOptions {
 // Errors: InvalidArgument for shape mismatches (naming the tensor and dims),
 // heads % kv_heads != 0, a rope of another head_dim, bad eps / num_threads,
 // bad positions, non-finite inputs (naming tensor and index) or an output that
-// does not fit its dtype; OutOfRange for a position above 2^40 (with rope).
+// does not fit its dtype; OutOfRange for a position above 2^40 (with rope);
+// Unimplemented for an answer whose rotated numerator cancels beyond what
+// fp64 computes to f32 precision (large, nearly orthogonal features over a
+// small denominator: see linear_attention.cc).
 absl::Status LinearAttend(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                           const Positions& positions, const LinearAttentionOptions& options,
                           TensorView out);
@@ -61,7 +64,7 @@ class LinearAttentionState {
   int64_t kv_heads() const { return kv_heads_; }
   int64_t head_dim() const { return head_dim_; }
   int64_t v_dim() const { return v_dim_; }
-  // Bytes held by S and z.
+  // Bytes held by S, z and the rounding bound's sums.
   int64_t byte_size() const;
 
  private:
@@ -69,6 +72,7 @@ class LinearAttentionState {
   int64_t position_ = 0;
   std::vector<double> s_;  // [batch, kv_heads, head_dim, v_dim]
   std::vector<double> z_;  // [batch, kv_heads, head_dim]
+  std::vector<double> a_;  // [batch, kv_heads, v_dim]: sum_s ||R_s phi(k_s)|| |v_s| (rounding bound)
 };
 
 }  // namespace ropeattn

@@ -238,9 +238,11 @@ int64_t KvPageBytes(const SessionDims& d) {
 Cost SessionOpenCost(const SessionDims& d) {
   Cost c;
   if (d.linear) {
-    // LinearAttentionState: S [kv_heads, head_dim, v_dim] and z [kv_heads,
-    // head_dim], fp64.
-    c.held_bytes = SatProduct({d.kv_heads, d.head_dim, SatAdd(d.v_dim, 1), 8});
+    // LinearAttentionState: S [kv_heads, head_dim, v_dim], z [kv_heads,
+    // head_dim] and a [kv_heads, v_dim], fp64.
+    c.held_bytes = SatMul(SatAdd(SatProduct({d.kv_heads, d.head_dim, SatAdd(d.v_dim, 1)}),
+                                 SatMul(d.kv_heads, d.v_dim)),
+                          8);
   } else {
     // Pages: f32 tiles, int8 rows and a 4-byte scale per (token, kv head),
     // or rows of kv_dtype, for K and V.

@@ -444,6 +444,58 @@ TEST(LinearAttentionStateTest, CopyForksIndependently) {
             0.01);
 }
 
+// The rotated numerator cancels: five keys near -30 (features ~1e-13, so
+// eps dominates the denominator), then q and k of 1e4 and -100 whose
+// rotated features are orthogonal. fp64 rounding of the 1e8-sized cross
+// terms in S, divided by ~1e-6, gave answers 35-82% off; such an answer is
+// refused, and the state is left as it was. Ordinary inputs over 20000
+// tokens are not.
+TEST(LinearAttentionStateTest, CancellingNumeratorsAreRefusedNotAnsweredInexactly) {
+  RopeConfig config;
+  config.head_dim = 4;
+  config.theta = kTheta;
+  config.layout = RopeLayout::kInterleaved;
+  const RopeRotator rope = RopeRotator::Create(config, 0, 16).value();
+  LinearAttentionOptions options;
+  options.rope = &rope;
+  Tensor q = Tensor::Create(DType::kF32, {1, 6, 1, 4}).value();
+  Tensor k = Tensor::Create(DType::kF32, {1, 6, 1, 4}).value();
+  Tensor v = RandomTensor(DType::kF32, {1, 6, 1, 4}, 77);
+  for (int64_t i = 0; i < 24; ++i) {
+    q.data<float>()[i] = 0.5f;
+    k.data<float>()[i] = -30.0f;
+  }
+  const float last_q[] = {1e4f, -100.0f, 1e4f, -100.0f};
+  const float last_k[] = {-100.0f, 1e4f, -100.0f, 1e4f};
+  std::memcpy(q.data<float>() + 20, last_q, sizeof(last_q));
+  std::memcpy(k.data<float>() + 20, last_k, sizeof(last_k));
+  LinearAttentionState state = LinearAttentionState::Create(1, 1, 4, 4).value();
+  Tensor out = Tensor::Create(DType::kF32, {1, 5, 1, 4}).value();
+  ASSERT_TRUE(state.Step(q.cview().Slice(1, 0, 5), k.cview().Slice(1, 0, 5),
+                         v.cview().Slice(1, 0, 5), options, out.view())
+                  .ok());
+  Tensor one = Tensor::Create(DType::kF32, {1, 1, 1, 4}).value();
+  const absl::Status st = state.Step(q.cview().Slice(1, 5, 1), k.cview().Slice(1, 5, 1),
+                                     v.cview().Slice(1, 5, 1), options, one.view());
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("cancels"));
+  EXPECT_EQ(state.position(), 5);
+  Tensor all = Tensor::Create(DType::kF32, {1, 6, 1, 4}).value();
+  EXPECT_EQ(LinearAttend(q.cview(), k.cview(), v.cview(), Positions{}, options, all.view()).code(),
+            absl::StatusCode::kUnimplemented);
+
+  const int64_t n = 20000;
+  Tensor lq = RandomTensor(DType::kF32, {1, n, 2, 16}, 78);
+  Tensor lk = RandomTensor(DType::kF32, {1, n, 2, 16}, 79);
+  Tensor lv = RandomTensor(DType::kF32, {1, n, 2, 16}, 80);
+  const RopeRotator rope16 = MakeRotator(RopeKind::kHalfSplit, 16);
+  options.rope = &rope16;
+  Tensor lout = Tensor::Create(DType::kF32, {1, n, 2, 16}).value();
+  const absl::Status ok =
+      LinearAttend(lq.cview(), lk.cview(), lv.cview(), Positions{}, options, lout.view());
+  EXPECT_TRUE(ok.ok()) << ok;
+}
+
 TEST(LinearAttentionStateTest, CreateAndByteSize) {
   LinearAttentionState s = LinearAttentionState::Create(2, 3, 64, 48).value();
   EXPECT_EQ(s.batch(), 2);
@@ -451,7 +503,7 @@ TEST(LinearAttentionStateTest, CreateAndByteSize) {
   EXPECT_EQ(s.head_dim(), 64);
   EXPECT_EQ(s.v_dim(), 48);
   EXPECT_EQ(s.position(), 0);
-  EXPECT_EQ(s.byte_size(), (2 * 3 * 64 * 48 + 2 * 3 * 64) * 8);
+  EXPECT_EQ(s.byte_size(), (2 * 3 * 64 * 48 + 2 * 3 * 64 + 2 * 3 * 48) * 8);
   for (auto sizes : {std::vector<int64_t>{0, 1, 1, 1}, std::vector<int64_t>{1, -1, 1, 1},
                      std::vector<int64_t>{1, 1, 0, 1}, std::vector<int64_t>{1, 1, 1, 0}}) {
     const auto bad = LinearAttentionState::Create(sizes[0], sizes[1], sizes[2], sizes[3]);
