@@ -82,8 +82,9 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
     const absl::Duration wait = absl::Seconds(wait_s);
     const absl::Duration service = absl::Seconds(service_s);
     if (deadline != absl::InfiniteFuture() && now + wait + service > deadline) {
-      // If the request alone outlasts its deadline, waiting will not help.
-      *retry_after = now + service > deadline ? absl::ZeroDuration() : wait;
+      // If the request alone outlasts its deadline, waiting will not help:
+      // no retry time (a hint of 0 had clients retry at once, forever).
+      *retry_after = now + service > deadline ? absl::InfiniteDuration() : wait;
       return absl::ResourceExhaustedError(absl::StrFormat(
           "%s cannot finish inside its deadline (%.0f ms left): about %.0f ms of wait for a "
           "worker and %.0f ms of compute at this server's measured rate; %s",

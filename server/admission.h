@@ -38,7 +38,8 @@ class Admission {
   // The decision for a request of `compute` units due by `deadline`
   // (InfiniteFuture: none). ResourceExhausted naming `method`, the
   // estimates and what to do, with *retry_after set to when a retry could
-  // be admitted; OK otherwise (the request's compute then counts as pending
+  // be admitted (InfiniteDuration: no retry with the same deadline can be,
+  // the request alone outlasts it); OK otherwise (the request's compute then counts as pending
   // until Finished). Before enough work has been measured, every request is
   // admitted (the estimate would be a guess).
   // `slowdown_applies`: whether max_slowdown applies (stateless calls; a

@@ -361,8 +361,10 @@ void AttentionServiceImpl::RunOnExecutor(UnaryCall* call, grpc::CallbackServerCo
   if (absl::Status st = admission_.Admit(method, cost->compute, DeadlineOf(ctx), absl::Now(),
                                          &retry_after, /*slowdown_applies=*/true, &ahead);
       !st.ok()) {
-    ctx->AddTrailingMetadata("retry-after-ms",
-                             absl::StrCat(absl::ToInt64Milliseconds(retry_after)));
+    if (retry_after != absl::InfiniteDuration()) {  // else no retry can be admitted
+      ctx->AddTrailingMetadata("retry-after-ms",
+                               absl::StrCat(absl::ToInt64Milliseconds(retry_after)));
+    }
     metrics_->RecordRejected(method);
     return refuse(st);
   }

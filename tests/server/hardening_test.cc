@@ -771,8 +771,9 @@ TEST(HardeningAdmissionTest, RequestsThatCannotMakeItAreRefusedAtOnce) {
     const grpc::Status st = stub->Attend(&ctx, long_request, &out);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
     EXPECT_THAT(st.error_message(), HasSubstr("cannot finish inside its deadline"));
+    // It cannot alone either: no retry time is given.
     const auto& trailers = ctx.GetServerTrailingMetadata();
-    EXPECT_NE(trailers.find("retry-after-ms"), trailers.end());
+    EXPECT_EQ(trailers.find("retry-after-ms"), trailers.end());
     EXPECT_FALSE(long_done.load()) << "refused only after the running request ended";
   }
   // With no deadline, the wait behind it passes --max_queue_delay_seconds.
@@ -818,9 +819,15 @@ TEST(HardeningAdmissionTest, EachMethodLearnsItsOwnRate) {
   ASSERT_TRUE(a.Admit("Attend", 1000000000, absl::InfiniteFuture(), now, &retry).ok());
   // About 0.1 s of Attend ahead and 0.01 s of its own: inside a 1 s deadline.
   EXPECT_TRUE(a.Admit("Decode.Step", 1000, now + absl::Seconds(1), now, &retry).ok());
-  // Inside 50 ms it cannot be.
+  // Inside 50 ms it cannot be: a retry after the wait (~0.1 s) could.
   const absl::Status late = a.Admit("Decode.Step", 1000, now + absl::Milliseconds(50), now, &retry);
   EXPECT_EQ(late.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NEAR(absl::ToDoubleSeconds(retry), 0.1, 0.02);
+  // Inside 5 ms not even alone: no retry time (it was 0: retry at once).
+  const absl::Status never = a.Admit("Decode.Step", 1000, now + absl::Milliseconds(5), now, &retry);
+  EXPECT_EQ(never.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(never.message()), HasSubstr("give it a longer deadline"));
+  EXPECT_EQ(retry, absl::InfiniteDuration());
   EXPECT_EQ(a.pending_compute(), 1000000000 + 1000);
   a.Finished("Attend", 1000000000, -1);
   a.Finished("Decode.Step", 1000, -1);
