@@ -196,10 +196,16 @@ absl::Status Session::CopyStateFrom(Session& other) {
 }
 
 void Session::End(absl::Status status) {
-  {
-    absl::MutexLock lock(&meta_mu_);
-    if (ended_.ok()) ended_ = std::move(status);
-  }
+  MarkEnded(std::move(status));
+  FreeIfIdle();
+}
+
+void Session::MarkEnded(absl::Status status) {
+  absl::MutexLock lock(&meta_mu_);
+  if (ended_.ok()) ended_ = std::move(status);
+}
+
+void Session::FreeIfIdle() {
   // Free the memory now if no operation holds the state; the object may
   // live on in a stream's reference. A running operation frees it as it
   // finishes (it checks Ended() on its way out).
@@ -207,6 +213,10 @@ void Session::End(absl::Status status) {
     FreeStateLocked();
     mu_.Unlock();
   }
+}
+
+SessionManager::FreeAfterUnlock::~FreeAfterUnlock() {
+  for (const std::shared_ptr<Session>& s : sessions_) s->FreeIfIdle();
 }
 
 // A session dropped without FreeStateLocked (the last reference went while
@@ -685,6 +695,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const std::strin
 }
 
 void SessionManager::Detach(const std::shared_ptr<Session>& session, bool stream_cancelled) {
+  FreeAfterUnlock freed;
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session->id());
   if (it == sessions_.end() || it->second != session) return;
@@ -692,7 +703,8 @@ void SessionManager::Detach(const std::shared_ptr<Session>& session, bool stream
     EraseLocked(
         session->id(), stream_cancelled ? "disconnected" : "stream_ended",
         absl::NotFoundError(absl::StrCat(
-            "session ", session->id(), " was freed when its stream ended (it was not resumable)")));
+            "session ", session->id(), " was freed when its stream ended (it was not resumable)")),
+        &freed);
     return;
   }
   absl::MutexLock slock(&session->meta_mu_);
@@ -701,15 +713,18 @@ void SessionManager::Detach(const std::shared_ptr<Session>& session, bool stream
 }
 
 void SessionManager::EraseLocked(const std::string& id, absl::string_view reason,
-                                 const absl::Status& ended) {
+                                 const absl::Status& ended, FreeAfterUnlock* freed) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   std::shared_ptr<Session> s = it->second;
   sessions_.erase(it);
   kv_in_use_ -= s->kv_bytes_;
   UncountLocked(s->owner_, s->quota_bytes_);
-  s->End(ended);  // frees its memory now, or as its running step ends
+  // Its memory is freed once the lock is released (or as its running step
+  // ends), and so is this reference, which may be the last.
+  s->MarkEnded(ended);
   ended_[id] = Ended{ended, s->owner_};
+  freed->Add(std::move(s));
   ended_order_.push_back(id);
   while (ended_order_.size() > kMaxEndedIds) {
     ended_.erase(ended_order_.front());
@@ -722,12 +737,13 @@ void SessionManager::EraseLocked(const std::string& id, absl::string_view reason
 absl::StatusOr<v1::SessionInfo> SessionManager::Close(const std::string& id,
                                                       const std::string& reason,
                                                       const Principal& caller) {
+  FreeAfterUnlock freed;
   absl::MutexLock lock(&mu_);
   RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> found, FindLocked(id, caller, /*admin_may=*/true));
   v1::SessionInfo info;
   found->FillInfo(&info);
-  EraseLocked(id, reason,
-              absl::FailedPreconditionError(absl::StrCat("session ", id, " was closed")));
+  EraseLocked(id, reason, absl::FailedPreconditionError(absl::StrCat("session ", id, " was closed")),
+              &freed);
   return info;
 }
 
@@ -746,8 +762,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Fork(
   RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> fork, Open(std::move(ticket)));
   absl::Status st = fork->CopyStateFrom(*source);
   if (!st.ok()) {
+    FreeAfterUnlock freed;
     absl::MutexLock lock(&mu_);
-    EraseLocked(fork->id(), "closed", absl::AbortedError("fork failed"));
+    EraseLocked(fork->id(), "closed", absl::AbortedError("fork failed"), &freed);
     return st;
   }
   return fork;
@@ -831,6 +848,7 @@ int SessionManager::ReapIdle(absl::Time now) {
   };
   std::vector<Reaped> reaped;
   {
+    FreeAfterUnlock freed;
     absl::MutexLock lock(&mu_);
     std::vector<std::pair<std::string, absl::Status>> expired;
     for (const auto& [id, s] : sessions_) {
@@ -853,7 +871,7 @@ int SessionManager::ReapIdle(absl::Time now) {
                                      absl::ToInt64Seconds(s->idle_ttl_))));
       }
     }
-    for (const auto& [id, status] : expired) EraseLocked(id, "reaped", status);
+    for (const auto& [id, status] : expired) EraseLocked(id, "reaped", status, &freed);
     reaped_ += expired.size();
     for (const Reaped& r : reaped) ++reaped_by_owner_[r.owner];
   }
@@ -870,13 +888,15 @@ int SessionManager::ReapIdle(absl::Time now) {
 }
 
 void SessionManager::CloseAll() {
+  FreeAfterUnlock freed;
   absl::MutexLock lock(&mu_);
   std::vector<std::string> ids;
   for (const auto& [id, s] : sessions_) ids.push_back(id);
   for (const std::string& id : ids) {
     EraseLocked(
         id, "shutdown",
-        absl::UnavailableError(absl::StrCat("session ", id, " ended: the server shut down")));
+        absl::UnavailableError(absl::StrCat("session ", id, " ended: the server shut down")),
+        &freed);
   }
 }
 

@@ -165,6 +165,11 @@ class Session {
   // operation runs, else the running one does so as it finishes. Never
   // waits for a step.
   void End(absl::Status status);
+  // End's two halves: the mark (cheap, under the manager's lock) and the
+  // freeing, which the manager does after releasing its lock (freeing a
+  // 256 MiB cache takes milliseconds every control call would wait).
+  void MarkEnded(absl::Status status);
+  void FreeIfIdle();
   // Frees the state buffers and the budget hold.
   void FreeStateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether End was called (the status it left).
@@ -343,8 +348,22 @@ class SessionManager {
   void UncountLocked(const std::string& owner, int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes a session; `reason` is the metrics label, `ended` what later
   // callers of the id are told.
-  void EraseLocked(const std::string& id, absl::string_view reason, const absl::Status& ended)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The session is marked ended and handed to `freed`, whose destructor
+  // (run after the caller releases mu_: declare it before the lock) frees
+  // its memory.
+  class FreeAfterUnlock {
+   public:
+    FreeAfterUnlock() = default;
+    FreeAfterUnlock(const FreeAfterUnlock&) = delete;
+    FreeAfterUnlock& operator=(const FreeAfterUnlock&) = delete;
+    ~FreeAfterUnlock();
+    void Add(std::shared_ptr<Session> s) { sessions_.push_back(std::move(s)); }
+
+   private:
+    std::vector<std::shared_ptr<Session>> sessions_;
+  };
+  void EraseLocked(const std::string& id, absl::string_view reason, const absl::Status& ended,
+                   FreeAfterUnlock* freed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NewId();
   void PublishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
