@@ -478,14 +478,29 @@ void AttentionServiceImpl::DoGetModel(UnaryCall* call, grpc::CallbackServerConte
   call->Answer(ToGrpcStatus(status));
 }
 
+absl::Status AttentionServiceImpl::HoldInfoAnswer(UnaryCall* call, const std::string& id,
+                                                  const Principal& caller, const char* method) {
+  // The answer copies the session's spec and serializes it: past a 64 KiB
+  // slack, held from the budget until the call ends.
+  const int64_t bytes = sessions_->InfoAnswerBytes(id, caller);
+  if (bytes <= kInfoAnswerSlackBytes) return absl::OkStatus();
+  RA_ASSIGN_OR_RETURN(MemoryBudget::Reservation held,
+                      budget_->Reserve(bytes, absl::StrCat("this ", method,
+                                                           " answer's SessionInfo (its spec)")));
+  call->Hold(std::move(held));
+  return absl::OkStatus();
+}
+
 // Operator calls are cheap bookkeeping: answered inline, so an overloaded
 // compute queue never hides the server's state from its operators.
 void AttentionServiceImpl::DoGetSession(UnaryCall* call, grpc::CallbackServerContext* ctx,
                                      const v1::GetSessionRequest* request, v1::SessionInfo* response) {
   const absl::Time start = absl::Now();
   absl::StatusOr<Principal> caller = CallerOf(*ctx);
+  absl::Status held = caller.ok() ? HoldInfoAnswer(call, request->session_id(), *caller, "GetSession")
+                                  : caller.status();
   absl::StatusOr<v1::SessionInfo> info =
-      caller.ok() ? sessions_->Info(request->session_id(), *caller) : caller.status();
+      held.ok() ? sessions_->Info(request->session_id(), *caller) : held;
   absl::Status status = info.status();
   if (info.ok()) *response = *std::move(info);
   metrics_->RecordRequest("GetSession", static_cast<int>(status.code()), SecondsSince(start));
@@ -502,6 +517,17 @@ void AttentionServiceImpl::DoListSessions(UnaryCall* call, grpc::CallbackServerC
           "page_size = %d: must be >= 0 (0: as many sessions as fit in one answer)",
           request->page_size()));
     }
+    // A token is an earlier answer's next_page_token: a session id. Anything
+    // else (a typo, another server's token) would end the listing silently.
+    const std::string& token = request->page_token();
+    if (!token.empty() && (token.size() != kMaxSessionIdBytes ||
+                           !std::all_of(token.begin(), token.end(), [](char c) {
+                             return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+                           }))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("page_token ", QuoteForMessage(token),
+                       " is not a next_page_token of this server (32 hex digits)"));
+    }
     // The page is planned from the sessions' sizes before anything is
     // copied: it fits in one message (its token too), and its typed and
     // serialized copies are held from the memory budget while it is built
@@ -509,9 +535,13 @@ void AttentionServiceImpl::DoListSessions(UnaryCall* call, grpc::CallbackServerC
     const int64_t room = limits_.max_message_bytes - kReplyOverheadBytes;
     const SessionManager::ListPage page =
         sessions_->PlanList(caller, request->page_token(), request->page_size(), room);
-    if (!page.ids.empty()) {
+    // Its typed copies and its serialized bytes; a small page (as a small
+    // parse) is not held, so an operator can list when sessions fill the
+    // budget.
+    const int64_t answer_memory = SatAdd(page.memory, page.bytes);
+    if (answer_memory > kInfoAnswerSlackBytes) {
       RA_ASSIGN_OR_RETURN(MemoryBudget::Reservation held,
-                          budget_->Reserve(SatMul(page.bytes, 3),
+                          budget_->Reserve(answer_memory,
                                            absl::StrFormat("this ListSessions answer (%d "
                                                            "sessions, up to %d bytes)",
                                                            page.ids.size(), page.bytes)));
@@ -531,8 +561,11 @@ void AttentionServiceImpl::DoCloseSession(UnaryCall* call, grpc::CallbackServerC
                                      const v1::CloseSessionRequest* request, v1::CloseSessionResponse* response) {
   const absl::Time start = absl::Now();
   absl::StatusOr<Principal> caller = CallerOf(*ctx);
+  absl::Status held = caller.ok()
+                          ? HoldInfoAnswer(call, request->session_id(), *caller, "CloseSession")
+                          : caller.status();
   absl::StatusOr<v1::SessionInfo> info =
-      caller.ok() ? sessions_->Close(request->session_id(), "closed", *caller) : caller.status();
+      held.ok() ? sessions_->Close(request->session_id(), "closed", *caller) : held;
   absl::Status status = info.status();
   if (info.ok()) *response->mutable_session() = *std::move(info);
   metrics_->RecordRequest("CloseSession", static_cast<int>(status.code()), SecondsSince(start));
@@ -718,6 +751,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     if (!queued) {
       AdmittedDone(-1);
       op_memory_.Release();
+      info_memory_.Release();
       ticket_.Release();
       const char* method = MethodOf(request_);
       service_->metrics_->RecordRejected(method);
@@ -730,6 +764,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   void OnWriteDone(bool ok) override {
     watch_->Disarm();
     op_memory_.Release();  // the answer is on its way: its buffers are gone
+    info_memory_.Release();
     ReleaseMessageMemory();
     if (!ok) {
       // The stream is broken (lost, or cancelled, e.g. its answer not taken
@@ -849,6 +884,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       // checked against the limits before anything is reserved.
       RA_ASSIGN_OR_RETURN(const Cost open_cost, PriceOpen(config, request_.open()));
       RA_RETURN_IF_ERROR(CheckCost(open_cost, service_->limits_, "Decode.Open"));
+      RA_RETURN_IF_ERROR(HoldInfoAnswer(config));
       if (request_.open().has_prefix()) {
         // Filling it copies the prefix to f32 (and rotates it): its
         // transient bytes, at 4 bytes an element, twice.
@@ -863,6 +899,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
                                        std::make_shared<const SessionConfig>(std::move(config)),
                                        *principal_));
       return absl::OkStatus();
+    }
+    if ((request_.has_fork() || request_.has_truncate() || request_.has_close()) &&
+        session_ != nullptr) {
+      RA_RETURN_IF_ERROR(HoldInfoAnswer(session_->config()));
     }
     if (request_.has_fork() && session_ != nullptr) {
       RA_ASSIGN_OR_RETURN(ticket_, service_->sessions_->ReserveFork(
@@ -919,6 +959,17 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     return absl::OkStatus();
   }
 
+  // An answer carrying a session's SessionInfo copies its spec and
+  // serializes it: past a 64 KiB slack (as parsing), held from the budget
+  // until it is written.
+  absl::Status HoldInfoAnswer(const SessionConfig& c) {
+    const int64_t bytes = SatAdd(c.spec_memory_bytes, c.spec_wire_bytes);
+    if (bytes <= kInfoAnswerSlackBytes) return absl::OkStatus();
+    RA_ASSIGN_OR_RETURN(info_memory_,
+                        service_->budget_->Reserve(bytes, "this answer's SessionInfo (its spec)"));
+    return absl::OkStatus();
+  }
+
   // Sends response_ (serialized here: the stream's messages are raw bytes).
   void Write() {
     bool own_buffer = false;
@@ -927,6 +978,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     if (!written.ok()) {
       watch_->Disarm();
       op_memory_.Release();
+      info_memory_.Release();
       FinishOnce(grpc::Status(grpc::StatusCode::INTERNAL,
                               absl::StrCat("the answer could not be serialized: ",
                                            written.error_message())));
@@ -1212,6 +1264,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   // Held from the budget while the stream is open (kDecodeStreamBytes).
   MemoryBudget::Reservation overhead_;
   MemoryBudget::Reservation op_memory_;  // the current operation's buffers
+  MemoryBudget::Reservation info_memory_;  // its answer's SessionInfo copy (HoldInfoAnswer)
   // An open's or fork's reserved session room (Admit), used by Process.
   SessionManager::Ticket ticket_;
   std::atomic<int> refs_{1};  // gRPC's, released in OnDone

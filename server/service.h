@@ -26,6 +26,9 @@ namespace ropeattn::server {
 // to its end (gRPC keeps ~20 KiB for a stream however idle; README
 // "Limits").
 inline constexpr int64_t kDecodeStreamBytes = int64_t{32} << 10;
+// An answer's SessionInfo (its spec copied and serialized) up to this size
+// is not held from the budget (as parsing's slack).
+inline constexpr int64_t kInfoAnswerSlackBytes = int64_t{64} << 10;
 
 class Authenticator;
 class DecodeReactor;
@@ -135,6 +138,10 @@ class AttentionServiceImpl final : public RawAttentionService {
                 const v1::EncodeRequest* request, v1::EncodeResponse* response);
   void DoEmbed(UnaryCall* call, grpc::CallbackServerContext* ctx,
                const v1::EmbedRequest* request, v1::EmbedResponse* response);
+  // Holds, for `call`, the memory of a SessionInfo answer about `id` (its
+  // spec copied and serialized) past kInfoAnswerSlackBytes.
+  absl::Status HoldInfoAnswer(UnaryCall* call, const std::string& id, const Principal& caller,
+                              const char* method);
   void DoGetSession(UnaryCall* call, grpc::CallbackServerContext* ctx,
                     const v1::GetSessionRequest* request, v1::SessionInfo* response);
   void DoListSessions(UnaryCall* call, grpc::CallbackServerContext* ctx,

@@ -140,7 +140,8 @@ int64_t FixedBytes(const SessionConfig& c) {
   const int64_t pages = (d.max_context + per_page - 1) / per_page;
   // Saturating: a priced size can be "more than int64" (KvPageBytes), which
   // only a budget of that size would have let open.
-  return std::max<int64_t>(0, SessionOpenCost(d).held_bytes - SatMul(pages, KvPageBytes(d)));
+  return SatAdd(std::max<int64_t>(0, SessionOpenCost(d).held_bytes - SatMul(pages, KvPageBytes(d))),
+                c.spec_memory_bytes);
 }
 
 }  // namespace
@@ -519,6 +520,8 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
     std::shared_ptr<const SessionConfig> config, bool resumable, absl::Duration ttl,
     const Principal& owner, int64_t discount) {
   Cost cost = SessionOpenCost(SessionDimsOf(*config));
+  // The spec it keeps (as opened, for its SessionInfo) is its memory too.
+  cost.held_bytes = SatAdd(cost.held_bytes, config->spec_memory_bytes);
   // The owner's quota counts the whole state; the budget, less the pages a
   // fork shares (they are held, and paid, once).
   // With the state, room for the buffers of its one-token steps, so that
@@ -789,26 +792,40 @@ SessionManager::ListPage SessionManager::PlanList(const Principal& caller,
                                                   const std::string& after, int64_t max_count,
                                                   int64_t max_bytes) const {
   absl::MutexLock lock(&mu_);
-  std::vector<std::pair<const std::string*, int64_t>> mine;
+  struct Entry {
+    const std::string* id;
+    int64_t bytes, memory;
+  };
+  std::vector<Entry> mine;
   for (const auto& [id, s] : sessions_) {
     if (s->owner_ != caller.name && !caller.admin) continue;
     if (id <= after) continue;
-    mine.emplace_back(&id, SessionInfoBytesBound(s->config(), id.size()));
+    const SessionConfig& c = s->config();
+    mine.push_back({&id, SessionInfoBytesBound(c, id.size()),
+                    SatAdd(c.spec_memory_bytes, int64_t{sizeof(v1::SessionInfo)} + 64)});
   }
-  std::sort(mine.begin(), mine.end(),
-            [](const auto& a, const auto& b) { return *a.first < *b.first; });
+  std::sort(mine.begin(), mine.end(), [](const Entry& a, const Entry& b) { return *a.id < *b.id; });
   ListPage page;
-  for (const auto& [id, bytes] : mine) {
+  for (const Entry& e : mine) {
     const bool full = (max_count > 0 && static_cast<int64_t>(page.ids.size()) >= max_count) ||
-                      (!page.ids.empty() && page.bytes + bytes > max_bytes);
+                      (!page.ids.empty() && page.bytes + e.bytes > max_bytes);
     if (full) {
       page.more = true;
       break;
     }
-    page.ids.push_back(*id);
-    page.bytes += bytes;
+    page.ids.push_back(*e.id);
+    page.bytes += e.bytes;
+    page.memory += e.memory;
   }
   return page;
+}
+
+int64_t SessionManager::InfoAnswerBytes(const std::string& id, const Principal& caller) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end() || (it->second->owner_ != caller.name && !caller.admin)) return 0;
+  const SessionConfig& c = it->second->config();
+  return SatAdd(c.spec_memory_bytes, c.spec_wire_bytes);
 }
 
 std::vector<v1::SessionInfo> SessionManager::FillList(const std::vector<std::string>& ids,

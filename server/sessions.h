@@ -60,6 +60,7 @@ struct SessionConfig {
   ResolvedSpec spec;
   v1::AttentionSpec spec_proto;  // as opened, for SessionInfo
   int64_t spec_wire_bytes = 0;   // spec_proto's serialized size (SessionInfoBytesBound)
+  int64_t spec_memory_bytes = 0; // spec_proto's SpaceUsedLong: charged with the session
   DType kv_dtype = DType::kF32;
   bool int8_kv = false;  // OpenSession.kv_dtype DTYPE_INT8 (kv_dtype is then f32)
   DType out_dtype = DType::kF32;
@@ -297,11 +298,15 @@ class SessionManager {
   // most `max_bytes` (one at least), that sum, and whether more follow.
   struct ListPage {
     std::vector<std::string> ids;
-    int64_t bytes = 0;
+    int64_t bytes = 0;   // serialized, at most (SessionInfoBytesBound)
+    int64_t memory = 0;  // the typed copies of their SessionInfo
     bool more = false;
   };
   ListPage PlanList(const Principal& caller, const std::string& after, int64_t max_count,
                     int64_t max_bytes) const;
+  // Memory a SessionInfo answer about session `id` takes (its spec copied and
+  // serialized); 0 when the caller cannot see it.
+  int64_t InfoAnswerBytes(const std::string& id, const Principal& caller) const;
   // The SessionInfo of those of `ids` that still exist, in order.
   std::vector<v1::SessionInfo> FillList(const std::vector<std::string>& ids,
                                         const Principal& caller) const;

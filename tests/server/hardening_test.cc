@@ -285,7 +285,10 @@ TEST_F(HardeningTest, RopeSessionHoldsNoTable) {
   const int64_t plain = open_kv_bytes(false);
   const int64_t with_rope = open_kv_bytes(true);
   EXPECT_GT(plain, 0);
-  EXPECT_EQ(with_rope, plain);
+  // The same state; the RoPE spec itself (kept for SessionInfo and charged)
+  // is a few hundred bytes, a table for 256 positions tens of KiB.
+  EXPECT_GE(with_rope, plain);
+  EXPECT_LT(with_rope - plain, 1024);
 }
 
 // Memory: an idle Decode stream keeps nothing of its last message. Each of

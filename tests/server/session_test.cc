@@ -2011,6 +2011,67 @@ TEST(SessionLimitTest, ListSessionsPagesFitAndOpensWhoseAnswerCannotAreRefused) 
   server->Shutdown(absl::Seconds(1));
 }
 
+// A session keeps its spec for its SessionInfo: unknown fields in it are
+// dropped (they took 5x their wire bytes, outside the budget), and what it
+// keeps is charged with the session. A page_token that is not a session id
+// is refused rather than ending the listing silently.
+TEST(SessionLimitTest, SpecsAreChargedWithoutUnknownFieldsAndPageTokensAreChecked) {
+  auto server = StartTestServer(TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  Config c;
+  c.alibi = true;
+  auto open_kv_bytes = [&](int slopes, int unknown, v1::SessionInfo* info, int heads = 4) {
+    Stream s(stub.get());
+    v1::OpenSession open = MakeOpen(c, 16, /*resumable=*/true);
+    open.mutable_spec()->set_heads(std::max(slopes, heads));
+    open.mutable_spec()->set_kv_heads(1);
+    for (int h = 0; h < slopes; ++h) open.mutable_spec()->mutable_alibi()->add_slopes(0.5);
+    google::protobuf::UnknownFieldSet* extra =
+        open.mutable_spec()->GetReflection()->MutableUnknownFields(open.mutable_spec());
+    for (int i = 0; i < unknown; ++i) extra->AddVarint(1000 + i % 100, i);
+    *info = s.Open(open);
+    EXPECT_TRUE(s.Finish().ok());
+    return info->kv_bytes();
+  };
+  v1::SessionInfo plain, sloped, noisy;
+  const int64_t base = open_kv_bytes(0, 0, &plain);
+  // 16384 heads' slopes (128 KiB) are charged: against the same heads with
+  // the standard slopes (none given).
+  const int64_t with_slopes = open_kv_bytes(16384, 0, &sloped);
+  v1::SessionInfo same_heads;
+  const int64_t without_slopes = open_kv_bytes(0, 0, &same_heads, 16384);
+  EXPECT_GE(with_slopes - without_slopes, 16384 * 8);
+  const int64_t with_unknown = open_kv_bytes(0, 100000, &noisy);
+  EXPECT_LT(with_unknown - base, 1024) << "unknown fields are not kept";
+  for (const v1::SessionInfo* info : {&sloped, &noisy}) {
+    grpc::ClientContext ctx;
+    v1::GetSessionRequest req;
+    req.set_session_id(info->session_id());
+    v1::SessionInfo got;
+    ASSERT_TRUE(stub->GetSession(&ctx, req, &got).ok());
+    EXPECT_EQ(got.spec().GetReflection()->GetUnknownFields(got.spec()).field_count(), 0);
+    EXPECT_EQ(got.spec().alibi().slopes_size(), info == &sloped ? 16384 : 0);
+  }
+  for (const std::string& token :
+       std::vector<std::string>{"nope", std::string(32, 'g'), std::string(31, 'a')}) {
+    grpc::ClientContext ctx;
+    v1::ListSessionsRequest req;
+    req.set_page_token(token);
+    v1::ListSessionsResponse list;
+    const grpc::Status st = stub->ListSessions(&ctx, req, &list);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << token;
+    EXPECT_THAT(st.error_message(), HasSubstr("page_token"));
+  }
+  grpc::ClientContext ctx;
+  v1::ListSessionsRequest req;
+  req.set_page_token(std::string(32, '0'));  // a well-formed token: the listing after it
+  v1::ListSessionsResponse list;
+  ASSERT_TRUE(stub->ListSessions(&ctx, req, &list).ok());
+  EXPECT_EQ(list.sessions_size(), 4);
+  server->Shutdown(absl::Seconds(1));
+}
+
 // Importing a KV prefix is compute (copies, a cos/sin row per token): an
 // open past --max_request_compute is refused before anything is reserved.
 TEST(SessionLimitTest, AnOpensPrefixIsPricedAgainstTheComputeLimit) {
