@@ -487,9 +487,21 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   // level's, else the family's default. GPT-NeoX names it rotary_emb_base
   // and never reads a top-level rope_theta (GPTNeoXConfig).
   RA_ASSIGN_OR_RETURN(std::optional<double> theta, s.Number("rope_theta"));
-  if (!theta.has_value()) {
-    RA_ASSIGN_OR_RETURN(theta, top.Number(family == Family::kGptNeoX ? "rotary_emb_base"
-                                                                      : "rope_theta"));
+  if (family == Family::kGptNeoX) {
+    // transformers 4's GPT-NeoX rotates with rotary_emb_base (default 10000)
+    // and never reads the block's rope_theta; transformers 5 takes the
+    // block's when it has one: refused unless they agree.
+    RA_ASSIGN_OR_RETURN(std::optional<double> base, top.Number("rotary_emb_base"));
+    const double effective_base = base.value_or(theta_default);
+    if (theta.has_value() && *theta != effective_base) {
+      return absl::UnimplementedError(absl::StrFormat(
+          "%s: keys %srope_theta = %g and rotary_emb_base = %g%s disagree: transformers 4's "
+          "GPT-NeoX rotates with rotary_emb_base, transformers 5 with the block's rope_theta",
+          file, s.prefix(), *theta, effective_base, base.has_value() ? "" : " (its default)"));
+    }
+    theta = effective_base;
+  } else if (!theta.has_value()) {
+    RA_ASSIGN_OR_RETURN(theta, top.Number("rope_theta"));
   }
   rope.theta = theta.value_or(theta_default);
 
@@ -518,14 +530,16 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
     RA_ASSIGN_OR_RETURN(std::optional<double> rotary_pct, top.Number("rotary_pct"));
     const double pct = rotary_pct.value_or(0.25);
     const bool from_block = s.Has("partial_rotary_factor");
-    if (!from_block && partial.has_value() && *partial != pct) {
+    if (partial.has_value() && *partial != pct) {
       // GPTNeoXConfig rotates rotary_pct (default 0.25); transformers before
-      // 5 overwrote a top-level partial_rotary_factor with it, 5 may let
-      // that key win when it builds the rotary embedding.
+      // 5 overwrote a top-level partial_rotary_factor with it and never read
+      // the block's, 5 lets either win when it builds the rotary embedding.
+      // (A block's and a top-level one that differ were refused above.)
       return absl::UnimplementedError(absl::StrFormat(
-          "%s: key partial_rotary_factor = %g disagrees with GPT-NeoX's rotary_pct = %g%s: "
+          "%s: key %spartial_rotary_factor = %g disagrees with GPT-NeoX's rotary_pct = %g%s: "
           "transformers versions differ in which one they rotate",
-          file, *partial, pct, rotary_pct.has_value() ? "" : " (its default)"));
+          file, from_block ? s.prefix() : "", *partial, pct,
+          rotary_pct.has_value() ? "" : " (its default)"));
     }
     if (!from_block) partial = pct;
     RA_ASSIGN_OR_RETURN(rope.rotary_dim,
@@ -596,15 +610,49 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   }
 
   RA_ASSIGN_OR_RETURN(std::optional<double> factor, s.Number("factor"));
-  // The trained length: a top-level original_max_position_embeddings wins
-  // over the block's (transformers' standardize_rope_params overwrites the
-  // block with it; before 5, longrope read only the top level). Phi3Config
-  // always has one (default 4096), so a Phi-3 block's is never read.
+  // The trained length. Phi3Config always has a top-level one (default
+  // 4096), so a Phi-3 block's is never read. Elsewhere transformers 5's
+  // standardize_rope_params writes a top-level one over the block's (and
+  // fills an absent one from max_position_embeddings), while transformers 4
+  // read the block's for yarn (else max_position_embeddings) and llama3
+  // (else failed) and only the top level for longrope (else
+  // max_position_embeddings): where the two give different lengths the
+  // config is refused.
   RA_ASSIGN_OR_RETURN(std::optional<int64_t> l0, top.PositiveInt("original_max_position_embeddings"));
   if (!l0.has_value() && family == Family::kPhi3) {
     l0 = 4096;
-  } else if (!l0.has_value()) {
-    RA_ASSIGN_OR_RETURN(l0, s.PositiveInt("original_max_position_embeddings"));
+  } else if (family != Family::kPhi3) {
+    const bool yarn_or_llama3 =
+        sc.type == RopeScalingType::kYarn || sc.type == RopeScalingType::kLlama3;
+    std::optional<int64_t> block_l0;
+    if (!l0.has_value() || yarn_or_llama3) {
+      RA_ASSIGN_OR_RETURN(block_l0, s.PositiveInt("original_max_position_embeddings"));
+    }
+    if (yarn_or_llama3 && l0.has_value() && block_l0.has_value() && *l0 != *block_l0) {
+      return absl::UnimplementedError(absl::StrFormat(
+          "%s: keys original_max_position_embeddings = %d and "
+          "%soriginal_max_position_embeddings = %d disagree: transformers 4's %s reads the "
+          "block's, transformers 5 writes the top-level one over it",
+          file, *l0, s.prefix(), *block_l0, RopeScalingTypeName(sc.type)));
+    }
+    if (sc.type == RopeScalingType::kYarn && l0.has_value() && !block_l0.has_value() &&
+        *l0 != config.max_positions) {
+      return absl::UnimplementedError(absl::StrFormat(
+          "%s: key original_max_position_embeddings = %d differs from "
+          "max_position_embeddings = %d, which transformers 4's yarn uses when %s has no "
+          "original_max_position_embeddings (transformers 5 uses the top-level key)",
+          file, *l0, config.max_positions, block_name));
+    }
+    if (sc.type == RopeScalingType::kLongRope && !l0.has_value() && block_l0.has_value() &&
+        *block_l0 != config.max_positions) {
+      return absl::UnimplementedError(absl::StrFormat(
+          "%s: key %soriginal_max_position_embeddings = %d differs from "
+          "max_position_embeddings = %d: transformers 4's longrope reads only a top-level "
+          "original_max_position_embeddings (else max_position_embeddings), transformers 5 "
+          "the block's",
+          file, s.prefix(), *block_l0, config.max_positions));
+    }
+    if (!l0.has_value()) l0 = block_l0;
   }
   // What the rule needs and how transformers fills it in (core registry).
   const RopeRule& rule = RopeRuleOf(sc.type);

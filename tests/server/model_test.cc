@@ -334,9 +334,12 @@ TEST(ParseModelConfigTest, GptNeoXPartialRotaryHalfSplit) {
 }
 
 // Phi3Config always has a top-level original_max_position_embeddings
-// (default 4096), which transformers writes over the block's; other families'
-// top-level key wins over the block's too (standardize_rope_params).
-TEST(ParseModelConfigTest, TopLevelOriginalLengthWinsAndPhi3DefaultsTo4096) {
+// (default 4096), which transformers writes over the block's. Elsewhere
+// transformers 5 writes a top-level one over the block's, while transformers
+// 4 read the block's for yarn (else max_position_embeddings) and llama3 (else
+// failed) and only the top level for longrope: a length on which the two
+// disagree is refused, one they agree on served.
+TEST(ParseModelConfigTest, TrainedLengthWhereTransformersVersionsAgreeAndPhi3DefaultsTo4096) {
   auto l0_of = [](std::string config) -> int64_t {
     absl::StatusOr<ModelConfig> c = ParseModelConfig(config, "config.json");
     EXPECT_TRUE(c.ok()) << c.status();
@@ -358,17 +361,78 @@ TEST(ParseModelConfigTest, TopLevelOriginalLengthWinsAndPhi3DefaultsTo4096) {
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->rope->scaling.original_max_positions, 4096);  // Phi3Config's default
   EXPECT_EQ(c->rope->scaling.factor, 16384.0 / 4096.0);
-  EXPECT_EQ(l0_of(TinyConfig({}, R"(, "original_max_position_embeddings": 64,
-      "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32})")),
-            64);
-  EXPECT_EQ(l0_of(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
-      "original_max_position_embeddings": 32})")),
+
+  // yarn and llama3 (TinyConfig: llama, max_position_embeddings 128), under
+  // either block name: the block's length alone, or the same one at both levels.
+  const std::string llama3_freqs = R"("low_freq_factor": 1.0, "high_freq_factor": 4.0, )";
+  for (const char* block : {"rope_scaling", "rope_parameters"}) {
+    for (const std::string rule : {"yarn", "llama3"}) {
+      SCOPED_TRACE(absl::StrCat(block, " ", rule));
+      const auto config = [&](absl::string_view top_l0, absl::string_view block_l0) {
+        return TinyConfig(
+            {}, absl::StrCat(top_l0.empty() ? "" : ", \"original_max_position_embeddings\": ",
+                             top_l0, ", \"", block, "\": {\"rope_type\": \"", rule,
+                             "\", \"factor\": 2.0, ", rule == "llama3" ? llama3_freqs : "",
+                             "\"original_max_position_embeddings\": ", block_l0, "}"));
+      };
+      EXPECT_EQ(l0_of(config("", "32")), 32);
+      EXPECT_EQ(l0_of(config("32", "32")), 32);
+      ExpectConfigError(
+          config("64", "32"), absl::StatusCode::kUnimplemented,
+          {"original_max_position_embeddings = 64",
+           absl::StrCat(block, ".original_max_position_embeddings = 32"), rule, "transformers 5"});
+    }
+  }
+  // yarn with the top-level length alone: transformers 4 takes
+  // max_position_embeddings (128), 5 the key; served only when they agree.
+  EXPECT_EQ(l0_of(TinyConfig({}, R"(, "original_max_position_embeddings": 128,
+      "rope_scaling": {"rope_type": "yarn", "factor": 2.0})")),
+            128);
+  ExpectConfigError(
+      TinyConfig({}, R"(, "original_max_position_embeddings": 32,
+      "rope_scaling": {"rope_type": "yarn", "factor": 2.0})"),
+      absl::StatusCode::kUnimplemented,
+      {"original_max_position_embeddings = 32", "max_position_embeddings = 128", "rope_scaling"});
+  // llama3 with the top-level length alone: transformers 4 fails (KeyError),
+  // 5 reads it.
+  EXPECT_EQ(l0_of(TinyConfig({}, R"(, "original_max_position_embeddings": 32,
+      "rope_scaling": {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0})")),
             32);
+  // The same refusal in another family (Qwen2's yarn).
+  ExpectConfigError(
+      R"({"model_type": "qwen2", "hidden_size": 32, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": 16, "num_hidden_layers": 1,
+          "max_position_embeddings": 128, "original_max_position_embeddings": 64,
+          "rope_scaling": {"type": "yarn", "factor": 4,
+                           "original_max_position_embeddings": 32}})",
+      absl::StatusCode::kUnimplemented,
+      {"original_max_position_embeddings = 64",
+       "rope_scaling.original_max_position_embeddings = 32"});
+
+  // longrope outside Phi-3 (head_dim 8: 4 factors each): a top-level length
+  // wins over the block's in both versions; the block's alone is read by 5
+  // only (4 takes max_position_embeddings), served when they agree.
+  const auto longrope = [](absl::string_view top_l0, absl::string_view block_l0) {
+    return TinyConfig(
+        {}, absl::StrCat(
+                top_l0.empty() ? "" : ", \"original_max_position_embeddings\": ", top_l0,
+                R"(, "rope_scaling": {"rope_type": "longrope",
+                              "short_factor": [1, 1, 1, 1], "long_factor": [2, 2, 2, 2])",
+                block_l0.empty() ? "" : ", \"original_max_position_embeddings\": ", block_l0, "}"));
+  };
+  EXPECT_EQ(l0_of(longrope("64", "32")), 64);
+  EXPECT_EQ(l0_of(longrope("64", "")), 64);
+  EXPECT_EQ(l0_of(longrope("", "128")), 128);
+  ExpectConfigError(longrope("", "32"), absl::StatusCode::kUnimplemented,
+                    {"rope_scaling.original_max_position_embeddings = 32",
+                     "max_position_embeddings = 128", "longrope"});
 }
 
 // GPT-NeoX's base is rotary_emb_base (a top-level rope_theta is never read)
-// and its fraction rotary_pct; a top-level partial_rotary_factor that
-// disagrees is one transformers versions read differently: refused.
+// and its fraction rotary_pct; a top-level partial_rotary_factor, or a RoPE
+// block's rope_theta or partial_rotary_factor, that disagrees is one
+// transformers versions read differently: refused.
 TEST(ParseModelConfigTest, GptNeoXReadsRotaryEmbBaseAndRefusesAmbiguousFractions) {
   auto neox = [](absl::string_view extra) {
     return absl::StrCat(R"({"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4,
@@ -389,6 +453,41 @@ TEST(ParseModelConfigTest, GptNeoXReadsRotaryEmbBaseAndRefusesAmbiguousFractions
                     absl::StatusCode::kUnimplemented, {"partial_rotary_factor", "rotary_pct"});
   ExpectConfigError(neox(R"(, "partial_rotary_factor": 0.5)"), absl::StatusCode::kUnimplemented,
                     {"partial_rotary_factor", "0.25"});
+  // A RoPE block's rope_theta and partial_rotary_factor: transformers 4 reads
+  // only rotary_emb_base (default 10000) and rotary_pct (default 0.25),
+  // transformers 5 the block's. Served when they agree, else refused.
+  for (const char* block : {"rope_scaling", "rope_parameters"}) {
+    SCOPED_TRACE(block);
+    const auto with_block = [&](absl::string_view top, absl::string_view inner) {
+      return neox(absl::StrCat(top, ", \"", block, "\": {\"rope_type\": \"default\"", inner, "}"));
+    };
+    c = ParseModelConfig(with_block("", R"(, "rope_theta": 10000)"), "config.json");
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->rope->theta, 10000.0);
+    c = ParseModelConfig(with_block(R"(, "rotary_emb_base": 100)", R"(, "rope_theta": 100)"),
+                         "config.json");
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->rope->theta, 100.0);
+    ExpectConfigError(
+        with_block("", R"(, "rope_theta": 100)"), absl::StatusCode::kUnimplemented,
+        {absl::StrCat(block, ".rope_theta = 100"), "rotary_emb_base = 10000", "its default"});
+    ExpectConfigError(with_block(R"(, "rotary_emb_base": 500)", R"(, "rope_theta": 100)"),
+                      absl::StatusCode::kUnimplemented,
+                      {absl::StrCat(block, ".rope_theta = 100"), "rotary_emb_base = 500"});
+    c = ParseModelConfig(with_block("", R"(, "partial_rotary_factor": 0.25)"), "config.json");
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->rope->rotary_dim, 4);
+    c = ParseModelConfig(with_block(R"(, "rotary_pct": 0.5)", R"(, "partial_rotary_factor": 0.5)"),
+                         "config.json");
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->rope->rotary_dim, 8);
+    ExpectConfigError(
+        with_block("", R"(, "partial_rotary_factor": 0.5)"), absl::StatusCode::kUnimplemented,
+        {absl::StrCat(block, ".partial_rotary_factor = 0.5"), "rotary_pct = 0.25", "its default"});
+    ExpectConfigError(with_block(R"(, "rotary_pct": 0.5)", R"(, "partial_rotary_factor": 1)"),
+                      absl::StatusCode::kUnimplemented,
+                      {absl::StrCat(block, ".partial_rotary_factor = 1"), "rotary_pct = 0.5"});
+  }
   ExpectConfigError(
       TinyConfig({}, R"(, "partial_rotary_factor": 1.0, "rope_scaling": {"rope_type": "default",
           "partial_rotary_factor": 0.5})"),
