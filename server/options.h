@@ -59,6 +59,9 @@ struct ServerOptions {
   // gRPC threads (control calls, health, I/O) run at the process's own
   // priority and preempt compute; 0 keeps them equal.
   int compute_nice = 10;
+  // Health Watch and reflection streams open at once (not a flag; tests
+  // lower it).
+  int max_service_streams = 1024;
   // Largest message either way. 256 MiB holds a [1, 8192, 32, 128] f32
   // q, k and v prefill with room to spare.
   int64_t max_message_bytes = int64_t{256} << 20;

@@ -356,8 +356,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   // Request ids, error answers and the access log, for every method.
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(MakeCallLogFactory(options.access_log, m.metrics.get()));
-  // Health Watch and reflection streams held from the memory budget.
-  interceptors.push_back(MakeStreamChargeFactory(m.budget.get(), kDecodeStreamBytes));
+  // Health Watch and reflection streams: at most max_service_streams at once.
+  interceptors.push_back(MakeStreamChargeFactory(options.max_service_streams));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   m.grpc_server = builder.BuildAndStart();
   if (m.grpc_server == nullptr) {

@@ -1,8 +1,8 @@
 #include "server/stream_charge.h"
 
+#include <atomic>
 #include <utility>
 
-#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/server_context.h"
 #include "server/log.h"
@@ -19,21 +19,25 @@ namespace {
 
 class StreamCharge final : public grpc::experimental::Interceptor {
  public:
-  StreamCharge(grpc::experimental::ServerRpcInfo* info, MemoryBudget* budget, int64_t bytes)
-      : info_(info), budget_(budget), bytes_(bytes) {}
+  StreamCharge(grpc::experimental::ServerRpcInfo* info, std::atomic<int>* open, int max)
+      : info_(info), open_(open), max_(max) {}
+  ~StreamCharge() override {
+    if (counted_) open_->fetch_sub(1, std::memory_order_relaxed);
+  }
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
-    if (!charged_ &&
+    if (!seen_ &&
         methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_INITIAL_METADATA)) {
-      charged_ = true;
-      absl::StatusOr<MemoryBudget::Reservation> held =
-          budget_->Reserve(bytes_, absl::StrCat("an open ", info_->method(), " stream"));
-      if (held.ok()) {
-        held_ = *std::move(held);
+      seen_ = true;
+      if (open_->fetch_add(1, std::memory_order_relaxed) < max_) {
+        counted_ = true;
       } else {
+        open_->fetch_sub(1, std::memory_order_relaxed);
         LogEvent(LogLevel::kWarning, "stream_refused",
-                 {{"method", info_->method()}, {"message", held.status().message()}});
+                 {{"method", info_->method()},
+                  {"message", absl::StrCat(max_, " health Watch and reflection streams are open "
+                                                 "already (their limit)")}});
         info_->server_context()->TryCancel();
       }
     }
@@ -42,32 +46,32 @@ class StreamCharge final : public grpc::experimental::Interceptor {
 
  private:
   grpc::experimental::ServerRpcInfo* const info_;
-  MemoryBudget* const budget_;
-  const int64_t bytes_;
-  bool charged_ = false;
-  MemoryBudget::Reservation held_;  // until the call ends (this is deleted)
+  std::atomic<int>* const open_;
+  const int max_;
+  bool seen_ = false;
+  bool counted_ = false;  // until the call ends (this is deleted)
 };
 
 class StreamChargeFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  StreamChargeFactory(MemoryBudget* budget, int64_t bytes) : budget_(budget), bytes_(bytes) {}
+  explicit StreamChargeFactory(int max) : max_(max) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
     // gRPC takes a null interceptor as none for this call.
     if (!IsChargedStream(info->method())) return nullptr;
-    return new StreamCharge(info, budget_, bytes_);
+    return new StreamCharge(info, &open_, max_);
   }
 
  private:
-  MemoryBudget* const budget_;
-  const int64_t bytes_;
+  const int max_;
+  std::atomic<int> open_{0};
 };
 
 }  // namespace
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeStreamChargeFactory(
-    MemoryBudget* budget, int64_t stream_bytes) {
-  return std::make_unique<StreamChargeFactory>(budget, stream_bytes);
+    int max_streams) {
+  return std::make_unique<StreamChargeFactory>(max_streams);
 }
 
 }  // namespace ropeattn::server

@@ -2,9 +2,11 @@
 //
 // A health Watch or a reflection stream stays open as long as its client
 // likes, and gRPC keeps some 18-30 KiB for each: 14,000 idle Watch streams
-// took 260 MiB outside a 32 MiB budget. Like an open Decode stream, each is
-// charged kStreamBytes from the memory budget from its start to its end; one
-// the budget cannot pay for is cancelled at once.
+// took 260 MiB outside a 32 MiB budget. At most `max_streams` are open at
+// once (ServerOptions::max_service_streams, 1024: some 32 MiB); one past it
+// is cancelled at once.
+// They are not charged to the memory budget: health needs no token, and
+// unauthenticated Watch streams filling the budget refused everyone's work.
 #ifndef ROPEATTN_SERVER_STREAM_CHARGE_H_
 #define ROPEATTN_SERVER_STREAM_CHARGE_H_
 
@@ -13,7 +15,6 @@
 
 #include "absl/strings/string_view.h"
 #include "grpcpp/support/server_interceptor.h"
-#include "server/cost.h"
 
 namespace ropeattn::server {
 
@@ -21,9 +22,8 @@ namespace ropeattn::server {
 // gRPC's health or reflection service, which the charge applies to.
 bool IsChargedStream(absl::string_view method);
 
-// `budget` (not owned) outlives the server.
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeStreamChargeFactory(
-    MemoryBudget* budget, int64_t stream_bytes);
+    int max_streams);
 
 }  // namespace ropeattn::server
 
