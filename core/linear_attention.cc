@@ -161,15 +161,19 @@ absl::StatusOr<RopeRows> MakeRopeRows(const RopeRotator& rope,
 // |R phi(k)| |v| that vanish only in the dot product with R phi(q), so fp64
 // rounding of order u |R phi(q)| sum_s |R phi(k_s)| |v_s| is divided by the
 // denominator. a_state [batch, kv_heads, v_dim] keeps
-// sum_s ||R_s phi(k_s)||_2 |v_s|; an answer whose rounding bound, with the
-// usual sqrt(n) growth of a sum of n terms, is not 2^-24 below the row's
-// largest output is refused (UNIMPLEMENTED) rather than answered inexactly:
-// keys near -30 and features of 1e4 that cancel gave answers 35-82% off.
-// `before`: tokens already summed into the state.
+// sum_s ||R_s phi(k_s)||_2 |v_s| for that estimate (a dot product of d terms
+// and the usual sqrt(n) growth of a sum of n). It is weighed against the
+// answer's scale: the larger of its largest output and of the unrotated
+// weighted mean of |v|, sum_s <phi(q), phi(k_s)> |v_s| / den, which
+// p_state [batch, kv_heads, head_dim, v_dim] (sum_s phi(k_s) |v_s|^T) gives
+// (so values that cancel to an exact 0 are not refused). An answer whose
+// estimate is not 2^-24 below that scale is refused (UNIMPLEMENTED) rather
+// than answered inexactly: keys near -30 and features of 1e4 that cancel
+// gave answers 35-82% off. `before`: tokens already summed into the state.
 absl::Status RunRecurrence(const Shapes& sh, const ConstTensorView& q, const ConstTensorView& k,
                            const ConstTensorView& v, const LinearAttentionOptions& options,
                            const RopeRows* rope_rows, TensorView out, double* s_state,
-                           double* z_state, double* a_state, int64_t before) {
+                           double* z_state, double* a_state, double* p_state, int64_t before) {
   const int64_t d = sh.head_dim;
   const int64_t dv = sh.v_dim;
   const int64_t group = sh.kv_heads == 0 ? 1 : sh.heads / sh.kv_heads;
@@ -192,7 +196,8 @@ absl::Status RunRecurrence(const Shapes& sh, const ConstTensorView& q, const Con
     double* S = s_state + task * d * dv;
     double* z = z_state + task * d;
     double* a = a_state + task * dv;
-    std::vector<double> phik(d), rk(d), vrow(dv), phiq(d), rq(d), num(dv);
+    double* P = p_state + task * d * dv;
+    std::vector<double> phik(d), rk(d), vrow(dv), vabs(dv), phiq(d), rq(d), num(dv), mean(dv);
     for (int64_t t = 0; t < sh.seq; ++t) {
       const float* cos_row = nullptr;
       const float* sin_row = nullptr;
@@ -205,13 +210,19 @@ absl::Status RunRecurrence(const Shapes& sh, const ConstTensorView& q, const Con
       rk = phik;
       if (rope_rows != nullptr) Rotate(rk.data(), cos_row, sin_row, rotary_dim, interleaved);
       LoadRow(v, b, t, kvh, vrow.data());
+      for (int64_t e = 0; e < dv; ++e) vabs[e] = std::fabs(vrow[e]);
       double rk_norm = 0;
       for (int64_t i = 0; i < d; ++i) {
         z[i] += phik[i];
         rk_norm += rk[i] * rk[i];
         double* srow = S + i * dv;
+        double* prow = P + i * dv;
         const double ri = rk[i];
-        for (int64_t e = 0; e < dv; ++e) srow[e] += ri * vrow[e];
+        const double pi = phik[i];
+        for (int64_t e = 0; e < dv; ++e) {
+          srow[e] += ri * vrow[e];
+          prow[e] += pi * vabs[e];
+        }
       }
       rk_norm = std::sqrt(rk_norm);
       for (int64_t e = 0; e < dv; ++e) a[e] += rk_norm * std::fabs(vrow[e]);
@@ -227,24 +238,30 @@ absl::Status RunRecurrence(const Shapes& sh, const ConstTensorView& q, const Con
         double den = options.eps;
         double rq_norm = 0;
         std::fill(num.begin(), num.end(), 0.0);
+        std::fill(mean.begin(), mean.end(), 0.0);
         for (int64_t i = 0; i < d; ++i) {
           den += phiq[i] * z[i];
           rq_norm += rq[i] * rq[i];
           const double* srow = S + i * dv;
+          const double* prow = P + i * dv;
           const double ri = rq[i];
-          for (int64_t e = 0; e < dv; ++e) num[e] += ri * srow[e];
+          const double qi = phiq[i];
+          for (int64_t e = 0; e < dv; ++e) {
+            num[e] += ri * srow[e];
+            mean[e] += qi * prow[e];
+          }
         }
-        for (int64_t e = 0; e < dv; ++e) num[e] /= den;
-        double size = 0, bound = 0;
+        double scale = 0, estimate = 0;
         for (int64_t e = 0; e < dv; ++e) {
-          size = std::max(size, std::fabs(num[e]));
-          bound = std::max(bound, a[e]);
+          num[e] /= den;
+          scale = std::max({scale, std::fabs(num[e]), mean[e] / den});
+          estimate = std::max(estimate, a[e]);
         }
-        bound *= gamma * std::sqrt(rq_norm) / den;
-        if (bound > 0x1p-24 * size && inexact_token[task] < 0) {
+        estimate *= gamma * std::sqrt(rq_norm) / den;
+        if (estimate > 0x1p-24 * scale && inexact_token[task] < 0) {
           inexact_token[task] = t;
           inexact_head[task] = h;
-          inexact_ratio[task] = size > 0 ? bound / size : INFINITY;
+          inexact_ratio[task] = scale > 0 ? estimate / scale : INFINITY;
         }
         if (!StoreRow(out, b, t, h, num.data()) && bad_token[task] < 0) {
           bad_token[task] = t;
@@ -257,8 +274,8 @@ absl::Status RunRecurrence(const Shapes& sh, const ConstTensorView& q, const Con
     if (inexact_token[task] >= 0) {
       return absl::UnimplementedError(absl::StrFormat(
           "linear attention out[%d, %d, %d, :]: the rotated numerator cancels so far that fp64 "
-          "rounding could reach %.2g of the answer's size (more than f32 rounding): not "
-          "computed. Its features are large and nearly orthogonal, with a small denominator",
+          "rounding could reach about %.2g of the answer's scale (more than f32 rounding): not "
+          "computed. Its q and k features are large against a denominator near eps",
           task / sh.kv_heads, inexact_token[task], inexact_head[task], inexact_ratio[task]));
     }
     if (bad_token[task] >= 0) {
@@ -287,8 +304,9 @@ absl::Status LinearAttend(ConstTensorView q, ConstTensorView k, ConstTensorView 
   std::vector<double> s_state(sh.batch * sh.kv_heads * sh.head_dim * sh.v_dim, 0.0);
   std::vector<double> z_state(sh.batch * sh.kv_heads * sh.head_dim, 0.0);
   std::vector<double> a_state(sh.batch * sh.kv_heads * sh.v_dim, 0.0);
+  std::vector<double> p_state(s_state.size(), 0.0);
   return RunRecurrence(sh, q, k, v, options, options.rope != nullptr ? &rows : nullptr, out,
-                       s_state.data(), z_state.data(), a_state.data(), 0);
+                       s_state.data(), z_state.data(), a_state.data(), p_state.data(), 0);
 }
 
 absl::StatusOr<LinearAttentionState> LinearAttentionState::Create(int64_t batch, int64_t kv_heads,
@@ -308,11 +326,12 @@ absl::StatusOr<LinearAttentionState> LinearAttentionState::Create(int64_t batch,
   state.s_.assign(s_size, 0.0);
   state.z_.assign(batch * kv_heads * head_dim, 0.0);
   state.a_.assign(batch * kv_heads * v_dim, 0.0);
+  state.p_.assign(s_size, 0.0);
   return state;
 }
 
 int64_t LinearAttentionState::byte_size() const {
-  return static_cast<int64_t>((s_.size() + z_.size() + a_.size()) * sizeof(double));
+  return static_cast<int64_t>((s_.size() + z_.size() + a_.size() + p_.size()) * sizeof(double));
 }
 
 absl::Status LinearAttentionState::Step(ConstTensorView q, ConstTensorView k, ConstTensorView v,
@@ -339,11 +358,14 @@ absl::Status LinearAttentionState::Step(ConstTensorView q, ConstTensorView k, Co
   std::vector<double> s_next = s_;
   std::vector<double> z_next = z_;
   std::vector<double> a_next = a_;
+  std::vector<double> p_next = p_;
   RA_RETURN_IF_ERROR(RunRecurrence(sh, q, k, v, options, options.rope != nullptr ? &rows : nullptr,
-                                   out, s_next.data(), z_next.data(), a_next.data(), position_));
+                                   out, s_next.data(), z_next.data(), a_next.data(),
+                                   p_next.data(), position_));
   s_ = std::move(s_next);
   z_ = std::move(z_next);
   a_ = std::move(a_next);
+  p_ = std::move(p_next);
   position_ += sh.seq;
   return absl::OkStatus();
 }

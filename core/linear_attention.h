@@ -64,7 +64,7 @@ class LinearAttentionState {
   int64_t kv_heads() const { return kv_heads_; }
   int64_t head_dim() const { return head_dim_; }
   int64_t v_dim() const { return v_dim_; }
-  // Bytes held by S, z and the rounding bound's sums.
+  // Bytes held by S, z and the rounding estimate's sums (a, P).
   int64_t byte_size() const;
 
  private:
@@ -72,7 +72,8 @@ class LinearAttentionState {
   int64_t position_ = 0;
   std::vector<double> s_;  // [batch, kv_heads, head_dim, v_dim]
   std::vector<double> z_;  // [batch, kv_heads, head_dim]
-  std::vector<double> a_;  // [batch, kv_heads, v_dim]: sum_s ||R_s phi(k_s)|| |v_s| (rounding bound)
+  std::vector<double> a_;  // [batch, kv_heads, v_dim]: sum_s ||R_s phi(k_s)|| |v_s| (rounding)
+  std::vector<double> p_;  // [batch, kv_heads, head_dim, v_dim]: sum_s phi(k_s) |v_s|^T (scale)
 };
 
 }  // namespace ropeattn

@@ -235,14 +235,18 @@ int64_t KvPageBytes(const SessionDims& d) {
   return bytes;
 }
 
+int64_t LinearStateBytes(const SessionDims& d) {
+  return SatMul(SatAdd(SatProduct({d.kv_heads, d.head_dim, SatAdd(SatMul(d.v_dim, 2), 1)}),
+                       SatMul(d.kv_heads, d.v_dim)),
+                8);
+}
+
 Cost SessionOpenCost(const SessionDims& d) {
   Cost c;
   if (d.linear) {
-    // LinearAttentionState: S [kv_heads, head_dim, v_dim], z [kv_heads,
-    // head_dim] and a [kv_heads, v_dim], fp64.
-    c.held_bytes = SatMul(SatAdd(SatProduct({d.kv_heads, d.head_dim, SatAdd(d.v_dim, 1)}),
-                                 SatMul(d.kv_heads, d.v_dim)),
-                          8);
+    // LinearAttentionState: S and P [kv_heads, head_dim, v_dim], z
+    // [kv_heads, head_dim] and a [kv_heads, v_dim], fp64.
+    c.held_bytes = LinearStateBytes(d);
   } else {
     // Pages: f32 tiles, int8 rows and a 4-byte scale per (token, kv head),
     // or rows of kv_dtype, for K and V.
@@ -288,9 +292,12 @@ Cost StepCost(const SessionDims& s, const StepDims& d) {
   }
   c.transient_bytes = Sum({SatMul(d.wire_bytes, 2), SatMul(SatAdd(q_el, kv_el), 8), SatMul(out_el, 8),
                            SatMul(answer_el, 8), c.reply_bytes, attention});
+  // A linear step works on a copy of the state (a failure leaves it as it was).
+  if (s.linear) c.transient_bytes = SatAdd(c.transient_bytes, LinearStateBytes(s));
   int64_t compute = 0;
   if (s.linear) {
-    compute = SatProduct({d.tokens, d.heads, s.head_dim, SatAdd(s.v_dim, 1), 2});
+    // S and P updated per kv head, read per head; z and a beside them.
+    compute = SatProduct({d.tokens, d.heads, s.head_dim, SatAdd(s.v_dim, 1), 4});
   } else {
     compute = SatMul(SatProduct({d.heads, d.tokens, new_len}),
                      Sum({s.head_dim, s.v_dim, kElementWeight}));

@@ -105,6 +105,8 @@ struct SessionDims {
 // raw keys; no RoPE table: each step computes its positions' rows). Paged KV (token-major and int8, core/decode_state.h)
 // is charged as max_context rounded up to whole pages.
 Cost SessionOpenCost(const SessionDims& d);
+// Bytes of a LinearAttentionState of these dims (batch 1).
+int64_t LinearStateBytes(const SessionDims& d);
 // Tokens of one KV page (DecodeState::PageTokensOf the session's storage:
 // KvCache::kTile for f32 tiles, DecodeState::kPageTokens otherwise), 0 for
 // a linear state.

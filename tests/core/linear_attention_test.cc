@@ -484,6 +484,23 @@ TEST(LinearAttentionStateTest, CancellingNumeratorsAreRefusedNotAnsweredInexactl
   EXPECT_EQ(LinearAttend(q.cview(), k.cview(), v.cview(), Positions{}, options, all.view()).code(),
             absl::StatusCode::kUnimplemented);
 
+  // Values that cancel to an exact 0 (identical keys, v then -v) are not
+  // refused: the answer's scale is the weighted mean of |v|, not |out|.
+  Tensor zq = Tensor::Create(DType::kF32, {1, 2, 1, 4}).value();
+  Tensor zk = Tensor::Create(DType::kF32, {1, 2, 1, 4}).value();
+  Tensor zv = Tensor::Create(DType::kF32, {1, 2, 1, 4}).value();
+  for (int64_t i = 0; i < 8; ++i) {
+    zq.data<float>()[i] = 0.5f;
+    zk.data<float>()[i] = 0.25f;
+    zv.data<float>()[i] = (i < 4 ? 1.0f : -1.0f) * static_cast<float>(1 + i % 4);
+  }
+  Tensor zout = Tensor::Create(DType::kF32, {1, 2, 1, 4}).value();
+  options.rope = nullptr;
+  const absl::Status zero =
+      LinearAttend(zq.cview(), zk.cview(), zv.cview(), Positions{}, options, zout.view());
+  ASSERT_TRUE(zero.ok()) << zero;
+  for (int64_t e = 0; e < 4; ++e) EXPECT_EQ(zout.data<float>()[4 + e], 0.0f);
+
   const int64_t n = 20000;
   Tensor lq = RandomTensor(DType::kF32, {1, n, 2, 16}, 78);
   Tensor lk = RandomTensor(DType::kF32, {1, n, 2, 16}, 79);
@@ -503,7 +520,7 @@ TEST(LinearAttentionStateTest, CreateAndByteSize) {
   EXPECT_EQ(s.head_dim(), 64);
   EXPECT_EQ(s.v_dim(), 48);
   EXPECT_EQ(s.position(), 0);
-  EXPECT_EQ(s.byte_size(), (2 * 3 * 64 * 48 + 2 * 3 * 64 + 2 * 3 * 48) * 8);
+  EXPECT_EQ(s.byte_size(), (2 * 2 * 3 * 64 * 48 + 2 * 3 * 64 + 2 * 3 * 48) * 8);
   for (auto sizes : {std::vector<int64_t>{0, 1, 1, 1}, std::vector<int64_t>{1, -1, 1, 1},
                      std::vector<int64_t>{1, 1, 0, 1}, std::vector<int64_t>{1, 1, 1, 0}}) {
     const auto bad = LinearAttentionState::Create(sizes[0], sizes[1], sizes[2], sizes[3]);

@@ -1438,12 +1438,9 @@ TEST(HardeningInlineTest, SmallAttendAnswersTheSameBytesInlineAndQueued) {
   }
   EXPECT_FALSE(idle.empty());
   EXPECT_TRUE(idle == queued);
-  // Three Attends timed in the queue histogram; only the small one sent
-  // while the long one ran waited more than 10 ms (for the worker).
+  // Three Attends timed in the queue histogram (how long each waited is
+  // timing, which a loaded CI machine stretches: not asserted).
   EXPECT_EQ(queued_total(), 3);
-  EXPECT_EQ(MetricValue(server->metrics().RenderPrometheus(),
-                        "ropeattn_queue_seconds_bucket{method=\"Attend\",le=\"0.01\"}"),
-            2);
 }
 
 // Opening (and closing) a session never waits behind running kernels.
