@@ -652,7 +652,11 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     service_->Register(this);
     // A caller the server cannot authenticate is answered now, not after
     // its first message: an open stream costs memory however idle it is.
+    // Refused as it starts: counted under Decode with its code, as a stream
+    // ended by a message that does not parse is.
     if (!principal_.ok()) {
+      service_->metrics_->RecordRequest("Decode", static_cast<int>(principal_.status().code()),
+                                        0.0);
       FinishOnce(ToGrpcStatus(principal_.status()));
       return;
     }
@@ -662,6 +666,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     absl::StatusOr<MemoryBudget::Reservation> overhead =
         service_->budget_->Reserve(kDecodeStreamBytes, "an open Decode stream");
     if (!overhead.ok()) {
+      service_->metrics_->RecordRequest("Decode", static_cast<int>(overhead.status().code()),
+                                        0.0);
       FinishOnce(ToGrpcStatus(overhead.status()));
       return;
     }

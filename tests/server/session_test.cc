@@ -771,6 +771,9 @@ TEST(DecodeStreamBudgetTest, IdleStreamsHoldTheirShareOfTheBudget) {
     const grpc::Status st = refused.Finish();
     EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
     EXPECT_THAT(st.error_message(), HasSubstr("an open Decode stream"));
+    // Counted under Decode with its code (it was missing from the metrics).
+    EXPECT_THAT(server->metrics().RenderPrometheus(),
+                HasSubstr("ropeattn_requests_total{method=\"Decode\",code=\"RESOURCE_EXHAUSTED\"} 1"));
   }
   EXPECT_TRUE(eventually([&] { return in_use() == 0; })) << in_use();
   // With the streams gone, a new one opens a session as usual.
