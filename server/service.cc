@@ -340,6 +340,20 @@ absl::Duration AttentionServiceImpl::QueueRetryHint(const Executor::Ahead& ahead
   return std::clamp(absl::Seconds(seconds), absl::Milliseconds(1), absl::Seconds(10));
 }
 
+absl::Duration AttentionServiceImpl::CanaryAllowance() const {
+  constexpr double kUnmeasuredUnitsPerSecond = 1e9;
+  const Executor::Ahead ahead = executor_->WorkAhead("", 1);
+  double seconds = 0;
+  for (const auto* work : {&ahead.running, &ahead.queued}) {
+    for (const auto& [kind, units] : *work) {
+      const std::optional<double> s = admission_.ServiceSeconds(kind, units);
+      seconds += s.has_value() ? *s : static_cast<double>(units) / kUnmeasuredUnitsPerSecond;
+    }
+  }
+  seconds /= std::max(1, executor_->workers());
+  return std::min(absl::Seconds(20) + absl::Seconds(2 * seconds), absl::Hours(1));
+}
+
 template <typename PriceFn, typename RunFn>
 void AttentionServiceImpl::RunOnExecutor(UnaryCall* call, grpc::CallbackServerContext* ctx,
                                          const char* method, PriceFn price, RunFn run,

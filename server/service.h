@@ -182,6 +182,13 @@ class AttentionServiceImpl final : public RawAttentionService {
   // work running now should be done (admission's measured rates, spread
   // over the workers), within [1 ms, 10 s]; 100 ms before any rate is known.
   absl::Duration QueueRetryHint(const Executor::Ahead& ahead) const;
+ public:
+  // How long the health canary, queued now, may take before it counts as
+  // failed: 20 s plus twice the estimated time of the work ahead of it
+  // (at the measured rates; 1e9 units/s for a kind not measured yet),
+  // at most an hour. An admitted request of 25 s made health NOT_SERVING.
+  absl::Duration CanaryAllowance() const;
+ private:
   void Register(DecodeReactor* r);
   void Unregister(DecodeReactor* r);
 
