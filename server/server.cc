@@ -391,6 +391,7 @@ int Server::metrics_port() const { return impl_->http ? impl_->http->port() : 0;
 
 SessionManager& Server::sessions() { return *impl_->sessions; }
 Metrics& Server::metrics() { return *impl_->metrics; }
+absl::Duration Server::CanaryAllowance() const { return impl_->service->CanaryAllowance(); }
 
 void Server::SetServingForTest(bool serving) {
   impl_->forced_not_serving = !serving;

@@ -41,6 +41,8 @@ class Server {
 
   SessionManager& sessions();
   Metrics& metrics();
+  // How long the health canary queued now may take (see CanaryAllowance).
+  absl::Duration CanaryAllowance() const;
   const ServerOptions& options() const { return options_; }
   // For tests: marks health NOT_SERVING as if the compute path were broken.
   void SetServingForTest(bool serving);

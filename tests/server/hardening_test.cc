@@ -1401,6 +1401,26 @@ class BusyWorker {
   std::thread thread_;
 };
 
+// The health canary waits behind admitted work as long as that work should
+// take: 20 s on an idle server, more behind a running request (an admitted
+// 25 s prefill step made health NOT_SERVING). Estimates, not timings: no
+// clock is asserted.
+TEST(HardeningInlineTest, TheCanaryWaitsAsLongAsTheWorkAheadOfIt) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.max_queue_delay_seconds = 0;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  EXPECT_EQ(server->CanaryAllowance(), absl::Seconds(20));
+  {
+    BusyWorker busy(*server);
+    ASSERT_FALSE(busy.done());
+    EXPECT_GT(server->CanaryAllowance(), absl::Seconds(20));
+    EXPECT_LE(server->CanaryAllowance(), absl::Hours(1));
+  }
+  EXPECT_EQ(server->CanaryAllowance(), absl::Seconds(20));
+}
+
 // A small Attend runs on the gRPC thread when the worker is idle and waits
 // for the worker when it is busy; its answer is the same bytes either way
 // (its keys are cut for threads_per_call, not for the thread it ran on).
