@@ -14,6 +14,7 @@
 // as the bf16 primitive does; only the summation order may differ.
 #include "core/gemm.h"
 
+#include <cpuid.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -314,30 +315,148 @@ absl::Status Gemm(int64_t m, int64_t n, int64_t k, const MatOperand& a, const Ma
   return status;
 }
 
+bool Bf16GemmFlushes() {
+  static const bool flushes = [] {
+    if (!NativeBf16Matmul()) return false;  // widened to f32: nothing is flushed
+    // Without AVX512_BF16 (CPUID leaf 7.1 EAX bit 5) or AMX-BF16 (leaf 7.0
+    // EDX bit 22) oneDNN computes bf16 matmuls with f32 FMAs, which keep
+    // subnormals (checked on an avx512_bf16 host under ONEDNN_MAX_CPU_ISA=
+    // AVX512_CORE and AVX512_CORE_VNNI: subnormal inputs, products and sums
+    // came back exact; under AVX512_CORE_BF16 all three came back 0).
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    bool bf16 = false;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
+      bf16 = (edx >> 22) & 1;
+      if (eax >= 1 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) bf16 |= (eax >> 5) & 1;
+    }
+    if (!bf16) return false;
+    // The same when ONEDNN_MAX_CPU_ISA keeps oneDNN below those instructions.
+    // Any other answer (including ISAs this code does not know) counts as
+    // flushing: a needless repair costs time, a missing one exactness.
+    const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
+    return isa != dnnl::cpu_isa::avx512_core && isa != dnnl::cpu_isa::avx512_core_vnni;
+  }();
+  return flushes;
+}
+
 namespace {
+
+// Rows `rows` of the bf16 a (k columns), dense in `out` ([rows.size(), k]).
+void GatherRows(const MatOperand& a, int64_t k, const std::vector<int64_t>& rows,
+                std::vector<uint16_t>& out) {
+  const auto* ap = static_cast<const uint16_t*>(a.data);
+  out.resize(rows.size() * static_cast<size_t>(k));
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const uint16_t* src = ap + rows[i] * a.row_stride;
+    uint16_t* dst = out.data() + i * k;
+    if (a.col_stride == 1) {
+      std::memcpy(dst, src, k * sizeof(uint16_t));
+    } else {
+      for (int64_t t = 0; t < k; ++t) dst[t] = src[t * a.col_stride];
+    }
+  }
+}
+
+// The widened f32 GEMM of rows x b[:, cols] on `threads` threads, written to
+// those rows and columns of c. `rows` / `cols` empty mean all of them (no
+// gather).
+absl::Status RedoWidenedOrThrow(int64_t m, int64_t n, int64_t k, const MatOperand& a,
+                                const MatOperand& b, const std::vector<int64_t>& rows,
+                                const std::vector<int64_t>& cols, float* c, int64_t ldc,
+                                int threads) {
+  const bool all_rows = rows.empty(), all_cols = cols.empty();
+  const int64_t rr = all_rows ? m : static_cast<int64_t>(rows.size());
+  const int64_t cc = all_cols ? n : static_cast<int64_t>(cols.size());
+  std::vector<uint16_t> ga, gb;
+  MatOperand ra = a, rb = b;
+  if (!all_rows) {
+    GatherRows(a, k, rows, ga);
+    ra = MatOperand{ga.data(), DType::kBF16, k, 1};
+  }
+  if (!all_cols) {
+    // Column j of b as row j of a [cc, k] matrix: b[:, cols] column-major.
+    const auto* bp = static_cast<const uint16_t*>(b.data);
+    gb.resize(static_cast<size_t>(cc) * static_cast<size_t>(k));
+    for (int64_t i = 0; i < cc; ++i) {
+      const uint16_t* src = bp + cols[i] * b.col_stride;
+      uint16_t* dst = gb.data() + i * k;
+      if (b.row_stride == 1) {
+        std::memcpy(dst, src, k * sizeof(uint16_t));
+      } else {
+        for (int64_t t = 0; t < k; ++t) dst[t] = src[t * b.row_stride];
+      }
+    }
+    rb = MatOperand{gb.data(), DType::kBF16, 1, k};
+  }
+  const bool direct = all_rows && all_cols;  // everything redone: in place
+  std::vector<float> out(direct ? 0 : static_cast<size_t>(rr) * static_cast<size_t>(cc));
+  const int saved = omp_get_max_threads();
+  if (saved != threads) omp_set_num_threads(threads);
+  const absl::Status st = direct ? RunWidened(m, n, k, ra, rb, c, ldc, threads)
+                                 : RunWidened(rr, cc, k, ra, rb, out.data(), cc, threads);
+  if (saved != threads) omp_set_num_threads(saved);
+  if (!st.ok() || direct) return st;
+  for (int64_t i = 0; i < rr; ++i) {
+    float* crow = c + (all_rows ? i : rows[i]) * ldc;
+    const float* src = out.data() + i * cc;
+    if (all_cols) {
+      std::memcpy(crow, src, cc * sizeof(float));
+    } else {
+      for (int64_t j = 0; j < cc; ++j) crow[cols[j]] = src[j];
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RedoWidened(int64_t m, int64_t n, int64_t k, const MatOperand& a, const MatOperand& b,
+                         const std::vector<int64_t>& rows, const std::vector<int64_t>& cols,
+                         float* c, int64_t ldc, int threads) {
+  try {
+    return RedoWidenedOrThrow(m, n, k, a, b, rows, cols, c, ldc, threads);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "no memory to redo %d rows x %d columns of a bf16 [%d x %d] * [%d x %d] matmul in f32",
+        rows.empty() ? m : static_cast<int64_t>(rows.size()),
+        cols.empty() ? n : static_cast<int64_t>(cols.size()), m, k, k, n));
+  }
+}
 
 // A bf16 GEMM on AVX512-BF16 treats subnormal inputs, products and partial
 // sums as zero. With no subnormal in a's row, each flush loses less than
 // FLT_MIN times the larger of 1 and the row's largest |a| (a subnormal b
 // times an a; a product or a partial sum below FLT_MIN), and a dot product of
 // k terms has fewer than 2k of them. Where that bound is not 2^-24 below |c|
-// (f32 rounding), the element is recomputed from the same bf16 values in
-// double. A row with a subnormal input, or with many such elements, goes
-// through the f32 GEMM on the same bf16 values instead (exact products).
+// (f32 rounding), the element is suspect. The suspect elements are redone
+// from the same bf16 values in an f32 GEMM (exact products, f32 sums): the
+// rows that hold any, times the distinct columns that hold any, gathered
+// into one multithreaded GEMM, so that zero weight rows (pruned or padded
+// outputs, exactly 0 in every row) cost a GEMM of those columns. A row with a
+// subnormal input, and every suspect row when the columns are over half of
+// n, is redone whole.
 absl::Status FlushRepair(int64_t m, int64_t n, int64_t k, const MatOperand& a,
                          const MatOperand& b, const float* row_top, float* c, int64_t ldc,
                          int num_threads) {
-  if (!NativeBf16Matmul()) return absl::OkStatus();  // widened: nothing flushed
+  if (!Bf16GemmFlushes()) return absl::OkStatus();
   const auto* ap = static_cast<const uint16_t*>(a.data);
-  const auto* bp = static_cast<const uint16_t*>(b.data);
   const double normal = std::numeric_limits<float>::min();
-  std::vector<int64_t> redo, cols;
+  std::vector<int64_t> redo;     // rows redone whole
+  std::vector<int64_t> suspect;  // other rows with suspect elements
+  std::vector<int64_t> cols;     // the distinct columns of those elements
+  std::vector<char> in_cols(n, 0);
   for (int64_t r = 0; r < m; ++r) {
     const uint16_t* arow = ap + r * a.row_stride;
     bool subnormal = false;
-    for (int64_t t = 0; t < k; ++t) {
-      const uint16_t mag = arow[t * a.col_stride] & 0x7fff;
-      subnormal |= mag != 0 && mag < 0x0080;
+    if (a.col_stride == 1) {
+#pragma omp simd reduction(| : subnormal)
+      for (int64_t t = 0; t < k; ++t) {
+        const uint16_t mag = arow[t] & 0x7fff;
+        subnormal |= mag != 0 && mag < 0x0080;
+      }
+    } else {
+      for (int64_t t = 0; t < k; ++t) {
+        const uint16_t mag = arow[t * a.col_stride] & 0x7fff;
+        subnormal |= mag != 0 && mag < 0x0080;
+      }
     }
     if (subnormal) {
       redo.push_back(r);
@@ -346,43 +465,40 @@ absl::Status FlushRepair(int64_t m, int64_t n, int64_t k, const MatOperand& a,
     if (row_top[r] == 0) continue;  // every product is 0: nothing to lose
     const double bound =
         0x1p24 * 2.0 * static_cast<double>(k) * normal * std::max(1.0, double{row_top[r]});
-    float* crow = c + r * ldc;
-    cols.clear();
+    const float* crow = c + r * ldc;
+    bool any = false;
     for (int64_t j = 0; j < n; ++j) {
-      if (!(std::fabs(static_cast<double>(crow[j])) >= bound)) cols.push_back(j);
-    }
-    if (cols.empty()) continue;
-    if (static_cast<int64_t>(cols.size()) > std::max<int64_t>(1, n / 16)) {
-      redo.push_back(r);
-      continue;
-    }
-    for (const int64_t j : cols) {
-      double acc = 0;
-      for (int64_t t = 0; t < k; ++t) {
-        acc += static_cast<double>(BF16ToFloat(arow[t * a.col_stride])) *
-               static_cast<double>(BF16ToFloat(bp[t * b.row_stride + j * b.col_stride]));
+      if (!(std::fabs(static_cast<double>(crow[j])) >= bound)) {
+        any = true;
+        if (!in_cols[j]) {
+          in_cols[j] = 1;
+          cols.push_back(j);
+        }
       }
-      crow[j] = static_cast<float>(acc);
     }
+    if (any) suspect.push_back(r);
   }
-  if (redo.empty()) return absl::OkStatus();
-  const int64_t rr = static_cast<int64_t>(redo.size());
-  std::vector<uint16_t> rows_a(static_cast<size_t>(rr * k));
-  for (int64_t i = 0; i < rr; ++i) {
-    for (int64_t t = 0; t < k; ++t) {
-      rows_a[i * k + t] = ap[redo[i] * a.row_stride + t * a.col_stride];
-    }
-  }
-  std::vector<float> rows_c(static_cast<size_t>(rr * n));
-  const int saved = omp_get_max_threads();
+  if (redo.empty() && suspect.empty()) return absl::OkStatus();
   const int threads = omp_in_parallel() ? 1 : std::max(1, num_threads);
-  if (saved != threads) omp_set_num_threads(threads);
-  const absl::Status st = RunWidened(rr, n, k, MatOperand{rows_a.data(), DType::kBF16, k, 1}, b,
-                                     rows_c.data(), n, threads);
-  if (saved != threads) omp_set_num_threads(saved);
-  if (!st.ok()) return st;
-  for (int64_t i = 0; i < rr; ++i) {
-    std::memcpy(c + redo[i] * ldc, rows_c.data() + i * n, n * sizeof(float));
+  if (2 * static_cast<int64_t>(cols.size()) > n) {
+    // Most columns: the whole rows cost little more than gathering them.
+    redo.insert(redo.end(), suspect.begin(), suspect.end());
+    suspect.clear();
+  }
+  if (static_cast<int64_t>(redo.size()) == m) {
+    return RedoWidened(m, n, k, a, b, {}, {}, c, ldc, threads);
+  }
+  if (!suspect.empty()) {
+    std::sort(cols.begin(), cols.end());
+    const std::vector<int64_t> no_gather;
+    RA_RETURN_IF_ERROR(RedoWidened(m, n, k, a, b,
+                                   static_cast<int64_t>(suspect.size()) == m ? no_gather : suspect,
+                                   static_cast<int64_t>(cols.size()) == n ? no_gather : cols, c,
+                                   ldc, threads));
+  }
+  if (!redo.empty()) {
+    const std::vector<int64_t> all_cols;
+    RA_RETURN_IF_ERROR(RedoWidened(m, n, k, a, b, redo, all_cols, c, ldc, threads));
   }
   return absl::OkStatus();
 }

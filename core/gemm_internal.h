@@ -25,6 +25,12 @@ struct MatOperand {
 absl::Status Gemm(int64_t m, int64_t n, int64_t k, const MatOperand& a, const MatOperand& b,
                   float* c, int64_t ldc, int num_threads);
 
+// Whether a bf16 Gemm here can flush subnormal inputs, products and partial
+// sums to zero: oneDNN runs it on AVX512-BF16 (or AMX-BF16) instructions,
+// which do. False where bf16 operands are widened to f32 or oneDNN emulates
+// bf16 with f32 FMAs (avx512_core without AVX512-BF16): nothing is flushed.
+bool Bf16GemmFlushes();
+
 }  // namespace ropeattn::internal
 
 #endif  // ROPEATTN_CORE_GEMM_INTERNAL_H_

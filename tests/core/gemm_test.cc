@@ -203,6 +203,90 @@ TEST(LinearTest, TinyProductsAndMixedRowsWithBf16WeightsAreExact) {
   }
 }
 
+// fp64 products of Linear's bf16-rounded x and bf16 w (exact in fp64): the
+// wanted [rows, out] outputs, and each one's sum of |products|, which bounds
+// what f32 accumulation may lose.
+void LinearReference(const Tensor& x, const Tensor& w, std::vector<double>* want,
+                     std::vector<double>* magnitude) {
+  const int64_t rows = x.dim(0), in = x.dim(1), out = w.dim(0);
+  want->assign(rows * out, 0.0);
+  magnitude->assign(rows * out, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = 0; o < out; ++o) {
+      double acc = 0, abs = 0;
+      for (int64_t c = 0; c < in; ++c) {
+        const double p = static_cast<double>(BF16ToFloat(FloatToBF16(x.data<float>()[r * in + c]))) *
+                         static_cast<double>(BF16ToFloat(w.data<uint16_t>()[o * in + c]));
+        acc += p;
+        abs += std::abs(p);
+      }
+      (*want)[r * out + o] = acc;
+      (*magnitude)[r * out + o] = abs;
+    }
+  }
+}
+
+// Normal inputs whose products are subnormal in only a few output columns:
+// weight row 5 holds values near 3e-38 (normal in bf16) and row 17 values
+// near 1e-30, against x in [-1, 1]. The bf16 GEMM on AVX512-BF16 flushes
+// column 5's products (its outputs, near 1e-37, came back 0); column 17's
+// outputs are normal but within the flush bound. Neither is numerous enough
+// to redo whole rows: this exercises the column repair. Each output is
+// checked against fp64 relative to its own sum of |products|.
+TEST(LinearTest, FewTinyOutputColumnsWithBf16WeightsAreExact) {
+  const int64_t rows = 48, in = 96, out = 80;
+  const Tensor x = RandomTensor(DType::kF32, {rows, in}, 11, -1.0f, 1.0f);
+  Tensor w = RandomTensor(DType::kBF16, {out, in}, 12, -1.0f, 1.0f);
+  for (int64_t c = 0; c < in; ++c) {
+    const double u = 1.0 + static_cast<double>((c * 7) % 13) / 13.0;
+    w.data<uint16_t>()[5 * in + c] = FloatToBF16(static_cast<float>((c % 2 ? -2e-38 : 3e-38) * u));
+    w.data<uint16_t>()[17 * in + c] = FloatToBF16(static_cast<float>((c % 3 ? -1e-30 : 1e-30) * u));
+  }
+  for (const int threads : {1, 2}) {
+    Tensor y = Tensor::Create(DType::kF32, {rows, out}).value();
+    ASSERT_TRUE(Linear(x.cview(), w.cview(), ConstTensorView(), y.view(), threads).ok());
+    std::vector<double> want, magnitude;
+    LinearReference(x, w, &want, &magnitude);
+    int64_t bad = 0;
+    for (int64_t e = 0; e < rows * out; ++e) {
+      const double got = y.data<float>()[e];
+      if (std::abs(got - want[e]) <= 1e-5 * magnitude[e] + 0x1p-149) continue;
+      if (++bad <= 4) {
+        ADD_FAILURE() << "threads " << threads << ", row " << e / out << ", output " << e % out
+                      << ": got " << got << ", want " << want[e];
+      }
+    }
+    EXPECT_EQ(bad, 0) << "threads " << threads;
+  }
+}
+
+// Zero weight rows (pruned or padded outputs) give outputs that are exactly
+// 0, and the other outputs are unaffected.
+TEST(LinearTest, ZeroWeightRowsGiveExactZeros) {
+  const int64_t rows = 64, in = 128, out = 96;
+  const Tensor x = RandomTensor(DType::kF32, {rows, in}, 13, -1.0f, 1.0f);
+  Tensor w = RandomTensor(DType::kBF16, {out, in}, 14, -1.0f, 1.0f);
+  for (int64_t o = 0; o < out; o += 16) {
+    for (int64_t c = 0; c < in; ++c) w.data<uint16_t>()[o * in + c] = 0;
+  }
+  for (int64_t c = 0; c < in; ++c) w.data<uint16_t>()[(out - 1) * in + c] = 0x8000;  // -0
+  Tensor y = Tensor::Create(DType::kF32, {rows, out}).value();
+  ASSERT_TRUE(Linear(x.cview(), w.cview(), ConstTensorView(), y.view(), 2).ok());
+  std::vector<double> want, magnitude;
+  LinearReference(x, w, &want, &magnitude);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = 0; o < out; ++o) {
+      const double got = y.data<float>()[r * out + o];
+      if (o % 16 == 0 || o == out - 1) {
+        EXPECT_EQ(got, 0.0) << "row " << r << ", output " << o;
+      } else {
+        EXPECT_LE(std::abs(got - want[r * out + o]), 1e-5 * magnitude[r * out + o])
+            << "row " << r << ", output " << o;
+      }
+    }
+  }
+}
+
 TEST(MatMulTest, ZeroSizes) {
   Tensor a = Tensor::Create(DType::kF32, {0, 5}).value();
   Tensor b = RandomTensor(DType::kF32, {5, 3}, 10);
