@@ -537,6 +537,7 @@ struct Scratch {
   std::vector<float> a, b, c;
   std::vector<uint16_t> h1, h2;
   std::vector<float> kf, vf;  // bf16 K / V widened, when FTZ could bite
+  std::vector<uint16_t> vnz;  // per value channel: nonzero in some key
 };
 
 // The smallest nonzero magnitude among `rows` rows of `cols` bf16 values
@@ -1174,10 +1175,22 @@ absl::Status PrefillTask(const Plan& p, const PackedKV& kv, int64_t b, int64_t h
   }
   s.b.resize(rows * n);
   float* scores = s.b.data();
-  if (p.kv_dtype == DType::kBF16 &&
-      Bf16GemmMayFlush(MinNonzeroBF16(s.h1.data(), rows, d, d, 1),
-                       MinNonzeroBF16(static_cast<const uint16_t*>(kb.data), n, kb.col_stride, d,
-                                      kb.row_stride))) {
+  // Only a bf16 GEMM on AVX512-BF16 flushes subnormals (gemm_internal.h).
+  const bool ftz = p.kv_dtype == DType::kBF16 && internal::Bf16GemmFlushes();
+  // Q.K^T: subnormal inputs or products go through the f32 GEMM below. A
+  // partial sum below FLT_MIN that is flushed loses less than FLT_MIN, so a
+  // logit loses less than 2 d FLT_MIN x scale (3e-36 x scale for d = 128)
+  // and each weight after exp that much relatively: immaterial at any usual
+  // scale (3e-37 at 0.09, against f32 rounding of 6e-8), so the sums get
+  // no repair as P.V does below. Only scales beyond 2^-24 / (2 d FLT_MIN)
+  // (2e28 for d = 128) could notice (a logit of 0.5 came back 0 at a scale
+  // of 1e38): they take the f32 GEMM too.
+  if (ftz && (Bf16GemmMayFlush(MinNonzeroBF16(s.h1.data(), rows, d, d, 1),
+                               MinNonzeroBF16(static_cast<const uint16_t*>(kb.data), n,
+                                              kb.col_stride, d, kb.row_stride)) ||
+              2.0 * static_cast<double>(d) * std::numeric_limits<float>::min() *
+                      static_cast<double>(p.scale) >
+                  0x1p-24)) {
     // The same bf16 values in an f32 GEMM, which keeps subnormals (bf16
     // products are exact in f32).
     s.a.resize(rows * d);
@@ -1207,6 +1220,21 @@ absl::Status PrefillTask(const Plan& p, const PackedKV& kv, int64_t b, int64_t h
     WriteProbsRow(p, b, h, i0 + r, ulo, row, n);
   }
   MatOperand pa{scores, DType::kF32, n, 1};
+  // P and V in bf16 widened to f32 (exact) for an f32 GEMM, which keeps
+  // subnormals: bf16 products are exact in f32.
+  auto widen_pv = [&] {
+    internal::BF16ToF32(s.h2.data(), scores, rows * n);
+    s.vf.resize(n * dv);
+    const uint16_t* v0 = static_cast<const uint16_t*>(vb.data);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t x = 0; x < dv; ++x) {
+        s.vf[j * dv + x] = BF16ToFloat(v0[j * vb.row_stride + x * vb.col_stride]);
+      }
+    }
+    pa = {scores, DType::kF32, n, 1};
+    vb = {s.vf.data(), DType::kF32, dv, 1};
+  };
+  bool widened = false;
   if (p.kv_dtype == DType::kBF16) {
     s.h2.resize(rows * n);
     internal::F32ToBF16(scores, s.h2.data(), rows * n);
@@ -1214,23 +1242,56 @@ absl::Status PrefillTask(const Plan& p, const PackedKV& kv, int64_t b, int64_t h
     // Weights of far keys (e^-90) or values near 1e-37 make subnormal
     // products, which the bf16 GEMM flushes: the same bf16 P and V then go
     // through an f32 GEMM.
-    if (Bf16GemmMayFlush(MinNonzeroBF16(s.h2.data(), rows, n, n, 1),
-                         MinNonzeroBF16(static_cast<const uint16_t*>(vb.data), n, vb.row_stride,
-                                        dv, vb.col_stride))) {
-      internal::BF16ToF32(s.h2.data(), scores, rows * n);
-      s.vf.resize(n * dv);
-      const uint16_t* v0 = static_cast<const uint16_t*>(vb.data);
-      for (int64_t j = 0; j < n; ++j) {
-        for (int64_t x = 0; x < dv; ++x) {
-          s.vf[j * dv + x] = BF16ToFloat(v0[j * vb.row_stride + x * vb.col_stride]);
-        }
-      }
-      pa = {scores, DType::kF32, n, 1};
-      vb = {s.vf.data(), DType::kF32, dv, 1};
+    if (ftz && Bf16GemmMayFlush(MinNonzeroBF16(s.h2.data(), rows, n, n, 1),
+                                MinNonzeroBF16(static_cast<const uint16_t*>(vb.data), n,
+                                               vb.row_stride, dv, vb.col_stride))) {
+      widen_pv();
+      widened = true;
     }
   }
   s.c.resize(rows * dv);
   RA_RETURN_IF_ERROR(internal::Gemm(rows, dv, n, pa, vb, s.c.data(), dv, 1));
+  // Normal inputs and products can still sum to a subnormal, which the bf16
+  // GEMM flushes too: values 3e-38 and -2.5e-38 with weights 0.5 answered 0,
+  // not 2.5e-39. Each flushed partial sum loses less than FLT_MIN and an
+  // output has fewer than 2n of them (n keys, weights at most 1), so an
+  // output 2^24 times above 2n FLT_MIN is exact to f32 rounding. Where one
+  // is not (and is not an exact 0: a masked row, or a value channel that is
+  // 0 for every key of the tile), the tile's P.V is redone in f32 on the
+  // same bf16 values. This task holds every key of its query rows (the
+  // softmax is not carried across key tiles), so the redone output is the
+  // f32 GEMM's result as it stands.
+  if (ftz && !widened) {
+    const float bound = static_cast<float>(0x1p24 * 2.0 * static_cast<double>(n) *
+                                           std::numeric_limits<float>::min());
+    bool suspect = false;
+    for (int64_t r = 0; r < rows && !suspect; ++r) {
+      if (hi[r] <= lo[r]) continue;  // masked: P's row is 0
+      const float* crow = s.c.data() + r * dv;
+      for (int64_t x = 0; x < dv; ++x) suspect |= !(std::fabs(crow[x]) >= bound);
+    }
+    if (suspect) {
+      // The value channels that are not 0 for every key of the tile.
+      s.vnz.assign(dv, 0);
+      const uint16_t* v0 = static_cast<const uint16_t*>(vb.data);
+      for (int64_t j = 0; j < n; ++j) {
+        const uint16_t* vrow = v0 + j * vb.row_stride;
+        for (int64_t x = 0; x < dv; ++x) s.vnz[x] |= vrow[x * vb.col_stride] & 0x7fff;
+      }
+      suspect = false;
+      for (int64_t r = 0; r < rows && !suspect; ++r) {
+        if (hi[r] <= lo[r]) continue;
+        const float* crow = s.c.data() + r * dv;
+        for (int64_t x = 0; x < dv; ++x) {
+          suspect |= !(std::fabs(crow[x]) >= bound) && s.vnz[x] != 0;
+        }
+      }
+    }
+    if (suspect) {
+      widen_pv();
+      RA_RETURN_IF_ERROR(internal::Gemm(rows, dv, n, pa, vb, s.c.data(), dv, 1));
+    }
+  }
   for (int64_t r = 0; r < rows; ++r) WriteOutRow(p, b, i0 + r, h, s.c.data() + r * dv);
   return absl::OkStatus();
 }

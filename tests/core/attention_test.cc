@@ -831,6 +831,85 @@ TEST_P(AttentionPathDtypeTest, SubnormalInputsAndMixedRowsAreNotFlushed) {
   }
 }
 
+// Products that are normal but partial sums that are not: with equal weights
+// 1/n, values alternating (3e-38, -2.5e-38) x n/2 make products of 1.5e-38
+// and -1.25e-38 (normal floats) whose sums are subnormal (the exact answer
+// near 2.5e-39, or 1e-38 over 8 keys). The bf16 prefill's GEMM on
+// AVX512-BF16 flushes those partial sums and answered 0. Other value
+// channels are normal, zero, or tiny with a normal answer (7.2e-38 over 8
+// keys came back 6.7e-38: the instruction adds each pair's second product
+// first, so a partial sum of 5e-39 was flushed on the way), so a tile holds
+// flushed and exact outputs side by side. Each answer is checked relative to
+// its own size (a 0 must come back exactly 0).
+TEST_P(AttentionPathDtypeTest, SubnormalPartialSumsOfNormalProductsAreNotFlushed) {
+  Case c = Base();
+  c.batch = 1;
+  c.q_len = 40;
+  c.heads = 2;
+  c.kv_heads = 1;
+  c.seed = 850;
+  for (const int64_t keys : {2, 8}) {
+    c.k_len = keys;
+    Inputs in = MakeInputs(c);
+    SetQueries(in, c, [](int64_t) { return 0.0f; });
+    const double half = static_cast<double>(keys) / 2;
+    for (int64_t j = 0; j < c.k_len; ++j) {
+      for (int64_t x = 0; x < c.head_dim; ++x) {
+        SetElement(in.k, {0, j, 0, x}, 0.0f);
+        const double grow = 1.0 + 0.01 * static_cast<double>(x % 5);
+        double v = 0;
+        switch (x % 4) {
+          case 0:  // products normal, sums subnormal
+            v = (j % 2 == 0 ? 3e-38 : -2.5e-38) * half * grow;
+            break;
+          case 1:  // normal
+            v = j % 2 == 0 ? 1.0 + static_cast<double>(x) / 64 : 0.5;
+            break;
+          case 2:  // a zero channel: exactly 0
+            v = 0;
+            break;
+          case 3:  // tiny, a normal answer
+            v = (j % 2 == 0 ? 6e-38 : -2.5e-38) * half * grow;
+            break;
+        }
+        SetElement(in.v, {0, j, 0, x}, static_cast<float>(v));
+      }
+    }
+    const Outputs r = RunAttend(c, in);
+    ASSERT_TRUE(r.status.ok()) << r.status;
+    const std::vector<double> got = ToDoubles(r.out.cview());
+    const std::vector<double> want = Reference(c, in).out;
+    ASSERT_EQ(got.size(), want.size());
+    int64_t bad = 0;
+    for (size_t e = 0; e < got.size(); ++e) {
+      if (std::abs(got[e] - want[e]) <= c.tol() * std::abs(want[e])) continue;
+      if (++bad <= 4) {
+        ADD_FAILURE() << keys << " keys, element " << e << " (channel " << e % c.vd()
+                      << "): got " << got[e] << ", want " << want[e] << ", " << Describe(c);
+      }
+    }
+    EXPECT_EQ(bad, 0) << keys << " keys";
+  }
+  // The same in q.k, where it matters only at huge scales: q = (1, 1) and
+  // k = (3e-38, -2.5e-38) make a logit of 5e-39 x 1e38 = 0.5 against a key
+  // scoring 0 (its value 2, the other's 1): the answer is 1.38, not 1.5.
+  c.k_len = 2;
+  c.scale = 1e38;
+  Inputs in = MakeInputs(c);
+  SetQueries(in, c, [](int64_t x) { return x < 2 ? 1.0f : 0.0f; });
+  for (int64_t j = 0; j < c.k_len; ++j) {
+    for (int64_t x = 0; x < c.head_dim; ++x) {
+      const float k = j == 1 || x >= 2 ? 0.0f : x == 0 ? 3e-38f : -2.5e-38f;
+      SetElement(in.k, {0, j, 0, x}, k);
+      SetElement(in.v, {0, j, 0, x}, j == 0 ? 1.0f : 2.0f);
+    }
+  }
+  const Outputs r = RunAttend(c, in);
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  EXPECT_TRUE(AllClose(ToDoubles(r.out.cview()), Reference(c, in).out, c.tol()))
+      << "q.k summing to 5e-39 at a scale of 1e38, " << Describe(c);
+}
+
 TEST_P(AttentionPathDtypeTest, NonFiniteInputsAreRejectedNamingTensorAndIndex) {
   Case c = Base();
   c.batch = 2;
