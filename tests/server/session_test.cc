@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <malloc.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -627,6 +628,49 @@ TEST_F(SessionTest, SessionsThatFillTheBudgetCanStillStep) {
     }
   }
   for (auto& s : streams) EXPECT_TRUE(s.first->Finish().ok());
+}
+
+// The spec a session keeps holds no unknown fields, nor their storage
+// (protobuf's Clear keeps capacity: 2M unknown fields kept 31 MB per
+// session, outside the budget), in layer mode too; what it keeps is what is
+// charged.
+TEST(StepRoomTest, AKeptSpecHoldsNoUnknownFieldsNorTheirStorage) {
+  server::ModelRegistry models;
+  ASSERT_TRUE(models.Add(server::Model::Demo("demo").value()).ok());
+  const server::ServerOptions options = TestServerOptions();
+  for (const bool layer : {false, true}) {
+    SCOPED_TRACE(layer);
+    v1::OpenSession open;
+    if (layer) {
+      open.set_model("demo");
+    } else {
+      open.mutable_spec()->set_heads(2);
+      open.mutable_spec()->set_head_dim(8);
+    }
+    open.set_max_context(16);
+    // The heap the config holds once the request is gone (glibc's count of
+    // bytes in use, mapped blocks included), from before the request grew.
+    const auto heap = [] {
+      const struct mallinfo2 m = mallinfo2();
+      return static_cast<int64_t>(m.uordblks + m.hblkhd);
+    };
+    const int64_t before = heap();
+    std::optional<v1::OpenSession> request(std::move(open));
+    google::protobuf::UnknownFieldSet* extra =
+        request->mutable_spec()->GetReflection()->MutableUnknownFields(request->mutable_spec());
+    for (int i = 0; i < 200000; ++i) extra->AddVarint(2000, 1);
+    ASSERT_GT(request->spec().SpaceUsedLong(), 1000000u);
+    absl::StatusOr<server::SessionConfig> config =
+        server::ResolveOpenSession(*request, options, models);
+    ASSERT_TRUE(config.ok()) << config.status();
+    request.reset();
+    EXPECT_LT(heap() - before, 256 << 10)
+        << "the kept spec holds its unknown fields' storage";
+    EXPECT_EQ(config->spec_proto.GetReflection()->GetUnknownFields(config->spec_proto).field_count(),
+              0);
+    EXPECT_LT(config->spec_proto.SpaceUsedLong(), 4096u);
+    EXPECT_EQ(config->spec_memory_bytes, static_cast<int64_t>(config->spec_proto.SpaceUsedLong()));
+  }
 }
 
 // The step room covers every one-token step a session can take: a
