@@ -160,9 +160,11 @@ absl::StatusOr<RopeRows> MakeRopeRows(const RopeRotator& rope,
 // The rotated numerator can cancel: S holds cross terms of size
 // |R phi(k)| |v| that vanish only in the dot product with R phi(q), so fp64
 // rounding of order u |R phi(q)| sum_s |R phi(k_s)| |v_s| is divided by the
-// denominator. a_state [batch, kv_heads, v_dim] keeps
-// sum_s ||R_s phi(k_s)||_2 |v_s| for that estimate (a dot product of d terms
-// and the usual sqrt(n) growth of a sum of n). It is weighed against the
+// denominator. a_state [batch, kv_heads, head_dim, v_dim] keeps
+// sum_s |R_s phi(k_s)| |v_s|^T (element-wise magnitudes) for that estimate,
+// u sum_i |R phi(q)|_i a_i (a dot product of d terms and the usual sqrt(n)
+// growth of a sum of n): where nothing cancels (no RoPE, or position 0) it
+// equals u times the unrotated numerator, so it refuses nothing there. It is weighed against the
 // answer's scale: the larger of its largest output and of the unrotated
 // weighted mean of |v|, sum_s <phi(q), phi(k_s)> |v_s| / den, which
 // p_state [batch, kv_heads, head_dim, v_dim] (sum_s phi(k_s) |v_s|^T) gives
@@ -195,9 +197,10 @@ absl::Status RunRecurrence(const Shapes& sh, const ConstTensorView& q, const Con
     const int64_t kvh = task % sh.kv_heads;
     double* S = s_state + task * d * dv;
     double* z = z_state + task * d;
-    double* a = a_state + task * dv;
+    double* A = a_state + task * d * dv;
     double* P = p_state + task * d * dv;
-    std::vector<double> phik(d), rk(d), vrow(dv), vabs(dv), phiq(d), rq(d), num(dv), mean(dv);
+    std::vector<double> phik(d), rk(d), vrow(dv), vabs(dv), phiq(d), rq(d), num(dv), mean(dv),
+        err(dv);
     for (int64_t t = 0; t < sh.seq; ++t) {
       const float* cos_row = nullptr;
       const float* sin_row = nullptr;
@@ -211,21 +214,20 @@ absl::Status RunRecurrence(const Shapes& sh, const ConstTensorView& q, const Con
       if (rope_rows != nullptr) Rotate(rk.data(), cos_row, sin_row, rotary_dim, interleaved);
       LoadRow(v, b, t, kvh, vrow.data());
       for (int64_t e = 0; e < dv; ++e) vabs[e] = std::fabs(vrow[e]);
-      double rk_norm = 0;
       for (int64_t i = 0; i < d; ++i) {
         z[i] += phik[i];
-        rk_norm += rk[i] * rk[i];
         double* srow = S + i * dv;
         double* prow = P + i * dv;
+        double* arow = A + i * dv;
         const double ri = rk[i];
+        const double ai = std::fabs(rk[i]);
         const double pi = phik[i];
         for (int64_t e = 0; e < dv; ++e) {
           srow[e] += ri * vrow[e];
           prow[e] += pi * vabs[e];
+          arow[e] += ai * vabs[e];
         }
       }
-      rk_norm = std::sqrt(rk_norm);
-      for (int64_t e = 0; e < dv; ++e) a[e] += rk_norm * std::fabs(vrow[e]);
       // Rounding of a dot product of d terms and of sums over n tokens.
       const double gamma =
           (static_cast<double>(d) + 2.0 * std::sqrt(static_cast<double>(before + t + 1)) + 16.0) *
@@ -236,28 +238,30 @@ absl::Status RunRecurrence(const Shapes& sh, const ConstTensorView& q, const Con
         rq = phiq;
         if (rope_rows != nullptr) Rotate(rq.data(), cos_row, sin_row, rotary_dim, interleaved);
         double den = options.eps;
-        double rq_norm = 0;
         std::fill(num.begin(), num.end(), 0.0);
         std::fill(mean.begin(), mean.end(), 0.0);
+        std::fill(err.begin(), err.end(), 0.0);
         for (int64_t i = 0; i < d; ++i) {
           den += phiq[i] * z[i];
-          rq_norm += rq[i] * rq[i];
           const double* srow = S + i * dv;
           const double* prow = P + i * dv;
+          const double* arow = A + i * dv;
           const double ri = rq[i];
           const double qi = phiq[i];
+          const double ai = std::fabs(rq[i]);
           for (int64_t e = 0; e < dv; ++e) {
             num[e] += ri * srow[e];
             mean[e] += qi * prow[e];
+            err[e] += ai * arow[e];
           }
         }
         double scale = 0, estimate = 0;
         for (int64_t e = 0; e < dv; ++e) {
           num[e] /= den;
           scale = std::max({scale, std::fabs(num[e]), mean[e] / den});
-          estimate = std::max(estimate, a[e]);
+          estimate = std::max(estimate, err[e]);
         }
-        estimate *= gamma * std::sqrt(rq_norm) / den;
+        estimate *= gamma / den;
         if (estimate > 0x1p-24 * scale && inexact_token[task] < 0) {
           inexact_token[task] = t;
           inexact_head[task] = h;
@@ -303,7 +307,7 @@ absl::Status LinearAttend(ConstTensorView q, ConstTensorView k, ConstTensorView 
   }
   std::vector<double> s_state(sh.batch * sh.kv_heads * sh.head_dim * sh.v_dim, 0.0);
   std::vector<double> z_state(sh.batch * sh.kv_heads * sh.head_dim, 0.0);
-  std::vector<double> a_state(sh.batch * sh.kv_heads * sh.v_dim, 0.0);
+  std::vector<double> a_state(s_state.size(), 0.0);
   std::vector<double> p_state(s_state.size(), 0.0);
   return RunRecurrence(sh, q, k, v, options, options.rope != nullptr ? &rows : nullptr, out,
                        s_state.data(), z_state.data(), a_state.data(), p_state.data(), 0);
@@ -325,7 +329,7 @@ absl::StatusOr<LinearAttentionState> LinearAttentionState::Create(int64_t batch,
   state.v_dim_ = v_dim;
   state.s_.assign(s_size, 0.0);
   state.z_.assign(batch * kv_heads * head_dim, 0.0);
-  state.a_.assign(batch * kv_heads * v_dim, 0.0);
+  state.a_.assign(s_size, 0.0);
   state.p_.assign(s_size, 0.0);
   return state;
 }

@@ -72,7 +72,7 @@ class LinearAttentionState {
   int64_t position_ = 0;
   std::vector<double> s_;  // [batch, kv_heads, head_dim, v_dim]
   std::vector<double> z_;  // [batch, kv_heads, head_dim]
-  std::vector<double> a_;  // [batch, kv_heads, v_dim]: sum_s ||R_s phi(k_s)|| |v_s| (rounding)
+  std::vector<double> a_;  // [batch, kv_heads, head_dim, v_dim]: sum_s |R_s phi(k_s)| |v_s|^T (rounding)
   std::vector<double> p_;  // [batch, kv_heads, head_dim, v_dim]: sum_s phi(k_s) |v_s|^T (scale)
 };
 

@@ -244,14 +244,24 @@ absl::StatusOr<Principal> Authenticator::Resolve(bool present, absl::string_view
     // The first URI SAN (a SPIFFE id, say), else the first DNS SAN: set at
     // the handshake, the same for every call on the connection.
     std::string identity;
+    bool dns = false;
     for (const char* property : {"peer_uri", "peer_dns"}) {
       std::vector<grpc::string_ref> values =
           context == nullptr ? std::vector<grpc::string_ref>{}
                              : context->FindPropertyValues(property);
       if (!values.empty()) {
         identity.assign(values.front().data(), values.front().size());
+        dns = absl::string_view(property) == "peer_dns";
         break;
       }
+    }
+    // A host name has no ':' or '/': a DNS name that does could pass for a
+    // URI name (a DNS SAN "spiffe://td/alice" was the principal of the URI
+    // SAN spiffe://td/alice).
+    if (dns && identity.find_first_of(":/") != std::string::npos) {
+      *reason = "no_identity";
+      return absl::UnauthenticatedError(
+          "the client certificate's DNS subjectAltName is not a host name (it has ':' or '/')");
     }
     if (identity.empty()) {
       *reason = "no_identity";

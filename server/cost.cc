@@ -236,16 +236,13 @@ int64_t KvPageBytes(const SessionDims& d) {
 }
 
 int64_t LinearStateBytes(const SessionDims& d) {
-  return SatMul(SatAdd(SatProduct({d.kv_heads, d.head_dim, SatAdd(SatMul(d.v_dim, 2), 1)}),
-                       SatMul(d.kv_heads, d.v_dim)),
-                8);
+  // S, P and A [kv_heads, head_dim, v_dim] and z [kv_heads, head_dim], fp64.
+  return SatMul(SatProduct({d.kv_heads, d.head_dim, SatAdd(SatMul(d.v_dim, 3), 1)}), 8);
 }
 
 Cost SessionOpenCost(const SessionDims& d) {
   Cost c;
   if (d.linear) {
-    // LinearAttentionState: S and P [kv_heads, head_dim, v_dim], z
-    // [kv_heads, head_dim] and a [kv_heads, v_dim], fp64.
     c.held_bytes = LinearStateBytes(d);
   } else {
     // Pages: f32 tiles, int8 rows and a 4-byte scale per (token, kv head),
@@ -296,8 +293,8 @@ Cost StepCost(const SessionDims& s, const StepDims& d) {
   if (s.linear) c.transient_bytes = SatAdd(c.transient_bytes, LinearStateBytes(s));
   int64_t compute = 0;
   if (s.linear) {
-    // S and P updated per kv head, read per head; z and a beside them.
-    compute = SatProduct({d.tokens, d.heads, s.head_dim, SatAdd(s.v_dim, 1), 4});
+    // S, P and A updated per kv head and read per head; z beside them.
+    compute = SatProduct({d.tokens, d.heads, s.head_dim, SatAdd(s.v_dim, 1), 6});
   } else {
     compute = SatMul(SatProduct({d.heads, d.tokens, new_len}),
                      Sum({s.head_dim, s.v_dim, kElementWeight}));

@@ -547,19 +547,25 @@ void AttentionServiceImpl::DoListSessions(UnaryCall* call, grpc::CallbackServerC
     // serialized copies are held from the memory budget while it is built
     // and sent.
     const int64_t room = limits_.max_message_bytes - kReplyOverheadBytes;
-    const SessionManager::ListPage page =
+    SessionManager::ListPage page =
         sessions_->PlanList(caller, request->page_token(), request->page_size(), room);
-    // Its typed copies and its serialized bytes; a small page (as a small
-    // parse) is not held, so an operator can list when sessions fill the
-    // budget.
-    const int64_t answer_memory = SatAdd(page.memory, page.bytes);
-    if (answer_memory > kInfoAnswerSlackBytes) {
-      RA_ASSIGN_OR_RETURN(MemoryBudget::Reservation held,
-                          budget_->Reserve(answer_memory,
-                                           absl::StrFormat("this ListSessions answer (%d "
-                                                           "sessions, up to %d bytes)",
-                                                           page.ids.size(), page.bytes)));
-      call->Hold(std::move(held));
+    // Its typed copies and its serialized bytes, held from the budget; a
+    // page the budget cannot hold is cut (halved, with next_page_token set)
+    // down to one whose copies fit in a 64 KiB slack (as a small parse's),
+    // so an operator can list when sessions fill the budget.
+    for (;;) {
+      const int64_t answer_memory = SatAdd(page.memory, page.bytes);
+      if (answer_memory <= kInfoAnswerSlackBytes) break;
+      absl::StatusOr<MemoryBudget::Reservation> held = budget_->Reserve(
+          answer_memory, absl::StrFormat("this ListSessions answer (%d sessions, up to %d bytes)",
+                                         page.ids.size(), page.bytes));
+      if (held.ok()) {
+        call->Hold(*std::move(held));
+        break;
+      }
+      if (page.ids.size() <= 1) return held.status();
+      page = sessions_->PlanList(caller, request->page_token(),
+                                 static_cast<int64_t>(page.ids.size() / 2), room);
     }
     for (v1::SessionInfo& info : sessions_->FillList(page.ids, caller)) {
       *response->add_sessions() = std::move(info);
@@ -575,11 +581,11 @@ void AttentionServiceImpl::DoCloseSession(UnaryCall* call, grpc::CallbackServerC
                                      const v1::CloseSessionRequest* request, v1::CloseSessionResponse* response) {
   const absl::Time start = absl::Now();
   absl::StatusOr<Principal> caller = CallerOf(*ctx);
-  absl::Status held = caller.ok()
-                          ? HoldInfoAnswer(call, request->session_id(), *caller, "CloseSession")
-                          : caller.status();
+  // Not held from the budget: a close gives back the session's memory, its
+  // spec's charge (which covers this copy) included, and must work when the
+  // budget is full.
   absl::StatusOr<v1::SessionInfo> info =
-      held.ok() ? sessions_->Close(request->session_id(), "closed", *caller) : held;
+      caller.ok() ? sessions_->Close(request->session_id(), "closed", *caller) : caller.status();
   absl::Status status = info.status();
   if (info.ok()) *response->mutable_session() = *std::move(info);
   metrics_->RecordRequest("CloseSession", static_cast<int>(status.code()), SecondsSince(start));
@@ -920,8 +926,9 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
                                        *principal_));
       return absl::OkStatus();
     }
-    if ((request_.has_fork() || request_.has_truncate() || request_.has_close()) &&
-        session_ != nullptr) {
+    // (A close's answer is not held: the close gives back the session's
+    // memory, its spec's charge included, and must work on a full budget.)
+    if ((request_.has_fork() || request_.has_truncate()) && session_ != nullptr) {
       RA_RETURN_IF_ERROR(HoldInfoAnswer(session_->config()));
     }
     if (request_.has_fork() && session_ != nullptr) {
@@ -1178,6 +1185,18 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
           break;
         }
         session_ = *std::move(s);
+        if (request_.has_attach()) {
+          // Its answer copies the spec, held from the budget as an open's
+          // is (an attach is known only now); if it cannot be, the session
+          // is let go again, as it was.
+          status = HoldInfoAnswer(session_->config());
+          if (!status.ok()) {
+            service_->sessions_->Detach(session_, /*stream_cancelled=*/false);
+            session_ = nullptr;
+            stream_fatal = true;
+            break;
+          }
+        }
         if (request_.has_open() && request_.open().has_prefix()) {
           // The new session starts from the caller's KV; if it cannot, the
           // open fails and the session is gone.

@@ -501,6 +501,28 @@ TEST(LinearAttentionStateTest, CancellingNumeratorsAreRefusedNotAnsweredInexactl
   ASSERT_TRUE(zero.ok()) << zero;
   for (int64_t e = 0; e < 4; ++e) EXPECT_EQ(zout.data<float>()[4 + e], 0.0f);
 
+  // Features pointing apart with nothing to cancel (no RoPE: every term of
+  // the numerator is positive) were refused by a norm-based estimate.
+  {
+    Tensor oq = Tensor::Create(DType::kF32, {1, 1, 1, 2}).value();
+    Tensor ok_ = Tensor::Create(DType::kF32, {1, 1, 1, 2}).value();
+    Tensor ov = Tensor::Create(DType::kF32, {1, 1, 1, 2}).value();
+    oq.data<float>()[0] = 19.0f;
+    oq.data<float>()[1] = -19.0f;
+    ok_.data<float>()[0] = -19.0f;
+    ok_.data<float>()[1] = 19.0f;
+    ov.data<float>()[0] = 1.0f;
+    ov.data<float>()[1] = 2.0f;
+    Tensor oout = Tensor::Create(DType::kF32, {1, 1, 1, 2}).value();
+    const absl::Status apart =
+        LinearAttend(oq.cview(), ok_.cview(), ov.cview(), Positions{}, options, oout.view());
+    ASSERT_TRUE(apart.ok()) << apart;
+    // phi(q) = (20, e^-19), phi(k) = (e^-19, 20): out = w v / (w + eps).
+    const double w = 20.0 * std::exp(-19.0) * 2.0;
+    EXPECT_NEAR(oout.data<float>()[0], w / (w + 1e-6), 1e-6);
+    EXPECT_NEAR(oout.data<float>()[1], 2.0 * w / (w + 1e-6), 2e-6);
+  }
+
   const int64_t n = 20000;
   Tensor lq = RandomTensor(DType::kF32, {1, n, 2, 16}, 78);
   Tensor lk = RandomTensor(DType::kF32, {1, n, 2, 16}, 79);
@@ -520,7 +542,7 @@ TEST(LinearAttentionStateTest, CreateAndByteSize) {
   EXPECT_EQ(s.head_dim(), 64);
   EXPECT_EQ(s.v_dim(), 48);
   EXPECT_EQ(s.position(), 0);
-  EXPECT_EQ(s.byte_size(), (2 * 2 * 3 * 64 * 48 + 2 * 3 * 64 + 2 * 3 * 48) * 8);
+  EXPECT_EQ(s.byte_size(), (3 * 2 * 3 * 64 * 48 + 2 * 3 * 64) * 8);
   for (auto sizes : {std::vector<int64_t>{0, 1, 1, 1}, std::vector<int64_t>{1, -1, 1, 1},
                      std::vector<int64_t>{1, 1, 0, 1}, std::vector<int64_t>{1, 1, 1, 0}}) {
     const auto bad = LinearAttentionState::Create(sizes[0], sizes[1], sizes[2], sizes[3]);

@@ -329,7 +329,9 @@ class Driver {
   // The session state a config holds, as the cost model prices it (what
   // its ticket reserved).
   static int64_t HeldBytes(const server::SessionConfig& config) {
-    return server::SessionOpenCost(server::SessionDimsOf(config)).held_bytes;
+    // The state, and the spec it keeps for its SessionInfo.
+    return server::SessionOpenCost(server::SessionDimsOf(config)).held_bytes +
+           config.spec_memory_bytes;
   }
 
   // `shared_tokens`: a fork's source position (its full pages are shared
@@ -339,9 +341,11 @@ class Driver {
     const server::Cost cost = server::SessionOpenCost(d);
     const int64_t page = server::KvPageBytes(d);
     const int64_t per_page = std::max<int64_t>(1, server::KvPageTokens(d));
-    const int64_t fixed = cost.held_bytes - (d.max_context + per_page - 1) / per_page * page;
+    const int64_t spec = session.config().spec_memory_bytes;
+    const int64_t fixed =
+        cost.held_bytes - (d.max_context + per_page - 1) / per_page * page + spec;
     const int64_t discount = d.rope_length_dependent ? 0 : shared_tokens / per_page * page;
-    const int64_t want = std::max(fixed, cost.held_bytes - discount);
+    const int64_t want = std::max(fixed, cost.held_bytes + spec - discount);
     FUZZ_CHECK(session.kv_bytes() == want,
                "a session holds " + std::to_string(session.kv_bytes()) +
                    " budget bytes, its cost is " + std::to_string(want));

@@ -425,6 +425,13 @@ TEST_F(SecurityTest, LongCertificateIdentitiesAreWholePrincipals) {
     EXPECT_EQ(as_batch->GetSession(WithDeadline(&ctx), req, &info).error_code(),
               grpc::StatusCode::NOT_FOUND);
   }
+  // A DNS name is a host name: one with ':' or '/' could pass for a URI
+  // name (a DNS SAN "spiffe://..." was the URI SAN's principal).
+  auto dns_uri = ca_->Issue("dnsuri", "DNS:spiffe://example.org/alice", /*client=*/true);
+  ASSERT_TRUE(dns_uri.ok()) << dns_uri.status();
+  const grpc::Status not_host = Info(port, with(*dns_uri));
+  EXPECT_EQ(not_host.error_code(), grpc::StatusCode::UNAUTHENTICATED) << not_host.error_message();
+  EXPECT_THAT(not_host.error_message(), HasSubstr("not a host name"));
   const grpc::Status too_long = Info(port, with(*huge));
   EXPECT_EQ(too_long.error_code(), grpc::StatusCode::UNAUTHENTICATED) << too_long.error_message();
   EXPECT_THAT(too_long.error_message(), HasSubstr("more than 2048"));

@@ -2127,6 +2127,85 @@ TEST(SessionLimitTest, SpecsAreChargedWithoutUnknownFieldsAndPageTokensAreChecke
   server->Shutdown(absl::Seconds(1));
 }
 
+// On a budget that sessions fill: ListSessions cuts its page to what the
+// budget can hold (down to a page whose copies fit the 64 KiB slack) rather
+// than refusing, and a session with a large spec can still be closed (the
+// close gives its memory back; its answer was held first and refused).
+TEST(SessionLimitTest, AFullBudgetStillListsAndCloses) {
+  server::ServerOptions o = TestServerOptions();
+  o.memory_budget_bytes = 8 << 20;
+  o.max_sessions = 10000;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  Config c;
+  c.alibi = true;
+  c.heads = 4;
+  c.kv_heads = 1;
+  c.head_dim = 4;
+  c.v_dim = 4;
+  std::string big;
+  {
+    Stream s(stub.get());
+    v1::OpenSession open = MakeOpen(c, 16, /*resumable=*/true);
+    open.mutable_spec()->set_heads(16384);  // 128 KiB of slopes
+    for (int h = 0; h < 16384; ++h) open.mutable_spec()->mutable_alibi()->add_slopes(0.5);
+    big = s.Open(open).session_id();
+    ASSERT_TRUE(s.Finish().ok());
+  }
+  int opened = 1;
+  for (;;) {  // small sessions until the budget refuses one
+    Stream s(stub.get());
+    v1::DecodeRequest req;
+    *req.mutable_open() = MakeOpen(c, 16, /*resumable=*/true);
+    ASSERT_TRUE(s.rw()->Write(req));
+    v1::DecodeResponse r;
+    if (!s.rw()->Read(&r)) {
+      EXPECT_EQ(s.AwaitServerEnd().error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+      break;
+    }
+    ++opened;
+    ASSERT_TRUE(s.Finish().ok());
+    ASSERT_LT(opened, 10000);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::CloseSessionRequest close;
+    close.set_session_id(big);
+    v1::CloseSessionResponse closed;
+    const grpc::Status st = stub->CloseSession(&ctx, close, &closed);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(closed.session().spec().alibi().slopes_size(), 16384);
+  }
+  // Fill what the close freed, then list: every page fits what is left.
+  for (;;) {
+    Stream s(stub.get());
+    v1::DecodeRequest req;
+    *req.mutable_open() = MakeOpen(c, 16, /*resumable=*/true);
+    ASSERT_TRUE(s.rw()->Write(req));
+    v1::DecodeResponse r;
+    if (!s.rw()->Read(&r)) break;
+    ++opened;
+    ASSERT_TRUE(s.Finish().ok());
+    ASSERT_LT(opened, 10000);
+  }
+  std::set<std::string> listed;
+  v1::ListSessionsRequest req;
+  int pages = 0;
+  do {
+    grpc::ClientContext ctx;
+    v1::ListSessionsResponse list;
+    const grpc::Status st = stub->ListSessions(&ctx, req, &list);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    for (const auto& info : list.sessions()) listed.insert(info.session_id());
+    req.set_page_token(list.next_page_token());
+    ++pages;
+  } while (!req.page_token().empty());
+  EXPECT_EQ(static_cast<int>(listed.size()), opened - 1);
+  EXPECT_GT(pages, 1) << "the budget held the whole list: the page was never cut";
+  server->Shutdown(absl::Seconds(1));
+}
+
 // Importing a KV prefix is compute (copies, a cos/sin row per token): an
 // open past --max_request_compute is refused before anything is reserved.
 TEST(SessionLimitTest, AnOpensPrefixIsPricedAgainstTheComputeLimit) {
