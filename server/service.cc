@@ -79,6 +79,7 @@ AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options, Executo
       metrics_(metrics),
       models_(models),
       budget_(budget),
+      info_overdraft_(SatMul(std::max<int64_t>(options.max_message_bytes, 0), 2)),
       limits_{options.max_message_bytes, options.max_request_compute},
       auth_configured_(AuthConfigured(options)),
       authenticator_(authenticator),
@@ -340,6 +341,15 @@ absl::Duration AttentionServiceImpl::QueueRetryHint(const Executor::Ahead& ahead
   return std::clamp(absl::Seconds(seconds), absl::Milliseconds(1), absl::Seconds(10));
 }
 
+absl::StatusOr<MemoryBudget::Reservation> AttentionServiceImpl::ReserveInfoCopy(
+    int64_t bytes, const std::string& what, bool fallback) {
+  absl::StatusOr<MemoryBudget::Reservation> held = budget_->Reserve(bytes, what);
+  if (held.ok() || !fallback) return held;
+  absl::StatusOr<MemoryBudget::Reservation> over = info_overdraft_.Reserve(bytes, what);
+  if (over.ok()) return over;
+  return held;
+}
+
 absl::Duration AttentionServiceImpl::CanaryAllowance() const {
   constexpr double kUnmeasuredUnitsPerSecond = 1e9;
   const Executor::Ahead ahead = executor_->WorkAhead("", 1);
@@ -499,8 +509,10 @@ absl::Status AttentionServiceImpl::HoldInfoAnswer(UnaryCall* call, const std::st
   const int64_t bytes = sessions_->InfoAnswerBytes(id, caller);
   if (bytes <= kInfoAnswerSlackBytes) return absl::OkStatus();
   RA_ASSIGN_OR_RETURN(MemoryBudget::Reservation held,
-                      budget_->Reserve(bytes, absl::StrCat("this ", method,
-                                                           " answer's SessionInfo (its spec)")));
+                      ReserveInfoCopy(bytes,
+                                      absl::StrCat("this ", method,
+                                                   " answer's SessionInfo (its spec)"),
+                                      /*fallback=*/true));
   call->Hold(std::move(held));
   return absl::OkStatus();
 }
@@ -556,9 +568,13 @@ void AttentionServiceImpl::DoListSessions(UnaryCall* call, grpc::CallbackServerC
     for (;;) {
       const int64_t answer_memory = SatAdd(page.memory, page.bytes);
       if (answer_memory <= kInfoAnswerSlackBytes) break;
-      absl::StatusOr<MemoryBudget::Reservation> held = budget_->Reserve(
-          answer_memory, absl::StrFormat("this ListSessions answer (%d sessions, up to %d bytes)",
-                                         page.ids.size(), page.bytes));
+      // A page of one session may take the overdraft: a listing never
+      // stops for good at a session with a large spec.
+      absl::StatusOr<MemoryBudget::Reservation> held = ReserveInfoCopy(
+          answer_memory,
+          absl::StrFormat("this ListSessions answer (%d sessions, up to %d bytes)",
+                          page.ids.size(), page.bytes),
+          /*fallback=*/page.ids.size() <= 1);
       if (held.ok()) {
         call->Hold(*std::move(held));
         break;
@@ -993,7 +1009,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     const int64_t bytes = SatAdd(c.spec_memory_bytes, c.spec_wire_bytes);
     if (bytes <= kInfoAnswerSlackBytes) return absl::OkStatus();
     RA_ASSIGN_OR_RETURN(info_memory_,
-                        service_->budget_->Reserve(bytes, "this answer's SessionInfo (its spec)"));
+                        service_->ReserveInfoCopy(bytes, "this answer's SessionInfo (its spec)",
+                                                  /*fallback=*/true));
     return absl::OkStatus();
   }
 

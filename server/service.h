@@ -199,6 +199,17 @@ class AttentionServiceImpl final : public RawAttentionService {
   Metrics* const metrics_;
   const ModelRegistry* const models_;
   MemoryBudget* const budget_;
+  // SessionInfo copies the budget cannot hold: a one-session ListSessions
+  // page, a GetSession or an attach of a session with a large spec on a
+  // full budget would otherwise be refused for good (an operator could not
+  // list past it). At most twice --max_message_bytes of such copies at once.
+  MemoryBudget info_overdraft_;
+ public:
+  // A SessionInfo copy of `bytes`: from the budget, else (when `fallback`)
+  // from the overdraft; the budget's refusal when neither can.
+  absl::StatusOr<MemoryBudget::Reservation> ReserveInfoCopy(int64_t bytes, const std::string& what,
+                                                            bool fallback);
+ private:
   const CostLimits limits_;
   const bool auth_configured_;
   const Authenticator* const authenticator_;

@@ -2168,6 +2168,30 @@ TEST(SessionLimitTest, AFullBudgetStillListsAndCloses) {
     ASSERT_TRUE(s.Finish().ok());
     ASSERT_LT(opened, 10000);
   }
+  // Listed whole on the full budget, the session with the large spec too
+  // (a one-session page takes the overdraft: the walk stopped there for
+  // good).
+  const auto list_all = [&] {
+    std::set<std::string> listed;
+    v1::ListSessionsRequest req;
+    int pages = 0;
+    do {
+      grpc::ClientContext ctx;
+      v1::ListSessionsResponse list;
+      const grpc::Status st = stub->ListSessions(&ctx, req, &list);
+      EXPECT_TRUE(st.ok()) << st.error_message();
+      if (!st.ok()) break;
+      for (const auto& info : list.sessions()) listed.insert(info.session_id());
+      req.set_page_token(list.next_page_token());
+      ++pages;
+    } while (!req.page_token().empty());
+    return std::make_pair(listed, pages);
+  };
+  {
+    const auto [listed, pages] = list_all();
+    EXPECT_EQ(static_cast<int>(listed.size()), opened);
+    EXPECT_EQ(listed.count(big), 1u);
+  }
   {
     grpc::ClientContext ctx;
     v1::CloseSessionRequest close;
@@ -2189,18 +2213,7 @@ TEST(SessionLimitTest, AFullBudgetStillListsAndCloses) {
     ASSERT_TRUE(s.Finish().ok());
     ASSERT_LT(opened, 10000);
   }
-  std::set<std::string> listed;
-  v1::ListSessionsRequest req;
-  int pages = 0;
-  do {
-    grpc::ClientContext ctx;
-    v1::ListSessionsResponse list;
-    const grpc::Status st = stub->ListSessions(&ctx, req, &list);
-    ASSERT_TRUE(st.ok()) << st.error_message();
-    for (const auto& info : list.sessions()) listed.insert(info.session_id());
-    req.set_page_token(list.next_page_token());
-    ++pages;
-  } while (!req.page_token().empty());
+  const auto [listed, pages] = list_all();
   EXPECT_EQ(static_cast<int>(listed.size()), opened - 1);
   EXPECT_GT(pages, 1) << "the budget held the whole list: the page was never cut";
   server->Shutdown(absl::Seconds(1));
