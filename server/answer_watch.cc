@@ -128,7 +128,16 @@ void AnswerWatch::Loop() {
     const bool again = CancelIfDue(h, &cancelled);
     mu_.Lock();
     if (cancelled) ++cancelled_;
-    if (again) EnqueueLocked(h);
+    // Not for a call that ended meanwhile: its Ended() found no entry to
+    // take out (this one was popped), so one put back now would stay until
+    // the loop came round to it (a test saw a stale entry; lock order
+    // mu_ -> Handle::mu_ holds everywhere).
+    bool live = false;
+    if (again) {
+      absl::MutexLock hl(&h->mu_);
+      live = h->ctx_ != nullptr;
+    }
+    if (live) EnqueueLocked(h);
   }
 }
 
