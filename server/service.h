@@ -129,6 +129,12 @@ class AttentionServiceImpl final : public RawAttentionService {
   // taken together, computed as one pass (docs/scheduler.md).
   void RunDecodeSteps(absl::Span<BatchTask* const> steps);
 
+  // How long the health canary, queued now, may take before it counts as
+  // failed: 20 s plus twice the estimated time of the work ahead of it
+  // (at the measured rates; 1e9 units/s for a kind not measured yet),
+  // at most an hour. An admitted request of 25 s made health NOT_SERVING.
+  absl::Duration CanaryAllowance() const;
+
  private:
   friend class DecodeReactor;
   // The typed handlers: each answers through `call` (UnaryCall::Answer).
@@ -182,13 +188,10 @@ class AttentionServiceImpl final : public RawAttentionService {
   // work running now should be done (admission's measured rates, spread
   // over the workers), within [1 ms, 10 s]; 100 ms before any rate is known.
   absl::Duration QueueRetryHint(const Executor::Ahead& ahead) const;
- public:
-  // How long the health canary, queued now, may take before it counts as
-  // failed: 20 s plus twice the estimated time of the work ahead of it
-  // (at the measured rates; 1e9 units/s for a kind not measured yet),
-  // at most an hour. An admitted request of 25 s made health NOT_SERVING.
-  absl::Duration CanaryAllowance() const;
- private:
+  // A SessionInfo copy of `bytes`: from the budget, else (when `fallback`)
+  // from info_overdraft_; the budget's refusal when neither can.
+  absl::StatusOr<MemoryBudget::Reservation> ReserveInfoCopy(int64_t bytes, const std::string& what,
+                                                            bool fallback);
   void Register(DecodeReactor* r);
   void Unregister(DecodeReactor* r);
 
@@ -204,12 +207,6 @@ class AttentionServiceImpl final : public RawAttentionService {
   // full budget would otherwise be refused for good (an operator could not
   // list past it). At most twice --max_message_bytes of such copies at once.
   MemoryBudget info_overdraft_;
- public:
-  // A SessionInfo copy of `bytes`: from the budget, else (when `fallback`)
-  // from the overdraft; the budget's refusal when neither can.
-  absl::StatusOr<MemoryBudget::Reservation> ReserveInfoCopy(int64_t bytes, const std::string& what,
-                                                            bool fallback);
- private:
   const CostLimits limits_;
   const bool auth_configured_;
   const Authenticator* const authenticator_;

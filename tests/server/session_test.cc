@@ -198,6 +198,14 @@ std::vector<double> ExpectedStep(const Config& c, const Sequence& seq, int64_t f
   return std::vector<double>(all.begin() + first * row, all.begin() + last * row);
 }
 
+// The server's memory budget in use, as GetServerInfo reports it.
+int64_t MemoryInUse(v1::AttentionService::Stub* stub) {
+  grpc::ClientContext ctx;
+  v1::ServerInfo info;
+  EXPECT_TRUE(stub->GetServerInfo(&ctx, {}, &info).ok());
+  return info.memory_bytes_in_use();
+}
+
 // A Decode stream.
 class Stream {
  public:
@@ -325,12 +333,7 @@ TEST(StreamChargeTest, HealthWatchStreamsAreCappedOutsideTheBudget) {
   auto channel = TestChannel(server->port());
   auto health = grpc::health::v1::Health::NewStub(channel);
   auto stub = TestStub(server->port());
-  const auto in_use = [&] {
-    grpc::ClientContext ctx;
-    v1::ServerInfo info;
-    EXPECT_TRUE(stub->GetServerInfo(&ctx, {}, &info).ok());
-    return info.memory_bytes_in_use();
-  };
+  const auto in_use = [&] { return MemoryInUse(stub.get()); };
   struct Watch {
     grpc::ClientContext ctx;
     std::unique_ptr<grpc::ClientReader<grpc::health::v1::HealthCheckResponse>> reader;
@@ -763,12 +766,7 @@ TEST(StepRoomTest, CoversEveryOneTokenStep) {
 // whole charge back at once, step room included (the room stayed held by
 // the stream's reference until the client next wrote or went away).
 TEST_F(SessionTest, ClosingAnAttachedSessionFreesAllItsMemory) {
-  const auto memory_in_use = [&] {
-    grpc::ClientContext ctx;
-    v1::ServerInfo info;
-    EXPECT_TRUE(stub_->GetServerInfo(&ctx, {}, &info).ok());
-    return info.memory_bytes_in_use();
-  };
+  const auto memory_in_use = [&] { return MemoryInUse(stub_.get()); };
   ASSERT_TRUE(Eventually([&] { return memory_in_use() == 0; }));
   Stream s(stub_.get());
   const v1::SessionInfo opened = s.Open(MakeOpen(Config{"mha", 4, 4, 16, 16, "default"}, 256));
@@ -796,12 +794,7 @@ TEST(DecodeStreamBudgetTest, IdleStreamsHoldTheirShareOfTheBudget) {
   auto server = StartTestServer(o);
   ASSERT_NE(server, nullptr);
   auto stub = TestStub(server->port());
-  const auto in_use = [&] {
-    grpc::ClientContext ctx;
-    v1::ServerInfo info;
-    EXPECT_TRUE(stub->GetServerInfo(&ctx, {}, &info).ok());
-    return info.memory_bytes_in_use();
-  };
+  const auto in_use = [&] { return MemoryInUse(stub.get()); };
   const auto eventually = [](auto f) {
     for (int i = 0; i < 500 && !f(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     return f();
@@ -850,12 +843,7 @@ TEST(AnswerTimeoutTest, AnswersNotTakenCancelTheirCalls) {
   args.SetMaxSendMessageSize(256 << 20);
   auto lazy = v1::AttentionService::NewStub(grpc::CreateCustomChannel(
       absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials(), args));
-  const auto in_use = [&] {
-    grpc::ClientContext ctx;
-    v1::ServerInfo info;
-    EXPECT_TRUE(stub->GetServerInfo(&ctx, {}, &info).ok());
-    return info.memory_bytes_in_use();
-  };
+  const auto in_use = [&] { return MemoryInUse(stub.get()); };
   const auto eventually = [](auto f, int ms) {
     for (int i = 0; i < ms / 10 && !f(); ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -2031,7 +2019,9 @@ TEST(SessionLimitTest, ListSessionsPagesFitAndOpensWhoseAnswerCannotAreRefused) 
       ASSERT_TRUE(stub->ListSessions(&ctx, req, &list).ok());
       EXPECT_LE(list.ByteSizeLong(), size_t{64} << 10);
       EXPECT_GE(list.sessions_size(), 1);
-      if (page_size > 0) EXPECT_LE(list.sessions_size(), page_size);
+      if (page_size > 0) {
+        EXPECT_LE(list.sessions_size(), page_size);
+      }
       for (const auto& info : list.sessions()) {
         listed.push_back(info.session_id());
         EXPECT_EQ(info.spec().alibi().slopes_size(), 2048);
@@ -2154,20 +2144,25 @@ TEST(SessionLimitTest, AFullBudgetStillListsAndCloses) {
     ASSERT_TRUE(s.Finish().ok());
   }
   int opened = 1;
-  for (;;) {  // small sessions until the budget refuses one
-    Stream s(stub.get());
-    v1::DecodeRequest req;
-    *req.mutable_open() = MakeOpen(c, 16, /*resumable=*/true);
-    ASSERT_TRUE(s.rw()->Write(req));
-    v1::DecodeResponse r;
-    if (!s.rw()->Read(&r)) {
-      EXPECT_EQ(s.AwaitServerEnd().error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-      break;
+  // Small sessions until the budget refuses one.
+  const auto fill = [&] {
+    for (;;) {
+      Stream s(stub.get());
+      v1::DecodeRequest req;
+      *req.mutable_open() = MakeOpen(c, 16, /*resumable=*/true);
+      EXPECT_TRUE(s.rw()->Write(req));
+      v1::DecodeResponse r;
+      if (!s.rw()->Read(&r)) {
+        EXPECT_EQ(s.AwaitServerEnd().error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+        return;
+      }
+      ++opened;
+      EXPECT_TRUE(s.Finish().ok());
+      if (opened >= 10000) return;
     }
-    ++opened;
-    ASSERT_TRUE(s.Finish().ok());
-    ASSERT_LT(opened, 10000);
-  }
+  };
+  fill();
+  ASSERT_LT(opened, 10000);
   // Listed whole on the full budget, the session with the large spec too
   // (a one-session page takes the overdraft: the walk stopped there for
   // good).
@@ -2202,17 +2197,8 @@ TEST(SessionLimitTest, AFullBudgetStillListsAndCloses) {
     EXPECT_EQ(closed.session().spec().alibi().slopes_size(), 16384);
   }
   // Fill what the close freed, then list: every page fits what is left.
-  for (;;) {
-    Stream s(stub.get());
-    v1::DecodeRequest req;
-    *req.mutable_open() = MakeOpen(c, 16, /*resumable=*/true);
-    ASSERT_TRUE(s.rw()->Write(req));
-    v1::DecodeResponse r;
-    if (!s.rw()->Read(&r)) break;
-    ++opened;
-    ASSERT_TRUE(s.Finish().ok());
-    ASSERT_LT(opened, 10000);
-  }
+  fill();
+  ASSERT_LT(opened, 10000);
   const auto [listed, pages] = list_all();
   EXPECT_EQ(static_cast<int>(listed.size()), opened - 1);
   EXPECT_GT(pages, 1) << "the budget held the whole list: the page was never cut";
