@@ -57,6 +57,17 @@ bool ConstantTimeEquals(absl::string_view given, absl::string_view stored) {
   return diff == 0;
 }
 
+// RFC 3986's scheme ":" at the start.
+bool HasUriScheme(absl::string_view uri) {
+  if (uri.empty() || !absl::ascii_isalpha(static_cast<unsigned char>(uri[0]))) return false;
+  for (size_t i = 1; i < uri.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(uri[i]);
+    if (c == ':') return true;
+    if (!absl::ascii_isalnum(c) && c != '+' && c != '-' && c != '.') return false;
+  }
+  return false;
+}
+
 }  // namespace
 
 bool AuthConfigured(const ServerOptions& options) {
@@ -262,6 +273,14 @@ absl::StatusOr<Principal> Authenticator::Resolve(bool present, absl::string_view
       *reason = "no_identity";
       return absl::UnauthenticatedError(
           "the client certificate's DNS subjectAltName is not a host name (it has ':' or '/')");
+    }
+    // A URI name starts with its scheme (RFC 3986: a letter, then letters,
+    // digits, '+', '-' or '.', then ':'); without one, URI:alice was the
+    // principal of DNS:alice.
+    if (!dns && !identity.empty() && !HasUriScheme(identity)) {
+      *reason = "no_identity";
+      return absl::UnauthenticatedError(
+          "the client certificate's URI subjectAltName has no scheme (such as spiffe:)");
     }
     if (identity.empty()) {
       *reason = "no_identity";

@@ -95,7 +95,7 @@ struct Data {
   std::array<uint64_t, kNumBatchBounds + 1> batch_buckets{};
   uint64_t batch_sum = 0;
   uint64_t batch_count = 0;
-  std::array<uint64_t, 3> auth_refused{};  // as Metrics::kAuthRefusalReasons
+  std::array<uint64_t, std::size(Metrics::kAuthRefusalReasons)> auth_refused{};  // as those
   std::array<uint64_t, 2> quota_refused{};  // as kQuotas
 };
 
@@ -455,7 +455,8 @@ std::string Metrics::RenderPrometheus() const {
 
   AppendFamilyHeader(&out, "ropeattn_auth_refused_total",
                      "Calls refused UNAUTHENTICATED, by reason (missing_token, invalid_token, "
-                     "no_identity: a client certificate without a URI or DNS name, identity_too_long: one "
+                     "no_identity: a client certificate without a URI (with a scheme) or DNS name, or whose "
+                     "DNS name is not a host name, identity_too_long: one "
                      "whose name has more than 2048 characters).",
                      "counter");
   for (size_t i = 0; i < d.auth_refused.size(); ++i) {

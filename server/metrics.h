@@ -80,7 +80,7 @@ class Metrics {
   // Calls refused by authentication (ropeattn_auth_refused_total{reason}):
   // reason is one of kAuthRefusalReasons; others are ignored.
   static constexpr const char* kAuthRefusalReasons[] = {"invalid_token", "missing_token",
-                                                        "no_identity"};
+                                                        "no_identity", "identity_too_long"};
   void RecordAuthRefused(absl::string_view reason);
   // Session opens and forks refused by a per-principal quota
   // (ropeattn_quota_refused_total{quota}): "sessions" or "memory".

@@ -404,7 +404,7 @@ TEST(MetricsRenderTest, EmptyRegistryHasEveryFamilyInOrder) {
   for (const char* reason : {"over_cap", "no_fd"}) {
     EXPECT_EQ(e.Get("ropeattn_connections_refused_total", {{"reason", reason}}), 0.0) << reason;
   }
-  for (const char* reason : {"invalid_token", "missing_token", "no_identity"}) {
+  for (const char* reason : {"invalid_token", "missing_token", "no_identity", "identity_too_long"}) {
     EXPECT_EQ(e.Get("ropeattn_auth_refused_total", {{"reason", reason}}), 0.0) << reason;
   }
   for (const char* quota : {"memory", "sessions"}) {

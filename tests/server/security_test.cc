@@ -435,6 +435,20 @@ TEST_F(SecurityTest, LongCertificateIdentitiesAreWholePrincipals) {
   const grpc::Status too_long = Info(port, with(*huge));
   EXPECT_EQ(too_long.error_code(), grpc::StatusCode::UNAUTHENTICATED) << too_long.error_message();
   EXPECT_THAT(too_long.error_message(), HasSubstr("more than 2048"));
+  // A URI name has a scheme: URI:alice (none) was the principal of
+  // DNS:alice, and reached its sessions.
+  auto dns_alice = ca_->Issue("dnsalice", "DNS:alice", /*client=*/true);
+  auto uri_alice = ca_->Issue("urialice", "URI:alice", /*client=*/true);
+  ASSERT_TRUE(dns_alice.ok() && uri_alice.ok());
+  EXPECT_TRUE(Info(port, with(*dns_alice)).ok());
+  const grpc::Status no_scheme = Info(port, with(*uri_alice));
+  EXPECT_EQ(no_scheme.error_code(), grpc::StatusCode::UNAUTHENTICATED)
+      << no_scheme.error_message();
+  EXPECT_THAT(no_scheme.error_message(), HasSubstr("has no scheme"));
+  // Each refusal counted under its reason.
+  const std::string metrics = server_->metrics().RenderPrometheus();
+  EXPECT_THAT(metrics, HasSubstr("ropeattn_auth_refused_total{reason=\"identity_too_long\"} 1\n"));
+  EXPECT_THAT(metrics, HasSubstr("ropeattn_auth_refused_total{reason=\"no_identity\"} 2\n"));
   EXPECT_TRUE(mine.Finish().ok());
 }
 
