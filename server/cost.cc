@@ -363,6 +363,13 @@ void MemoryBudget::Reservation::Shrink(int64_t bytes) {
   bytes_ -= bytes;
 }
 
+MemoryBudget::Reservation MemoryBudget::Reservation::Split(int64_t bytes) {
+  bytes = std::clamp<int64_t>(bytes, 0, bytes_);
+  if (budget_ == nullptr || bytes == 0) return Reservation();
+  bytes_ -= bytes;
+  return Reservation(budget_, bytes);
+}
+
 absl::StatusOr<MemoryBudget::Reservation> MemoryBudget::Reserve(int64_t bytes,
                                                                 absl::string_view what) {
   bytes = std::max<int64_t>(bytes, 0);

@@ -151,6 +151,10 @@ class MemoryBudget {
     // `bytes` of it back (at most what it holds).
     absl::Status Grow(int64_t bytes, absl::string_view what);
     void Shrink(int64_t bytes);
+    // Moves `bytes` of this reservation (at most what it holds) into a new
+    // one of the same budget: nothing is reserved or given back, so it
+    // never fails, however full the budget is.
+    Reservation Split(int64_t bytes);
 
    private:
     friend class MemoryBudget;

@@ -597,13 +597,16 @@ void AttentionServiceImpl::DoCloseSession(UnaryCall* call, grpc::CallbackServerC
                                      const v1::CloseSessionRequest* request, v1::CloseSessionResponse* response) {
   const absl::Time start = absl::Now();
   absl::StatusOr<Principal> caller = CallerOf(*ctx);
-  // Not held from the budget: a close gives back the session's memory, its
-  // spec's charge (which covers this copy) included, and must work when the
-  // budget is full.
-  absl::StatusOr<v1::SessionInfo> info =
+  // Its answer's copies are paid from the room the session reserved for
+  // them (a close must work on a full budget), held until the call ends:
+  // the answer may wait unread for --answer_timeout_seconds.
+  absl::StatusOr<SessionManager::Closed> closed =
       caller.ok() ? sessions_->Close(request->session_id(), "closed", *caller) : caller.status();
-  absl::Status status = info.status();
-  if (info.ok()) *response->mutable_session() = *std::move(info);
+  absl::Status status = closed.status();
+  if (closed.ok()) {
+    call->Hold(std::move(closed->answer));
+    *response->mutable_session() = std::move(closed->info);
+  }
   metrics_->RecordRequest("CloseSession", static_cast<int>(status.code()), SecondsSince(start));
   call->Answer(ToGrpcStatus(status));
 }
@@ -792,8 +795,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
             : control->TrySubmit(share_, compute, [this] { Process(); }, MethodOf(request_));
     if (!queued) {
       AdmittedDone(-1);
-      op_memory_.Release();
-      info_memory_.Release();
+      ReleaseOpMemory();
       ticket_.Release();
       const char* method = MethodOf(request_);
       service_->metrics_->RecordRejected(method);
@@ -805,9 +807,9 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
 
   void OnWriteDone(bool ok) override {
     watch_->Disarm();
-    op_memory_.Release();  // the answer is on its way: its buffers are gone
-    info_memory_.Release();
+    // The answer is on its way: its buffers go, and then what paid for them.
     ReleaseMessageMemory();
+    ReleaseOpMemory();
     if (!ok) {
       // The stream is broken (lost, or cancelled, e.g. its answer not taken
       // in time): its session was disconnected, whether or not gRPC has run
@@ -839,7 +841,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   void OnDone() override {
     watch_->Ended();
     // Normally released in FinishOnce; this covers a stream gRPC ends itself.
-    if (session_ != nullptr) service_->sessions_->Detach(session_, cancelled_.load());
+    if (session_ != nullptr) {
+      GiveBackStepRoom();
+      service_->sessions_->Detach(session_, cancelled_.load());
+    }
     service_->Unregister(this);
     Unref();
   }
@@ -856,6 +861,24 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     if (request_.SpaceUsedLong() > kKeepBytes) request_ = v1::DecodeRequest();
     if (response_.SpaceUsedLong() > kKeepBytes) response_ = v1::DecodeResponse();
     for (Tensor& t : wire_copies_) t = Tensor();
+  }
+
+  // What the operation held (its buffers, its answer's SessionInfo copy,
+  // the step room lent to it) goes back.
+  void ReleaseOpMemory() {
+    op_memory_.Release();
+    info_memory_.Release();
+    GiveBackStepRoom();
+  }
+  // The step room lent to the operation (Admit) goes back to the session,
+  // or to the budget if the session ended meanwhile.
+  void GiveBackStepRoom() {
+    if (lent_room_.bytes() == 0) return;
+    if (session_ != nullptr) {
+      session_->ReturnStepRoom(std::move(lent_room_));
+    } else {
+      lent_room_.Release();
+    }
   }
 
   // BeginShutdown pins a reactor while it drains it outside the service lock.
@@ -942,8 +965,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
                                        *principal_));
       return absl::OkStatus();
     }
-    // (A close's answer is not held: the close gives back the session's
-    // memory, its spec's charge included, and must work on a full budget.)
+    // (A close's answer is paid from the room its session reserved for it
+    // (SessionManager::Close): a close must work on a full budget.)
     if ((request_.has_fork() || request_.has_truncate()) && session_ != nullptr) {
       RA_RETURN_IF_ERROR(HoldInfoAnswer(session_->config()));
     }
@@ -987,7 +1010,11 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       }
       // The session's step room pays for a step of up to its size (every
       // one-token step); a larger one takes the rest from the free budget.
-      const int64_t extra = cost.transient_bytes - session_->step_room();
+      // The room is lent to this operation until its answer is written: a
+      // close of the session meanwhile (CloseSession, the reaper) gives the
+      // session's memory back, but not the room the unread answer uses.
+      lent_room_ = session_->LendStepRoom();
+      const int64_t extra = cost.transient_bytes - lent_room_.bytes();
       if (extra > 0) {
         absl::StatusOr<MemoryBudget::Reservation> held =
             service_->budget_->Reserve(extra, "this decode step (beyond its session's step room)");
@@ -1006,7 +1033,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   // serializes it: past a 64 KiB slack (as parsing), held from the budget
   // until it is written.
   absl::Status HoldInfoAnswer(const SessionConfig& c) {
-    const int64_t bytes = SatAdd(c.spec_memory_bytes, c.spec_wire_bytes);
+    const int64_t bytes = InfoCopyBytes(c);
     if (bytes <= kInfoAnswerSlackBytes) return absl::OkStatus();
     RA_ASSIGN_OR_RETURN(info_memory_,
                         service_->ReserveInfoCopy(bytes, "this answer's SessionInfo (its spec)",
@@ -1021,8 +1048,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
         grpc::SerializationTraits<v1::DecodeResponse>::Serialize(response_, &write_buf_, &own_buffer);
     if (!written.ok()) {
       watch_->Disarm();
-      op_memory_.Release();
-      info_memory_.Release();
+      ReleaseOpMemory();
       FinishOnce(grpc::Status(grpc::StatusCode::INTERNAL,
                               absl::StrCat("the answer could not be serialized: ",
                                            written.error_message())));
@@ -1072,6 +1098,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     // Release the session before the client can see the stream end, so a
     // client may re-attach a resumable session as soon as its stream is over.
     if (session_ != nullptr) {
+      GiveBackStepRoom();  // before the detach, which may free the session
       service_->sessions_->Detach(session_, cancelled_.load());
       session_.reset();
     }
@@ -1271,10 +1298,13 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
           status = absl::InternalError("a decode step reached the control path");
         } else {
           method = "Decode.Close";
-          auto info = service_->sessions_->Close(session_->id(), "closed", *principal_);
-          status = info.status();
-          if (info.ok()) {
-            *response_.mutable_closed() = *std::move(info);
+          auto closed = service_->sessions_->Close(session_->id(), "closed", *principal_);
+          status = closed.status();
+          if (closed.ok()) {
+            // Its copies are paid from the room the session reserved for
+            // them, until the answer is written.
+            info_memory_ = std::move(closed->answer);
+            *response_.mutable_closed() = std::move(closed->info);
             close_after_write_ = true;
           }
         }
@@ -1321,6 +1351,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   MemoryBudget::Reservation overhead_;
   MemoryBudget::Reservation op_memory_;  // the current operation's buffers
   MemoryBudget::Reservation info_memory_;  // its answer's SessionInfo copy (HoldInfoAnswer)
+  // A step's: its session's step room, lent until the answer is written.
+  MemoryBudget::Reservation lent_room_;
   // An open's or fork's reserved session room (Admit), used by Process.
   SessionManager::Ticket ticket_;
   std::atomic<int> refs_{1};  // gRPC's, released in OnDone

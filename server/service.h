@@ -26,9 +26,8 @@ namespace ropeattn::server {
 // to its end (gRPC keeps ~20 KiB for a stream however idle; README
 // "Limits").
 inline constexpr int64_t kDecodeStreamBytes = int64_t{32} << 10;
-// An answer's SessionInfo (its spec copied and serialized) up to this size
-// is not held from the budget (as parsing's slack).
-inline constexpr int64_t kInfoAnswerSlackBytes = int64_t{64} << 10;
+// (kInfoAnswerSlackBytes, an answer's SessionInfo not held from the budget,
+// is in server/sessions.h.)
 
 class Authenticator;
 class DecodeReactor;

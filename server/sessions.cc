@@ -81,6 +81,15 @@ int64_t StepRoomBytes(const SessionConfig& c, int threads) {
   return StepCost(SessionDimsOf(c), d).transient_bytes;
 }
 
+int64_t InfoCopyBytes(const SessionConfig& c) {
+  return SatAdd(c.spec_memory_bytes, c.spec_wire_bytes);
+}
+
+int64_t CloseAnswerRoomBytes(const SessionConfig& c) {
+  const int64_t bytes = InfoCopyBytes(c);
+  return bytes > kInfoAnswerSlackBytes ? bytes : 0;
+}
+
 // ------------------------------------------------------------- Session --
 
 // A session's reservation, which its KV pages are paid from
@@ -133,15 +142,21 @@ class SessionPages final : public KvPageCharger {
 
 namespace {
 
-// The reserved bytes of a session's state that are not pages.
+// The reserved bytes of a session's state that are not pages (the spec it
+// keeps and the room for its close's answer are held apart).
 int64_t FixedBytes(const SessionConfig& c) {
   const SessionDims d = SessionDimsOf(c);
   const int64_t per_page = std::max<int64_t>(1, KvPageTokens(d));
   const int64_t pages = (d.max_context + per_page - 1) / per_page;
   // Saturating: a priced size can be "more than int64" (KvPageBytes), which
   // only a budget of that size would have let open.
-  return SatAdd(std::max<int64_t>(0, SessionOpenCost(d).held_bytes - SatMul(pages, KvPageBytes(d))),
-                c.spec_memory_bytes);
+  return std::max<int64_t>(0, SessionOpenCost(d).held_bytes - SatMul(pages, KvPageBytes(d)));
+}
+
+// What a session holds beside its state: the spec it keeps and the room
+// for its close's answer.
+int64_t KeptBytes(const SessionConfig& c) {
+  return SatAdd(c.spec_memory_bytes, CloseAnswerRoomBytes(c));
 }
 
 }  // namespace
@@ -156,12 +171,17 @@ Session::Session(std::string id, std::string owner, std::shared_ptr<const Sessio
       idle_ttl_(idle_ttl),
       kv_bytes_(held.bytes()),
       quota_bytes_(quota_bytes) {
+  // The reservation covers the state, the kept spec and the close's answer
+  // room (ReserveRoom): the last two are held apart.
+  spec_held_ = held.Split(config_->spec_memory_bytes);
+  MemoryBudget::Reservation answer_room = held.Split(CloseAnswerRoomBytes(*config_));
   const int64_t fixed = FixedBytes(*config_);
   {
     absl::MutexLock lock(&mu_);
     pages_ = std::make_shared<SessionPages>(std::move(held), fixed);
   }
   absl::MutexLock lock(&meta_mu_);
+  answer_room_ = std::move(answer_room);
   last_active_ = absl::Now();
 }
 
@@ -209,11 +229,39 @@ void Session::MarkEnded(absl::Status status) {
 void Session::FreeIfIdle() {
   // Free the memory now if no operation holds the state; the object may
   // live on in a stream's reference. A running operation frees it as it
-  // finishes (it checks Ended() on its way out).
+  // finishes (it checks Ended() once it released the lock:
+  // FreeIfEndedAfterOperation).
   if (mu_.TryLock()) {
     FreeStateLocked();
     mu_.Unlock();
   }
+}
+
+void Session::FreeIfEndedAfterOperation() {
+  if (Ended().ok()) return;
+  // Blocking, but never for long: whoever holds mu_ now is a closer freeing
+  // the state or another operation of this session (one at a time, from its
+  // stream), which ends at once on an ended session.
+  absl::MutexLock lock(&mu_);
+  FreeStateLocked();
+}
+
+MemoryBudget::Reservation Session::LendStepRoom() {
+  absl::MutexLock lock(&meta_mu_);
+  if (!ended_.ok()) return MemoryBudget::Reservation();
+  return std::move(step_room_);
+}
+
+void Session::ReturnStepRoom(MemoryBudget::Reservation room) {
+  {
+    absl::MutexLock lock(&meta_mu_);
+    // Ended: the state was (or is being) freed, and the room with it.
+    if (ended_.ok() && step_room_.bytes() == 0) {
+      step_room_ = std::move(room);
+      return;
+    }
+  }
+  room.Release();
 }
 
 SessionManager::FreeAfterUnlock::~FreeAfterUnlock() {
@@ -230,7 +278,12 @@ void Session::FreeStateLocked() {
   state_.reset();
   if (pages_) pages_->End();
   pages_.reset();
-  step_room_.Release();
+  MemoryBudget::Reservation room, answer;  // released once meta_mu_ is
+  {
+    absl::MutexLock lock(&meta_mu_);
+    room = std::move(step_room_);
+    answer = std::move(answer_room_);
+  }
   held_hint_.store(0, std::memory_order_relaxed);
   shared_hint_.store(0, std::memory_order_relaxed);
 }
@@ -520,16 +573,18 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
     std::shared_ptr<const SessionConfig> config, bool resumable, absl::Duration ttl,
     const Principal& owner, int64_t discount) {
   Cost cost = SessionOpenCost(SessionDimsOf(*config));
-  // The spec it keeps (as opened, for its SessionInfo) is its memory too.
-  cost.held_bytes = SatAdd(cost.held_bytes, config->spec_memory_bytes);
+  // The spec it keeps (as opened, for its SessionInfo) is its memory too,
+  // and so is the room for its close's answer (which copies that spec).
+  const int64_t kept = KeptBytes(*config);
   // The owner's quota counts the whole state; the budget, less the pages a
   // fork shares (they are held, and paid, once).
   // With the state, room for the buffers of its one-token steps, so that
   // filling the budget with sessions never leaves the admitted ones unable
   // to step; the owner's quota counts both.
   const int64_t room_bytes = StepRoomBytes(*config, options_.threads_per_call);
-  const int64_t quota_bytes = SatAdd(cost.held_bytes, room_bytes);
-  cost.held_bytes = std::max<int64_t>(FixedBytes(*config), cost.held_bytes - discount);
+  const int64_t quota_bytes = SatAdd(SatAdd(cost.held_bytes, kept), room_bytes);
+  cost.held_bytes =
+      SatAdd(std::max<int64_t>(FixedBytes(*config), cost.held_bytes - discount), kept);
   Ticket ticket;
   absl::MutexLock lock(&mu_);
   const int open = static_cast<int>(sessions_.size()) + reserved_sessions_;
@@ -629,7 +684,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {
                                            ticket.quota_bytes_));
   session->step_room_bytes_ = ticket.step_room_.bytes();
   {
-    absl::MutexLock state_lock(&session->mu_);
+    absl::MutexLock meta_lock(&session->meta_mu_);
     session->step_room_ = std::move(ticket.step_room_);
   }
   // The slot now belongs to the session (or is freed below); the bytes
@@ -737,17 +792,27 @@ void SessionManager::EraseLocked(const std::string& id, absl::string_view reason
   PublishLocked();
 }
 
-absl::StatusOr<v1::SessionInfo> SessionManager::Close(const std::string& id,
-                                                      const std::string& reason,
-                                                      const Principal& caller) {
-  FreeAfterUnlock freed;
-  absl::MutexLock lock(&mu_);
-  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> found, FindLocked(id, caller, /*admin_may=*/true));
-  v1::SessionInfo info;
-  found->FillInfo(&info);
-  EraseLocked(id, reason, absl::FailedPreconditionError(absl::StrCat("session ", id, " was closed")),
-              &freed);
-  return info;
+absl::StatusOr<SessionManager::Closed> SessionManager::Close(const std::string& id,
+                                                             const std::string& reason,
+                                                             const Principal& caller) {
+  FreeAfterUnlock freed;  // frees the state last, after the info is filled
+  Closed closed;
+  std::shared_ptr<Session> found;
+  {
+    absl::MutexLock lock(&mu_);
+    RA_ASSIGN_OR_RETURN(found, FindLocked(id, caller, /*admin_may=*/true));
+    {
+      // Not ended (it is still listed): its answer room is there.
+      absl::MutexLock slock(&found->meta_mu_);
+      closed.answer = std::move(found->answer_room_);
+    }
+    EraseLocked(id, reason,
+                absl::FailedPreconditionError(absl::StrCat("session ", id, " was closed")), &freed);
+  }
+  // Outside the manager's lock: the copy of a large spec never holds up the
+  // control calls that take it.
+  found->FillInfo(&closed.info);
+  return closed;
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Fork(
@@ -824,8 +889,7 @@ int64_t SessionManager::InfoAnswerBytes(const std::string& id, const Principal& 
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end() || (it->second->owner_ != caller.name && !caller.admin)) return 0;
-  const SessionConfig& c = it->second->config();
-  return SatAdd(c.spec_memory_bytes, c.spec_wire_bytes);
+  return InfoCopyBytes(it->second->config());
 }
 
 std::vector<v1::SessionInfo> SessionManager::FillList(const std::vector<std::string>& ids,

@@ -54,6 +54,18 @@ struct SessionConfig;
 int64_t SessionInfoBytesBound(const SessionConfig& config, size_t id_size);
 // Session ids are 32 hex digits.
 inline constexpr size_t kMaxSessionIdBytes = 32;
+// An answer's SessionInfo (its spec copied and serialized) up to this size
+// is not held from the budget (as parsing's slack).
+inline constexpr int64_t kInfoAnswerSlackBytes = int64_t{64} << 10;
+// Memory an answer's SessionInfo about a session with this config takes:
+// its spec copied (typed) and serialized.
+int64_t InfoCopyBytes(const SessionConfig& config);
+// The room a session reserves with its state for the answer to its close
+// (InfoCopyBytes past kInfoAnswerSlackBytes, else 0): the close gives the
+// session's memory back, so its answer cannot wait for free budget (a full
+// budget must not keep a session from closing), and it may stay unread for
+// up to --answer_timeout_seconds.
+int64_t CloseAnswerRoomBytes(const SessionConfig& config);
 
 // What a session is, resolved from OpenSession.
 struct SessionConfig {
@@ -147,8 +159,17 @@ class Session {
   // admitted session can always take a one-token step, however full the
   // budget is. A session runs one operation at a time.
   // The room is given back to the budget when the session ends (its state
-  // is freed), even while a stream still holds the object.
+  // is freed), even while a stream still holds the object; a room lent to
+  // an operation goes back when the operation returns it.
   int64_t step_room() const { return step_room_bytes_; }
+  // Lends the step room to the stream's operation for as long as its
+  // buffers and its answer live (a step's answer may wait unread for
+  // --answer_timeout_seconds, past a close of the session): empty if the
+  // session has ended (its room was given back).
+  MemoryBudget::Reservation LendStepRoom();
+  // Takes a lent room back; released at once if the session ended
+  // meanwhile.
+  void ReturnStepRoom(MemoryBudget::Reservation room);
   // Bytes of session state charged to the memory budget.
   int64_t kv_bytes() const { return kv_bytes_; }
   void FillInfo(v1::SessionInfo* info) const;
@@ -171,6 +192,12 @@ class Session {
   // 256 MiB cache takes milliseconds every control call would wait).
   void MarkEnded(absl::Status status);
   void FreeIfIdle();
+  // An operation, once it released mu_: frees the state if the session was
+  // ended meanwhile. A closer marks the session ended before it tries the
+  // lock, so when its TryLock fails (the operation held mu_, or a spurious
+  // failure because a thread was taking it), whoever held or took mu_ frees
+  // the state here.
+  void FreeIfEndedAfterOperation() ABSL_LOCKS_EXCLUDED(mu_);
   // Frees the state buffers and the budget hold.
   void FreeStateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether End was called (the status it left).
@@ -183,6 +210,11 @@ class Session {
 
   const std::string id_;
   const std::string owner_;
+  // The spec config_ keeps (for its SessionInfo), charged for as long as
+  // this object holds the config (declared first: released after it): a
+  // stream may hold a closed session's object, and with it the spec, until
+  // the stream ends.
+  MemoryBudget::Reservation spec_held_;
   const std::shared_ptr<const SessionConfig> config_;
   const bool resumable_;
   const absl::Duration idle_ttl_;
@@ -193,9 +225,12 @@ class Session {
   // owner's sessions hold whatever they share.
   const int64_t quota_bytes_;
   // Set once, before the session is published; the reservation is released
-  // with the state (FreeStateLocked).
+  // with the state (FreeStateLocked), or by the operation it is lent to.
   int64_t step_room_bytes_ = 0;
-  MemoryBudget::Reservation step_room_ ABSL_GUARDED_BY(mu_);
+  MemoryBudget::Reservation step_room_ ABSL_GUARDED_BY(meta_mu_);
+  // CloseAnswerRoomBytes: taken by the close (SessionManager::Close), else
+  // released with the state.
+  MemoryBudget::Reservation answer_room_ ABSL_GUARDED_BY(meta_mu_);
   std::atomic<int64_t> position_hint_{0};
   // Bytes of the pages the state holds and of those shared with other
   // sessions, as of its last operation (read without the state's lock).
@@ -282,9 +317,16 @@ class SessionManager {
   // "closed"): a non-resumable session is freed at once, a resumable one
   // stays until its idle TTL.
   void Detach(const std::shared_ptr<Session>& session, bool stream_cancelled);
-  // Closes and frees a session (from the stream or an operator).
-  absl::StatusOr<v1::SessionInfo> Close(const std::string& id, const std::string& reason,
-                                        const Principal& caller);
+  // Closes and frees a session (from the stream or an operator). The
+  // answer's copies of `info` are paid from `answer`, room the session
+  // reserved for them (CloseAnswerRoomBytes): the caller holds it until its
+  // answer is written or dropped. A close never needs free budget.
+  struct Closed {
+    v1::SessionInfo info;
+    MemoryBudget::Reservation answer;
+  };
+  absl::StatusOr<Closed> Close(const std::string& id, const std::string& reason,
+                               const Principal& caller);
   // A copy of `source`'s history as a new session (attached to the caller).
   absl::StatusOr<std::shared_ptr<Session>> Fork(const std::shared_ptr<Session>& source,
                                                 bool resumable, uint32_t idle_ttl_seconds,
