@@ -201,12 +201,13 @@ void Session::NoteStateLocked() {
 }
 
 absl::Status Session::CopyStateFrom(Session& other) {
-  absl::MutexLock other_lock(&other.mu_);
-  // Closed while this fork waited for it: the closer left its state for us
-  // to free.
-  absl::Cleanup free_other_if_ended = [&other]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (!other.Ended().ok()) other.FreeStateLocked();
+  // Either closed while this ran (or while the fork waited for its source):
+  // the closer left its state to be freed here, once the locks are released.
+  const absl::Cleanup free_if_ended = [this, &other] {
+    other.FreeIfEndedAfterOperation();
+    FreeIfEndedAfterOperation();
   };
+  absl::MutexLock other_lock(&other.mu_);
   RA_RETURN_IF_ERROR(other.Ended());
   absl::MutexLock lock(&mu_);
   if (!state_ || !other.state_) return absl::InternalError("a fork found a freed session state");
@@ -420,19 +421,16 @@ void Session::StepMany(absl::Span<SessionStep> steps, int threads) ABSL_NO_THREA
     steps[i].status =
         steps[i].session->EndStepLocked(steps[i], threads, jobs[job_of[i]], owned[i][3]);
   }
-  for (size_t i : order) {
-    Session* s = steps[i].session;
-    // Closed while this step ran: the closer could not free the state.
-    if (!s->Ended().ok()) s->FreeStateLocked();
-    s->mu_.Unlock();
-  }
+  for (size_t i : order) steps[i].session->mu_.Unlock();
+  // Closed while a step ran: the closer could not free the state.
+  for (const SessionStep& step : steps) step.session->FreeIfEndedAfterOperation();
 }
 
 absl::Status Session::Truncate(int64_t position) {
+  // Closed while this ran (End could not free the state): freed here, once
+  // the lock is released.
+  const absl::Cleanup free_if_ended = [this] { FreeIfEndedAfterOperation(); };
   absl::MutexLock lock(&mu_);
-  absl::Cleanup free_if_ended = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (!Ended().ok()) FreeStateLocked();
-  };
   {
     absl::MutexLock meta(&meta_mu_);
     RA_RETURN_IF_ERROR(ended_);
@@ -446,11 +444,10 @@ absl::Status Session::Truncate(int64_t position) {
 
 absl::Status Session::Import(ConstTensorView k, ConstTensorView v, DecodeState::KeyForm form,
                              const std::string& names) {
+  // Closed while this ran (End could not free the state): freed here, once
+  // the lock is released.
+  const absl::Cleanup free_if_ended = [this] { FreeIfEndedAfterOperation(); };
   absl::MutexLock lock(&mu_);
-  // Closed while this ran (End could not free the state): freed here.
-  absl::Cleanup free_if_ended = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (!Ended().ok()) FreeStateLocked();
-  };
   {
     absl::MutexLock meta(&meta_mu_);
     RA_RETURN_IF_ERROR(ended_);
@@ -463,10 +460,8 @@ absl::Status Session::Import(ConstTensorView k, ConstTensorView v, DecodeState::
 }
 
 absl::StatusOr<DecodeState::Exported> Session::Export() {
+  const absl::Cleanup free_if_ended = [this] { FreeIfEndedAfterOperation(); };
   absl::MutexLock lock(&mu_);
-  absl::Cleanup free_if_ended = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (!Ended().ok()) FreeStateLocked();
-  };
   {
     absl::MutexLock meta(&meta_mu_);
     RA_RETURN_IF_ERROR(ended_);
