@@ -835,8 +835,12 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Fork(
 
 absl::StatusOr<v1::SessionInfo> SessionManager::Info(const std::string& id,
                                                      const Principal& caller) const {
-  absl::MutexLock lock(&mu_);
-  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> found, FindLocked(id, caller, /*admin_may=*/true));
+  std::shared_ptr<Session> found;
+  {
+    absl::MutexLock lock(&mu_);
+    RA_ASSIGN_OR_RETURN(found, FindLocked(id, caller, /*admin_may=*/true));
+  }
+  // Copied outside the manager's lock (a spec can be large; it is immutable).
   v1::SessionInfo info;
   found->FillInfo(&info);
   return info;
@@ -889,27 +893,35 @@ int64_t SessionManager::InfoAnswerBytes(const std::string& id, const Principal& 
 
 std::vector<v1::SessionInfo> SessionManager::FillList(const std::vector<std::string>& ids,
                                                       const Principal& caller) const {
-  absl::MutexLock lock(&mu_);
-  std::vector<v1::SessionInfo> out;
-  out.reserve(ids.size());
-  for (const std::string& id : ids) {
-    auto it = sessions_.find(id);
-    if (it == sessions_.end()) continue;
-    if (it->second->owner_ != caller.name && !caller.admin) continue;
-    out.emplace_back();
-    it->second->FillInfo(&out.back());
+  std::vector<std::shared_ptr<Session>> found;
+  found.reserve(ids.size());
+  {
+    absl::MutexLock lock(&mu_);
+    for (const std::string& id : ids) {
+      auto it = sessions_.find(id);
+      if (it == sessions_.end()) continue;
+      if (it->second->owner_ != caller.name && !caller.admin) continue;
+      found.push_back(it->second);
+    }
   }
+  // Copied outside the manager's lock: a page holds up to --max_message_bytes
+  // of specs, and every open, attach, detach, close and reap takes that lock.
+  std::vector<v1::SessionInfo> out(found.size());
+  for (size_t i = 0; i < found.size(); ++i) found[i]->FillInfo(&out[i]);
   return out;
 }
 
 std::vector<v1::SessionInfo> SessionManager::List(const Principal& caller) const {
-  absl::MutexLock lock(&mu_);
-  std::vector<v1::SessionInfo> out;
-  for (const auto& [id, s] : sessions_) {
-    if (s->owner_ != caller.name && !caller.admin) continue;
-    out.emplace_back();
-    s->FillInfo(&out.back());
+  std::vector<std::shared_ptr<Session>> found;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, s] : sessions_) {
+      if (s->owner_ != caller.name && !caller.admin) continue;
+      found.push_back(s);
+    }
   }
+  std::vector<v1::SessionInfo> out(found.size());
+  for (size_t i = 0; i < found.size(); ++i) found[i]->FillInfo(&out[i]);
   std::sort(out.begin(), out.end(), [](const v1::SessionInfo& a, const v1::SessionInfo& b) {
     return a.session_id() < b.session_id();
   });
