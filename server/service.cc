@@ -722,6 +722,19 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       FinishOnce(grpc::Status::OK);
       return;
     }
+    // Busy from here to the answer's write: a Drain (shutdown) that runs
+    // now leaves the stream to end after this operation, and one that ran
+    // before finished it (and may have reset session_): seen below, before
+    // session_ is touched.
+    {
+      absl::MutexLock lock(&mu_);
+      busy_ = true;
+    }
+    if (service_->draining()) {
+      read_buf_.Clear();
+      FinishOnce(ShuttingDown());
+      return;
+    }
     // Parsed here, not by gRPC, which would end the stream with OK as if
     // the client had half-closed. A message that does not parse has no seq
     // to answer in band: the stream ends, naming why.
@@ -733,10 +746,6 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       if (absl::IsResourceExhausted(parsed) && session_ != nullptr) {
         // Well-formed, but the budget cannot hold its parse now: refused in
         // band (seq 0: the message was not read), the stream stays open.
-        {
-          absl::MutexLock lock(&mu_);
-          busy_ = true;
-        }
         request_.Clear();
         Refuse(parsed);
         return;
@@ -745,14 +754,6 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       return;
     }
     read_buf_.Clear();
-    {
-      absl::MutexLock lock(&mu_);
-      busy_ = true;
-    }
-    if (service_->draining()) {
-      FinishOnce(ShuttingDown());
-      return;
-    }
     if (!principal_.ok()) {
       FinishOnce(ToGrpcStatus(principal_.status()));
       return;
@@ -822,13 +823,20 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       FinishOnce(grpc::Status::OK);
       return;
     }
-    if (service_->draining()) {
-      FinishOnce(ShuttingDown());
-      return;
-    }
+    // Idle again, or drained, in one step under mu_: a shutdown's Drain
+    // either sees the stream busy, and then draining() is seen here, or
+    // sees it idle and finishes it (a check of draining() before taking the
+    // lock let a Drain pass a busy stream that then waited for a read and
+    // was never drained).
+    bool drain;
     {
       absl::MutexLock lock(&mu_);
-      busy_ = false;
+      drain = service_->draining();
+      if (!drain) busy_ = false;
+    }
+    if (drain) {
+      FinishOnce(ShuttingDown());
+      return;
     }
     StartRead(&read_buf_);
   }
