@@ -44,6 +44,10 @@ int64_t Sum(std::initializer_list<int64_t> xs) {
   return s;
 }
 
+// ceil(n / d) for n >= 0, d > 0, without the overflow of (n + d - 1) / d: a
+// dim of up to 2^63 - 1 is accepted when another is 0 (no elements).
+int64_t CeilDiv(int64_t n, int64_t d) { return n / d + (n % d != 0 ? 1 : 0); }
+
 // cos + sin f32 rows for `positions` positions of a rotary_dim rotation.
 int64_t RopeTableBytes(int64_t positions, int64_t rotary_dim) {
   return SatProduct({positions, rotary_dim / 2, 2, 4});
@@ -138,14 +142,14 @@ Cost AttendCost(const AttendDims& d) {
   const bool prefill = d.q_len > 0 && ChooseAttentionPath(d.q_len, d.heads, d.kv_heads,
                                                           d.return_probs) == AttentionPath::kPrefill;
   const int64_t tiles =
-      prefill ? SatProduct({d.batch, d.kv_heads, (d.q_len + kPrefillRows - 1) / kPrefillRows})
+      prefill ? SatProduct({d.batch, d.kv_heads, CeilDiv(d.q_len, kPrefillRows)})
               : 0;
   // K/V bytes streamed: once per (batch row, kv head) by the decode kernel,
   // once per query tile by the prefill's GEMMs.
   const int64_t kv_bytes =
       SatProduct({d.batch, d.kv_heads, d.k_len, SatAdd(d.head_dim, d.v_dim),
                   static_cast<int64_t>(DTypeSize(d.kv_dtype)),
-                  prefill ? (d.q_len + kPrefillRows - 1) / kPrefillRows : 1});
+                  prefill ? CeilDiv(d.q_len, kPrefillRows) : 1});
   // Each pair also costs its softmax (scale, max, exp, sum): one element step.
   c.compute = Sum({std::max(SatMul(pairs, Sum({d.head_dim, d.v_dim, kElementWeight})),
                             SatMul(kv_bytes, kKvByteWeight)),
@@ -303,7 +307,7 @@ Cost StepCost(const SessionDims& s, const StepDims& d) {
     const int64_t row_bytes =
         s.int8_kv ? SatAdd(SatAdd(s.head_dim, s.v_dim), 8)
                   : SatMul(SatAdd(s.head_dim, s.v_dim), static_cast<int64_t>(DTypeSize(s.kv_dtype)));
-    const int64_t passes = d.tokens > kDecodeMaxQueries ? (d.tokens + kPrefillRows - 1) / kPrefillRows : 1;
+    const int64_t passes = d.tokens > kDecodeMaxQueries ? CeilDiv(d.tokens, kPrefillRows) : 1;
     compute = std::max(compute, SatProduct({new_len, s.kv_heads, row_bytes, passes, kKvByteWeight}));
   }
   if (d.hidden > 0) {

@@ -604,6 +604,38 @@ TEST(RunAttendTest, EmptyBatchOrKeysGiveZerosWithoutTouchingHugeDims) {
   EXPECT_THAT(Shape(response.out()), ElementsAre(0, huge, 4, 6));
 }
 
+// A dim of up to 2^63 - 1 is accepted beside a 0 (no elements), and the
+// cost model rounds query rows up to prefill tiles: (q_len + 63) / 64
+// overflowed (signed, undefined; a sanitizer build aborts) and could give a
+// negative tile count that lowered a saturated price.
+TEST(RunAttendTest, HugeDimsArePricedWithoutOverflow) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  AttendDims d;
+  d.batch = 1;
+  d.q_len = kMax;
+  d.k_len = 1;
+  d.heads = 1;
+  d.kv_heads = 1;
+  d.head_dim = 1;
+  d.v_dim = 1;
+  EXPECT_EQ(AttendCost(d).compute, kMax);
+  EXPECT_EQ(AttendCost(d).transient_bytes, kMax);
+  // The reviewer's request: q [0, 2^63 - 1, 1, 1], no elements.
+  v1::AttendRequest r;
+  r.mutable_spec()->set_heads(1);
+  r.mutable_spec()->set_head_dim(1);
+  for (const auto& [w, dims] : {std::pair{r.mutable_q(), std::vector<int64_t>{0, kMax, 1, 1}},
+                                std::pair{r.mutable_k(), std::vector<int64_t>{0, 1, 1, 1}},
+                                std::pair{r.mutable_v(), std::vector<int64_t>{0, 1, 1, 1}}}) {
+    w->set_dtype(v1::DTYPE_F32);
+    for (int64_t x : dims) w->add_shape(x);
+  }
+  const absl::StatusOr<Cost> c = PriceAttend(r, kThreads);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_GE(c->compute, 0);
+  EXPECT_GE(c->transient_bytes, 0);
+}
+
 // --- Encode against the reference ---
 
 // As the service does: price, check against the default limits, then run.
