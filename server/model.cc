@@ -396,25 +396,29 @@ struct FamilyRow {
   int64_t default_head_dim;      // 0: hidden_size / num_heads
   int64_t default_kv_heads;      // 0: num_attention_heads
   double default_theta;          // rope_theta when absent
+  int64_t default_max_positions;  // max_position_embeddings (GPT-J: n_positions) when absent
   bool reads_head_dim;           // false: head_dim is always hidden / heads
   bool reads_kv_heads;           // false: no GQA (num_key_value_heads not read)
 };
 
 const std::vector<FamilyRow>& Families() {
   static const auto* rows = new std::vector<FamilyRow>{
-      {Family::kLlama, "Llama", {"llama"}, 0, 0, 10000.0, true, true},
-      {Family::kMistral, "Mistral", {"mistral", "mixtral"}, 0, 8, 10000.0, true, true},
-      {Family::kQwen2, "Qwen2", {"qwen2"}, 0, 32, 10000.0, true, true},
-      {Family::kQwen2, "Qwen2-MoE", {"qwen2_moe"}, 0, 16, 10000.0, true, true},
-      {Family::kQwen3, "Qwen3", {"qwen3"}, 128, 32, 10000.0, true, true},
-      {Family::kQwen3, "Qwen3-MoE", {"qwen3_moe"}, 0, 4, 10000.0, true, true},
-      {Family::kGemma, "Gemma", {"gemma"}, 256, 16, 10000.0, true, true},
-      {Family::kGemma2, "Gemma 2", {"gemma2"}, 256, 4, 10000.0, true, true},
-      {Family::kGemma3, "Gemma 3", {"gemma3_text"}, 256, 4, 1000000.0, true, true},
-      {Family::kPhi3, "Phi-3", {"phi3"}, 0, 0, 10000.0, true, true},
-      {Family::kGptNeoX, "GPT-NeoX", {"gpt_neox"}, 0, 0, 10000.0, false, false},
-      {Family::kGptJ, "GPT-J", {"gptj"}, 0, 0, 10000.0, false, false},
-      {Family::kBert, "BERT", {"bert"}, 0, 0, 10000.0, false, false},
+      {Family::kLlama, "Llama", {"llama"}, 0, 0, 10000.0, 2048, true, true},
+      {Family::kMistral, "Mistral", {"mistral"}, 0, 8, 10000.0, 131072, true, true},
+      // MixtralConfig: Mistral's attention, its own defaults (rope_theta 1e6,
+      // sliding_window None).
+      {Family::kMistral, "Mixtral", {"mixtral"}, 0, 8, 1000000.0, 131072, true, true},
+      {Family::kQwen2, "Qwen2", {"qwen2"}, 0, 32, 10000.0, 32768, true, true},
+      {Family::kQwen2, "Qwen2-MoE", {"qwen2_moe"}, 0, 16, 10000.0, 32768, true, true},
+      {Family::kQwen3, "Qwen3", {"qwen3"}, 128, 32, 10000.0, 32768, true, true},
+      {Family::kQwen3, "Qwen3-MoE", {"qwen3_moe"}, 0, 4, 10000.0, 32768, true, true},
+      {Family::kGemma, "Gemma", {"gemma"}, 256, 16, 10000.0, 8192, true, true},
+      {Family::kGemma2, "Gemma 2", {"gemma2"}, 256, 4, 10000.0, 8192, true, true},
+      {Family::kGemma3, "Gemma 3", {"gemma3_text"}, 256, 4, 1000000.0, 131072, true, true},
+      {Family::kPhi3, "Phi-3", {"phi3"}, 0, 0, 10000.0, 4096, true, true},
+      {Family::kGptNeoX, "GPT-NeoX", {"gpt_neox"}, 0, 0, 10000.0, 2048, false, false},
+      {Family::kGptJ, "GPT-J", {"gptj"}, 0, 0, 10000.0, 2048, false, false},
+      {Family::kBert, "BERT", {"bert"}, 0, 0, 10000.0, 512, false, false},
   };
   return *rows;
 }
@@ -883,8 +887,6 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
     RA_ASSIGN_OR_RETURN(config.num_heads,
                         top.RequiredPositiveInt({"num_attention_heads", "n_head"}));
     RA_ASSIGN_OR_RETURN(config.vocab_size, top.RequiredPositiveInt({"vocab_size"}));
-    RA_ASSIGN_OR_RETURN(config.max_positions,
-                        top.RequiredPositiveInt({"max_position_embeddings", "n_positions"}));
     RA_ASSIGN_OR_RETURN(config.num_layers,
                         top.RequiredPositiveInt({"num_hidden_layers", "n_layer"}));
     if (config.num_layers > kMaxLayers) {
@@ -908,6 +910,14 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
     }
     config.family = row->family;
     const Family family = row->family;
+    // The trained length, or the config class's default when the file has
+    // neither spelling (a null one is refused: transformers would carry None).
+    if (top.Present("max_position_embeddings") || top.Present("n_positions")) {
+      RA_ASSIGN_OR_RETURN(config.max_positions,
+                          top.RequiredPositiveInt({"max_position_embeddings", "n_positions"}));
+    } else {
+      config.max_positions = row->default_max_positions;
+    }
     if (const json* q = top.Find("quantization_config"); q != nullptr) {
       return Refuse(file_name, "quantization_config", *q,
                     "quantized weights are not served (F32, BF16 and F16 only)");

@@ -142,6 +142,21 @@ std::vector<ArchCase> Cases() {
     c.freqs = fixed(ref::DefaultInvFreq(8, 1000000.0));
     cases.push_back(std::move(c));
   }
+  {  // Mixtral: no rope_theta or sliding_window in the file, so MixtralConfig's
+     // defaults: base 1e6, no window.
+    ArchCase c;
+    c.name = "mixtral";
+    c.config = Config("mixtral", "MixtralForCausalLM", 32, 4, 1, R"(, "num_key_value_heads": 2,
+        "num_local_experts": 2, "num_experts_per_tok": 1)");
+    Embeddings(c.ckpt, "model.embed_tokens.weight", 32);
+    ref::LayerRefParams p = Dims(32, 4, 2, 8);
+    AddSeparate(c.ckpt, p, "model.layers.0.self_attn.", false, false);
+    p.rope = true;
+    p.rotary_dim = 8;
+    c.layers = {p};
+    c.freqs = fixed(ref::DefaultInvFreq(8, 1000000.0));
+    cases.push_back(std::move(c));
+  }
   {  // Qwen2: q/k/v biases (no key says so), sliding window from layer 1.
     ArchCase c;
     c.name = "qwen2";
@@ -630,8 +645,9 @@ TEST(ArchitectureLayerTest, GptJPositionsEndWithItsTable) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, ArchitectureTest,
-                         ::testing::Values("llama", "mistral", "qwen2", "qwen3", "gemma2",
-                                           "gemma3", "phi3", "gpt_neox", "gptj", "bert"),
+                         ::testing::Values("llama", "mistral", "mixtral", "qwen2", "qwen3",
+                                           "gemma2", "gemma3", "phi3",
+                                           "gpt_neox", "gptj", "bert"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });

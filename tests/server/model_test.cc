@@ -683,6 +683,50 @@ TEST(ParseModelConfigTest, BertIsLearnedAbsolute) {
   EXPECT_FALSE(c->rope.has_value());
 }
 
+// Each config class's own rope_theta and max_position_embeddings when the
+// file omits them: Mixtral shares Mistral's attention but MixtralConfig
+// defaults rope_theta to 1e6 (and sliding_window to None).
+TEST(ParseModelConfigTest, FamiliesTakeTheirRopeThetaAndLengthDefaults) {
+  struct Case {
+    const char* model_type;
+    double theta;
+    int64_t max_positions;
+  };
+  for (const Case& k : {Case{"llama", 10000.0, 2048}, Case{"mistral", 10000.0, 131072},
+                        Case{"mixtral", 1000000.0, 131072}, Case{"qwen2", 10000.0, 32768},
+                        Case{"qwen2_moe", 10000.0, 32768}, Case{"qwen3", 10000.0, 32768},
+                        Case{"qwen3_moe", 10000.0, 32768}, Case{"gemma", 10000.0, 8192},
+                        Case{"gemma2", 10000.0, 8192}, Case{"gemma3_text", 1000000.0, 131072},
+                        Case{"phi3", 10000.0, 4096}, Case{"gpt_neox", 10000.0, 2048},
+                        Case{"gptj", 10000.0, 2048}}) {
+    SCOPED_TRACE(k.model_type);
+    absl::StatusOr<ModelConfig> c = ParseModelConfig(
+        absl::StrCat(R"({"model_type": ")", k.model_type, R"(", "hidden_size": 512,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 128,
+            "vocab_size": 8, "num_hidden_layers": 6})"),
+        "config.json");
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->max_positions, k.max_positions);
+    // Gemma 3's global layers (every 6th) use rope_theta.
+    EXPECT_EQ(RopeOfLayer(*c, 5)->theta, k.theta);
+  }
+  absl::StatusOr<ModelConfig> bert = ParseModelConfig(
+      R"({"model_type": "bert", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 8,
+          "num_hidden_layers": 1})",
+      "config.json");
+  ASSERT_TRUE(bert.ok()) << bert.status();
+  EXPECT_EQ(bert->max_positions, 512);
+  // Mixtral: no window when absent (MixtralConfig's None), unlike Mistral.
+  absl::StatusOr<ModelConfig> mixtral = ParseModelConfig(
+      R"({"model_type": "mixtral", "hidden_size": 64, "num_attention_heads": 8, "vocab_size": 8,
+          "num_hidden_layers": 1, "max_position_embeddings": 64})",
+      "config.json");
+  ASSERT_TRUE(mixtral.ok()) << mixtral.status();
+  EXPECT_EQ(mixtral->layers[0].window, 0);
+  EXPECT_EQ(mixtral->num_kv_heads, 8);
+  EXPECT_EQ(mixtral->rope->theta, 1000000.0);
+}
+
 TEST(ParseModelConfigTest, FamiliesTakeTheirTransformersDefaults) {
   auto parse = [](absl::string_view model_type, absl::string_view extra) {
     return ParseModelConfig(
