@@ -473,10 +473,13 @@ absl::StatusOr<int64_t> RotaryDimFromFraction(const KeyReader& r, absl::string_v
 }
 
 // One RoPE from `top` (the config) and a scaling block (`block`, may be null,
-// named `block_name` in messages). `theta_default` when no rope_theta is given.
+// named `block_name` in messages). The base is the block's rope_theta, else
+// the top-level `top_theta_key` (Gemma 3's sliding layers:
+// rope_local_base_freq), else `theta_default`.
 absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& config,
                                        absl::string_view file, const json* block,
-                                       absl::string_view block_name, double theta_default) {
+                                       absl::string_view block_name, double theta_default,
+                                       absl::string_view top_theta_key = "rope_theta") {
   RopeConfig rope;
   rope.head_dim = config.head_dim;
   const Family family = config.family;
@@ -505,7 +508,7 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
     }
     theta = effective_base;
   } else if (!theta.has_value()) {
-    RA_ASSIGN_OR_RETURN(theta, top.Number("rope_theta"));
+    RA_ASSIGN_OR_RETURN(theta, top.Number(top_theta_key));
   }
   rope.theta = theta.value_or(theta_default);
 
@@ -717,6 +720,127 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
         absl::StrCat(file, ": RoPE settings are invalid: ", st.message()));
   }
   return rope;
+}
+
+// Whether two resolved RoPEs rotate alike (every field a rule may read).
+bool SameRope(const RopeConfig& a, const RopeConfig& b) {
+  const RopeScaling& x = a.scaling;
+  const RopeScaling& y = b.scaling;
+  return a.head_dim == b.head_dim && a.rotary_dim == b.rotary_dim && a.theta == b.theta &&
+         a.layout == b.layout && x.type == y.type && x.factor == y.factor &&
+         x.original_max_positions == y.original_max_positions && x.beta_fast == y.beta_fast &&
+         x.beta_slow == y.beta_slow && x.truncate == y.truncate &&
+         x.attention_factor == y.attention_factor && x.mscale == y.mscale &&
+         x.mscale_all_dim == y.mscale_all_dim && x.short_factor == y.short_factor &&
+         x.long_factor == y.long_factor && x.max_position_embeddings == y.max_position_embeddings &&
+         x.low_freq_factor == y.low_freq_factor && x.high_freq_factor == y.high_freq_factor;
+}
+
+// Gemma 3's two RoPEs (global layers: config.rope; sliding: config.local_rope).
+// transformers 4 (Gemma3TextConfig): global = rope_theta (default 1e6) with
+// rope_scaling; sliding = rope_local_base_freq (default 10000), default rule;
+// rope_parameters is not read. transformers 5: rope_parameters keyed by
+// layer type (default {"rope_type": "default"} each); rope_scaling updates
+// the full_attention block; a block without rope_theta takes rope_theta
+// (full) or rope_local_base_freq (sliding), else those defaults. What the two
+// compute alike is served; where a key both read is overridden differently
+// the config is refused naming the keys.
+absl::Status ResolveGemma3Rope(const KeyReader& top, ModelConfig& config,
+                               absl::string_view file) {
+  const json* params = top.Find("rope_parameters");
+  const json* scaling = top.Find("rope_scaling");
+  if (params != nullptr && !params->is_object()) {
+    return top.TypeError("rope_parameters", "an object", *params);
+  }
+  if (scaling != nullptr && !scaling->is_object()) {
+    return top.TypeError("rope_scaling", "an object", *scaling);
+  }
+  const bool keyed = params != nullptr && (params->contains("full_attention") ||
+                                           params->contains("sliding_attention"));
+  if (params != nullptr && !params->empty() && !keyed) {
+    // transformers 4 never reads it; 5 reads only the per-layer-type blocks
+    // (a flat one is ignored, or fails in 5.0): nothing computes it as given.
+    return Refuse(file, "rope_parameters", *params,
+                  "transformers' Gemma 3 reads rope_parameters only keyed by layer type "
+                  "(full_attention, sliding_attention)");
+  }
+  static const json kNoBlocks = json::object();
+  const KeyReader p(keyed ? *params : kNoBlocks, file, "rope_parameters.");
+  const json* full = keyed ? p.Find("full_attention") : nullptr;
+  const json* sliding = keyed ? p.Find("sliding_attention") : nullptr;
+  for (const auto& [name, b] : {std::pair<const char*, const json*>{"full_attention", full},
+                                {"sliding_attention", sliding}}) {
+    if (b != nullptr && !b->is_object()) return p.TypeError(name, "an object", *b);
+  }
+  const bool scaling_given = scaling != nullptr && !scaling->empty();
+  if (keyed && scaling != nullptr && full == nullptr) {
+    return absl::UnimplementedError(absl::StrCat(
+        file, ": keys rope_scaling and rope_parameters (keyed by layer type, without "
+              "full_attention) are not supported together: transformers 5 fails on them, "
+              "transformers 4 reads rope_scaling only"));
+  }
+  // A block's rope_theta overrides a top-level key transformers 4 reads.
+  const auto theta_clash = [&](const json* b, absl::string_view block_name,
+                               absl::string_view top_key) -> absl::Status {
+    if (b == nullptr) return absl::OkStatus();
+    const KeyReader r(*b, file, absl::StrCat("rope_parameters.", block_name, "."));
+    RA_ASSIGN_OR_RETURN(std::optional<double> block_theta, r.Number("rope_theta"));
+    RA_ASSIGN_OR_RETURN(std::optional<double> top_theta, top.Number(top_key));
+    if (block_theta.has_value() && top_theta.has_value() && *block_theta != *top_theta) {
+      return absl::UnimplementedError(absl::StrFormat(
+          "%s: keys rope_parameters.%s.rope_theta = %g and %s = %g disagree: transformers 4's "
+          "Gemma 3 rotates its %s layers with %s, transformers 5 with the block's",
+          file, block_name, *block_theta, top_key, *top_theta,
+          block_name == "full_attention" ? "global" : "sliding", top_key));
+    }
+    return absl::OkStatus();
+  };
+  RA_RETURN_IF_ERROR(theta_clash(full, "full_attention", "rope_theta"));
+  RA_RETURN_IF_ERROR(theta_clash(sliding, "sliding_attention", "rope_local_base_freq"));
+
+  // Global layers as transformers 5 builds them: the full_attention block
+  // (or {"rope_type": "default"}) updated with rope_scaling.
+  json merged = full != nullptr ? *full : json{{"rope_type", "default"}};
+  if (scaling != nullptr) merged.update(*scaling);
+  const std::string global_name =
+      !keyed ? std::string("rope_scaling")
+             : scaling_given ? std::string("rope_parameters.full_attention (updated with rope_scaling)")
+                             : std::string("rope_parameters.full_attention");
+  RA_ASSIGN_OR_RETURN(config.rope,
+                      ResolveRope(top, config, file, &merged, global_name, 1000000.0));
+  if (scaling_given) {
+    // transformers 4 reads rope_scaling alone (and a legacy "type" key,
+    // which 5's merged block, already "default", does not take).
+    absl::StatusOr<RopeConfig> four =
+        ResolveRope(top, config, file, scaling, "rope_scaling", 1000000.0);
+    if (!four.ok() || !SameRope(*four, *config.rope)) {
+      return absl::UnimplementedError(absl::StrCat(
+          file, ": key rope_scaling", keyed ? " with rope_parameters.full_attention" : "",
+          " gives Gemma 3's global layers a RoPE transformers 4 and 5 compute differently: 4 "
+          "reads rope_scaling alone (\"type\" or \"rope_type\"), 5 updates ",
+          keyed ? "the full_attention block" : "{\"rope_type\": \"default\"}",
+          " with it; give the rule as rope_scaling.rope_type",
+          keyed ? " and keep the other keys in one place" : ""));
+    }
+  }
+  // Sliding layers.
+  if (sliding != nullptr) {
+    RA_ASSIGN_OR_RETURN(config.local_rope,
+                        ResolveRope(top, config, file, sliding,
+                                    "rope_parameters.sliding_attention", 10000.0,
+                                    "rope_local_base_freq"));
+  } else {
+    RA_ASSIGN_OR_RETURN(std::optional<double> local_base, top.Number("rope_local_base_freq"));
+    RopeConfig local = *config.rope;
+    local.theta = local_base.value_or(10000.0);
+    local.scaling = RopeScaling{};
+    if (absl::Status st = ValidateRopeConfig(local); !st.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          file, ": key rope_local_base_freq gives invalid RoPE settings: ", st.message()));
+    }
+    config.local_rope = local;
+  }
+  return absl::OkStatus();
 }
 
 // The sliding window as the family's config class resolves it: a key given
@@ -1063,22 +1187,19 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
     config.positions = PositionKind::kRope;
     // rope_parameters (transformers >= 4.56) is read unless a non-empty
     // rope_scaling is given too: transformers' convert_rope_params_to_dict
-    // takes `rope_scaling or rope_parameters`. Gemma 3 may key it by layer type.
+    // takes `rope_scaling or rope_parameters`. Gemma 3 has its own rules
+    // (ResolveGemma3Rope).
     const json* scaling = top.Find("rope_scaling");
     const bool scaling_given = scaling != nullptr && !(scaling->is_object() && scaling->empty());
     const char* block_key =
         top.Has("rope_parameters") && !scaling_given ? "rope_parameters" : "rope_scaling";
     const json* block = top.Find(block_key);
-    const json* local_block = nullptr;
-    std::string block_name = block_key;
-    if (family == Family::kGemma3 && block != nullptr && block->is_object() &&
-        (block->contains("full_attention") || block->contains("sliding_attention"))) {
-      local_block = block->contains("sliding_attention") ? &(*block)["sliding_attention"] : nullptr;
-      block = block->contains("full_attention") ? &(*block)["full_attention"] : nullptr;
-      block_name = absl::StrCat(block_key, ".full_attention");
+    if (family == Family::kGemma3) {
+      RA_RETURN_IF_ERROR(ResolveGemma3Rope(top, config, file_name));
+    } else {
+      RA_ASSIGN_OR_RETURN(config.rope, ResolveRope(top, config, file_name, block, block_key,
+                                                   row->default_theta));
     }
-    RA_ASSIGN_OR_RETURN(config.rope, ResolveRope(top, config, file_name, block, block_name,
-                                                 row->default_theta));
     if (family == Family::kGptJ) {
       // transformers' GPT-J builds its sinusoids with base 10000 and no
       // scaling whatever the config says: other values are refused.
@@ -1102,25 +1223,6 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
           "\": Phi3Config accepts only default and longrope scaling"));
     }
     RA_RETURN_IF_ERROR(ResolveLayers(top, config));
-    if (family == Family::kGemma3) {
-      // Sliding layers: rope_local_base_freq (default 10000) with the default
-      // rule, unless rope_parameters gives them their own block.
-      if (local_block != nullptr) {
-        RA_ASSIGN_OR_RETURN(config.local_rope,
-                            ResolveRope(top, config, file_name, local_block,
-                                        absl::StrCat(block_key, ".sliding_attention"), 10000.0));
-      } else {
-        RA_ASSIGN_OR_RETURN(std::optional<double> local_base, top.Number("rope_local_base_freq"));
-        RopeConfig local = *config.rope;
-        local.theta = local_base.value_or(10000.0);
-        local.scaling = RopeScaling{};
-        if (absl::Status st = ValidateRopeConfig(local); !st.ok()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              file_name, ": key rope_local_base_freq gives invalid RoPE settings: ", st.message()));
-        }
-        config.local_rope = local;
-      }
-    }
     return config;
   } catch (const json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(file_name, ": ", e.what()));

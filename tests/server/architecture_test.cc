@@ -242,6 +242,37 @@ std::vector<ArchCase> Cases() {
     };
     cases.push_back(std::move(c));
   }
+  {  // Gemma 3 written for transformers 5: rope_parameters keyed by layer
+     // type; the sliding block has no rope_theta, so rope_local_base_freq
+     // gives it (as transformers 4 and 5 both do), not the global base.
+    ArchCase c;
+    c.name = "gemma3_keyed";
+    c.config = Config("gemma3_text", "Gemma3ForCausalLM", 32, 4, 2, R"(, "num_key_value_heads": 1,
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4,
+        "sliding_window_pattern": 2, "rope_theta": 1000000.0, "rope_local_base_freq": 20000.0,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0},
+                            "sliding_attention": {"rope_type": "default"}},
+        "rms_norm_eps": 1e-6)");
+    Embeddings(c.ckpt, "model.embed_tokens.weight", 32);
+    for (int layer = 0; layer < 2; ++layer) {
+      ref::LayerRefParams p = Dims(32, 4, 1, 16);
+      const std::string root = absl::StrCat("model.layers.", layer, ".self_attn.");
+      AddSeparate(c.ckpt, p, root, false, false);
+      p.norm = ref::RefNorm::kRmsOnePlus;
+      p.q_norm = c.ckpt.Add(root + "q_norm.weight", {16}, -0.5, 0.5);
+      p.k_norm = c.ckpt.Add(root + "k_norm.weight", {16}, -0.5, 0.5);
+      p.rope = true;
+      p.rotary_dim = 16;
+      p.scale = 0.25;
+      p.window = layer == 0 ? 4 : 0;
+      c.layers.push_back(p);
+    }
+    c.freqs = [](int64_t layer, int64_t, ref::LayerRefParams& p) {
+      p.inv_freq = layer == 0 ? ref::DefaultInvFreq(16, 20000.0)
+                              : ref::LinearInvFreq(16, 1000000.0, 8.0);
+    };
+    cases.push_back(std::move(c));
+  }
   {  // Phi-3: fused qkv_proj, LongRoPE (long factors past L0 = 8), window 5.
     ArchCase c;
     c.name = "phi3";
@@ -646,7 +677,7 @@ TEST(ArchitectureLayerTest, GptJPositionsEndWithItsTable) {
 
 INSTANTIATE_TEST_SUITE_P(Families, ArchitectureTest,
                          ::testing::Values("llama", "mistral", "mixtral", "qwen2", "qwen3",
-                                           "gemma2", "gemma3", "phi3",
+                                           "gemma2", "gemma3", "gemma3_keyed", "phi3",
                                            "gpt_neox", "gptj", "bert"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;

@@ -727,6 +727,85 @@ TEST(ParseModelConfigTest, FamiliesTakeTheirRopeThetaAndLengthDefaults) {
   EXPECT_EQ(mixtral->rope->theta, 1000000.0);
 }
 
+// Gemma 3's RoPEs where transformers 4 (rope_theta + rope_scaling global,
+// rope_local_base_freq sliding) and 5 (rope_parameters keyed by layer type,
+// rope_scaling merged into full_attention, a block without rope_theta
+// filled from rope_theta / rope_local_base_freq) agree; refused by key where
+// they do not.
+TEST(ParseModelConfigTest, Gemma3RopeIsWhatTransformers4And5Share) {
+  auto parse = [](absl::string_view extra) {
+    return ParseModelConfig(
+        absl::StrCat(R"({"model_type": "gemma3_text", "hidden_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 8,
+            "num_hidden_layers": 2, "sliding_window": 4, "sliding_window_pattern": 2,
+            "max_position_embeddings": 64)",
+                     extra, "}"),
+        "config.json");
+  };
+  // A sliding block without rope_theta: rope_local_base_freq (both versions),
+  // not the global rope_theta.
+  absl::StatusOr<ModelConfig> c = parse(R"(, "rope_theta": 1000000.0,
+      "rope_local_base_freq": 20000.0, "rope_parameters": {
+      "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+      "sliding_attention": {"rope_type": "default"}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(RopeOfLayer(*c, 0)->theta, 20000.0);
+  EXPECT_EQ(RopeOfLayer(*c, 1)->theta, 1000000.0);
+  // ... and without rope_local_base_freq its default 10000, whatever
+  // rope_theta says; a full block without rope_theta takes rope_theta.
+  c = parse(R"(, "rope_theta": 500000.0, "rope_parameters": {
+      "full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(RopeOfLayer(*c, 0)->theta, 10000.0);
+  EXPECT_EQ(RopeOfLayer(*c, 1)->theta, 500000.0);
+  // Equal values in both places are served.
+  c = parse(R"(, "rope_local_base_freq": 20000.0, "rope_parameters": {
+      "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(RopeOfLayer(*c, 0)->theta, 20000.0);
+  EXPECT_EQ(RopeOfLayer(*c, 1)->theta, 1000000.0);
+  // rope_scaling merged into a keyed full_attention block: the same rule as
+  // transformers 4's rope_scaling alone is served.
+  c = parse(R"(, "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rope_parameters": {
+      "full_attention": {"rope_type": "default"},
+      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(RopeOfLayer(*c, 1)->scaling.type, RopeScalingType::kLinear);
+  EXPECT_EQ(RopeOfLayer(*c, 1)->scaling.factor, 8.0);
+  EXPECT_EQ(RopeOfLayer(*c, 0)->scaling.type, RopeScalingType::kDefault);
+
+  // Where the versions disagree: UNIMPLEMENTED naming the keys.
+  struct Refused {
+    const char* extra;
+    std::vector<const char*> words;
+  };
+  for (const Refused& r : std::vector<Refused>{
+           {R"(, "rope_local_base_freq": 30000.0, "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}})",
+            {"rope_parameters.sliding_attention.rope_theta", "rope_local_base_freq"}},
+           {R"(, "rope_theta": 1000000.0, "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 500000.0}})",
+            {"rope_parameters.full_attention.rope_theta", "rope_theta"}},
+           // 5 keeps the block's "default" rule, 4 reads the legacy "type".
+           {R"(, "rope_scaling": {"type": "linear", "factor": 8.0})", {"rope_scaling", "\"type\""}},
+           // 5 keeps the block's factor-free keys next to rope_scaling's.
+           {R"(, "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 500000.0}})",
+            {"rope_scaling", "full_attention"}},
+           {R"(, "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rope_parameters": {
+                "sliding_attention": {"rope_type": "default"}})",
+            {"rope_scaling", "full_attention"}},
+           // A flat block: transformers' Gemma 3 never computes it.
+           {R"(, "rope_parameters": {"rope_type": "linear", "factor": 8.0})",
+            {"rope_parameters", "keyed by layer type"}},
+       }) {
+    SCOPED_TRACE(r.extra);
+    c = parse(r.extra);
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kUnimplemented) << c.status();
+    for (const char* w : r.words) EXPECT_THAT(c.status().message(), HasSubstr(w));
+  }
+}
+
 TEST(ParseModelConfigTest, FamiliesTakeTheirTransformersDefaults) {
   auto parse = [](absl::string_view model_type, absl::string_view extra) {
     return ParseModelConfig(
