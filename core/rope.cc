@@ -11,8 +11,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/limits.h"
 #include "core/status_macros.h"
@@ -51,6 +54,41 @@ absl::Status CheckPosition(int64_t position, const char* what, int64_t index) {
         absl::StrFormat("%s[%d] = %d is above the maximum position 2^40", what, index, position));
   }
   return absl::OkStatus();
+}
+
+// The angle position * inv_freq[i] must be a finite double for every pair:
+// a tiny scaling factor (linear 1e-300, inside its range) makes an inverse
+// frequency so large that a large position overflows it, and cos/sin of an
+// infinite angle are NaN. Checked up front against the largest position,
+// naming the position and the settings that gave the frequency.
+absl::Status CheckAngles(const RopeConfig& config, const std::vector<double>& inv_freq,
+                         int64_t max_position, const char* what) {
+  if (max_position <= 0 || inv_freq.empty()) return absl::OkStatus();
+  size_t top = 0;
+  for (size_t i = 1; i < inv_freq.size(); ++i) {
+    if (std::fabs(inv_freq[i]) > std::fabs(inv_freq[top])) top = i;
+  }
+  const double p = static_cast<double>(max_position);
+  if (std::isfinite(p * inv_freq[top])) return absl::OkStatus();
+  const RopeScaling& s = config.scaling;
+  std::string cause;
+  switch (s.type) {
+    case RopeScalingType::kLongRope:
+      cause = absl::StrFormat("theta %g, %s scaling.short_factor / long_factor[%d] = %g / %g",
+                              config.theta, RopeScalingTypeName(s.type), top,
+                              top < s.short_factor.size() ? s.short_factor[top] : 0.0,
+                              top < s.long_factor.size() ? s.long_factor[top] : 0.0);
+      break;
+    default:
+      cause = absl::StrFormat("theta %g, %s scaling.factor = %g", config.theta,
+                              RopeScalingTypeName(s.type), s.factor);
+      break;
+  }
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "%s %d times inv_freq[%d] = %g (from %s) overflows the rotation angle (above %g): the "
+      "largest position times the largest inverse frequency must stay finite; use a larger "
+      "scaling factor or smaller positions",
+      what, max_position, top, inv_freq[top], cause, std::numeric_limits<double>::max()));
 }
 
 // Scalar element access, shared by the remainder loops of both dtypes.
@@ -256,6 +294,8 @@ absl::StatusOr<RopeRotator> RopeRotator::FromFrequencies(const RopeConfig& confi
         table_positions, half, kMaxTableEntries));
   }
 
+  RA_RETURN_IF_ERROR(
+      CheckAngles(config, frequencies.inv_freq, table_positions - 1, "table position"));
   RopeRotator r;
   r.config_ = config;
   r.freqs_ = std::move(frequencies);
@@ -279,9 +319,12 @@ absl::Status RopeRotator::CosSin(absl::Span<const int64_t> positions, absl::Span
         "got %d and %d",
         n, half, n * half, cos_out.size(), sin_out.size()));
   }
+  int64_t max_position = 0;
   for (int64_t k = 0; k < n; ++k) {
     RA_RETURN_IF_ERROR(CheckPosition(positions[k], "positions", k));
+    max_position = std::max(max_position, positions[k]);
   }
+  RA_RETURN_IF_ERROR(CheckAngles(config_, freqs_.inv_freq, max_position, "position"));
   for (int64_t k = 0; k < n; ++k) {
     const int64_t p = positions[k];
     float* c = cos_out.data() + k * half;
@@ -312,6 +355,10 @@ absl::Status RopeRotator::Apply(TensorView x, const Positions& positions, RopeDi
   const int64_t seq = x.dim(1);
   const int64_t heads = x.dim(2);
   RA_ASSIGN_OR_RETURN(const std::vector<int64_t> pos, ResolvePositions(positions, batch, seq));
+  if (!pos.empty()) {
+    RA_RETURN_IF_ERROR(CheckAngles(config_, freqs_.inv_freq,
+                                   *std::max_element(pos.begin(), pos.end()), "position"));
+  }
   if (x.num_elements() == 0) return absl::OkStatus();
 
   const int64_t d = rotary_dim();

@@ -237,7 +237,10 @@ class RopeRotator {
   // num_threads >= 1: the call never uses more OpenMP threads, and uses fewer
   // for small inputs. A tensor with no elements is a no-op (positions are
   // still validated). Errors (x untouched): InvalidArgument for a bad shape,
-  // head_dim, num_threads or positions; OutOfRange for a position above 2^40.
+  // head_dim, num_threads or positions, or when the largest position times
+  // the largest inverse frequency overflows the angle (a tiny scaling
+  // factor: the message names the position and the factor); OutOfRange for
+  // a position above 2^40.
   // Elements are not checked for finiteness (that would be a second pass over
   // memory): a non-finite input element gives a non-finite output element.
   absl::Status Apply(TensorView x, const Positions& positions, RopeDirection direction,
@@ -245,8 +248,8 @@ class RopeRotator {
 
   // cos and sin (attention factor folded in) for each position: writes
   // positions.size() * rotary_dim/2 floats to each output, row-major.
-  // InvalidArgument for wrong output sizes or a negative position,
-  // OutOfRange for a position above 2^40.
+  // InvalidArgument for wrong output sizes, a negative position or an angle
+  // that overflows (as Apply), OutOfRange for a position above 2^40.
   absl::Status CosSin(absl::Span<const int64_t> positions, absl::Span<float> cos_out,
                       absl::Span<float> sin_out) const;
 

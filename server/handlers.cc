@@ -362,9 +362,11 @@ absl::Status RunAttend(const v1::AttendRequest& request, v1::AttendResponse* res
     }
     k_at.explicit_positions = plan.k_positions;
     RA_RETURN_IF_ERROR(Annotate(
-        rotator.Apply(q_own.view(), q_at, RopeDirection::kForward, threads), "rotating q"));
+        rotator.Apply(q_own.view(), q_at, RopeDirection::kForward, threads),
+        "spec.rope, rotating q"));
     RA_RETURN_IF_ERROR(Annotate(
-        rotator.Apply(k_own.view(), k_at, RopeDirection::kForward, threads), "rotating k"));
+        rotator.Apply(k_own.view(), k_at, RopeDirection::kForward, threads),
+        "spec.rope, rotating k"));
     // One pass over each rotated tensor. A non-finite input stays non-finite
     // (and, rotation mixing each channel pair, shows at its partner's index
     // too), so the message names the input's own first bad element, read
@@ -536,7 +538,7 @@ absl::Status EncodeRopeCosSin(const v1::EncodeRequest::RopeCosSin& op, EncodeDim
   RA_RETURN_IF_ERROR(Annotate(rotator.CosSin(absl::MakeConstSpan(op.positions().data(), n),
                                              absl::MakeSpan(cos.data<float>(), n * half),
                                              absl::MakeSpan(sin.data<float>(), n * half)),
-                              "rope_cos_sin"));
+                              "rope_cos_sin.rope"));
   RA_RETURN_IF_ERROR(CheckFinite(cos.cview(), "rope_cos_sin cos (times the attention factor)"));
   RA_RETURN_IF_ERROR(CheckFinite(sin.cview(), "rope_cos_sin sin (times the attention factor)"));
   FillFrequencies(rotator.frequencies(), response);
@@ -629,7 +631,7 @@ absl::Status EncodeRopeApply(const v1::EncodeRequest::RopeApply& op, EncodeDims&
   RA_RETURN_IF_ERROR(Annotate(
       rotator.Apply(x.view(), positions,
                     op.inverse() ? RopeDirection::kInverse : RopeDirection::kForward, threads),
-      "rope_apply"));
+      "rope_apply.rope"));
   // Finite inputs near the float limit can overflow once scaled by the
   // attention factor (or its inverse); never answer with inf.
   RA_RETURN_IF_ERROR(CheckFinite(x.cview(), "rope_apply.x (rotated)",

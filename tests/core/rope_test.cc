@@ -671,6 +671,46 @@ TEST(RopeErrorsTest, CosSinAndPlanningErrors) {
               "inv_freq[3] must be finite, got inf");
 }
 
+// position * inv_freq must be a finite angle: a tiny linear factor (or a
+// tiny longrope factor) at a large position is refused before any rotation,
+// naming the position and the setting, and x is left alone.
+TEST(RopeErrorsTest, AnglesThatOverflowAreRefusedUpFront) {
+  RopeConfig c = MakeConfig(8, 0, RopeLayout::kHalfSplit);
+  c.scaling.type = RopeScalingType::kLinear;
+  c.scaling.factor = 1e-300;
+  const RopeRotator r = MakeRotator(c, 0);
+  Tensor x = RandomTensor(DType::kF32, {1, 2, 1, 8}, 7);
+  const Tensor original = Tensor::CopyOf(x.cview()).value();
+  const std::vector<int64_t> pos = {1, int64_t{1} << 40};
+  Positions p;
+  p.explicit_positions = pos;
+  ExpectError(r.Apply(x.view(), p, RopeDirection::kForward, 1), absl::StatusCode::kInvalidArgument,
+              "position 1099511627776 times inv_freq[0] = 1e+300 (from theta 10000, linear "
+              "scaling.factor = 1e-300) overflows the rotation angle");
+  EXPECT_TRUE(BitwiseEqual(x, original));
+  std::vector<float> cs(8), sn(8);
+  ExpectError(r.CosSin(pos, absl::MakeSpan(cs), absl::MakeSpan(sn)),
+              absl::StatusCode::kInvalidArgument, "linear scaling.factor = 1e-300");
+  // Small positions are fine with the same factor.
+  const std::vector<int64_t> small = {0, 1};
+  p.explicit_positions = small;
+  EXPECT_TRUE(r.Apply(x.view(), p, RopeDirection::kForward, 1).ok());
+  // A table planned that far is refused the same way.
+  c.scaling.factor = 1e-307;
+  ExpectError(RopeRotator::Create(c, 0, 1000).status(), absl::StatusCode::kInvalidArgument,
+              "table position 999 times inv_freq[0]");
+  // LongRoPE names its factor lists.
+  RopeConfig lr = MakeConfig(4, 0, RopeLayout::kHalfSplit);
+  lr.scaling.type = RopeScalingType::kLongRope;
+  lr.scaling.original_max_positions = 8;
+  lr.scaling.short_factor = {1e-300, 1.0};
+  lr.scaling.long_factor = {1.0, 1.0};
+  lr.scaling.attention_factor = 1.0;
+  const RopeRotator rl = MakeRotator(lr, 0);
+  ExpectError(rl.CosSin(pos, absl::MakeSpan(cs).subspan(0, 4), absl::MakeSpan(sn).subspan(0, 4)),
+              absl::StatusCode::kInvalidArgument, "short_factor / long_factor[0] = 1e-300 / 1");
+}
+
 TEST(RopeErrorsTest, FromFrequenciesUsesTheGivenFrequencies) {
   // A caller (a dynamic-NTK session, say) may plan with its own frequencies.
   const RopeConfig c = MakeConfig(8, 0, RopeLayout::kHalfSplit);

@@ -44,9 +44,11 @@ using ::ropeattn::testing::kBF16Tol;
 using ::ropeattn::testing::kF32Tol;
 using ::ropeattn::testing::RandomTensor;
 using ::ropeattn::testing::ToDoubles;
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr int kThreads = 2;
 
@@ -847,6 +849,51 @@ TEST(RunEncodeTest, RopeCosSinAtArbitraryPositions) {
   EXPECT_TRUE(AllClose(Doubles(r->sin()), sin_ref, kF32Tol));
   EXPECT_EQ(r->inv_freq_size(), 6);
   EXPECT_NEAR(r->attention_factor(), a, 1e-12);
+}
+
+// A scaling factor inside its range can still make position * inv_freq
+// overflow (linear 1e-300 at position 1e10): refused up front naming the
+// field, its value and the position, not blamed on the input tensor.
+TEST(RunEncodeTest, AnAngleThatOverflowsNamesTheFactorAndPosition) {
+  const int64_t kPos = 10000000000;
+  v1::RopeSpec rope;
+  rope.mutable_scaling()->set_rope_type("linear");
+  rope.mutable_scaling()->set_factor(1e-300);
+  const auto expect_named = [](const absl::Status& st, absl::string_view field) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(st.message(), AllOf(HasSubstr(field), HasSubstr("scaling.factor = 1e-300"),
+                                    HasSubstr("position 10000000000"),
+                                    Not(HasSubstr("reduce")), Not(HasSubstr("NaN"))));
+  };
+  v1::EncodeRequest cos_sin;
+  *cos_sin.mutable_rope_cos_sin()->mutable_rope() = rope;
+  cos_sin.mutable_rope_cos_sin()->set_head_dim(4);
+  cos_sin.mutable_rope_cos_sin()->add_positions(kPos);
+  expect_named(Encode(cos_sin).status(), "rope_cos_sin.rope");
+
+  v1::EncodeRequest apply;
+  *apply.mutable_rope_apply()->mutable_rope() = rope;
+  *apply.mutable_rope_apply()->mutable_x() =
+      Wire(Tensor::Create(DType::kF32, {1, 1, 1, 4}).value());
+  apply.mutable_rope_apply()->add_offsets(kPos);
+  expect_named(Encode(apply).status(), "rope_apply.rope");
+
+  v1::AttendRequest attend;
+  attend.mutable_spec()->set_heads(1);
+  attend.mutable_spec()->set_head_dim(4);
+  *attend.mutable_spec()->mutable_rope() = rope;
+  *attend.mutable_q() = Wire(Tensor::Create(DType::kF32, {1, 1, 1, 4}).value());
+  *attend.mutable_k() = Wire(Tensor::Create(DType::kF32, {1, 1, 1, 4}).value());
+  *attend.mutable_v() = Wire(RandomTensor(DType::kF32, {1, 1, 1, 4}, 5));
+  attend.add_q_offsets(kPos);
+  attend.add_k_positions(kPos);
+  v1::AttendResponse response;
+  expect_named(RunAttend(attend, &response, ComputeOptions{kThreads}), "spec.rope");
+
+  // The same factor at a position whose angle stays finite is computed.
+  cos_sin.mutable_rope_cos_sin()->set_positions(0, 1);
+  absl::StatusOr<v1::EncodeResponse> ok = Encode(cos_sin);
+  ASSERT_TRUE(ok.ok()) << ok.status();
 }
 
 // Without seq_len, a length-dependent rule is planned for the largest
