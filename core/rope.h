@@ -167,7 +167,11 @@ struct RopeConfig {
 // > 0, longrope factor lists of the wrong length or with non-positive
 // entries, a negative max_position_embeddings, longrope deriving its
 // attention factor from L0 < 2, llama3
-// low_freq_factor <= 0 or high_freq_factor <= low_freq_factor.
+// low_freq_factor or high_freq_factor <= 0. Unimplemented for llama3 with
+// high_freq_factor <= low_freq_factor (a step at L0 / low_freq_factor,
+// computed, as transformers does with a warning) when a pair's wavelength
+// lies within 1e-5 relative of the step: transformers gives it NaN (equal
+// factors) or decides its side in float32 rounding.
 absl::Status ValidateRopeConfig(const RopeConfig& config);
 
 struct RopeFrequencies {

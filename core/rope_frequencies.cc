@@ -88,6 +88,12 @@ double LongRopeAttentionFactor(const RopeScaling& s) {
   return std::sqrt(1.0 + std::log(f) / std::log(static_cast<double>(s.original_max_positions)));
 }
 
+// transformers' _compute_llama3_parameters, in its order: wavelengths past
+// L0 / low_freq_factor are divided by the factor, those in
+// [L0 / high_freq_factor, L0 / low_freq_factor] are smoothed, the rest kept.
+// With high_freq_factor <= low_freq_factor the smoothed band is empty (at
+// most its single boundary point when they are equal, which ValidateLlama3
+// refuses), so the rule is a step at L0 / low_freq_factor.
 std::vector<double> Llama3InvFreq(int64_t d, double base, const RopeScaling& s) {
   const double l0 = static_cast<double>(s.original_max_positions);
   const double low_freq_wavelen = l0 / s.low_freq_factor;
@@ -95,17 +101,21 @@ std::vector<double> Llama3InvFreq(int64_t d, double base, const RopeScaling& s) 
   std::vector<double> inv_freq = BaseInvFreq(d, base);
   for (double& theta : inv_freq) {
     const double wavelen = 2.0 * kPi / theta;
-    if (wavelen < high_freq_wavelen) continue;  // short wavelengths stay as trained
     if (wavelen > low_freq_wavelen) {
       theta /= s.factor;
-    } else {
+    } else if (!(wavelen < high_freq_wavelen)) {
       const double smooth =
           (l0 / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
       theta = (1.0 - smooth) * theta / s.factor + smooth * theta;
-    }
+    }  // else: short wavelengths stay as trained
   }
   return inv_freq;
 }
+
+// A wavelength this close (relative) to the step of a llama3 rule with
+// high_freq_factor <= low_freq_factor may fall on either side of it in
+// transformers' float32 arithmetic (its inv_freq and wavelengths are f32).
+constexpr double kLlama3StepMargin = 1e-5;
 
 absl::Status ValidateFactorList(const std::vector<double>& list, const char* name, int64_t half) {
   if (static_cast<int64_t>(list.size()) != half) {
@@ -192,16 +202,35 @@ absl::Status ValidateLongRope(const RopeConfig& c, int64_t d) {
   return absl::OkStatus();
 }
 
-absl::Status ValidateLlama3(const RopeConfig& c, int64_t) {
+absl::Status ValidateLlama3(const RopeConfig& c, int64_t d) {
   const RopeScaling& s = c.scaling;
   if (!IsPositiveFinite(s.low_freq_factor)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "scaling.low_freq_factor must be finite and > 0, got %g", s.low_freq_factor));
   }
-  if (!std::isfinite(s.high_freq_factor) || s.high_freq_factor <= s.low_freq_factor) {
+  if (!IsPositiveFinite(s.high_freq_factor)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "scaling.high_freq_factor must be finite and > low_freq_factor (%g), got %g",
-        s.low_freq_factor, s.high_freq_factor));
+        "scaling.high_freq_factor must be finite and > 0, got %g", s.high_freq_factor));
+  }
+  if (s.high_freq_factor <= s.low_freq_factor) {
+    // transformers only warns: its smoothed band is empty and the rule is a
+    // step at L0 / low_freq_factor, computed here. A wavelength on the step
+    // gives transformers NaN (0/0 or x/0 when the factors are equal), and
+    // one within float32 rounding of it is on an undecided side: refused.
+    const double l0 = static_cast<double>(s.original_max_positions);
+    const double step = l0 / s.low_freq_factor;
+    const std::vector<double> base = BaseInvFreq(d, c.theta);
+    for (size_t i = 0; i < base.size(); ++i) {
+      const double wavelen = 2.0 * kPi / base[i];
+      if (std::fabs(wavelen - step) <= kLlama3StepMargin * step) {
+        return absl::UnimplementedError(absl::StrFormat(
+            "scaling.high_freq_factor = %g <= low_freq_factor = %g makes llama3 a step at "
+            "wavelength original_max_position_embeddings / low_freq_factor = %.17g, and pair %d's "
+            "wavelength %.17g lies on it (within %g): transformers gives it NaN or decides its "
+            "side in float32 rounding",
+            s.high_freq_factor, s.low_freq_factor, step, i, wavelen, kLlama3StepMargin));
+      }
+    }
   }
   return absl::OkStatus();
 }

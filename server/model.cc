@@ -716,6 +716,12 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   }
 
   if (absl::Status st = ValidateRopeConfig(rope); !st.ok()) {
+    // UNIMPLEMENTED (a value transformers computes, but not to one answer)
+    // stays so; the rest is invalid.
+    if (st.code() == absl::StatusCode::kUnimplemented) {
+      return absl::UnimplementedError(
+          absl::StrCat(file, ": key ", block_name, ": ", st.message()));
+    }
     return absl::InvalidArgumentError(
         absl::StrCat(file, ": RoPE settings are invalid: ", st.message()));
   }

@@ -20,6 +20,7 @@
 namespace ropeattn {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 constexpr double kFreqTol = 1e-12;
@@ -594,15 +595,60 @@ std::vector<BadConfigCase> BadConfigs() {
     longrope(c);
     c.scaling.original_max_positions = 1;
   });
-  add("llama3 band", "high_freq_factor must be finite and > low_freq_factor (4), got 4",
+  add("llama3 high 0", "scaling.high_freq_factor must be finite and > 0, got 0",
       [](RopeConfig& c) {
         c.scaling.type = RopeScalingType::kLlama3;
         c.scaling.factor = 8.0;
         c.scaling.original_max_positions = 8192;
-        c.scaling.low_freq_factor = 4.0;
-        c.scaling.high_freq_factor = 4.0;
+        c.scaling.high_freq_factor = 0.0;
       });
   return v;
+}
+
+// llama3 with high_freq_factor <= low_freq_factor: transformers only warns.
+// Its smoothed band [L0/high, L0/low] is then empty and torch.where divides
+// every wavelength past L0/low by the factor, keeping the rest (the smooth
+// factor's division is computed but not selected): a step, computed. A
+// wavelength on the step is NaN in transformers (equal factors) or on a side
+// float32 rounding decides: UNIMPLEMENTED naming both fields.
+TEST(RopeFrequenciesTest, Llama3WithHighFactorNotAboveLowIsAStep) {
+  for (const auto& [low, high] : {std::pair{4.0, 1.0}, std::pair{4.0, 4.0}}) {
+    SCOPED_TRACE(absl::StrCat("low ", low, " high ", high));
+    RopeConfig c = Config(64, 0, 500000.0, RopeScalingType::kLlama3);
+    c.scaling.factor = 8.0;
+    c.scaling.original_max_positions = 8192;
+    c.scaling.low_freq_factor = low;
+    c.scaling.high_freq_factor = high;
+    absl::StatusOr<RopeFrequencies> f = ComputeRopeFrequencies(c, 0);
+    ASSERT_TRUE(f.ok()) << f.status();
+    const std::vector<double> base = ref::DefaultInvFreq(64, 500000.0);
+    int divided = 0, kept = 0;
+    for (size_t i = 0; i < base.size(); ++i) {
+      const double wavelen = 2.0 * M_PI / base[i];
+      const bool past = wavelen > 8192.0 / low;
+      // Between L0/low and L0/high (high < low) transformers divides too.
+      EXPECT_DOUBLE_EQ(f->inv_freq[i], past ? base[i] / 8.0 : base[i]) << i;
+      (past ? divided : kept)++;
+    }
+    EXPECT_GT(divided, 0);
+    EXPECT_GT(kept, 0);
+    const std::vector<double> want = ref::Llama3InvFreq(64, 500000.0, 8.0, low, high, 8192);
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_DOUBLE_EQ(f->inv_freq[i], want[i]) << i;
+  }
+  // Pair 0's wavelength is 2 pi: a step there (L0 / low = 2 pi) is refused.
+  RopeConfig c = Config(64, 0, 10000.0, RopeScalingType::kLlama3);
+  c.scaling.factor = 8.0;
+  c.scaling.original_max_positions = 64;
+  c.scaling.low_freq_factor = 64.0 / (2.0 * M_PI);
+  for (double high : {c.scaling.low_freq_factor, 1.0}) {
+    c.scaling.high_freq_factor = high;
+    const absl::Status st = ValidateRopeConfig(c);
+    EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+    EXPECT_THAT(std::string(st.message()),
+                AllOf(HasSubstr("high_freq_factor"), HasSubstr("low_freq_factor"),
+                      HasSubstr("pair 0")));
+    EXPECT_EQ(ComputeRopeFrequencies(c, 0).status(), st);
+  }
 }
 
 TEST(RopeValidationTest, BadConfigsAreInvalidArgumentNamingTheField) {

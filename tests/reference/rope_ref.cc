@@ -119,14 +119,16 @@ std::vector<double> Llama3InvFreq(int64_t d, double base, double factor, double 
   std::vector<double> inv_freq;
   for (double theta : DefaultInvFreq(d, base)) {
     double wavelen = 2.0 * kPi / theta;
-    if (wavelen < high_freq_wavelen) {
-      inv_freq.push_back(theta);
-    } else if (wavelen > low_freq_wavelen) {
+    // transformers' order: torch.where(wavelen > low, theta / factor, theta),
+    // then the smoothed values where !(wavelen < high) && !(wavelen > low).
+    if (wavelen > low_freq_wavelen) {
       inv_freq.push_back(theta / factor);
-    } else {
+    } else if (!(wavelen < high_freq_wavelen)) {
       double smooth =
           (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
       inv_freq.push_back((1.0 - smooth) * theta / factor + smooth * theta);
+    } else {
+      inv_freq.push_back(theta);
     }
   }
   return inv_freq;

@@ -594,13 +594,32 @@ TEST(ParseModelConfigTest, ValuesTransformersOnlyWarnsAboutAreServed) {
         R"({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 64,
             "beta_fast": 0, "beta_slow": 0})",
         R"({"rope_type": "llama3", "factor": 0.5, "original_max_position_embeddings": 64,
-            "low_freq_factor": 1, "high_freq_factor": 4})"}) {
+            "low_freq_factor": 1, "high_freq_factor": 4})",
+        R"({"rope_type": "llama3", "factor": 8, "original_max_position_embeddings": 64,
+            "low_freq_factor": 4, "high_freq_factor": 1})",
+        R"({"rope_type": "llama3", "factor": 8, "original_max_position_embeddings": 64,
+            "low_freq_factor": 2, "high_freq_factor": 2})"}) {
     SCOPED_TRACE(block);
     absl::StatusOr<ModelConfig> c =
         ParseModelConfig(TinyConfig({}, absl::StrCat(R"(, "rope_scaling": )", block)), "config.json");
     ASSERT_TRUE(c.ok()) << c.status();
     absl::StatusOr<RopeFrequencies> f = ComputeRopeFrequencies(*c->rope, 1);
     ASSERT_TRUE(f.ok()) << f.status();
+  }
+  // llama3 with high_freq_factor <= low_freq_factor is a step at L0 / low;
+  // a pair's wavelength on it (pair 0's is 2 pi) is NaN in transformers (or
+  // on a side float32 rounding picks): UNIMPLEMENTED naming both fields.
+  {
+    absl::StatusOr<ModelConfig> step = ParseModelConfig(
+        TinyConfig({}, absl::StrFormat(R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8,
+            "original_max_position_embeddings": 64, "low_freq_factor": %.17g,
+            "high_freq_factor": 1})",
+                                       64.0 / (2.0 * M_PI))),
+        "config.json");
+    EXPECT_EQ(step.status().code(), absl::StatusCode::kUnimplemented) << step.status();
+    EXPECT_THAT(step.status().message(),
+                AllOf(HasSubstr("rope_scaling"), HasSubstr("high_freq_factor = 1"),
+                      HasSubstr("low_freq_factor = 10.18")));
   }
   // beta 0 is transformers' `or 32` / `or 1`: the defaults.
   absl::StatusOr<ModelConfig> c = ParseModelConfig(

@@ -1403,7 +1403,9 @@ TEST(BadInputTest, BadRopeScalingParameters) {
   s->clear_long_factor();
   s->set_rope_type("llama3");
   EXPECT_TRUE(AttendStatus(r).ok());
-  s->set_high_freq_factor(0.5);
+  s->set_high_freq_factor(0.5);  // below low_freq_factor: transformers warns and computes
+  EXPECT_TRUE(AttendStatus(r).ok());
+  s->set_high_freq_factor(0);
   EXPECT_STATUS(AttendStatus(r), kInvalidArgument, "high_freq_factor");
   s->clear_high_freq_factor();
   s->set_rope_type("yarn");
