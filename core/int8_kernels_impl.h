@@ -224,26 +224,17 @@ inline void WeightedRun(const float* w, int64_t ws, const int8_t* v, int64_t vs,
   bool live[R];
   for (int r = 0; r < R; ++r) {
     double m = 0;
-    bool finite = true;
     for (int64_t u = 0; u < count; ++u) {
-      const double p = std::fabs(static_cast<double>(w[r * ws + u]) *
-                                 static_cast<double>(scale[u * ss]));
-      finite = finite && std::isfinite(p);
-      m = std::max(m, p);
+      m = std::max(m, std::fabs(static_cast<double>(w[r * ws + u]) *
+                                static_cast<double>(scale[u * ss])));
     }
-    // A row whose weights are not finite (its logits overflowed: the call
-    // reports that and drops the row) adds nothing.
-    live[r] = finite && m > 0;
+    live[r] = m > 0;
     const int e = live[r] ? ExpFor(m) : 0;
     back[r] = Pow2(-e);
     const double f = Pow2(e);
     for (int64_t u = 0; u < count; ++u) {
-      if (live[r]) {
-        Digits(static_cast<double>(w[r * ws + u]) * static_cast<double>(scale[u * ss]) * f,
-               &w16[r][0][u], &w16[r][1][u]);
-      } else {
-        w16[r][0][u] = w16[r][1][u] = 0;
-      }
+      Digits(static_cast<double>(w[r * ws + u]) * static_cast<double>(scale[u * ss]) * f,
+             &w16[r][0][u], &w16[r][1][u]);
     }
     if (count % 2 != 0) w16[r][0][count] = w16[r][1][count] = 0;
     for (int g = 0; g < 2; ++g) {
