@@ -498,14 +498,14 @@ bool FinishRow(const Plan& p, int64_t b, int64_t h, int64_t i, int64_t lo, float
 
 // Logits past the f32 range: their softmax (and the answer, a weighted mean
 // of v) exists, but the kernels cannot compute it, so the request is refused
-// as unimplemented, naming the limit. It is the dot product q.k that must
-// fit: it is formed in f32 before the scale is applied (int8 keys: exactly,
-// then rounded to f32 with the key's scale).
+// as unimplemented, naming the limit. It is the dot product q.k (for int8
+// keys q times the key's codes) that must fit: it is formed before the scale
+// (and an int8 key's scale) is applied.
 absl::Status OverflowError(const Plan& p, int64_t b, int64_t h, int64_t i) {
   return absl::UnimplementedError(absl::StrFormat(
       "attention logits for batch %d, head %d, query %d overflow the float range (to +inf or "
       "-inf): q.k is formed in f32 before the scale %g is applied and must stay within "
-      "+-3.4e38; inputs of this magnitude are "
+      "+-3.4e38 (for int8 keys, q times the key's int8 codes); inputs of this magnitude are "
       "not supported, reduce the magnitude of q or k",
       b, h, i, p.scale));
 }
@@ -765,11 +765,9 @@ inline void ForEachPagedRun(const Plan& p, const DecodeLayout& L, int64_t t0, in
                                      });
 }
 
-// int8 pages take the query rows as int16 digits (q16, q_exp:
-// QuantizeQueryRowI16 of each qf row); the other types take qf.
 template <PagedKvView::Type kType>
-void DecodeScoresPaged(const Plan& p, const DecodeLayout& L, const float* qf, const int16_t* q16,
-                       const int* q_exp, float* scores, int64_t t0, int64_t t1) {
+void DecodeScoresPaged(const Plan& p, const DecodeLayout& L, const float* qf, float* scores,
+                       int64_t t0, int64_t t1) {
   const PagedKvView& kv = *p.paged;
   const int64_t d = p.head_dim, TR = p.page_token_rows, ks = TR * d, ss = p.q_len * L.n_max;
   ForEachPagedRun<kType>(
@@ -785,7 +783,7 @@ void DecodeScoresPaged(const Plan& p, const DecodeLayout& L, const float* qf, co
                                     static_cast<const uint16_t*>(kv.k_pages[page]) + row * d, ks,
                                     hi - lo, d, out, ss);
         } else {
-          internal::DotKeysRowsI8(q16 + r0 * 2 * d, p.q_len * 2 * d, q_exp + r0, p.q_len, p.group,
+          internal::DotKeysRowsI8(q, p.q_len * d, p.group,
                                   static_cast<const int8_t*>(kv.k_pages[page]) + row * d, ks,
                                   kv.k_scales[page] + row, TR, hi - lo, d, out, ss);
         }
@@ -896,8 +894,6 @@ struct DecodeRun {
   DecodeLayout L;
   int64_t parts = 1;
   float* qf = nullptr;      // [rows, head_dim]: the query rows in f32, row order
-  int16_t* q16 = nullptr;   // int8 pages: qf's rows as int16 digits ([rows, 2 head_dim])
-  int* q_exp = nullptr;     // and their exponents ([rows])
   float* scores = nullptr;  // [rows, n_max]
   float* acc = nullptr;     // [parts, rows, v_dim], zeroed
   // Per part: one chunk's sums, and the compensation of Kahan's summation
@@ -926,7 +922,7 @@ struct DecodeRun {
         DecodeScoresTiles(*p, L, qf, scores, t0, t1);
       } else if (p->paged != nullptr) {
         WithPagedType(p->paged->type, [&](auto type) {
-          DecodeScoresPaged<decltype(type)::value>(*p, L, qf, q16, q_exp, scores, t0, t1);
+          DecodeScoresPaged<decltype(type)::value>(*p, L, qf, scores, t0, t1);
         });
       } else if (f32) {
         DecodeScoresChunk<float>(*p, L, qf, scores, b, t0, t1);
@@ -1004,13 +1000,7 @@ struct DecodeRun {
 // own (empty) instance.
 void PrepareDecodeRuns(absl::Span<const Plan* const> plans, std::deque<DecodeRun>& runs) {
   thread_local std::vector<std::vector<float>> pool;
-  thread_local std::vector<std::vector<int16_t>> pool16;
-  thread_local std::vector<std::vector<int>> pool_exp;
   if (pool.size() < 5 * plans.size()) pool.resize(5 * plans.size());
-  if (pool16.size() < plans.size()) {
-    pool16.resize(plans.size());
-    pool_exp.resize(plans.size());
-  }
   runs.clear();  // a deque: FirstError is not movable
   for (size_t n = 0; n < plans.size(); ++n) {
     const Plan& p = *plans[n];
@@ -1040,17 +1030,6 @@ void PrepareDecodeRuns(absl::Span<const Plan* const> plans, std::deque<DecodeRun
           }
         }
       }
-    }
-    if (p.paged != nullptr && p.paged->type == PagedKvView::Type::kInt8) {
-      std::vector<int16_t>& q16 = pool16[n];
-      std::vector<int>& q_exp = pool_exp[n];
-      q16.resize(L.rows * 2 * d);
-      q_exp.resize(L.rows);
-      for (int64_t r = 0; r < L.rows; ++r) {
-        q_exp[r] = internal::QuantizeQueryRowI16(qf.data() + r * d, d, q16.data() + r * 2 * d);
-      }
-      run.q16 = q16.data();
-      run.q_exp = q_exp.data();
     }
     // Every score that is read was written first (rows read only their range).
     scores.resize(L.rows * std::max<int64_t>(L.n_max, 1));

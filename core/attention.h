@@ -154,10 +154,7 @@ void QuantizeInt8Rows(const float* x, int64_t x_stride, int64_t rows, int64_t di
 // q [1, q_len, heads, head_dim] (f32 or bf16), out [1, q_len, heads, v_dim];
 // the same options, masks and errors. Exact with respect to the stored
 // values: the result is Attend's over the dequantized rows (scale * q) to
-// f32 rounding. Few query rows use the decode kernel on the int8 rows, in
-// integer arithmetic with q and the weights in 29-bit fixed point
-// (attention_kernels.h: a step of 2^-28 of each row's largest |q| and of
-// each 16-key run's largest weight, below f32's own rounding of the sums); a
+// f32 rounding. Few query rows use the decode kernel on the int8 rows; a
 // long step dequantizes the rows once and takes the prefill path. The view
 // is not scanned for non-finite values. InvalidArgument for a view whose
 // sizes disagree with q or whose pointers are missing; OutOfRange if length
@@ -198,8 +195,7 @@ struct PagedKvView {
 // the same options, masks, errors and precision contract as Attend over the
 // same rows as one tensor (bf16 pages: Attend's bf16 contract; int8 pages:
 // f32 over the dequantized values), and the same bytes whatever the page
-// size (int8 pages: whatever multiple of 16, the decode kernel's weights
-// being scaled per run of keys that a page boundary ends). Few query rows use the decode kernel on the pages; a long step
+// size. Few query rows use the decode kernel on the pages; a long step
 // gathers the rows once (int8: dequantized) and takes the prefill path.
 // InvalidArgument for a view whose sizes disagree with q or whose pointers
 // are missing; OutOfRange if length exceeds pages * page_tokens.

@@ -93,8 +93,15 @@ struct LoadBF16 {
 struct LoadF32 {
   __m256 operator()(const float* p) const { return _mm256_loadu_ps(p); }
 };
+struct LoadI8 {
+  __m256 operator()(const int8_t* p) const {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  }
+};
 constexpr LoadBF16 LoadBF16x8{};
 constexpr LoadF32 LoadF32x8{};
+constexpr LoadI8 LoadI8x8{};
 inline float HSum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
   lo = _mm_add_ps(lo, hi);
@@ -102,6 +109,28 @@ inline float HSum(__m256 v) {
   lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
   return _mm_cvtss_f32(lo);
 }
+// Per-key factors: int8 keys' scales, applied to their scores, and int8
+// values' scales, folded into their weights (the same products the separate
+// passes computed, so the same bits); Unit for f32 and bf16 rows.
+struct Unit {
+  static constexpr bool kOn = false;
+  float operator()(int64_t) const { return 1.0f; }
+  __m256 Vec8(int64_t) const { return _mm256_set1_ps(1.0f); }
+  Unit At(int64_t) const { return {}; }
+};
+struct KeyScale {
+  static constexpr bool kOn = true;
+  const float* s;
+  int64_t st;
+  float operator()(int64_t u) const { return s[u * st]; }
+  __m256 Vec8(int64_t u) const {
+    const float* p = s + u * st;
+    if (st == 1) return _mm256_loadu_ps(p);
+    return _mm256_setr_ps(p[0], p[st], p[2 * st], p[3 * st], p[4 * st], p[5 * st], p[6 * st],
+                          p[7 * st]);
+  }
+  KeyScale At(int64_t u) const { return {s + u * st, st}; }
+};
 template <typename T, typename Load>
 inline float DotImpl(const float* a, const T* b, int64_t n, Load load) {
   __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
@@ -117,6 +146,8 @@ inline float DotImpl(const float* a, const T* b, int64_t n, Load load) {
   for (; i < n; ++i) {
     if constexpr (std::is_same_v<T, float>) {
       s += a[i] * b[i];
+    } else if constexpr (std::is_same_v<T, int8_t>) {
+      s += a[i] * static_cast<float>(b[i]);
     } else {
       s += a[i] * Bf(b[i]);
     }
@@ -142,6 +173,8 @@ inline void AxpyImpl(float w, const T* x, float* acc, int64_t n, Load load) {
   for (; i < n; ++i) {
     if constexpr (std::is_same_v<T, float>) {
       acc[i] += w * x[i];
+    } else if constexpr (std::is_same_v<T, int8_t>) {
+      acc[i] += w * static_cast<float>(x[i]);
     } else {
       acc[i] += w * Bf(x[i]);
     }
@@ -175,9 +208,9 @@ inline __m256 Transpose8Sum(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a
   return _mm256_add_ps(lo, hi);
 }
 
-template <typename T, typename Load>
+template <typename T, typename Load, typename Scale = Unit>
 inline void DotKeysImpl(const float* q, const T* k, int64_t ks, int64_t count, int64_t d,
-                        float* out, Load load) {
+                        float* out, Load load, Scale sc = {}) {
   int64_t u = 0;
   if (d % 8 == 0) {
     for (; u + 8 <= count; u += 8) {
@@ -196,17 +229,19 @@ inline void DotKeysImpl(const float* q, const T* k, int64_t ks, int64_t count, i
         a7 = _mm256_fmadd_ps(qv, load(k0 + 7 * ks + i), a7);
       }
       __m256 s = Transpose8Sum(a0, a1, a2, a3, a4, a5, a6, a7);
+      if constexpr (Scale::kOn) s = _mm256_mul_ps(s, sc.Vec8(u));
       _mm256_storeu_ps(out + u, s);
     }
   }
   for (; u < count; ++u) {
     out[u] = DotImpl(q, k + u * ks, d, load);
+    if constexpr (Scale::kOn) out[u] *= sc(u);
   }
 }
 
-template <typename T, typename Load>
+template <typename T, typename Load, typename Scale = Unit>
 inline void WeightedSumImpl(const float* w, const T* v, int64_t vs, int64_t count, int64_t dv,
-                            float* acc, Load load) {
+                            float* acc, Load load, Scale sc = {}) {
   int64_t i = 0;
   // 64 output lanes in registers at a time, over all keys.
   for (; i + 64 <= dv; i += 64) {
@@ -216,7 +251,8 @@ inline void WeightedSumImpl(const float* w, const T* v, int64_t vs, int64_t coun
            c6 = _mm256_loadu_ps(acc + i + 48), c7 = _mm256_loadu_ps(acc + i + 56);
     const T* vp = v + i;
     for (int64_t u = 0; u < count; ++u, vp += vs) {
-      const __m256 wv = _mm256_broadcast_ss(w + u);
+      const __m256 wv =
+          Scale::kOn ? _mm256_set1_ps(w[u] * sc(u)) : _mm256_broadcast_ss(w + u);
       c0 = _mm256_fmadd_ps(wv, load(vp), c0);
       c1 = _mm256_fmadd_ps(wv, load(vp + 8), c1);
       c2 = _mm256_fmadd_ps(wv, load(vp + 16), c2);
@@ -237,7 +273,7 @@ inline void WeightedSumImpl(const float* w, const T* v, int64_t vs, int64_t coun
   }
   if (i < dv) {
     for (int64_t u = 0; u < count; ++u) {
-      AxpyImpl(w[u], v + u * vs + i, acc + i, dv - i, load);
+      AxpyImpl(Scale::kOn ? w[u] * sc(u) : w[u], v + u * vs + i, acc + i, dv - i, load);
     }
   }
 }
@@ -264,10 +300,10 @@ void WeightedSumBF16(const float* w, const uint16_t* v, int64_t v_stride, int64_
 namespace {
 
 // R rows x K keys = 8 dot products per pass over d, each K slice loaded once.
-template <int R, int K, typename T, typename Load>
+template <int R, int K, typename T, typename Load, typename Scale>
 __attribute__((always_inline)) inline void DotBlock(const float* q, int64_t qs, const T* k,
                                                     int64_t ks, int64_t d, float* out, int64_t os,
-                                                    Load load) {
+                                                    Load load, Scale sc) {
   static_assert(R * K == 8, "8 accumulators");
   __m256 acc[8];
   for (int a = 0; a < 8; ++a) acc[a] = _mm256_setzero_ps();
@@ -284,44 +320,46 @@ __attribute__((always_inline)) inline void DotBlock(const float* q, int64_t qs, 
                   Transpose8Sum(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]));
   for (int r = 0; r < R; ++r) {
     for (int u = 0; u < K; ++u) {
-      out[r * os + u] = sums[r * K + u];
+      out[r * os + u] = Scale::kOn ? sums[r * K + u] * sc(u) : sums[r * K + u];
     }
   }
 }
 
-template <int R, typename T, typename Load>
+template <int R, typename T, typename Load, typename Scale>
 inline void DotRowsFixed(const float* q, int64_t qs, const T* k, int64_t ks, int64_t count,
-                         int64_t d, float* out, int64_t os, Load load) {
+                         int64_t d, float* out, int64_t os, Load load, Scale sc) {
   constexpr int K = 8 / R;
   int64_t u = 0;
   for (; u + K <= count; u += K) {
-    DotBlock<R, K>(q, qs, k + u * ks, ks, d, out + u, os, load);
+    DotBlock<R, K>(q, qs, k + u * ks, ks, d, out + u, os, load, sc.At(u));
   }
   for (; u < count; ++u) {
     for (int r = 0; r < R; ++r) {
       out[r * os + u] = DotImpl(q + r * qs, k + u * ks, d, load);
+      if constexpr (Scale::kOn) out[r * os + u] *= sc(u);
     }
   }
 }
 
-template <typename T, typename Load>
+template <typename T, typename Load, typename Scale = Unit>
 inline void DotKeysRowsImpl(const float* q, int64_t qs, int64_t rows, const T* k, int64_t ks,
-                            int64_t count, int64_t d, float* out, int64_t os, Load load) {
+                            int64_t count, int64_t d, float* out, int64_t os, Load load,
+                            Scale sc = {}) {
   int64_t r = 0;
   if (d % 8 == 0) {
     // Two rows by four keys: 6 loads per 8 FMAs keeps the loop FMA-bound
     // (four rows by two keys needs 10 and is load-bound).
     for (; r + 2 <= rows; r += 2)
-      DotRowsFixed<2>(q + r * qs, qs, k, ks, count, d, out + r * os, os, load);
+      DotRowsFixed<2>(q + r * qs, qs, k, ks, count, d, out + r * os, os, load, sc);
   }
-  for (; r < rows; ++r) DotKeysImpl(q + r * qs, k, ks, count, d, out + r * os, load);
+  for (; r < rows; ++r) DotKeysImpl(q + r * qs, k, ks, count, d, out + r * os, load, sc);
 }
 
 // R rows x (64/R) output lanes in 8 registers, over all keys; each V slice
 // is loaded once for the R rows.
-template <int R, typename T, typename Load>
+template <int R, typename T, typename Load, typename Scale>
 inline void WeightedRowsFixed(const float* w, int64_t wst, const T* v, int64_t vs, int64_t count,
-                              int64_t dv, float* acc, int64_t as, Load load) {
+                              int64_t dv, float* acc, int64_t as, Load load, Scale sc) {
   constexpr int V = 8 / R;  // vectors per row
   constexpr int64_t L = 8 * V;
   int64_t x = 0;
@@ -335,7 +373,8 @@ inline void WeightedRowsFixed(const float* w, int64_t wst, const T* v, int64_t v
       __m256 vv[V];
       for (int j = 0; j < V; ++j) vv[j] = load(vp + 8 * j);
       for (int r = 0; r < R; ++r) {
-        const __m256 wv = _mm256_broadcast_ss(w + r * wst + u);
+        const __m256 wv = Scale::kOn ? _mm256_set1_ps(w[r * wst + u] * sc(u))
+                                     : _mm256_broadcast_ss(w + r * wst + u);
         for (int j = 0; j < V; ++j) c[r * V + j] = _mm256_fmadd_ps(wv, vv[j], c[r * V + j]);
       }
     }
@@ -346,22 +385,23 @@ inline void WeightedRowsFixed(const float* w, int64_t wst, const T* v, int64_t v
   if (x < dv) {
     for (int r = 0; r < R; ++r) {
       for (int64_t u = 0; u < count; ++u) {
-        AxpyImpl(w[r * wst + u], v + u * vs + x,
+        AxpyImpl(Scale::kOn ? w[r * wst + u] * sc(u) : w[r * wst + u], v + u * vs + x,
                  acc + r * as + x, dv - x, load);
       }
     }
   }
 }
 
-template <typename T, typename Load>
+template <typename T, typename Load, typename Scale = Unit>
 inline void WeightedSumRowsImpl(const float* w, int64_t wst, int64_t rows, const T* v, int64_t vs,
-                                int64_t count, int64_t dv, float* acc, int64_t as, Load load) {
+                                int64_t count, int64_t dv, float* acc, int64_t as, Load load,
+                                Scale sc = {}) {
   int64_t r = 0;
   for (; r + 4 <= rows; r += 4)
-    WeightedRowsFixed<4>(w + r * wst, wst, v, vs, count, dv, acc + r * as, as, load);
+    WeightedRowsFixed<4>(w + r * wst, wst, v, vs, count, dv, acc + r * as, as, load, sc);
   for (; r + 2 <= rows; r += 2)
-    WeightedRowsFixed<2>(w + r * wst, wst, v, vs, count, dv, acc + r * as, as, load);
-  for (; r < rows; ++r) WeightedSumImpl(w + r * wst, v, vs, count, dv, acc + r * as, load);
+    WeightedRowsFixed<2>(w + r * wst, wst, v, vs, count, dv, acc + r * as, as, load, sc);
+  for (; r < rows; ++r) WeightedSumImpl(w + r * wst, v, vs, count, dv, acc + r * as, load, sc);
 }
 
 // ------------------------------------------------------ KvCache kernels --
@@ -561,6 +601,20 @@ void WeightedSumRowsF32(const float* w, int64_t w_stride, int64_t rows, const fl
                         int64_t v_stride, int64_t count, int64_t dv, float* acc,
                         int64_t acc_stride) {
   WeightedSumRowsImpl(w, w_stride, rows, v, v_stride, count, dv, acc, acc_stride, LoadF32x8);
+}
+void DotKeysRowsI8(const float* q, int64_t q_stride, int64_t rows, const int8_t* k,
+                   int64_t k_stride, const float* k_scale, int64_t scale_stride, int64_t count,
+                   int64_t d, float* out, int64_t out_stride) {
+  // Each key's scale multiplies its scores as they leave the registers.
+  DotKeysRowsImpl(q, q_stride, rows, k, k_stride, count, d, out, out_stride, LoadI8x8,
+                  KeyScale{k_scale, scale_stride});
+}
+void WeightedSumRowsI8(const float* w, int64_t w_stride, int64_t rows, const int8_t* v,
+                       int64_t v_stride, const float* v_scale, int64_t scale_stride, int64_t count,
+                       int64_t dv, float* acc, int64_t acc_stride) {
+  // Each key's scale folds into its weight as the weight is broadcast.
+  WeightedSumRowsImpl(w, w_stride, rows, v, v_stride, count, dv, acc, acc_stride, LoadI8x8,
+                      KeyScale{v_scale, scale_stride});
 }
 void WeightedSumRowsBF16(const float* w, int64_t w_stride, int64_t rows, const uint16_t* v,
                          int64_t v_stride, int64_t count, int64_t dv, float* acc,

@@ -40,29 +40,12 @@ void WeightedSumRowsBF16(const float* w, int64_t w_stride, int64_t rows, const u
                          int64_t v_stride, int64_t count, int64_t dv, float* acc,
                          int64_t acc_stride);
 
-// int8 rows (a session's int8 pages, Int8KvView) with one f32 scale per key,
-// in integer arithmetic (docs/kv-memory.md, "Integer kernels"; the AVX2 and
-// AVX-512 VNNI versions give the same bits). Query rows and weights are
-// carried in 29-bit fixed point with a power-of-two scale, as two int16
-// digits: X = round(x * 2^e) = 2^15 hi + lo, e putting the largest |x| in
-// [2^28, 2^29) (a step of at most 2^-28 of the largest), |hi| <= 16385,
-// |lo| <= 16384.
-// - QuantizeQueryRowI16 writes a query row's digits, hi to q16[0, d) and lo
-//   to q16[d, 2d) (zeros and e = 0 for a zero row), and returns e.
-// - DotKeysRowsI8: out[r*out_stride + u] = float(double(S) * 2^-e_r *
-//   k_scale[u*scale_stride]), S = sum_i X_r[i] * k_u[i] exact (int64); row
-//   r's digits at q + r*q_stride (2d values), its e at q_exp[r*exp_stride].
-// - WeightedSumRowsI8: per row and run of at most 256 keys, p_u = w[r][u] *
-//   v_scale[u*scale_stride] (exact in double) in fixed point as above (e from
-//   the run's largest |p_u|); with H and L the int32 sums of the hi and lo
-//   digits times v_u[x], acc[r*acc_stride + x] += float((2^15 float(H) +
-//   float(L)) * 2^-e), one rounding after float(H) and float(L) (exact below
-//   2^24).
-int QuantizeQueryRowI16(const float* q, int64_t d, int16_t* q16);
-void DotKeysRowsI8(const int16_t* q, int64_t q_stride, const int* q_exp, int64_t exp_stride,
-                   int64_t rows, const int8_t* k, int64_t k_stride, const float* k_scale,
-                   int64_t scale_stride, int64_t count, int64_t d, float* out,
-                   int64_t out_stride);
+// int8 rows (Int8KvView) with one scale per key: out[r*out_stride + u] =
+// scale[u * scale_stride] * <q_r, k_u> for the scores, and acc[r] +=
+// (w[r][u] * scale[u * scale_stride]) * v_u for the weighted sums.
+void DotKeysRowsI8(const float* q, int64_t q_stride, int64_t rows, const int8_t* k,
+                   int64_t k_stride, const float* k_scale, int64_t scale_stride, int64_t count,
+                   int64_t d, float* out, int64_t out_stride);
 void WeightedSumRowsI8(const float* w, int64_t w_stride, int64_t rows, const int8_t* v,
                        int64_t v_stride, const float* v_scale, int64_t scale_stride,
                        int64_t count, int64_t dv, float* acc, int64_t acc_stride);

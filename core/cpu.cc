@@ -30,8 +30,6 @@ bool CpuHasAvx512Bf16() {
   return CpuHasAvx512() && __builtin_cpu_supports("avx512bf16");
 }
 
-bool CpuHasAvx512Vnni() { return CpuHasAvx512() && __builtin_cpu_supports("avx512vnni"); }
-
 std::string CpuDescription() {
   std::string model = "unknown CPU";
   std::ifstream in("/proc/cpuinfo");
@@ -48,7 +46,6 @@ std::string CpuDescription() {
   if (__builtin_cpu_supports("fma")) feats.push_back("fma");
   if (CpuHasAvx512()) feats.push_back("avx512");
   if (CpuHasAvx512Bf16()) feats.push_back("avx512_bf16");
-  if (CpuHasAvx512Vnni()) feats.push_back("avx512_vnni");
   return absl::StrCat(model, " | ", absl::StrJoin(feats, " "), " | ", AvailableCpus(), " cpus");
 }
 

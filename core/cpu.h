@@ -12,8 +12,6 @@ int AvailableCpus();
 std::string CpuDescription();
 bool CpuHasAvx512();
 bool CpuHasAvx512Bf16();
-// AVX-512 VNNI (vpdpwssd on ymm: avx512vnni + avx512vl), for the int8 kernels.
-bool CpuHasAvx512Vnni();
 
 }  // namespace ropeattn
 

@@ -1967,191 +1967,65 @@ TEST(Int8Test, RowsAtTheFloatLimitReadBackFinite) {
   }
 }
 
-// The int8 row kernels (attention_kernels.h): fixed-point and integer
-// arithmetic whose result is specified to the bit. Checked two ways over row counts, key
-// counts (odd, past one 256-key run), widths (past one 512-channel chunk)
-// and magnitudes (subnormal to near FLT_MAX): bit for bit against the
-// specification computed here in int64 and double, with the AVX-512 VNNI
-// kernels and with the AVX2 ones; and against fp64 of the unrounded q and
-// weights, within the rounding the specification states (q and each run's
-// weights to 29-bit fixed point: a step of at most 2^-28 of the largest;
-// f32 roundings of the digit sums, the result and the sum into acc; results
-// below FLT_MIN round to the subnormal grid, 2^-149).
-namespace int8_kernels {
-
-double Pow2(int e) { return std::ldexp(1.0, e); }
-
-// The exponent the kernels use: max |x| * 2^e in [2^28, 2^29).
-int ExpFor(double m) { return 28 - std::ilogb(m); }
-
-// The fixed-point value and its digits: X = 2^15 hi + lo.
-struct Fixed {
-  int64_t x;
-  int16_t hi, lo;
-};
-Fixed ToFixed(double scaled) {
-  const double x = std::nearbyint(scaled);
-  const double hi = std::nearbyint(x / 32768.0);
-  return {static_cast<int64_t>(x), static_cast<int16_t>(hi),
-          static_cast<int16_t>(x - hi * 32768.0)};
-}
-
-struct Case {
-  int64_t d, rows, count;
-  double q_mag, w_mag, scale_mag;
-};
-
-void CheckCase(const Case& c, uint64_t seed) {
-  uint64_t state = seed;
+// The int8 row kernels against fp64 over row counts, key counts and widths
+// (tolerances as for the bf16 kernels above: worst-case f32 accumulation).
+TEST(Int8Test, RowKernelsMatchFp64OverShapes) {
+  uint64_t state = 4321;
   const auto next = [&state] {
     state = state * 6364136223846793005ull + 1442695040888963407ull;
     return static_cast<int64_t>(state >> 33);
   };
-  const int64_t d = c.d, rows = c.rows, count = c.count;
-  const int64_t q_stride = d + 1, k_stride = 3 * d, out_stride = count + 2, ss = 3;
-  std::vector<float> q(rows * q_stride);
-  for (float& x : q) x = static_cast<float>(c.q_mag * static_cast<double>(next() % 2001 - 1000) / 1000.0);
-  if (rows > 1) std::fill(q.begin() + q_stride, q.begin() + q_stride + d, 0.0f);  // a zero row
-  std::vector<int8_t> k(std::max<int64_t>(1, count) * k_stride);
-  for (int8_t& x : k) x = static_cast<int8_t>(next() % 255 - 127);
-  std::vector<float> scale(std::max<int64_t>(1, count) * ss);
-  for (float& x : scale) x = static_cast<float>(c.scale_mag * static_cast<double>(next() % 1000 + 1) / 1000.0);
-  std::vector<int16_t> q16(rows * 2 * q_stride);
-  std::vector<int> q_exp(rows * 2);
-  for (int64_t r = 0; r < rows; ++r) {
-    int16_t* digits = q16.data() + r * 2 * q_stride;
-    q_exp[r * 2] = internal::QuantizeQueryRowI16(q.data() + r * q_stride, d, digits);
-    double m = 0;
-    for (int64_t i = 0; i < d; ++i) m = std::max(m, std::fabs(double{q[r * q_stride + i]}));
-    const int e = m > 0 ? ExpFor(m) : 0;
-    ASSERT_EQ(q_exp[r * 2], e) << "row " << r;
-    for (int64_t i = 0; i < d; ++i) {
-      const Fixed f = ToFixed(q[r * q_stride + i] * Pow2(e));
-      ASSERT_EQ(digits[i], f.hi) << "row " << r << " channel " << i;
-      ASSERT_EQ(digits[d + i], f.lo) << "row " << r << " channel " << i;
-      ASSERT_LE(std::abs(f.hi), 16385);
-      ASSERT_LE(std::abs(f.lo), 16384);
-    }
-  }
-  const int64_t w_stride = count + 1, acc_stride = d + 3;
-  std::vector<float> w(rows * w_stride);
-  for (float& x : w) x = static_cast<float>(c.w_mag * static_cast<double>(next() % 1001) / 1000.0);
-  std::fill(w.begin(), w.begin() + std::min<int64_t>(count, w_stride), 0.0f);  // row 0: all zero
-  std::vector<float> start(rows * acc_stride);
-  for (float& x : start) x = static_cast<float>(next() % 2001 - 1000) / 1000.0f;
-
-  // The specification.
-  std::vector<float> want_out(rows * out_stride, -7.0f);
-  std::vector<double> tol_out(rows * out_stride, 0.0), exact_out(rows * out_stride, 0.0);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int e = q_exp[r * 2];
-    double m = 0;
-    for (int64_t i = 0; i < d; ++i) m = std::max(m, std::fabs(double{q[r * q_stride + i]}));
-    for (int64_t u = 0; u < count; ++u) {
-      int64_t sum = 0;
-      double exact = 0, abs_k = 0;
-      for (int64_t i = 0; i < d; ++i) {
-        sum += ToFixed(q[r * q_stride + i] * Pow2(e)).x * k[u * k_stride + i];
-        exact += double{q[r * q_stride + i]} * k[u * k_stride + i];
-        abs_k += std::fabs(static_cast<double>(k[u * k_stride + i]));
-      }
-      const double sc = scale[u * ss];
-      want_out[r * out_stride + u] = static_cast<float>(static_cast<double>(sum) * Pow2(-e) * sc);
-      exact_out[r * out_stride + u] = exact * sc;
-      tol_out[r * out_stride + u] =
-          (m * 0x1p-28 * abs_k) * sc + 0x1p-23 * std::fabs(exact * sc) + 0x1p-149;
-    }
-  }
-  std::vector<float> want_acc = start;
-  std::vector<double> exact_acc(start.begin(), start.end()), tol_acc(start.size(), 0.0);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t u0 = 0; u0 < count; u0 += 256) {
-      const int64_t n = std::min<int64_t>(256, count - u0);
-      double m = 0;
-      for (int64_t u = u0; u < u0 + n; ++u) {
-        m = std::max(m, std::fabs(double{w[r * w_stride + u]} * scale[u * ss]));
-      }
-      if (m == 0) continue;
-      const int e = ExpFor(m);
-      for (int64_t x = 0; x < d; ++x) {
-        int32_t sum_hi = 0, sum_lo = 0;
-        double exact = 0, abs_v = 0, abs_pv = 0;
-        for (int64_t u = u0; u < u0 + n; ++u) {
-          const double p = double{w[r * w_stride + u]} * scale[u * ss];
-          const Fixed f = ToFixed(p * Pow2(e));
-          sum_hi += int32_t{f.hi} * k[u * k_stride + x];
-          sum_lo += int32_t{f.lo} * k[u * k_stride + x];
-          exact += p * k[u * k_stride + x];
-          abs_v += std::fabs(static_cast<double>(k[u * k_stride + x]));
-          abs_pv += std::fabs(p * k[u * k_stride + x]);
-        }
-        const double t = static_cast<double>(static_cast<float>(sum_hi)) * 32768.0 +
-                         static_cast<double>(static_cast<float>(sum_lo));
-        float& a = want_acc[r * acc_stride + x];
-        a += static_cast<float>(t * Pow2(-e));
-        exact_acc[r * acc_stride + x] += exact;
-        tol_acc[r * acc_stride + x] += m * 0x1p-28 * abs_v + 0x1p-23 * abs_pv +
-                                       0x1p-23 * std::fabs(exact_acc[r * acc_stride + x]);
-      }
-    }
-  }
-
-  for (bool avx512 : {true, false}) {
-    SCOPED_TRACE(avx512 ? "AVX-512 where the CPU has it" : "AVX2");
-    const bool previous = internal::SetAvx512KernelsForTesting(avx512);
-    std::vector<float> out(rows * out_stride, -7.0f);
-    internal::DotKeysRowsI8(q16.data(), 2 * q_stride, q_exp.data(), 2, rows, k.data(), k_stride,
-                            scale.data(), ss, count, d, out.data(), out_stride);
-    std::vector<float> acc = start;
-    internal::WeightedSumRowsI8(w.data(), w_stride, rows, k.data(), k_stride, scale.data(), ss,
-                                count, d, acc.data(), acc_stride);
-    internal::SetAvx512KernelsForTesting(previous);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t u = 0; u < out_stride; ++u) {
-        const int64_t at = r * out_stride + u;
-        ASSERT_EQ(out[at], want_out[at]) << "score row " << r << " key " << u;
-        if (u < count) {
-          ASSERT_NEAR(out[at], exact_out[at], tol_out[at]) << "score row " << r << " key " << u;
-        }
-      }
-      for (int64_t x = 0; x < acc_stride; ++x) {
-        const int64_t at = r * acc_stride + x;
-        ASSERT_EQ(acc[at], want_acc[at]) << "sum row " << r << " channel " << x;
-        ASSERT_NEAR(acc[at], exact_acc[at], tol_acc[at] + 0x1p-24 * std::fabs(exact_acc[at]) + 0x1p-149)
-            << "sum row " << r << " channel " << x;
-      }
-    }
-  }
-}
-
-}  // namespace int8_kernels
-
-TEST(Int8Test, RowKernelsMatchTheirSpecificationAndFp64OverShapes) {
-  uint64_t seed = 4321;
-  for (int64_t d : {8, 16, 24, 64, 80, 128, 600}) {
+  for (int64_t d : {8, 16, 24, 64, 80, 128}) {
     for (int64_t rows : {1, 2, 3, 4, 5, 8, 9}) {
-      for (int64_t count : {0, 1, 7, 8, 9, 17, 100, 300}) {
-        if (d == 600 && count > 17) continue;
+      for (int64_t count : {0, 1, 7, 8, 9, 100}) {
         SCOPED_TRACE(absl::StrCat("d ", d, " rows ", rows, " count ", count));
-        int8_kernels::CheckCase({d, rows, count, 1.0, 1.0, 1e-2}, ++seed);
-        if (HasFatalFailure()) return;
-      }
-    }
-  }
-}
-
-TEST(Int8Test, RowKernelsMatchTheirSpecificationAtExtremeMagnitudes) {
-  uint64_t seed = 99;
-  // q from subnormal to near FLT_MAX / 128, weights times scales from 1e-80
-  // (subnormal-free in double, far below FLT_MIN) to 1e34; scores and sums
-  // within the f32 range.
-  for (double q_mag : {1e-42, 1e-30, 1e-3, 1e3, 1e30, 2e36}) {
-    for (double w_mag : {1e-40, 1e-20, 1.0}) {
-      for (double scale_mag : {1e-40, 1e-3, 1e34}) {
-        if (q_mag * scale_mag > 1e34) continue;  // scores past FLT_MAX
-        SCOPED_TRACE(absl::StrCat("q ", q_mag, " w ", w_mag, " scale ", scale_mag));
-        int8_kernels::CheckCase({128, 3, 33, q_mag, w_mag, scale_mag}, ++seed);
-        if (HasFatalFailure()) return;
+        const int64_t q_stride = d + 1, k_stride = 3 * d, out_stride = count + 2, ss = 3;
+        std::vector<float> q(rows * q_stride);
+        for (float& x : q) x = static_cast<float>(next() % 2001 - 1000) / 1000.0f;
+        std::vector<int8_t> k(std::max<int64_t>(1, count) * k_stride);
+        for (int8_t& x : k) x = static_cast<int8_t>(next() % 255 - 127);
+        std::vector<float> scale(std::max<int64_t>(1, count) * ss);
+        for (float& x : scale) x = static_cast<float>(next() % 1000 + 1) / 1e5f;
+        std::vector<float> out(rows * out_stride, -7.0f);
+        internal::DotKeysRowsI8(q.data(), q_stride, rows, k.data(), k_stride, scale.data(), ss,
+                                count, d, out.data(), out_stride);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t u = 0; u < count; ++u) {
+            double want = 0, mag = 0;
+            for (int64_t i = 0; i < d; ++i) {
+              const double t = double{q[r * q_stride + i]} * k[u * k_stride + i];
+              want += t;
+              mag += std::fabs(t);
+            }
+            want *= scale[u * ss];
+            mag *= scale[u * ss];
+            ASSERT_NEAR(out[r * out_stride + u], want, 4e-6 * mag + 1e-30) << r << " " << u;
+          }
+          for (int64_t u = count; u < out_stride; ++u) EXPECT_EQ(out[r * out_stride + u], -7.0f);
+        }
+        const int64_t w_stride = count + 1, acc_stride = d + 3;
+        std::vector<float> w(rows * w_stride);
+        for (float& x : w) x = static_cast<float>(next() % 1001) / 1000.0f;
+        std::vector<float> start(rows * acc_stride);
+        for (float& x : start) x = static_cast<float>(next() % 2001 - 1000) / 1000.0f;
+        std::vector<float> acc = start;
+        internal::WeightedSumRowsI8(w.data(), w_stride, rows, k.data(), k_stride, scale.data(), ss,
+                                    count, d, acc.data(), acc_stride);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t x = 0; x < acc_stride; ++x) {
+            if (x >= d) {
+              EXPECT_EQ(acc[r * acc_stride + x], start[r * acc_stride + x]);
+              continue;
+            }
+            double want = start[r * acc_stride + x], mag = std::fabs(want);
+            for (int64_t u = 0; u < count; ++u) {
+              const double t = double{w[r * w_stride + u]} * scale[u * ss] * k[u * k_stride + x];
+              want += t;
+              mag += std::fabs(t);
+            }
+            ASSERT_NEAR(acc[r * acc_stride + x], want, 2e-5 * mag + 1e-30) << r << " " << x;
+          }
+        }
       }
     }
   }
@@ -2359,9 +2233,7 @@ Pages MakePages(PagedKvView::Type type, const void* k, const void* v, const floa
 // Pages give the bytes of one tensor: AttendPaged over f32 and bf16 pages
 // equals Attend over the same rows as one tensor, and over int8 pages
 // AttendInt8 over one contiguous view, bit for bit, for page sizes 8, 16
-// and 24 and one page (int8: 16, 32 and one page, since its weights are
-// scaled per run of keys and a page boundary ends a run), token-major and
-// head-major; on the decode path (1 and 3 queries, MHA and
+// and 24 and one page, token-major and head-major; on the decode path (1 and 3 queries, MHA and
 // GQA, windows that start inside a page and an 8-key block, soft-cap) and the prefill path (40
 // queries); alone and in a batched pass.
 TEST(PagedTest, PagesGiveTheBytesOfOneTensor) {
@@ -2396,9 +2268,7 @@ TEST(PagedTest, PagesGiveTheBytesOfOneTensor) {
       } else {
         ASSERT_TRUE(Attend(q.cview(), k.cview(), v.cview(), o, want.view()).ok());
       }
-      const bool int8_type = type == PagedKvView::Type::kInt8;
-      for (int64_t page_tokens : {int64_t{int8_type ? 32 : 8}, int64_t{16},
-                                  int64_t{int8_type ? 48 : 24}, c.k_len}) {
+      for (int64_t page_tokens : {int64_t{8}, int64_t{16}, int64_t{24}, c.k_len}) {
         for (bool head_major : {false, true}) {
           SCOPED_TRACE(
               absl::StrFormat("q_len %d k_len %d heads %d/%d d %d window %d type %d "
