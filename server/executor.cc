@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/time/clock.h"
+
 namespace ropeattn::server {
 namespace {
 
@@ -30,16 +32,95 @@ Executor::Executor(int workers, int queue_capacity, int max_batch, BatchRunner r
 Executor::~Executor() { Shutdown(); }
 
 bool Executor::TrySubmit(const std::string& key, int64_t compute,
-                         absl::AnyInvocable<void() &&> task, const char* kind) {
-  absl::MutexLock lock(&mu_);
-  return PushLocked(key, compute, Task{0, std::move(task), nullptr, true, 1, kind});
+                         absl::AnyInvocable<void() &&> task, const char* kind,
+                         const StopToken* stop) {
+  std::vector<Task> dropped;
+  bool queued;
+  {
+    absl::MutexLock lock(&mu_);
+    Task t;
+    t.run = std::move(task);
+    t.kind = kind;
+    t.stop = stop;
+    queued = PushLocked(key, compute, std::move(t), &dropped);
+  }
+  RunAbandoned(std::move(dropped));
+  return queued;
 }
 
 bool Executor::TrySubmitBatch(const std::string& key, int64_t compute, BatchTask* task,
-                              const char* kind, bool joins) {
+                              const char* kind, bool joins, const StopToken* stop) {
   if (!runner_ || task == nullptr) return false;
-  absl::MutexLock lock(&mu_);
-  return PushLocked(key, compute, Task{0, nullptr, task, joins, 1, kind});
+  std::vector<Task> dropped;
+  bool queued;
+  {
+    absl::MutexLock lock(&mu_);
+    Task t;
+    t.batch = task;
+    t.joins = joins;
+    t.kind = kind;
+    t.stop = stop;
+    queued = PushLocked(key, compute, std::move(t), &dropped);
+  }
+  RunAbandoned(std::move(dropped));
+  return queued;
+}
+
+void Executor::DropStopped() {
+  std::vector<Task> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    dropped = TakeStoppedLocked();
+  }
+  RunAbandoned(std::move(dropped));
+}
+
+std::vector<Executor::Task> Executor::TakeStoppedLocked() {
+  std::vector<Task> dropped;
+  for (auto it = queues_.begin(); it != queues_.end();) {
+    std::deque<Task>& tasks = it->second;
+    const size_t before = dropped.size();
+    for (auto t = tasks.begin(); t != tasks.end();) {
+      if (Dead(*t)) {
+        dropped.push_back(std::move(*t));
+        t = tasks.erase(t);
+      } else {
+        ++t;
+      }
+    }
+    if (dropped.size() == before) {
+      ++it;
+      continue;
+    }
+    waiting_ -= static_cast<int64_t>(dropped.size() - before);
+    if (tasks.empty()) {
+      last_tag_.erase(it->first);
+      queues_.erase(it++);
+    } else {
+      // A dead last task no longer pushes its caller's next tag back.
+      last_tag_[it->first] = tasks.back().tag;
+      ++it;
+    }
+  }
+  return dropped;
+}
+
+void Executor::RunAbandoned(std::vector<Task> tasks) {
+  if (tasks.empty()) return;
+  // Not a worker's work: ComputeDone from these must not release the take
+  // of a worker that happens to be the caller.
+  void* const saved = current_taken;
+  current_taken = nullptr;
+  std::vector<BatchTask*> batch;
+  for (Task& t : tasks) {
+    if (t.batch != nullptr) {
+      batch.assign(1, t.batch);
+      runner_(absl::MakeConstSpan(batch));
+    } else if (t.run) {
+      std::move(t.run)();
+    }
+  }
+  current_taken = saved;
 }
 
 double Executor::TagLocked(const std::string& key, int64_t compute) const {
@@ -69,6 +150,7 @@ Executor::Ahead Executor::WorkAhead(const std::string& key, int64_t compute) con
   for (const auto& [caller, tasks] : queues_) {
     for (const Task& t : tasks) {
       if (t.tag > tag) break;  // a caller's tags only grow
+      if (Dead(t)) continue;   // leaves without running
       ahead.queued[t.kind] += t.compute;
     }
   }
@@ -76,28 +158,46 @@ Executor::Ahead Executor::WorkAhead(const std::string& key, int64_t compute) con
 }
 
 bool Executor::TryRunInline(absl::FunctionRef<void()> task) {
+  std::vector<Task> dropped;
+  bool run = false;
   {
     absl::MutexLock lock(&mu_);
-    if (stopping_ || waiting_ > 0 || running_ >= static_cast<int64_t>(threads_.size())) {
-      return false;
+    if (!stopping_ && running_ < static_cast<int64_t>(threads_.size())) {
+      if (waiting_ > 0) dropped = TakeStoppedLocked();  // dead entries wait for nothing
+      if (waiting_ == 0) {
+        ++running_;
+        run = true;
+      }
     }
-    ++running_;
   }
+  RunAbandoned(std::move(dropped));
+  if (!run) return false;
   task();
   absl::MutexLock lock(&mu_);
   --running_;
   return true;
 }
 
-bool Executor::PushLocked(const std::string& key, int64_t compute, Task task) {
-  if (stopping_ || waiting_ >= capacity_) return false;
+bool Executor::PushLocked(const std::string& key, int64_t compute, Task task,
+                          std::vector<Task>* dropped) {
+  if (stopping_) return false;
+  // Dead entries go first, whatever the room: they would otherwise wait for
+  // a worker (or the next cancel) to be answered.
+  *dropped = TakeStoppedLocked();
+  if (waiting_ >= capacity_) return false;
   const double tag = TagLocked(key, compute);
   last_tag_[key] = tag;
   task.tag = tag;
   task.compute = std::max<int64_t>(1, compute);
   task.key = key;
+  const bool dead = Dead(task);
   queues_[key].push_back(std::move(task));
   ++waiting_;
+  // Its call ended before it was queued (its OnCancel found nothing to
+  // drop): it is abandoned now all the same, by the caller.
+  if (dead) {
+    for (Task& t : TakeStoppedLocked()) dropped->push_back(std::move(t));
+  }
   return true;
 }
 
@@ -135,7 +235,11 @@ void Executor::Shutdown() {
 
 int64_t Executor::queue_depth() const {
   absl::MutexLock lock(&mu_);
-  return waiting_;
+  int64_t live = 0;
+  for (const auto& [caller, tasks] : queues_) {
+    for (const Task& t : tasks) live += Dead(t) ? 0 : 1;
+  }
+  return live;
 }
 
 int64_t Executor::running() const {

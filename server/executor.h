@@ -9,6 +9,16 @@
 // the waiting task with the smallest tag (self-clocked fair queueing). A
 // caller with a deep queue of heavy work therefore waits behind its own
 // work, not in front of a light caller's; one caller's tasks stay FIFO.
+//
+// Dead entries: a task may carry its call's StopToken. Once that token fires
+// (the call was cancelled, or its deadline passed) while the task waits, the
+// task no longer counts anywhere (queue_depth, the capacity, WorkAhead), and
+// it is taken out of the queue and run at once, off the workers, by whoever
+// notices first (DropStopped, which the service calls from every OnCancel;
+// any submit; a worker reaching it): a task with a token must check it first
+// and, when it has fired, only abandon (answer, release what it holds),
+// never compute. So a cancelled request's memory, session and queue slot go
+// back at once, not when a worker would have reached it.
 #ifndef ROPEATTN_SERVER_EXECUTOR_H_
 #define ROPEATTN_SERVER_EXECUTOR_H_
 
@@ -27,7 +37,9 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "core/stop.h"
 
 namespace ropeattn::server {
 
@@ -66,23 +78,31 @@ class Executor {
   // (task dropped, not run) when the queue is full or the executor is
   // shutting down. Thread-safe.
   // `kind` (a string literal, e.g. the method) groups tasks for WorkAhead.
+  // `stop` (optional; must outlive the task): the call's token, see "Dead
+  // entries" above.
   bool TrySubmit(const std::string& key, int64_t compute, absl::AnyInvocable<void() &&> task,
-                 const char* kind = "");
+                 const char* kind = "", const StopToken* stop = nullptr);
   // The same for the server's own small tasks (its own key, cost 1).
   bool TrySubmit(absl::AnyInvocable<void() &&> task) { return TrySubmit("", 1, std::move(task)); }
   // Queues a batch task (not owned: it must live until the runner has
   // seen it). False as TrySubmit.
   // `joins` false: the task runs alone (it neither joins another batch nor
   // takes others into its pass).
+  // A stopped batch task is handed to the runner alone (it must then only
+  // abandon, as above).
   bool TrySubmitBatch(const std::string& key, int64_t compute, BatchTask* task,
-                      const char* kind = "", bool joins = true);
+                      const char* kind = "", bool joins = true, const StopToken* stop = nullptr);
+  // Takes every waiting task whose stop token has fired out of the queue and
+  // runs it on the calling thread (it abandons). Thread-safe; cheap when
+  // there is none (one pass over the queue).
+  void DropStopped();
   // The priced compute, by kind, that would run before a task of caller
   // `key` costing `compute` submitted now: `running`, every running task
   // (whole: an upper bound), split into `own_running`, `key`'s, and
   // `others_running`, each other caller's task on its own (kind, compute);
-  // and `queued`, every waiting task with a smaller finish tag than the new
-  // one would get. A light caller behind a heavy caller's deep queue sees
-  // only the running work and about one task of each other caller.
+  // and `queued`, every live waiting task with a smaller finish tag than
+  // the new one would get. A light caller behind a heavy caller's deep queue
+  // sees only the running work and about one task of each other caller.
   struct Ahead {
     absl::flat_hash_map<const char*, int64_t> running, own_running, queued;
     std::vector<std::pair<const char*, int64_t>> others_running;
@@ -105,7 +125,7 @@ class Executor {
   // Stops accepting, runs every queued task, joins the workers. Idempotent.
   void Shutdown();
 
-  int64_t queue_depth() const;  // waiting, not running
+  int64_t queue_depth() const;  // waiting (live: stopped tasks do not count), not running
   int64_t running() const;
   int capacity() const { return capacity_; }
   int workers() const { return static_cast<int>(threads_.size()); }
@@ -127,18 +147,29 @@ class Executor {
   void Release(Taken& taken);
 
   struct Task {
-    double tag;  // virtual finish time
+    double tag = 0;  // virtual finish time
     absl::AnyInvocable<void() &&> run;
     BatchTask* batch = nullptr;  // instead of run
     bool joins = true;           // a batch task that may share a pass
     int64_t compute = 1;
     const char* kind = "";
     std::string key;  // the caller
+    const StopToken* stop = nullptr;  // the call's, if any
   };
+  // Whether a waiting task is dead: its call was cancelled or its deadline
+  // passed.
+  static bool Dead(const Task& t) { return ShouldStop(t.stop); }
+  // Removes the dead waiting tasks (to be run, abandoning, outside mu_).
+  std::vector<Task> TakeStoppedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs tasks TakeStoppedLocked removed, on this thread (not counted as a
+  // worker's work); mu_ not held.
+  void RunAbandoned(std::vector<Task> tasks);
   // The finish tag a task of `key` costing `compute` would get now.
   double TagLocked(const std::string& key, int64_t compute) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool PushLocked(const std::string& key, int64_t compute, Task task)
+  // Queues `task` unless the queue is full of live tasks (dead ones are
+  // moved to `*dropped` to make room) or the executor is stopping.
+  bool PushLocked(const std::string& key, int64_t compute, Task task, std::vector<Task>* dropped)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The waiting task with the smallest tag (only batch tasks when
   // `batch_only`), removed; its caller's queue is dropped once empty. False
@@ -152,7 +183,7 @@ class Executor {
   // Per caller, FIFO; callers with nothing waiting have no entry.
   absl::flat_hash_map<std::string, std::deque<Task>> queues_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, double> last_tag_ ABSL_GUARDED_BY(mu_);
-  int64_t waiting_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t waiting_ ABSL_GUARDED_BY(mu_) = 0;  // queued, dead ones included
   double virtual_time_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t running_ ABSL_GUARDED_BY(mu_) = 0;
   // Priced compute of the running tasks, by kind.

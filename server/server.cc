@@ -122,6 +122,11 @@ struct Server::Impl {
   void HealthLoop() {
     while (!stop_health.WaitForNotificationWithTimeout(absl::Seconds(2))) {
       auto result = std::make_shared<std::atomic<int>>(0);  // 0 pending, 1 ok, 2 bad
+      // Queued work whose call ended without an OnCancel reaching the
+      // service (every cancel drops its own at once) leaves the queues here
+      // at the latest (a submit drops it too).
+      executor->DropStopped();
+      control->DropStopped();
       // Behind admitted work it waits as long as that work should take.
       const absl::Duration allowance = service->CanaryAllowance();
       const bool queued =
@@ -391,6 +396,8 @@ int Server::metrics_port() const { return impl_->http ? impl_->http->port() : 0;
 
 SessionManager& Server::sessions() { return *impl_->sessions; }
 Metrics& Server::metrics() { return *impl_->metrics; }
+Executor& Server::executor() { return *impl_->executor; }
+Executor& Server::control_executor() { return *impl_->control; }
 absl::Duration Server::CanaryAllowance() const { return impl_->service->CanaryAllowance(); }
 
 void Server::SetServingForTest(bool serving) {

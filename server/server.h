@@ -41,6 +41,11 @@ class Server {
 
   SessionManager& sessions();
   Metrics& metrics();
+  // The compute workers' executor and the control one (opens, forks,
+  // exports): tests occupy a worker with a task of their own to hold work in
+  // the queue deterministically.
+  Executor& executor();
+  Executor& control_executor();
   // How long the health canary queued now may take (see CanaryAllowance).
   absl::Duration CanaryAllowance() const;
   const ServerOptions& options() const { return options_; }

@@ -151,7 +151,12 @@ class UnaryCall : public grpc::ServerUnaryReactor {
     stop_.set_deadline(DeadlineOf(ctx));
     service_->CallStarted();
   }
-  void OnCancel() override { stop_.Cancel(); }
+  void OnCancel() override {
+    stop_.Cancel();
+    // Still queued: abandoned now (answered, its memory released), not when
+    // a worker would reach it.
+    service_->DropStopped();
+  }
   void OnDone() override {
     watch_->Ended();
     AttentionServiceImpl* service = service_;
@@ -429,9 +434,11 @@ void AttentionServiceImpl::RunOnExecutor(UnaryCall* call, grpc::CallbackServerCo
       executor_->TryRunInline([&body] { body(1); })) {
     return;
   }
+  // With the call's stop token: cancelled or expired while it waits, it
+  // leaves the queue at once (Executor, "Dead entries").
   const bool queued = executor_->TrySubmit(
       share, compute, [body, threads = options_.threads_per_call]() mutable { body(threads); },
-      method);
+      method, &call->stop());
   if (!queued) {
     admission_.Finished(method, compute, -1);
     metrics_->RecordRejected(method);
@@ -792,8 +799,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     Executor* control = service_->control_;
     const bool queued =
         request_.has_step()
-            ? service_->executor_->TrySubmitBatch(share_, compute, this, op_kind_, op_joins_)
-            : control->TrySubmit(share_, compute, [this] { Process(); }, MethodOf(request_));
+            ? service_->executor_->TrySubmitBatch(share_, compute, this, op_kind_, op_joins_,
+                                                  &stop_)
+            : control->TrySubmit(share_, compute, [this] { Process(); }, MethodOf(request_),
+                                 &stop_);
     if (!queued) {
       AdmittedDone(-1);
       ReleaseOpMemory();
@@ -844,6 +853,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   void OnCancel() override {
     cancelled_ = true;
     stop_.Cancel();
+    // An operation still queued is abandoned now: its session (a
+    // non-resumable one is freed) and memory go at once, not when a worker
+    // would reach it.
+    service_->DropStopped();
   }
 
   void OnDone() override {
@@ -1407,6 +1420,11 @@ void AttentionServiceImpl::RunDecodeSteps(absl::Span<BatchTask* const> tasks) {
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::Decode(
     grpc::CallbackServerContext* ctx) {
   return new DecodeReactor(this, ctx);
+}
+
+void AttentionServiceImpl::DropStopped() {
+  executor_->DropStopped();
+  control_->DropStopped();
 }
 
 void AttentionServiceImpl::Register(DecodeReactor* r) {

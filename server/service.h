@@ -100,6 +100,9 @@ class AttentionServiceImpl final : public RawAttentionService {
   // A unary answer handed to gRPC: cancelled if not taken in time.
   void WatchAnswer(const std::shared_ptr<AnswerWatch::Handle>& h) { answer_watch_.Arm(h); }
   AnswerWatch* WatchAnswers() { return &answer_watch_; }
+  // Abandons the queued work of calls that were cancelled or expired
+  // (Executor::DropStopped, both queues): called from every OnCancel.
+  void DropStopped();
   void CallEnded();
 
   // One request or decode operation on a compute worker, start to end:

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -667,6 +668,104 @@ TEST(ExecutorTest, PromptSizedStepsRunAloneAndDecodeStepsShareAPass) {
   }
   EXPECT_EQ(seen, 13);
   EXPECT_GE(shared, 2u);  // decode steps still share passes
+}
+
+// A waiting task whose call was cancelled (or whose deadline passed) is
+// dead: it stops counting at once (queue depth, the capacity, WorkAhead),
+// and it leaves the queue and is run (to abandon) off the workers, by the
+// next DropStopped or submit, not when a worker reaches it: one caller's
+// cancelled burst filled --queue_depth and refused everyone else's requests
+// ("the compute queue is full") for as long as the running work lasted.
+TEST(ExecutorTest, CancelledOrExpiredTasksLeaveTheQueueAtOnce) {
+  std::vector<server::BatchTask*> abandoned_batches;
+  absl::Mutex mu;
+  server::Executor executor(1, 3, 4, [&](absl::Span<server::BatchTask* const> tasks) {
+    absl::MutexLock lock(&mu);
+    for (server::BatchTask* t : tasks) abandoned_batches.push_back(t);
+  });
+  absl::Notification started, release;
+  // Whatever fails, the worker is let go before the executor joins it.
+  const absl::Cleanup let_go = [&] {
+    if (!release.HasBeenNotified()) release.Notify();
+  };
+  ASSERT_TRUE(executor.TrySubmit("blocker", 1, [&] {
+    started.Notify();
+    release.WaitForNotification();
+  }));
+  started.WaitForNotification();
+  const std::thread::id here = std::this_thread::get_id();
+  StopToken a, b, expired;
+  expired.set_deadline(absl::Now() + absl::Milliseconds(1));
+  std::atomic<int> ran_a{0}, ran_b{0}, ran_expired{0};
+  std::atomic<bool> a_here{false};
+  ASSERT_TRUE(executor.TrySubmit(
+      "burst", 1000,
+      [&] {
+        ran_a = 1;
+        a_here = std::this_thread::get_id() == here;
+      },
+      "Attend", &a));
+  ASSERT_TRUE(executor.TrySubmit("burst", 1000, [&] { ran_b = 1; }, "Attend", &b));
+  server::BatchTask step;
+  ASSERT_TRUE(executor.TrySubmitBatch("burst", 1000, &step, "Decode.Step", true, &expired));
+  EXPECT_EQ(executor.queue_depth(), 3);
+  EXPECT_FALSE(executor.TrySubmit("other", 1, [] {}, "Attend"));  // full
+
+  // Expired: no longer counted, though nothing has removed it yet.
+  absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(executor.queue_depth(), 2);
+  EXPECT_EQ(executor.WorkAhead("other", 1'000'000).queued.at("Attend"), 2000);
+  EXPECT_EQ(executor.WorkAhead("other", 1'000'000).queued.count("Decode.Step"), 0u);
+
+  // Cancelled: DropStopped (what the service calls from OnCancel) runs it
+  // here, while the only worker is still busy, and it is gone from the
+  // queue; the expired step went to the batch runner, alone.
+  a.Cancel();
+  EXPECT_EQ(executor.queue_depth(), 1);
+  executor.DropStopped();
+  EXPECT_EQ(ran_a.load(), 1);
+  EXPECT_TRUE(a_here.load());
+  EXPECT_EQ(ran_b.load(), 0);
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_EQ(abandoned_batches.size(), 1u);
+    EXPECT_EQ(abandoned_batches[0], &step);
+  }
+  EXPECT_EQ(executor.queue_depth(), 1);
+  const auto ahead = executor.WorkAhead("other", 1'000'000);
+  EXPECT_EQ(ahead.queued.at("Attend"), 1000);
+
+  // A submit makes room by dropping dead entries itself.
+  std::atomic<int> ran_c{0};
+  ASSERT_TRUE(executor.TrySubmit("other", 1, [&] { ran_c = 1; }, "Attend"));
+  ASSERT_TRUE(executor.TrySubmit("other", 1, [] {}, "Attend"));
+  b.Cancel();
+  ASSERT_TRUE(executor.TrySubmit("other", 1, [] {}, "Attend"));  // b's slot
+  EXPECT_EQ(ran_b.load(), 1);
+  EXPECT_EQ(executor.queue_depth(), 3);
+  EXPECT_EQ(ran_c.load(), 0);  // live work still waits for the worker
+
+  // A task whose call ended before it was queued is abandoned at once too.
+  StopToken gone;
+  gone.Cancel();
+  std::atomic<int> ran_gone{0};
+  release.Notify();
+  executor.Shutdown();
+  EXPECT_EQ(ran_c.load(), 1);
+  server::Executor fresh(1, 1);
+  absl::Notification busy, free_it;
+  const absl::Cleanup free_fresh = [&] {
+    if (!free_it.HasBeenNotified()) free_it.Notify();
+  };
+  ASSERT_TRUE(fresh.TrySubmit("blocker", 1, [&] {
+    busy.Notify();
+    free_it.WaitForNotification();
+  }));
+  busy.WaitForNotification();
+  ASSERT_TRUE(fresh.TrySubmit("x", 1, [&] { ran_gone = 1; }, "Attend", &gone));
+  EXPECT_EQ(ran_gone.load(), 1);
+  EXPECT_EQ(fresh.queue_depth(), 0);
+  free_it.Notify();
 }
 
 // Decode steps learn two rates: those the decode kernel computes and those
@@ -1400,6 +1499,156 @@ class BusyWorker {
   std::atomic<bool> done_{false};
   std::thread thread_;
 };
+
+// Holds one worker of `executor` with a task of the test's own until
+// Release: work queued behind it stays queued, deterministically.
+class HeldWorker {
+ public:
+  explicit HeldWorker(server::Executor& executor) {
+    EXPECT_TRUE(executor.TrySubmit("test:held", 1, [this] {
+      started_.Notify();
+      release_.WaitForNotification();
+    }));
+    started_.WaitForNotification();
+  }
+  ~HeldWorker() { Release(); }
+  void Release() {
+    if (!release_.HasBeenNotified()) release_.Notify();
+  }
+  bool released() const { return release_.HasBeenNotified(); }
+
+ private:
+  absl::Notification started_, release_;
+};
+
+// Polls `done` until it holds (false after a generous 30 s).
+bool Eventually(const std::function<bool()>& done) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (!done()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
+
+// Units of `kind` waiting in `executor` (the health canary's own task,
+// which may wait too, has no kind).
+int64_t QueuedUnits(server::Executor& executor, const char* kind) {
+  const auto ahead = executor.WorkAhead("test:probe", int64_t{1} << 60);
+  for (const auto& [k, units] : ahead.queued) {
+    if (absl::string_view(k) == kind) return units;
+  }
+  return 0;
+}
+
+// Unary calls cancelled or past their deadline while queued leave the queue
+// at once, answered and their memory released, while the only worker is
+// still busy: they were removed only when a worker reached them, and until
+// then filled --queue_depth ("the compute queue is full" for everyone else),
+// the ropeattn_queue_depth gauge and other callers' wait estimates.
+TEST(HardeningQueueTest, CancelledOrExpiredCallsLeaveTheQueueAtOnce) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.queue_depth = 8;
+  o.max_queue_delay_seconds = 0;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  HeldWorker held(server->executor());
+  constexpr int kCalls = 4;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<grpc::StatusCode> codes(kCalls + 1, grpc::StatusCode::OK);
+  std::vector<std::thread> calls;
+  const auto call = [&](int i) {
+    calls.emplace_back([&, i] {
+      v1::AttendResponse out;
+      codes[i] = stub->Attend(contexts[i].get(), SmallAttendRequest(), &out).error_code();
+    });
+  };
+  for (int i = 0; i <= kCalls; ++i) contexts.push_back(std::make_unique<grpc::ClientContext>());
+  // Whatever fails, every call ends and is joined.
+  const absl::Cleanup end_calls = [&] {
+    for (auto& c : contexts) c->TryCancel();
+    held.Release();
+    for (std::thread& t : calls) {
+      if (t.joinable()) t.join();
+    }
+  };
+  call(0);
+  ASSERT_TRUE(Eventually([&] { return QueuedUnits(server->executor(), "Attend") > 0; }));
+  const int64_t unit = QueuedUnits(server->executor(), "Attend");
+  for (int i = 1; i < kCalls; ++i) call(i);
+  // One more, whose deadline passes while it waits (no client cancel).
+  contexts[kCalls]->set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(500)));
+  call(kCalls);
+  ASSERT_TRUE(Eventually(
+      [&] { return QueuedUnits(server->executor(), "Attend") >= kCalls * unit; }));
+  for (int i = 0; i < kCalls; ++i) contexts[i]->TryCancel();
+  for (std::thread& t : calls) t.join();  // all answered while the worker is held
+  EXPECT_FALSE(held.released());
+  for (int i = 0; i < kCalls; ++i) EXPECT_EQ(codes[i], grpc::StatusCode::CANCELLED) << i;
+  EXPECT_EQ(codes[kCalls], grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(QueuedUnits(server->executor(), "Attend"), 0);
+  EXPECT_TRUE(Eventually([&] {  // gone from the metrics too (the canary may wait)
+    const std::string m = server->metrics().RenderPrometheus();
+    return MetricValue(m, "ropeattn_queue_depth") <= 1 &&
+           MetricValue(m, "ropeattn_abandoned_total{method=\"Attend\"}") == kCalls + 1;
+  })) << server->metrics().RenderPrometheus();
+  {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    ASSERT_TRUE(stub->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+    EXPECT_EQ(info.memory_bytes_in_use(), 0);
+  }
+  held.Release();
+  grpc::ClientContext ctx;
+  v1::AttendResponse out;
+  EXPECT_TRUE(stub->Attend(&ctx, SmallAttendRequest(), &out).ok());
+}
+
+// A Decode stream cancelled while its step waits for a worker frees its
+// (non-resumable) session at once, as README says, not when a worker
+// reaches the dead step (a 512 MiB session stayed charged 7-27 s).
+TEST(HardeningQueueTest, ACancelledStreamsQueuedStepFreesItsSessionAtOnce) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.max_queue_delay_seconds = 0;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  HeldWorker held(server->executor());
+  grpc::ClientContext ctx;
+  auto rw = stub->Decode(&ctx);
+  v1::DecodeRequest open;
+  open.mutable_open()->mutable_spec()->set_heads(4);
+  open.mutable_open()->mutable_spec()->set_head_dim(16);
+  open.mutable_open()->set_max_context(64);
+  v1::DecodeResponse resp;
+  ASSERT_TRUE(rw->Write(open) && rw->Read(&resp));
+  ASSERT_TRUE(resp.has_opened()) << resp.DebugString();
+  EXPECT_EQ(server->sessions().open_sessions(), 1);
+  EXPECT_GT(server->sessions().kv_bytes_in_use(), 0);
+  v1::DecodeRequest step;
+  step.mutable_step()->set_seq(1);
+  *step.mutable_step()->mutable_q() = ZeroWire(v1::DTYPE_F32, {1, 1, 4, 16});
+  *step.mutable_step()->mutable_k() = ZeroWire(v1::DTYPE_F32, {1, 1, 4, 16});
+  *step.mutable_step()->mutable_v() = ZeroWire(v1::DTYPE_F32, {1, 1, 4, 16});
+  ASSERT_TRUE(rw->Write(step));
+  ASSERT_TRUE(Eventually([&] { return QueuedUnits(server->executor(), "Decode.Step") > 0; }));
+  ctx.TryCancel();
+  EXPECT_TRUE(Eventually([&] {
+    return server->sessions().open_sessions() == 0 && server->sessions().kv_bytes_in_use() == 0;
+  }));
+  EXPECT_FALSE(held.released());  // no worker reached the step
+  EXPECT_EQ(QueuedUnits(server->executor(), "Decode.Step"), 0);
+  const std::string m = server->metrics().RenderPrometheus();
+  EXPECT_EQ(MetricValue(m, "ropeattn_abandoned_total{method=\"Decode.Step\"}"), 1);
+  EXPECT_EQ(MetricValue(m, "ropeattn_sessions_closed_total{reason=\"disconnected\"}"), 1) << m;
+  held.Release();
+  while (rw->Read(&resp)) {
+  }
+  EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::CANCELLED);
+}
 
 // The health canary waits behind admitted work as long as that work should
 // take: 20 s on an idle server, more behind a running request (an admitted
