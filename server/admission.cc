@@ -32,6 +32,26 @@ std::optional<double> Admission::ServiceSeconds(const char* method, int64_t comp
   return Seconds(it->second, compute);
 }
 
+absl::Duration Admission::QueueRetryHint(const Ahead& ahead) const {
+  double seconds = 0;
+  bool known = false;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const Executor::Running& r : ahead.running) {
+      auto it = kinds_.find(r.kind);
+      if (it == kinds_.end()) continue;
+      if (const std::optional<double> s = Seconds(it->second, r.compute); s.has_value()) {
+        // What is left of it: the hint counts down while it runs.
+        seconds += std::max(0.0, *s - absl::ToDoubleSeconds(r.elapsed));
+        known = true;
+      }
+    }
+  }
+  if (!known) return absl::Milliseconds(100);
+  seconds /= workers_;
+  return std::clamp(absl::Seconds(seconds), absl::Milliseconds(1), absl::Seconds(10));
+}
+
 int64_t Admission::pending_compute() const {
   absl::MutexLock lock(&mu_);
   int64_t total = 0;
@@ -64,12 +84,18 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
     };
     double running_s = 0, queued_s = 0, slowdown_s = 0;
     if (ahead != nullptr) {
-      running_s = seconds_of_all(ahead->running);
+      // A running task counts what is left of it: its estimate less the time
+      // it has run (none once past its estimate), so the wait, and the
+      // retry-after hint made from it, count down while it runs.
       queued_s = seconds_of_all(ahead->queued);
-      slowdown_s = queued_s + seconds_of_all(ahead->own_running);
-      for (const auto& [name, units] : ahead->others_running) {
-        const double s = seconds_of(name, units);
-        if (s <= max_slowdown_ * *own_service) slowdown_s += s;
+      slowdown_s = queued_s;
+      for (const Executor::Running& r : ahead->running) {
+        const double whole = seconds_of(r.kind, r.compute);
+        const double left = std::max(0.0, whole - absl::ToDoubleSeconds(r.elapsed));
+        running_s += left;
+        // Another caller's running request counts against the slowdown only
+        // when it is comparable to this one (judged by its whole size).
+        if (r.own || whole <= max_slowdown_ * *own_service) slowdown_s += left;
       }
     } else {
       for (const auto& [name, k] : kinds_) queued_s += seconds_of(name.c_str(), k.pending);

@@ -46,8 +46,10 @@ class Admission {
   // decode step is not refused for another caller's long request).
   // `ahead` (optional): the compute running now and waiting to run before
   // this request (Executor::WorkAhead, which knows the fair-queueing order);
-  // without it, all pending compute counts as ahead. The deadline and
-  // max_queue_delay see all of it. The slowdown sees the queued work, this
+  // without it, all pending compute counts as ahead. A running task counts
+  // what is left of its estimate (less the time it has run; nothing once
+  // past it), so the wait and the retry hint count down while it runs. The
+  // deadline and max_queue_delay see all of it. The slowdown sees the queued work, this
   // caller's running work, and another caller's running request only when
   // that is no more than max_slowdown times this request: a running request
   // cannot be preempted, so counting a far larger one refused every small
@@ -64,6 +66,12 @@ class Admission {
   // finished running for `seconds` (negative: it never ran); its compute is
   // no longer pending.
   void Finished(const char* method, int64_t compute, double seconds);
+
+  // The retry-after hint of a refusal because the queue is full: when the
+  // work running now should be done (what is left of each running task's
+  // estimate, spread over the workers, so it counts down while the work
+  // runs), within [1 ms, 10 s]; 100 ms before any of its rates is known.
+  absl::Duration QueueRetryHint(const Ahead& ahead) const;
 
   // Estimated seconds `compute` units of `method` take on one worker;
   // nullopt before its rate is known.

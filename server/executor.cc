@@ -134,16 +134,13 @@ double Executor::TagLocked(const std::string& key, int64_t compute) const {
 }
 
 Executor::Ahead Executor::WorkAhead(const std::string& key, int64_t compute) const {
+  const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);
   Ahead ahead;
-  ahead.running = running_units_;
   for (const Taken* t : taken_) {
     for (const Work& w : t->work) {
-      if (w.key == key) {
-        ahead.own_running[w.kind] += w.compute;
-      } else {
-        ahead.others_running.emplace_back(w.kind, w.compute);
-      }
+      ahead.running.push_back(
+          Running{w.kind, w.compute, std::max(absl::ZeroDuration(), now - t->started), w.key == key});
     }
   }
   const double tag = TagLocked(key, compute);
@@ -258,9 +255,6 @@ void Executor::Release(Taken& taken) {
   if (taken.released) return;
   taken.released = true;
   running_ -= static_cast<int64_t>(taken.work.size());
-  for (const Work& w : taken.work) {
-    if ((running_units_[w.kind] -= w.compute) <= 0) running_units_.erase(w.kind);
-  }
   taken_.erase(&taken);
 }
 
@@ -279,6 +273,7 @@ void Executor::WorkerLoop() {
       if (waiting_ == 0) return;  // stopping and drained
       PopLocked(/*batch_only=*/false, &task);
       taken.work.clear();
+      taken.started = absl::Now();
       taken.released = false;
       taken.work.push_back(Work{task.kind, task.compute, task.key});
       if (task.batch != nullptr) {
@@ -292,7 +287,6 @@ void Executor::WorkerLoop() {
         }
       }
       running_ += static_cast<int64_t>(taken.work.size());
-      for (const Work& w : taken.work) running_units_[w.kind] += w.compute;
       taken_.insert(&taken);
     }
     current_taken = &taken;

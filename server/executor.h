@@ -96,16 +96,22 @@ class Executor {
   // runs it on the calling thread (it abandons). Thread-safe; cheap when
   // there is none (one pass over the queue).
   void DropStopped();
-  // The priced compute, by kind, that would run before a task of caller
-  // `key` costing `compute` submitted now: `running`, every running task
-  // (whole: an upper bound), split into `own_running`, `key`'s, and
-  // `others_running`, each other caller's task on its own (kind, compute);
-  // and `queued`, every live waiting task with a smaller finish tag than
-  // the new one would get. A light caller behind a heavy caller's deep queue
-  // sees only the running work and about one task of each other caller.
+  // The work that would run before a task of caller `key` costing `compute`
+  // submitted now: `running`, every running task with its priced compute and
+  // how long it has run (an estimate subtracts that, so the wait it gives
+  // counts down while the work runs), `own` when it is `key`'s; and `queued`,
+  // by kind, every live waiting task with a smaller finish tag than the new
+  // one would get. A light caller behind a heavy caller's deep queue sees
+  // only the running work and about one task of each other caller.
+  struct Running {
+    const char* kind;
+    int64_t compute;         // priced, whole
+    absl::Duration elapsed;  // since a worker took it
+    bool own;                // the asking caller's
+  };
   struct Ahead {
-    absl::flat_hash_map<const char*, int64_t> running, own_running, queued;
-    std::vector<std::pair<const char*, int64_t>> others_running;
+    std::vector<Running> running;
+    absl::flat_hash_map<const char*, int64_t> queued;
   };
   Ahead WorkAhead(const std::string& key, int64_t compute) const;
   // Runs `task` on the calling thread, now, if a worker is free and nothing
@@ -132,7 +138,7 @@ class Executor {
 
  private:
   void WorkerLoop();
-  // The work a worker took, counted in running_ / running_units_ until it
+  // The work a worker took, counted in running_ and taken_ until it
   // is released (ComputeDone, or when the task returns).
   struct Work {
     const char* kind;
@@ -142,6 +148,7 @@ class Executor {
   struct Taken {
     Executor* owner = nullptr;
     std::vector<Work> work;
+    absl::Time started;  // when the worker took it
     bool released = false;
   };
   void Release(Taken& taken);
@@ -186,8 +193,6 @@ class Executor {
   int64_t waiting_ ABSL_GUARDED_BY(mu_) = 0;  // queued, dead ones included
   double virtual_time_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t running_ ABSL_GUARDED_BY(mu_) = 0;
-  // Priced compute of the running tasks, by kind.
-  absl::flat_hash_map<const char*, int64_t> running_units_ ABSL_GUARDED_BY(mu_);
   // The work of every worker's current take (not yet released).
   absl::flat_hash_set<const Taken*> taken_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

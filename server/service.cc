@@ -333,17 +333,7 @@ ROPEATTN_SERVE_UNARY(GetModel, v1::GetModelRequest, v1::ModelInfo)
 #undef ROPEATTN_SERVE_UNARY
 
 absl::Duration AttentionServiceImpl::QueueRetryHint(const Executor::Ahead& ahead) const {
-  double seconds = 0;
-  bool known = false;
-  for (const auto& [kind, units] : ahead.running) {
-    if (const std::optional<double> s = admission_.ServiceSeconds(kind, units); s.has_value()) {
-      seconds += *s;
-      known = true;
-    }
-  }
-  if (!known) return absl::Milliseconds(100);
-  seconds /= std::max(1, executor_->workers());
-  return std::clamp(absl::Seconds(seconds), absl::Milliseconds(1), absl::Seconds(10));
+  return admission_.QueueRetryHint(ahead);
 }
 
 absl::StatusOr<MemoryBudget::Reservation> AttentionServiceImpl::ReserveInfoCopy(
@@ -359,12 +349,14 @@ absl::Duration AttentionServiceImpl::CanaryAllowance() const {
   constexpr double kUnmeasuredUnitsPerSecond = 1e9;
   const Executor::Ahead ahead = executor_->WorkAhead("", 1);
   double seconds = 0;
-  for (const auto* work : {&ahead.running, &ahead.queued}) {
-    for (const auto& [kind, units] : *work) {
-      const std::optional<double> s = admission_.ServiceSeconds(kind, units);
-      seconds += s.has_value() ? *s : static_cast<double>(units) / kUnmeasuredUnitsPerSecond;
-    }
-  }
+  const auto estimate = [&](const char* kind, int64_t units) {
+    const std::optional<double> s = admission_.ServiceSeconds(kind, units);
+    seconds += s.has_value() ? *s : static_cast<double>(units) / kUnmeasuredUnitsPerSecond;
+  };
+  // Running work counts whole (an upper bound: the canary must not take a
+  // replica out of rotation for work that ran past its estimate).
+  for (const Executor::Running& r : ahead.running) estimate(r.kind, r.compute);
+  for (const auto& [kind, units] : ahead.queued) estimate(kind, units);
   seconds /= std::max(1, executor_->workers());
   return std::min(absl::Seconds(20) + absl::Seconds(2 * seconds), absl::Hours(1));
 }

@@ -186,9 +186,8 @@ class AttentionServiceImpl final : public RawAttentionService {
   // its fixed per-row price): below it, two thread hand-offs cost more than
   // the compute.
   static constexpr int64_t kInlineMaxCompute = int64_t{2} << 20;
-  // The retry-after-ms hint of a refusal because the queue is full: when the
-  // work running now should be done (admission's measured rates, spread
-  // over the workers), within [1 ms, 10 s]; 100 ms before any rate is known.
+  // The retry-after-ms hint of a refusal because the queue is full
+  // (Admission::QueueRetryHint: what is left of the running work).
   absl::Duration QueueRetryHint(const Executor::Ahead& ahead) const;
   // A SessionInfo copy of `bytes`: from the budget, else (when `fallback`)
   // from info_overdraft_; the budget's refusal when neither can.

@@ -610,7 +610,8 @@ TEST(ExecutorTest, ATaskStopsCountingOnceItsComputeIsDone) {
       EXPECT_EQ(executor.running(), 0);
     } else {
       ASSERT_EQ(ahead.running.size(), 1u);
-      EXPECT_EQ(ahead.running.begin()->second, 1000);
+      EXPECT_EQ(ahead.running[0].compute, 1000);
+      EXPECT_FALSE(ahead.running[0].own);
       EXPECT_EQ(executor.running(), 1);
     }
     release.Notify();
@@ -766,6 +767,35 @@ TEST(ExecutorTest, CancelledOrExpiredTasksLeaveTheQueueAtOnce) {
   EXPECT_EQ(ran_gone.load(), 1);
   EXPECT_EQ(fresh.queue_depth(), 0);
   free_it.Notify();
+}
+
+// WorkAhead says how long each running task has run, so an estimate made
+// from it (the admission's wait, the retry-after-ms hints) counts down while
+// the work runs instead of counting it whole however long it has run.
+TEST(ExecutorTest, RunningWorkSaysHowLongItHasRun) {
+  server::Executor executor(1, 4);
+  absl::Notification started, release;
+  const absl::Cleanup let_go = [&] {
+    if (!release.HasBeenNotified()) release.Notify();
+  };
+  ASSERT_TRUE(executor.TrySubmit(
+      "heavy", 5000,
+      [&] {
+        started.Notify();
+        release.WaitForNotification();
+      },
+      "Attend"));
+  started.WaitForNotification();
+  const auto first = executor.WorkAhead("light", 1);
+  absl::SleepFor(absl::Milliseconds(50));
+  const auto later = executor.WorkAhead("heavy", 1);
+  ASSERT_EQ(first.running.size(), 1u);
+  ASSERT_EQ(later.running.size(), 1u);
+  EXPECT_EQ(first.running[0].compute, 5000);
+  EXPECT_FALSE(first.running[0].own);
+  EXPECT_TRUE(later.running[0].own);
+  EXPECT_GE(later.running[0].elapsed - first.running[0].elapsed, absl::Milliseconds(50));
+  release.Notify();
 }
 
 // Decode steps learn two rates: those the decode kernel computes and those
@@ -1059,14 +1089,8 @@ TEST(HardeningAdmissionTest, TheSlowdownCountsComparableOrOwnRunningWork) {
   };
   const auto ahead_with = [](int64_t others, int64_t own, int64_t queued) {
     server::Admission::Ahead ahead;
-    if (others > 0) {
-      ahead.running["Attend"] += others;
-      ahead.others_running.emplace_back("Attend", others);
-    }
-    if (own > 0) {
-      ahead.running["Attend"] += own;
-      ahead.own_running["Attend"] = own;
-    }
+    if (others > 0) ahead.running.push_back({"Attend", others, absl::ZeroDuration(), false});
+    if (own > 0) ahead.running.push_back({"Attend", own, absl::ZeroDuration(), true});
     if (queued > 0) ahead.queued["Attend"] = queued;
     return ahead;
   };
@@ -1083,6 +1107,53 @@ TEST(HardeningAdmissionTest, TheSlowdownCountsComparableOrOwnRunningWork) {
   // Its own caller's 10 s request always counts, and so does queued work.
   EXPECT_EQ(admit(ahead_with(0, 100'000'000'000, 0)), C::kResourceExhausted);
   EXPECT_EQ(admit(ahead_with(0, 0, 100'000'000'000)), C::kResourceExhausted);
+}
+
+// The wait counts what is left of the running work (its estimate less the
+// time it has run), so the retry-after hint counts down: it counted a
+// running request whole however long it had run, and a client retrying when
+// the hint said was refused again with the same hint. Same for the deadline
+// refusal's hint.
+TEST(HardeningAdmissionTest, TheWaitAndItsRetryHintCountDownWhileWorkRuns) {
+  server::Admission a(1, absl::Seconds(1), /*max_slowdown=*/0);
+  for (int i = 0; i < 3; ++i) a.Finished("Attend", 1'000'000'000, 0.1);  // 1e10 units/s
+  const absl::Time now = absl::Now();
+  // Another caller's 10 s request, that has run `elapsed`.
+  const auto after = [](absl::Duration elapsed) {
+    server::Admission::Ahead ahead;
+    ahead.running.push_back({"Attend", 100'000'000'000, elapsed, false});
+    return ahead;
+  };
+  const auto hint = [&](absl::Duration elapsed, absl::Time deadline = absl::InfiniteFuture()) {
+    const server::Admission::Ahead ahead = after(elapsed);
+    absl::Duration retry = absl::ZeroDuration();
+    const absl::Status st =
+        a.Admit("Attend", 1'000'000, deadline, now, &retry, true, &ahead);  // 0.1 ms
+    if (st.ok()) {
+      a.Finished("Attend", 1'000'000, -1);
+      return absl::ZeroDuration();
+    }
+    EXPECT_TRUE(absl::IsResourceExhausted(st)) << st;
+    return retry;
+  };
+  // --max_queue_delay_seconds: 10 s of wait, 9 s past the limit ...
+  const absl::Duration fresh = hint(absl::ZeroDuration());
+  EXPECT_GT(fresh, absl::Seconds(8));
+  // ... 4 s later, 4 s less; once the running request should be done, in.
+  EXPECT_LT(hint(absl::Seconds(4)), fresh - absl::Seconds(3));
+  EXPECT_EQ(hint(absl::Seconds(9.5)), absl::ZeroDuration());
+  EXPECT_EQ(hint(absl::Seconds(30)), absl::ZeroDuration());  // overdue: nothing left
+  // The deadline's refusal: its hint counts down the same way.
+  const absl::Duration by_deadline = hint(absl::ZeroDuration(), now + absl::Milliseconds(500));
+  EXPECT_GT(by_deadline, absl::Seconds(8));
+  EXPECT_LT(hint(absl::Seconds(4), now + absl::Milliseconds(500)), by_deadline - absl::Seconds(3));
+  // The queue-full refusal's hint (when the running work should be done).
+  const absl::Duration full = a.QueueRetryHint(after(absl::Seconds(1)));
+  EXPECT_GT(full, absl::Seconds(8));
+  EXPECT_LT(full, absl::Seconds(10));
+  EXPECT_LT(a.QueueRetryHint(after(absl::Seconds(5))), full - absl::Seconds(3));
+  EXPECT_EQ(a.QueueRetryHint(after(absl::Seconds(30))), absl::Milliseconds(1));
+  EXPECT_EQ(a.QueueRetryHint(server::Admission::Ahead()), absl::Milliseconds(100));  // unknown
 }
 
 // The wait a request is admitted on follows the fair-queueing order: a
