@@ -1126,8 +1126,9 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     AdmittedDone(-1);
     service_->metrics_->RecordAbandoned(MethodOf(request_));
     ticket_.Release();
+    // Its whole latency: queued until now (as an abandoned unary call's).
     service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(stop_.status().code()),
-                                      0.0);
+                                      SecondsSince(queued_at_));
     FinishOnce(ToGrpcStatus(stop_.status()));
     return true;
   }

@@ -1679,7 +1679,8 @@ TEST(HardeningQueueTest, CancelledOrExpiredCallsLeaveTheQueueAtOnce) {
 
 // A Decode stream cancelled while its step waits for a worker frees its
 // (non-resumable) session at once, as README says, not when a worker
-// reaches the dead step (a 512 MiB session stayed charged 7-27 s).
+// reaches the dead step (a 512 MiB session stayed charged 7-27 s); the
+// abandoned step is recorded with its real latency (it was recorded as 0 s).
 TEST(HardeningQueueTest, ACancelledStreamsQueuedStepFreesItsSessionAtOnce) {
   server::ServerOptions o = TestServerOptions();
   o.compute_workers = 1;
@@ -1706,15 +1707,23 @@ TEST(HardeningQueueTest, ACancelledStreamsQueuedStepFreesItsSessionAtOnce) {
   *step.mutable_step()->mutable_v() = ZeroWire(v1::DTYPE_F32, {1, 1, 4, 16});
   ASSERT_TRUE(rw->Write(step));
   ASSERT_TRUE(Eventually([&] { return QueuedUnits(server->executor(), "Decode.Step") > 0; }));
+  const absl::Time queued = absl::Now();
+  absl::SleepFor(absl::Milliseconds(300));
   ctx.TryCancel();
   EXPECT_TRUE(Eventually([&] {
     return server->sessions().open_sessions() == 0 && server->sessions().kv_bytes_in_use() == 0;
   }));
   EXPECT_FALSE(held.released());  // no worker reached the step
   EXPECT_EQ(QueuedUnits(server->executor(), "Decode.Step"), 0);
+  const double waited = absl::ToDoubleSeconds(absl::Now() - queued);
   const std::string m = server->metrics().RenderPrometheus();
   EXPECT_EQ(MetricValue(m, "ropeattn_abandoned_total{method=\"Decode.Step\"}"), 1);
   EXPECT_EQ(MetricValue(m, "ropeattn_sessions_closed_total{reason=\"disconnected\"}"), 1) << m;
+  // Its whole latency: at least the time it waited before the cancel.
+  const double duration =
+      MetricValue(m, "ropeattn_request_duration_seconds_sum{method=\"Decode.Step\"}");
+  EXPECT_GE(duration, 0.3);
+  EXPECT_LE(duration, waited + 1);
   held.Release();
   while (rw->Read(&resp)) {
   }
