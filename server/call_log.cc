@@ -17,6 +17,7 @@ namespace {
 
 constexpr char kRequestIdKey[] = "x-request-id";
 constexpr char kTraceparentKey[] = "traceparent";
+constexpr char kHealthWatch[] = "/grpc.health.v1.Health/Watch";
 
 bool IsRequestIdChar(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
@@ -139,12 +140,26 @@ class CallLog final : public grpc::experimental::Interceptor {
                                 absl::ToDoubleSeconds(absl::Now() - start_));
       }
     }
+    // A health Watch never ends by itself: its client cancels it (or the
+    // server's shutdown does), and gRPC's health service then "answers"
+    // UNKNOWN "OnCancel()", a status nobody receives. That is a watch's
+    // normal end, not an error of ours: logged as what it was, CANCELLED,
+    // and only by the access log.
+    bool normal_end = false;
+    if (info_->method() != nullptr && absl::string_view(info_->method()) == kHealthWatch &&
+        ((status.error_code() == grpc::StatusCode::UNKNOWN &&
+          status.error_message() == "OnCancel()") ||
+         info_->server_context()->IsCancelled())) {
+      status = grpc::Status(grpc::StatusCode::CANCELLED,
+                            "the watch was cancelled (by its client, or by the server's shutdown)");
+      normal_end = true;
+    }
     const int code = static_cast<int>(status.error_code());
     if (!status.ok() || access_log_) {
       peer_ = info_->server_context()->peer();
     }
     const double ms = Milliseconds(absl::Now() - start_);
-    if (!status.ok()) {
+    if (!status.ok() && !normal_end) {
       LogEvent(LevelOf(code), "error_answer",
                {{"request_id", request_id_},
                 {"method", info_->method()},

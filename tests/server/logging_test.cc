@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "server/call_log.h"
@@ -407,6 +408,55 @@ TEST(ServerLogTest, WithoutTheAccessLogOnlyErrorsAreLogged) {
       << server.Text();
   EXPECT_TRUE(Find(lines, "call").empty()) << server.Text();
   EXPECT_THAT(server.Text(), Not(HasSubstr("ok-call")));
+}
+
+// A health Watch never ends by itself: its client cancels it, or the
+// server's shutdown does, and gRPC's health service then sets a status
+// nobody receives, UNKNOWN "OnCancel()". That was logged as an error_answer
+// at level error for every watch (every load balancer's, at every drain).
+// It is a watch's normal end: no error_answer; the access log says
+// CANCELLED.
+TEST(ServerLogTest, AHealthWatchEndedByItsClientOrTheShutdownIsNoError) {
+  LoggedServer server({"--access_log"});
+  ASSERT_GT(server.port(), 0) << server.Text();
+  auto health = grpc::health::v1::Health::NewStub(testing::TestChannel(server.port()));
+  struct Watch {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReader<grpc::health::v1::HealthCheckResponse>> reader;
+  };
+  const auto start = [&](Watch& w, const char* id) {
+    w.ctx.AddMetadata("x-request-id", id);
+    w.reader = health->Watch(&w.ctx, {});
+    grpc::health::v1::HealthCheckResponse r;
+    return w.reader->Read(&r);
+  };
+  Watch by_client, by_shutdown;
+  ASSERT_TRUE(start(by_client, "watch-cancelled"));
+  ASSERT_TRUE(start(by_shutdown, "watch-at-shutdown"));
+  by_client.ctx.TryCancel();
+  grpc::health::v1::HealthCheckResponse r;
+  while (by_client.reader->Read(&r)) {
+  }
+  (void)by_client.reader->Finish();
+  std::vector<Json> lines = server.WaitFor(
+      [](const auto& l) { return !Find(l, "call", {{"request_id", "watch-cancelled"}}).empty(); });
+  EXPECT_EQ(Find(lines, "call", {{"request_id", "watch-cancelled"}, {"code", "CANCELLED"}}).size(),
+            1u)
+      << server.Text();
+  std::thread ending([&] {
+    while (by_shutdown.reader->Read(&r)) {
+    }
+    (void)by_shutdown.reader->Finish();
+  });
+  EXPECT_EQ(server.Terminate(), 0);
+  ending.join();
+  lines = ParseLines(server.Text());
+  EXPECT_EQ(Find(lines, "call", {{"request_id", "watch-at-shutdown"}, {"code", "CANCELLED"}}).size(),
+            1u)
+      << server.Text();
+  EXPECT_TRUE(Find(lines, "error_answer", {{"method", "/grpc.health.v1.Health/Watch"}}).empty())
+      << server.Text();
+  EXPECT_THAT(server.Text(), Not(HasSubstr("OnCancel()")));
 }
 
 }  // namespace
