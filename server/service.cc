@@ -37,11 +37,13 @@ constexpr char kVersion[] = "0.2.0";
 
 double SecondsSince(absl::Time t) { return absl::ToDoubleSeconds(absl::Now() - t); }
 
-grpc::Status QueueFull(const Executor& executor, const char* method) {
+// `queue`: "compute" (the workers), or "control" (opens, forks, exports).
+grpc::Status QueueFull(const Executor& executor, const char* method,
+                       const char* queue = "compute") {
   return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                      absl::StrFormat("%s: the compute queue is full (%d waiting); retry with "
+                      absl::StrFormat("%s: the %s queue is full (%d waiting); retry with "
                                       "backoff or raise --queue_depth",
-                                      method, executor.capacity()));
+                                      method, queue, executor.capacity()));
 }
 
 }  // namespace
@@ -803,7 +805,9 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       service_->metrics_->RecordRejected(method);
       service_->metrics_->RecordRequest(method, grpc::StatusCode::RESOURCE_EXHAUSTED, 0.0);
       Refuse(absl::ResourceExhaustedError(
-          QueueFull(*service_->executor_, "Decode").error_message()));
+          (request_.has_step() ? QueueFull(*service_->executor_, method)
+                               : QueueFull(*control, method, "control"))
+              .error_message()));
     }
   }
 

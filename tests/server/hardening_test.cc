@@ -1730,6 +1730,42 @@ TEST(HardeningQueueTest, ACancelledStreamsQueuedStepFreesItsSessionAtOnce) {
   EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::CANCELLED);
 }
 
+// A full control queue (opens, forks, exports) is named as such, with the
+// operation refused: the refusal said "Decode: the compute queue is full"
+// for an open, which never waits for the compute workers.
+TEST(HardeningQueueTest, AFullControlQueueNamesItselfAndTheOperation) {
+  server::ServerOptions o = TestServerOptions();
+  o.queue_depth = 1;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  HeldWorker held(server->control_executor());
+  v1::DecodeRequest open;
+  open.mutable_open()->mutable_spec()->set_heads(4);
+  open.mutable_open()->mutable_spec()->set_head_dim(16);
+  open.mutable_open()->set_max_context(64);
+  grpc::ClientContext first_ctx;
+  auto first = stub->Decode(&first_ctx);
+  ASSERT_TRUE(first->Write(open));
+  ASSERT_TRUE(Eventually([&] { return server->control_executor().queue_depth() == 1; }));
+  grpc::ClientContext second_ctx;
+  auto second = stub->Decode(&second_ctx);
+  v1::DecodeResponse resp;
+  // No session yet: the refusal ends the stream.
+  ASSERT_TRUE(second->Write(open));
+  EXPECT_FALSE(second->Read(&resp));
+  const grpc::Status refused = second->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.error_message(), HasSubstr("Decode.Open: the control queue is full"));
+  held.Release();
+  ASSERT_TRUE(first->Read(&resp));
+  EXPECT_TRUE(resp.has_opened()) << resp.DebugString();
+  first->WritesDone();
+  while (first->Read(&resp)) {
+  }
+  EXPECT_TRUE(first->Finish().ok());
+}
+
 // The health canary waits behind admitted work as long as that work should
 // take: 20 s on an idle server, more behind a running request (an admitted
 // 25 s prefill step made health NOT_SERVING). Estimates, not timings: no
