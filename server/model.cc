@@ -1013,12 +1013,37 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
       if (!arch->empty()) config.architecture = (*arch)[0].get<std::string>();
     }
 
-    RA_ASSIGN_OR_RETURN(config.hidden_size, top.RequiredPositiveInt({"hidden_size", "n_embd"}));
-    RA_ASSIGN_OR_RETURN(config.num_heads,
-                        top.RequiredPositiveInt({"num_attention_heads", "n_head"}));
+    // The short names n_embd, n_head, n_layer and n_positions are read only
+    // where the transformers config class maps them (attribute_map): GPT-J.
+    // Every other served class (LlamaConfig, GPTNeoXConfig, BertConfig, ...)
+    // stores them as unread extra attributes and keeps its own default for
+    // the long name, which is rarely what the file means: a short name
+    // without its long one is refused, naming the key. (An unknown
+    // model_type reads both spellings; it is refused below anyway.)
+    const FamilyRow* early_row = FindFamily(config.model_type);
+    const bool short_names = early_row == nullptr || early_row->family == Family::kGptJ;
+    const auto checked_short = [&](absl::string_view long_key,
+                                   absl::string_view short_key) -> absl::Status {
+      if (short_names || top.Present(long_key) || !top.Present(short_key)) {
+        return absl::OkStatus();
+      }
+      return absl::UnimplementedError(absl::StrCat(
+          file_name, ": key ", short_key, " is not supported for model_type \"",
+          config.model_type, "\": transformers' ", early_row->name,
+          " config does not read it (only GPT-J maps it to ", long_key, ") and would use its "
+          "default ", long_key, " instead; write ", long_key));
+    };
+    const auto alias_int = [&](absl::string_view long_key, absl::string_view short_key)
+        -> absl::StatusOr<int64_t> {
+      RA_RETURN_IF_ERROR(checked_short(long_key, short_key));
+      if (short_names) return top.RequiredPositiveInt({long_key, short_key});
+      return top.RequiredPositiveInt({long_key});
+    };
+    RA_ASSIGN_OR_RETURN(config.hidden_size, alias_int("hidden_size", "n_embd"));
+    RA_ASSIGN_OR_RETURN(config.num_heads, alias_int("num_attention_heads", "n_head"));
     RA_ASSIGN_OR_RETURN(config.vocab_size, top.RequiredPositiveInt({"vocab_size"}));
-    RA_ASSIGN_OR_RETURN(config.num_layers,
-                        top.RequiredPositiveInt({"num_hidden_layers", "n_layer"}));
+    RA_ASSIGN_OR_RETURN(config.num_layers, alias_int("num_hidden_layers", "n_layer"));
+    RA_RETURN_IF_ERROR(checked_short("max_position_embeddings", "n_positions"));
     if (config.num_layers > kMaxLayers) {
       return top.Error(top.Has("num_hidden_layers") ? "num_hidden_layers" : "n_layer",
                        absl::StrFormat("is %d, above the %d layers served", config.num_layers,
@@ -1042,9 +1067,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
     const Family family = row->family;
     // The trained length, or the config class's default when the file has
     // neither spelling (a null one is refused: transformers would carry None).
-    if (top.Present("max_position_embeddings") || top.Present("n_positions")) {
+    if (top.Present("max_position_embeddings") ||
+        (family == Family::kGptJ && top.Present("n_positions"))) {
       RA_ASSIGN_OR_RETURN(config.max_positions,
-                          top.RequiredPositiveInt({"max_position_embeddings", "n_positions"}));
+                          family == Family::kGptJ
+                              ? top.RequiredPositiveInt({"max_position_embeddings", "n_positions"})
+                              : top.RequiredPositiveInt({"max_position_embeddings"}));
     } else {
       config.max_positions = row->default_max_positions;
     }

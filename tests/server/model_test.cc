@@ -1098,6 +1098,53 @@ TEST(ParseModelConfigTest, Errors) {
       C::kUnimplemented, {"relative_key"});
 }
 
+// n_embd, n_head, n_layer and n_positions are GPTJConfig's names
+// (attribute_map); every other served class ignores them and keeps its
+// default for the long name. A short name without its long one is refused,
+// naming it; beside its long one it is ignored, as transformers does.
+TEST(ParseModelConfigTest, ShortKeyNamesAreReadOnlyForGptJ) {
+  using C = absl::StatusCode;
+  // LlamaConfig has no n_head: transformers makes 32 heads of 2, not 4 of 16.
+  ExpectConfigError(R"({"model_type": "llama", "hidden_size": 64, "n_head": 4,
+                        "num_hidden_layers": 1, "vocab_size": 16})",
+                    C::kUnimplemented, {"key n_head", "llama", "num_attention_heads"});
+  // n_positions would otherwise be yarn's L0 (transformers: 2048).
+  ExpectConfigError(R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                        "num_hidden_layers": 1, "vocab_size": 16, "n_positions": 8192,
+                        "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})",
+                    C::kUnimplemented, {"key n_positions", "max_position_embeddings"});
+  for (const char* type : {"gpt_neox", "bert", "qwen2", "gemma", "phi3", "mistral"}) {
+    SCOPED_TRACE(type);
+    ExpectConfigError(absl::StrFormat(R"({"model_type": "%s", "n_embd": 64,
+                          "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 16})",
+                                      type),
+                      C::kUnimplemented, {"key n_embd", type, "hidden_size"});
+    ExpectConfigError(absl::StrFormat(R"({"model_type": "%s", "hidden_size": 64,
+                          "num_attention_heads": 4, "n_layer": 1, "vocab_size": 16})",
+                                      type),
+                      C::kUnimplemented, {"key n_layer", "num_hidden_layers"});
+  }
+  // Beside the long name a short one is an unread extra attribute.
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(
+      R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "n_head": 8,
+          "num_hidden_layers": 1, "n_layer": 3, "vocab_size": 16, "n_positions": 8192,
+          "max_position_embeddings": 64})",
+      "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->num_heads, 4);
+  EXPECT_EQ(c->num_layers, 1);
+  EXPECT_EQ(c->max_positions, 64);
+  // GPT-J reads them.
+  c = ParseModelConfig(R"({"model_type": "gptj", "n_embd": 64, "n_head": 4, "n_layer": 2,
+                           "n_positions": 96, "rotary_dim": 4, "vocab_size": 8})",
+                       "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->hidden_size, 64);
+  EXPECT_EQ(c->num_heads, 4);
+  EXPECT_EQ(c->num_layers, 2);
+  EXPECT_EQ(c->max_positions, 96);
+}
+
 // Configs transformers itself fails on, or values past what a request's
 // spec may give (sessions carry the model's scale and softcap through the
 // same checks): refused at load, naming the key.
