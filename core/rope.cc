@@ -56,20 +56,37 @@ absl::Status CheckPosition(int64_t position, const char* what, int64_t index) {
   return absl::OkStatus();
 }
 
-// The angle position * inv_freq[i] must be a finite double for every pair:
-// a tiny scaling factor (linear 1e-300, inside its range) makes an inverse
-// frequency so large that a large position overflows it, and cos/sin of an
-// infinite angle are NaN. Checked up front against the largest position,
-// naming the position and the settings that gave the frequency.
+// transformers computes inv_freq and the angles position * inv_freq in
+// float32 (the rotary embedding's forward disables autocast and multiplies
+// float32 tensors), so an inverse frequency or an angle past the float32
+// range (FLT_MAX) is Inf there and cos/sin are NaN, while this server, which
+// computes angles in double for accuracy, would still give finite numbers.
+// Exact or refused: a tiny scaling factor (linear 1e-300, inside its range,
+// gives inv_freq 1e300: Inf at every position; 1e-36 at position 1000 gives
+// the angle 1e39) is refused up front, naming the settings that gave the
+// frequency and, for an angle, the position. The angle is checked as float32
+// computes it: both operands rounded to float32, the product rounded once
+// (the double product of two floats is exact, so its float rounding is the
+// float32 multiplication).
 absl::Status CheckAngles(const RopeConfig& config, const std::vector<double>& inv_freq,
                          int64_t max_position, const char* what) {
-  if (max_position <= 0 || inv_freq.empty()) return absl::OkStatus();
+  if (inv_freq.empty()) return absl::OkStatus();
   size_t top = 0;
   for (size_t i = 1; i < inv_freq.size(); ++i) {
     if (std::fabs(inv_freq[i]) > std::fabs(inv_freq[top])) top = i;
   }
-  const double p = static_cast<double>(max_position);
-  if (std::isfinite(p * inv_freq[top])) return absl::OkStatus();
+  constexpr double kF32Max = std::numeric_limits<float>::max();
+  const double inv = inv_freq[top];
+  const float inv32 = static_cast<float>(inv);
+  const bool inv_overflows = std::fabs(inv) > kF32Max || !std::isfinite(inv32);
+  bool angle_overflows = false;
+  if (!inv_overflows && max_position > 0) {
+    const double p = static_cast<double>(max_position);
+    const float angle32 =
+        static_cast<float>(static_cast<double>(inv32) * static_cast<double>(static_cast<float>(p)));
+    angle_overflows = std::fabs(p * inv) > kF32Max || !std::isfinite(angle32);
+  }
+  if (!inv_overflows && !angle_overflows) return absl::OkStatus();
   const RopeScaling& s = config.scaling;
   std::string cause;
   switch (s.type) {
@@ -84,11 +101,18 @@ absl::Status CheckAngles(const RopeConfig& config, const std::vector<double>& in
                               RopeScalingTypeName(s.type), s.factor);
       break;
   }
+  if (inv_overflows) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "inv_freq[%d] = %g (from %s) is above the float32 range (%g) transformers computes "
+        "inverse frequencies in, so its angle is not finite at any position (cos/sin NaN); "
+        "use a larger scaling factor",
+        top, inv, cause, kF32Max));
+  }
   return absl::InvalidArgumentError(absl::StrFormat(
-      "%s %d times inv_freq[%d] = %g (from %s) overflows the rotation angle (above %g): the "
-      "largest position times the largest inverse frequency must stay finite; use a larger "
-      "scaling factor or smaller positions",
-      what, max_position, top, inv_freq[top], cause, std::numeric_limits<double>::max()));
+      "%s %d times inv_freq[%d] = %g (from %s) overflows the rotation angle (above the float32 "
+      "range %g transformers computes angles in): the largest position times the largest "
+      "inverse frequency must stay within it; use a larger scaling factor or smaller positions",
+      what, max_position, top, inv, cause, kF32Max));
 }
 
 // Scalar element access, shared by the remainder loops of both dtypes.

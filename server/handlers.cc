@@ -532,7 +532,7 @@ absl::Status EncodeRopeCosSin(const v1::EncodeRequest::RopeCosSin& op, EncodeDim
     for (int64_t p : op.positions()) cos_sin_len = std::max(cos_sin_len, p + 1);
   }
   RA_ASSIGN_OR_RETURN(const RopeRotator rotator,
-                      WithContext(RopeRotator::Create(config, cos_sin_len, 0), "rope_cos_sin"));
+                      WithContext(RopeRotator::Create(config, cos_sin_len, 0), "rope_cos_sin.rope"));
   RA_ASSIGN_OR_RETURN(Tensor cos, Tensor::Create(DType::kF32, {n, half}));
   RA_ASSIGN_OR_RETURN(Tensor sin, Tensor::Create(DType::kF32, {n, half}));
   RA_RETURN_IF_ERROR(Annotate(rotator.CosSin(absl::MakeConstSpan(op.positions().data(), n),
@@ -617,7 +617,7 @@ absl::Status EncodeRopeApply(const v1::EncodeRequest::RopeApply& op, EncodeDims&
   // No table: Apply computes each token's row once; a table would only pay
   // off for rows sharing positions, and costs a row per position up front.
   RA_ASSIGN_OR_RETURN(const RopeRotator rotator,
-                      WithContext(RopeRotator::Create(config, seq_len, 0), "rope_apply"));
+                      WithContext(RopeRotator::Create(config, seq_len, 0), "rope_apply.rope"));
   response->set_attention_factor(rotator.frequencies().attention_factor);
   if (x.num_elements() == 0) {
     // Nothing to rotate; the dims of an empty x are not bounded by the

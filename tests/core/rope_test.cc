@@ -671,44 +671,62 @@ TEST(RopeErrorsTest, CosSinAndPlanningErrors) {
               "inv_freq[3] must be finite, got inf");
 }
 
-// position * inv_freq must be a finite angle: a tiny linear factor (or a
-// tiny longrope factor) at a large position is refused before any rotation,
-// naming the position and the setting, and x is left alone.
-TEST(RopeErrorsTest, AnglesThatOverflowAreRefusedUpFront) {
+// transformers computes inv_freq and position * inv_freq in float32: an
+// angle past FLT_MAX (a tiny linear factor, or a tiny longrope factor, at a
+// large position) is refused before any rotation, naming the position and
+// the setting, and x is left alone; an inverse frequency past FLT_MAX (Inf
+// in float32: NaN at every position, 0 included) is refused when the
+// rotator is built. Angles are still computed in double.
+TEST(RopeErrorsTest, AnglesThatOverflowFloat32AreRefusedUpFront) {
   RopeConfig c = MakeConfig(8, 0, RopeLayout::kHalfSplit);
   c.scaling.type = RopeScalingType::kLinear;
-  c.scaling.factor = 1e-300;
+  c.scaling.factor = 1e-36;  // inv_freq[0] = 1e36: finite in float32
   const RopeRotator r = MakeRotator(c, 0);
   Tensor x = RandomTensor(DType::kF32, {1, 2, 1, 8}, 7);
   const Tensor original = Tensor::CopyOf(x.cview()).value();
-  const std::vector<int64_t> pos = {1, int64_t{1} << 40};
+  // 1e36 * 1000 = 1e39: finite in double, Inf in float32.
+  const std::vector<int64_t> pos = {1, 1000};
   Positions p;
   p.explicit_positions = pos;
   ExpectError(r.Apply(x.view(), p, RopeDirection::kForward, 1), absl::StatusCode::kInvalidArgument,
-              "position 1099511627776 times inv_freq[0] = 1e+300 (from theta 10000, linear "
-              "scaling.factor = 1e-300) overflows the rotation angle");
+              "position 1000 times inv_freq[0] = 1e+36 (from theta 10000, linear "
+              "scaling.factor = 1e-36) overflows the rotation angle (above the float32 range");
   EXPECT_TRUE(BitwiseEqual(x, original));
   std::vector<float> cs(8), sn(8);
   ExpectError(r.CosSin(pos, absl::MakeSpan(cs), absl::MakeSpan(sn)),
-              absl::StatusCode::kInvalidArgument, "linear scaling.factor = 1e-300");
-  // Small positions are fine with the same factor.
-  const std::vector<int64_t> small = {0, 1};
+              absl::StatusCode::kInvalidArgument, "linear scaling.factor = 1e-36");
+  // Small positions are fine with the same factor: 1e36 * 300 = 3e38.
+  const std::vector<int64_t> small = {0, 300};
   p.explicit_positions = small;
   EXPECT_TRUE(r.Apply(x.view(), p, RopeDirection::kForward, 1).ok());
+  EXPECT_TRUE(r.CosSin(small, absl::MakeSpan(cs), absl::MakeSpan(sn)).ok());
+  // 1e36 * 341 = 3.41e38 > FLT_MAX (3.4028e38): refused.
+  const std::vector<int64_t> edge = {341};
+  EXPECT_FALSE(r.CosSin(edge, absl::MakeSpan(cs).subspan(0, 4),
+                        absl::MakeSpan(sn).subspan(0, 4)).ok());
+  // An inverse frequency past float32 is refused outright (no position is
+  // finite in transformers), naming the factor.
+  c.scaling.factor = 1e-300;
+  ExpectError(RopeRotator::Create(c, 0, 0).status(), absl::StatusCode::kInvalidArgument,
+              "inv_freq[0] = 1e+300 (from theta 10000, linear scaling.factor = 1e-300) is above "
+              "the float32 range");
+  c.scaling.factor = 2.9e-39;  // 1 / 2.9e-39 = 3.45e38 > FLT_MAX, finite in double
+  EXPECT_FALSE(RopeRotator::Create(c, 0, 0).ok());
   // A table planned that far is refused the same way.
-  c.scaling.factor = 1e-307;
+  c.scaling.factor = 1e-36;
   ExpectError(RopeRotator::Create(c, 0, 1000).status(), absl::StatusCode::kInvalidArgument,
               "table position 999 times inv_freq[0]");
+  EXPECT_TRUE(RopeRotator::Create(c, 0, 300).ok());
   // LongRoPE names its factor lists.
   RopeConfig lr = MakeConfig(4, 0, RopeLayout::kHalfSplit);
   lr.scaling.type = RopeScalingType::kLongRope;
   lr.scaling.original_max_positions = 8;
-  lr.scaling.short_factor = {1e-300, 1.0};
+  lr.scaling.short_factor = {1e-36, 1.0};
   lr.scaling.long_factor = {1.0, 1.0};
   lr.scaling.attention_factor = 1.0;
   const RopeRotator rl = MakeRotator(lr, 0);
   ExpectError(rl.CosSin(pos, absl::MakeSpan(cs).subspan(0, 4), absl::MakeSpan(sn).subspan(0, 4)),
-              absl::StatusCode::kInvalidArgument, "short_factor / long_factor[0] = 1e-300 / 1");
+              absl::StatusCode::kInvalidArgument, "short_factor / long_factor[0] = 1e-36 / 1");
 }
 
 TEST(RopeErrorsTest, FromFrequenciesUsesTheGivenFrequencies) {

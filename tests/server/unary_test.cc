@@ -852,17 +852,19 @@ TEST(RunEncodeTest, RopeCosSinAtArbitraryPositions) {
 }
 
 // A scaling factor inside its range can still make position * inv_freq
-// overflow (linear 1e-300 at position 1e10): refused up front naming the
-// field, its value and the position, not blamed on the input tensor.
+// overflow float32, where transformers computes it (linear 1e-36 at position
+// 1000: 1e39): refused up front naming the field, its value and the
+// position, not blamed on the input tensor, nor answered where transformers
+// gives NaN.
 TEST(RunEncodeTest, AnAngleThatOverflowsNamesTheFactorAndPosition) {
-  const int64_t kPos = 10000000000;
+  const int64_t kPos = 1000;
   v1::RopeSpec rope;
   rope.mutable_scaling()->set_rope_type("linear");
-  rope.mutable_scaling()->set_factor(1e-300);
+  rope.mutable_scaling()->set_factor(1e-36);
   const auto expect_named = [](const absl::Status& st, absl::string_view field) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-    EXPECT_THAT(st.message(), AllOf(HasSubstr(field), HasSubstr("scaling.factor = 1e-300"),
-                                    HasSubstr("position 10000000000"),
+    EXPECT_THAT(st.message(), AllOf(HasSubstr(field), HasSubstr("scaling.factor = 1e-36"),
+                                    HasSubstr("position 1000"), HasSubstr("float32"),
                                     Not(HasSubstr("reduce")), Not(HasSubstr("NaN"))));
   };
   v1::EncodeRequest cos_sin;
@@ -894,6 +896,16 @@ TEST(RunEncodeTest, AnAngleThatOverflowsNamesTheFactorAndPosition) {
   cos_sin.mutable_rope_cos_sin()->set_positions(0, 1);
   absl::StatusOr<v1::EncodeResponse> ok = Encode(cos_sin);
   ASSERT_TRUE(ok.ok()) << ok.status();
+
+  // An inverse frequency past float32 (1e300: Inf in transformers, NaN at
+  // every position, 0 included) is refused at any position.
+  rope.mutable_scaling()->set_factor(1e-300);
+  *cos_sin.mutable_rope_cos_sin()->mutable_rope() = rope;
+  cos_sin.mutable_rope_cos_sin()->set_positions(0, 0);
+  const absl::Status st = Encode(cos_sin).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(st.message(), AllOf(HasSubstr("rope_cos_sin.rope"),
+                                  HasSubstr("scaling.factor = 1e-300"), HasSubstr("float32")));
 }
 
 // Without seq_len, a length-dependent rule is planned for the largest
