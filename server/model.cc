@@ -494,6 +494,14 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   // level's, else the family's default. GPT-NeoX names it rotary_emb_base
   // and never reads a top-level rope_theta (GPTNeoXConfig).
   RA_ASSIGN_OR_RETURN(std::optional<double> theta, s.Number("rope_theta"));
+  // A null base in the block is None in transformers 5 (setdefault keeps
+  // it), which fails; GPT-J never reads it.
+  if (block != nullptr && family != Family::kGptJ && s.Present("rope_theta") &&
+      !s.Has("rope_theta")) {
+    return s.Error("rope_theta", "is null: transformers has no None meaning for the RoPE base "
+                                 "(None is carried into the layer, which fails); write a value "
+                                 "or leave the key out");
+  }
   if (family == Family::kGptNeoX) {
     // transformers 4's GPT-NeoX rotates with rotary_emb_base (default 10000)
     // and never reads the block's rope_theta; transformers 5 takes the
@@ -1075,6 +1083,47 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
                               : top.RequiredPositiveInt({"max_position_embeddings"}));
     } else {
       config.max_positions = row->default_max_positions;
+    }
+    // null is None in transformers. Where the family's config class has a
+    // None meaning (sliding_window, attn_logit_softcapping, Llama's
+    // num_key_value_heads, Llama's head_dim, ...) null reads as None below;
+    // where its default is not None and nothing maps None back to it,
+    // transformers carries None into the layer and fails building or
+    // running it (num_heads * None, base ** x, None ** -0.5, x + None), so a
+    // null there is refused, as max_position_embeddings: null is, rather
+    // than served with the default.
+    {
+      const bool gemma =
+          family == Family::kGemma || family == Family::kGemma2 || family == Family::kGemma3;
+      std::vector<std::pair<const char*, std::string>> not_null;
+      if (family != Family::kGptNeoX && family != Family::kGptJ && family != Family::kBert) {
+        not_null.emplace_back("rope_theta", absl::StrFormat("%g", row->default_theta));
+      }
+      if (family == Family::kGptNeoX) {
+        not_null.emplace_back("rotary_emb_base", "10000");
+        not_null.emplace_back("rotary_pct", "0.25");
+      }
+      if (family == Family::kGemma3) not_null.emplace_back("rope_local_base_freq", "10000");
+      if (row->reads_head_dim && row->default_head_dim != 0) {
+        not_null.emplace_back("head_dim", absl::StrCat(row->default_head_dim));
+      }
+      // Gemma's classes have no None fallback for num_key_value_heads (the
+      // others map None to num_attention_heads, as read below).
+      if (gemma) not_null.emplace_back("num_key_value_heads", absl::StrCat(row->default_kv_heads));
+      if (family == Family::kGemma2 || family == Family::kGemma3) {
+        not_null.emplace_back("query_pre_attn_scalar", "256");
+      }
+      if (family == Family::kQwen3 || family == Family::kGemma3) {
+        not_null.emplace_back("rms_norm_eps", "1e-06");
+      }
+      for (const auto& [key, default_value] : not_null) {
+        if (top.Present(key) && !top.Has(key)) {
+          return top.Error(key, absl::StrCat(
+              "is null: transformers' ", row->name, " config has no None meaning for it (its "
+              "default is ", default_value, "; None is carried into the layer, which fails); "
+              "write a value or leave the key out"));
+        }
+      }
     }
     if (const json* q = top.Find("quantization_config"); q != nullptr) {
       return Refuse(file_name, "quantization_config", *q,

@@ -1145,6 +1145,63 @@ TEST(ParseModelConfigTest, ShortKeyNamesAreReadOnlyForGptJ) {
   EXPECT_EQ(c->max_positions, 96);
 }
 
+// null is None in transformers: where a key's default is not None (and
+// nothing maps None back) transformers fails, so null is refused naming the
+// key; where None has a meaning it keeps it.
+TEST(ParseModelConfigTest, NullIsRefusedWhereTransformersHasNoNoneMeaning) {
+  using C = absl::StatusCode;
+  const auto cfg = [](const char* type, const char* extra) {
+    return absl::StrFormat(R"({"model_type": "%s", "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 16%s})",
+                           type, extra);
+  };
+  ExpectConfigError(cfg("gemma", R"(, "head_dim": null)"), C::kInvalidArgument,
+                    {"key head_dim", "null", "256"});
+  ExpectConfigError(R"({"model_type": "gemma", "hidden_size": 64, "num_attention_heads": 4,
+        "head_dim": 16, "num_key_value_heads": null, "num_hidden_layers": 1, "vocab_size": 16})",
+                    C::kInvalidArgument, {"key num_key_value_heads", "null"});
+  ExpectConfigError(cfg("qwen3", R"(, "head_dim": null)"), C::kInvalidArgument,
+                    {"key head_dim", "null", "128"});
+  ExpectConfigError(cfg("qwen3", R"(, "head_dim": 16, "rms_norm_eps": null)"),
+                    C::kInvalidArgument, {"key rms_norm_eps", "null"});
+  ExpectConfigError(cfg("llama", R"(, "rope_theta": null)"), C::kInvalidArgument,
+                    {"key rope_theta", "null"});
+  ExpectConfigError(cfg("llama", R"(, "rope_parameters": {"rope_type": "default",
+                        "rope_theta": null})"),
+                    C::kInvalidArgument, {"rope_parameters.rope_theta", "null"});
+  ExpectConfigError(cfg("gemma2", R"(, "head_dim": 16, "query_pre_attn_scalar": null)"),
+                    C::kInvalidArgument, {"key query_pre_attn_scalar", "null"});
+  ExpectConfigError(cfg("gemma3_text", R"(, "head_dim": 16, "rope_local_base_freq": null)"),
+                    C::kInvalidArgument, {"key rope_local_base_freq", "null"});
+  // None has a meaning: kept.
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(
+      R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+          "num_key_value_heads": null, "head_dim": null, "num_hidden_layers": 1,
+          "vocab_size": 16})",
+      "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->num_kv_heads, 4);
+  EXPECT_EQ(c->head_dim, 16);
+  for (const char* type : {"qwen2", "mistral"}) {
+    c = ParseModelConfig(absl::StrFormat(R"({"model_type": "%s", "hidden_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": null, "sliding_window": null,
+            "num_hidden_layers": 1, "vocab_size": 16, "max_position_embeddings": 64})",
+                                         type),
+                         "config.json");
+    ASSERT_TRUE(c.ok()) << type << " " << c.status();
+    EXPECT_EQ(c->num_kv_heads, 4) << type;
+  }
+  c = ParseModelConfig(cfg("gemma2", R"(, "head_dim": 16, "attn_logit_softcapping": null)"),
+                       "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  // GPT-J never reads rope_theta: null there is ignored.
+  c = ParseModelConfig(R"({"model_type": "gptj", "n_embd": 64, "n_head": 4, "n_layer": 1,
+                           "n_positions": 32, "rotary_dim": 4, "vocab_size": 8,
+                           "rope_theta": null})",
+                       "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+}
+
 // Configs transformers itself fails on, or values past what a request's
 // spec may give (sessions carry the model's scale and softcap through the
 // same checks): refused at load, naming the key.
