@@ -687,6 +687,15 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   if (rule.needs_factor && !factor.has_value()) {
     return s.Error("factor", "is missing (required by this rule)");
   }
+  if (sc.type == RopeScalingType::kLlama3 && !l0.has_value()) {
+    // transformers 4 indexes the block's key (a KeyError when absent),
+    // transformers 5 fills it from max_position_embeddings: no one answer.
+    return absl::UnimplementedError(absl::StrFormat(
+        "%s: key %soriginal_max_position_embeddings is absent (at the top level too), which "
+        "llama3 scaling needs: transformers 4 fails without it, transformers 5 takes "
+        "max_position_embeddings (%d); write it",
+        file, s.prefix(), config.max_positions));
+  }
   if (factor.has_value()) sc.factor = *factor;
   if (l0.has_value()) sc.original_max_positions = *l0;
 

@@ -1070,6 +1070,12 @@ TEST(ParseModelConfigTest, Errors) {
                     {"rope_scaling.rope_type", "missing"});
   ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "llama3"})"),
                     C::kInvalidArgument, {"rope_scaling.factor"});
+  // No trained length at either level: transformers 4 fails, 5 takes
+  // max_position_embeddings; refused naming the absent key, not "got 0".
+  ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8,
+      "low_freq_factor": 1, "high_freq_factor": 4})"),
+                    C::kUnimplemented,
+                    {"rope_scaling.original_max_position_embeddings is absent", "llama3"});
   ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8,
       "original_max_position_embeddings": 32, "high_freq_factor": 4})"),
                     C::kInvalidArgument, {"rope_scaling.low_freq_factor", "required"});
