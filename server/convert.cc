@@ -403,6 +403,16 @@ absl::StatusOr<RopeConfig> RopeConfigFromProto(const v1::RopeSpec& spec, int64_t
   return config;
 }
 
+int64_t ResolvedHeapBytes(const ResolvedSpec& spec) {
+  int64_t bytes = static_cast<int64_t>(spec.options.bias.alibi_slopes.capacity() * sizeof(double));
+  if (spec.rope) {
+    bytes += static_cast<int64_t>(
+        (spec.rope->scaling.short_factor.capacity() + spec.rope->scaling.long_factor.capacity()) *
+        sizeof(double));
+  }
+  return SatAdd(bytes, static_cast<int64_t>(spec.t5_table.byte_size()));
+}
+
 absl::StatusOr<ResolvedSpec> ResolveSpec(const v1::AttentionSpec& spec) {
   ResolvedSpec r;
   if (spec.heads() <= 0) {

@@ -112,6 +112,9 @@ struct ResolvedSpec {
 // The result owns everything options.bias points into: it may be moved, not
 // copied.
 absl::StatusOr<ResolvedSpec> ResolveSpec(const v1::AttentionSpec& spec);
+// Heap bytes a ResolvedSpec's vectors hold (ALiBi slopes, longrope factor
+// lists, the T5 table), for charging a session that keeps one.
+int64_t ResolvedHeapBytes(const ResolvedSpec& spec);
 
 }  // namespace ropeattn::server
 

@@ -80,7 +80,12 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
     c.spec_proto.Swap(&fresh);
   }
   c.spec_wire_bytes = static_cast<int64_t>(c.spec_proto.ByteSizeLong());
-  c.spec_memory_bytes = static_cast<int64_t>(c.spec_proto.SpaceUsedLong());
+  // The typed spec, and the resolved one's vectors (ALiBi slopes, longrope
+  // factors) twice: the config's and the decode state's copy. The resolved
+  // vectors need not come from the wire: `heads: 65536, alibi {}` is 10
+  // bytes that resolve to 512 KiB of standard slopes.
+  c.spec_memory_bytes =
+      SatAdd(static_cast<int64_t>(c.spec_proto.SpaceUsedLong()), SatMul(2, ResolvedHeapBytes(c.spec)));
   c.spec.options.causal = true;
   c.start_position = open.start_position();
   if (open.kv_dtype() == v1::DTYPE_INT8) {

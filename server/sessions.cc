@@ -580,6 +580,15 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
   const int64_t quota_bytes = SatAdd(SatAdd(cost.held_bytes, kept), room_bytes);
   cost.held_bytes =
       SatAdd(std::max<int64_t>(FixedBytes(*config), cost.held_bytes - discount), kept);
+  // A large spec is named in a refusal: "lower max_context" alone misled a
+  // caller whose 8-byte state came with a 2 MiB spec.
+  std::string what = absl::StrCat("the session's ", cost.held_what);
+  std::string advice = "lower max_context or close sessions";
+  if (kept >= kInfoAnswerSlackBytes) {
+    absl::StrAppend(&what, " with ", kept,
+                    " bytes for its spec (kept, and room for its close's answer)");
+    advice = "send a smaller spec, lower max_context or close sessions";
+  }
   Ticket ticket;
   absl::MutexLock lock(&mu_);
   const int open = static_cast<int>(sessions_.size()) + reserved_sessions_;
@@ -604,19 +613,18 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveRoom(
     if (quota_bytes > options_.principal_memory_bytes - usage.bytes) {
       if (metrics_ != nullptr) metrics_->RecordQuotaRefused("memory");
       return absl::ResourceExhaustedError(absl::StrFormat(
-          "principal %s: the session's %s and its step room need %d bytes, but only %d of its "
+          "principal %s: %s and its step room need %d bytes, but only %d of its "
           "quota of %d "
-          "(--principal_memory_bytes) are free; lower max_context or close sessions",
-          QuoteForMessage(owner.name), cost.held_what, quota_bytes,
+          "(--principal_memory_bytes) are free; %s",
+          QuoteForMessage(owner.name), what, quota_bytes,
           std::max<int64_t>(0, options_.principal_memory_bytes - usage.bytes),
-          options_.principal_memory_bytes));
+          options_.principal_memory_bytes, advice));
     }
   }
   absl::StatusOr<MemoryBudget::Reservation> r =
-      budget_->Reserve(cost.held_bytes, absl::StrCat("the session's ", cost.held_what));
+      budget_->Reserve(cost.held_bytes, what);
   if (!r.ok()) {
-    return absl::Status(r.status().code(),
-                        absl::StrCat(r.status().message(), "; lower max_context or close sessions"));
+    return absl::Status(r.status().code(), absl::StrCat(r.status().message(), "; ", advice));
   }
   absl::StatusOr<MemoryBudget::Reservation> room =
       budget_->Reserve(room_bytes, "the session's step room (its one-token steps' buffers)");

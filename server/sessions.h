@@ -72,7 +72,10 @@ struct SessionConfig {
   ResolvedSpec spec;
   v1::AttentionSpec spec_proto;  // as opened, for SessionInfo
   int64_t spec_wire_bytes = 0;   // spec_proto's serialized size (SessionInfoBytesBound)
-  int64_t spec_memory_bytes = 0; // spec_proto's SpaceUsedLong: charged with the session
+  // Charged with the session: spec_proto's SpaceUsedLong plus twice the
+  // resolved spec's vectors (ResolvedHeapBytes: this config's and the
+  // decode state's copy).
+  int64_t spec_memory_bytes = 0;
   DType kv_dtype = DType::kF32;
   bool int8_kv = false;  // OpenSession.kv_dtype DTYPE_INT8 (kv_dtype is then f32)
   DType out_dtype = DType::kF32;

@@ -672,8 +672,31 @@ TEST(StepRoomTest, AKeptSpecHoldsNoUnknownFieldsNorTheirStorage) {
     EXPECT_EQ(config->spec_proto.GetReflection()->GetUnknownFields(config->spec_proto).field_count(),
               0);
     EXPECT_LT(config->spec_proto.SpaceUsedLong(), 4096u);
-    EXPECT_EQ(config->spec_memory_bytes, static_cast<int64_t>(config->spec_proto.SpaceUsedLong()));
+    EXPECT_EQ(config->spec_memory_bytes,
+              static_cast<int64_t>(config->spec_proto.SpaceUsedLong()) +
+                  2 * server::ResolvedHeapBytes(config->spec));
   }
+}
+
+// What a spec resolves to is charged too, twice (the config's copy and the
+// decode state's): `heads: 65536, alibi {}` is a few bytes of wire that
+// resolve to 512 KiB of standard slopes (1200 idle streams each keeping a
+// closed session held 650 MiB against a 256 MiB budget).
+TEST(StepRoomTest, TheResolvedSpecIsCharged) {
+  server::ModelRegistry models;
+  const server::ServerOptions options = TestServerOptions();
+  v1::OpenSession open;
+  open.mutable_spec()->set_heads(65536);
+  open.mutable_spec()->set_kv_heads(1);
+  open.mutable_spec()->set_head_dim(1);
+  open.mutable_spec()->mutable_alibi();
+  open.set_max_context(1);
+  absl::StatusOr<server::SessionConfig> config =
+      server::ResolveOpenSession(open, options, models);
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_EQ(config->spec.options.bias.alibi_slopes.size(), 65536u);
+  EXPECT_LT(config->spec_proto.SpaceUsedLong(), 4096u);
+  EXPECT_GE(config->spec_memory_bytes, 2 * 65536 * int64_t{sizeof(double)});
 }
 
 // The step room covers every one-token step a session can take: a
@@ -809,6 +832,36 @@ std::unique_ptr<v1::AttentionService::Stub> LazyStub(int port) {
 // use). The session reserves the room for it with its state (so a close
 // still needs no free budget), and the closed session's kept spec stays
 // charged while its stream holds it.
+// A refusal for lack of budget names a large spec's share and suggests a
+// smaller spec (it said only "lower max_context" for an 8-byte state).
+TEST(AnswerBudgetTest, ARefusalNamesALargeSpecsShare) {
+  server::ServerOptions o = TestServerOptions();
+  o.memory_budget_bytes = 1 << 20;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  Config c;
+  c.alibi = true;
+  c.kv_heads = 1;
+  c.head_dim = 1;
+  c.v_dim = 1;
+  v1::OpenSession big = MakeOpen(c, 1);
+  big.mutable_spec()->set_heads(65536);  // standard slopes: 512 KiB, twice
+  grpc::ClientContext ctx;
+  auto rw = stub->Decode(&ctx);
+  v1::DecodeRequest req;
+  *req.mutable_open() = big;
+  ASSERT_TRUE(rw->Write(req));
+  rw->WritesDone();
+  v1::DecodeResponse resp;
+  while (rw->Read(&resp)) {
+  }
+  const grpc::Status st = rw->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("bytes for its spec"));
+  EXPECT_THAT(st.error_message(), HasSubstr("send a smaller spec"));
+}
+
 TEST(AnswerBudgetTest, ACloseAnswerIsHeldFromTheBudgetUntilTaken) {
   server::ServerOptions o = TestServerOptions();
   o.memory_budget_bytes = 16 << 20;
