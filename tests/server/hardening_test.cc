@@ -1592,15 +1592,6 @@ class HeldWorker {
   absl::Notification started_, release_;
 };
 
-// Polls `done` until it holds (false after a generous 30 s).
-bool Eventually(const std::function<bool()>& done) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (!done()) {
-    if (absl::Now() > deadline) return false;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return true;
-}
 
 // Units of `kind` waiting in `executor` (the health canary's own task,
 // which may wait too, has no kind).

@@ -87,4 +87,13 @@ v1::AttendRequest SmallAttendRequest() {
   return req;
 }
 
+bool Eventually(const std::function<bool()>& done, absl::Duration limit) {
+  const absl::Time deadline = absl::Now() + limit;
+  while (!done()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
+
 }  // namespace ropeattn::testing

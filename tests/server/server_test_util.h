@@ -2,9 +2,11 @@
 #ifndef ROPEATTN_TESTS_SERVER_SERVER_TEST_UTIL_H_
 #define ROPEATTN_TESTS_SERVER_SERVER_TEST_UTIL_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
+#include "absl/time/time.h"
 #include "core/tensor.h"
 #include "grpcpp/grpcpp.h"
 #include "ropeattn/v1/attention.grpc.pb.h"
@@ -31,6 +33,9 @@ v1::AttendRequest SmallAttendRequest();
 v1::Tensor ToWire(const ConstTensorView& t);
 // Reads a wire tensor into doubles (row-major).
 std::vector<double> WireToDoubles(const v1::Tensor& t);
+
+// Polls `done` every 5 ms until it holds; false after `limit`.
+bool Eventually(const std::function<bool()>& done, absl::Duration limit = absl::Seconds(30));
 
 }  // namespace ropeattn::testing
 

@@ -871,10 +871,6 @@ TEST(AnswerBudgetTest, ACloseAnswerIsHeldFromTheBudgetUntilTaken) {
   auto stub = TestStub(server->port());
   auto lazy = LazyStub(server->port());
   const auto in_use = [&] { return MemoryInUse(stub.get()); };
-  const auto eventually = [](auto f) {
-    for (int i = 0; i < 500 && !f(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    return f();
-  };
   constexpr int64_t kSlopes = 65536;  // 256 KiB of slopes
   Config c;
   c.alibi = true;
@@ -905,7 +901,7 @@ TEST(AnswerBudgetTest, ACloseAnswerIsHeldFromTheBudgetUntilTaken) {
   // What the budget holds once the session and what it paid for are gone
   // (read once the refused stream's share came back).
   int64_t settled = 0;
-  ASSERT_TRUE(eventually([&] {
+  ASSERT_TRUE(Eventually([&] {
     const int64_t before = in_use();
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     settled = in_use();
@@ -916,7 +912,7 @@ TEST(AnswerBudgetTest, ACloseAnswerIsHeldFromTheBudgetUntilTaken) {
   v1::DecodeRequest close;
   close.mutable_close()->set_seq(1);
   ASSERT_TRUE(s.rw()->Write(close));
-  ASSERT_TRUE(eventually([&] {
+  ASSERT_TRUE(Eventually([&] {
     grpc::ClientContext ctx;
     v1::GetSessionRequest req;
     req.set_session_id(opened.session_id());
@@ -932,7 +928,7 @@ TEST(AnswerBudgetTest, ACloseAnswerIsHeldFromTheBudgetUntilTaken) {
   ASSERT_TRUE(r.has_closed()) << r.DebugString();
   EXPECT_EQ(r.closed().spec().alibi().slopes_size(), kSlopes);
   EXPECT_TRUE(s.AwaitServerEnd().ok());
-  EXPECT_TRUE(eventually([&] { return in_use() == without - server::kDecodeStreamBytes; }))
+  EXPECT_TRUE(Eventually([&] { return in_use() == without - server::kDecodeStreamBytes; }))
       << in_use() << " " << without;
   server->Shutdown(absl::Seconds(1));
 }
@@ -951,10 +947,6 @@ TEST(AnswerBudgetTest, AStepAnswerKeepsItsRoomPastACloseUntilTaken) {
   auto stub = TestStub(server->port());
   auto lazy = LazyStub(server->port());
   const auto in_use = [&] { return MemoryInUse(stub.get()); };
-  const auto eventually = [](auto f) {
-    for (int i = 0; i < 500 && !f(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    return f();
-  };
   // One token's answer: [1, 1, 16, 65536] f32, 4 MiB.
   const Config c{"wide", 16, 1, 1, 65536};
   const Sequence seq = MakeSequence(c, 1, 3);
@@ -974,7 +966,7 @@ TEST(AnswerBudgetTest, AStepAnswerKeepsItsRoomPastACloseUntilTaken) {
     return stub->GetSession(&ctx, req, out).ok();
   };
   // Computed: its answer waits in the server.
-  ASSERT_TRUE(eventually([&] {
+  ASSERT_TRUE(Eventually([&] {
     v1::SessionInfo i;
     return info(&i) && i.steps() == 1;
   }));
@@ -993,9 +985,9 @@ TEST(AnswerBudgetTest, AStepAnswerKeepsItsRoomPastACloseUntilTaken) {
   ASSERT_TRUE(r.has_step()) << r.DebugString();
   EXPECT_EQ(r.step().out().data().size(), size_t{4} << 20);
   // Written: the room goes back (its session ended), then the stream's share.
-  EXPECT_TRUE(eventually([&] { return in_use() < opened.step_room_bytes(); })) << in_use();
+  EXPECT_TRUE(Eventually([&] { return in_use() < opened.step_room_bytes(); })) << in_use();
   s.Finish();
-  EXPECT_TRUE(eventually([&] { return in_use() == 0; })) << in_use();
+  EXPECT_TRUE(Eventually([&] { return in_use() == 0; })) << in_use();
   server->Shutdown(absl::Seconds(1));
 }
 
@@ -1010,14 +1002,10 @@ TEST(DecodeStreamBudgetTest, IdleStreamsHoldTheirShareOfTheBudget) {
   ASSERT_NE(server, nullptr);
   auto stub = TestStub(server->port());
   const auto in_use = [&] { return MemoryInUse(stub.get()); };
-  const auto eventually = [](auto f) {
-    for (int i = 0; i < 500 && !f(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    return f();
-  };
   {
     std::vector<std::unique_ptr<Stream>> idle;
     for (int i = 0; i < 3; ++i) idle.push_back(std::make_unique<Stream>(stub.get()));
-    EXPECT_TRUE(eventually([&] { return in_use() == 3 * server::kDecodeStreamBytes; }))
+    EXPECT_TRUE(Eventually([&] { return in_use() == 3 * server::kDecodeStreamBytes; }))
         << in_use();
     Stream refused(stub.get());
     const grpc::Status st = refused.Finish();
@@ -1027,7 +1015,7 @@ TEST(DecodeStreamBudgetTest, IdleStreamsHoldTheirShareOfTheBudget) {
     EXPECT_THAT(server->metrics().RenderPrometheus(),
                 HasSubstr("ropeattn_requests_total{method=\"Decode\",code=\"RESOURCE_EXHAUSTED\"} 1"));
   }
-  EXPECT_TRUE(eventually([&] { return in_use() == 0; })) << in_use();
+  EXPECT_TRUE(Eventually([&] { return in_use() == 0; })) << in_use();
   // With the streams gone, a new one opens a session as usual.
   Stream s(stub.get());
   v1::DecodeRequest open;
@@ -1059,12 +1047,6 @@ TEST(AnswerTimeoutTest, AnswersNotTakenCancelTheirCalls) {
   auto lazy = v1::AttentionService::NewStub(grpc::CreateCustomChannel(
       absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials(), args));
   const auto in_use = [&] { return MemoryInUse(stub.get()); };
-  const auto eventually = [](auto f, int ms) {
-    for (int i = 0; i < ms / 10 && !f(); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return f();
-  };
   // Unary: an Attend from a raw HTTP/2 client that announces a receive
   // window of 0 and never opens it: the answer cannot leave the server.
   {
@@ -1122,9 +1104,9 @@ TEST(AnswerTimeoutTest, AnswersNotTakenCancelTheirCalls) {
     const std::string ack = frame(4, 1, 0, "");
     ASSERT_EQ(send(fd, ack.data(), ack.size(), MSG_NOSIGNAL), static_cast<ssize_t>(ack.size()));
     // Computed, its reservation held while the answer waits...
-    EXPECT_TRUE(eventually([&] { return in_use() > 0; }, 3000)) << in_use();
+    EXPECT_TRUE(Eventually([&] { return in_use() > 0; }, absl::Milliseconds(3000))) << in_use();
     // ...and given back once the server cancels the call.
-    EXPECT_TRUE(eventually([&] { return in_use() == 0; }, 5000)) << in_use();
+    EXPECT_TRUE(Eventually([&] { return in_use() == 0; }, absl::Milliseconds(5000))) << in_use();
     close(fd);
   }
   // Decode: a step whose 8 MiB output is never read; the session (not
@@ -1148,7 +1130,7 @@ TEST(AnswerTimeoutTest, AnswersNotTakenCancelTheirCalls) {
     *step.mutable_step()->mutable_k() = ToWire(x.cview());
     *step.mutable_step()->mutable_v() = ToWire(x.cview());
     ASSERT_TRUE(rw->Write(step));
-    EXPECT_TRUE(eventually([&] { return in_use() == 0; }, 8000)) << in_use();
+    EXPECT_TRUE(Eventually([&] { return in_use() == 0; }, absl::Milliseconds(8000))) << in_use();
     rw->WritesDone();
     while (rw->Read(&r)) {
     }
