@@ -41,8 +41,10 @@ absl::Duration Admission::QueueRetryHint(const Ahead& ahead) const {
       auto it = kinds_.find(r.kind);
       if (it == kinds_.end()) continue;
       if (const std::optional<double> s = Seconds(it->second, r.compute); s.has_value()) {
-        // What is left of it: the hint counts down while it runs.
-        seconds += std::max(0.0, *s - absl::ToDoubleSeconds(r.elapsed));
+        // What is left of it: the hint counts down while it runs. Work past
+        // its estimate counts a tenth of it (it ends at some unknown time:
+        // a hint of 1 ms invited clients to retry at once, over and over).
+        seconds += std::max(0.1 * *s, *s - absl::ToDoubleSeconds(r.elapsed));
         known = true;
       }
     }
