@@ -248,9 +248,10 @@ void BM_Rope(benchmark::State& state, RopeLayout layout) {
 // -------------------------------------------------------------- decode --
 
 // Where the decode reads K/V from: where a decoding session of this dtype
-// keeps them on this machine (DecodeState::StorageFor: an f32 KvCache where
-// its decode is the faster one, KvCacheDecodeIsFaster, else 16-token pages),
-// or token-major tensors as a stateless Attend call passes them.
+// keeps them on this machine (DecodeState::StorageFor: pages of 32 tokens
+// in the KvCache's tile layout where its decode is the faster one,
+// KvCacheDecodeIsFaster, else 16-token pages), or token-major tensors as a
+// stateless Attend call passes them.
 enum class KvSource { kSession, kTensors };
 
 // A session state holding K/V [1, kv, kv_heads, d] (raw keys, no RoPE) in
@@ -275,25 +276,17 @@ DecodeState PagedState(const Tensor& k, const Tensor& v, int64_t heads, bool int
 void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv, int64_t kv_heads,
                KvSource requested, BiasKind bias) {
   const int64_t h = 32, d = 128;
-  const bool tiles = requested == KvSource::kSession && kv_dtype == DType::kF32 &&
-                     KvCacheDecodeIsFaster();
-  const bool paged = requested == KvSource::kSession && !tiles;
-  state.counters["kv_cache_layout"] = tiles ? 1 : 0;
+  const bool paged = requested == KvSource::kSession;
   state.counters["paged"] = paged ? 1 : 0;
   const int64_t cache_bytes = 2 * kv * kv_heads * d * static_cast<int64_t>(DTypeSize(kv_dtype));
   // Enough caches that the set is 4x the L3 (32 MiB here) or more.
   const int copies = static_cast<int>(std::max<int64_t>(2, (int64_t{128} << 20) / cache_bytes + 1));
   std::vector<Tensor> ks, vs;
-  std::vector<KvCache> caches;
   std::vector<DecodeState> states;
   for (int i = 0; i < copies; ++i) {
     Tensor k = Random(kv_dtype, {1, kv, kv_heads, d}, 100 + i);
     Tensor v = Random(kv_dtype, {1, kv, kv_heads, d}, 200 + i);
-    if (tiles) {
-      KvCache c = KvCache::Create(kv_heads, d, d, kv).value();
-      if (!c.WriteK(0, k.cview()).ok() || !c.WriteV(0, v.cview()).ok()) std::abort();
-      caches.push_back(std::move(c));
-    } else if (paged) {
+    if (paged) {
       states.push_back(PagedState(k, v, 32, /*int8=*/false));
     } else {
       ks.push_back(std::move(k));
@@ -313,12 +306,15 @@ void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv, int64_t kv_h
   RunTimed(state, static_cast<double>(cache_bytes), "bytes_per_second", kCopy, [&](int64_t it) {
     const int c = static_cast<int>(it % copies);
     absl::Status st =
-        tiles   ? AttendCache(q.view(), caches[c], kv, opt, out.view())
-        : paged ? AttendPaged(q.view(), *states[c].paged_view(), kv, opt, out.view())
+        paged ? AttendPaged(q.view(), *states[c].paged_view(), kv, opt, out.view())
                 : Attend(q.view(), ks[c].view(), vs[c].view(), opt, out.view());
     if (!st.ok()) std::abort();
   });
   state.counters["caches"] = copies;
+  // In the KvCache's tile layout: a KvCache, or a session's tile pages
+  // (f32 and bf16 on AVX-512 machines).
+  state.counters["kv_cache_layout"] =
+      paged && states[0].storage() == DecodeState::Storage::kTiles ? 1 : 0;
   state.counters["fraction_of_read_bandwidth"] =
       state.counters["bytes_per_second"].value / EnsureCeiling(kRead);
 }

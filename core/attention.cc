@@ -620,6 +620,15 @@ struct DecodeLayout {
   int64_t chunk = kDecodeChunk, align = 1;
 };
 
+// Whether a plan reads tiles (a KvCache, or pages in its layout), and
+// whether they are bf16.
+bool ReadsTiles(const Plan& p) {
+  return p.cache != nullptr || (p.paged != nullptr && p.paged->tiles);
+}
+bool BF16Tiles(const Plan& p) {
+  return p.cache == nullptr && p.paged->type == PagedKvView::Type::kBF16;
+}
+
 // A KvCache is read tile by tile, and its V rows in runs long enough that the
 // second pair of query rows finds them in L2: chunks are whole tiles, as long
 // as 512 keys, short enough that every thread gets work.
@@ -631,7 +640,7 @@ int64_t CacheChunk(const Plan& p, int64_t n) {
 
 DecodeLayout PlanDecode(const Plan& p) {
   DecodeLayout L;
-  const bool tiles = p.cache != nullptr || (p.paged != nullptr && p.paged->tiles);
+  const bool tiles = ReadsTiles(p);
   if (tiles) L.align = KvCache::kTile;
   L.rows = p.batch * p.heads * p.q_len;
   L.lo.resize(p.batch * p.q_len);
@@ -829,56 +838,94 @@ inline void WithPagedType(PagedKvView::Type type, Fn fn) {
   }
 }
 
-// KvCache (batch 1): per kv head, each tile of the chunk in turn is scored for
-// the query rows sharing that head (one head's tiles are one contiguous run of
-// memory); only the visible keys are copied into the score rows.
+// The order tiles are read in (batch 1), as (kv head j, first key tb) for
+// the chunk's tiles [first, t1): a KvCache per kv head, each head's tiles
+// in turn (one head's tiles are one contiguous run of memory); pages tile by
+// tile, every kv head of a page in turn (a page's heads are one contiguous
+// run). Each tile is scored, and each query row's weighted sum adds its
+// tiles in ascending order, either way: the bits do not depend on it.
+struct TileOrder {
+  int64_t kv_heads, first, t1;
+  bool heads_outer;
+  static constexpr int64_t kT = KvCache::kTile;
+  int64_t count() const { return kv_heads * ((t1 - first + kT - 1) / kT); }
+  // The n-th tile visited.
+  void At(int64_t n, int64_t* j, int64_t* tb) const {
+    const int64_t tiles = (t1 - first + kT - 1) / kT;
+    if (heads_outer) {
+      *j = n / tiles;
+      *tb = first + n % tiles * kT;
+    } else {
+      *j = n % kv_heads;
+      *tb = first + n / kv_heads * kT;
+    }
+  }
+};
+
+TileOrder TileOrderOf(const Plan& p, int64_t t0, int64_t t1) {
+  return TileOrder{p.kv_heads, t0 / KvCache::kTile * KvCache::kTile, t1, p.cache != nullptr};
+}
+
+// Scores of the tiles' visible keys for the query rows sharing their kv
+// head; only the visible keys are copied into the score rows. T: the tiles'
+// element type (f32, or bf16 pages).
+template <typename T>
 void DecodeScoresTiles(const Plan& p, const DecodeLayout& L, const float* qf, float* scores,
                        int64_t t0, int64_t t1) {
   constexpr int64_t kT = KvCache::kTile;
   const int64_t d = p.head_dim;
   std::vector<float> tmp(p.group * kT);
-  for (int64_t j = 0; j < p.kv_heads; ++j) {
-    for (int64_t tb = t0 / kT * kT; tb < t1; tb += kT) {
-      const float* tile = p.cache != nullptr ? p.cache->KTile(j, tb / kT)
-                                             : static_cast<const float*>(p.paged->k_pages[tb / kT]) +
-                                                   j * d * kT;
-      for (int64_t i = 0; i < p.q_len; ++i) {
-        const int64_t lo = std::max({t0, tb, L.lo[i]});
-        const int64_t hi = std::min({t1, tb + kT, L.hi[i]});
-        if (hi <= lo) continue;
-        const int64_t r0 = j * p.group * p.q_len + i;
-        internal::DotTileRows(qf + r0 * d, p.q_len * d, p.group, tile, d, tmp.data());
-        for (int64_t r = 0; r < p.group; ++r) {
-          std::memcpy(scores + (r0 + r * p.q_len) * L.n_max + (lo - L.ulo[0]),
-                      tmp.data() + r * kT + (lo - tb), (hi - lo) * sizeof(float));
-        }
+  auto tile_at = [&](int64_t j, int64_t tb) -> const T* {
+    if constexpr (std::is_same_v<T, float>) {
+      if (p.cache != nullptr) return p.cache->KTile(j, tb / kT);
+    }
+    return static_cast<const T*>(p.paged->k_pages[tb / kT]) + j * d * kT;
+  };
+  const TileOrder order = TileOrderOf(p, t0, t1);
+  for (int64_t n = 0, count = order.count(); n < count; ++n) {
+    int64_t j, tb;
+    order.At(n, &j, &tb);
+    const T* tile = tile_at(j, tb);
+    for (int64_t i = 0; i < p.q_len; ++i) {
+      const int64_t lo = std::max({t0, tb, L.lo[i]});
+      const int64_t hi = std::min({t1, tb + kT, L.hi[i]});
+      if (hi <= lo) continue;
+      const int64_t r0 = j * p.group * p.q_len + i;
+      internal::DotTileRows(qf + r0 * d, p.q_len * d, p.group, tile, d, tmp.data());
+      for (int64_t r = 0; r < p.group; ++r) {
+        std::memcpy(scores + (r0 + r * p.q_len) * L.n_max + (lo - L.ulo[0]),
+                    tmp.data() + r * kT + (lo - tb), (hi - lo) * sizeof(float));
       }
     }
   }
 }
 
+// Weighted sums over the tiles' V rows, tile by tile: each tile's keys are
+// summed apart and the tile sums added (the kernel adds its run's sum to
+// acc), so a chunk's error does not grow with its length.
+template <typename T>
 void DecodeValuesDense(const Plan& p, const DecodeLayout& L, const float* scores, float* acc,
                        int64_t t0, int64_t t1) {
+  constexpr int64_t kT = KvCache::kTile;
   const int64_t dv = p.v_dim;
-  for (int64_t j = 0; j < p.kv_heads; ++j) {
+  auto row_at = [&](int64_t j, int64_t a) -> const T* {
+    if constexpr (std::is_same_v<T, float>) {
+      if (p.cache != nullptr) return p.cache->VRow(j, a);
+    }
+    return static_cast<const T*>(p.paged->v_pages[a / kT]) + (j * kT + a % kT) * dv;
+  };
+  const TileOrder order = TileOrderOf(p, t0, t1);
+  for (int64_t n = 0, count = order.count(); n < count; ++n) {
+    int64_t j, tb;
+    order.At(n, &j, &tb);
     for (int64_t i = 0; i < p.q_len; ++i) {
-      const int64_t lo = std::max(t0, L.lo[i]), hi = std::min(t1, L.hi[i]);
-      if (hi <= lo) continue;
+      const int64_t a = std::max({t0, tb, L.lo[i]});
+      const int64_t e = std::min({t1, tb + kT, L.hi[i]});
+      if (e <= a) continue;
       const int64_t r0 = j * p.group * p.q_len + i;
-      // Tile by tile: each tile's keys are summed apart and the tile sums
-      // added (the kernel adds its run's sum to acc), so a chunk's error
-      // does not grow with its length.
-      for (int64_t a = lo, e; a < hi; a = e) {
-        e = std::min(hi, (a / KvCache::kTile + 1) * KvCache::kTile);
-        const float* v =
-            p.cache != nullptr
-                ? p.cache->VRow(j, a)
-                : static_cast<const float*>(p.paged->v_pages[a / KvCache::kTile]) +
-                      (j * KvCache::kTile + a % KvCache::kTile) * dv;
-        internal::WeightedSumDenseRows(scores + r0 * L.n_max + (a - L.ulo[0]),
-                                       p.q_len * L.n_max, p.group, v, e - a, dv, acc + r0 * dv,
-                                       p.q_len * dv);
-      }
+      internal::WeightedSumDenseRows(scores + r0 * L.n_max + (a - L.ulo[0]), p.q_len * L.n_max,
+                                     p.group, row_at(j, a), e - a, dv, acc + r0 * dv,
+                                     p.q_len * dv);
     }
   }
 }
@@ -918,8 +965,12 @@ struct DecodeRun {
     for (int64_t c = PartBegin(t); c < PartBegin(t + 1); ++c) {
       int64_t b, t0, t1;
       Locate(c, &b, &t0, &t1);
-      if (p->cache != nullptr || (p->paged != nullptr && p->paged->tiles)) {
-        DecodeScoresTiles(*p, L, qf, scores, t0, t1);
+      if (ReadsTiles(*p)) {
+        if (BF16Tiles(*p)) {
+          DecodeScoresTiles<uint16_t>(*p, L, qf, scores, t0, t1);
+        } else {
+          DecodeScoresTiles<float>(*p, L, qf, scores, t0, t1);
+        }
       } else if (p->paged != nullptr) {
         WithPagedType(p->paged->type, [&](auto type) {
           DecodeScoresPaged<decltype(type)::value>(*p, L, qf, scores, t0, t1);
@@ -963,8 +1014,12 @@ struct DecodeRun {
       Locate(c, &b, &t0, &t1);
       if (keys_in_sums == 0) std::memset(sums, 0, n * sizeof(float));
       keys_in_sums += t1 - t0;
-      if (p->cache != nullptr || (p->paged != nullptr && p->paged->tiles)) {
-        DecodeValuesDense(*p, L, scores, sums, t0, t1);
+      if (ReadsTiles(*p)) {
+        if (BF16Tiles(*p)) {
+          DecodeValuesDense<uint16_t>(*p, L, scores, sums, t0, t1);
+        } else {
+          DecodeValuesDense<float>(*p, L, scores, sums, t0, t1);
+        }
       } else if (p->paged != nullptr) {
         WithPagedType(p->paged->type, [&](auto type) {
           DecodeValuesPaged<decltype(type)::value>(*p, L, scores, sums, t0, t1);
@@ -1478,9 +1533,9 @@ absl::StatusOr<Plan> MakePagedPlan(const ConstTensorView& q, const PagedKvView& 
       return absl::InvalidArgumentError(absl::StrFormat("page %d of the paged view is missing", n));
     }
   }
-  if (kv.tiles && (kv.type != PagedKvView::Type::kF32 || kv.page_tokens != KvCache::kTile)) {
+  if (kv.tiles && (kv.type == PagedKvView::Type::kInt8 || kv.page_tokens != KvCache::kTile)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "a paged view in tiles holds f32 pages of %d tokens; got type %d, page_tokens %d",
+        "a paged view in tiles holds f32 or bf16 pages of %d tokens; got type %d, page_tokens %d",
         KvCache::kTile, static_cast<int>(kv.type), kv.page_tokens));
   }
   int64_t token_rows = kv.token_rows, head_rows = kv.head_rows;
@@ -1560,14 +1615,16 @@ absl::Status PagedPrefill(const ConstTensorView& q, const PagedKvView& kv, int64
     const int64_t r = head_major ? j * kv.page_tokens + t : t * kv.kv_heads + j;
     char* dst = base + (t * kv.kv_heads + j) * dim * es;
     if (kv.tiles) {
-      // K (t, j, x) at (j * dim + x) * P + t; V row (t, j) at (j * P + t).
-      const float* f = static_cast<const float*>(page);
-      float* o = reinterpret_cast<float*>(dst);
+      // K (t, j, x) at (j * dim + x) * P + t; V row (t, j) at (j * P + t),
+      // elements of es bytes (f32 or bf16).
+      const char* f = static_cast<const char*>(page);
       const int64_t P = kv.page_tokens;
       if (keys) {
-        for (int64_t x = 0; x < dim; ++x) o[x] = f[(j * dim + x) * P + t];
+        for (int64_t x = 0; x < dim; ++x) {
+          std::memcpy(dst + x * es, f + ((j * dim + x) * P + t) * es, es);
+        }
       } else {
-        std::memcpy(o, f + (j * P + t) * dim, dim * sizeof(float));
+        std::memcpy(dst, f + (j * P + t) * dim * es, dim * es);
       }
       return;
     }

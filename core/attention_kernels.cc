@@ -412,19 +412,45 @@ inline void WeightedSumRowsImpl(const float* w, int64_t wst, int64_t rows, const
 constexpr int64_t kTile = KvCache::kTile;
 constexpr int kTileZmm = static_cast<int>(kTile / 16), kTileYmm = static_cast<int>(kTile / 8);
 
+// Loads of 16 (AVX-512) or 8 (AVX2) elements as f32: bf16 (uint16_t bits)
+// widened, which is exact, so a bf16 tile gives the bits an f32 tile of
+// the same values gives.
+#define ROPEATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+// GCC 12 reads the intrinsics' _mm512_undefined_epi32 as uninitialized.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+ROPEATTN_AVX512 inline __m512 Tile16(const float* p) { return _mm512_loadu_ps(p); }
+ROPEATTN_AVX512 inline __m512 Tile16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+ROPEATTN_AVX512 inline __m512 Tile16(__mmask16 m, const float* p) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+ROPEATTN_AVX512 inline __m512 Tile16(__mmask16 m, const uint16_t* p) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#pragma GCC diagnostic pop
+inline __m256 Tile8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Tile8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // R rows x kTile keys in R * kTile/16 zmm accumulators; one tile row (the
 // tile's keys at one channel) per step, no horizontal sums.
-template <int R>
-__attribute__((target("avx512f"))) void DotTileAvx512(const float* q, int64_t qs, const float* tile,
-                                                      int64_t d, float* out) {
+template <int R, typename T>
+ROPEATTN_AVX512 void DotTileAvx512(const float* q, int64_t qs, const T* tile, int64_t d,
+                                   float* out) {
   __m512 a[R][kTileZmm];
   for (int r = 0; r < R; ++r) {
     for (int u = 0; u < kTileZmm; ++u) a[r][u] = _mm512_setzero_ps();
   }
   for (int64_t i = 0; i < d; ++i) {
-    const float* row = tile + i * kTile;
+    const T* row = tile + i * kTile;
     __m512 k[kTileZmm];
-    for (int u = 0; u < kTileZmm; ++u) k[u] = _mm512_loadu_ps(row + 16 * u);
+    for (int u = 0; u < kTileZmm; ++u) k[u] = Tile16(row + 16 * u);
     for (int r = 0; r < R; ++r) {
       const __m512 qb = _mm512_set1_ps(q[r * qs + i]);
       for (int u = 0; u < kTileZmm; ++u) a[r][u] = _mm512_fmadd_ps(qb, k[u], a[r][u]);
@@ -436,15 +462,14 @@ __attribute__((target("avx512f"))) void DotTileAvx512(const float* q, int64_t qs
 }
 
 // One row x kTile keys in kTile/8 ymm accumulators.
-void DotTileAvx2(const float* q, const float* tile, int64_t d, float* out) {
+template <typename T>
+void DotTileAvx2(const float* q, const T* tile, int64_t d, float* out) {
   __m256 a[kTileYmm];
   for (int u = 0; u < kTileYmm; ++u) a[u] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; ++i) {
-    const float* row = tile + i * kTile;
+    const T* row = tile + i * kTile;
     const __m256 qb = _mm256_set1_ps(q[i]);
-    for (int u = 0; u < kTileYmm; ++u) {
-      a[u] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(row + 8 * u), a[u]);
-    }
+    for (int u = 0; u < kTileYmm; ++u) a[u] = _mm256_fmadd_ps(qb, Tile8(row + 8 * u), a[u]);
   }
   for (int u = 0; u < kTileYmm; ++u) _mm256_storeu_ps(out + 8 * u, a[u]);
 }
@@ -454,10 +479,9 @@ void DotTileAvx2(const float* q, const float* tile, int64_t d, float* out) {
 // into tiles sums each tile apart and adds the tile sums: the error does not
 // grow with the run). With kMasked the last vector holds only the lanes in
 // `last`.
-template <int R, int NV, bool kMasked>
-__attribute__((target("avx512f"))) void WeightedDenseSlab(const float* w, int64_t ws,
-                                                          const float* v, int64_t count, int64_t dv,
-                                                          float* acc, int64_t as, __mmask16 last) {
+template <int R, int NV, bool kMasked, typename T>
+ROPEATTN_AVX512 void WeightedDenseSlab(const float* w, int64_t ws, const T* v, int64_t count,
+                                       int64_t dv, float* acc, int64_t as, __mmask16 last) {
   __m512 c0[NV], c1[NV];
 #pragma GCC unroll 8
   for (int x = 0; x < NV; ++x) {
@@ -465,13 +489,13 @@ __attribute__((target("avx512f"))) void WeightedDenseSlab(const float* w, int64_
     if constexpr (R == 2) c1[x] = _mm512_setzero_ps();
   }
   for (int64_t u = 0; u < count; ++u) {
-    const float* vr = v + u * dv;
+    const T* vr = v + u * dv;
     const __m512 w0 = _mm512_set1_ps(w[u]);
     const __m512 w1 = _mm512_set1_ps(R == 2 ? w[ws + u] : 0.0f);
 #pragma GCC unroll 8
     for (int x = 0; x < NV; ++x) {
-      const __m512 vv = (kMasked && x == NV - 1) ? _mm512_maskz_loadu_ps(last, vr + 16 * x)
-                                                 : _mm512_loadu_ps(vr + 16 * x);
+      const __m512 vv =
+          (kMasked && x == NV - 1) ? Tile16(last, vr + 16 * x) : Tile16(vr + 16 * x);
       c0[x] = _mm512_fmadd_ps(w0, vv, c0[x]);
       if constexpr (R == 2) c1[x] = _mm512_fmadd_ps(w1, vv, c1[x]);
     }
@@ -497,38 +521,37 @@ __attribute__((target("avx512f"))) void WeightedDenseSlab(const float* w, int64_
 }
 
 // Calls WeightedDenseSlab with NV = nv (1..8) known at compile time.
-template <int R, bool kMasked, int N = 1>
-__attribute__((target("avx512f"))) void WeightedDenseSlabN(int nv, const float* w, int64_t ws,
-                                                           const float* v, int64_t count,
-                                                           int64_t dv, float* acc, int64_t as,
-                                                           __mmask16 last) {
+template <int R, bool kMasked, typename T, int N = 1>
+ROPEATTN_AVX512 void WeightedDenseSlabN(int nv, const float* w, int64_t ws, const T* v,
+                                        int64_t count, int64_t dv, float* acc, int64_t as,
+                                        __mmask16 last) {
   if constexpr (N < 8) {
     if (nv != N) {
-      WeightedDenseSlabN<R, kMasked, N + 1>(nv, w, ws, v, count, dv, acc, as, last);
+      WeightedDenseSlabN<R, kMasked, T, N + 1>(nv, w, ws, v, count, dv, acc, as, last);
       return;
     }
   }
-  WeightedDenseSlab<R, N, kMasked>(w, ws, v, count, dv, acc, as, last);
+  WeightedDenseSlab<R, N, kMasked, T>(w, ws, v, count, dv, acc, as, last);
 }
 
-template <int R>
-__attribute__((target("avx512f"))) void WeightedDenseAvx512(const float* w, int64_t ws,
-                                                            const float* v, int64_t count,
-                                                            int64_t dv, float* acc, int64_t as) {
+template <int R, typename T>
+ROPEATTN_AVX512 void WeightedDenseAvx512(const float* w, int64_t ws, const T* v, int64_t count,
+                                         int64_t dv, float* acc, int64_t as) {
   for (int64_t x0 = 0; x0 < dv; x0 += 128) {
     const int64_t lanes = std::min<int64_t>(128, dv - x0);
     const int nv = static_cast<int>((lanes + 15) / 16);
     const int tail = static_cast<int>(lanes - (nv - 1) * 16);
     const __mmask16 last = static_cast<__mmask16>((1u << tail) - 1u);
-    const float* vx = v + x0;
+    const T* vx = v + x0;
     float* ax = acc + x0;
     if (tail == 16) {
-      WeightedDenseSlabN<R, false>(nv, w, ws, vx, count, dv, ax, as, last);
+      WeightedDenseSlabN<R, false, T>(nv, w, ws, vx, count, dv, ax, as, last);
     } else {
-      WeightedDenseSlabN<R, true>(nv, w, ws, vx, count, dv, ax, as, last);
+      WeightedDenseSlabN<R, true, T>(nv, w, ws, vx, count, dv, ax, as, last);
     }
   }
 }
+#undef ROPEATTN_AVX512
 
 std::atomic<bool> g_avx512_kernels{true};
 
@@ -543,8 +566,11 @@ bool SetAvx512KernelsForTesting(bool enabled) { return g_avx512_kernels.exchange
 
 bool Avx512KernelsEnabled() { return UseAvx512(); }
 
-void DotTileRows(const float* q, int64_t q_stride, int64_t rows, const float* tile, int64_t d,
-                 float* out) {
+namespace {
+
+template <typename T>
+void DotTileRowsImpl(const float* q, int64_t q_stride, int64_t rows, const T* tile, int64_t d,
+                     float* out) {
   if (UseAvx512()) {
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4)
@@ -567,8 +593,9 @@ void DotTileRows(const float* q, int64_t q_stride, int64_t rows, const float* ti
   for (int64_t r = 0; r < rows; ++r) DotTileAvx2(q + r * q_stride, tile, d, out + r * kTile);
 }
 
-void WeightedSumDenseRows(const float* w, int64_t w_stride, int64_t rows, const float* v,
-                          int64_t count, int64_t dv, float* acc, int64_t acc_stride) {
+template <typename T>
+void WeightedSumDenseRowsImpl(const float* w, int64_t w_stride, int64_t rows, const T* v,
+                              int64_t count, int64_t dv, float* acc, int64_t acc_stride) {
   if (UseAvx512()) {
     // Two rows at a time keep one V row's 128 lanes in registers for both;
     // the next pair rereads the keys from L2.
@@ -583,8 +610,31 @@ void WeightedSumDenseRows(const float* w, int64_t w_stride, int64_t rows, const 
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    WeightedSumF32(w + r * w_stride, v, dv, count, dv, acc + r * acc_stride);
+    if constexpr (std::is_same_v<T, float>) {
+      WeightedSumF32(w + r * w_stride, v, dv, count, dv, acc + r * acc_stride);
+    } else {
+      WeightedSumBF16(w + r * w_stride, v, dv, count, dv, acc + r * acc_stride);
+    }
   }
+}
+
+}  // namespace
+
+void DotTileRows(const float* q, int64_t q_stride, int64_t rows, const float* tile, int64_t d,
+                 float* out) {
+  DotTileRowsImpl(q, q_stride, rows, tile, d, out);
+}
+void DotTileRows(const float* q, int64_t q_stride, int64_t rows, const uint16_t* tile, int64_t d,
+                 float* out) {
+  DotTileRowsImpl(q, q_stride, rows, tile, d, out);
+}
+void WeightedSumDenseRows(const float* w, int64_t w_stride, int64_t rows, const float* v,
+                          int64_t count, int64_t dv, float* acc, int64_t acc_stride) {
+  WeightedSumDenseRowsImpl(w, w_stride, rows, v, count, dv, acc, acc_stride);
+}
+void WeightedSumDenseRows(const float* w, int64_t w_stride, int64_t rows, const uint16_t* v,
+                          int64_t count, int64_t dv, float* acc, int64_t acc_stride) {
+  WeightedSumDenseRowsImpl(w, w_stride, rows, v, count, dv, acc, acc_stride);
 }
 
 namespace {}  // namespace

@@ -220,11 +220,11 @@ struct PageLayout {
 PageLayout LayoutOf(const DecodeStateConfig& c, DecodeState::Storage storage) {
   const bool int8 = storage == DecodeState::Storage::kInt8;
   // kTiles: K [kv_heads][head_dim][kTile] (one KvCache tile per head), V
-  // [kv_heads][kTile][v_dim], f32; the others [tokens][kv_heads][dim] rows
-  // (int8: head-major) of their element type.
+  // [kv_heads][kTile][v_dim], f32 or bf16; the others [tokens][kv_heads][dim]
+  // rows (int8: head-major) of their element type.
   const int64_t rows = DecodeState::PageTokensOf(storage) * c.kv_heads;
   PageLayout l;
-  l.elem = int8 ? 1 : storage == DecodeState::Storage::kTiles ? 4 : DTypeSize(c.kv_dtype);
+  l.elem = int8 ? 1 : DTypeSize(c.kv_dtype);
   l.k_bytes = RoundUp64(rows * c.head_dim * l.elem);
   l.v_bytes = RoundUp64(rows * c.v_dim * l.elem);
   l.scale_bytes = int8 ? RoundUp64(rows * static_cast<int64_t>(sizeof(float))) : 0;
@@ -339,20 +339,25 @@ absl::Status DecodeState::WritePaged(const ConstTensorView& rows, bool keys, int
   const int64_t tokens = rows.dim(1);
   const int64_t P = PageTokens();
   if (storage_ == Storage::kTiles) {
-    // rows is f32 here (any strides). K element (token o, head j, channel
-    // x) at (j * dim + x) * P + o; V row (o, j) at (j * P + o) * dim.
+    // rows is f32 here (any strides), stored as kv_dtype (bf16: rounded to
+    // nearest even, as any f32 row written to a bf16 cache). K element
+    // (token o, head j, channel x) at (j * dim + x) * P + o; V row (o, j) at
+    // (j * P + o) * dim.
     const float* src = rows.data<float>();
     const int64_t st = rows.stride(1), sj = rows.stride(2), sx = rows.stride(3);
+    const bool bf16 = c.kv_dtype == DType::kBF16;
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t o = (at + t) % P;
-      float* base = reinterpret_cast<float*>(pages_[(at + t) / P]->part[keys ? 0 : 1]);
+      char* base = pages_[(at + t) / P]->part[keys ? 0 : 1];
       for (int64_t j = 0; j < c.kv_heads; ++j) {
         const float* r = src + t * st + j * sj;
-        if (keys) {
-          for (int64_t x = 0; x < dim; ++x) base[(j * dim + x) * P + o] = r[x * sx];
-        } else {
-          float* dst = base + (j * P + o) * dim;
-          for (int64_t x = 0; x < dim; ++x) dst[x] = r[x * sx];
+        for (int64_t x = 0; x < dim; ++x) {
+          const int64_t e = keys ? (j * dim + x) * P + o : (j * P + o) * dim + x;
+          if (bf16) {
+            reinterpret_cast<uint16_t*>(base)[e] = FloatToBF16(r[x * sx]);
+          } else {
+            reinterpret_cast<float*>(base)[e] = r[x * sx];
+          }
         }
       }
     }
@@ -397,11 +402,10 @@ absl::StatusOr<Tensor> DecodeState::ReadPaged(bool keys, int64_t n) const {
     for (int64_t j = 0; j < c.kv_heads; ++j) {
       char* dst = t.data<char>() + (tok * c.kv_heads + j) * dim * es;
       if (storage_ == Storage::kTiles) {
-        const float* b = reinterpret_cast<const float*>(base);
-        float* out = reinterpret_cast<float*>(dst);
         const int64_t o = tok % P;
         for (int64_t x = 0; x < dim; ++x) {
-          out[x] = keys ? b[(j * dim + x) * P + o] : b[(j * P + o) * dim + x];
+          const int64_t e = keys ? (j * dim + x) * P + o : (j * P + o) * dim + x;
+          std::memcpy(dst + x * es, base + e * es, es);
         }
         continue;
       }
@@ -422,7 +426,11 @@ absl::StatusOr<Tensor> DecodeState::ReadPaged(bool keys, int64_t n) const {
 DecodeState::Storage DecodeState::StorageFor(const DecodeStateConfig& c) {
   if (c.linear) return Storage::kLinear;
   if (c.int8_kv) return Storage::kInt8;
-  if (c.kv_dtype == DType::kF32 && KvCacheDecodeIsFaster()) return Storage::kTiles;
+  // bf16 too: widening a bf16 tile row is exact, so its decode is the f32
+  // tiles' over half the bytes (docs/kv-memory.md).
+  if ((c.kv_dtype == DType::kF32 || c.kv_dtype == DType::kBF16) && KvCacheDecodeIsFaster()) {
+    return Storage::kTiles;
+  }
   return Storage::kTokenMajor;
 }
 
@@ -594,7 +602,7 @@ absl::Status DecodeState::Prepare(Job& job, int plan_threads, AttentionJob* atte
   // otherwise be committed as Inf, and fail every later step).
   RA_RETURN_IF_ERROR(CheckFinite(kf.cview(), job.names + "k (rotated at its positions)",
                                  kRotationOverflow));
-  if (storage_ == Storage::kTokenMajor && c.kv_dtype == DType::kBF16) {
+  if (storage_ != Storage::kInt8 && c.kv_dtype == DType::kBF16) {
     RA_RETURN_IF_ERROR(CheckFitsBF16(kf.cview(), job.names + "k (rounded to the bf16 cache)"));
     RA_RETURN_IF_ERROR(CheckFitsBF16(job.v, job.names + "v (rounded to the bf16 cache)"));
   }
@@ -738,7 +746,7 @@ absl::Status DecodeState::Import(ConstTensorView k, ConstTensorView v, KeyForm f
   // held as Inf (every later step would fail on them).
   RA_RETURN_IF_ERROR(
       CheckFinite(rotated.cview(), names + "k (rotated at its positions)", kRotationOverflow));
-  if (storage_ == Storage::kTokenMajor && c.kv_dtype == DType::kBF16) {
+  if (storage_ != Storage::kInt8 && c.kv_dtype == DType::kBF16) {
     RA_RETURN_IF_ERROR(CheckFitsBF16(rotated.cview(), names + "k (rounded to the bf16 cache)"));
     RA_RETURN_IF_ERROR(CheckFitsBF16(v, names + "v (rounded to the bf16 cache)"));
   }

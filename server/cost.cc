@@ -231,8 +231,7 @@ int64_t KvPageBytes(const SessionDims& d) {
   if (d.linear) return 0;
   auto line = [](int64_t n) { return SatMul(SatAdd(n, 63) / 64, 64); };
   const int64_t rows = SatMul(KvPageTokens(d), d.kv_heads);
-  const int64_t elem =
-      d.int8_kv ? 1 : d.kv_cache_layout ? 4 : static_cast<int64_t>(DTypeSize(d.kv_dtype));
+  const int64_t elem = d.int8_kv ? 1 : static_cast<int64_t>(DTypeSize(d.kv_dtype));
   int64_t bytes = SatAdd(line(SatProduct({rows, d.head_dim, elem})),
                          line(SatProduct({rows, d.v_dim, elem})));
   if (d.int8_kv) bytes = SatAdd(bytes, SatMul(line(SatMul(rows, 4)), 2));
@@ -249,8 +248,8 @@ Cost SessionOpenCost(const SessionDims& d) {
   if (d.linear) {
     c.held_bytes = LinearStateBytes(d);
   } else {
-    // Pages: f32 tiles, int8 rows and a 4-byte scale per (token, kv head),
-    // or rows of kv_dtype, for K and V.
+    // Pages: tiles or rows of kv_dtype, or int8 rows and a 4-byte scale per
+    // (token, kv head), for K and V.
     const int64_t pages = SatAdd(d.max_context, KvPageTokens(d) - 1) / KvPageTokens(d);
     c.held_bytes = SatMul(pages, KvPageBytes(d));
   }

@@ -94,7 +94,7 @@ Cost EncodeCost(const EncodeDims& d);
 // --- Decoding sessions ---
 struct SessionDims {
   bool linear = false;
-  bool kv_cache_layout = false;  // f32 pages in the KvCache's tiles (KvCache::kTile tokens)
+  bool kv_cache_layout = false;  // pages in the KvCache's tiles (KvCache::kTile tokens)
   int64_t kv_heads = 0, head_dim = 0, v_dim = 0, max_context = 0;
   DType kv_dtype = DType::kF32;
   bool int8_kv = false;  // int8 rows + an f32 scale per (token, kv head)

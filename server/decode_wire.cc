@@ -255,10 +255,9 @@ absl::StatusOr<Cost> PriceOpen(const SessionConfig& c, const v1::OpenSession& op
 }
 
 Cost PriceExport(const SessionConfig& c, int64_t position) {
-  // f32 tiles export f32; token-major storage its own dtype.
-  const DType dtype =
-      DecodeState::StorageFor(StateConfigOf(c)) == DecodeState::Storage::kTiles ? DType::kF32
-                                                                               : c.kv_dtype;
+  // Every storage exports its kv dtype (int8: f32, dequantized, as its
+  // kv_dtype says).
+  const DType dtype = c.kv_dtype;
   // Under a length-dependent rule the keys leave raw, as the state keeps
   // them: f32.
   const DType k_dtype = SessionDimsOf(c).rope_length_dependent ? DType::kF32 : dtype;

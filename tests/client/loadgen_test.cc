@@ -409,6 +409,8 @@ CliRun RunCli(const std::string& args, const std::string& env = "") {
   run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   run.out = ReadAll(out);
   run.err = ReadAll(err);
+  std::remove(out.c_str());
+  std::remove(err.c_str());
   return run;
 }
 

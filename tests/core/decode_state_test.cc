@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/attention.h"
@@ -29,9 +30,9 @@
 namespace ropeattn {
 namespace {
 
-// f32 states are paged only where a KvCache decodes no faster (its AVX-512
-// kernels off): the page tests turn them off for their lifetime, so they
-// test pages on every machine.
+// f32 and bf16 states keep token-major pages only where the tile layout
+// decodes no faster (its AVX-512 kernels off): the page tests turn them off
+// for their lifetime, so they test those pages on every machine.
 class F32Paged {
  public:
   F32Paged() : previous_(internal::SetAvx512KernelsForTesting(false)) {}
@@ -99,6 +100,59 @@ absl::Status Solo(const BatchCase& c, BatchInputs& in, Tensor& out) {
 // MHA, windows, soft-caps, ALiBi, and a prompt long enough for the prefill
 // path - give in one pass exactly the bytes each gives alone, whatever the
 // pass's thread count.
+// The tile kernels over bf16 tiles give the bits they give over f32 tiles
+// holding the same (widened) values, for every row count and a partial
+// last vector of V, with the AVX-512 kernels on and off.
+TEST(TileKernelsTest, Bf16TilesGiveTheBitsOfF32TilesOfTheSameValues) {
+  constexpr int64_t kT = KvCache::kTile;
+  uint64_t seed = 7;
+  auto next = [&seed] {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<float>(static_cast<int64_t>(seed >> 33) % 2001 - 1000) / 337.0f;
+  };
+  for (const bool avx512 : {false, true}) {
+    const bool previous = internal::SetAvx512KernelsForTesting(avx512);
+    absl::Cleanup restore = [previous] { internal::SetAvx512KernelsForTesting(previous); };
+    for (const int64_t d : {37, 128}) {
+      for (const int64_t dv : {20, 128, 148}) {
+        for (int64_t rows = 1; rows <= 5; ++rows) {
+          SCOPED_TRACE(absl::StrCat("d ", d, " dv ", dv, " rows ", rows, avx512 ? " avx512" : ""));
+          std::vector<uint16_t> kb(d * kT), vb(kT * dv);
+          std::vector<float> kf(d * kT), vf(kT * dv), q(rows * d), w(rows * kT);
+          for (size_t i = 0; i < kb.size(); ++i) kf[i] = BF16ToFloat(kb[i] = FloatToBF16(next()));
+          for (size_t i = 0; i < vb.size(); ++i) vf[i] = BF16ToFloat(vb[i] = FloatToBF16(next()));
+          for (float& x : q) x = next();
+          for (float& x : w) x = next();
+          std::vector<float> s16(rows * kT), s32(rows * kT);
+          internal::DotTileRows(q.data(), d, rows, kb.data(), d, s16.data());
+          internal::DotTileRows(q.data(), d, rows, kf.data(), d, s32.data());
+          EXPECT_EQ(0, std::memcmp(s16.data(), s32.data(), s16.size() * sizeof(float)));
+          for (const int64_t count : {int64_t{1}, int64_t{19}, kT}) {
+            std::vector<float> a16(rows * dv, 0.5f), a32(rows * dv, 0.5f);
+            internal::WeightedSumDenseRows(w.data(), kT, rows, vb.data(), count, dv, a16.data(),
+                                           dv);
+            internal::WeightedSumDenseRows(w.data(), kT, rows, vf.data(), count, dv, a32.data(),
+                                           dv);
+            EXPECT_EQ(0, std::memcmp(a16.data(), a32.data(), a16.size() * sizeof(float)))
+                << "count " << count;
+            // And the sums are right (fp64, relative 1e-5 of the magnitudes).
+            for (int64_t r = 0; r < rows; ++r) {
+              for (int64_t x = 0; x < dv; ++x) {
+                double want = 0.5, mag = 0.5;
+                for (int64_t u = 0; u < count; ++u) {
+                  want += static_cast<double>(w[r * kT + u]) * vf[u * dv + x];
+                  mag += std::abs(static_cast<double>(w[r * kT + u]) * vf[u * dv + x]);
+                }
+                ASSERT_NEAR(a16[r * dv + x], want, 1e-5 * mag) << r << " " << x;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(AttendBatchTest, EveryJobIsBitIdenticalToItsSoloCall) {
   std::vector<BatchCase> cases(8);
   cases[1].kv = DType::kBF16;
@@ -225,18 +279,27 @@ StepTensors RandomStep(const DecodeStateConfig& c, int64_t tokens, uint64_t seed
           RandomTensor(dtype, {1, tokens, c.kv_heads, c.v_dim}, seed + 2)};
 }
 
-// Steps of 1, 5 and 2 tokens, each against the fp64 reference of RoPE at
-// the absolute positions followed by causal attention over every token so
-// far (relative tolerance 1e-5 in f32).
+// Steps of 1, 5, 2, 40 (a prefill over the pages) and 1 tokens, crossing
+// page boundaries, each against the fp64 reference of RoPE at the absolute
+// positions followed by causal attention over every token so far (relative
+// tolerance 1e-5 in f32). f32 and bf16, in token-major pages (AVX-512
+// kernels off) and, where the machine has AVX-512, in tile pages (on).
 TEST(DecodeStateTest, StepsMatchTheFp64Reference) {
-  for (DType kv : {DType::kF32, DType::kBF16}) {
+  for (const bool avx512 : {false, true})
+  for (DType kv : {DType::kF32, DType::kBF16})
+  for (const int64_t v_dim : {32, 20}) {  // 20: a partial last vector of V
+    const bool previous = internal::SetAvx512KernelsForTesting(avx512);
+    absl::Cleanup restore = [previous] { internal::SetAvx512KernelsForTesting(previous); };
     DecodeStateConfig c = BaseConfig();
     c.kv_dtype = kv;
+    c.v_dim = v_dim;
     DecodeState state = DecodeState::Create(c).value();
+    EXPECT_EQ(state.storage(), avx512 && KvCacheDecodeIsFaster() ? DecodeState::Storage::kTiles
+                                                                 : DecodeState::Storage::kTokenMajor);
     std::vector<double> keys, values;  // rotated keys and values so far, as stored
     int64_t pos = 0;
     uint64_t seed = 40;
-    for (int64_t tokens : {1, 5, 2}) {
+    for (int64_t tokens : {1, 5, 2, 40, 1}) {
       StepTensors s = RandomStep(c, tokens, seed += 3);
       Tensor out = Tensor::Create(DType::kF32, {1, tokens, c.heads, c.v_dim}).value();
       ASSERT_TRUE(state.Step(s.q.cview(), s.k.cview(), s.v.cview(), out.view(), 2).ok());
@@ -268,7 +331,7 @@ TEST(DecodeStateTest, StepsMatchTheFp64Reference) {
       const ref::AttentionRefResult want = ref::Attention(p, q, keys, values);
       EXPECT_TRUE(AllClose(ToDoubles(out.cview()), want.out,
                            kv == DType::kF32 ? testing::kF32Tol : testing::kBF16Tol))
-          << DTypeName(kv) << " step at " << pos;
+          << DTypeName(kv) << " step at " << pos << (avx512 ? " (AVX-512 on)" : "");
       pos += tokens;
       EXPECT_EQ(state.position(), pos);
     }
@@ -420,8 +483,8 @@ class CountingCharger : public KvPageCharger {
 // are refunded when their last holder drops them; a charge that fails
 // refuses the step and leaves the state as it was. f32, bf16 and int8.
 TEST(DecodeStateTest, ForksSharePagesCopyOnWriteAndStayExact) {
-  // f32 in token-major pages of 16 tokens (AVX-512 kernels off) and, where
-  // the machine has AVX-512, in tile pages of 64 (on); bf16 and int8.
+  // f32 and bf16 in token-major pages of 16 tokens (AVX-512 kernels off)
+  // and, where the machine has AVX-512, in tile pages of 32 (on); int8.
   for (int run = 0; run < 6; ++run) {
     const bool avx512 = run >= 3;
     const int kind = run % 3;
@@ -452,7 +515,7 @@ TEST(DecodeStateTest, ForksSharePagesCopyOnWriteAndStayExact) {
     const int64_t P = DecodeState::PageTokensOf(parent.storage());
     const int64_t total = (100 + P - 1) / P, full = 100 / P;  // 7 and 6, or 2 and 1
     EXPECT_EQ(parent.storage(), kind == 2 ? DecodeState::Storage::kInt8
-                                : kind == 0 && avx512 && KvCacheDecodeIsFaster()
+                                : kind != 2 && avx512 && KvCacheDecodeIsFaster()
                                     ? DecodeState::Storage::kTiles
                                     : DecodeState::Storage::kTokenMajor);
     EXPECT_EQ(parent.byte_size(), total * page);
@@ -952,7 +1015,9 @@ TEST(Int8DecodeStateTest, HoldsInt8RowsAndScalesAndRefusesWhatItCannotDoExactly)
   c.kv_dtype = DType::kBF16;
   DecodeState bf16 = DecodeState::Create(c).value();
   ASSERT_TRUE(bf16.Import(prefix.k.cview(), prefix.v.cview(), DecodeState::KeyForm::kRaw).ok());
-  EXPECT_EQ(bf16.byte_size(), 63 * 16 * c.kv_heads * (c.head_dim + c.v_dim) * 2);
+  // 16-token rows, or 32-token tile pages where the machine has AVX-512.
+  const int64_t P = DecodeState::PageTokensOf(bf16.storage());
+  EXPECT_EQ(bf16.byte_size(), (1000 + P - 1) / P * P * c.kv_heads * (c.head_dim + c.v_dim) * 2);
   EXPECT_LT(i8.byte_size(), bf16.byte_size());
 
   c = BaseConfig();
