@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -34,6 +36,44 @@ absl::Status CheckStepTensor(const ConstTensorView& t, const std::string& name, 
   }
   RA_RETURN_IF_ERROR(CheckBSHD(t, name));
   return CheckFinite(t, name);
+}
+
+// Under a length-dependent rule (dynamic NTK, LongRoPE) the cached keys are
+// rotated again from their raw values whenever the frequencies change, at
+// angles no step can foresee. A raw key is taken only if every rotation of
+// it fits the storage: a rotated pair's components are at most the pair's
+// norm times the attention factor (`factor`, the largest the session can
+// see), so a later re-rotation never makes a value the cache cannot hold
+// (f32: finite; bf16: not rounded to Inf). `raw`: contiguous f32
+// [1, T, kv_heads, head_dim].
+absl::Status CheckEveryRotationFits(const Tensor& raw, const RopeConfig& rope, double factor,
+                                    bool bf16, const std::string& name) {
+  const int64_t tokens = raw.dim(1), heads = raw.dim(2), d = raw.dim(3);
+  const int64_t half = rope.effective_rotary_dim() / 2;
+  // Past these the value rounds to Inf (bf16: from 0x1.ffp+127 up), with a
+  // margin for the f32 rounding of the rotation itself.
+  const double limit = (bf16 ? 0x1.ffp+127 : static_cast<double>(FLT_MAX)) * (1.0 - 0x1p-18);
+  const float* x = raw.data<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* row = x + (t * heads + h) * d;
+      for (int64_t c = 0; c < half; ++c) {
+        const int64_t a = rope.layout == RopeLayout::kHalfSplit ? c : 2 * c;
+        const int64_t b = rope.layout == RopeLayout::kHalfSplit ? c + half : 2 * c + 1;
+        const double norm = std::hypot(static_cast<double>(row[a]), static_cast<double>(row[b]));
+        if (norm * factor >= limit) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "%s[0, %d, %d, %d] and [0, %d, %d, %d] (%g, %g): under the length-dependent RoPE "
+              "rule \"%s\" every cached key is rotated again when the frequencies change, and "
+              "a rotation of this pair (norm %g%s) can leave the %s range; reduce their magnitude",
+              name, t, h, a, t, h, b, row[a], row[b], RopeRuleOf(rope.scaling.type).name, norm,
+              factor != 1.0 ? absl::StrFormat(", times the attention factor %g", factor) : "",
+              bf16 ? "bf16" : "float"));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -486,6 +526,12 @@ absl::StatusOr<DecodeState> DecodeState::Create(DecodeStateConfig config) {
   if (s.LengthDependent() && !k.linear) {
     RA_ASSIGN_OR_RETURN(s.k_raw_,
                         Tensor::Create(DType::kF32, {1, k.max_context, k.kv_heads, k.head_dim}));
+    // The largest attention factor the session's lengths can see (the
+    // factor is constant within each of a rule's regimes: short and long).
+    for (const int64_t len : {k.start_position + 1, k.start_position + std::max<int64_t>(1, k.max_context)}) {
+      RA_ASSIGN_OR_RETURN(RopeFrequencies f, ComputeRopeFrequencies(*k.rope, len));
+      s.max_attention_factor_ = std::max(s.max_attention_factor_, f.attention_factor);
+    }
   }
   if (k.rope && !s.LengthDependent()) {
     RA_ASSIGN_OR_RETURN(RopeRotator r,
@@ -528,6 +574,12 @@ absl::Status DecodeState::PrepareRope(int64_t new_len) {
     const int64_t start = c.start_position;
     RA_RETURN_IF_ERROR(r.Apply(keys.view(), Positions{{}, absl::MakeConstSpan(&start, 1)},
                                RopeDirection::kForward, 1));
+    // Every key was checked to fit any rotation when it arrived
+    // (CheckEveryRotationFits); checked again before anything is written.
+    RA_RETURN_IF_ERROR(CheckFinite(keys.cview(), "a cached key (rotated again)", kRotationOverflow));
+    if (c.kv_dtype == DType::kBF16 && storage_ != Storage::kInt8) {
+      RA_RETURN_IF_ERROR(CheckFitsBF16(keys.cview(), "a cached key (rotated again)"));
+    }
     // Every cached key changes: the pages become this state's own first.
     RA_RETURN_IF_ERROR(MakeWritable(0, position_));
     RA_RETURN_IF_ERROR(WritePaged(keys.cview(), /*keys=*/true, 0));
@@ -595,6 +647,10 @@ absl::Status DecodeState::Prepare(Job& job, int plan_threads, AttentionJob* atte
   // Keys rotated in f32, then stored once in the storage's type (rounded to
   // bf16, or quantized per (token, kv head)).
   RA_ASSIGN_OR_RETURN(Tensor kf, CastTensor(job.k, DType::kF32));
+  if (LengthDependent()) {
+    RA_RETURN_IF_ERROR(CheckEveryRotationFits(kf, *c.rope, max_attention_factor_,
+                                              c.kv_dtype == DType::kBF16, job.names + "k"));
+  }
   if (c.rope) RA_RETURN_IF_ERROR(rotator_->Apply(kf.view(), at, RopeDirection::kForward, 1));
   // Finite keys can leave the float range when rotated, and finite f32
   // keys or values the bf16 range when stored: refused before anything is
@@ -726,6 +782,12 @@ absl::Status DecodeState::Import(ConstTensorView k, ConstTensorView v, KeyForm f
     RA_ASSIGN_OR_RETURN(RopeRotator given, RopeRotator::Create(*c.rope, start + tokens, 0));
     RA_RETURN_IF_ERROR(given.Apply(raw.view(), at, RopeDirection::kInverse, 1));
     RA_RETURN_IF_ERROR(CheckFinite(raw.cview(), names + "k (un-rotated)", kRotationOverflow));
+  }
+  if (c.rope && LengthDependent()) {
+    RA_RETURN_IF_ERROR(CheckEveryRotationFits(raw, *c.rope, max_attention_factor_,
+                                              c.kv_dtype == DType::kBF16,
+                                              names + (form == KeyForm::kRotated ? "k (un-rotated)"
+                                                                                 : "k")));
   }
   if (k_raw_.num_elements() > 0) {
     RA_RETURN_IF_ERROR(CopyRows(raw.cview(), k_raw_.view().Slice(1, 0, tokens)));

@@ -74,11 +74,11 @@ class KvPageCharger {
 class DecodeState {
  public:
   // Where a softmax state keeps K/V, always in pages allocated as tokens
-  // arrive and shared by forks until written (copy on write): f32 pages of
-  // KvCache::kTile tokens in the KvCache's tile layout where that decode is
-  // the faster one (kTiles, KvCacheDecodeIsFaster), else token-major pages
-  // of kPageTokens tokens of kv_dtype (kTokenMajor), or of int8 rows and
-  // scales (kInt8, config.int8_kv).
+  // arrive and shared by forks until written (copy on write): f32 or bf16
+  // pages of KvCache::kTile tokens in the KvCache's tile layout where that
+  // decode is the faster one (kTiles, KvCacheDecodeIsFaster), else
+  // token-major pages of kPageTokens tokens of kv_dtype (kTokenMajor), or of
+  // int8 rows and scales (kInt8, config.int8_kv).
   enum class Storage { kLinear, kTiles, kTokenMajor, kInt8 };
   static constexpr int64_t kPageTokens = 16;
   static Storage StorageFor(const DecodeStateConfig& config);
@@ -114,14 +114,15 @@ class DecodeState {
   // un-rotated once to keep their raw values. Errors leave the state empty:
   // FailedPrecondition if it holds tokens, Unimplemented for linear states,
   // InvalidArgument for shapes or non-finite values (naming `names` + k/v),
-  // OutOfRange past max_context.
+  // OutOfRange past max_context. Under a length-dependent rule a raw key a
+  // rotation of which could leave the cache's range is refused too
+  // (InvalidArgument naming it): every cached key is rotated again when
+  // the frequencies change.
   absl::Status Import(ConstTensorView k, ConstTensorView v, KeyForm form,
                       const std::string& names = "");
-  // The held keys (rotated at their positions, in the state's kv dtype;
-  // f32 for a KvCache) and values: [1, position(), kv_heads, dim] each.
   // Unimplemented for linear states.
-  // The held keys, rotated at their positions (in the state's kv dtype; f32
-  // for a KvCache), or, under a length-dependent rule, the raw f32 keys the
+  // The held keys, rotated at their positions (in the state's kv dtype), or,
+  // under a length-dependent rule, the raw f32 keys the
   // state keeps (key_form kRaw): rotated keys rounded to the cache dtype
   // would be un-rotated and rounded again by an import, not the same keys.
   // Values: [1, position(), kv_heads, v_dim] in the cache dtype. Importing
@@ -224,6 +225,7 @@ class DecodeState {
   std::optional<LinearAttentionState> linear_;  // kLinear
   std::optional<RopeRotator> rotator_;
   std::vector<double> rotator_freqs_;  // what rotator_ was built from (length-dependent)
+  double max_attention_factor_ = 1.0;  // length-dependent: the largest of its lengths
 };
 
 }  // namespace ropeattn

@@ -102,13 +102,13 @@ struct SessionDims {
   bool rope_length_dependent = false;  // dynamic NTK / LongRoPE: raw keys kept
 };
 // held_bytes: the session's state for its whole life (KV or linear state,
-// raw keys; no RoPE table: each step computes its positions' rows). Paged KV (token-major and int8, core/decode_state.h)
+// raw keys; no RoPE table: each step computes its positions' rows). Paged KV (tiles, token-major and int8, core/decode_state.h)
 // is charged as max_context rounded up to whole pages.
 Cost SessionOpenCost(const SessionDims& d);
 // Bytes of a LinearAttentionState of these dims (batch 1).
 int64_t LinearStateBytes(const SessionDims& d);
 // Tokens of one KV page (DecodeState::PageTokensOf the session's storage:
-// KvCache::kTile for f32 tiles, DecodeState::kPageTokens otherwise), 0 for
+// KvCache::kTile for tile pages, DecodeState::kPageTokens otherwise), 0 for
 // a linear state.
 int64_t KvPageTokens(const SessionDims& d);
 // Bytes of one KV page (KvPageTokens tokens of K and V, int8 scales, each

@@ -848,6 +848,73 @@ TEST(DecodeStateTest, StepRefusesAKeyTheBf16CacheWouldHoldAsInf) {
   EXPECT_EQ(s.position(), 1);
 }
 
+// Under a length-dependent rule every cached key is rotated again when the
+// frequencies change. A key some rotation of which leaves the cache's range
+// is refused when it arrives (step or import), naming it; it was stored and
+// later re-rotated to Inf, failing a later step with an overflow blamed on
+// that step's inputs. A key whose every rotation fits goes through
+// re-rotation and the steps stay finite.
+TEST(DecodeStateTest, LengthDependentRopeRefusesKeysSomeRotationOfWhichOverflows) {
+  for (DType kv : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(kv));
+    DecodeStateConfig c;
+    c.heads = 1;
+    c.kv_heads = 1;
+    c.head_dim = 4;
+    c.v_dim = 4;
+    c.max_context = 64;
+    c.kv_dtype = kv;
+    RopeConfig rope;
+    rope.head_dim = 4;
+    rope.scaling.type = RopeScalingType::kDynamicNtk;
+    rope.scaling.factor = 2.0;
+    rope.scaling.original_max_positions = 4;
+    c.rope = rope;
+    auto step = [&](DecodeState& s, int64_t tokens, float k1, float k3) {
+      Tensor q = Tensor::Create(DType::kF32, {1, tokens, 1, 4}).value();
+      Tensor k = Tensor::Create(DType::kF32, {1, tokens, 1, 4}).value();
+      Tensor v = Tensor::Create(DType::kF32, {1, tokens, 1, 4}).value();
+      for (int64_t i = 0; i < tokens * 4; ++i) {
+        q.data<float>()[i] = 1e-30f;
+        k.data<float>()[i] = 0.5f;
+        v.data<float>()[i] = 1.0f;
+      }
+      // Channels 1 and 3 are one rotated pair (half split) of the last token.
+      k.data<float>()[(tokens - 1) * 4 + 1] = k1;
+      k.data<float>()[(tokens - 1) * 4 + 3] = k3;
+      Tensor out = Tensor::Create(DType::kF32, {1, tokens, 1, 4}).value();
+      absl::Status st = s.Step(q.cview(), k.cview(), v.cview(), out.view(), 1, nullptr, "step.");
+      if (st.ok()) {
+        for (int64_t i = 0; i < tokens * 4; ++i) EXPECT_TRUE(std::isfinite(out.data<float>()[i]));
+      }
+      return st;
+    };
+    DecodeState s = DecodeState::Create(c).value();
+    // Each fits as given, their pair's norm (4.5e38) does not.
+    absl::Status st = step(s, 4, 3.4e38f, 3e38f);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(st.message(), HasSubstr("step.k[0, 3, 0, 1] and [0, 3, 0, 3]")) << st;
+    EXPECT_THAT(st.message(), HasSubstr("dynamic"));
+    EXPECT_EQ(s.position(), 0);
+    // Norm 2.8e38: every rotation fits; re-rotated past 4 tokens, and again.
+    ASSERT_TRUE(step(s, 4, 2e38f, 2e38f).ok());
+    ASSERT_TRUE(step(s, 40, 0.5f, 0.5f).ok());
+    ASSERT_TRUE(step(s, 1, 0.5f, 0.5f).ok());
+    EXPECT_EQ(s.position(), 45);
+    // Import: the same refusal for a prefix.
+    DecodeState t = DecodeState::Create(c).value();
+    Tensor k = Tensor::Create(DType::kF32, {1, 2, 1, 4}).value();
+    Tensor v = Tensor::Create(DType::kF32, {1, 2, 1, 4}).value();
+    for (int i = 0; i < 8; ++i) k.data<float>()[i] = v.data<float>()[i] = 1.0f;
+    k.data<float>()[4 + 0] = 3.4e38f;
+    k.data<float>()[4 + 2] = 3e38f;
+    st = t.Import(k.cview(), v.cview(), DecodeState::KeyForm::kRaw, "prefix.");
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(st.message(), HasSubstr("prefix.k[0, 1, 0, 0] and [0, 1, 0, 2]"));
+    EXPECT_EQ(t.position(), 0);
+  }
+}
+
 // Finite prefix keys that leave the float range when rotated, and finite f32
 // values beyond bf16's range for a bf16 cache, are refused naming the
 // tensor, the state left empty. They were stored as Inf (every later step
