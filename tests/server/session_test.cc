@@ -419,6 +419,43 @@ TEST_F(SessionTest, ReflectionListsAndDescribesEveryService) {
   ExpectEveryListedServiceDescribable(server_->port());
 }
 
+// Every reflection answer on a stream holds what its own request asked:
+// gRPC 1.51's service repeated every earlier answer of the stream in each
+// new one (the 200th of 200 identical requests was 200 times the first).
+TEST_F(SessionTest, ReflectionAnswersDoNotRepeatEarlierOnes) {
+  auto refl = grpc::reflection::v1alpha::ServerReflection::NewStub(TestChannel(server_->port()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  auto rw = refl->ServerReflectionInfo(&ctx);
+  std::string first_file, first_list;
+  for (int i = 0; i < 12; ++i) {
+    SCOPED_TRACE(i);
+    grpc::reflection::v1alpha::ServerReflectionRequest req;
+    if (i % 3 == 2) {
+      req.set_list_services("");
+    } else {
+      req.set_file_containing_symbol("ropeattn.v1.AttentionService");
+    }
+    ASSERT_TRUE(rw->Write(req));
+    grpc::reflection::v1alpha::ServerReflectionResponse resp;
+    ASSERT_TRUE(rw->Read(&resp));
+    if (i % 3 == 2) {
+      ASSERT_TRUE(resp.has_list_services_response()) << resp.DebugString();
+      const std::string list = resp.list_services_response().SerializeAsString();
+      if (first_list.empty()) first_list = list;
+      EXPECT_TRUE(list == first_list) << "the answer differs from the first";
+    } else {
+      ASSERT_TRUE(resp.has_file_descriptor_response()) << resp.DebugString();
+      const std::string files = resp.file_descriptor_response().SerializeAsString();
+      if (first_file.empty()) first_file = files;
+      EXPECT_EQ(files.size(), first_file.size());
+      EXPECT_TRUE(files == first_file) << "the answer differs from the first";
+    }
+  }
+  rw->WritesDone();
+  EXPECT_TRUE(rw->Finish().ok());
+}
+
 TEST_F(SessionTest, ServerInfoReportsLimits) {
   grpc::ClientContext ctx;
   v1::ServerInfo info;
