@@ -232,7 +232,12 @@ absl::StatusOr<ResolvedLayer> ResolveLayer(const ModelRegistry& models, absl::st
                                            int64_t layer) {
   ResolvedLayer r;
   RA_ASSIGN_OR_RETURN(r.model, models.Get(model));
-  if (layer < 0 || layer >= r.model->num_layers()) {
+  if (layer < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "layer must be >= 0 (model %s has layers [0, %d)), got %d", model, r.model->num_layers(),
+        layer));
+  }
+  if (layer >= r.model->num_layers()) {
     return absl::OutOfRangeError(absl::StrFormat("layer %d is outside model %s's layers [0, %d)",
                                                  layer, model, r.model->num_layers()));
   }

@@ -220,6 +220,10 @@ TEST_F(LayerTest, LayerModeErrors) {
   req.mutable_layer()->set_layer(static_cast<int32_t>(demo_->num_layers()));
   *req.mutable_layer()->mutable_hidden() = ToWire(x.view());
   EXPECT_EQ(attend(req).error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  req.mutable_layer()->set_layer(-1);  // never a layer: INVALID_ARGUMENT
+  grpc::Status negative = attend(req);
+  EXPECT_EQ(negative.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(negative.error_message(), HasSubstr("layer must be >= 0"));
   req.mutable_layer()->set_layer(0);
   req.mutable_layer()->set_model("missing");
   EXPECT_EQ(attend(req).error_code(), grpc::StatusCode::NOT_FOUND);
