@@ -502,12 +502,18 @@ bool FinishRow(const Plan& p, int64_t b, int64_t h, int64_t i, int64_t lo, float
 // keys q times the key's codes) that must fit: it is formed before the scale
 // (and an int8 key's scale) is applied.
 absl::Status OverflowError(const Plan& p, int64_t b, int64_t h, int64_t i) {
+  // With a bias, the sum may overflow where q.k alone does not.
+  const char* bias = p.bias_kind == BiasKind::kNone    ? ""
+                     : p.bias_kind == BiasKind::kAlibi ? " and the ALiBi bias added to it"
+                     : p.bias_kind == BiasKind::kT5    ? " and the T5 bias added to it"
+                                                       : " and the bias added to it";
   return absl::UnimplementedError(absl::StrFormat(
       "attention logits for batch %d, head %d, query %d overflow the float range (to +inf or "
       "-inf): q.k is formed in f32 before the scale %g is applied and must stay within "
-      "+-3.4e38 (for int8 keys, q times the key's int8 codes); inputs of this magnitude are "
-      "not supported, reduce the magnitude of q or k",
-      b, h, i, p.scale));
+      "+-3.4e38 (for int8 keys, q times the key's int8 codes)%s%s; inputs of this magnitude are "
+      "not supported, reduce the magnitude of q or k%s",
+      b, h, i, p.scale, *bias ? ", as must the scaled q.k" : "", bias,
+      *bias ? " or of the bias" : ""));
 }
 
 template <typename T>

@@ -686,6 +686,31 @@ TEST_P(AttentionPathDtypeTest, ScaleBeyondFloatRangeIsRejectedOrCorrect) {
   EXPECT_TRUE(AllClose(ToDoubles(r.out.cview()), Reference(c, in).out, c.tol()));
 }
 
+// A T5 table whose entries, added to small logits, overflow f32: the refusal
+// names the bias (it blamed only q and k, whose product was small).
+TEST_P(AttentionPathDtypeTest, ABiasThatOverflowsTheLogitsIsNamed) {
+  Case c = Base();
+  c.batch = 1;
+  c.q_len = 2;
+  c.k_len = 6;
+  c.heads = 2;
+  c.kv_heads = 1;
+  c.causal = true;
+  c.bias = BiasKind::kT5;
+  c.seed = 820;
+  Inputs in = MakeInputs(c);
+  for (int64_t i = 0; i < in.t5_table.num_elements(); ++i) {
+    in.t5_table.data<float>()[i] = std::numeric_limits<float>::max();
+  }
+  SetQueries(in, c, [](int64_t) { return 1e17f; });
+  for (int64_t j = 0; j < c.k_len; ++j)
+    for (int64_t x = 0; x < c.head_dim; ++x) SetElement(in.k, {0, j, 0, x}, 1e17f);
+  const Outputs r = RunAttend(c, in);
+  ASSERT_EQ(r.status.code(), absl::StatusCode::kUnimplemented) << r.status;
+  EXPECT_THAT(std::string(r.status.message()), HasSubstr("the T5 bias added to it"));
+  EXPECT_THAT(std::string(r.status.message()), HasSubstr("or of the bias"));
+}
+
 // Finite q and k whose dot products overflow f32 to -inf for every key of a
 // row (q = 1e20, k = -1e20): the softmax is defined (here uniform), so the
 // row is not a masked one. It was answered with zeros; it is refused as
