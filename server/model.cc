@@ -275,8 +275,9 @@ absl::StatusOr<json> ParseJson(absl::string_view text, absl::string_view file,
 // config.json.
 
 // Reads typed keys of one JSON object; `prefix` ("rope_scaling.") makes
-// messages name the full key. Absent and null keys read as std::nullopt, as
-// transformers treats them.
+// messages name the full key. Absent keys read as std::nullopt; a null one
+// is refused by the typed reads unless the caller gives it a meaning
+// (`null_ok`). Find/Has treat null as absent.
 class KeyReader {
  public:
   KeyReader(const json& obj, absl::string_view file, absl::string_view prefix)
@@ -307,8 +308,16 @@ class KeyReader {
 
   // A positive integer (at most 2^31 - 1). Floats such as 64.0 are refused:
   // no real config writes them, and accepting them would hide a typo.
-  absl::StatusOr<std::optional<int64_t>> PositiveInt(absl::string_view key) const {
-    const json* v = Find(key);
+  //
+  // null is Python's None. Every typed read refuses it (INVALID_ARGUMENT
+  // naming the key: transformers carries None into the model, which fails
+  // or computes something else than the default) unless the caller passes
+  // `null_ok`, where the family's transformers code gives None a meaning;
+  // the caller then reads std::nullopt and follows that meaning
+  // (docs/checkpoints.md lists the keys).
+  absl::StatusOr<std::optional<int64_t>> PositiveInt(absl::string_view key,
+                                                     bool null_ok = false) const {
+    RA_ASSIGN_OR_RETURN(const json* v, Value(key, null_ok));
     if (v == nullptr) return std::nullopt;
     if (!v->is_number_integer()) return TypeError(key, "a positive integer", *v);
     if (v->is_number_unsigned()) {
@@ -320,11 +329,12 @@ class KeyReader {
     }
     return TypeError(key, "a positive integer", *v);
   }
-  // The first of `keys` present (aliases such as hidden_size / n_embd).
+  // The first of `keys` written (aliases such as hidden_size / n_embd); a
+  // null one is refused, not skipped.
   absl::StatusOr<std::optional<int64_t>> PositiveIntOf(
       std::initializer_list<absl::string_view> keys) const {
     for (absl::string_view key : keys) {
-      if (Has(key)) return PositiveInt(key);
+      if (Present(key)) return PositiveInt(key);
     }
     return std::nullopt;
   }
@@ -339,34 +349,50 @@ class KeyReader {
     return *v;
   }
   // An integer >= 0 (at most 2^31 - 1).
-  absl::StatusOr<std::optional<int64_t>> NonNegativeInt(absl::string_view key) const {
-    const json* v = Find(key);
+  absl::StatusOr<std::optional<int64_t>> NonNegativeInt(absl::string_view key,
+                                                        bool null_ok = false) const {
+    RA_ASSIGN_OR_RETURN(const json* v, Value(key, null_ok));
     if (v == nullptr) return std::nullopt;
     if (v->is_number_unsigned() && v->get<uint64_t>() <= static_cast<uint64_t>(kMaxConfigInt)) {
       return static_cast<int64_t>(v->get<uint64_t>());
     }
     return TypeError(key, absl::StrCat("an integer in [0, ", kMaxConfigInt, "]"), *v);
   }
-  absl::StatusOr<std::optional<double>> Number(absl::string_view key) const {
-    const json* v = Find(key);
+  absl::StatusOr<std::optional<double>> Number(absl::string_view key, bool null_ok = false) const {
+    RA_ASSIGN_OR_RETURN(const json* v, Value(key, null_ok));
     if (v == nullptr) return std::nullopt;
     if (!v->is_number()) return TypeError(key, "a number", *v);
     return v->get<double>();
   }
-  absl::StatusOr<std::optional<std::string>> String(absl::string_view key) const {
-    const json* v = Find(key);
+  absl::StatusOr<std::optional<std::string>> String(absl::string_view key,
+                                                    bool null_ok = false) const {
+    RA_ASSIGN_OR_RETURN(const json* v, Value(key, null_ok));
     if (v == nullptr) return std::nullopt;
     if (!v->is_string()) return TypeError(key, "a string", *v);
     return v->get<std::string>();
   }
-  absl::StatusOr<std::optional<bool>> Bool(absl::string_view key) const {
-    const json* v = Find(key);
-    if (v == nullptr) return std::nullopt;
+  // A flag. `null_ok`: None is falsy wherever transformers tests the flag
+  // (`if config.x`, `nn.Linear(bias=None)`), so null reads as false, not as
+  // the default.
+  absl::StatusOr<std::optional<bool>> Bool(absl::string_view key, bool null_ok = false) const {
+    RA_ASSIGN_OR_RETURN(const json* v, Value(key, null_ok));
+    if (v == nullptr) {
+      if (Present(key)) return false;
+      return std::nullopt;
+    }
     if (!v->is_boolean()) return TypeError(key, "true or false", *v);
     return v->get<bool>();
   }
-  absl::StatusOr<std::optional<std::vector<double>>> NumberArray(absl::string_view key) const {
-    const json* v = Find(key);
+  // The refusal of a null the caller checks itself.
+  absl::Status NullError(absl::string_view key) const {
+    return Error(key, "is null: transformers has no None meaning for it (None is carried into "
+                      "the model, which fails); write a value or leave the key out");
+  }
+  // Whether the key is written as null.
+  bool IsNull(absl::string_view key) const { return Present(key) && !Has(key); }
+  absl::StatusOr<std::optional<std::vector<double>>> NumberArray(absl::string_view key,
+                                                                 bool null_ok = false) const {
+    RA_ASSIGN_OR_RETURN(const json* v, Value(key, null_ok));
     if (v == nullptr) return std::nullopt;
     if (!v->is_array()) return TypeError(key, "an array of numbers", *v);
     std::vector<double> out;
@@ -382,6 +408,18 @@ class KeyReader {
   }
 
  private:
+  // The key's value: nullptr when absent, or null and `null_ok`; a null
+  // otherwise is refused.
+  absl::StatusOr<const json*> Value(absl::string_view key, bool null_ok) const {
+    auto it = obj_.find(std::string(key));
+    if (it == obj_.end()) return nullptr;
+    if (it->is_null()) {
+      if (null_ok) return nullptr;
+      return NullError(key);
+    }
+    return &*it;
+  }
+
   const json& obj_;
   absl::string_view file_;
   std::string prefix_;
@@ -493,7 +531,7 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   // Base: rope_theta (inside the block in newer transformers), else the top
   // level's, else the family's default. GPT-NeoX names it rotary_emb_base
   // and never reads a top-level rope_theta (GPTNeoXConfig).
-  RA_ASSIGN_OR_RETURN(std::optional<double> theta, s.Number("rope_theta"));
+  RA_ASSIGN_OR_RETURN(std::optional<double> theta, s.Number("rope_theta", /*null_ok=*/true));
   // A null base in the block is None in transformers 5 (setdefault keeps
   // it), which fails; GPT-J never reads it.
   if (block != nullptr && family != Family::kGptJ && s.Present("rope_theta") &&
@@ -516,7 +554,9 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
     }
     theta = effective_base;
   } else if (!theta.has_value()) {
-    RA_ASSIGN_OR_RETURN(theta, top.Number(top_theta_key));
+    // A null top-level base was refused with the class default in its
+    // message (ParseModelConfig), except GPT-J's, which is never read.
+    RA_ASSIGN_OR_RETURN(theta, top.Number(top_theta_key, /*null_ok=*/true));
   }
   rope.theta = theta.value_or(theta_default);
 
@@ -525,8 +565,12 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   // (default 0.25) of each head, half-split.
   rope.layout = family == Family::kGptJ ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit;
   rope.rotary_dim = config.head_dim;
-  RA_ASSIGN_OR_RETURN(std::optional<double> partial, s.Number("partial_rotary_factor"));
-  RA_ASSIGN_OR_RETURN(std::optional<double> top_partial, top.Number("partial_rotary_factor"));
+  // GPT-J never reads a partial_rotary_factor (null included).
+  const bool partial_unread = family == Family::kGptJ;
+  RA_ASSIGN_OR_RETURN(std::optional<double> partial,
+                      s.Number("partial_rotary_factor", partial_unread));
+  RA_ASSIGN_OR_RETURN(std::optional<double> top_partial,
+                      top.Number("partial_rotary_factor", partial_unread));
   const KeyReader* partial_reader = &s;
   if (partial.has_value() && top_partial.has_value() && *partial != *top_partial) {
     // transformers 5 moves the top-level value into the block when building
@@ -562,7 +606,7 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
                                               from_block ? "partial_rotary_factor" : "rotary_pct",
                                               *partial, config.head_dim, family));
   } else if (family == Family::kGptJ) {
-    RA_ASSIGN_OR_RETURN(std::optional<int64_t> rotary_dim, top.PositiveInt("rotary_dim"));
+    RA_ASSIGN_OR_RETURN(std::optional<int64_t> rotary_dim, top.PositiveInt("rotary_dim", /*null_ok=*/true));
     // An explicit null rotates the whole head; absent means 64.
     if (!rotary_dim.has_value() && top.Present("rotary_dim") && config.num_heads > 1) {
       // transformers' GPT-J then builds cos/sin as wide as the hidden size
@@ -624,7 +668,10 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
     return s.Error("rope_type", "is missing (a factor is given but no rule)");
   }
 
-  RA_ASSIGN_OR_RETURN(std::optional<double> factor, s.Number("factor"));
+  // Every rule but default reads the factor; None fails in them
+  // (`inv_freq / None`, `get_mscale(None)`).
+  RA_ASSIGN_OR_RETURN(std::optional<double> factor, s.Number("factor", /*null_ok=*/true));
+  if (sc.type != RopeScalingType::kDefault && s.IsNull("factor")) return s.NullError("factor");
   // The trained length. Phi3Config always has a top-level one (default
   // 4096), so a Phi-3 block's is never read. Elsewhere transformers 5's
   // standardize_rope_params writes a top-level one over the block's (and
@@ -641,7 +688,12 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
         sc.type == RopeScalingType::kYarn || sc.type == RopeScalingType::kLlama3;
     std::optional<int64_t> block_l0;
     if (!l0.has_value() || yarn_or_llama3) {
-      RA_ASSIGN_OR_RETURN(block_l0, s.PositiveInt("original_max_position_embeddings"));
+      RA_ASSIGN_OR_RETURN(block_l0,
+                          s.PositiveInt("original_max_position_embeddings", /*null_ok=*/true));
+      if ((yarn_or_llama3 || sc.type == RopeScalingType::kLongRope) &&
+          s.IsNull("original_max_position_embeddings")) {
+        return s.NullError("original_max_position_embeddings");
+      }
     }
     if (yarn_or_llama3 && l0.has_value() && block_l0.has_value() && *l0 != *block_l0) {
       return absl::UnimplementedError(absl::StrFormat(
@@ -699,26 +751,36 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   if (factor.has_value()) sc.factor = *factor;
   if (l0.has_value()) sc.original_max_positions = *l0;
 
-  RA_ASSIGN_OR_RETURN(std::optional<double> beta_fast, s.Number("beta_fast"));
-  RA_ASSIGN_OR_RETURN(std::optional<double> beta_slow, s.Number("beta_slow"));
-  // transformers: `rope_scaling.get("beta_fast") or 32`, so 0 means the default.
+  // transformers: `rope_scaling.get("beta_fast") or 32`, so 0 and null mean
+  // the default.
+  RA_ASSIGN_OR_RETURN(std::optional<double> beta_fast, s.Number("beta_fast", /*null_ok=*/true));
+  RA_ASSIGN_OR_RETURN(std::optional<double> beta_slow, s.Number("beta_slow", /*null_ok=*/true));
   if (beta_fast.has_value() && *beta_fast != 0.0) sc.beta_fast = *beta_fast;
   if (beta_slow.has_value() && *beta_slow != 0.0) sc.beta_slow = *beta_slow;
   if (sc.type == RopeScalingType::kYarn) {
-    // truncate: false keeps the correction range's bounds fractional.
-    RA_ASSIGN_OR_RETURN(std::optional<bool> truncate, s.Bool("truncate"));
+    // truncate: false keeps the correction range's bounds fractional; so
+    // does null (`if truncate:` on `get("truncate", True)`, None).
+    RA_ASSIGN_OR_RETURN(std::optional<bool> truncate, s.Bool("truncate", /*null_ok=*/true));
     sc.truncate = truncate.value_or(true);
   }
-  RA_ASSIGN_OR_RETURN(sc.attention_factor, s.Number("attention_factor"));
-  RA_ASSIGN_OR_RETURN(sc.mscale, s.Number("mscale"));
-  RA_ASSIGN_OR_RETURN(sc.mscale_all_dim, s.Number("mscale_all_dim"));
+  // Read with `.get(...)`: None is the absent default.
+  RA_ASSIGN_OR_RETURN(sc.attention_factor, s.Number("attention_factor", /*null_ok=*/true));
+  RA_ASSIGN_OR_RETURN(sc.mscale, s.Number("mscale", /*null_ok=*/true));
+  RA_ASSIGN_OR_RETURN(sc.mscale_all_dim, s.Number("mscale_all_dim", /*null_ok=*/true));
+  // Read only by the rules that index them (a null there fails).
   RA_ASSIGN_OR_RETURN(std::optional<std::vector<double>> short_factor,
-                      s.NumberArray("short_factor"));
-  RA_ASSIGN_OR_RETURN(std::optional<std::vector<double>> long_factor, s.NumberArray("long_factor"));
+                      s.NumberArray("short_factor", /*null_ok=*/true));
+  RA_ASSIGN_OR_RETURN(std::optional<std::vector<double>> long_factor,
+                      s.NumberArray("long_factor", /*null_ok=*/true));
+  if (sc.type == RopeScalingType::kLongRope) {
+    for (const char* key : {"short_factor", "long_factor"}) {
+      if (s.IsNull(key)) return s.NullError(key);
+    }
+  }
   if (short_factor.has_value()) sc.short_factor = std::move(*short_factor);
   if (long_factor.has_value()) sc.long_factor = std::move(*long_factor);
-  RA_ASSIGN_OR_RETURN(std::optional<double> low, s.Number("low_freq_factor"));
-  RA_ASSIGN_OR_RETURN(std::optional<double> high, s.Number("high_freq_factor"));
+  RA_ASSIGN_OR_RETURN(std::optional<double> low, s.Number("low_freq_factor", /*null_ok=*/true));
+  RA_ASSIGN_OR_RETURN(std::optional<double> high, s.Number("high_freq_factor", /*null_ok=*/true));
   if (low.has_value()) sc.low_freq_factor = *low;
   if (high.has_value()) sc.high_freq_factor = *high;
   if (sc.type == RopeScalingType::kLlama3) {
@@ -726,6 +788,7 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
     for (const auto& [key, value] : {std::pair<const char*, const std::optional<double>*>{
                                          "low_freq_factor", &low},
                                      {"high_freq_factor", &high}}) {
+      if (s.IsNull(key)) return s.NullError(key);
       if (!value->has_value()) {
         return s.Error(key, "is required by rope_type llama3 (transformers has no default)");
       }
@@ -793,6 +856,8 @@ absl::Status ResolveGemma3Rope(const KeyReader& top, ModelConfig& config,
   const json* sliding = keyed ? p.Find("sliding_attention") : nullptr;
   for (const auto& [name, b] : {std::pair<const char*, const json*>{"full_attention", full},
                                 {"sliding_attention", sliding}}) {
+    // A null block is None where transformers 5 expects a dict.
+    if (p.IsNull(name)) return p.NullError(name);
     if (b != nullptr && !b->is_object()) return p.TypeError(name, "an object", *b);
   }
   const bool scaling_given = scaling != nullptr && !scaling->empty();
@@ -871,7 +936,7 @@ absl::Status ResolveGemma3Rope(const KeyReader& top, ModelConfig& config,
 // for None).
 absl::StatusOr<int64_t> WindowKey(const KeyReader& top, int64_t absent_default) {
   if (!top.Present("sliding_window")) return absent_default;
-  RA_ASSIGN_OR_RETURN(std::optional<int64_t> w, top.PositiveInt("sliding_window"));
+  RA_ASSIGN_OR_RETURN(std::optional<int64_t> w, top.PositiveInt("sliding_window", /*null_ok=*/true));
   return w.value_or(0);
 }
 
@@ -896,7 +961,7 @@ absl::Status ResolveLayers(const KeyReader& top, ModelConfig& c) {
     }
     case Family::kQwen2:
     case Family::kQwen3: {
-      RA_ASSIGN_OR_RETURN(std::optional<bool> use, top.Bool("use_sliding_window"));
+      RA_ASSIGN_OR_RETURN(std::optional<bool> use, top.Bool("use_sliding_window", /*null_ok=*/true));
       if (use.value_or(false)) {
         RA_ASSIGN_OR_RETURN(window, WindowKey(top, 4096));
       }
@@ -906,7 +971,14 @@ absl::Status ResolveLayers(const KeyReader& top, ModelConfig& c) {
         reads_layer_types = false;
         break;
       }
-      RA_ASSIGN_OR_RETURN(std::optional<int64_t> first, top.NonNegativeInt("max_window_layers"));
+      // Compared with layer indices only when a window is in use (null
+      // fails there; Qwen2Config's `sliding_window is not None and ...`
+      // never reaches it otherwise).
+      RA_ASSIGN_OR_RETURN(std::optional<int64_t> first,
+                          top.NonNegativeInt("max_window_layers", /*null_ok=*/true));
+      if (window > 0 && top.IsNull("max_window_layers")) {
+        return top.NullError("max_window_layers");
+      }
       const int64_t bound = first.value_or(28);
       for (int64_t i = 0; i < c.num_layers; ++i) {
         // Qwen2MoeConfig: even layers below max_window_layers; Qwen2 and
@@ -1134,6 +1206,21 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
         }
       }
     }
+    // PretrainedConfig keeps pruned_heads and transformers 4 prunes those
+    // heads when it builds the model (BERT; other classes raise): an
+    // attention with fewer heads than num_attention_heads says, which this
+    // server does not compute. An empty object prunes nothing; null fails
+    // (from_dict converts its keys).
+    if (top.Present("pruned_heads")) {
+      const json& pruned = root.at("pruned_heads");
+      if (pruned.is_null()) return top.NullError("pruned_heads");
+      if (!pruned.is_object()) return top.TypeError("pruned_heads", "an object", pruned);
+      if (!pruned.empty()) {
+        return Refuse(file_name, "pruned_heads", pruned,
+                      "pruned attention heads are not served (transformers removes them from the "
+                      "layers it builds)");
+      }
+    }
     if (const json* q = top.Find("quantization_config"); q != nullptr) {
       return Refuse(file_name, "quantization_config", *q,
                     "quantized weights are not served (F32, BF16 and F16 only)");
@@ -1141,7 +1228,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
 
     int64_t kv = config.num_heads;
     if (row->reads_kv_heads) {
-      RA_ASSIGN_OR_RETURN(std::optional<int64_t> kv_heads, top.PositiveInt("num_key_value_heads"));
+      RA_ASSIGN_OR_RETURN(std::optional<int64_t> kv_heads, top.PositiveInt("num_key_value_heads", /*null_ok=*/true));
       if (kv_heads.has_value()) {
         kv = *kv_heads;
       } else if (row->default_kv_heads != 0 && !top.Present("num_key_value_heads")) {
@@ -1156,7 +1243,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
     }
     std::optional<int64_t> head_dim;
     if (row->reads_head_dim) {
-      RA_ASSIGN_OR_RETURN(head_dim, top.PositiveInt("head_dim"));
+      RA_ASSIGN_OR_RETURN(head_dim, top.PositiveInt("head_dim", /*null_ok=*/true));
       if (!head_dim.has_value() && row->default_head_dim != 0 && !top.Present("head_dim")) {
         head_dim = row->default_head_dim;
       }
@@ -1179,9 +1266,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
       case Family::kGptNeoX:
       case Family::kBert: {
         // Qwen2: q/k/v always; Qwen2-MoE: qkv_bias, default true; GPT-NeoX:
-        // attention_bias, default true; BERT: always.
-        RA_ASSIGN_OR_RETURN(std::optional<bool> bias, top.Bool("attention_bias"));
-        RA_ASSIGN_OR_RETURN(std::optional<bool> qkv_bias, top.Bool("qkv_bias"));
+        // attention_bias, default true; BERT: always. A null flag is no bias
+        // (nn.Linear(bias=None)).
+        RA_ASSIGN_OR_RETURN(std::optional<bool> bias, top.Bool("attention_bias", /*null_ok=*/true));
+        RA_ASSIGN_OR_RETURN(std::optional<bool> qkv_bias, top.Bool("qkv_bias", /*null_ok=*/true));
         config.attention_bias = family == Family::kGptNeoX ? bias.value_or(true)
                                 : config.model_type == "qwen2_moe" ? qkv_bias.value_or(true)
                                                                    : true;
@@ -1193,7 +1281,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
         config.attention_bias = false;  // the projections have no bias parameter
         break;
       default: {
-        RA_ASSIGN_OR_RETURN(std::optional<bool> bias, top.Bool("attention_bias"));
+        RA_ASSIGN_OR_RETURN(std::optional<bool> bias, top.Bool("attention_bias", /*null_ok=*/true));
         config.attention_bias = bias.value_or(false);
         break;
       }
@@ -1215,7 +1303,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
                                          scalar));
       }
       config.scale = std::pow(scalar, -0.5);
-      RA_ASSIGN_OR_RETURN(std::optional<double> cap, top.Number("attn_logit_softcapping"));
+      RA_ASSIGN_OR_RETURN(std::optional<double> cap, top.Number("attn_logit_softcapping", /*null_ok=*/true));
       if (family == Family::kGemma2 && !cap.has_value() &&
           !top.Present("attn_logit_softcapping")) {
         cap = 50.0;
@@ -1229,7 +1317,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
         config.softcap = *cap;
       }
       RA_ASSIGN_OR_RETURN(std::optional<bool> bidirectional,
-                          top.Bool("use_bidirectional_attention"));
+                          top.Bool("use_bidirectional_attention", /*null_ok=*/true));
       if (bidirectional.value_or(false)) {
         return Refuse(file_name, "use_bidirectional_attention", *top.Find(
                                                                     "use_bidirectional_attention"),
@@ -1253,6 +1341,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
     if (family == Family::kBert) {
       config.causal = false;
       config.positions = PositionKind::kLearned;
+      if (top.IsNull("position_embedding_type")) {
+        // transformers 4's BertEmbeddings reads getattr(config,
+        // "position_embedding_type", "absolute"), None, and adds no position
+        // embeddings; transformers 5 removed the key and always adds them.
+        return absl::UnimplementedError(absl::StrCat(
+            file_name, ": key position_embedding_type = null is not supported: transformers 4's "
+                       "BERT then adds no position embeddings, transformers 5 absolute ones; "
+                       "write \"absolute\" or leave the key out"));
+      }
       RA_ASSIGN_OR_RETURN(std::optional<std::string> pos_type,
                           top.String("position_embedding_type"));
       if (pos_type.has_value() && *pos_type != "absolute") {
@@ -1260,7 +1357,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
             absl::StrCat(file_name, ": key position_embedding_type \"", pos_type->substr(0, 64),
                          "\" is not supported (absolute only)"));
       }
-      RA_ASSIGN_OR_RETURN(std::optional<bool> decoder, top.Bool("is_decoder"));
+      RA_ASSIGN_OR_RETURN(std::optional<bool> decoder, top.Bool("is_decoder", /*null_ok=*/true));
       if (decoder.value_or(false)) {
         return Refuse(file_name, "is_decoder", *top.Find("is_decoder"),
                       "BERT is served as the bidirectional encoder only");

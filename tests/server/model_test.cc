@@ -702,6 +702,34 @@ TEST(ParseModelConfigTest, BertIsLearnedAbsolute) {
   EXPECT_FALSE(c->rope.has_value());
 }
 
+// transformers 4 adds no position embeddings for a null
+// position_embedding_type (getattr gives None), transformers 5 always adds
+// them: not one answer.
+TEST(ParseModelConfigTest, BertNullPositionEmbeddingTypeIsUnimplemented) {
+  ExpectConfigError(R"({"model_type": "bert", "hidden_size": 32, "num_attention_heads": 4,
+      "num_hidden_layers": 1, "vocab_size": 10, "position_embedding_type": null})",
+                    absl::StatusCode::kUnimplemented, {"key position_embedding_type", "null"});
+}
+
+// pruned_heads makes transformers build layers with fewer heads than
+// num_attention_heads: refused naming the key, in every family; {} prunes
+// nothing.
+TEST(ParseModelConfigTest, PrunedHeadsAreRefused) {
+  using C = absl::StatusCode;
+  const std::string bert = R"("model_type": "bert", "hidden_size": 32, "num_attention_heads": 4,
+      "num_hidden_layers": 1, "vocab_size": 10)";
+  ExpectConfigError(absl::StrCat("{", bert, R"(, "pruned_heads": {"0": [1]}})"),
+                    C::kUnimplemented, {"key pruned_heads", "\"0\""});
+  ExpectConfigError(TinyConfig({}, R"(, "pruned_heads": {"1": [0, 2]})"), C::kUnimplemented,
+                    {"key pruned_heads"});
+  ExpectConfigError(absl::StrCat("{", bert, R"(, "pruned_heads": null})"), C::kInvalidArgument,
+                    {"key pruned_heads", "null"});
+  ExpectConfigError(absl::StrCat("{", bert, R"(, "pruned_heads": [1]})"), C::kInvalidArgument,
+                    {"key pruned_heads"});
+  EXPECT_TRUE(ParseModelConfig(absl::StrCat("{", bert, R"(, "pruned_heads": {}})"), "config.json")
+                  .ok());
+}
+
 // Each config class's own rope_theta and max_position_embeddings when the
 // file omits them: Mixtral shares Mistral's attention but MixtralConfig
 // defaults rope_theta to 1e6 (and sliding_window to None).
@@ -1179,6 +1207,56 @@ TEST(ParseModelConfigTest, NullIsRefusedWhereTransformersHasNoNoneMeaning) {
                     C::kInvalidArgument, {"key query_pre_attn_scalar", "null"});
   ExpectConfigError(cfg("gemma3_text", R"(, "head_dim": 16, "rope_local_base_freq": null)"),
                     C::kInvalidArgument, {"key rope_local_base_freq", "null"});
+  // Keys that were read with the class default before (every typed read
+  // now refuses null unless the family's transformers code gives None a
+  // meaning).
+  const std::string bert = R"("model_type": "bert", "hidden_size": 32, "num_attention_heads": 4,
+      "num_hidden_layers": 1, "vocab_size": 10, "max_position_embeddings": 64)";
+  ExpectConfigError(absl::StrCat("{", bert, R"(, "layer_norm_eps": null})"), C::kInvalidArgument,
+                    {"key layer_norm_eps", "null"});
+  ExpectConfigError(absl::StrCat("{", bert, R"(, "type_vocab_size": null})"),
+                    C::kInvalidArgument, {"key type_vocab_size", "null"});
+  ExpectConfigError(cfg("gemma3_text", R"(, "head_dim": 16, "sliding_window_pattern": null)"),
+                    C::kInvalidArgument, {"key sliding_window_pattern", "null"});
+  ExpectConfigError(cfg("qwen2", R"(, "use_sliding_window": true, "sliding_window": 4,
+                        "max_window_layers": null)"),
+                    C::kInvalidArgument, {"key max_window_layers", "null"});
+  ExpectConfigError(cfg("phi3", R"(, "partial_rotary_factor": null)"), C::kInvalidArgument,
+                    {"key partial_rotary_factor", "null"});
+  ExpectConfigError(cfg("phi3", R"(, "max_position_embeddings": 8192,
+                        "original_max_position_embeddings": null, "rope_scaling": {
+                        "type": "longrope", "short_factor": [1, 1, 1, 1, 1, 1, 1, 1],
+                        "long_factor": [2, 2, 2, 2, 2, 2, 2, 2]})"),
+                    C::kInvalidArgument, {"key original_max_position_embeddings", "null"});
+  ExpectConfigError(cfg("llama", R"(, "partial_rotary_factor": null)"), C::kInvalidArgument,
+                    {"key partial_rotary_factor", "null"});
+  ExpectConfigError(R"({"model_type": null, "hidden_size": 64, "num_attention_heads": 4,
+                        "num_hidden_layers": 1, "vocab_size": 16})",
+                    C::kInvalidArgument, {"key model_type", "null"});
+  ExpectConfigError(cfg("llama", R"(, "max_position_embeddings": null)"), C::kInvalidArgument,
+                    {"key max_position_embeddings"});
+  // A null long name is not skipped for its short alias (GPT-J maps one onto
+  // the other, so the null would win in transformers).
+  ExpectConfigError(R"({"model_type": "gptj", "hidden_size": null, "n_embd": 64, "n_head": 4,
+                        "n_layer": 1, "vocab_size": 8, "rotary_dim": 4})",
+                    C::kInvalidArgument, {"key hidden_size", "null"});
+  ExpectConfigError(cfg("llama", R"(, "rope_scaling": {"rope_type": "linear", "factor": null})"),
+                    C::kInvalidArgument, {"rope_scaling.factor", "null"});
+  ExpectConfigError(cfg("llama", R"(, "rope_scaling": {"rope_type": null, "factor": 2.0})"),
+                    C::kInvalidArgument, {"rope_scaling.rope_type", "null"});
+  ExpectConfigError(cfg("llama", R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                        "original_max_position_embeddings": 32, "low_freq_factor": null,
+                        "high_freq_factor": 4.0})"),
+                    C::kInvalidArgument, {"rope_scaling.low_freq_factor", "null"});
+  ExpectConfigError(cfg("llama", R"(, "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                        "original_max_position_embeddings": null})"),
+                    C::kInvalidArgument, {"rope_scaling.original_max_position_embeddings", "null"});
+  ExpectConfigError(cfg("phi3", R"(, "rope_scaling": {"type": "longrope", "short_factor": null,
+                        "long_factor": [2, 2, 2, 2, 2, 2, 2, 2]})"),
+                    C::kInvalidArgument, {"rope_scaling.short_factor", "null"});
+  ExpectConfigError(cfg("gemma3_text", R"(, "head_dim": 16,
+                        "rope_parameters": {"full_attention": null})"),
+                    C::kInvalidArgument, {"rope_parameters.full_attention", "null"});
   // None has a meaning: kept.
   absl::StatusOr<ModelConfig> c = ParseModelConfig(
       R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
@@ -1198,6 +1276,35 @@ TEST(ParseModelConfigTest, NullIsRefusedWhereTransformersHasNoNoneMeaning) {
     EXPECT_EQ(c->num_kv_heads, 4) << type;
   }
   c = ParseModelConfig(cfg("gemma2", R"(, "head_dim": 16, "attn_logit_softcapping": null)"),
+                       "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  // A null flag is falsy where transformers tests it: no bias
+  // (nn.Linear(bias=None)) even where the default is true, no truncation,
+  // no window.
+  c = ParseModelConfig(R"({"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4,
+                           "num_hidden_layers": 1, "vocab_size": 16, "attention_bias": null})",
+                       "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->attention_bias);
+  c = ParseModelConfig(cfg("qwen2_moe", R"(, "qkv_bias": null)"), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->attention_bias);
+  c = ParseModelConfig(cfg("llama", R"(, "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                           "truncate": null, "beta_fast": null, "attention_factor": null})"),
+                       "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->rope->scaling.truncate);
+  EXPECT_EQ(c->rope->scaling.beta_fast, RopeScaling{}.beta_fast);
+  EXPECT_FALSE(c->rope->scaling.attention_factor.has_value());
+  // max_window_layers is never compared without a window.
+  c = ParseModelConfig(cfg("qwen2", R"(, "use_sliding_window": null, "max_window_layers": null)"),
+                       "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->layers[0].window, 0);
+  // GPT-J never reads partial_rotary_factor: null there is ignored.
+  c = ParseModelConfig(R"({"model_type": "gptj", "n_embd": 64, "n_head": 4, "n_layer": 1,
+                           "n_positions": 32, "rotary_dim": 4, "vocab_size": 8,
+                           "partial_rotary_factor": null})",
                        "config.json");
   ASSERT_TRUE(c.ok()) << c.status();
   // GPT-J never reads rope_theta: null there is ignored.
