@@ -248,6 +248,14 @@ absl::StatusOr<json> ParseJson(absl::string_view text, absl::string_view file,
     }
     return true;
   };
+  // JSON never holds a raw NUL (in a string it is written \u0000), but the
+  // parser stops at one: "<json>\0garbage" would parse as <json>. A
+  // safetensors header is padded with spaces only.
+  if (const size_t nul = text.find('\0'); nul != absl::string_view::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(file, ": invalid JSON",
+                                                   what.empty() ? "" : " in ", what,
+                                                   ": a NUL byte at offset ", nul));
+  }
   if (NestsTooDeep(text)) {
     return absl::InvalidArgumentError(absl::StrCat(file, ": invalid JSON",
                                                    what.empty() ? "" : " in ", what,

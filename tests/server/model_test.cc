@@ -1773,6 +1773,15 @@ TEST(ModelLoadErrorTest, InvalidHeaderJson) {
   ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
                   {"model.safetensors", "invalid JSON in header"});
 
+  // The parser stops at a NUL: what follows it must not be ignored (the
+  // format pads with spaces only).
+  WriteFileOrDie(dir.File("model.safetensors"),
+                 SafetensorsFromHeader(SafetensorsHeaderJson(TinyTensors(), "") +
+                                           std::string("\0 not JSON {{{ ]]]", 18),
+                                       ""));
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", "invalid JSON in header", "NUL"});
+
   WriteFileOrDie(dir.File("model.safetensors"), SafetensorsFromHeader("[1, 2]", ""));
   ExpectLoadError(dir, absl::StatusCode::kInvalidArgument, {"model.safetensors", "object"});
 
