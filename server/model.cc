@@ -1780,9 +1780,11 @@ class WeightBinder {
   }
 
   absl::Status Missing(const std::string& name) const {
-    if (KnownNaming()) {
-      return absl::NotFoundError(
-          absl::StrCat(source_name_, ": tensor ", name, " not found in the checkpoint"));
+    if (KnownNaming() || table_.empty()) {
+      // A checkpoint without any tensor is missing them, whatever its naming.
+      return absl::NotFoundError(absl::StrCat(source_name_, ": tensor ", name,
+                                              " not found in the checkpoint",
+                                              table_.empty() ? " (it holds no tensors)" : ""));
     }
     // Hostile headers can hold millions of names: look at a bounded number.
     constexpr int kMaxCandidates = 100000;

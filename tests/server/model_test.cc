@@ -1661,6 +1661,14 @@ TEST(ModelLoadTest, ShardedIndexErrors) {
     EXPECT_EQ(st.code(), absl::StatusCode::kNotFound);
     EXPECT_THAT(st.message(), HasSubstr("model.norm.weight"));
   }
+  {  // No tensors at all: missing ones, NOT_FOUND as any other missing tensor.
+    WriteIndex(dir, {});
+    absl::Status st = LoadStatus(dir);
+    EXPECT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
+    EXPECT_THAT(st.message(), AllOf(HasSubstr("model.safetensors.index.json"),
+                                    HasSubstr("model.embed_tokens.weight"),
+                                    HasSubstr("no tensors")));
+  }
   {
     WriteFileOrDie(dir.File("model.safetensors.index.json"), R"({"weight_map": [1]})");
     absl::Status st = LoadStatus(dir);
