@@ -1431,16 +1431,19 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
 
 namespace {
 
-// Bytes per element of every safetensors dtype, so that a tensor the model
-// does not use is still bounds-checked; only F32, BF16 and F16 load.
-int DtypeBytes(absl::string_view dtype) {
-  if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
-  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
-  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
+// Bits per element of every safetensors dtype (F4 and F6 pack elements
+// below a byte), so that a tensor the model does not use is still
+// bounds-checked; only F32, BF16 and F16 load. 0: not a safetensors dtype.
+int DtypeBits(absl::string_view dtype) {
+  if (dtype == "F64" || dtype == "I64" || dtype == "U64" || dtype == "C64") return 64;
+  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 32;
+  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 16;
   if (dtype == "I8" || dtype == "U8" || dtype == "BOOL" || dtype == "F8_E4M3" ||
-      dtype == "F8_E5M2") {
-    return 1;
+      dtype == "F8_E5M2" || dtype == "F8_E8M0") {
+    return 8;
   }
+  if (dtype == "F6_E2M3" || dtype == "F6_E3M2") return 6;
+  if (dtype == "F4") return 4;
   return 0;
 }
 
@@ -1519,8 +1522,8 @@ absl::Status IndexSafetensorsBytes(absl::string_view bytes, const std::string& f
       TensorRecord rec;
       rec.file = file;
       rec.dtype = dtype_it->get<std::string>();
-      const int elem = DtypeBytes(rec.dtype);
-      if (elem == 0) return bad(absl::StrCat("unknown dtype ", rec.dtype));
+      const int bits = DtypeBits(rec.dtype);
+      if (bits == 0) return bad(absl::StrCat("unknown dtype ", rec.dtype));
       for (const json& d : *shape_it) {
         if (!d.is_number_unsigned() ||
             d.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
@@ -1542,12 +1545,24 @@ absl::Status IndexSafetensorsBytes(absl::string_view bytes, const std::string& f
             "%s: tensor %s has data_offsets [%d, %d] outside the data buffer of %d bytes", fname,
             name, begin, end, buffer_size));
       }
-      // n <= 2^60 and elem <= 8, but compare by division so no product can wrap.
+      // As the reference loader: n * bits must be whole bytes, and exactly
+      // the span (128-bit products: n < 2^63 and bits <= 64 cannot wrap).
       const uint64_t span = end - begin;
-      if (span % elem != 0 || span / elem != static_cast<uint64_t>(*n)) {
+      const unsigned __int128 need_bits =
+          static_cast<unsigned __int128>(static_cast<uint64_t>(*n)) * static_cast<unsigned>(bits);
+      if (need_bits % 8 != 0) {
         return absl::InvalidArgumentError(absl::StrFormat(
-            "%s: tensor %s spans %d bytes, but shape %s of %s needs %d", fname, name, span,
-            DimsToString(rec.shape), rec.dtype, static_cast<uint64_t>(*n) * elem));
+            "%s: tensor %s: shape %s of %s is not a whole number of bytes", fname, name,
+            DimsToString(rec.shape), rec.dtype));
+      }
+      if (need_bits / 8 != span) {
+        const unsigned __int128 need = need_bits / 8;
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: tensor %s spans %d bytes, but shape %s of %s needs %s", fname, name, span,
+            DimsToString(rec.shape), rec.dtype,
+            need > std::numeric_limits<uint64_t>::max()
+                ? std::string("more than 2^64")
+                : absl::StrCat(static_cast<uint64_t>(need))));
       }
       rec.data = buffer + begin;
       rec.num_bytes = static_cast<int64_t>(span);
@@ -1832,8 +1847,12 @@ class WeightBinder {
     const TensorRecord& rec = it->second;
     const std::string& fname = rec.file->name();
     if (rec.dtype != "F32" && rec.dtype != "BF16" && rec.dtype != "F16") {
-      return absl::InvalidArgumentError(absl::StrCat(fname, ": tensor ", name, " has dtype ",
-                                                     rec.dtype, "; supported: F32, BF16, F16"));
+      // A valid safetensors dtype (the index refused any other), which
+      // transformers may load (upcasting F64, say) but this server does not
+      // compute in.
+      return absl::UnimplementedError(absl::StrCat(fname, ": tensor ", name, " has dtype ",
+                                                   rec.dtype, ", which is not supported "
+                                                   "(F32, BF16 and F16 weights are served)"));
     }
     if (rec.shape != expected) {
       return absl::InvalidArgumentError(absl::StrCat(fname, ": tensor ", name, " has shape ",

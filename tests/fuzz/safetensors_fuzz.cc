@@ -71,11 +71,14 @@ void RemoveScratch() {
   }
 }
 
-int64_t DtypeSize(const std::string& dtype) {
-  if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
-  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
-  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
-  return 1;
+// Bits per element (F4 and F6 pack below a byte).
+int64_t DtypeBits(const std::string& dtype) {
+  if (dtype == "F64" || dtype == "I64" || dtype == "U64" || dtype == "C64") return 64;
+  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 32;
+  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 16;
+  if (dtype == "F6_E2M3" || dtype == "F6_E3M2") return 6;
+  if (dtype == "F4") return 4;
+  return 8;
 }
 
 void CheckParsed(absl::string_view bytes, const std::vector<server::SafetensorsTensor>& tensors) {
@@ -92,7 +95,8 @@ void CheckParsed(absl::string_view bytes, const std::vector<server::SafetensorsT
       FUZZ_CHECK(d >= 0, t.name);
       n = SatMul(n, d);
     }
-    FUZZ_CHECK(SatMul(n, DtypeSize(t.dtype)) == t.num_bytes, t.name + ": bytes != shape");
+    FUZZ_CHECK(SatMul(n, DtypeBits(t.dtype)) == SatMul(t.num_bytes, 8),
+               t.name + ": bytes != shape");
     FUZZ_CHECK(t.offset >= data_start, t.name + ": data inside the header");
     FUZZ_CHECK(t.num_bytes >= 0 && t.offset + static_cast<uint64_t>(t.num_bytes) <= bytes.size(),
                t.name + ": data past the end of the file");

@@ -1862,9 +1862,19 @@ TEST(ModelLoadErrorTest, HostileShapesDoNotOverflow) {
 TEST(ModelLoadErrorTest, UnsupportedDtype) {
   TempDir dir;
   std::vector<SafetensorsTensor> tensors = TinyTensors();
+  // Valid safetensors dtypes this server does not compute in: UNIMPLEMENTED
+  // naming the tensor and the dtype.
   Find(tensors, kQ0)->dtype = "I32";  // same element size, so only the dtype is wrong
   WriteCheckpoint(dir, tensors);
-  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument, {"model.safetensors", kQ0, "I32"});
+  ExpectLoadError(dir, absl::StatusCode::kUnimplemented, {"model.safetensors", kQ0, "I32"});
+  {
+    std::vector<SafetensorsTensor> f64 = TinyTensors();
+    SafetensorsTensor* q = Find(f64, kQ0);
+    q->dtype = "F64";
+    q->bytes += q->bytes;  // 8 bytes per element
+    WriteCheckpoint(dir, f64);
+    ExpectLoadError(dir, absl::StatusCode::kUnimplemented, {"model.safetensors", kQ0, "F64"});
+  }
 
   Find(tensors, kQ0)->dtype = "Q4_K";
   WriteCheckpoint(dir, tensors);
@@ -1880,6 +1890,29 @@ TEST(ModelLoadErrorTest, UnusedTensorsOfOtherDtypesAreFine) {
   tensors.push_back({"model.position_ids", "I64", {4}, std::string(32, '\1'), std::nullopt});
   WriteCheckpoint(dir, tensors);
   EXPECT_TRUE(LoadStatus(dir).ok()) << LoadStatus(dir);
+  // Every safetensors dtype, sub-byte ones included (F4: 2 per byte, F6:
+  // 4 per 3 bytes), with byte lengths as the reference loader checks them.
+  tensors.push_back({"extra.f64", "F64", {3}, std::string(24, '\0'), std::nullopt});
+  tensors.push_back({"extra.c64", "C64", {2}, std::string(16, '\0'), std::nullopt});
+  tensors.push_back({"extra.u8", "U8", {3}, std::string(3, '\0'), std::nullopt});
+  tensors.push_back({"extra.bool", "BOOL", {3}, std::string(3, '\1'), std::nullopt});
+  tensors.push_back({"extra.e4m3", "F8_E4M3", {2}, std::string(2, '\0'), std::nullopt});
+  tensors.push_back({"extra.e5m2", "F8_E5M2", {2}, std::string(2, '\0'), std::nullopt});
+  tensors.push_back({"extra.e8m0", "F8_E8M0", {2}, std::string(2, '\0'), std::nullopt});
+  tensors.push_back({"extra.f4", "F4", {2, 3}, std::string(3, '\0'), std::nullopt});
+  tensors.push_back({"extra.f6a", "F6_E2M3", {4}, std::string(3, '\0'), std::nullopt});
+  tensors.push_back({"extra.f6b", "F6_E3M2", {8}, std::string(6, '\0'), std::nullopt});
+  WriteCheckpoint(dir, tensors);
+  EXPECT_TRUE(LoadStatus(dir).ok()) << LoadStatus(dir);
+  // A byte length that does not match is refused, used or not.
+  tensors.push_back({"extra.bad_f4", "F4", {3}, std::string(2, '\0'), std::nullopt});
+  WriteCheckpoint(dir, tensors);
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", "extra.bad_f4", "whole number of bytes"});
+  tensors.back() = {"extra.bad_f64", "F64", {3}, std::string(16, '\0'), std::nullopt};
+  WriteCheckpoint(dir, tensors);
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", "extra.bad_f64", "spans 16 bytes", "needs 24"});
 }
 
 TEST(ModelLoadErrorTest, ShapeNotMatchingConfig) {
