@@ -787,10 +787,17 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     }
     // A step joins whatever other sessions' steps are ready when a worker
     // takes it (AttentionServiceImpl::RunDecodeSteps); the rest run alone.
-    const int64_t compute = std::max<int64_t>(1, op_compute_);
-    // An open or a fork allocates or copies: off gRPC's threads, but not
-    // behind the kernels.
-    Executor* control = service_->control_;
+    const int64_t compute =
+        std::max<int64_t>(1, request_.has_step() ? op_compute_ : op_queue_compute_);
+    // An open or a fork allocates or copies: off gRPC's threads, and, when
+    // small, not behind the kernels (the control thread). One that is compute
+    // itself (a prefix import, an export, a fork copying every page) past
+    // what a call runs inline goes to the compute workers, fair-queued with
+    // the kernels: on the one control thread a 30000-token import held every
+    // other caller's opens for 0.2-0.6 s, an export for up to 1.1 s.
+    const bool heavy =
+        !request_.has_step() && compute > AttentionServiceImpl::kInlineMaxCompute;
+    Executor* control = heavy ? service_->executor_ : service_->control_;
     const bool queued =
         request_.has_step()
             ? service_->executor_->TrySubmitBatch(share_, compute, this, op_kind_, op_joins_,
@@ -805,8 +812,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       service_->metrics_->RecordRejected(method);
       service_->metrics_->RecordRequest(method, grpc::StatusCode::RESOURCE_EXHAUSTED, 0.0);
       Refuse(absl::ResourceExhaustedError(
-          (request_.has_step() ? QueueFull(*service_->executor_, method)
-                               : QueueFull(*control, method, "control"))
+          (request_.has_step() || heavy ? QueueFull(*service_->executor_, method)
+                                        : QueueFull(*control, method, "control"))
               .error_message()));
     }
   }
@@ -955,6 +962,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   // is written. An open's state is reserved by the session manager before
   // it allocates; a fork's likewise.
   absl::Status Admit() {
+    op_queue_compute_ = 1;
     // An open's session state (and a fork's) is reserved here: a slot and
     // its held bytes, before the allocation is queued.
     if (request_.has_open() && session_ == nullptr) {
@@ -966,6 +974,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       // checked against the limits before anything is reserved.
       RA_ASSIGN_OR_RETURN(const Cost open_cost, PriceOpen(config, request_.open()));
       RA_RETURN_IF_ERROR(CheckCost(open_cost, service_->limits_, "Decode.Open"));
+      op_queue_compute_ = open_cost.compute;
       RA_RETURN_IF_ERROR(HoldInfoAnswer(config));
       if (request_.open().has_prefix()) {
         // Filling it copies the prefix to f32 (and rotates it): its
@@ -998,6 +1007,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       // against the reply limit before anything is copied.
       const Cost cost = PriceExport(session_->config(), session_->position_hint());
       RA_RETURN_IF_ERROR(CheckCost(cost, service_->limits_, "Decode.Export"));
+      op_queue_compute_ = cost.compute;
       RA_ASSIGN_OR_RETURN(op_memory_,
                           service_->budget_->Reserve(cost.transient_bytes, "this KV export"));
       return absl::OkStatus();
@@ -1343,6 +1353,9 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   const std::string share_;  // the executor's fair-queueing key
   absl::Time queued_at_;  // when the current operation was queued
   int64_t op_compute_ = -1;  // the current step's admitted compute, -1: none
+  // The current open's (prefix import) or export's priced compute: past
+  // kInlineMaxCompute it runs on the compute workers, not the control thread.
+  int64_t op_queue_compute_ = 1;
   // The admission kind (and executor WorkAhead kind) of the current step.
   const char* op_kind_ = "Decode.Step";
   bool op_joins_ = true;  // a step that may share a batched pass

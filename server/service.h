@@ -57,9 +57,11 @@ class AttentionServiceImpl final : public RawAttentionService {
   // their transient bytes from (sessions reserve theirs through `sessions`).
   // `authenticator` (not owned, may be null when authentication is not
   // configured) names each call's principal.
-  // `control` (not owned) runs a Decode stream's open and fork: they
+  // `control` (not owned) runs a Decode stream's open, fork and export: they
   // allocate or copy session state, so they leave gRPC's threads, but they
-  // never wait behind kernels on `executor`.
+  // never wait behind kernels on `executor`; those priced past
+  // kInlineMaxCompute (a prefix import, a large export or copy) are compute
+  // themselves and run on `executor`, so they never hold the small ones.
   AttentionServiceImpl(const ServerOptions& options, Executor* executor, Executor* control,
                        SessionManager* sessions, Metrics* metrics, const ModelRegistry* models,
                        MemoryBudget* budget, const Authenticator* authenticator);

@@ -1679,6 +1679,63 @@ TEST(HardeningQueueTest, CancelledOrExpiredCallsLeaveTheQueueAtOnce) {
 // (non-resumable) session at once, as README says, not when a worker
 // reaches the dead step (a 512 MiB session stayed charged 7-27 s); the
 // abandoned step is recorded with its real latency (it was recorded as 0 s).
+// An open that imports a large KV prefix is compute itself: it waits for a
+// compute worker (here held), while a small open on another stream is
+// answered meanwhile by the control thread. Both ran on that one thread: a
+// 30000-token import held every other caller's opens for 0.2-0.6 s.
+TEST(HardeningQueueTest, APrefixImportWaitsForComputeNotTheControlThread) {
+  server::ServerOptions o = TestServerOptions();
+  o.compute_workers = 1;
+  o.max_queue_delay_seconds = 0;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  HeldWorker held(server->executor());
+  auto open_request = [](int64_t prefix_tokens) {
+    v1::DecodeRequest open;
+    v1::OpenSession* o = open.mutable_open();
+    o->mutable_spec()->set_heads(8);
+    o->mutable_spec()->set_kv_heads(8);
+    o->mutable_spec()->set_head_dim(64);
+    o->mutable_spec()->mutable_rope();
+    o->set_max_context(prefix_tokens + 16);
+    if (prefix_tokens > 0) {
+      *o->mutable_prefix()->mutable_k() =
+          RandomWire(v1::DTYPE_F32, {1, prefix_tokens, 8, 64}, 5);
+      *o->mutable_prefix()->mutable_v() =
+          RandomWire(v1::DTYPE_F32, {1, prefix_tokens, 8, 64}, 6);
+      o->mutable_prefix()->set_key_form(v1::KEY_FORM_RAW);
+    }
+    return open;
+  };
+  grpc::ClientContext heavy_ctx, small_ctx;
+  auto heavy = stub->Decode(&heavy_ctx);
+  v1::DecodeResponse heavy_answer;
+  std::thread heavy_call([&] {
+    if (heavy->Write(open_request(4096))) (void)heavy->Read(&heavy_answer);
+  });
+  const absl::Cleanup end = [&] {
+    held.Release();
+    heavy_ctx.TryCancel();
+    if (heavy_call.joinable()) heavy_call.join();
+  };
+  ASSERT_TRUE(Eventually([&] { return QueuedUnits(server->executor(), "Decode.Open") > 0; }));
+  auto small = stub->Decode(&small_ctx);
+  v1::DecodeResponse small_answer;
+  ASSERT_TRUE(small->Write(open_request(0)));
+  ASSERT_TRUE(small->Read(&small_answer));  // while the compute worker is held
+  EXPECT_TRUE(small_answer.has_opened()) << small_answer.ShortDebugString();
+  EXPECT_FALSE(held.released());
+  held.Release();
+  heavy_call.join();
+  EXPECT_TRUE(heavy_answer.has_opened()) << heavy_answer.ShortDebugString();
+  EXPECT_EQ(heavy_answer.opened().position(), 4096);
+  small_ctx.TryCancel();
+  (void)small->Finish();
+  heavy_ctx.TryCancel();
+  (void)heavy->Finish();
+}
+
 TEST(HardeningQueueTest, ACancelledStreamsQueuedStepFreesItsSessionAtOnce) {
   server::ServerOptions o = TestServerOptions();
   o.compute_workers = 1;

@@ -612,7 +612,8 @@ std::vector<Case> GenerateCases() {
     };
     for (int32_t l : {-1, 2, 99, std::numeric_limits<int32_t>::max()}) {
       add(layer([l](v1::LayerInput* in) { in->set_layer(l); }),
-          absl::StrCat("Attend layer.layer=", l), Code::OUT_OF_RANGE, "layer");
+          absl::StrCat("Attend layer.layer=", l),
+          l < 0 ? Code::INVALID_ARGUMENT : Code::OUT_OF_RANGE, "layer");
     }
     for (const std::string& name : {std::string("nope"), std::string(1 << 20, 'm')}) {
       add(layer([name](v1::LayerInput* in) { in->set_model(name); }),
@@ -946,7 +947,8 @@ std::vector<Case> GenerateCases() {
           o->set_model("demo");
           o->set_layer(l);
         })}),
-        absl::StrCat("Decode.open layer=", l), Code::OUT_OF_RANGE, "layer");
+        absl::StrCat("Decode.open layer=", l), l < 0 ? Code::INVALID_ARGUMENT : Code::OUT_OF_RANGE,
+        "layer");
   }
   // Operations before open / attach.
   {
