@@ -42,8 +42,8 @@ struct TokenEntry {
 // Parses a tokens file: lines "TOKEN PRINCIPAL [admin]", '#' starts a
 // comment, blank lines skipped. A token is printable ASCII without spaces; a
 // principal is 1..128 of [A-Za-z0-9._:/@+-]. InvalidArgument naming `file`
-// and the line number (never the token) for anything else, a token listed
-// twice, or a file with no token at all.
+// and the line number (never what the line holds: any field may be a token)
+// for anything else, a token listed twice, or a file with no token at all.
 absl::StatusOr<std::vector<TokenEntry>> ParseTokens(absl::string_view text,
                                                     absl::string_view file);
 

@@ -1082,6 +1082,17 @@ TEST(TokenFileTest, ParsesPrincipalsRolesAndComments) {
     EXPECT_EQ(server::ParseTokens(bad, "f").status().code(), absl::StatusCode::kInvalidArgument)
         << bad;
   }
+  // A bad line is named by its number, never by what it holds: a third
+  // field may be a second token put there by mistake.
+  const absl::Status third =
+      server::ParseTokens("a1 alice\nb2 bob tok-second-7f3e\n", "f").status();
+  EXPECT_EQ(third.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(third.message(), HasSubstr("line 2"));
+  EXPECT_THAT(third.message(), Not(HasSubstr("tok-second")));
+  EXPECT_THAT(third.message(), Not(HasSubstr("b2")));
+  const absl::Status four = server::ParseTokens("a1 alice admin tok-4\n", "f").status();
+  EXPECT_THAT(four.message(), HasSubstr("got 4 fields"));
+  EXPECT_THAT(four.message(), Not(HasSubstr("tok-4")));
 }
 
 // ----------------------------------------------------------- reflection --
