@@ -340,17 +340,21 @@ grpc::Status Authenticator::Process(const InputMetadata& md, grpc::AuthContext* 
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(principal.status().message()));
 }
 
-absl::StatusOr<Principal> Authenticator::Identify(const grpc::ServerContextBase& ctx) const {
+absl::StatusOr<Principal> Authenticator::Identify(const grpc::ServerContextBase& ctx,
+                                                  const char** reason_out) const {
   // The call's own metadata (never a property of the shared connection).
   const std::multimap<grpc::string_ref, grpc::string_ref>& md = ctx.client_metadata();
   const auto auth = md.find("authorization");
   std::shared_ptr<const grpc::AuthContext> context;
   if (certificate_identities_) context = ctx.auth_context();
   const char* reason = "";
-  return Resolve(auth != md.end(),
-                 auth == md.end() ? absl::string_view()
-                                  : absl::string_view(auth->second.data(), auth->second.size()),
-                 context.get(), &reason);
+  absl::StatusOr<Principal> principal =
+      Resolve(auth != md.end(),
+              auth == md.end() ? absl::string_view()
+                               : absl::string_view(auth->second.data(), auth->second.size()),
+              context.get(), &reason);
+  if (reason_out != nullptr) *reason_out = reason;
+  return principal;
 }
 
 std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(

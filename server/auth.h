@@ -78,8 +78,10 @@ class Authenticator : public grpc::AuthMetadataProcessor {
 
   // The principal of one call: from its own bearer token (its client
   // metadata), else, with mutual TLS and no tokens file, from the
-  // connection's client certificate. Unauthenticated otherwise.
-  absl::StatusOr<Principal> Identify(const grpc::ServerContextBase& ctx) const;
+  // connection's client certificate. Unauthenticated otherwise, with
+  // `*reason` (when given) set to its ropeattn_auth_refused_total reason.
+  absl::StatusOr<Principal> Identify(const grpc::ServerContextBase& ctx,
+                                     const char** reason = nullptr) const;
   // The principal an `authorization` metadata value names ("Bearer TOKEN"),
   // as Identify resolves it (tokens file only).
   absl::StatusOr<Principal> IdentifyAuthorization(absl::string_view authorization) const;

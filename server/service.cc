@@ -123,6 +123,19 @@ absl::StatusOr<Principal> AttentionServiceImpl::CallerOf(const grpc::ServerConte
   return authenticator_->Identify(ctx);
 }
 
+absl::StatusOr<Principal> AttentionServiceImpl::AuthenticateCall(
+    const grpc::ServerContextBase& ctx) const {
+  if (!auth_configured_ || authenticator_ == nullptr) return CallerOf(ctx);
+  const char* reason = "";
+  absl::StatusOr<Principal> principal = authenticator_->Identify(ctx, &reason);
+  if (!principal.ok()) CountAuthRefusal(principal.status(), reason);
+  return principal;
+}
+
+void AttentionServiceImpl::CountAuthRefusal(const absl::Status& status, const char* reason) const {
+  if (absl::IsUnauthenticated(status)) metrics_->RecordAuthRefused(reason);
+}
+
 namespace {
 
 // The call's deadline as absl time (none: InfiniteFuture).
@@ -523,7 +536,7 @@ absl::Status AttentionServiceImpl::HoldInfoAnswer(UnaryCall* call, const std::st
 void AttentionServiceImpl::DoGetSession(UnaryCall* call, grpc::CallbackServerContext* ctx,
                                      const v1::GetSessionRequest* request, v1::SessionInfo* response) {
   const absl::Time start = absl::Now();
-  absl::StatusOr<Principal> caller = CallerOf(*ctx);
+  absl::StatusOr<Principal> caller = AuthenticateCall(*ctx);
   absl::Status held = caller.ok() ? HoldInfoAnswer(call, request->session_id(), *caller, "GetSession")
                                   : caller.status();
   absl::StatusOr<v1::SessionInfo> info =
@@ -538,7 +551,7 @@ void AttentionServiceImpl::DoListSessions(UnaryCall* call, grpc::CallbackServerC
                                      const v1::ListSessionsRequest* request, v1::ListSessionsResponse* response) {
   const absl::Time start = absl::Now();
   absl::Status status = [&]() -> absl::Status {
-    RA_ASSIGN_OR_RETURN(const Principal caller, CallerOf(*ctx));
+    RA_ASSIGN_OR_RETURN(const Principal caller, AuthenticateCall(*ctx));
     if (request->page_size() < 0) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "page_size = %d: must be >= 0 (0: as many sessions as fit in one answer)",
@@ -597,7 +610,7 @@ void AttentionServiceImpl::DoListSessions(UnaryCall* call, grpc::CallbackServerC
 void AttentionServiceImpl::DoCloseSession(UnaryCall* call, grpc::CallbackServerContext* ctx,
                                      const v1::CloseSessionRequest* request, v1::CloseSessionResponse* response) {
   const absl::Time start = absl::Now();
-  absl::StatusOr<Principal> caller = CallerOf(*ctx);
+  absl::StatusOr<Principal> caller = AuthenticateCall(*ctx);
   // Its answer's copies are paid from the room the session reserved for
   // them (a close must work on a full budget), held until the call ends:
   // the answer may wait unread for --answer_timeout_seconds.
@@ -685,7 +698,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   DecodeReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
       : service_(service),
         ctx_(ctx),
-        principal_(service->CallerOf(*ctx)),
+        principal_(service->AuthenticateCall(*ctx)),
         share_(service->FairShareKey(*ctx)),
         watch_(service->WatchAnswers()->Watch(ctx)) {
     stop_.set_deadline(DeadlineOf(ctx));
@@ -762,12 +775,19 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     // The tokens file is re-read while streams stay open: a token revoked
     // (or given to another principal) since the stream started ends it at
     // its next message, as the token's new calls are refused.
+    // Refused like any call: counted in ropeattn_auth_refused_total (a
+    // token now unknown: invalid_token; one that names another principal
+    // is not valid for this stream either) and under the operation's method.
     if (principal_->authenticated) {
       const absl::StatusOr<Principal> now = service_->CallerOf(*ctx_);
       if (!now.ok() || now->name != principal_->name || now->admin != principal_->admin) {
-        FinishOnce(grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                                "this stream's credentials are no longer accepted (its token was "
-                                "revoked or now names another principal); open a new stream"));
+        const absl::Status refused = absl::UnauthenticatedError(
+            "this stream's credentials are no longer accepted (its token was revoked or now "
+            "names another principal); open a new stream");
+        service_->CountAuthRefusal(refused, "invalid_token");
+        service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(refused.code()),
+                                          0.0);
+        FinishOnce(ToGrpcStatus(refused));
         return;
       }
     }

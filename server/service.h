@@ -125,6 +125,12 @@ class AttentionServiceImpl final : public RawAttentionService {
   // The principal of a call (server/auth.h): anonymous when authentication
   // is not configured.
   absl::StatusOr<Principal> CallerOf(const grpc::ServerContextBase& ctx) const;
+  // CallerOf for a call that is refused without a principal: a refusal
+  // (UNAUTHENTICATED: a token revoked since gRPC's auth filter admitted the
+  // call) is counted in ropeattn_auth_refused_total, as the filter's are.
+  absl::StatusOr<Principal> AuthenticateCall(const grpc::ServerContextBase& ctx) const;
+  // Counts a refusal `status` (if UNAUTHENTICATED) under `reason`.
+  void CountAuthRefusal(const absl::Status& status, const char* reason) const;
   // The executor's fair-queueing key of a call: its principal when
   // authentication is configured, else its connection (peer address).
   std::string FairShareKey(const grpc::ServerContextBase& ctx) const;

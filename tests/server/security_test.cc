@@ -181,6 +181,13 @@ class Stream {
   std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> rw_;
 };
 
+// One series' value in a metrics text (-1: absent).
+double MetricValue(const std::string& text, const std::string& series) {
+  const size_t at = text.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::atof(text.c_str() + at + series.size() + 2);
+}
+
 // An id a principal does not own gets exactly the answer of an id that
 // never existed; with the ids taken out, the messages must be equal.
 std::string WithoutId(const std::string& message, const std::string& id) {
@@ -967,6 +974,14 @@ TEST_F(SecurityTest, ARevokedTokenEndsItsOpenStreams) {
     refused = Info(port, As(kAliceToken)).error_code() == grpc::StatusCode::UNAUTHENTICATED;
   }
   ASSERT_TRUE(refused) << "the tokens file was not reloaded";
+  const auto count = [&](const std::string& series) {
+    return MetricValue(server_->metrics().RenderPrometheus(), series);
+  };
+  constexpr char kInvalid[] = "ropeattn_auth_refused_total{reason=\"invalid_token\"}";
+  constexpr char kTruncateRefused[] =
+      "ropeattn_requests_total{method=\"Decode.Truncate\",code=\"UNAUTHENTICATED\"}";
+  const double invalid_before = count(kInvalid);
+  ASSERT_GE(invalid_before, 1);  // the Info calls above
   v1::DecodeRequest truncate;
   truncate.mutable_truncate()->set_seq(1);
   truncate.mutable_truncate()->set_position(0);
@@ -974,6 +989,9 @@ TEST_F(SecurityTest, ARevokedTokenEndsItsOpenStreams) {
   const grpc::Status st = alice.Finish();
   EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED) << st.error_message();
   EXPECT_THAT(st.error_message(), HasSubstr("no longer accepted"));
+  // Counted as every refusal is: by reason, and under its operation.
+  EXPECT_EQ(count(kInvalid), invalid_before + 1);
+  EXPECT_EQ(count(kTruncateRefused), 1);
   // Bob's token stays: his stream goes on.
   ASSERT_TRUE(bob.Call(truncate, &r));
   EXPECT_TRUE(r.has_truncated()) << r.DebugString();
