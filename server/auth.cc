@@ -11,8 +11,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 #include "grpcpp/security/tls_certificate_provider.h"
 #include "grpcpp/security/tls_credentials_options.h"
+#include "ropeattn/v1/attention.pb.h"
+#include "server/call_log.h"
 #include "server/log.h"
 #include "server/metrics.h"
 #include "server/tls_files.h"
@@ -22,6 +25,7 @@ namespace {
 
 // Health is open to everyone: probes and load balancers carry no token.
 constexpr absl::string_view kHealthPrefix = "/grpc.health.v1.Health/";
+constexpr absl::string_view kServicePrefix = "/ropeattn.v1.AttentionService/";
 constexpr size_t kMaxPrincipalChars = 128;
 // A certificate's identity is its principal whole, never cut: one longer
 // than this is refused.
@@ -33,6 +37,13 @@ bool IsPrincipalChar(char c) {
 }
 
 bool IsTokenChar(char c) { return c > 0x20 && c < 0x7f; }
+
+// Whether `name` is a method of ropeattn.v1.AttentionService.
+bool IsServiceMethod(absl::string_view name) {
+  static const google::protobuf::ServiceDescriptor* const service =
+      v1::AttendRequest::descriptor()->file()->FindServiceByName("AttentionService");
+  return service != nullptr && service->FindMethodByName(std::string(name)) != nullptr;
+}
 
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path, const char* flag) {
   return ReadFlagFile(path, flag);
@@ -162,6 +173,7 @@ Authenticator::Authenticator(const ServerOptions& options, Metrics* metrics)
       certificate_identities_(options.auth_tokens_file.empty() &&
                               !options.tls_client_ca_file.empty()),
       reload_seconds_(options.credentials_reload_seconds),
+      access_log_(options.access_log),
       metrics_(metrics) {}
 
 absl::StatusOr<std::shared_ptr<Authenticator>> Authenticator::Create(const ServerOptions& options,
@@ -322,12 +334,12 @@ absl::StatusOr<Principal> Authenticator::Resolve(bool present, absl::string_view
 
 grpc::Status Authenticator::Process(const InputMetadata& md, grpc::AuthContext* context,
                                     OutputMetadata* /*consumed*/, OutputMetadata* /*response*/) {
+  const absl::Time start = absl::Now();
   const auto path = md.find(":path");
-  if (path != md.end() && absl::StartsWith(absl::string_view(path->second.data(),
-                                                             path->second.size()),
-                                           kHealthPrefix)) {
-    return grpc::Status::OK;
-  }
+  const absl::string_view method =
+      path == md.end() ? absl::string_view()
+                       : absl::string_view(path->second.data(), path->second.size());
+  if (absl::StartsWith(method, kHealthPrefix)) return grpc::Status::OK;
   const auto auth = md.find("authorization");
   const char* reason = "";
   absl::StatusOr<Principal> principal =
@@ -336,8 +348,24 @@ grpc::Status Authenticator::Process(const InputMetadata& md, grpc::AuthContext* 
                                : absl::string_view(auth->second.data(), auth->second.size()),
               context, &reason);
   if (principal.ok()) return grpc::Status::OK;
-  if (metrics_ != nullptr) metrics_->RecordAuthRefused(reason);
-  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(principal.status().message()));
+  grpc::Status refused(grpc::StatusCode::UNAUTHENTICATED,
+                       std::string(principal.status().message()));
+  // Refused here, in gRPC's auth filter: before the call-log interceptor
+  // and any handler, which never see the call. So it is logged and counted
+  // here, as they would have (docs/logging.md): its lines from its
+  // metadata, and ropeattn_requests_total under its method when that is one
+  // of the service's (a fixed set of labels; reflection and unknown paths
+  // are only logged).
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (metrics_ != nullptr) {
+    metrics_->RecordAuthRefused(reason);
+    absl::string_view name = method;
+    if (absl::ConsumePrefix(&name, kServicePrefix) && IsServiceMethod(name)) {
+      metrics_->RecordRequest(name, static_cast<int>(refused.error_code()), seconds);
+    }
+  }
+  LogRefusedCall(md, refused, absl::Now() - start, access_log_);
+  return refused;
 }
 
 absl::StatusOr<Principal> Authenticator::Identify(const grpc::ServerContextBase& ctx,

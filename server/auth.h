@@ -55,16 +55,20 @@ absl::Status CheckSecurityOptions(const ServerOptions& options);
 
 // The AuthMetadataProcessor on the server's TLS credentials: every call but
 // health without a principal is refused UNAUTHENTICATED before any handler
-// (ours or reflection) runs. It records nothing: the AuthContext gRPC 1.51
-// hands a processor belongs to the connection, shared by every call on it
-// (behind Envoy, by every caller), so a property added there would leak one
-// call's principal to the next. Handlers call Identify, which reads the
-// call's own metadata.
+// (ours or reflection) runs, and before the call-log interceptor: a refusal
+// is logged here (LogRefusedCall: error_answer, and call with --access_log)
+// and counted in ropeattn_auth_refused_total and, for the service's
+// methods, ropeattn_requests_total. It records nothing on the connection:
+// the AuthContext gRPC 1.51 hands a processor belongs to the connection,
+// shared by every call on it (behind Envoy, by every caller), so a property
+// added there would leak one call's principal (or refusal) to the next.
+// Handlers call Identify, which reads the call's own metadata.
 class Authenticator : public grpc::AuthMetadataProcessor {
  public:
   // Reads the tokens file (if any) and starts the thread that re-reads it
   // every credentials_reload_seconds when it changed. `metrics` (not owned,
-  // may be null) counts refusals.
+  // may be null) counts refusals; options.access_log: refusals get a
+  // "call" line too.
   static absl::StatusOr<std::shared_ptr<Authenticator>> Create(const ServerOptions& options,
                                                                Metrics* metrics);
   ~Authenticator() override;
@@ -106,6 +110,7 @@ class Authenticator : public grpc::AuthMetadataProcessor {
   const std::string tokens_file_;
   const bool certificate_identities_;  // mTLS without a tokens file
   const int reload_seconds_;
+  const bool access_log_;  // refused calls get a "call" line too
   Metrics* const metrics_;
   mutable absl::Mutex mu_;
   std::vector<TokenEntry> tokens_ ABSL_GUARDED_BY(mu_);

@@ -231,6 +231,41 @@ bool ParseTraceparent(absl::string_view h, std::string* trace_id, std::string* p
   return true;
 }
 
+void LogRefusedCall(const std::multimap<grpc::string_ref, grpc::string_ref>& md,
+                    const grpc::Status& status, absl::Duration took, bool access_log) {
+  // The client's own `:path` (gRPC has not matched it to a method yet): cut
+  // so a long one cannot fill the log.
+  constexpr size_t kMaxMethodChars = 256;
+  const absl::string_view method = Find(md, ":path").substr(0, kMaxMethodChars);
+  const absl::string_view given = Find(md, kRequestIdKey);
+  // The id the interceptor would have settled on; gRPC 1.51's auth filter
+  // cannot add metadata to the answer, so a generated one is only here.
+  const std::string request_id = ValidRequestId(given) ? std::string(given) : NewRequestId();
+  std::string trace_id, parent_id;
+  ParseTraceparent(Find(md, kTraceparentKey), &trace_id, &parent_id);
+  const int code = static_cast<int>(status.error_code());
+  const double ms = Milliseconds(took);
+  if (!status.ok()) {
+    LogEvent(LevelOf(code), "error_answer",
+             {{"request_id", request_id},
+              {"method", method},
+              {"code", CodeName(code)},
+              {"message", status.error_message()},
+              {"ms", ms},
+              {"trace_id", trace_id},
+              {"parent_id", parent_id}});
+  }
+  if (access_log) {
+    LogEvent(LogLevel::kInfo, "call",
+             {{"request_id", request_id},
+              {"method", method},
+              {"code", CodeName(code)},
+              {"ms", ms},
+              {"trace_id", trace_id},
+              {"parent_id", parent_id}});
+  }
+}
+
 void LogStreamError(const grpc::ServerContextBase& ctx, absl::string_view method,
                     absl::string_view op, const absl::Status& status, absl::string_view session,
                     int64_t seq) {

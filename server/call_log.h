@@ -10,14 +10,18 @@
 // - Every answer with a non-OK status is logged (event "error_answer":
 //   method, code, message, ms, peer); with `access_log`, every call also
 //   gets one "call" line when it ends.
+// - A call refused by gRPC's auth filter (Authenticator::Process) never
+//   reaches this interceptor: LogRefusedCall writes its lines instead.
 #ifndef ROPEATTN_SERVER_CALL_LOG_H_
 #define ROPEATTN_SERVER_CALL_LOG_H_
 
+#include <map>
 #include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/server_interceptor.h"
 
@@ -39,6 +43,16 @@ std::string RequestIdOf(const grpc::ServerContextBase& ctx);
 void LogStreamError(const grpc::ServerContextBase& ctx, absl::string_view method,
                     absl::string_view op, const absl::Status& status, absl::string_view session,
                     int64_t seq);
+
+// The lines of a call refused by the authenticator in gRPC's auth filter,
+// before any interceptor or handler: no interceptor sees it, so they are
+// written from its request metadata `md` (the method from `:path`, the
+// request id and trace context as the interceptor would settle them; no
+// peer: the filter is not told it). "error_answer" always, "call" too with
+// `access_log`; `took` is the time the refusal took. Never logs the
+// `authorization` value.
+void LogRefusedCall(const std::multimap<grpc::string_ref, grpc::string_ref>& md,
+                    const grpc::Status& status, absl::Duration took, bool access_log);
 
 // The trace and parent ids of a W3C traceparent header; false when it is
 // not one (unknown version ff, wrong lengths, non-hex, all-zero ids).

@@ -20,13 +20,16 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "reflection_wire.grpc.pb.h"
 #include "server/auth.h"
+#include "server/log.h"
 #include "server/metrics.h"
 #include "server/sessions.h"
 #include "server/tls_files.h"
@@ -300,6 +303,80 @@ TEST_F(SecurityTest, TokensRightOnesAcceptedWrongOrMissingRefused) {
   EXPECT_THAT(metrics, Not(HasSubstr("alice")));
   EXPECT_THAT(metrics, HasSubstr("ropeattn_auth_refused_total{reason=\"missing_token\"} 3"));
   EXPECT_THAT(metrics, HasSubstr("ropeattn_auth_refused_total{reason=\"invalid_token\"} 4"));
+}
+
+// A call refused by the authenticator (in gRPC's auth filter, before the
+// call-log interceptor and any handler) is logged as every error answer is,
+// with its request id, method and trace context (and a `call` line with
+// --access_log), and counted under its method; never with its token.
+TEST_F(SecurityTest, RefusedCallsAreLoggedAndCountedWithoutTheirToken) {
+  server::ServerOptions o = TokenOptions();
+  o.access_log = true;
+  const int port = Start(o);
+  ASSERT_GT(port, 0);
+  server::LogCapture capture;
+  const auto info = [&](const char* token, const char* request_id) {
+    auto stub = v1::AttentionService::NewStub(Channel(port, As(token)));
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-request-id", request_id);
+    ctx.AddMetadata("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+    v1::ServerInfo response;
+    return stub->GetServerInfo(WithDeadline(&ctx), {}, &response);
+  };
+  const grpc::Status guessed = info("tok-guessed-0042", "probe-guessed");
+  EXPECT_EQ(guessed.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(guessed.error_message(), "the bearer token is not valid");
+  const grpc::Status missing = info("", "probe-missing");
+  EXPECT_EQ(missing.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(missing.error_message(), HasSubstr("Bearer"));
+  {
+    Stream s(port, As("tok-stream-guess"));
+    EXPECT_EQ(s.Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  EXPECT_EQ(ListServices(Channel(port, As(""))).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  ASSERT_TRUE(info(kAliceToken, "probe-good").ok());
+  const std::string log = capture.Text();
+  const auto line_of = [&](const std::string& event, const std::string& request_id) {
+    for (absl::string_view line : absl::StrSplit(log, '\n')) {
+      if (absl::StrContains(line, absl::StrCat("\"event\":\"", event, "\"")) &&
+          absl::StrContains(line, absl::StrCat("\"request_id\":\"", request_id, "\""))) {
+        return std::string(line);
+      }
+    }
+    return std::string();
+  };
+  for (const char* id : {"probe-guessed", "probe-missing"}) {
+    const std::string error = line_of("error_answer", id);
+    EXPECT_THAT(error, HasSubstr("\"level\":\"warning\"")) << log;
+    EXPECT_THAT(error, HasSubstr("\"method\":\"/ropeattn.v1.AttentionService/GetServerInfo\""));
+    EXPECT_THAT(error, HasSubstr("\"code\":\"UNAUTHENTICATED\""));
+    EXPECT_THAT(error, HasSubstr("\"trace_id\":\"4bf92f3577b34da6a3ce929d0e0e4736\""));
+    EXPECT_THAT(error, HasSubstr("\"parent_id\":\"00f067aa0ba902b7\""));
+    const std::string call = line_of("call", id);
+    EXPECT_THAT(call, HasSubstr("\"code\":\"UNAUTHENTICATED\"")) << log;
+    EXPECT_THAT(call, HasSubstr("\"method\":\"/ropeattn.v1.AttentionService/GetServerInfo\""));
+  }
+  EXPECT_THAT(line_of("error_answer", "probe-guessed"),
+              HasSubstr("\"message\":\"the bearer token is not valid\""));
+  EXPECT_THAT(log, HasSubstr("\"method\":\"/ropeattn.v1.AttentionService/Decode\""));
+  EXPECT_THAT(log,
+              HasSubstr("\"method\":\"/grpc.reflection.v1alpha.ServerReflection/"
+                        "ServerReflectionInfo\",\"code\":\"UNAUTHENTICATED\""));
+  EXPECT_THAT(line_of("call", "probe-good"), HasSubstr("\"code\":\"OK\""));
+  EXPECT_THAT(log, Not(HasSubstr("tok-")));
+  EXPECT_THAT(log, Not(HasSubstr("Bearer tok")));
+  // Counted under their methods (reflection is not a method of ours), and
+  // once each by reason.
+  const std::string metrics = server_->metrics().RenderPrometheus();
+  EXPECT_EQ(MetricValue(metrics, "ropeattn_requests_total{method=\"GetServerInfo\","
+                                 "code=\"UNAUTHENTICATED\"}"),
+            2);
+  EXPECT_EQ(MetricValue(metrics, "ropeattn_requests_total{method=\"Decode\","
+                                 "code=\"UNAUTHENTICATED\"}"),
+            1);
+  EXPECT_EQ(MetricValue(metrics, "ropeattn_auth_refused_total{reason=\"invalid_token\"}"), 2);
+  EXPECT_EQ(MetricValue(metrics, "ropeattn_auth_refused_total{reason=\"missing_token\"}"), 2);
+  EXPECT_THAT(metrics, Not(HasSubstr("tok-")));
 }
 
 TEST_F(SecurityTest, MutualTlsAcceptsOnlyCertificatesOfTheClientCa) {
