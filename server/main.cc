@@ -380,8 +380,9 @@ int main(int argc, char** argv) {
   LogEvent(LogLevel::kInfo, "stopped", {});
   std::fflush(stdout);
   std::fflush(stderr);
-  // Every call is answered and every session closed: nothing of ours is left
-  // to release. gRPC 1.51's library teardown (~grpc::Server joining its
+  // Every call is answered and every session closed, and Shutdown removed
+  // the TLS key copies (tls_files.h): nothing of ours is left to release
+  // or delete. gRPC 1.51's library teardown (~grpc::Server joining its
   // default executor) can still block for up to ~10 s on an internal poll
   // after a large answer, past a pod's grace period, so the process ends
   // here instead of running destructors.

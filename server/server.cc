@@ -417,6 +417,7 @@ void Server::Shutdown(absl::Duration grace) {
     if (m.executor) m.executor->Shutdown();
     if (m.control) m.control->Shutdown();
     if (m.sessions) m.sessions->CloseAll();
+    if (m.tls_files != nullptr) m.tls_files->RemoveDirectory();
     m.done.Notify();
     return;
   }
@@ -459,7 +460,10 @@ void Server::Shutdown(absl::Duration grace) {
   m.sessions->CloseAll();
   m.http.reset();
   m.authenticator->Stop();
-  if (m.tls_files != nullptr) m.tls_files->Stop();
+  // gRPC has stopped: no handshake reads the key copies any more (its
+  // certificate provider keeps what it read). They go now, not in
+  // ~TlsFiles: the binary ends with std::_Exit, which runs no destructor.
+  if (m.tls_files != nullptr) m.tls_files->RemoveDirectory();
   LogEvent(LogLevel::kInfo, "drain_end",
            {{"ms", std::round(absl::ToDoubleMilliseconds(absl::Now() - drain_start))},
             {"calls_answered_in_grace", answered_in_time},

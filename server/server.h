@@ -33,7 +33,8 @@ class Server {
   int metrics_port() const;  // 0 when the endpoint is disabled
 
   // Graceful stop: health NOT_SERVING first, then no new calls, in-flight
-  // work (and open streams) gets `grace` to finish before it is cancelled.
+  // work (and open streams) gets `grace` to finish before it is cancelled;
+  // once gRPC has stopped, the TLS key copies (tls_files.h) are removed.
   // Idempotent and thread-safe.
   void Shutdown(absl::Duration grace);
   // Blocks until Shutdown has completed.

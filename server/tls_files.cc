@@ -202,7 +202,9 @@ TlsFiles::TlsFiles(const ServerOptions& options, std::string dir)
       has_ca_(!options.tls_client_ca_file.empty()),
       first_mtime_(static_cast<int64_t>(std::time(nullptr))) {}
 
-TlsFiles::~TlsFiles() {
+TlsFiles::~TlsFiles() { RemoveDirectory(); }
+
+void TlsFiles::RemoveDirectory() {
   Stop();
   std::error_code ignored;
   std::filesystem::remove_all(dir_, ignored);

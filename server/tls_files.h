@@ -62,7 +62,7 @@ class TlsFiles {
   // re-reads them every credentials_reload_seconds. Directories left there
   // by servers that died without cleaning up are removed.
   static absl::StatusOr<std::unique_ptr<TlsFiles>> Create(const ServerOptions& options);
-  ~TlsFiles();  // stops the thread and removes the directory
+  ~TlsFiles();  // RemoveDirectory()
   TlsFiles(const TlsFiles&) = delete;
   TlsFiles& operator=(const TlsFiles&) = delete;
 
@@ -80,6 +80,11 @@ class TlsFiles {
   absl::Status Refresh();
   // Stops the reload thread (idempotent).
   void Stop();
+  // Stops the reload thread and removes the directory with the key copies
+  // (idempotent). Server::Shutdown calls it once gRPC has stopped: the
+  // server's binary ends with std::_Exit, which runs no destructor, and a
+  // cleanly stopped server must not leave its key copy behind.
+  void RemoveDirectory();
 
  private:
   TlsFiles(const ServerOptions& options, std::string dir);

@@ -2,10 +2,16 @@
 // (docs/security.md), against a real server on a loopback port with real
 // handshakes; every certificate is made at test time with openssl
 // (tests/tools/test_certs.h).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -1026,6 +1032,103 @@ TEST_F(SecurityTest, TlsFilesStageOnlyValidatedSets) {
   struct stat after {};
   ASSERT_EQ(::stat((*files)->key_path().c_str(), &after), 0);
   EXPECT_GT(after.st_mtime, before.st_mtime);
+}
+
+// The directories of key copies ("ropeattn-tls-PID-*") process `pid` has in
+// any place they may go (/dev/shm, $TMPDIR, /tmp).
+std::vector<std::string> KeyCopyDirs(pid_t pid) {
+  const char* tmp = std::getenv("TMPDIR");
+  const std::string prefix = absl::StrCat("ropeattn-tls-", pid, "-");
+  std::vector<std::string> out;
+  for (const std::string& base : {std::string("/dev/shm"),
+                                  std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp"),
+                                  std::string("/tmp")}) {
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(base, ec)) {
+      if (entry.path().filename().string().rfind(prefix, 0) == 0) {
+        out.push_back(std::filesystem::weakly_canonical(entry.path()).string());
+      }
+    }
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+// A server that stops (its drain) or fails to start removes its private
+// directory of key copies then, not in a destructor: the binary ends with
+// std::_Exit, which runs none, and the key copy stayed until a later start.
+TEST_F(SecurityTest, TheKeyCopiesAreRemovedWhenTheServerStopsOrFailsToStart) {
+  const std::vector<std::string> before = KeyCopyDirs(::getpid());
+  server::ServerOptions o = TlsOptions();
+  ASSERT_GT(Start(o), 0);
+  std::vector<std::string> made;
+  for (const std::string& d : KeyCopyDirs(::getpid())) {
+    if (std::find(before.begin(), before.end(), d) == before.end()) made.push_back(d);
+  }
+  ASSERT_EQ(made.size(), 1u);
+  EXPECT_TRUE(std::filesystem::exists(made[0] + "/current/key.pem"));
+  server_->Shutdown(absl::ZeroDuration());  // the server object (and ~TlsFiles) stays
+  EXPECT_FALSE(std::filesystem::exists(made[0]));
+  // Start-up failing after the copies were made: the metrics port is taken.
+  const int taken = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(taken, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(taken, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(taken, 1), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::getsockname(taken, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  o.metrics_address = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  auto failed = server::Server::Start(o);
+  ::close(taken);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(KeyCopyDirs(::getpid()), before);
+}
+
+// The binary: SIGTERM, a drain, exit 0, and no key copy left behind.
+TEST_F(SecurityTest, TheBinaryRemovesItsKeyCopiesWhenItStops) {
+  int out[2];
+  ASSERT_EQ(::pipe(out), 0);
+  std::vector<std::string> args = {"ropeattn-server", "--address=127.0.0.1:0",
+                                   "--metrics_address=", "--shutdown_grace_seconds=2",
+                                   "--tls_cert_file=" + server_cert_.cert_file,
+                                   "--tls_key_file=" + server_cert_.key_file};
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    ::dup2(out[1], STDOUT_FILENO);
+    ::close(out[0]);
+    ::close(out[1]);
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(ROPEATTN_SERVER_PATH, argv.data());
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  FILE* log = ::fdopen(out[0], "r");
+  ASSERT_NE(log, nullptr);
+  const testing::ServerStartup startup = testing::ReadServerStartup(log);
+  const std::vector<std::string> dirs = KeyCopyDirs(pid);
+  ::kill(pid, SIGTERM);
+  std::string rest;
+  for (std::string line = testing::ReadWholeLine(log); !line.empty();
+       line = testing::ReadWholeLine(log)) {
+    rest += line;
+  }
+  std::fclose(log);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  const std::vector<std::string> left = KeyCopyDirs(pid);
+  for (const std::string& d : left) std::filesystem::remove_all(d);
+  ASSERT_GT(startup.port, 0) << startup.text;
+  ASSERT_EQ(dirs.size(), 1u);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_THAT(rest, HasSubstr("\"event\":\"stopped\""));
+  EXPECT_TRUE(left.empty()) << left.front();
 }
 
 // A tokens file that changes is read only once it has stayed the same for
