@@ -6,6 +6,7 @@
 #define ROPEATTN_CORE_STOP_H_
 
 #include <atomic>
+#include <cstdint>
 
 #include "absl/status/status.h"
 #include "absl/time/clock.h"
@@ -19,8 +20,19 @@ class StopToken {
   StopToken(const StopToken&) = delete;
   StopToken& operator=(const StopToken&) = delete;
 
-  // Thread-safe; idempotent.
-  void Cancel() { cancelled_.store(true, std::memory_order_relaxed); }
+  // How close to its deadline a cancellation counts as the deadline's: a
+  // client's own deadline timer cancels the call before the server's copy
+  // of the deadline passes (that copy starts when the request arrives, later
+  // than the client's), by the request's transit and the cancel's.
+  static constexpr absl::Duration kDeadlineSlack = absl::Milliseconds(50);
+
+  // Thread-safe; idempotent (the first cancellation's time is kept).
+  void Cancel() {
+    int64_t none = 0;
+    cancelled_at_ns_.compare_exchange_strong(none, absl::ToUnixNanos(absl::Now()),
+                                             std::memory_order_relaxed);
+    cancelled_.store(true, std::memory_order_relaxed);
+  }
   // Not thread-safe against ShouldStop: set it before the work starts.
   void set_deadline(absl::Time deadline) { deadline_ = deadline; }
   absl::Time deadline() const { return deadline_; }
@@ -29,19 +41,30 @@ class StopToken {
   bool ShouldStop() const {
     return cancelled() || (deadline_ != absl::InfiniteFuture() && absl::Now() >= deadline_);
   }
-  // DeadlineExceeded once the deadline has passed (gRPC cancels a call when
-  // its deadline passes: that call is counted as expired, not cancelled),
-  // else Cancelled, or OK when neither.
+  // DeadlineExceeded once the deadline has passed, or when the call was
+  // cancelled within kDeadlineSlack of it (gRPC cancels a call when its
+  // deadline passes, the client's first: that call is counted as expired,
+  // not cancelled), else Cancelled, or OK when neither.
   absl::Status status() const {
-    if (deadline_ != absl::InfiniteFuture() && absl::Now() >= deadline_) {
+    const bool has_deadline = deadline_ != absl::InfiniteFuture();
+    if (has_deadline && absl::Now() >= deadline_) {
       return absl::DeadlineExceededError("the call's deadline passed; computation stopped");
     }
-    if (cancelled()) return absl::CancelledError("the call was cancelled; computation stopped");
+    if (cancelled()) {
+      const int64_t at = cancelled_at_ns_.load(std::memory_order_relaxed);
+      if (has_deadline && at != 0 && absl::FromUnixNanos(at) >= deadline_ - kDeadlineSlack) {
+        return absl::DeadlineExceededError(
+            "the call's deadline passed (its client's timer cancelled it first); computation "
+            "stopped");
+      }
+      return absl::CancelledError("the call was cancelled; computation stopped");
+    }
     return absl::OkStatus();
   }
 
  private:
   std::atomic<bool> cancelled_{false};
+  std::atomic<int64_t> cancelled_at_ns_{0};  // Unix ns of the first Cancel, 0: none
   absl::Time deadline_ = absl::InfiniteFuture();
 };
 

@@ -21,6 +21,7 @@
 #include "core/attention.h"
 #include "core/attention_kernels.h"
 #include "core/kv_cache.h"
+#include "core/stop.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
@@ -103,6 +104,36 @@ absl::Status Solo(const BatchCase& c, BatchInputs& in, Tensor& out) {
 // The tile kernels over bf16 tiles give the bits they give over f32 tiles
 // holding the same (widened) values, for every row count and a partial
 // last vector of V, with the AVX-512 kernels on and off.
+// A cancellation within StopToken::kDeadlineSlack of the deadline is the
+// deadline's (the client's timer cancels before the server's copy of the
+// deadline passes); an earlier one, or one without a deadline, is a
+// cancellation.
+TEST(StopTokenTest, ACancelJustBeforeTheDeadlineCountsAsTheDeadlines) {
+  {
+    StopToken t;
+    t.set_deadline(absl::Now() + absl::Seconds(30));
+    EXPECT_TRUE(t.status().ok());
+    t.Cancel();
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kCancelled);
+  }
+  {
+    StopToken t;
+    t.set_deadline(absl::Now() + StopToken::kDeadlineSlack / 2);
+    t.Cancel();
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kDeadlineExceeded) << t.status();
+  }
+  {
+    StopToken t;
+    t.Cancel();
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kCancelled);
+  }
+  {
+    StopToken t;
+    t.set_deadline(absl::Now() - absl::Milliseconds(1));
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kDeadlineExceeded);
+  }
+}
+
 TEST(TileKernelsTest, Bf16TilesGiveTheBitsOfF32TilesOfTheSameValues) {
   constexpr int64_t kT = KvCache::kTile;
   uint64_t seed = 7;
