@@ -688,7 +688,16 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   // (else failed) and only the top level for longrope (else
   // max_position_embeddings): where the two give different lengths the
   // config is refused.
-  RA_ASSIGN_OR_RETURN(std::optional<int64_t> l0, top.PositiveInt("original_max_position_embeddings"));
+  // A top-level null is refused only where a rule reads the key (yarn,
+  // llama3, longrope); LlamaConfig never reads it, Phi3Config only for
+  // longrope.
+  RA_ASSIGN_OR_RETURN(std::optional<int64_t> l0,
+                      top.PositiveInt("original_max_position_embeddings", /*null_ok=*/true));
+  if (top.IsNull("original_max_position_embeddings") &&
+      (sc.type == RopeScalingType::kYarn || sc.type == RopeScalingType::kLlama3 ||
+       sc.type == RopeScalingType::kLongRope)) {
+    return top.NullError("original_max_position_embeddings");
+  }
   if (!l0.has_value() && family == Family::kPhi3) {
     l0 = 4096;
   } else if (family != Family::kPhi3) {
@@ -1003,7 +1012,13 @@ absl::Status ResolveLayers(const KeyReader& top, ModelConfig& c) {
     }
     case Family::kGemma3: {
       RA_ASSIGN_OR_RETURN(window, WindowKey(top, 4096));
-      RA_ASSIGN_OR_RETURN(std::optional<int64_t> pattern, top.PositiveInt("sliding_window_pattern"));
+      // Read only when no layer_types list is given (Gemma3TextConfig builds
+      // the list from it): a null is refused only then.
+      RA_ASSIGN_OR_RETURN(std::optional<int64_t> pattern,
+                          top.PositiveInt("sliding_window_pattern", /*null_ok=*/true));
+      if (top.IsNull("sliding_window_pattern") && !top.Has("layer_types")) {
+        return top.NullError("sliding_window_pattern");
+      }
       const int64_t n = pattern.value_or(6);
       for (int64_t i = 0; i < c.num_layers; ++i) sliding[i] = (i + 1) % n != 0;
       break;

@@ -995,6 +995,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       RA_ASSIGN_OR_RETURN(const Cost open_cost, PriceOpen(config, request_.open()));
       RA_RETURN_IF_ERROR(CheckCost(open_cost, service_->limits_, "Decode.Open"));
       op_queue_compute_ = open_cost.compute;
+      RA_RETURN_IF_ERROR(AdmitIfCompute("Decode.Open", open_cost.compute));
+      absl::Cleanup unadmit = [this] { AdmittedDone(-1); };  // refused below
       RA_RETURN_IF_ERROR(HoldInfoAnswer(config));
       if (request_.open().has_prefix()) {
         // Filling it copies the prefix to f32 (and rotates it): its
@@ -1009,6 +1011,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       RA_ASSIGN_OR_RETURN(ticket_, service_->sessions_->Reserve(
                                        std::make_shared<const SessionConfig>(std::move(config)),
                                        *principal_));
+      std::move(unadmit).Cancel();
       return absl::OkStatus();
     }
     // (A close's answer is paid from the room its session reserved for it
@@ -1028,8 +1031,11 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       const Cost cost = PriceExport(session_->config(), session_->position_hint());
       RA_RETURN_IF_ERROR(CheckCost(cost, service_->limits_, "Decode.Export"));
       op_queue_compute_ = cost.compute;
+      RA_RETURN_IF_ERROR(AdmitIfCompute("Decode.Export", cost.compute));
+      absl::Cleanup unadmit = [this] { AdmittedDone(-1); };  // refused below
       RA_ASSIGN_OR_RETURN(op_memory_,
                           service_->budget_->Reserve(cost.transient_bytes, "this KV export"));
+      std::move(unadmit).Cancel();
       return absl::OkStatus();
     }
     if (request_.has_step() && session_ != nullptr) {
@@ -1073,6 +1079,28 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       }
       op_compute_ = cost.compute;
     }
+    return absl::OkStatus();
+  }
+
+  // An open importing a large prefix, or a large export, is compute: past
+  // kInlineMaxCompute it runs on the compute workers (OnReadDone), and is
+  // admitted as a step is (its deadline, --max_queue_delay_seconds, its
+  // caller's fair share of the queue), its rate learned apart. Queued
+  // unadmitted, one caller's imports filled the compute queue and others'
+  // calls were refused "the compute queue is full".
+  absl::Status AdmitIfCompute(const char* kind, int64_t compute) {
+    if (compute <= AttentionServiceImpl::kInlineMaxCompute) return absl::OkStatus();
+    absl::Duration retry_after;
+    const auto ahead = service_->executor_->WorkAhead(share_, compute);
+    if (absl::Status admitted = service_->admission_.Admit(
+            kind, compute, stop_.deadline(), absl::Now(), &retry_after,
+            /*slowdown_applies=*/false, &ahead);
+        !admitted.ok()) {
+      service_->metrics_->RecordRejected(MethodOf(request_));  // shed by admission
+      return admitted;
+    }
+    op_kind_ = kind;
+    op_compute_ = compute;
     return absl::OkStatus();
   }
 
@@ -1304,6 +1332,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
           }
         }
         session_->FillInfo(response_.mutable_opened());
+        AdmittedDone(SecondsSince(start));  // an admitted import: its rate
         break;
       }
       case v1::DecodeRequest::kStep:
@@ -1341,6 +1370,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
                                                                        : v1::KEY_FORM_ROTATED);
             e->set_start_position(session_->config().start_position);
             e->set_position(kv->k.dim(1));
+            AdmittedDone(SecondsSince(start));  // an admitted export: its rate
           }
         } else if (request_.has_step()) {
           status = absl::InternalError("a decode step reached the control path");
@@ -1372,7 +1402,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   const absl::StatusOr<Principal> principal_;
   const std::string share_;  // the executor's fair-queueing key
   absl::Time queued_at_;  // when the current operation was queued
-  int64_t op_compute_ = -1;  // the current step's admitted compute, -1: none
+  int64_t op_compute_ = -1;  // the current operation's admitted compute, -1: none
   // The current open's (prefix import) or export's priced compute: past
   // kInlineMaxCompute it runs on the compute workers, not the control thread.
   int64_t op_queue_compute_ = 1;

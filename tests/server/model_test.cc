@@ -1257,6 +1257,17 @@ TEST(ParseModelConfigTest, NullIsRefusedWhereTransformersHasNoNoneMeaning) {
   ExpectConfigError(cfg("gemma3_text", R"(, "head_dim": 16,
                         "rope_parameters": {"full_attention": null})"),
                     C::kInvalidArgument, {"rope_parameters.full_attention", "null"});
+  // A null key that the family's transformers code never reads loads: a
+  // top-level original_max_position_embeddings without yarn, llama3 or
+  // longrope; Gemma 3's sliding_window_pattern beside a layer_types list.
+  for (const std::string& never_read :
+       {cfg("llama", R"(, "rope_scaling": null, "original_max_position_embeddings": null)"),
+        cfg("phi3", R"(, "original_max_position_embeddings": null)"),
+        cfg("gemma3_text", R"(, "head_dim": 16, "sliding_window_pattern": null,
+            "layer_types": ["sliding_attention"])")}) {
+    absl::StatusOr<ModelConfig> loaded = ParseModelConfig(never_read, "config.json");
+    EXPECT_TRUE(loaded.ok()) << never_read << " " << loaded.status();
+  }
   // None has a meaning: kept.
   absl::StatusOr<ModelConfig> c = ParseModelConfig(
       R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
