@@ -182,6 +182,19 @@ bool Executor::PushLocked(const std::string& key, int64_t compute, Task task,
   // a worker (or the next cancel) to be answered.
   *dropped = TakeStoppedLocked();
   if (waiting_ >= capacity_) return false;
+  // The last quarter of the queue is kept for callers holding less than an
+  // equal share of it: past three quarters full, a caller already holding
+  // capacity / (callers waiting + 1) entries is refused, so one caller (or a
+  // few) cannot fill the queue and have everyone else refused "queue full"
+  // (an external test: one caller's 80 streams importing prefixes held all
+  // 64 entries, another caller's small Attends were refused 51-88% of the
+  // time).
+  if (waiting_ >= capacity_ - capacity_ / 4) {
+    const auto it = queues_.find(key);
+    const int64_t mine = it == queues_.end() ? 0 : static_cast<int64_t>(it->second.size());
+    const int64_t callers = static_cast<int64_t>(queues_.size()) + (mine == 0 ? 1 : 0);
+    if (mine > 0 && mine >= capacity_ / (callers + 1)) return false;
+  }
   const double tag = TagLocked(key, compute);
   last_tag_[key] = tag;
   task.tag = tag;

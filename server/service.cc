@@ -40,10 +40,12 @@ double SecondsSince(absl::Time t) { return absl::ToDoubleSeconds(absl::Now() - t
 // `queue`: "compute" (the workers), or "control" (opens, forks, exports).
 grpc::Status QueueFull(const Executor& executor, const char* method,
                        const char* queue = "compute") {
-  return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                      absl::StrFormat("%s: the %s queue is full (%d waiting); retry with "
-                                      "backoff or raise --queue_depth",
-                                      method, queue, executor.capacity()));
+  return grpc::Status(
+      grpc::StatusCode::RESOURCE_EXHAUSTED,
+      absl::StrFormat("%s: the %s queue is full (%d of %d waiting; past three quarters of it, a "
+                      "caller already holding an equal share of it is refused); retry with "
+                      "backoff or raise --queue_depth",
+                      method, queue, executor.queue_depth(), executor.capacity()));
 }
 
 }  // namespace

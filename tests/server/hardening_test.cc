@@ -772,6 +772,30 @@ TEST(ExecutorTest, CancelledOrExpiredTasksLeaveTheQueueAtOnce) {
 // WorkAhead says how long each running task has run, so an estimate made
 // from it (the admission's wait, the retry-after-ms hints) counts down while
 // the work runs instead of counting it whole however long it has run.
+// The last quarter of the queue is kept for callers holding less than an
+// equal share: one caller fills three quarters of it, another still gets in,
+// and only then is the queue full for everyone.
+TEST(ExecutorTest, OneCallerCannotFillTheWholeQueue) {
+  server::Executor executor(1, 8);
+  absl::Notification started, release;
+  const absl::Cleanup let_go = [&] {
+    if (!release.HasBeenNotified()) release.Notify();
+  };
+  ASSERT_TRUE(executor.TrySubmit("blocker", 1, [&] {
+    started.Notify();
+    release.WaitForNotification();
+  }));
+  started.WaitForNotification();
+  int heavy = 0;
+  while (heavy < 20 && executor.TrySubmit("heavy", 1000, [] {}, "Attend")) ++heavy;
+  EXPECT_EQ(heavy, 6);  // three quarters of 8
+  EXPECT_TRUE(executor.TrySubmit("light", 1, [] {}, "Attend"));
+  EXPECT_TRUE(executor.TrySubmit("light", 1, [] {}, "Attend"));
+  EXPECT_EQ(executor.queue_depth(), 8);
+  EXPECT_FALSE(executor.TrySubmit("third", 1, [] {}, "Attend"));  // full for everyone
+  release.Notify();
+}
+
 TEST(ExecutorTest, RunningWorkSaysHowLongItHasRun) {
   server::Executor executor(1, 4);
   absl::Notification started, release;
