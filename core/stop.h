@@ -5,6 +5,7 @@
 #ifndef ROPEATTN_CORE_STOP_H_
 #define ROPEATTN_CORE_STOP_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
@@ -23,7 +24,10 @@ class StopToken {
   // How close to its deadline a cancellation counts as the deadline's: a
   // client's own deadline timer cancels the call before the server's copy
   // of the deadline passes (that copy starts when the request arrives, later
-  // than the client's), by the request's transit and the cancel's.
+  // than the client's), by the request's transit and the cancel's. At most
+  // a quarter of the call's timeout (from set_deadline), so a client that
+  // cancels a short call early (a hedged request) is still counted as
+  // cancelling.
   static constexpr absl::Duration kDeadlineSlack = absl::Milliseconds(50);
 
   // Thread-safe; idempotent (the first cancellation's time is kept).
@@ -31,10 +35,13 @@ class StopToken {
     int64_t none = 0;
     cancelled_at_ns_.compare_exchange_strong(none, absl::ToUnixNanos(absl::Now()),
                                              std::memory_order_relaxed);
-    cancelled_.store(true, std::memory_order_relaxed);
+    cancelled_.store(true, std::memory_order_release);  // the time is seen with it
   }
   // Not thread-safe against ShouldStop: set it before the work starts.
-  void set_deadline(absl::Time deadline) { deadline_ = deadline; }
+  void set_deadline(absl::Time deadline) {
+    deadline_ = deadline;
+    deadline_set_at_ = absl::Now();
+  }
   absl::Time deadline() const { return deadline_; }
 
   bool cancelled() const { return cancelled_.load(std::memory_order_relaxed); }
@@ -50,9 +57,10 @@ class StopToken {
     if (has_deadline && absl::Now() >= deadline_) {
       return absl::DeadlineExceededError("the call's deadline passed; computation stopped");
     }
-    if (cancelled()) {
+    if (cancelled_.load(std::memory_order_acquire)) {
       const int64_t at = cancelled_at_ns_.load(std::memory_order_relaxed);
-      if (has_deadline && at != 0 && absl::FromUnixNanos(at) >= deadline_ - kDeadlineSlack) {
+      const absl::Duration slack = std::min(kDeadlineSlack, (deadline_ - deadline_set_at_) / 4);
+      if (has_deadline && at != 0 && absl::FromUnixNanos(at) >= deadline_ - slack) {
         return absl::DeadlineExceededError(
             "the call's deadline passed (its client's timer cancelled it first); computation "
             "stopped");
@@ -66,6 +74,7 @@ class StopToken {
   std::atomic<bool> cancelled_{false};
   std::atomic<int64_t> cancelled_at_ns_{0};  // Unix ns of the first Cancel, 0: none
   absl::Time deadline_ = absl::InfiniteFuture();
+  absl::Time deadline_set_at_ = absl::InfinitePast();
 };
 
 // A null token never stops.

@@ -104,10 +104,10 @@ absl::Status Solo(const BatchCase& c, BatchInputs& in, Tensor& out) {
 // The tile kernels over bf16 tiles give the bits they give over f32 tiles
 // holding the same (widened) values, for every row count and a partial
 // last vector of V, with the AVX-512 kernels on and off.
-// A cancellation within StopToken::kDeadlineSlack of the deadline is the
-// deadline's (the client's timer cancels before the server's copy of the
-// deadline passes); an earlier one, or one without a deadline, is a
-// cancellation.
+// A cancellation within StopToken::kDeadlineSlack (at most a quarter of the
+// call's timeout) of the deadline is the deadline's (the client's timer
+// cancels before the server's copy of the deadline passes); an earlier one,
+// or one without a deadline, is a cancellation.
 TEST(StopTokenTest, ACancelJustBeforeTheDeadlineCountsAsTheDeadlines) {
   {
     StopToken t;
@@ -117,10 +117,20 @@ TEST(StopTokenTest, ACancelJustBeforeTheDeadlineCountsAsTheDeadlines) {
     EXPECT_EQ(t.status().code(), absl::StatusCode::kCancelled);
   }
   {
+    // 20 ms before a 200 ms call's deadline: the deadline's.
     StopToken t;
-    t.set_deadline(absl::Now() + StopToken::kDeadlineSlack / 2);
+    t.set_deadline(absl::Now() + absl::Milliseconds(200));
+    absl::SleepFor(absl::Milliseconds(180));
     t.Cancel();
     EXPECT_EQ(t.status().code(), absl::StatusCode::kDeadlineExceeded) << t.status();
+  }
+  {
+    // A 40 ms call cancelled at once (a hedged request): more than a
+    // quarter of its timeout before the deadline, a cancellation.
+    StopToken t;
+    t.set_deadline(absl::Now() + absl::Milliseconds(40));
+    t.Cancel();
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kCancelled) << t.status();
   }
   {
     StopToken t;
