@@ -112,6 +112,35 @@ class Authenticator : public grpc::AuthMetadataProcessor {
   const int reload_seconds_;
   const bool access_log_;  // refused calls get a "call" line too
   Metrics* const metrics_;
+  // Log lines of refused calls: at most kRefusalLinesPerSecond a second.
+  static constexpr int kRefusalLinesPerSecond = 10;
+  class LineBudget {
+   public:
+    // Whether a line may be written at `now`; if so, `suppressed` is how
+    // many were not since the last one.
+    bool Admit(absl::Time now, int64_t* suppressed) {
+      absl::MutexLock lock(&mu_);
+      if (now - window_ >= absl::Seconds(1)) {
+        window_ = now;
+        lines_ = 0;
+      }
+      if (lines_ >= kRefusalLinesPerSecond) {
+        ++dropped_;
+        return false;
+      }
+      ++lines_;
+      *suppressed = dropped_;
+      dropped_ = 0;
+      return true;
+    }
+
+   private:
+    absl::Mutex mu_;
+    absl::Time window_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+    int lines_ ABSL_GUARDED_BY(mu_) = 0;
+    int64_t dropped_ ABSL_GUARDED_BY(mu_) = 0;
+  };
+  LineBudget refusal_lines_;
   mutable absl::Mutex mu_;
   std::vector<TokenEntry> tokens_ ABSL_GUARDED_BY(mu_);
   std::string file_identity_ ABSL_GUARDED_BY(mu_);

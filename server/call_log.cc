@@ -232,7 +232,8 @@ bool ParseTraceparent(absl::string_view h, std::string* trace_id, std::string* p
 }
 
 void LogRefusedCall(const std::multimap<grpc::string_ref, grpc::string_ref>& md,
-                    const grpc::Status& status, absl::Duration took, bool access_log) {
+                    const grpc::Status& status, absl::Duration took, bool access_log,
+                    int64_t suppressed) {
   // The client's own `:path` (gRPC has not matched it to a method yet): cut
   // so a long one cannot fill the log.
   constexpr size_t kMaxMethodChars = 256;
@@ -253,7 +254,8 @@ void LogRefusedCall(const std::multimap<grpc::string_ref, grpc::string_ref>& md,
               {"message", status.error_message()},
               {"ms", ms},
               {"trace_id", trace_id},
-              {"parent_id", parent_id}});
+              {"parent_id", parent_id},
+              {"suppressed", suppressed}});
   }
   if (access_log) {
     LogEvent(LogLevel::kInfo, "call",
@@ -262,7 +264,8 @@ void LogRefusedCall(const std::multimap<grpc::string_ref, grpc::string_ref>& md,
               {"code", CodeName(code)},
               {"ms", ms},
               {"trace_id", trace_id},
-              {"parent_id", parent_id}});
+              {"parent_id", parent_id},
+              {"suppressed", suppressed}});
   }
 }
 

@@ -51,8 +51,11 @@ void LogStreamError(const grpc::ServerContextBase& ctx, absl::string_view method
 // peer: the filter is not told it). "error_answer" always, "call" too with
 // `access_log`; `took` is the time the refusal took. Never logs the
 // `authorization` value.
+// `suppressed`: refusals not logged since the last line (a "suppressed"
+// field in this one).
 void LogRefusedCall(const std::multimap<grpc::string_ref, grpc::string_ref>& md,
-                    const grpc::Status& status, absl::Duration took, bool access_log);
+                    const grpc::Status& status, absl::Duration took, bool access_log,
+                    int64_t suppressed = 0);
 
 // The trace and parent ids of a W3C traceparent header; false when it is
 // not one (unknown version ff, wrong lengths, non-hex, all-zero ids).
