@@ -813,8 +813,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
         std::max<int64_t>(1, request_.has_step() ? op_compute_ : op_queue_compute_);
     // An open or a fork allocates or copies: off gRPC's threads, and, when
     // small, not behind the kernels (the control thread). One that is compute
-    // itself (a prefix import, an export, a fork copying every page) past
-    // what a call runs inline goes to the compute workers, fair-queued with
+    // itself (a prefix import, an export) past what a call runs inline goes
+    // to the compute workers, admitted (AdmitIfCompute) and fair-queued with
     // the kernels: on the one control thread a 30000-token import held every
     // other caller's opens for 0.2-0.6 s, an export for up to 1.1 s.
     const bool heavy =

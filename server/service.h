@@ -60,7 +60,7 @@ class AttentionServiceImpl final : public RawAttentionService {
   // `control` (not owned) runs a Decode stream's open, fork and export: they
   // allocate or copy session state, so they leave gRPC's threads, but they
   // never wait behind kernels on `executor`; those priced past
-  // kInlineMaxCompute (a prefix import, a large export or copy) are compute
+  // kInlineMaxCompute (a prefix import, a large export) are compute
   // themselves and run on `executor`, so they never hold the small ones.
   AttentionServiceImpl(const ServerOptions& options, Executor* executor, Executor* control,
                        SessionManager* sessions, Metrics* metrics, const ModelRegistry* models,
