@@ -528,10 +528,15 @@ absl::StatusOr<DecodeState> DecodeState::Create(DecodeStateConfig config) {
                         Tensor::Create(DType::kF32, {1, k.max_context, k.kv_heads, k.head_dim}));
     // The largest attention factor the session's lengths can see (the
     // factor is constant within each of a rule's regimes: short and long).
-    for (const int64_t len : {k.start_position + 1, k.start_position + std::max<int64_t>(1, k.max_context)}) {
+    // (A factor below 1 counts as it is: LongRoPE with attention_factor
+    // 0.5 halves every rotated key.)
+    double largest = 0;
+    for (const int64_t len :
+         {k.start_position + 1, k.start_position + std::max<int64_t>(1, k.max_context)}) {
       RA_ASSIGN_OR_RETURN(RopeFrequencies f, ComputeRopeFrequencies(*k.rope, len));
-      s.max_attention_factor_ = std::max(s.max_attention_factor_, f.attention_factor);
+      largest = std::max(largest, f.attention_factor);
     }
+    s.max_attention_factor_ = largest;
   }
   if (k.rope && !s.LengthDependent()) {
     RA_ASSIGN_OR_RETURN(RopeRotator r,

@@ -942,6 +942,22 @@ TEST(DecodeStateTest, LengthDependentRopeRefusesKeysSomeRotationOfWhichOverflows
     ASSERT_TRUE(step(s, 40, 0.5f, 0.5f).ok());
     ASSERT_TRUE(step(s, 1, 0.5f, 0.5f).ok());
     EXPECT_EQ(s.position(), 45);
+    // LongRoPE with attention_factor 0.5: the same pair (norm 4.5e38) times
+    // 0.5 fits every rotation, and is taken.
+    {
+      DecodeStateConfig lc = c;
+      RopeConfig lr = rope;
+      lr.scaling = RopeScaling();
+      lr.scaling.type = RopeScalingType::kLongRope;
+      lr.scaling.original_max_positions = 4;
+      lr.scaling.attention_factor = 0.5;
+      lr.scaling.short_factor = {1.0, 1.0};
+      lr.scaling.long_factor = {2.0, 2.0};
+      lc.rope = lr;
+      DecodeState l = DecodeState::Create(lc).value();
+      absl::Status taken = step(l, 4, 3.4e38f, 3e38f);
+      EXPECT_TRUE(taken.ok()) << taken;
+    }
     // Import: the same refusal for a prefix.
     DecodeState t = DecodeState::Create(c).value();
     Tensor k = Tensor::Create(DType::kF32, {1, 2, 1, 4}).value();
