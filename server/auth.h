@@ -22,6 +22,7 @@
 #include "grpcpp/security/auth_metadata_processor.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_context.h"
+#include "server/log.h"
 #include "server/options.h"
 #include "server/principal.h"
 
@@ -114,33 +115,7 @@ class Authenticator : public grpc::AuthMetadataProcessor {
   Metrics* const metrics_;
   // Log lines of refused calls: at most kRefusalLinesPerSecond a second.
   static constexpr int kRefusalLinesPerSecond = 10;
-  class LineBudget {
-   public:
-    // Whether a line may be written at `now`; if so, `suppressed` is how
-    // many were not since the last one.
-    bool Admit(absl::Time now, int64_t* suppressed) {
-      absl::MutexLock lock(&mu_);
-      if (now - window_ >= absl::Seconds(1)) {
-        window_ = now;
-        lines_ = 0;
-      }
-      if (lines_ >= kRefusalLinesPerSecond) {
-        ++dropped_;
-        return false;
-      }
-      ++lines_;
-      *suppressed = dropped_;
-      dropped_ = 0;
-      return true;
-    }
-
-   private:
-    absl::Mutex mu_;
-    absl::Time window_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
-    int lines_ ABSL_GUARDED_BY(mu_) = 0;
-    int64_t dropped_ ABSL_GUARDED_BY(mu_) = 0;
-  };
-  LineBudget refusal_lines_;
+  LogLineBudget refusal_lines_{kRefusalLinesPerSecond};
   mutable absl::Mutex mu_;
   std::vector<TokenEntry> tokens_ ABSL_GUARDED_BY(mu_);
   std::string file_identity_ ABSL_GUARDED_BY(mu_);

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/random/random.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
@@ -71,10 +72,21 @@ LogLevel LevelOf(int code) {
 
 double Milliseconds(absl::Duration d) { return std::round(absl::ToDoubleMilliseconds(d) * 1000) / 1000; }
 
+// A line's count of lines not written before it (LogLineBudget), left out
+// when none were.
+LogField SuppressedField(int64_t suppressed) {
+  return suppressed > 0 ? LogField("suppressed", suppressed) : LogField("suppressed", "");
+}
+
 class CallLog final : public grpc::experimental::Interceptor {
  public:
-  CallLog(grpc::experimental::ServerRpcInfo* info, bool access_log, Metrics* metrics)
-      : info_(info), access_log_(access_log), metrics_(metrics), start_(absl::Now()) {}
+  CallLog(grpc::experimental::ServerRpcInfo* info, bool access_log, Metrics* metrics,
+          LogLineBudget* health_lines)
+      : info_(info),
+        access_log_(access_log),
+        metrics_(metrics),
+        health_lines_(health_lines),
+        start_(absl::Now()) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
@@ -159,7 +171,17 @@ class CallLog final : public grpc::experimental::Interceptor {
       peer_ = info_->server_context()->peer();
     }
     const double ms = Milliseconds(absl::Now() - start_);
-    if (!status.ok() && !normal_end) {
+    // Health needs no token: a caller without one can make its calls fail
+    // as fast as its connection carries them (a Check of an unknown service
+    // is NOT_FOUND), so their error lines are limited as refused calls'
+    // are (at most kHealthErrorLinesPerSecond; the next says how many were
+    // not).
+    int64_t suppressed = 0;
+    const bool health = absl::StartsWith(
+        info_->method() != nullptr ? absl::string_view(info_->method()) : absl::string_view(),
+        "/grpc.health.v1.Health/");
+    if (!status.ok() && !normal_end &&
+        (!health || health_lines_->Admit(absl::Now(), &suppressed))) {
       LogEvent(LevelOf(code), "error_answer",
                {{"request_id", request_id_},
                 {"method", info_->method()},
@@ -168,7 +190,8 @@ class CallLog final : public grpc::experimental::Interceptor {
                 {"ms", ms},
                 {"peer", peer_},
                 {"trace_id", trace_id_},
-                {"parent_id", parent_id_}});
+                {"parent_id", parent_id_},
+                SuppressedField(suppressed)});
     }
     if (access_log_) {
       LogEvent(LogLevel::kInfo, "call",
@@ -185,6 +208,7 @@ class CallLog final : public grpc::experimental::Interceptor {
   grpc::experimental::ServerRpcInfo* const info_;
   const bool access_log_;
   Metrics* const metrics_;
+  LogLineBudget* const health_lines_;
   const absl::Time start_;
   std::string request_id_;
   std::string trace_id_;
@@ -197,12 +221,14 @@ class CallLogFactory final : public grpc::experimental::ServerInterceptorFactory
   CallLogFactory(bool access_log, Metrics* metrics) : access_log_(access_log), metrics_(metrics) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
-    return new CallLog(info, access_log_, metrics_);
+    return new CallLog(info, access_log_, metrics_, &health_lines_);
   }
 
  private:
+  static constexpr int kHealthErrorLinesPerSecond = 10;
   const bool access_log_;
   Metrics* const metrics_;
+  LogLineBudget health_lines_{kHealthErrorLinesPerSecond};
 };
 
 }  // namespace
@@ -255,7 +281,7 @@ void LogRefusedCall(const std::multimap<grpc::string_ref, grpc::string_ref>& md,
               {"ms", ms},
               {"trace_id", trace_id},
               {"parent_id", parent_id},
-              {"suppressed", suppressed}});
+              SuppressedField(suppressed)});
   }
   if (access_log) {
     LogEvent(LogLevel::kInfo, "call",
@@ -265,7 +291,7 @@ void LogRefusedCall(const std::multimap<grpc::string_ref, grpc::string_ref>& md,
               {"ms", ms},
               {"trace_id", trace_id},
               {"parent_id", parent_id},
-              {"suppressed", suppressed}});
+              SuppressedField(suppressed)});
   }
 }
 

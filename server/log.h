@@ -16,8 +16,12 @@
 #include <type_traits>
 #include <variant>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace ropeattn::server {
 
@@ -55,6 +59,38 @@ struct LogField {
 // Writes one line: `event` and `fields` after the timestamp and level. A
 // field whose value is an empty string is left out.
 void LogEvent(LogLevel level, absl::string_view event, std::initializer_list<LogField> fields);
+
+// At most `per_second` lines a second of one kind that a caller without a
+// token can cause (refused calls, health answers): the rest are counted,
+// and the next line written says how many were not. Thread-safe.
+class LogLineBudget {
+ public:
+  explicit LogLineBudget(int per_second) : per_second_(per_second) {}
+  // Whether a line may be written at `now`; if so, `suppressed` is how
+  // many were not since the last one.
+  bool Admit(absl::Time now, int64_t* suppressed) {
+    absl::MutexLock lock(&mu_);
+    if (now - window_ >= absl::Seconds(1)) {
+      window_ = now;
+      lines_ = 0;
+    }
+    if (lines_ >= per_second_) {
+      ++dropped_;
+      return false;
+    }
+    ++lines_;
+    *suppressed = dropped_;
+    dropped_ = 0;
+    return true;
+  }
+
+ private:
+  const int per_second_;
+  absl::Mutex mu_;
+  absl::Time window_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  int lines_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t dropped_ ABSL_GUARDED_BY(mu_) = 0;
+};
 
 // For tests in this process: while one exists, lines also go to it.
 class LogCapture {

@@ -21,6 +21,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 
@@ -678,8 +679,13 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     start_log = std::move(impl->start_log);
   }
   if (impl->daemon == nullptr) {
-    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", address, ": ",
-                                               start_log.empty() ? "bind failed" : start_log));
+    // libmicrohttpd names the port it was given (0: the address carries
+    // the real one).
+    return absl::UnavailableError(absl::StrCat(
+        "cannot serve metrics on ", address, ": ",
+        start_log.empty() ? "bind failed"
+                          : absl::StrReplaceAll(start_log, {{"Failed to bind to port 0: ",
+                                                             "cannot bind: "}})));
   }
   const MHD_DaemonInfo* info = MHD_get_daemon_info(impl->daemon, MHD_DAEMON_INFO_BIND_PORT);
   if (info == nullptr || info->port == 0) {

@@ -27,11 +27,13 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "reflection_wire.grpc.pb.h"
@@ -429,6 +431,53 @@ TEST_F(SecurityTest, RefusedCallLinesAreLimitedAndTheRestCounted) {
   const std::string metrics = server_->metrics().RenderPrometheus();
   EXPECT_EQ(MetricValue(metrics, "ropeattn_auth_refused_total{reason=\"invalid_token\"}"),
             kCalls + 1);
+}
+
+// Health needs no token, so only its own methods skip authentication: a
+// made-up method under its prefix is refused as any call is (it was answered
+// UNIMPLEMENTED and logged whole, once per call); and the error lines of
+// health calls (a Check of an unknown service is NOT_FOUND) are limited to
+// 10 a second, the next line counting the rest.
+TEST_F(SecurityTest, HealthPathsCannotFloodTheLogWithoutAToken) {
+  const int port = Start(TokenOptions());
+  ASSERT_GT(port, 0);
+  server::LogCapture capture;
+  grpc::GenericStub generic(Channel(port, As("")));
+  {
+    grpc::ClientContext ctx;
+    grpc::Slice empty("", 0);
+    grpc::ByteBuffer in(&empty, 1), out;
+    grpc::Status st;
+    absl::Notification done;
+    generic.UnaryCall(WithDeadline(&ctx), "/grpc.health.v1.Health/" + std::string(4000, 'Z'), {},
+                      &in, &out, [&](grpc::Status s) {
+                        st = s;
+                        done.Notify();
+                      });
+    done.WaitForNotification();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED) << st.error_message();
+  }
+  auto stub = grpc::health::v1::Health::NewStub(Channel(port, As("")));
+  constexpr int kCalls = 40;
+  for (int i = 0; i < kCalls; ++i) {
+    grpc::ClientContext ctx;
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service("no.such.Service");
+    grpc::health::v1::HealthCheckResponse response;
+    EXPECT_EQ(stub->Check(WithDeadline(&ctx), request, &response).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+  const std::string log = capture.Text();
+  int health_lines = 0;
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    if (absl::StrContains(line, "\"event\":\"error_answer\"") &&
+        absl::StrContains(line, "/grpc.health.v1.Health/Check")) {
+      ++health_lines;
+    }
+  }
+  EXPECT_GE(health_lines, 1);
+  EXPECT_LE(health_lines, 30) << "40 failed Checks within a few seconds";
+  EXPECT_THAT(log, Not(HasSubstr(std::string(300, 'Z'))));
 }
 
 TEST_F(SecurityTest, MutualTlsAcceptsOnlyCertificatesOfTheClientCa) {
