@@ -16,10 +16,13 @@
 #include "absl/random/random.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -290,28 +293,140 @@ const char* HealthStatusName(HealthStatus status) {
 
 namespace {
 
+// A port as gRPC's resolvers take it: decimal digits only, 1..65535. A
+// larger number is not refused by gRPC's DNS resolver (getaddrinfo keeps its
+// low 16 bits: 114146 dials 48610), and port 0 (a listener's "any free
+// port") cannot be dialed.
+bool ValidPort(absl::string_view port) {
+  if (port.empty() || port.size() > 5) return false;
+  for (char c : port) {
+    if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) return false;
+  }
+  uint32_t value = 0;
+  return absl::SimpleAtoi(port, &value) && value >= 1 && value <= 65535;
+}
+
+// host:port, [v6]:port or (port_required false) a host alone. `what` names
+// the field and the target in messages.
+absl::Status CheckHostPort(absl::string_view hostport, bool port_required,
+                           absl::string_view what) {
+  absl::string_view host;
+  std::optional<absl::string_view> port;
+  if (absl::StartsWith(hostport, "[")) {
+    const size_t close = hostport.find(']');
+    if (close == absl::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " has no ']' after its IPv6 address"));
+    }
+    host = hostport.substr(1, close - 1);
+    absl::string_view rest = hostport.substr(close + 1);
+    if (!rest.empty()) {
+      if (!absl::ConsumePrefix(&rest, ":")) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, " has \"", rest, "\" after its IPv6 address; give [address]:port"));
+      }
+      port = rest;
+    }
+  } else {
+    const size_t colon = hostport.find(':');
+    if (colon != absl::string_view::npos && hostport.find(':', colon + 1) != absl::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " has several ':'; write an IPv6 address in brackets, e.g. [::1]:50051"));
+    }
+    host = hostport.substr(0, colon);
+    if (colon != absl::string_view::npos) port = hostport.substr(colon + 1);
+  }
+  if (host.empty()) return absl::InvalidArgumentError(absl::StrCat(what, " has no host"));
+  if (!port.has_value() || port->empty()) {
+    if (!port_required && !port.has_value()) return absl::OkStatus();
+    const std::string shown_host =
+        absl::StrContains(host, ':') ? absl::StrCat("[", host, "]") : std::string(host);
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " has no port; give host:port, e.g. ", shown_host, ":50051"));
+  }
+  if (!ValidPort(*port)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": the port must be a number in 1..65535, got \"", *port, "\""));
+  }
+  return absl::OkStatus();
+}
+
 // A target gRPC can dial, with a hint for the usual mistakes (a URL, no
-// port) instead of the resolver's later, rawer error.
+// port, a port past 65535 that gRPC would silently wrap) instead of the
+// resolver's later, rawer error, or a connection to another port.
 absl::Status CheckTarget(absl::string_view target, absl::string_view field) {
+  const std::string what = absl::StrCat(field, " \"", target, "\"");
   for (absl::string_view url : {"http://", "https://", "grpc://", "grpcs://"}) {
     if (absl::StartsWith(target, url)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          field, " \"", target, "\" is a URL; give host:port (e.g. 127.0.0.1:50051), and ",
+          what, " is a URL; give host:port (e.g. 127.0.0.1:50051), and ",
           "--tls_ca_file (TLS) instead of https://"));
     }
   }
-  // gRPC's own schemes (dns:, unix:, ipv4:, ...) are passed through.
-  for (absl::string_view scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:"}) {
+  absl::string_view rest = target;
+  // dns:[//authority/]host[:port]: gRPC's default port (443) when none.
+  if (absl::ConsumePrefix(&rest, "dns:")) {
+    if (absl::ConsumePrefix(&rest, "//")) {
+      const size_t slash = rest.find('/');
+      if (slash == absl::string_view::npos) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, " has no host after its authority; give dns:///host:port"));
+      }
+      const absl::string_view authority = rest.substr(0, slash);
+      if (!authority.empty()) {
+        // The DNS server to ask, host[:port].
+        if (absl::Status s = CheckHostPort(authority, /*port_required=*/false,
+                                           absl::StrCat(what, " (its DNS server)"));
+            !s.ok()) {
+          return s;
+        }
+      }
+      rest = rest.substr(slash + 1);
+    }
+    return CheckHostPort(rest, /*port_required=*/false, what);
+  }
+  // ipv4:a:p[,a:p...], ipv6:[a]:p[,...] (also ipv4:///...): a port each.
+  for (absl::string_view scheme : {"ipv4:", "ipv6:"}) {
+    if (!absl::ConsumePrefix(&rest, scheme)) continue;
+    if (absl::ConsumePrefix(&rest, "//") && !absl::ConsumePrefix(&rest, "/")) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " has an authority; give ", scheme, "address:port"));
+    }
+    if (rest.empty()) return absl::InvalidArgumentError(absl::StrCat(what, " has no address"));
+    for (absl::string_view address : absl::StrSplit(rest, ',')) {
+      if (absl::Status s = CheckHostPort(address, /*port_required=*/true,
+                                         absl::StrCat(what, " address \"", address, "\""));
+          !s.ok()) {
+        return s;
+      }
+      const bool bracketed = absl::StartsWith(address, "[");
+      if ((scheme == "ipv6:") != bracketed) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, " address \"", address, "\" is not ",
+            scheme == "ipv6:" ? "[IPv6 address]:port" : "IPv4 address:port"));
+      }
+    }
+    return absl::OkStatus();
+  }
+  if (absl::ConsumePrefix(&rest, "unix:")) {
+    if (rest.empty() || rest == "//" || rest == "///") {
+      return absl::InvalidArgumentError(absl::StrCat(what, " has no socket path"));
+    }
+    return absl::OkStatus();
+  }
+  // gRPC's other schemes (unix-abstract:, vsock:) and resolvers named as
+  // scheme:// (e.g. xds:///name) are passed through as they are.
+  for (absl::string_view scheme : {"unix-abstract:", "vsock:"}) {
     if (absl::StartsWith(target, scheme)) return absl::OkStatus();
   }
-  const size_t colon = target.rfind(':');
-  const bool bracketed_v6_without_port = absl::StartsWith(target, "[") && absl::EndsWith(target, "]");
-  if (colon == absl::string_view::npos || colon + 1 == target.size() || bracketed_v6_without_port) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " \"", target,
-                                                   "\" has no port; give host:port, e.g. ",
-                                                   absl::StripSuffix(target, ":"), ":50051"));
+  const size_t scheme_end = target.find("://");
+  if (scheme_end != absl::string_view::npos && scheme_end > 0 &&
+      std::all_of(target.begin(), target.begin() + scheme_end, [](char c) {
+        return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '+' || c == '-' ||
+               c == '.';
+      })) {
+    return absl::OkStatus();
   }
-  return absl::OkStatus();
+  return CheckHostPort(target, /*port_required=*/true, what);
 }
 
 }  // namespace

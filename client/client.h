@@ -33,7 +33,12 @@
 namespace ropeattn::client {
 
 struct ClientOptions {
-  std::string target = "127.0.0.1:50051";  // host:port
+  // host:port, [IPv6]:port, or a gRPC target: dns:[//dns-server/]host[:port],
+  // unix:path, unix-abstract:name, ipv4:a:p[,a:p...], ipv6:[a]:p[,...], or
+  // another resolver's scheme:// (passed through). Connect refuses a port
+  // outside 1..65535 (gRPC's resolver would wrap it modulo 65536) and a
+  // missing port where one is needed (host:port, ipv4:, ipv6:).
+  std::string target = "127.0.0.1:50051";
   // Deadline of calls that do not pass their own; must be positive. For a
   // unary call it covers every retry. Decode streams get it per operation
   // (open/attach, each step, truncate, fork, close, the final half-close),
@@ -140,7 +145,8 @@ class Session;
 class Client {
  public:
   // Creates the channel (connection is lazy; use Health to probe).
-  // InvalidArgument for an empty target, non-positive limits, negative
+  // InvalidArgument for an empty target, one without a port or with a port
+  // outside 1..65535 (see ClientOptions.target), non-positive limits, negative
   // max_retries, a non-printable routing_key, or a TLS or token setting that
   // cannot work (see tls_ca_file .. token: a token without TLS, a certificate
   // without its key, an unreadable or non-PEM file). A server whose

@@ -25,7 +25,9 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 
-ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address, host:port.");
+ABSL_FLAG(std::string, target, "127.0.0.1:50051",
+          "Server address: host:port, [IPv6]:port, or a gRPC target (dns:///host:port, "
+          "unix:/path, ipv4:a:port,...); port in 1..65535.");
 ABSL_FLAG(double, deadline_seconds, 30, "Deadline of each call (each Decode operation), seconds.");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{256} << 20,
           "Largest message either way; at least what the server sends (server default 256 MiB).");
@@ -321,6 +323,10 @@ absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags() {
   const bool token_from_env = !FlagGiven("token") && env_token != nullptr && *env_token != '\0';
   options.token = token_from_env ? env_token : absl::GetFlag(FLAGS_token);
   absl::StatusOr<std::unique_ptr<client::Client>> client = client::Client::Connect(options);
+  if (!client.ok() && absl::StartsWith(client.status().message(), "target ")) {
+    // The option is the flag: name it as the user wrote it.
+    return absl::Status(client.status().code(), absl::StrCat("--", client.status().message()));
+  }
   if (!client.ok() && token_from_env && absl::StartsWith(client.status().message(), "token")) {
     // The user may not know the variable is set; the message still never
     // shows its value.

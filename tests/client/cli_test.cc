@@ -724,6 +724,25 @@ TEST_F(CliTest, HealthWithNoServerIsUnavailable) {
   ExpectOneErrorLine(r, "health", "UNAVAILABLE");
 }
 
+// A --target port past 65535 reached another port (gRPC keeps the low 16
+// bits: 114146 dials 48610, token and all). Refused before any connection,
+// naming the flag and the value, on every subcommand (Connect checks it).
+TEST_F(CliTest, ATargetPortPast65535IsRefused) {
+  const int wrapped = server_->port() + 65536;
+  for (const std::vector<std::string>& args :
+       std::vector<std::vector<std::string>>{{"health"}, {"info"}, {"attend", "--q_len=2"}}) {
+    std::vector<std::string> full = args;
+    const std::string target = absl::StrCat("127.0.0.1:", wrapped);
+    full.push_back(absl::StrCat("--target=", target));
+    const RunResult r = RunCli(full);
+    EXPECT_EQ(r.exit_code, 3) << Describe(r);
+    ExpectOneErrorLine(r, args[0], "INVALID_ARGUMENT");
+    EXPECT_THAT(r.err, HasSubstr(absl::StrCat("--target \"", target,
+                                              "\": the port must be a number in 1..65535")));
+    EXPECT_EQ(r.out, "");
+  }
+}
+
 TEST_F(CliTest, HealthNotServingExits14) {
   auto server = testing::StartTestServer(testing::TestServerOptions());
   server->SetServingForTest(false);

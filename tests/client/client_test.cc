@@ -1247,5 +1247,55 @@ TEST(ClientOptionsTest, TargetsWithoutPortOrAsUrlsGetAHint) {
   EXPECT_THAT(Client::Connect(many).status().message(), HasSubstr("targets[1] \"10.0.0.2\" has no port"));
 }
 
+// A port past 65535 was passed through: gRPC's resolver keeps its low 16
+// bits, so 127.0.0.1:114146 dialed port 48610 (and would have sent the
+// token there). Every target form with a port is checked; a port is 1..65535.
+TEST(ClientOptionsTest, TargetPortsOutsideTheRangeAreRefusedInEveryForm) {
+  const std::pair<const char*, const char*> bad[] = {
+      {"127.0.0.1:114146", "target \"127.0.0.1:114146\": the port must be a number in 1..65535, "
+                           "got \"114146\""},
+      {"127.0.0.1:65536", "got \"65536\""},
+      {"127.0.0.1:0", "got \"0\""},
+      {"127.0.0.1:+80", "got \"+80\""},
+      {"127.0.0.1:80x", "got \"80x\""},
+      {"[::1]:99999", "got \"99999\""},
+      {"[::1]x", "after its IPv6 address"},
+      {"::1:50051", "write an IPv6 address in brackets"},
+      {":50051", "has no host"},
+      {"dns:///localhost:70000", "got \"70000\""},
+      {"dns://8.8.8.8:99999/localhost:50051", "(its DNS server)"},
+      {"dns:///localhost:", "has no port"},
+      {"ipv4:127.0.0.1:50051,127.0.0.1:114146", "address \"127.0.0.1:114146\": the port"},
+      {"ipv4:127.0.0.1", "has no port"},
+      {"ipv4:///127.0.0.1:0", "got \"0\""},
+      {"ipv6:[::1]:65536", "got \"65536\""},
+      {"ipv6:[::1]", "has no port"},
+      {"ipv4:[::1]:50051", "is not IPv4 address:port"},
+      {"unix:", "has no socket path"},
+  };
+  for (const auto& [target, says] : bad) {
+    ClientOptions o;
+    o.target = target;
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+    ASSERT_FALSE(c.ok()) << target;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << target;
+    EXPECT_THAT(c.status().message(), HasSubstr(says)) << target;
+  }
+  for (const char* good :
+       {"127.0.0.1:1", "localhost:65535", "[::1]:65535", "dns:///localhost", "dns:localhost:80",
+        "dns://8.8.8.8:53/localhost:50051", "ipv4:127.0.0.1:50051,127.0.0.2:50052",
+        "ipv4:///127.0.0.1:50051", "ipv6:[::1]:50051", "unix:///tmp/ropeattn.sock",
+        "unix-abstract:ropeattn", "xds:///ropeattn"}) {
+    ClientOptions o;
+    o.target = good;
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+    EXPECT_TRUE(c.ok()) << good << ": " << c.status();
+  }
+  ClientOptions many;
+  many.targets = {"127.0.0.1:50051", "127.0.0.1:114146"};
+  EXPECT_THAT(Client::Connect(many).status().message(),
+              HasSubstr("targets[1] \"127.0.0.1:114146\": the port must be a number in 1..65535"));
+}
+
 }  // namespace
 }  // namespace ropeattn::client
