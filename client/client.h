@@ -407,7 +407,16 @@ int64_t NumElements(const v1::Tensor& tensor);
 // order, other dtypes, a truncated or malformed file) is InvalidArgument
 // naming the file and the problem; a missing file is NotFound (other I/O
 // errors map from errno). Format 3.0 (2.0 with a UTF-8 header) is read too.
+// The header is read and checked before the data, and then exactly the data
+// it describes is read: a file that is not .npy costs a few bytes whatever
+// its size (a header is at most 1 MiB), and a regular file whose size does
+// not match its header is refused unread.
 absl::StatusOr<v1::Tensor> ReadNpy(const std::string& path);
+// Same, refusing with ResourceExhausted (naming the file, its shape and
+// `limit_name`, e.g. "max_message_bytes") a file whose data or tensor (f16
+// and f64 read as f32) is more than `max_bytes` bytes, before reading it.
+absl::StatusOr<v1::Tensor> ReadNpy(const std::string& path, int64_t max_bytes,
+                                   absl::string_view limit_name);
 // Writes format 1.0 (2.0 only for a header over 64 KiB), header padded so the
 // data starts at a multiple of 64 bytes. InvalidArgument for a tensor whose
 // bytes do not match its shape or dtype; I/O errors map from errno (NotFound

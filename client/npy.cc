@@ -1,6 +1,11 @@
 // NumPy .npy reader and writer (format 1.0 / 2.0 / 3.0, see
 // numpy/lib/format.py). Files may come from anywhere, so the parser trusts
 // nothing: every length is checked against the file before it is used.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
@@ -35,19 +40,49 @@ absl::Status FileError(int err, absl::string_view what, absl::string_view path) 
   return absl::ErrnoToStatus(err, absl::StrCat("cannot ", what, " ", path));
 }
 
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) return FileError(errno, "open", path);
-  std::string contents;
-  char buf[1 << 16];
-  size_t got;
-  while ((got = std::fread(buf, 1, sizeof(buf), f)) > 0) contents.append(buf, got);
-  // fopen succeeds on a directory; the read error (EISDIR) shows up here.
-  const bool failed = std::ferror(f);
-  const int err = errno;
-  std::fclose(f);
-  if (failed) return FileError(err, "read", path);
-  return contents;
+// The longest header read: numpy writes a few hundred bytes (version 2.0 only
+// past 64 KiB, for thousands of dimensions). A larger length is refused
+// before anything is allocated for it.
+constexpr uint64_t kMaxHeaderLen = uint64_t{1} << 20;
+
+// An open file descriptor, closed on scope exit.
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// Appends up to `n` bytes to `out`, fewer only at the end of the file. Reads
+// in pieces, so a size the file does not back (a pipe that ends early) costs
+// no more memory than what arrived.
+absl::Status ReadUpTo(int fd, uint64_t n, const std::string& path, std::string* out) {
+  constexpr uint64_t kPiece = uint64_t{1} << 20;
+  while (n > 0) {
+    const size_t old_size = out->size();
+    const size_t piece = static_cast<size_t>(std::min(n, kPiece));
+    out->resize(old_size + piece);
+    ssize_t got;
+    do {
+      got = ::read(fd, out->data() + old_size, piece);
+    } while (got < 0 && errno == EINTR);
+    if (got < 0) {
+      const int err = errno;
+      out->resize(old_size);
+      return FileError(err, "read", path);
+    }
+    out->resize(old_size + static_cast<size_t>(got));
+    if (got == 0) break;
+    n -= static_cast<uint64_t>(got);
+  }
+  return absl::OkStatus();
 }
 
 // Recursive-descent parser for the header: a Python dict literal such as
@@ -234,16 +269,36 @@ enum class Element { kF32, kF16, kF64, kBF16Bits };
 }  // namespace
 
 absl::StatusOr<v1::Tensor> ReadNpy(const std::string& path) {
-  absl::StatusOr<std::string> file = ReadWholeFile(path);
-  if (!file.ok()) return file.status();
-  const absl::string_view bytes = *file;
+  return ReadNpy(path, std::numeric_limits<int64_t>::max(), "the limit");
+}
 
-  if (bytes.size() < kMagicLen + 2 ||
-      bytes.substr(0, kMagicLen) != absl::string_view(kMagic, kMagicLen)) {
+absl::StatusOr<v1::Tensor> ReadNpy(const std::string& path, int64_t max_bytes,
+                                   absl::string_view limit_name) {
+  // The header is read and checked first, then exactly the data it
+  // describes: a file that is not .npy (or /dev/zero) costs a few bytes, and
+  // one larger than max_bytes is refused before its data is read.
+  int raw_fd;
+  do {
+    raw_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  } while (raw_fd < 0 && errno == EINTR);
+  if (raw_fd < 0) return FileError(errno, "open", path);
+  const Fd fd(raw_fd);
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return FileError(errno, "read", path);
+  if (S_ISDIR(st.st_mode)) return FileError(EISDIR, "read", path);
+  // A regular file's size is known up front; a pipe or device is read as it
+  // comes, never past what the header asks for.
+  const bool sized = S_ISREG(st.st_mode);
+  const uint64_t file_size = sized ? static_cast<uint64_t>(st.st_size) : 0;
+
+  std::string head;
+  if (absl::Status s = ReadUpTo(fd.get(), kMagicLen + 2, path, &head); !s.ok()) return s;
+  if (head.size() < kMagicLen + 2 ||
+      absl::string_view(head).substr(0, kMagicLen) != absl::string_view(kMagic, kMagicLen)) {
     return Bad(path, "it does not start with the magic \"\\x93NUMPY\"");
   }
-  const int major = static_cast<unsigned char>(bytes[6]);
-  const int minor = static_cast<unsigned char>(bytes[7]);
+  const int major = static_cast<unsigned char>(head[6]);
+  const int minor = static_cast<unsigned char>(head[7]);
   // 3.0 differs from 2.0 only in allowing UTF-8 in the header, which the
   // parser rejects anyway wherever it matters (keys and descr are ASCII).
   if ((major != 1 && major != 2 && major != 3) || minor != 0) {
@@ -251,20 +306,30 @@ absl::StatusOr<v1::Tensor> ReadNpy(const std::string& path) {
                                   " (1.0, 2.0 and 3.0 are supported)"));
   }
   const size_t len_bytes = major == 1 ? 2 : 4;
-  if (bytes.size() < kMagicLen + 2 + len_bytes) {
+  if (absl::Status s = ReadUpTo(fd.get(), len_bytes, path, &head); !s.ok()) return s;
+  if (head.size() < kMagicLen + 2 + len_bytes) {
     return Bad(path, "the file ends inside the header length");
   }
   uint64_t header_len = 0;
   for (size_t i = 0; i < len_bytes; ++i) {
-    header_len |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[8 + i])) << (8 * i);
+    header_len |= static_cast<uint64_t>(static_cast<unsigned char>(head[8 + i])) << (8 * i);
   }
   const uint64_t header_start = kMagicLen + 2 + len_bytes;
-  if (header_len > bytes.size() - header_start) {
+  if (sized && header_len > file_size - std::min(file_size, header_start)) {
     return Bad(path, absl::StrCat("header length ", header_len, " runs past the end of the file (",
-                                  bytes.size(), " bytes)"));
+                                  file_size, " bytes)"));
   }
-  absl::StatusOr<HeaderParser::Header> header =
-      HeaderParser(bytes.substr(header_start, header_len)).Parse();
+  if (header_len > kMaxHeaderLen) {
+    return Bad(path, absl::StrCat("header length ", header_len, " is more than ", kMaxHeaderLen,
+                                  " bytes (numpy writes a few hundred)"));
+  }
+  std::string header_text;
+  if (absl::Status s = ReadUpTo(fd.get(), header_len, path, &header_text); !s.ok()) return s;
+  if (header_text.size() < header_len) {
+    return Bad(path, absl::StrCat("header length ", header_len, " runs past the end of the file (",
+                                  header_start + header_text.size(), " bytes)"));
+  }
+  absl::StatusOr<HeaderParser::Header> header = HeaderParser(header_text).Parse();
   if (!header.ok()) return Bad(path, header.status().message());
 
   Element element;
@@ -295,30 +360,50 @@ absl::StatusOr<v1::Tensor> ReadNpy(const std::string& path) {
   }
 
   const std::vector<int64_t>& shape = header->shape;
-  // Element count with the byte count (n * item_size) checked for overflow;
-  // a zero dimension makes everything 0 whatever the others are.
+  // Element count with the byte count (n * 8, the widest element, which
+  // also covers the f32 tensor of an f16 file) checked for overflow; a zero
+  // dimension makes everything 0 whatever the others are.
   int64_t n = 1;
   bool zero = false;
   for (int64_t d : shape) zero = zero || d == 0;
   if (zero) n = 0;
   for (int64_t d : shape) {
     if (zero) break;
-    if (n > std::numeric_limits<int64_t>::max() / item_size / d) {
+    if (n > std::numeric_limits<int64_t>::max() / 8 / d) {
       return Bad(path, absl::StrCat("shape ", ShapeTuple(shape), " of '", descr,
                                     "' is too large (its byte count overflows 64 bits)"));
     }
     n *= d;
   }
   const uint64_t want = static_cast<uint64_t>(n * item_size);
+  // What it costs: the file's data, and the tensor made of it (f16 and f64
+  // become f32), whichever is larger.
+  const int64_t tensor_bytes = n * (element == Element::kBF16Bits ? 2 : 4);
+  const int64_t cost = std::max(static_cast<int64_t>(want), tensor_bytes);
+  if (cost > max_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        path, ": shape ", ShapeTuple(shape), " of '", descr, "' is ", cost,
+        element == Element::kF32 || element == Element::kBF16Bits ? " bytes" : " bytes as f32",
+        ", more than ", limit_name, " ", max_bytes, "; not read"));
+  }
   const uint64_t data_start = header_start + header_len;
-  const uint64_t have = bytes.size() - data_start;
-  if (have != want) {
+  if (sized && file_size - data_start != want) {
+    const uint64_t have = file_size - data_start;
     return Bad(path, absl::StrCat(have < want ? "truncated: " : "trailing bytes: ", "shape ",
                                   ShapeTuple(shape), " of '", descr, "' needs ", want,
                                   " data bytes, the file holds ", have));
   }
-
-  const char* data = bytes.data() + data_start;
+  std::string contents;
+  // One byte more than wanted tells a pipe with trailing bytes apart.
+  if (absl::Status s = ReadUpTo(fd.get(), want + 1, path, &contents); !s.ok()) return s;
+  if (contents.size() != want) {
+    const bool more = contents.size() > want;
+    return Bad(path, absl::StrCat(more ? "trailing bytes: " : "truncated: ", "shape ",
+                                  ShapeTuple(shape), " of '", descr, "' needs ", want,
+                                  " data bytes, the file holds ",
+                                  more ? "more" : absl::StrCat(contents.size())));
+  }
+  const char* data = contents.data();
   if (element == Element::kF32) {
     v1::Tensor t;
     t.set_dtype(v1::DTYPE_F32);

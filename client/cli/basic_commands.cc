@@ -141,9 +141,11 @@ double Percentile(std::vector<double> sorted, double p) {
 
 // Hidden states for layer mode: --hidden, else random [batch, seq, hidden_size]
 // in --dtype from --seed.
-absl::StatusOr<v1::Tensor> HiddenFromFlags(int64_t batch, int64_t seq, int64_t hidden_size) {
+// `one_message` as in ReadNpyFlag (attend: yes, decode: no).
+absl::StatusOr<v1::Tensor> HiddenFromFlags(int64_t batch, int64_t seq, int64_t hidden_size,
+                                           bool one_message) {
   if (const std::string path = absl::GetFlag(FLAGS_hidden); !path.empty()) {
-    return client::ReadNpy(path);
+    return ReadNpyFlag("hidden", path, one_message);
   }
   absl::StatusOr<v1::DType> dtype = ParseDType("dtype", absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return dtype.status();
@@ -361,7 +363,8 @@ int AttendLayerMode() {
     hidden_size = info->hidden_size();
   }
   absl::StatusOr<v1::Tensor> hidden =
-      HiddenFromFlags(absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_q_len), hidden_size);
+      HiddenFromFlags(absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_q_len), hidden_size,
+                      /*one_message=*/true);
   if (!hidden.ok()) return Fail("attend", hidden.status());
   *layer->mutable_hidden() = *std::move(hidden);
   auto offsets = ParseIntList("offsets", absl::GetFlag(FLAGS_offsets));
@@ -584,7 +587,7 @@ int EncodeCommand(int argc, char** argv) {
       if (!offsets.ok()) return UsageFail("encode", offsets.status().message());
       for (int64_t o : *offsets) a->add_offsets(o);
       if (const std::string path = absl::GetFlag(FLAGS_x); !path.empty()) {
-        absl::StatusOr<v1::Tensor> x = client::ReadNpy(path);
+        absl::StatusOr<v1::Tensor> x = ReadNpyFlag("x", path, /*one_message=*/true);
         if (!x.ok()) return Fail("encode", x.status());
         *a->mutable_x() = *std::move(x);
       } else {
@@ -614,7 +617,7 @@ int EncodeCommand(int argc, char** argv) {
     t->set_k_len(k_len);
     t->set_q_offset(absl::GetFlag(FLAGS_q_offset));
     if (const std::string path = absl::GetFlag(FLAGS_t5_table); !path.empty()) {
-      absl::StatusOr<v1::Tensor> table = client::ReadNpy(path);
+      absl::StatusOr<v1::Tensor> table = ReadNpyFlag("t5_table", path, /*one_message=*/true);
       if (!table.ok()) return Fail("encode", table.status());
       *t->mutable_table() = *std::move(table);
     }
@@ -759,7 +762,7 @@ int DecodeCommand(int argc, char** argv) {
       if (!info.ok()) return Fail("decode", info.status());
       hidden_size = info->hidden_size();
     }
-    absl::StatusOr<v1::Tensor> h = HiddenFromFlags(1, total, hidden_size);
+    absl::StatusOr<v1::Tensor> h = HiddenFromFlags(1, total, hidden_size, /*one_message=*/false);
     if (!h.ok()) return Fail("decode", h.status());
     hidden = *std::move(h);
     if (hidden.shape_size() != 3 || hidden.shape(0) != 1 || hidden.shape(1) < total) {

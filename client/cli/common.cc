@@ -1,5 +1,7 @@
 #include "client/cli/common.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -8,6 +10,7 @@
 #include <limits>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -501,6 +504,35 @@ std::string DescribeSpec(const v1::AttentionSpec& spec) {
   return text;
 }
 
+absl::StatusOr<v1::Tensor> ReadNpyFlag(absl::string_view flag, const std::string& path,
+                                       bool one_message) {
+  int64_t max_bytes;
+  std::string limit_name;
+  if (one_message) {
+    max_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+    if (max_bytes <= 0 || max_bytes > std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes must be in [1, ",
+                                                     std::numeric_limits<int32_t>::max(),
+                                                     "], got ", max_bytes));
+    }
+    limit_name = "--max_message_bytes";
+  } else {
+    const long pages = sysconf(_SC_PHYS_PAGES);
+    const long page_size = sysconf(_SC_PAGESIZE);
+    max_bytes = pages > 0 && page_size > 0 &&
+                        pages <= std::numeric_limits<int64_t>::max() / page_size
+                    ? int64_t{pages} * page_size
+                    : std::numeric_limits<int64_t>::max();
+    limit_name = "this machine's memory";
+  }
+  absl::StatusOr<v1::Tensor> read = client::ReadNpy(path, max_bytes, limit_name);
+  if (!read.ok()) {
+    return absl::Status(read.status().code(),
+                        absl::StrCat("--", flag, ": ", read.status().message()));
+  }
+  return read;
+}
+
 absl::StatusOr<Inputs> InputsFromFlags(int64_t batch, int64_t q_len, int64_t k_len,
                                        bool one_message) {
   const std::string q_path = absl::GetFlag(FLAGS_q);
@@ -511,9 +543,10 @@ absl::StatusOr<Inputs> InputsFromFlags(int64_t batch, int64_t q_len, int64_t k_l
     if (q_path.empty() || k_path.empty() || v_path.empty()) {
       return absl::InvalidArgumentError("--q, --k and --v must be given together");
     }
-    for (auto [path, tensor] : {std::pair{&q_path, &inputs.q}, std::pair{&k_path, &inputs.k},
-                                std::pair{&v_path, &inputs.v}}) {
-      absl::StatusOr<v1::Tensor> read = client::ReadNpy(*path);
+    for (auto [flag, path, tensor] :
+         {std::tuple{"q", &q_path, &inputs.q}, std::tuple{"k", &k_path, &inputs.k},
+          std::tuple{"v", &v_path, &inputs.v}}) {
+      absl::StatusOr<v1::Tensor> read = ReadNpyFlag(flag, *path, one_message);
       if (!read.ok()) return read.status();
       *tensor = *std::move(read);
     }

@@ -153,6 +153,15 @@ struct Inputs {
 absl::StatusOr<Inputs> InputsFromFlags(int64_t batch, int64_t q_len, int64_t k_len,
                                        bool one_message = true);
 
+// The .npy file of an input flag (`flag` without dashes: "q", "hidden", "x"):
+// client::ReadNpy with every error prefixed "--<flag>: " (the message names
+// the file). `one_message`: the tensor goes out in one request, so a file
+// whose tensor is more than --max_message_bytes is refused
+// (RESOURCE_EXHAUSTED) before its data is read; otherwise (decode, sent in
+// slices) one larger than this machine's memory is.
+absl::StatusOr<v1::Tensor> ReadNpyFlag(absl::string_view flag, const std::string& path,
+                                       bool one_message);
+
 // "[1, 16, 8, 64] f32".
 std::string DescribeTensor(const v1::Tensor& tensor);
 

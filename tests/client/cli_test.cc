@@ -941,6 +941,44 @@ TEST_F(CliTest, RopeIsOffUnlessAskedForAsInTheApi) {
   EXPECT_THAT(r.err, HasSubstr("--alibi"));
 }
 
+// .npy inputs were read whole before their header was checked (a 3 GiB file
+// that is not .npy: 4.2 GB of RSS; /dev/zero until killed). Now the header
+// comes first: errors name the flag and the file, and a file whose tensor
+// is more than --max_message_bytes is refused before its data is read.
+TEST_F(CliTest, NpyInputsAreCheckedFromTheirHeaderNamingTheFlag) {
+  const std::string junk = Path("junk.npy");
+  std::ofstream(junk, std::ios::binary) << "this is not a .npy file";
+  RunResult r = Cli({"attend", "--q", junk, "--k", junk, "--v", junk});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  ExpectOneErrorLine(r, "attend", "INVALID_ARGUMENT");
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("--q: ", junk, ": not a usable .npy file: it does "
+                                            "not start with the magic")));
+  r = Cli({"encode", "--op=rope_apply", "--x", junk});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("--x: ", junk, ": not a usable")));
+
+  // [1, 64, 8, 64] f32 = 131072 bytes, over a 65536-byte limit.
+  const std::string big = Path("big.npy");
+  const int64_t shape[] = {1, 64, 8, 64};
+  ASSERT_TRUE(client::WriteNpy(big, *client::RandomTensor(v1::DTYPE_F32, shape, 1)).ok());
+  const std::string small = Path("small.npy");
+  const int64_t small_shape[] = {1, 4, 8, 64};
+  ASSERT_TRUE(client::WriteNpy(small, *client::RandomTensor(v1::DTYPE_F32, small_shape, 1)).ok());
+  r = Cli({"attend", "--q", small, "--k", big, "--v", small, "--max_message_bytes=65536"});
+  EXPECT_EQ(r.exit_code, 8) << Describe(r);
+  ExpectOneErrorLine(r, "attend", "RESOURCE_EXHAUSTED");
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("--k: ", big, ": shape (1, 64, 8, 64) of '<f4' is "
+                                            "131072 bytes, more than --max_message_bytes 65536; "
+                                            "not read")));
+  r = Cli({"attend", "--model=demo", "--hidden", big, "--max_message_bytes=65536"});
+  EXPECT_EQ(r.exit_code, 8) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("--hidden: ", big, ": shape")));
+  // decode sends its inputs in slices: the whole file may exceed the limit.
+  r = Cli({"decode", "--q", big, "--k", big, "--v", big, "--context=60", "--steps=4",
+           "--prefill_chunk=4", "--max_message_bytes=65536"});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+}
+
 TEST_F(CliTest, AttendReadsNpyInputs) {
   const int64_t q_shape[] = {2, 3, 2, 8}, kv_shape[] = {2, 4, 1, 8};
   v1::AttendRequest request;

@@ -8,8 +8,10 @@
 #include "client/client.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -26,6 +28,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
@@ -36,6 +39,7 @@
 namespace ropeattn::client {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 constexpr int64_t kHeads = 2;
@@ -1036,6 +1040,68 @@ TEST_F(NpyTest, RejectsBadFilesNamingFileAndProblem) {
   }
   // The good file itself reads, so each case fails for its own reason.
   EXPECT_TRUE(ReadNpy(WriteBytes("good.npy", good)).ok());
+}
+
+// The header is read and checked before the data: a file that is not .npy
+// was read whole first (a 3 GiB file cost 4.2 GB of RSS, /dev/zero grew
+// until killed). A pipe that sends a few bad bytes and stays open is refused
+// at once (the whole-file read waited for its end), and a file larger than
+// the limit is refused from its header.
+TEST_F(NpyTest, ReadsTheHeaderBeforeTheData) {
+  const std::string fifo = Path("pipe.npy");
+  std::remove(fifo.c_str());  // from an earlier run
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0) << errno;
+  absl::Notification done;
+  std::thread writer([&] {
+    const int fd = open(fifo.c_str(), O_WRONLY);
+    if (fd < 0) return;
+    const char junk[] = "not a .npy file at all";
+    (void)!write(fd, junk, sizeof(junk));
+    done.WaitForNotificationWithTimeout(absl::Seconds(10));  // held open, no end of file
+    close(fd);
+  });
+  const absl::Time start = absl::Now();
+  absl::Status s = ReadNpy(fifo).status();
+  const absl::Duration took = absl::Now() - start;
+  done.Notify();
+  writer.join();
+  std::remove(fifo.c_str());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), AllOf(HasSubstr(fifo), HasSubstr("magic")));
+  EXPECT_LT(took, absl::Seconds(5));
+
+  // 1 GiB of f32 as the header says, sparse (no disk): refused unread.
+  const std::string big =
+      WriteBytes("big.npy", NpyFile(1, "{'descr': '<f4', 'fortran_order': False, "
+                                       "'shape': (268435456,), }", ""));
+  const int64_t header_bytes = static_cast<int64_t>(ReadBytes(big).size());
+  ASSERT_EQ(truncate(big.c_str(), header_bytes + (int64_t{1} << 30)), 0) << errno;
+  s = ReadNpy(big, int64_t{256} << 20, "max_message_bytes").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(s.message(),
+              HasSubstr(absl::StrCat(big, ": shape (268435456,) of '<f4' is 1073741824 bytes, "
+                                          "more than max_message_bytes 268435456; not read")));
+  // Its size is checked against the header before its data is read too.
+  ASSERT_EQ(truncate(big.c_str(), header_bytes + (int64_t{1} << 30) + 1), 0) << errno;
+  s = ReadNpy(big).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("trailing bytes"));
+  std::remove(big.c_str());
+  // f16 and f64 count as the f32 they become, or their data if larger.
+  const std::string f2 = WriteBytes(
+      "f2.npy", NpyFile(1, "{'descr': '<f2', 'fortran_order': False, 'shape': (100,), }",
+                        std::string(200, '\0')));
+  s = ReadNpy(f2, 300, "the limit").status();
+  EXPECT_THAT(s.message(), HasSubstr("is 400 bytes as f32, more than the limit 300"));
+  EXPECT_TRUE(ReadNpy(f2, 400, "the limit").ok());
+  // A header length past 1 MiB is refused before it is read.
+  std::string huge_header("\x93NUMPY\x02\x00\x00\x00\x00\x40", 12);  // 1 GiB header
+  huge_header.append(64, ' ');
+  const std::string huge = WriteBytes("huge_header.npy", huge_header);
+  ASSERT_EQ(truncate(huge.c_str(), 12 + (int64_t{1} << 30)), 0) << errno;  // sparse
+  s = ReadNpy(huge).status();
+  EXPECT_THAT(s.message(), HasSubstr("header length 1073741824 is more than 1048576 bytes"));
+  std::remove(huge.c_str());
 }
 
 TEST_F(NpyTest, FileErrors) {
