@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <iostream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -201,6 +202,9 @@ std::string RopeRule(const v1::ModelInfo& m) {
 }
 
 }  // namespace
+
+// Longest random input a command generates, in tokens (as --q_len).
+constexpr int64_t kMaxTokens = int64_t{1} << 24;
 
 // --- health ---
 
@@ -573,7 +577,15 @@ int EncodeCommand(int argc, char** argv) {
       c->set_head_dim(absl::GetFlag(FLAGS_head_dim));
       c->set_seq_len(absl::GetFlag(FLAGS_seq_len));
       if (positions->empty()) {
-        for (int64_t p = 0; p < absl::GetFlag(FLAGS_num_positions); ++p) c->add_positions(p);
+        // Positions 0..num_positions-1 are sent: bounded before the loop.
+        const int64_t num_positions = absl::GetFlag(FLAGS_num_positions);
+        if (num_positions < 1 || num_positions > kMaxTokens) {
+          return Fail("encode", absl::InvalidArgumentError(absl::StrCat(
+                                    "--num_positions must be in [1, 2^24] (positions 0 .. "
+                                    "num_positions - 1 are sent), got ",
+                                    num_positions)));
+        }
+        for (int64_t p = 0; p < num_positions; ++p) c->add_positions(p);
       } else {
         for (int64_t p : *positions) c->add_positions(p);
       }
@@ -595,6 +607,23 @@ int EncodeCommand(int argc, char** argv) {
         if (!dtype.ok()) return Fail("encode", dtype.status());
         const int64_t shape[] = {absl::GetFlag(FLAGS_batch), q_len, absl::GetFlag(FLAGS_heads),
                                  absl::GetFlag(FLAGS_head_dim)};
+        // Each flag, then the bytes, before anything is generated.
+        const char* names[] = {"batch", "q_len", "heads", "head_dim"};
+        double bytes = *dtype == v1::DTYPE_BF16 ? 2 : 4;
+        for (int i = 0; i < 4; ++i) {
+          if (shape[i] < 1 || shape[i] > kMaxTokens) {
+            return Fail("encode", absl::InvalidArgumentError(absl::StrCat(
+                                      "--", names[i], " must be in [1, 2^24], got ", shape[i])));
+          }
+          bytes *= static_cast<double>(shape[i]);
+        }
+        if (const int64_t max = absl::GetFlag(FLAGS_max_message_bytes);
+            max > 0 && bytes > static_cast<double>(max)) {
+          return Fail("encode", absl::ResourceExhaustedError(absl::StrFormat(
+                                    "x of [--batch %d, --q_len %d, --heads %d, --head_dim %d] is "
+                                    "%.0f bytes, more than --max_message_bytes %d; not sent",
+                                    shape[0], shape[1], shape[2], shape[3], bytes, max)));
+        }
         absl::StatusOr<v1::Tensor> x =
             client::RandomTensor(*dtype, shape, absl::GetFlag(FLAGS_seed));
         if (!x.ok()) return Fail("encode", x.status());
@@ -729,15 +758,28 @@ int DecodeCommand(int argc, char** argv) {
   const int64_t context = absl::GetFlag(FLAGS_context);
   const int64_t chunk = absl::GetFlag(FLAGS_prefill_chunk);
   const int64_t per_step = absl::GetFlag(FLAGS_tokens_per_step);
-  if (steps < 1 || context < 0 || chunk < 1 || per_step < 1) {
-    return Fail("decode", absl::InvalidArgumentError(absl::StrCat(
-                              "--steps, --prefill_chunk and --tokens_per_step must be >= 1 and "
-                              "--context >= 0, got steps ",
-                              steps, ", prefill_chunk ", chunk, ", tokens_per_step ", per_step,
-                              ", context ", context)));
+  // Each flag is checked, and named with the value given, before any
+  // arithmetic on it: N = context + steps * tokens_per_step then fits int64
+  // (it overflowed, and was reported as --q_len, a flag decode has not).
+  for (const auto& [name, value, least] :
+       {std::tuple{"steps", steps, int64_t{1}}, std::tuple{"context", context, int64_t{0}},
+        std::tuple{"prefill_chunk", chunk, int64_t{1}},
+        std::tuple{"tokens_per_step", per_step, int64_t{1}}}) {
+    if (value < least || value > kMaxTokens) {
+      return Fail("decode", absl::InvalidArgumentError(absl::StrCat(
+                                "--", name, " must be in [", least, ", 2^24], got ", value)));
+    }
   }
   const int64_t total = context + steps * per_step;
   const bool layer_mode = !absl::GetFlag(FLAGS_model).empty();
+  const bool from_files =
+      layer_mode ? !absl::GetFlag(FLAGS_hidden).empty() : !absl::GetFlag(FLAGS_q).empty();
+  if (!from_files && total > kMaxTokens) {
+    return Fail("decode", absl::InvalidArgumentError(absl::StrCat(
+                              "--context + --steps * --tokens_per_step (the random inputs' ",
+                              "tokens) must be at most 2^24, got ", context, " + ", steps, " * ",
+                              per_step, " = ", total)));
+  }
   if (layer_mode) {
     if (absl::Status s = CheckLayerModeFlags(); !s.ok()) return UsageFail("decode", s.message());
   }

@@ -52,6 +52,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -817,6 +818,60 @@ int BenchCommand(int argc, char** argv) {
   spec.layer = absl::GetFlag(FLAGS_layer);
   spec.metrics_url = f.metrics_url;
   spec.record_requests = !f.requests_out.empty();
+  // Sizes are checked, naming the flag and the value given, before any
+  // arithmetic on them (context + steps_per_session * tokens_per_step
+  // overflowed int64) or any tensor is generated from them.
+  {
+    constexpr int64_t kMax = int64_t{1} << 24;
+    const bool attend = *workload == client::Workload::kAttend;
+    std::vector<std::tuple<const char*, int64_t, int64_t>> sizes = {
+        {"heads", a.heads, 1}, {"kv_heads", a.kv_heads, 0}, {"head_dim", a.head_dim, 1}};
+    if (attend) {
+      sizes.insert(sizes.end(), {{"batch", a.batch, 1}, {"q_len", a.q_len, 1},
+                                 {"k_len", a.k_len, 1}});
+    } else {
+      sizes.insert(sizes.end(), {{"steps_per_session", d.steps_per_session, 1},
+                                 {"context", d.context, 0},
+                                 {"tokens_per_step", d.tokens_per_step, 1}});
+    }
+    for (const auto& [name, value, least] : sizes) {
+      if (value < least || value > kMax) {
+        return Fail(kCommand, absl::InvalidArgumentError(absl::StrCat(
+                                  "--", name, " must be in [", least, ", 2^24], got ", value)));
+      }
+    }
+    // Random payloads that could never be sent are refused before they are
+    // generated (layer mode: the model's hidden size is not known yet).
+    const int64_t max_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+    if (spec.model.empty() && max_bytes > 0) {
+      const double elem = *dtype == v1::DTYPE_BF16 ? 2 : 4;
+      const double kv = static_cast<double>(a.kv_heads == 0 ? a.heads : a.kv_heads);
+      const double per_token = elem * (static_cast<double>(a.heads) + 2 * kv) * a.head_dim;
+      auto too_big = [&](double bytes, const std::string& what) -> std::optional<absl::Status> {
+        if (bytes <= static_cast<double>(max_bytes)) return std::nullopt;
+        return absl::ResourceExhaustedError(
+            absl::StrFormat("%s is %.0f bytes of q, k and v, more than --max_message_bytes %d; "
+                            "not generated",
+                            what, bytes, max_bytes));
+      };
+      std::optional<absl::Status> refused;
+      if (attend) {
+        refused = too_big(elem * a.batch *
+                              (static_cast<double>(a.q_len) * a.heads * a.head_dim +
+                               2 * static_cast<double>(a.k_len) * kv * a.head_dim),
+                          absl::StrCat("an Attend of --batch ", a.batch, ", --q_len ", a.q_len,
+                                       ", --k_len ", a.k_len));
+      } else {
+        refused = too_big(per_token * static_cast<double>(d.context),
+                          absl::StrCat("the prefill of --context ", d.context));
+        if (!refused.has_value()) {
+          refused = too_big(per_token * static_cast<double>(d.tokens_per_step),
+                            absl::StrCat("a step of --tokens_per_step ", d.tokens_per_step));
+        }
+      }
+      if (refused.has_value()) return Fail(kCommand, *refused);
+    }
+  }
   if (absl::Status s = client::ValidateLoadSpec(spec); !s.ok()) return Fail(kCommand, s);
   if (f.connections < 1 || f.connections > 256) {
     return Fail(kCommand, absl::InvalidArgumentError(absl::StrCat(

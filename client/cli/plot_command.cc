@@ -184,9 +184,10 @@ absl::StatusOr<std::string> PlotSinusoidal(client::Client& client) {
   auto* op = request.mutable_sinusoidal();
   const int64_t rows = absl::GetFlag(FLAGS_num_positions);
   const int64_t cols = absl::GetFlag(FLAGS_d_model);
-  if (rows < 1 || cols < 1 || rows * cols > kMaxCells) {
+  // Each flag first: their product overflowed int64 for large values.
+  if (rows < 1 || cols < 1 || rows > kMaxCells || cols > kMaxCells || rows * cols > kMaxCells) {
     return absl::InvalidArgumentError(
-        absl::StrCat("plot sinusoidal: num_positions * d_model must be in [1, ", kMaxCells,
+        absl::StrCat("plot sinusoidal: --num_positions * --d_model must be in [1, ", kMaxCells,
                      "], got ", rows, " * ", cols));
   }
   op->set_num_positions(rows);

@@ -587,6 +587,67 @@ TEST_F(CliTest, UsageErrorsExit64WithOneLine) {
   }
 }
 
+// decode's --context / --steps / --tokens_per_step were summed (in int64,
+// unchecked: 2^63 - 1 wrapped negative) before any check, and the sum was
+// reported as --q_len, a flag decode does not have. Each flag is checked
+// first, named with the value given. bench and encode likewise.
+TEST_F(CliTest, SizeFlagsAreCheckedBeforeArithmeticNamingTheFlag) {
+  const struct {
+    std::vector<std::string> args;
+    std::string says;
+  } cases[] = {
+      {{"decode", "--context=99999999999"}, "--context must be in [0, 2^24], got 99999999999"},
+      {{"decode", "--context=9223372036854775807"},
+       "--context must be in [0, 2^24], got 9223372036854775807"},
+      {{"decode", "--steps=9223372036854775807", "--tokens_per_step=2"},
+       "--steps must be in [1, 2^24], got 9223372036854775807"},
+      {{"decode", "--tokens_per_step=0"}, "--tokens_per_step must be in [1, 2^24], got 0"},
+      {{"decode", "--prefill_chunk=-1"}, "--prefill_chunk must be in [1, 2^24], got -1"},
+      {{"decode", "--steps=16777216", "--tokens_per_step=2"},
+       "--context + --steps * --tokens_per_step (the random inputs' tokens) must be at most "
+       "2^24, got 0 + 16777216 * 2 = 33554432"},
+      {{"decode", "--model=demo", "--context=16777216"},
+       "--context + --steps * --tokens_per_step"},
+      {{"encode", "--op=rope_cos_sin", "--num_positions=99999999999"},
+       "--num_positions must be in [1, 2^24]"},
+      {{"encode", "--op=rope_apply", "--heads=9223372036854775807"},
+       "--heads must be in [1, 2^24], got 9223372036854775807"},
+      {{"bench", "--workload=decode", "--context=9223372036854775807"},
+       "--context must be in [0, 2^24], got 9223372036854775807"},
+      {{"bench", "--workload=decode", "--steps_per_session=9223372036854775807",
+        "--tokens_per_step=2"},
+       "--steps_per_session must be in [1, 2^24], got 9223372036854775807"},
+      {{"bench", "--q_len=0"}, "--q_len must be in [1, 2^24], got 0"},
+      {{"plot", "--kind=sinusoidal", "--num_positions=4611686018427387904", "--d_model=4",
+        "--out=x.svg"},
+       "--num_positions * --d_model must be in [1, 262144], got 4611686018427387904 * 4"},
+  };
+  for (const auto& c : cases) {
+    const RunResult r = Cli(c.args);
+    EXPECT_EQ(r.exit_code, 3) << absl::StrJoin(c.args, " ") << ": " << Describe(r);
+    ExpectOneErrorLine(r, c.args[0], "INVALID_ARGUMENT");
+    EXPECT_THAT(r.err, HasSubstr(c.says)) << absl::StrJoin(c.args, " ");
+    if (c.args[0] == "decode") {
+      EXPECT_THAT(r.err, Not(HasSubstr("--q_len"))) << absl::StrJoin(c.args, " ");
+    }
+  }
+  // Random payloads that could never be sent are refused before they are
+  // generated (bench allocated them first).
+  for (const auto& [args, says] :
+       std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"bench", "--q_len=1000000"},
+            "an Attend of --batch 1, --q_len 1000000, --k_len 1000000 is 6144000000 bytes"},
+           {{"bench", "--workload=decode", "--context=16000000"},
+            "the prefill of --context 16000000 is 98304000000 bytes"},
+           {{"encode", "--op=rope_apply", "--q_len=9999999"},
+            "x of [--batch 1, --q_len 9999999, --heads 8, --head_dim 64] is 20479997952 bytes"}}) {
+    const RunResult r = Cli(args);
+    EXPECT_EQ(r.exit_code, 8) << absl::StrJoin(args, " ") << ": " << Describe(r);
+    ExpectOneErrorLine(r, args[0], "RESOURCE_EXHAUSTED");
+    EXPECT_THAT(r.err, AllOf(HasSubstr(says), HasSubstr("--max_message_bytes 268435456")));
+  }
+}
+
 // decode sends its tokens in slices: a run whose whole q/k/v exceed
 // --max_message_bytes is fine as long as each slice fits (the one-message
 // check of attend must not apply to it).
