@@ -3,12 +3,14 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <initializer_list>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -206,6 +208,17 @@ std::string RopeRule(const v1::ModelInfo& m) {
 // Longest random input a command generates, in tokens (as --q_len).
 constexpr int64_t kMaxTokens = int64_t{1} << 24;
 
+// The output flags' files, checked before any work (a run used to do all its
+// work and then fail to write).
+absl::Status CheckOutputs(std::initializer_list<absl::string_view> flags) {
+  for (absl::string_view flag : flags) {
+    if (const absl::CommandLineFlag* f = absl::FindCommandLineFlag(flag); f != nullptr) {
+      if (absl::Status s = CheckOutputPath(flag, f->CurrentValue()); !s.ok()) return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
 // --- health ---
 
 int HealthCommand(int argc, char** argv) {
@@ -349,6 +362,7 @@ int AttendLayerMode() {
                                "self-attention: the keys are the hidden states' own)");
   }
   const std::string model = absl::GetFlag(FLAGS_model);
+  if (absl::Status s = CheckOutputs({"out", "probs_out"}); !s.ok()) return Fail("attend", s);
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail("attend", client.status());
   v1::AttendRequest request;
@@ -432,6 +446,7 @@ int AttendCommand(int argc, char** argv) {
 
   auto offsets = ParseIntList("offsets", absl::GetFlag(FLAGS_offsets));
   if (!offsets.ok()) return UsageFail("attend", offsets.status().message());
+  if (absl::Status s = CheckOutputs({"out", "probs_out"}); !s.ok()) return Fail("attend", s);
   const int64_t q_len = absl::GetFlag(FLAGS_q_len);
   const int64_t k_len = absl::GetFlag(FLAGS_k_len) == 0 ? q_len : absl::GetFlag(FLAGS_k_len);
   absl::StatusOr<Inputs> inputs = InputsFromFlags(absl::GetFlag(FLAGS_batch), q_len, k_len);
@@ -656,6 +671,7 @@ int EncodeCommand(int argc, char** argv) {
                                             op, "\""));
   }
 
+  if (absl::Status s = CheckOutputs({"out"}); !s.ok()) return Fail("encode", s);
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail("encode", client.status());
   const absl::Time start = absl::Now();
@@ -791,6 +807,7 @@ int DecodeCommand(int argc, char** argv) {
                                             : v1::ATTENTION_KIND_SOFTMAX);
   open.set_max_context(FlagGiven("max_context") ? absl::GetFlag(FLAGS_max_context) : total);
 
+  if (absl::Status s = CheckOutputs({"out"}); !s.ok()) return Fail("decode", s);
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail("decode", client.status());
   Inputs inputs;
@@ -1057,6 +1074,7 @@ int EmbedCommand(int argc, char** argv) {
   for (int64_t o : *offsets) request.add_q_offsets(o);
   request.set_out_dtype(*dtype);
 
+  if (absl::Status s = CheckOutputs({"out"}); !s.ok()) return Fail("embed", s);
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail("embed", client.status());
   const absl::Time start = absl::Now();

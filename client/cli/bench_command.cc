@@ -902,6 +902,14 @@ int BenchCommand(int argc, char** argv) {
     };
   }
 
+  // Output files are checked before the run, not after it.
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"csv", f.csv},
+                                   {"json", f.json},
+                                   {"plot", f.plot},
+                                   {"requests_out", f.requests_out}}) {
+    if (absl::Status s = CheckOutputPath(flag, path); !s.ok()) return Fail(kCommand, s);
+  }
+
   // The flags make one Client (its options: target, TLS, token, limits);
   // --connections N makes N with those options, each on its own connection.
   absl::StatusOr<std::unique_ptr<client::Client>> first = ConnectFromFlags();

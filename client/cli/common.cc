@@ -1,6 +1,9 @@
 #include "client/cli/common.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <cmath>
@@ -502,6 +505,28 @@ std::string DescribeSpec(const v1::AttentionSpec& spec) {
       absl::StrAppend(&text, " no positional encoding");
   }
   return text;
+}
+
+absl::Status CheckOutputPath(absl::string_view flag, const std::string& path) {
+  if (path.empty()) return absl::OkStatus();
+  auto error = [&](int err, absl::string_view detail) {
+    return absl::ErrnoToStatus(err, absl::StrCat("--", flag, ": cannot write ", path, detail));
+  };
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) return error(EISDIR, "");
+    if (::access(path.c_str(), W_OK) != 0) return error(errno, "");
+    return absl::OkStatus();
+  }
+  if (errno != ENOENT) return error(errno, "");
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  if (::stat(dir.c_str(), &st) != 0) return error(errno, absl::StrCat(" (directory ", dir, ")"));
+  if (!S_ISDIR(st.st_mode)) return error(ENOTDIR, absl::StrCat(" (", dir, " is not a directory)"));
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    return error(errno, absl::StrCat(" (directory ", dir, ")"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::Tensor> ReadNpyFlag(absl::string_view flag, const std::string& path,

@@ -162,6 +162,13 @@ absl::StatusOr<Inputs> InputsFromFlags(int64_t batch, int64_t q_len, int64_t k_l
 absl::StatusOr<v1::Tensor> ReadNpyFlag(absl::string_view flag, const std::string& path,
                                        bool one_message);
 
+// Checks, before any work, that the output file `path` (the value of
+// --<flag>) can be written: an existing one must be a writable non-directory,
+// a new one needs an existing, writable directory. Empty: OK (no output).
+// The error names the flag and the path, with errno's code (NOT_FOUND for a
+// missing directory, as the write itself would have failed afterwards).
+absl::Status CheckOutputPath(absl::string_view flag, const std::string& path);
+
 // "[1, 16, 8, 64] f32".
 std::string DescribeTensor(const v1::Tensor& tensor);
 

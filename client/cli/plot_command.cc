@@ -337,6 +337,8 @@ int PlotCommand(int argc, char** argv) {
                                           "attention, got \"",
                                           kind, "\""));
   }
+  // Checked before the work, not after it.
+  if (absl::Status s = CheckOutputPath("out", out); !s.ok()) return Fail("plot", s);
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail("plot", client.status());
   absl::StatusOr<std::string> svg_text;

@@ -648,6 +648,48 @@ TEST_F(CliTest, SizeFlagsAreCheckedBeforeArithmeticNamingTheFlag) {
   }
 }
 
+// Output files are checked before the work: attend --out /nonexistent/dir/x
+// ran the call, printed its summary, and only then failed to write; bench
+// ran its whole sweep first. The error names the flag and the path.
+TEST_F(CliTest, OutputPathsAreCheckedBeforeTheWork) {
+  const std::string missing = "/nonexistent/dir/x.npy";
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"attend", "--q_len=2", "--heads=2", "--head_dim=8", "--out", missing},
+           {"attend", "--q_len=2", "--heads=2", "--head_dim=8", "--probs_out", missing},
+           {"attend", "--model=demo", "--layer=0", "--q_len=2", "--out", missing},
+           {"encode", "--op=sinusoidal", "--out", missing},
+           {"decode", "--steps=1", "--heads=2", "--head_dim=8", "--out", missing},
+           {"embed", "--model=demo", "--tokens=1,2", "--out", missing},
+           {"plot", "--kind=wavelength", "--out", missing},
+           {"bench", "--concurrency=1", "--window_seconds=0.1", "--warmup_seconds=0",
+            "--max_windows=3", "--q_len=2", "--heads=2", "--head_dim=8", "--requests_out",
+            missing},
+           {"bench", "--concurrency=1", "--window_seconds=0.1", "--warmup_seconds=0",
+            "--max_windows=3", "--q_len=2", "--heads=2", "--head_dim=8", "--csv", missing}}) {
+    const RunResult r = Cli(args);
+    const std::string flag = args[args.size() - 2];
+    EXPECT_EQ(r.exit_code, 5) << absl::StrJoin(args, " ") << ": " << Describe(r);
+    ExpectOneErrorLine(r, args[0], "NOT_FOUND");
+    EXPECT_THAT(r.err, HasSubstr(absl::StrCat(flag, ": cannot write ", missing,
+                                              " (directory /nonexistent/dir)")))
+        << absl::StrJoin(args, " ");
+    EXPECT_EQ(r.out, "") << absl::StrJoin(args, " ");  // nothing ran
+  }
+  // A directory, or a file in a path whose parent is a file.
+  RunResult r = Cli({"encode", "--op=sinusoidal", "--out", dir_});
+  EXPECT_NE(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("--out: cannot write ", dir_)));
+  EXPECT_EQ(r.out, "");
+  const std::string file = Path("plain");
+  std::ofstream(file) << "x";
+  r = Cli({"encode", "--op=sinusoidal", "--out", file + "/x.npy"});
+  EXPECT_NE(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("Not a directory"));
+  // A writable one still works.
+  r = Cli({"encode", "--op=sinusoidal", "--out", Path("ok.npy")});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+}
+
 // decode sends its tokens in slices: a run whose whole q/k/v exceed
 // --max_message_bytes is fine as long as each slice fits (the one-message
 // check of attend must not apply to it).
