@@ -581,6 +581,43 @@ TEST(HardeningDeadlineTest, LongAttendStopsAtItsDeadline) {
   EXPECT_EQ(sample("ropeattn_running"), 0);
 }
 
+// Holds one worker of `executor` with a task of the test's own until
+// Release: work queued behind it stays queued, deterministically.
+class HeldWorker {
+ public:
+  explicit HeldWorker(server::Executor& executor) {
+    EXPECT_TRUE(executor.TrySubmit("test:held", 1, [this] {
+      started_.Notify();
+      release_.WaitForNotification();
+    }));
+    started_.WaitForNotification();
+  }
+  ~HeldWorker() { Release(); }
+  void Release() {
+    if (!release_.HasBeenNotified()) release_.Notify();
+  }
+  bool released() const { return release_.HasBeenNotified(); }
+
+ private:
+  absl::Notification started_, release_;
+};
+
+// The last quarter of the queue is kept for callers holding less than an
+// equal share: one caller fills three quarters of it, another still gets in,
+// and only then is the queue full for everyone.
+TEST(ExecutorTest, OneCallerCannotFillTheWholeQueue) {
+  server::Executor executor(1, 8);
+  HeldWorker held(executor);
+  int heavy = 0;
+  while (heavy < 20 && executor.TrySubmit("heavy", 1000, [] {}, "Attend")) ++heavy;
+  EXPECT_EQ(heavy, 6);  // three quarters of 8
+  EXPECT_TRUE(executor.TrySubmit("light", 1, [] {}, "Attend"));
+  EXPECT_TRUE(executor.TrySubmit("light", 1, [] {}, "Attend"));
+  EXPECT_EQ(executor.queue_depth(), 8);
+  EXPECT_FALSE(executor.TrySubmit("third", 1, [] {}, "Attend"));  // full for everyone
+  held.Release();
+}
+
 // Admission by time: once the server has measured its rate, a request that
 // cannot finish inside its deadline behind the running work is refused at
 // once (RESOURCE_EXHAUSTED, trailing retry-after-ms), not queued and left to
@@ -772,30 +809,6 @@ TEST(ExecutorTest, CancelledOrExpiredTasksLeaveTheQueueAtOnce) {
 // WorkAhead says how long each running task has run, so an estimate made
 // from it (the admission's wait, the retry-after-ms hints) counts down while
 // the work runs instead of counting it whole however long it has run.
-// The last quarter of the queue is kept for callers holding less than an
-// equal share: one caller fills three quarters of it, another still gets in,
-// and only then is the queue full for everyone.
-TEST(ExecutorTest, OneCallerCannotFillTheWholeQueue) {
-  server::Executor executor(1, 8);
-  absl::Notification started, release;
-  const absl::Cleanup let_go = [&] {
-    if (!release.HasBeenNotified()) release.Notify();
-  };
-  ASSERT_TRUE(executor.TrySubmit("blocker", 1, [&] {
-    started.Notify();
-    release.WaitForNotification();
-  }));
-  started.WaitForNotification();
-  int heavy = 0;
-  while (heavy < 20 && executor.TrySubmit("heavy", 1000, [] {}, "Attend")) ++heavy;
-  EXPECT_EQ(heavy, 6);  // three quarters of 8
-  EXPECT_TRUE(executor.TrySubmit("light", 1, [] {}, "Attend"));
-  EXPECT_TRUE(executor.TrySubmit("light", 1, [] {}, "Attend"));
-  EXPECT_EQ(executor.queue_depth(), 8);
-  EXPECT_FALSE(executor.TrySubmit("third", 1, [] {}, "Attend"));  // full for everyone
-  release.Notify();
-}
-
 TEST(ExecutorTest, RunningWorkSaysHowLongItHasRun) {
   server::Executor executor(1, 4);
   absl::Notification started, release;
@@ -1598,26 +1611,6 @@ class BusyWorker {
   std::thread thread_;
 };
 
-// Holds one worker of `executor` with a task of the test's own until
-// Release: work queued behind it stays queued, deterministically.
-class HeldWorker {
- public:
-  explicit HeldWorker(server::Executor& executor) {
-    EXPECT_TRUE(executor.TrySubmit("test:held", 1, [this] {
-      started_.Notify();
-      release_.WaitForNotification();
-    }));
-    started_.WaitForNotification();
-  }
-  ~HeldWorker() { Release(); }
-  void Release() {
-    if (!release_.HasBeenNotified()) release_.Notify();
-  }
-  bool released() const { return release_.HasBeenNotified(); }
-
- private:
-  absl::Notification started_, release_;
-};
 
 
 // Units of `kind` waiting in `executor` (the health canary's own task,
