@@ -413,8 +413,9 @@ int64_t NumElements(const v1::Tensor& tensor);
 // not match its header is refused unread.
 absl::StatusOr<v1::Tensor> ReadNpy(const std::string& path);
 // Same, refusing with ResourceExhausted (naming the file, its shape and
-// `limit_name`, e.g. "max_message_bytes") a file whose data or tensor (f16
-// and f64 read as f32) is more than `max_bytes` bytes, before reading it.
+// `limit_name`, e.g. "max_message_bytes") a file whose tensor (f16 and f64
+// read as f32) is more than `max_bytes` bytes, before reading it (its data,
+// read whole, is at most twice that: f64).
 absl::StatusOr<v1::Tensor> ReadNpy(const std::string& path, int64_t max_bytes,
                                    absl::string_view limit_name);
 // Writes format 1.0 (2.0 only for a header over 64 KiB), header padded so the

@@ -376,10 +376,12 @@ absl::StatusOr<v1::Tensor> ReadNpy(const std::string& path, int64_t max_bytes,
     n *= d;
   }
   const uint64_t want = static_cast<uint64_t>(n * item_size);
-  // What it costs: the file's data, and the tensor made of it (f16 and f64
-  // become f32), whichever is larger.
+  // The limit is on the tensor made of it (f16 and f64 become f32), what a
+  // request carries; the file's data read to make it is at most twice that
+  // (f64), so it is bounded too. (The larger of the two refused a valid f64
+  // file whose f32 tensor fits.)
   const int64_t tensor_bytes = n * (element == Element::kBF16Bits ? 2 : 4);
-  const int64_t cost = std::max(static_cast<int64_t>(want), tensor_bytes);
+  const int64_t cost = tensor_bytes;
   if (cost > max_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         path, ": shape ", ShapeTuple(shape), " of '", descr, "' is ", cost,

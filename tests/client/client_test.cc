@@ -1087,13 +1087,20 @@ TEST_F(NpyTest, ReadsTheHeaderBeforeTheData) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(s.message(), HasSubstr("trailing bytes"));
   std::remove(big.c_str());
-  // f16 and f64 count as the f32 they become, or their data if larger.
+  // f16 and f64 count as the f32 tensor they become (what a request
+  // carries), not their data: an f64 file of 800 bytes is a 400-byte tensor.
   const std::string f2 = WriteBytes(
       "f2.npy", NpyFile(1, "{'descr': '<f2', 'fortran_order': False, 'shape': (100,), }",
                         std::string(200, '\0')));
   s = ReadNpy(f2, 300, "the limit").status();
   EXPECT_THAT(s.message(), HasSubstr("is 400 bytes as f32, more than the limit 300"));
   EXPECT_TRUE(ReadNpy(f2, 400, "the limit").ok());
+  const std::string f8 = WriteBytes(
+      "f8.npy", NpyFile(1, "{'descr': '<f8', 'fortran_order': False, 'shape': (100,), }",
+                        std::string(800, '\0')));
+  EXPECT_TRUE(ReadNpy(f8, 400, "the limit").ok());
+  s = ReadNpy(f8, 399, "the limit").status();
+  EXPECT_THAT(s.message(), HasSubstr("is 400 bytes as f32, more than the limit 399"));
   // A header length past 1 MiB is refused before it is read.
   std::string huge_header("\x93NUMPY\x02\x00\x00\x00\x00\x40", 12);  // 1 GiB header
   huge_header.append(64, ' ');
