@@ -192,7 +192,8 @@ bool Executor::PushLocked(const std::string& key, int64_t compute, Task task,
   if (waiting_ >= capacity_ - capacity_ / 4) {
     const auto it = queues_.find(key);
     const int64_t mine = it == queues_.end() ? 0 : static_cast<int64_t>(it->second.size());
-    const int64_t callers = static_cast<int64_t>(queues_.size()) + (mine == 0 ? 1 : 0);
+    // (A caller holding nothing always gets in while there is room.)
+    const int64_t callers = static_cast<int64_t>(queues_.size());
     if (mine > 0 && mine >= capacity_ / (callers + 1)) return false;
   }
   const double tag = TagLocked(key, compute);
