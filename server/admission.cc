@@ -67,7 +67,13 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
   compute = std::max<int64_t>(0, compute);
   absl::MutexLock lock(&mu_);
   Kind& own = kinds_[method];
-  if (const std::optional<double> own_service = Seconds(own, compute); own_service) {
+  // Judged only within the sizes the rate was measured on (kMaxExtrapolation).
+  const bool within = own.largest_measured > 0 &&
+                      compute / kMaxExtrapolation <= own.largest_measured;
+  // A stale rate lets one request through per kStaleRate to learn again.
+  const bool probe = now - own.last_sample > kStaleRate && now - own.last_probe > kStaleRate;
+  if (const std::optional<double> own_service = Seconds(own, compute);
+      own_service && within) {
     // The work ahead spreads over every worker; this request then runs on
     // one. Kinds whose rate is not known yet add nothing (the estimate
     // never invents a wait).
@@ -109,34 +115,42 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
     const double service_s = *own_service;
     const absl::Duration wait = absl::Seconds(wait_s);
     const absl::Duration service = absl::Seconds(service_s);
+    const auto refuse = [&](absl::Status status) {
+      if (!probe) return status;
+      own.last_probe = now;  // admitted all the same, to learn the rate again
+      return absl::OkStatus();
+    };
     if (deadline != absl::InfiniteFuture() && now + wait + service > deadline) {
       // If the request alone outlasts its deadline, waiting will not help:
       // no retry time (a hint of 0 had clients retry at once, forever).
       *retry_after = now + service > deadline ? absl::InfiniteDuration() : wait;
-      return absl::ResourceExhaustedError(absl::StrFormat(
+      absl::Status st = refuse(absl::ResourceExhaustedError(absl::StrFormat(
           "%s cannot finish inside its deadline (%.0f ms left): about %.0f ms of wait for a "
           "worker and %.0f ms of compute at this server's measured rate; %s",
           method, absl::ToDoubleMilliseconds(deadline - now), wait_s * 1e3, service_s * 1e3,
           now + service > deadline ? "give it a longer deadline"
-                                   : "retry later or give it a longer deadline"));
+                                   : "retry later or give it a longer deadline")));
+      if (!st.ok()) return st;
     }
     if (max_queue_delay_ > absl::ZeroDuration() && wait > max_queue_delay_) {
       *retry_after = wait - max_queue_delay_;
-      return absl::ResourceExhaustedError(absl::StrFormat(
+      absl::Status st = refuse(absl::ResourceExhaustedError(absl::StrFormat(
           "%s: the estimated wait for a compute worker is %.0f ms, past "
           "--max_queue_delay_seconds (%.0f ms); retry after about %.0f ms",
           method, wait_s * 1e3, absl::ToDoubleMilliseconds(max_queue_delay_),
-          absl::ToDoubleMilliseconds(*retry_after)));
+          absl::ToDoubleMilliseconds(*retry_after))));
+      if (!st.ok()) return st;
     }
     if (slowdown_applies && max_slowdown_ > 0) {
       const double limit_s = std::max(kMinSlowdownWaitSeconds, max_slowdown_ * service_s);
       if (queued_wait_s > limit_s) {
         *retry_after = absl::Seconds(queued_wait_s - limit_s);
-        return absl::ResourceExhaustedError(absl::StrFormat(
+        absl::Status st = refuse(absl::ResourceExhaustedError(absl::StrFormat(
             "%s: the estimated wait for a compute worker is %.0f ms, more than "
             "--max_queue_slowdown (%g) times its own compute (%.1f ms); retry after about %.0f ms",
             method, queued_wait_s * 1e3, max_slowdown_, service_s * 1e3,
-            absl::ToDoubleMilliseconds(*retry_after)));
+            absl::ToDoubleMilliseconds(*retry_after))));
+        if (!st.ok()) return st;
       }
     }
   }
@@ -144,7 +158,7 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
   return absl::OkStatus();
 }
 
-void Admission::Finished(const char* method, int64_t compute, double seconds) {
+void Admission::Finished(const char* method, int64_t compute, double seconds, absl::Time now) {
   compute = std::max<int64_t>(0, compute);
   absl::MutexLock lock(&mu_);
   Kind& k = kinds_[method];
@@ -163,6 +177,8 @@ void Admission::Finished(const char* method, int64_t compute, double seconds) {
   k.units_per_second =
       k.rate_samples == 0 ? rate : (1 - kAlpha) * k.units_per_second + kAlpha * rate;
   ++k.rate_samples;
+  k.largest_measured = std::max(k.largest_measured, compute);
+  k.last_sample = now;
 }
 
 }  // namespace ropeattn::server

@@ -65,7 +65,8 @@ class Admission {
   // An admitted request of `method` left the queue without running, or
   // finished running for `seconds` (negative: it never ran); its compute is
   // no longer pending.
-  void Finished(const char* method, int64_t compute, double seconds);
+  void Finished(const char* method, int64_t compute, double seconds,
+                absl::Time now = absl::Now());
 
   // The retry-after hint of a refusal because the queue is full: when the
   // work running now should be done (what is left of each running task's
@@ -84,6 +85,18 @@ class Admission {
   // rate look slow and long requests' estimates too pessimistic).
   static constexpr double kRateMinSeconds = 0.005;
   static constexpr int kMinSamples = 3;
+  // A rate judges a request only up to this many times the largest one it
+  // was measured on: past it, the request is admitted as if the rate were
+  // unknown (an external test: a rate measured on small requests while the
+  // CPU was taken by others priced a 0.3 s request at 302 s and refused it
+  // with 30 s left).
+  static constexpr int64_t kMaxExtrapolation = 32;
+  // A rate with no sample for this long may be stale (learned under load
+  // that has passed): one request of its method is then admitted whatever
+  // the estimate says, at most once per this interval, so the rate can
+  // learn again (otherwise every request the stale rate refuses is one
+  // that could have corrected it).
+  static constexpr absl::Duration kStaleRate = absl::Seconds(30);
 
   // Each method learns its own rate: a decode step (memory-bound, small)
   // and a prefill Attend (compute-bound) turn priced units into seconds at
@@ -93,6 +106,9 @@ class Admission {
     int rate_samples = 0;
     double overhead_seconds = 0;  // EWMA over short requests
     int64_t pending = 0;          // queued + running compute
+    int64_t largest_measured = 0;  // compute of the largest request the rate learned from
+    absl::Time last_sample = absl::InfinitePast();  // the rate's newest sample
+    absl::Time last_probe = absl::InfinitePast();   // the last admission past a stale rate
   };
   // Estimated seconds of `kind` for `compute` units; nullopt before known.
   static std::optional<double> Seconds(const Kind& kind, int64_t compute);

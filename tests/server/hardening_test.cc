@@ -1003,6 +1003,37 @@ TEST(HardeningAdmissionTest, EachMethodLearnsItsOwnRate) {
   EXPECT_EQ(a.pending_compute(), 0);
 }
 
+// A rate judges requests only up to 32 times the largest it was measured
+// on: a rate learned on small requests while the CPU was taken priced a
+// 0.3 s request at 302 s and refused it with 30 s left. And a rate with no
+// sample for 30 s lets one request through per 30 s whatever it says, so a
+// rate learned under load that has passed can learn again.
+TEST(HardeningAdmissionTest, RatesAreNotStretchedFarPastWhatTheyMeasuredNorKeptStaleForever) {
+  server::Admission a(1, absl::ZeroDuration());
+  const absl::Time t0 = absl::Now();
+  for (int i = 0; i < 3; ++i) a.Finished("Attend", 1000, 0.010, t0);  // 1e5 units/s, slow
+  absl::Duration retry;
+  const absl::Time deadline = t0 + absl::Seconds(1);
+  // 32x the measured size: judged (10 ms * 32 = 0.32 s fits, 64x does not).
+  EXPECT_TRUE(a.Admit("Attend", 32000, deadline, t0, &retry).ok());
+  a.Finished("Attend", 32000, -1, t0);
+  EXPECT_EQ(a.Admit("Attend", 32000, t0 + absl::Milliseconds(200), t0, &retry).code(),
+            absl::StatusCode::kResourceExhausted);
+  // Far past it (1000x): admitted as if the rate were unknown.
+  EXPECT_TRUE(a.Admit("Attend", 1000 * 1000, deadline, t0, &retry).ok());
+  a.Finished("Attend", 1000 * 1000, -1, t0);
+  // 31 s without a sample: one request the rate would refuse goes through,
+  // the next within 30 s is refused again.
+  const absl::Time later = t0 + absl::Seconds(31);
+  EXPECT_TRUE(a.Admit("Attend", 32000, later + absl::Milliseconds(100), later, &retry).ok());
+  a.Finished("Attend", 32000, -1, later);
+  EXPECT_EQ(a.Admit("Attend", 32000, later + absl::Milliseconds(100), later, &retry).code(),
+            absl::StatusCode::kResourceExhausted);
+  // A fresh sample makes the rate current again: no more probes.
+  a.Finished("Attend", 32000, 0.020, later);  // 1.6e6 units/s
+  EXPECT_TRUE(a.Admit("Attend", 32000, later + absl::Milliseconds(100), later, &retry).ok());
+}
+
 // A stub on a connection of its own: without authentication, a caller of
 // its own for fair queueing and admission.
 std::unique_ptr<v1::AttentionService::Stub> CallerOfItsOwn(int port) {
