@@ -428,8 +428,9 @@ int AttendCommand(int argc, char** argv) {
       argc, argv,
       "Runs one Attend call. Inputs are random (seeded: q, k, v from --seed, --seed+1,\n"
       "--seed+2, uniform in [-1, 1)) or read from .npy files (--q, --k, --v; heads and\n"
-      "head_dim then come from their shapes unless given). RoPE (--rope_*) is on unless\n"
-      "--norope or --alibi. --offsets gives each batch row's first query position\n"
+      "head_dim then come from their shapes unless given). No positional scheme unless\n"
+      "asked for: --rope or any --rope_* flag turns RoPE on, --alibi ALiBi. --offsets gives\n"
+      "each batch row's first query position\n"
       "(default: the queries are the last Sq of the Sk keys). Prints shapes, time and\n"
       "output statistics; --out writes the output [B, Sq, H, Dv] as .npy, --probs_out\n"
       "the probabilities [B, H, Sq, Sk].\n"

@@ -72,8 +72,8 @@ ABSL_FLAG(bool, alibi, false, "ALiBi biases (standard slopes) instead of RoPE.")
 
 ABSL_FLAG(bool, rope, false,
           "Rotate q and k with RoPE. Off by default, as in the API (an AttentionSpec without "
-          "`rope` has no positional scheme); any other RoPE flag (--rope_type, --theta, ...) "
-          "turns it on.");
+          "`rope` has no positional scheme); any other RoPE flag the subcommand reads "
+          "(--rope_type, ...) turns it on.");
 ABSL_FLAG(std::string, rope_type, "default",
           "RoPE scaling rule: default, linear, ntk, dynamic, yarn, longrope, llama3.");
 ABSL_FLAG(double, rope_factor, 0, "RoPE scaling factor; 0 means 1.");
