@@ -448,6 +448,19 @@ int AttendCommand(int argc, char** argv) {
   auto offsets = ParseIntList("offsets", absl::GetFlag(FLAGS_offsets));
   if (!offsets.ok()) return UsageFail("attend", offsets.status().message());
   if (absl::Status s = CheckOutputs({"out", "probs_out"}); !s.ok()) return Fail("attend", s);
+  if (!absl::GetFlag(FLAGS_q).empty() || !absl::GetFlag(FLAGS_k).empty() ||
+      !absl::GetFlag(FLAGS_v).empty()) {
+    // The inputs' shapes and dtype come from the files: the random inputs'
+    // flags are refused, not ignored (as layer mode refuses what it does
+    // not read).
+    for (const char* flag : {"batch", "q_len", "k_len", "dtype", "seed"}) {
+      if (FlagGiven(flag)) {
+        return UsageFail("attend", absl::StrCat("--", flag,
+                                                " cannot be used with --q/--k/--v (the inputs' "
+                                                "shapes and dtype come from the files)"));
+      }
+    }
+  }
   const int64_t q_len = absl::GetFlag(FLAGS_q_len);
   const int64_t k_len = absl::GetFlag(FLAGS_k_len) == 0 ? q_len : absl::GetFlag(FLAGS_k_len);
   absl::StatusOr<Inputs> inputs = InputsFromFlags(absl::GetFlag(FLAGS_batch), q_len, k_len);

@@ -1111,6 +1111,13 @@ TEST_F(CliTest, AttendReadsNpyInputs) {
   r = Cli({"attend", "--q", Path("missing.npy"), "--k", Path("k.npy"), "--v", Path("v.npy")});
   EXPECT_EQ(r.exit_code, 5) << Describe(r);
   ExpectOneErrorLine(r, "attend", "NOT_FOUND");
+  // The random inputs' flags mean nothing with files: refused, not ignored.
+  for (const char* flag : {"--q_len=5", "--batch=3", "--k_len=7", "--dtype=bf16", "--seed=9"}) {
+    r = Cli({"attend", "--q", Path("q.npy"), "--k", Path("k.npy"), "--v", Path("v.npy"),
+             "--norope", flag});
+    EXPECT_EQ(r.exit_code, 64) << flag << " " << Describe(r);
+    EXPECT_THAT(r.err, HasSubstr("cannot be used with --q/--k/--v")) << flag;
+  }
 }
 
 TEST_F(CliTest, AttendErrorsMapToTheirStatusCode) {
