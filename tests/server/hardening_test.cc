@@ -676,12 +676,7 @@ TEST(ExecutorTest, PromptSizedStepsRunAloneAndDecodeStepsShareAPass) {
     batches.emplace_back();
     for (server::BatchTask* t : tasks) batches.back().push_back(static_cast<Step*>(t)->compute);
   });
-  absl::Notification started, release;
-  ASSERT_TRUE(executor.TrySubmit("blocker", 1, [&] {
-    started.Notify();
-    release.WaitForNotification();
-  }));
-  started.WaitForNotification();
+  HeldWorker held(executor);
   std::vector<std::unique_ptr<Step>> steps;
   auto submit = [&](const std::string& key, int64_t compute, bool joins) {
     steps.push_back(std::make_unique<Step>(compute));
@@ -692,7 +687,7 @@ TEST(ExecutorTest, PromptSizedStepsRunAloneAndDecodeStepsShareAPass) {
   for (int i = 0; i < 3; ++i) submit("light", 10, true);
   // Decode-sized steps of long sessions: priced far above the light ones.
   for (int i = 0; i < 4; ++i) submit(absl::StrCat("long", i), 5000, true);
-  release.Notify();
+  held.Release();
   executor.Shutdown();
   absl::MutexLock lock(&mu);
   int64_t seen = 0;
@@ -721,16 +716,8 @@ TEST(ExecutorTest, CancelledOrExpiredTasksLeaveTheQueueAtOnce) {
     absl::MutexLock lock(&mu);
     for (server::BatchTask* t : tasks) abandoned_batches.push_back(t);
   });
-  absl::Notification started, release;
   // Whatever fails, the worker is let go before the executor joins it.
-  const absl::Cleanup let_go = [&] {
-    if (!release.HasBeenNotified()) release.Notify();
-  };
-  ASSERT_TRUE(executor.TrySubmit("blocker", 1, [&] {
-    started.Notify();
-    release.WaitForNotification();
-  }));
-  started.WaitForNotification();
+  HeldWorker held(executor);
   const std::thread::id here = std::this_thread::get_id();
   StopToken a, b, expired;
   expired.set_deadline(absl::Now() + absl::Milliseconds(1));
@@ -787,23 +774,15 @@ TEST(ExecutorTest, CancelledOrExpiredTasksLeaveTheQueueAtOnce) {
   StopToken gone;
   gone.Cancel();
   std::atomic<int> ran_gone{0};
-  release.Notify();
+  held.Release();
   executor.Shutdown();
   EXPECT_EQ(ran_c.load(), 1);
   server::Executor fresh(1, 1);
-  absl::Notification busy, free_it;
-  const absl::Cleanup free_fresh = [&] {
-    if (!free_it.HasBeenNotified()) free_it.Notify();
-  };
-  ASSERT_TRUE(fresh.TrySubmit("blocker", 1, [&] {
-    busy.Notify();
-    free_it.WaitForNotification();
-  }));
-  busy.WaitForNotification();
+  HeldWorker fresh_held(fresh);
   ASSERT_TRUE(fresh.TrySubmit("x", 1, [&] { ran_gone = 1; }, "Attend", &gone));
   EXPECT_EQ(ran_gone.load(), 1);
   EXPECT_EQ(fresh.queue_depth(), 0);
-  free_it.Notify();
+  fresh_held.Release();
 }
 
 // WorkAhead says how long each running task has run, so an estimate made
