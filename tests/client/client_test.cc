@@ -1292,6 +1292,16 @@ TEST_F(ClientTest, LayerModeDecodeTokenByTokenMatchesOneShotAttend) {
 }
 
 
+// Connect refuses `target` with INVALID_ARGUMENT, saying `says`.
+void ExpectTargetRefused(const char* target, const char* says) {
+  ClientOptions o;
+  o.target = target;
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+  ASSERT_FALSE(c.ok()) << target;
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << target;
+  EXPECT_THAT(c.status().message(), HasSubstr(says)) << target;
+}
+
 // A target the resolver would choke on later gets a hint at once.
 TEST(ClientOptionsTest, TargetsWithoutPortOrAsUrlsGetAHint) {
   const std::pair<const char*, const char*> bad[] = {
@@ -1301,14 +1311,7 @@ TEST(ClientOptionsTest, TargetsWithoutPortOrAsUrlsGetAHint) {
       {"http://127.0.0.1:50051", "is a URL; give host:port"},
       {"https://ropeattn.example.com", "--tls_ca_file"},
   };
-  for (const auto& [target, says] : bad) {
-    ClientOptions o;
-    o.target = target;
-    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
-    ASSERT_FALSE(c.ok()) << target;
-    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << target;
-    EXPECT_THAT(c.status().message(), HasSubstr(says)) << target;
-  }
+  for (const auto& [target, says] : bad) ExpectTargetRefused(target, says);
   for (const char* good : {"127.0.0.1:50051", "[::1]:50051", "dns:///ropeattn:50051",
                            "unix:/tmp/ropeattn.sock"}) {
     ClientOptions o;
@@ -1346,14 +1349,7 @@ TEST(ClientOptionsTest, TargetPortsOutsideTheRangeAreRefusedInEveryForm) {
       {"ipv4:[::1]:50051", "is not IPv4 address:port"},
       {"unix:", "has no socket path"},
   };
-  for (const auto& [target, says] : bad) {
-    ClientOptions o;
-    o.target = target;
-    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
-    ASSERT_FALSE(c.ok()) << target;
-    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << target;
-    EXPECT_THAT(c.status().message(), HasSubstr(says)) << target;
-  }
+  for (const auto& [target, says] : bad) ExpectTargetRefused(target, says);
   for (const char* good :
        {"127.0.0.1:1", "localhost:65535", "[::1]:65535", "dns:///localhost", "dns:localhost:80",
         "dns://8.8.8.8:53/localhost:50051", "ipv4:127.0.0.1:50051,127.0.0.2:50052",
