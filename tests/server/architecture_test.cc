@@ -214,14 +214,9 @@ std::vector<ArchCase> Cases() {
     c.freqs = fixed(ref::DefaultInvFreq(16, 10000.0));
     cases.push_back(std::move(c));
   }
-  {  // Gemma 3: (1 + w) q/k norms, local RoPE base on sliding layers, linear
-     // scaling on global ones.
-    ArchCase c;
-    c.name = "gemma3";
-    c.config = Config("gemma3_text", "Gemma3ForCausalLM", 32, 4, 2, R"(, "num_key_value_heads": 1,
-        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4,
-        "sliding_window_pattern": 2, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
-        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rms_norm_eps": 1e-6)");
+  // Gemma 3's two layers (sliding, then global): (1 + w) q/k norms,
+  // query_pre_attn_scalar 16, window 4 on the sliding one.
+  const auto AddGemma3Layers = [](ArchCase& c) {
     Embeddings(c.ckpt, "model.embed_tokens.weight", 32);
     for (int layer = 0; layer < 2; ++layer) {
       ref::LayerRefParams p = Dims(32, 4, 1, 16);
@@ -236,6 +231,16 @@ std::vector<ArchCase> Cases() {
       p.window = layer == 0 ? 4 : 0;
       c.layers.push_back(p);
     }
+  };
+  {  // Gemma 3: (1 + w) q/k norms, local RoPE base on sliding layers, linear
+     // scaling on global ones.
+    ArchCase c;
+    c.name = "gemma3";
+    c.config = Config("gemma3_text", "Gemma3ForCausalLM", 32, 4, 2, R"(, "num_key_value_heads": 1,
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4,
+        "sliding_window_pattern": 2, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rms_norm_eps": 1e-6)");
+    AddGemma3Layers(c);
     c.freqs = [](int64_t layer, int64_t, ref::LayerRefParams& p) {
       p.inv_freq = layer == 0 ? ref::DefaultInvFreq(16, 10000.0)
                               : ref::LinearInvFreq(16, 1000000.0, 8.0);
@@ -253,20 +258,7 @@ std::vector<ArchCase> Cases() {
         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0},
                             "sliding_attention": {"rope_type": "default"}},
         "rms_norm_eps": 1e-6)");
-    Embeddings(c.ckpt, "model.embed_tokens.weight", 32);
-    for (int layer = 0; layer < 2; ++layer) {
-      ref::LayerRefParams p = Dims(32, 4, 1, 16);
-      const std::string root = absl::StrCat("model.layers.", layer, ".self_attn.");
-      AddSeparate(c.ckpt, p, root, false, false);
-      p.norm = ref::RefNorm::kRmsOnePlus;
-      p.q_norm = c.ckpt.Add(root + "q_norm.weight", {16}, -0.5, 0.5);
-      p.k_norm = c.ckpt.Add(root + "k_norm.weight", {16}, -0.5, 0.5);
-      p.rope = true;
-      p.rotary_dim = 16;
-      p.scale = 0.25;
-      p.window = layer == 0 ? 4 : 0;
-      c.layers.push_back(p);
-    }
+    AddGemma3Layers(c);
     c.freqs = [](int64_t layer, int64_t, ref::LayerRefParams& p) {
       p.inv_freq = layer == 0 ? ref::DefaultInvFreq(16, 20000.0)
                               : ref::LinearInvFreq(16, 1000000.0, 8.0);
