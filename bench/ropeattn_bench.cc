@@ -314,7 +314,7 @@ void BM_Decode(benchmark::State& state, DType kv_dtype, int64_t kv, int64_t kv_h
   // In the KvCache's tile layout: a KvCache, or a session's tile pages
   // (f32 and bf16 on AVX-512 machines).
   state.counters["kv_cache_layout"] =
-      paged && states[0].storage() == DecodeState::Storage::kTiles ? 1 : 0;
+      paged && DecodeState::IsTiles(states[0].storage()) ? 1 : 0;
   state.counters["fraction_of_read_bandwidth"] =
       state.counters["bytes_per_second"].value / EnsureCeiling(kRead);
 }

@@ -626,13 +626,17 @@ struct DecodeLayout {
   int64_t chunk = kDecodeChunk, align = 1;
 };
 
-// Whether a plan reads tiles (a KvCache, or pages in its layout), and
-// whether they are bf16.
+// Whether a plan reads tiles (a KvCache, or pages in its layout).
 bool ReadsTiles(const Plan& p) {
   return p.cache != nullptr || (p.paged != nullptr && p.paged->tiles);
 }
-bool BF16Tiles(const Plan& p) {
-  return p.cache == nullptr && p.paged->type == PagedKvView::Type::kBF16;
+// Calls fn with a value of the tiles' element type: float (a KvCache or f32
+// pages), uint16_t (bf16 pages) or int8_t (int8 pages, scaled per key).
+template <typename Fn>
+inline void WithTileType(const Plan& p, Fn fn) {
+  if (p.cache != nullptr || p.paged->type == PagedKvView::Type::kF32) return fn(float{});
+  if (p.paged->type == PagedKvView::Type::kBF16) return fn(uint16_t{});
+  return fn(int8_t{});
 }
 
 // A KvCache is read tile by tile, and its V rows in runs long enough that the
@@ -899,8 +903,15 @@ void DecodeScoresTiles(const Plan& p, const DecodeLayout& L, const float* qf, fl
       const int64_t r0 = j * p.group * p.q_len + i;
       internal::DotTileRows(qf + r0 * d, p.q_len * d, p.group, tile, d, tmp.data());
       for (int64_t r = 0; r < p.group; ++r) {
-        std::memcpy(scores + (r0 + r * p.q_len) * L.n_max + (lo - L.ulo[0]),
-                    tmp.data() + r * kT + (lo - tb), (hi - lo) * sizeof(float));
+        float* dst = scores + (r0 + r * p.q_len) * L.n_max + (lo - L.ulo[0]);
+        const float* src = tmp.data() + r * kT + (lo - tb);
+        if constexpr (std::is_same_v<T, int8_t>) {
+          // Each key's scale multiplies its score, as the row kernels do.
+          const float* sc = p.paged->k_scales[tb / kT] + j * kT + (lo - tb);
+          for (int64_t u = 0; u < hi - lo; ++u) dst[u] = sc[u] * src[u];
+        } else {
+          std::memcpy(dst, src, (hi - lo) * sizeof(float));
+        }
       }
     }
   }
@@ -920,6 +931,7 @@ void DecodeValuesDense(const Plan& p, const DecodeLayout& L, const float* scores
     }
     return static_cast<const T*>(p.paged->v_pages[a / kT]) + (j * kT + a % kT) * dv;
   };
+  std::vector<float> scaled(std::is_same_v<T, int8_t> ? p.group * kT : 0);
   const TileOrder order = TileOrderOf(p, t0, t1);
   for (int64_t n = 0, count = order.count(); n < count; ++n) {
     int64_t j, tb;
@@ -929,8 +941,18 @@ void DecodeValuesDense(const Plan& p, const DecodeLayout& L, const float* scores
       const int64_t e = std::min({t1, tb + kT, L.hi[i]});
       if (e <= a) continue;
       const int64_t r0 = j * p.group * p.q_len + i;
-      internal::WeightedSumDenseRows(scores + r0 * L.n_max + (a - L.ulo[0]), p.q_len * L.n_max,
-                                     p.group, row_at(j, a), e - a, dv, acc + r0 * dv,
+      const float* w = scores + r0 * L.n_max + (a - L.ulo[0]);
+      int64_t ws = p.q_len * L.n_max;
+      if constexpr (std::is_same_v<T, int8_t>) {
+        // Each key's scale folds into its weights, as the row kernels do.
+        const float* sc = p.paged->v_scales[a / kT] + j * kT + a % kT;
+        for (int64_t r = 0; r < p.group; ++r) {
+          for (int64_t u = 0; u < e - a; ++u) scaled[r * kT + u] = w[r * ws + u] * sc[u];
+        }
+        w = scaled.data();
+        ws = kT;
+      }
+      internal::WeightedSumDenseRows(w, ws, p.group, row_at(j, a), e - a, dv, acc + r0 * dv,
                                      p.q_len * dv);
     }
   }
@@ -972,11 +994,7 @@ struct DecodeRun {
       int64_t b, t0, t1;
       Locate(c, &b, &t0, &t1);
       if (ReadsTiles(*p)) {
-        if (BF16Tiles(*p)) {
-          DecodeScoresTiles<uint16_t>(*p, L, qf, scores, t0, t1);
-        } else {
-          DecodeScoresTiles<float>(*p, L, qf, scores, t0, t1);
-        }
+        WithTileType(*p, [&](auto t) { DecodeScoresTiles<decltype(t)>(*p, L, qf, scores, t0, t1); });
       } else if (p->paged != nullptr) {
         WithPagedType(p->paged->type, [&](auto type) {
           DecodeScoresPaged<decltype(type)::value>(*p, L, qf, scores, t0, t1);
@@ -1021,11 +1039,7 @@ struct DecodeRun {
       if (keys_in_sums == 0) std::memset(sums, 0, n * sizeof(float));
       keys_in_sums += t1 - t0;
       if (ReadsTiles(*p)) {
-        if (BF16Tiles(*p)) {
-          DecodeValuesDense<uint16_t>(*p, L, scores, sums, t0, t1);
-        } else {
-          DecodeValuesDense<float>(*p, L, scores, sums, t0, t1);
-        }
+        WithTileType(*p, [&](auto t) { DecodeValuesDense<decltype(t)>(*p, L, scores, sums, t0, t1); });
       } else if (p->paged != nullptr) {
         WithPagedType(p->paged->type, [&](auto type) {
           DecodeValuesPaged<decltype(type)::value>(*p, L, scores, sums, t0, t1);
@@ -1539,10 +1553,10 @@ absl::StatusOr<Plan> MakePagedPlan(const ConstTensorView& q, const PagedKvView& 
       return absl::InvalidArgumentError(absl::StrFormat("page %d of the paged view is missing", n));
     }
   }
-  if (kv.tiles && (kv.type == PagedKvView::Type::kInt8 || kv.page_tokens != KvCache::kTile)) {
+  if (kv.tiles && kv.page_tokens != KvCache::kTile) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "a paged view in tiles holds f32 or bf16 pages of %d tokens; got type %d, page_tokens %d",
-        KvCache::kTile, static_cast<int>(kv.type), kv.page_tokens));
+        "a paged view in tiles holds pages of %d tokens; got page_tokens %d", KvCache::kTile,
+        kv.page_tokens));
   }
   int64_t token_rows = kv.token_rows, head_rows = kv.head_rows;
   if (kv.tiles || (token_rows == 0 && head_rows == 0)) {
@@ -1620,6 +1634,17 @@ absl::Status PagedPrefill(const ConstTensorView& q, const PagedKvView& kv, int64
                     char* base, bool keys) {
     const int64_t r = head_major ? j * kv.page_tokens + t : t * kv.kv_heads + j;
     char* dst = base + (t * kv.kv_heads + j) * dim * es;
+    if (kv.tiles && kv.type == PagedKvView::Type::kInt8) {
+      // As below, int8 codes dequantized with the scale of (t, j) at j * P + t.
+      const int8_t* c = static_cast<const int8_t*>(page);
+      const int64_t P = kv.page_tokens;
+      const float scale = scales[j * P + t];
+      float* f = reinterpret_cast<float*>(dst);
+      for (int64_t x = 0; x < dim; ++x) {
+        f[x] = scale * static_cast<float>(c[keys ? (j * dim + x) * P + t : (j * P + t) * dim + x]);
+      }
+      return;
+    }
     if (kv.tiles) {
       // K (t, j, x) at (j * dim + x) * P + t; V row (t, j) at (j * P + t),
       // elements of es bytes (f32 or bf16).

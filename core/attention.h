@@ -173,10 +173,11 @@ absl::Status AttendInt8(ConstTensorView q, const Int8KvView& kv, int64_t length,
 // a scale per row (k_scales, v_scales: f32, row r's at index r of its page;
 // value = scale * q). page_tokens must be a multiple of 8 when there are
 // several pages (the decode's 8-key groups never straddle two). With
-// `tiles` (f32 only, page_tokens = KvCache::kTile, token_rows and head_rows
-// unused) a page holds the KvCache layout for its tokens: K [kv_heads]
-// [head_dim][page_tokens] (one tile per head) and V [kv_heads][page_tokens]
-// [v_dim], read by the KvCache's decode kernel. Not owned.
+// `tiles` (page_tokens = KvCache::kTile, token_rows and head_rows unused) a
+// page holds the KvCache layout for its tokens: K [kv_heads][head_dim]
+// [page_tokens] (one tile per head) and V [kv_heads][page_tokens][v_dim],
+// read by the KvCache's decode kernel; int8 tile pages keep the scale of
+// token t, kv head j at index j * page_tokens + t. Not owned.
 struct PagedKvView {
   enum class Type { kF32, kBF16, kInt8 };
   Type type = Type::kF32;

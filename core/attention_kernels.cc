@@ -424,6 +424,10 @@ ROPEATTN_AVX512 inline __m512 Tile16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+ROPEATTN_AVX512 inline __m512 Tile16(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
 ROPEATTN_AVX512 inline __m512 Tile16(__mmask16 m, const float* p) {
   return _mm512_maskz_loadu_ps(m, p);
 }
@@ -431,8 +435,15 @@ ROPEATTN_AVX512 inline __m512 Tile16(__mmask16 m, const uint16_t* p) {
   const __m256i h = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+ROPEATTN_AVX512 inline __m512 Tile16(__mmask16 m, const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
 #pragma GCC diagnostic pop
 inline __m256 Tile8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Tile8(const int8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
 inline __m256 Tile8(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -609,11 +620,17 @@ void WeightedSumDenseRowsImpl(const float* w, int64_t w_stride, int64_t rows, co
                              acc_stride);
     return;
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    if constexpr (std::is_same_v<T, float>) {
-      WeightedSumF32(w + r * w_stride, v, dv, count, dv, acc + r * acc_stride);
-    } else {
-      WeightedSumBF16(w + r * w_stride, v, dv, count, dv, acc + r * acc_stride);
+  if constexpr (std::is_same_v<T, int8_t>) {
+    // A scale of 1 per key: w * 1 is w, so these are the plain sums.
+    static constexpr float kOne = 1.0f;
+    WeightedSumRowsI8(w, w_stride, rows, v, dv, &kOne, 0, count, dv, acc, acc_stride);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      if constexpr (std::is_same_v<T, float>) {
+        WeightedSumF32(w + r * w_stride, v, dv, count, dv, acc + r * acc_stride);
+      } else {
+        WeightedSumBF16(w + r * w_stride, v, dv, count, dv, acc + r * acc_stride);
+      }
     }
   }
 }
@@ -628,7 +645,15 @@ void DotTileRows(const float* q, int64_t q_stride, int64_t rows, const uint16_t*
                  float* out) {
   DotTileRowsImpl(q, q_stride, rows, tile, d, out);
 }
+void DotTileRows(const float* q, int64_t q_stride, int64_t rows, const int8_t* tile, int64_t d,
+                 float* out) {
+  DotTileRowsImpl(q, q_stride, rows, tile, d, out);
+}
 void WeightedSumDenseRows(const float* w, int64_t w_stride, int64_t rows, const float* v,
+                          int64_t count, int64_t dv, float* acc, int64_t acc_stride) {
+  WeightedSumDenseRowsImpl(w, w_stride, rows, v, count, dv, acc, acc_stride);
+}
+void WeightedSumDenseRows(const float* w, int64_t w_stride, int64_t rows, const int8_t* v,
                           int64_t count, int64_t dv, float* acc, int64_t acc_stride) {
   WeightedSumDenseRowsImpl(w, w_stride, rows, v, count, dv, acc, acc_stride);
 }

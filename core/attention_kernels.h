@@ -51,18 +51,23 @@ void WeightedSumRowsI8(const float* w, int64_t w_stride, int64_t rows, const int
                        int64_t count, int64_t dv, float* acc, int64_t acc_stride);
 
 // KvCache layout (kv_cache.h). Scores of `rows` query rows (q + r*q_stride,
-// d channels) against one K tile ([d][kTile] f32 or bf16):
-// out[r*kTile + u] = <q_r, key u of the tile>, u < kTile. A bf16 tile gives
-// the bits an f32 tile of the same values gives (widening is exact).
+// d channels) against one K tile ([d][kTile] f32, bf16 or int8 codes):
+// out[r*kTile + u] = <q_r, key u of the tile>, u < kTile. A bf16 or int8
+// tile gives the bits an f32 tile of the same values gives (widening is
+// exact; an int8 tile's scales are the caller's).
 void DotTileRows(const float* q, int64_t q_stride, int64_t rows, const float* tile, int64_t d,
                  float* out);
 void DotTileRows(const float* q, int64_t q_stride, int64_t rows, const uint16_t* tile, int64_t d,
+                 float* out);
+void DotTileRows(const float* q, int64_t q_stride, int64_t rows, const int8_t* tile, int64_t d,
                  float* out);
 // acc[r*acc_stride + x] += sum_u w[r*w_stride + u] * v[u*dv + x] for rows of
 // V stored back to back (one kv head of a KvCache), keys in ascending order.
 void WeightedSumDenseRows(const float* w, int64_t w_stride, int64_t rows, const float* v,
                           int64_t count, int64_t dv, float* acc, int64_t acc_stride);
 void WeightedSumDenseRows(const float* w, int64_t w_stride, int64_t rows, const uint16_t* v,
+                          int64_t count, int64_t dv, float* acc, int64_t acc_stride);
+void WeightedSumDenseRows(const float* w, int64_t w_stride, int64_t rows, const int8_t* v,
                           int64_t count, int64_t dv, float* acc, int64_t acc_stride);
 // The two kernels above use AVX-512 where the CPU has it. Tests turn it off to
 // check the AVX2 versions too; returns the previous setting.

@@ -258,10 +258,11 @@ struct PageLayout {
 };
 
 PageLayout LayoutOf(const DecodeStateConfig& c, DecodeState::Storage storage) {
-  const bool int8 = storage == DecodeState::Storage::kInt8;
-  // kTiles: K [kv_heads][head_dim][kTile] (one KvCache tile per head), V
-  // [kv_heads][kTile][v_dim], f32 or bf16; the others [tokens][kv_heads][dim]
-  // rows (int8: head-major) of their element type.
+  const bool int8 = DecodeState::IsInt8(storage);
+  // kTiles, kInt8Tiles: K [kv_heads][head_dim][kTile] (one KvCache tile per
+  // head), V [kv_heads][kTile][v_dim], f32, bf16 or int8 codes; the others
+  // [tokens][kv_heads][dim] rows (int8: head-major) of their element type.
+  // int8 scales follow the codes, one per (token, kv head), head-major.
   const int64_t rows = DecodeState::PageTokensOf(storage) * c.kv_heads;
   PageLayout l;
   l.elem = int8 ? 1 : DTypeSize(c.kv_dtype);
@@ -278,6 +279,7 @@ int64_t DecodeState::PageTokensOf(Storage storage) {
     case Storage::kLinear:
       return 0;
     case Storage::kTiles:
+    case Storage::kInt8Tiles:
       return KvCache::kTile;
     case Storage::kTokenMajor:
     case Storage::kInt8:
@@ -332,7 +334,7 @@ absl::Status DecodeState::MakeWritable(int64_t from, int64_t to) {
 }
 
 void DecodeState::RebuildView(size_t from) {
-  const bool int8 = storage_ == Storage::kInt8;
+  const bool int8 = IsInt8(storage_);
   const PageLayout l = LayoutOf(config_, storage_);
   const size_t n = pages_.size();
   k_pages_.resize(n);
@@ -357,7 +359,7 @@ void DecodeState::RebuildView(size_t from) {
   view_.v_scales = int8 ? v_scales_.data() : nullptr;
   view_.pages = static_cast<int64_t>(n);
   view_.page_tokens = PageTokens();
-  view_.tiles = storage_ == Storage::kTiles;
+  view_.tiles = IsTiles(storage_);
   view_.kv_heads = config_.kv_heads;
   view_.head_dim = config_.head_dim;
   view_.v_dim = config_.v_dim;
@@ -373,11 +375,34 @@ void DecodeState::RebuildView(size_t from) {
 
 absl::Status DecodeState::WritePaged(const ConstTensorView& rows, bool keys, int64_t at) {
   const DecodeStateConfig& c = config_;
-  const bool int8 = storage_ == Storage::kInt8;
+  const bool int8 = IsInt8(storage_);
   const PageLayout l = LayoutOf(c, storage_);
   const int64_t dim = keys ? c.head_dim : c.v_dim;
   const int64_t tokens = rows.dim(1);
   const int64_t P = PageTokens();
+  if (storage_ == Storage::kInt8Tiles) {
+    // rows is f32 here, each row contiguous. A row is quantized as in
+    // kInt8 pages, then its codes scattered into the tile layout (below).
+    std::vector<int8_t> codes(dim);
+    const float* src = rows.data<float>();
+    const int64_t st = rows.stride(1), sj = rows.stride(2);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t o = (at + t) % P;
+      char* base = pages_[(at + t) / P]->part[keys ? 0 : 1];
+      int8_t* q = reinterpret_cast<int8_t*>(base);
+      float* scales = reinterpret_cast<float*>(base + l.rows_bytes(keys));
+      for (int64_t j = 0; j < c.kv_heads; ++j) {
+        if (!keys) {
+          QuantizeInt8Rows(src + t * st + j * sj, dim, 1, dim, q + (j * P + o) * dim,
+                           scales + j * P + o);
+          continue;
+        }
+        QuantizeInt8Rows(src + t * st + j * sj, dim, 1, dim, codes.data(), scales + j * P + o);
+        for (int64_t x = 0; x < dim; ++x) q[(j * dim + x) * P + o] = codes[x];
+      }
+    }
+    return absl::OkStatus();
+  }
   if (storage_ == Storage::kTiles) {
     // rows is f32 here (any strides), stored as kv_dtype (bf16: rounded to
     // nearest even, as any f32 row written to a bf16 cache). K element
@@ -429,7 +454,7 @@ absl::Status DecodeState::WritePaged(const ConstTensorView& rows, bool keys, int
 
 absl::StatusOr<Tensor> DecodeState::ReadPaged(bool keys, int64_t n) const {
   const DecodeStateConfig& c = config_;
-  const bool int8 = storage_ == Storage::kInt8;
+  const bool int8 = IsInt8(storage_);
   const PageLayout l = LayoutOf(c, storage_);
   const int64_t dim = keys ? c.head_dim : c.v_dim;
   const int64_t es = int8 ? 4 : l.elem;  // of the result
@@ -441,6 +466,16 @@ absl::StatusOr<Tensor> DecodeState::ReadPaged(bool keys, int64_t n) const {
     const char* base = page.part[keys ? 0 : 1];
     for (int64_t j = 0; j < c.kv_heads; ++j) {
       char* dst = t.data<char>() + (tok * c.kv_heads + j) * dim * es;
+      if (storage_ == Storage::kInt8Tiles) {
+        const int64_t o = tok % P;
+        const int8_t* q = reinterpret_cast<const int8_t*>(base);
+        const float scale = reinterpret_cast<const float*>(base + l.rows_bytes(keys))[j * P + o];
+        float* out = reinterpret_cast<float*>(dst);
+        for (int64_t x = 0; x < dim; ++x) {
+          out[x] = scale * static_cast<float>(q[keys ? (j * dim + x) * P + o : (j * P + o) * dim + x]);
+        }
+        continue;
+      }
       if (storage_ == Storage::kTiles) {
         const int64_t o = tok % P;
         for (int64_t x = 0; x < dim; ++x) {
@@ -465,7 +500,8 @@ absl::StatusOr<Tensor> DecodeState::ReadPaged(bool keys, int64_t n) const {
 
 DecodeState::Storage DecodeState::StorageFor(const DecodeStateConfig& c) {
   if (c.linear) return Storage::kLinear;
-  if (c.int8_kv) return Storage::kInt8;
+  // int8 tiles: measured in docs/kv-memory.md ("int8 tile pages").
+  if (c.int8_kv) return KvCacheDecodeIsFaster() ? Storage::kInt8Tiles : Storage::kInt8;
   // bf16 too: widening a bf16 tile row is exact, so its decode is the f32
   // tiles' over half the bytes (docs/kv-memory.md).
   if ((c.kv_dtype == DType::kF32 || c.kv_dtype == DType::kBF16) && KvCacheDecodeIsFaster()) {
@@ -519,6 +555,7 @@ absl::StatusOr<DecodeState> DecodeState::Create(DecodeStateConfig config) {
     }
     case Storage::kTiles:
     case Storage::kInt8:
+    case Storage::kInt8Tiles:
     case Storage::kTokenMajor:
       s.RebuildView();  // no pages until tokens arrive
       break;
@@ -582,7 +619,7 @@ absl::Status DecodeState::PrepareRope(int64_t new_len) {
     // Every key was checked to fit any rotation when it arrived
     // (CheckEveryRotationFits); checked again before anything is written.
     RA_RETURN_IF_ERROR(CheckFinite(keys.cview(), "a cached key (rotated again)", kRotationOverflow));
-    if (c.kv_dtype == DType::kBF16 && storage_ != Storage::kInt8) {
+    if (c.kv_dtype == DType::kBF16 && !IsInt8(storage_)) {
       RA_RETURN_IF_ERROR(CheckFitsBF16(keys.cview(), "a cached key (rotated again)"));
     }
     // Every cached key changes: the pages become this state's own first.
@@ -663,13 +700,13 @@ absl::Status DecodeState::Prepare(Job& job, int plan_threads, AttentionJob* atte
   // otherwise be committed as Inf, and fail every later step).
   RA_RETURN_IF_ERROR(CheckFinite(kf.cview(), job.names + "k (rotated at its positions)",
                                  kRotationOverflow));
-  if (storage_ != Storage::kInt8 && c.kv_dtype == DType::kBF16) {
+  if (!IsInt8(storage_) && c.kv_dtype == DType::kBF16) {
     RA_RETURN_IF_ERROR(CheckFitsBF16(kf.cview(), job.names + "k (rounded to the bf16 cache)"));
     RA_RETURN_IF_ERROR(CheckFitsBF16(job.v, job.names + "v (rounded to the bf16 cache)"));
   }
   {
     RA_RETURN_IF_ERROR(WritePaged(kf.cview(), /*keys=*/true, position_));
-    if (storage_ == Storage::kInt8 ||
+    if (IsInt8(storage_) ||
         (storage_ == Storage::kTiles && job.v.dtype() != DType::kF32)) {
       RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(job.v, DType::kF32));
       RA_RETURN_IF_ERROR(WritePaged(vf.cview(), /*keys=*/false, position_));
@@ -813,14 +850,14 @@ absl::Status DecodeState::Import(ConstTensorView k, ConstTensorView v, KeyForm f
   // held as Inf (every later step would fail on them).
   RA_RETURN_IF_ERROR(
       CheckFinite(rotated.cview(), names + "k (rotated at its positions)", kRotationOverflow));
-  if (storage_ != Storage::kInt8 && c.kv_dtype == DType::kBF16) {
+  if (!IsInt8(storage_) && c.kv_dtype == DType::kBF16) {
     RA_RETURN_IF_ERROR(CheckFitsBF16(rotated.cview(), names + "k (rounded to the bf16 cache)"));
     RA_RETURN_IF_ERROR(CheckFitsBF16(v, names + "v (rounded to the bf16 cache)"));
   }
   {
     RA_RETURN_IF_ERROR(MakeWritable(0, tokens));
     RA_RETURN_IF_ERROR(WritePaged(rotated.cview(), /*keys=*/true, 0));
-    if (storage_ == Storage::kInt8 ||
+    if (IsInt8(storage_) ||
         (storage_ == Storage::kTiles && v.dtype() != DType::kF32)) {
       RA_ASSIGN_OR_RETURN(Tensor vf, CastTensor(v, DType::kF32));
       RA_RETURN_IF_ERROR(WritePaged(vf.cview(), /*keys=*/false, 0));
@@ -833,7 +870,6 @@ absl::Status DecodeState::Import(ConstTensorView k, ConstTensorView v, KeyForm f
 }
 
 absl::StatusOr<DecodeState::Exported> DecodeState::Export() const {
-  const DecodeStateConfig& c = config_;
   if (storage_ == Storage::kLinear) {
     return absl::UnimplementedError(
         "a linear-attention state has no KV to export: its state is a running sum");

@@ -77,11 +77,16 @@ class DecodeState {
   // arrive and shared by forks until written (copy on write): f32 or bf16
   // pages of KvCache::kTile tokens in the KvCache's tile layout where that
   // decode is the faster one (kTiles, KvCacheDecodeIsFaster), else
-  // token-major pages of kPageTokens tokens of kv_dtype (kTokenMajor), or of
-  // int8 rows and scales (kInt8, config.int8_kv).
-  enum class Storage { kLinear, kTiles, kTokenMajor, kInt8 };
+  // token-major pages of kPageTokens tokens of kv_dtype (kTokenMajor); int8
+  // codes and scales (config.int8_kv) likewise in tiles where that decode is
+  // the faster one (kInt8Tiles), else in head-major pages of kPageTokens
+  // tokens (kInt8).
+  enum class Storage { kLinear, kTiles, kTokenMajor, kInt8, kInt8Tiles };
   static constexpr int64_t kPageTokens = 16;
   static Storage StorageFor(const DecodeStateConfig& config);
+  static bool IsInt8(Storage s) { return s == Storage::kInt8 || s == Storage::kInt8Tiles; }
+  // Pages of KvCache::kTile tokens in the KvCache's tile layout.
+  static bool IsTiles(Storage s) { return s == Storage::kTiles || s == Storage::kInt8Tiles; }
   // Tokens per page of a storage (0 for kLinear).
   static int64_t PageTokensOf(Storage storage);
   // Whether a rule's frequencies depend on the length (dynamic NTK,

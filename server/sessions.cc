@@ -49,7 +49,7 @@ DecodeStateConfig StateConfigOf(const SessionConfig& c) {
 SessionDims SessionDimsOf(const SessionConfig& c) {
   SessionDims d;
   d.linear = c.linear;
-  d.kv_cache_layout = DecodeState::StorageFor(StateConfigOf(c)) == DecodeState::Storage::kTiles;
+  d.kv_cache_layout = DecodeState::IsTiles(DecodeState::StorageFor(StateConfigOf(c)));
   d.kv_heads = c.spec.kv_heads;
   d.head_dim = c.spec.head_dim;
   d.v_dim = c.v_dim;

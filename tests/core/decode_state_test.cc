@@ -144,7 +144,7 @@ TEST(StopTokenTest, ACancelJustBeforeTheDeadlineCountsAsTheDeadlines) {
   }
 }
 
-TEST(TileKernelsTest, Bf16TilesGiveTheBitsOfF32TilesOfTheSameValues) {
+TEST(TileKernelsTest, Bf16AndInt8TilesGiveTheBitsOfF32TilesOfTheSameValues) {
   constexpr int64_t kT = KvCache::kTile;
   uint64_t seed = 7;
   auto next = [&seed] {
@@ -168,6 +168,27 @@ TEST(TileKernelsTest, Bf16TilesGiveTheBitsOfF32TilesOfTheSameValues) {
           internal::DotTileRows(q.data(), d, rows, kb.data(), d, s16.data());
           internal::DotTileRows(q.data(), d, rows, kf.data(), d, s32.data());
           EXPECT_EQ(0, std::memcmp(s16.data(), s32.data(), s16.size() * sizeof(float)));
+          // int8 codes (-127..127) widen exactly too.
+          std::vector<int8_t> k8(d * kT), v8(kT * dv);
+          std::vector<float> k8f(d * kT), v8f(kT * dv);
+          for (size_t i = 0; i < k8.size(); ++i) {
+            k8f[i] = k8[i] = static_cast<int8_t>(static_cast<int>(next() * 33.0f) % 128);
+          }
+          for (size_t i = 0; i < v8.size(); ++i) {
+            v8f[i] = v8[i] = static_cast<int8_t>(static_cast<int>(next() * 33.0f) % 128);
+          }
+          std::vector<float> s8(rows * kT), s8f(rows * kT);
+          internal::DotTileRows(q.data(), d, rows, k8.data(), d, s8.data());
+          internal::DotTileRows(q.data(), d, rows, k8f.data(), d, s8f.data());
+          EXPECT_EQ(0, std::memcmp(s8.data(), s8f.data(), s8.size() * sizeof(float)));
+          for (int64_t u = 0; u < kT; ++u) {
+            double want = 0, mag = 0;
+            for (int64_t x = 0; x < d; ++x) {
+              want += static_cast<double>(q[x]) * k8f[x * kT + u];
+              mag += std::abs(static_cast<double>(q[x]) * k8f[x * kT + u]);
+            }
+            ASSERT_NEAR(s8[u], want, 1e-5 * mag + 1e-30) << "int8 key " << u;
+          }
           for (const int64_t count : {int64_t{1}, int64_t{19}, kT}) {
             std::vector<float> a16(rows * dv, 0.5f), a32(rows * dv, 0.5f);
             internal::WeightedSumDenseRows(w.data(), kT, rows, vb.data(), count, dv, a16.data(),
@@ -176,6 +197,13 @@ TEST(TileKernelsTest, Bf16TilesGiveTheBitsOfF32TilesOfTheSameValues) {
                                            dv);
             EXPECT_EQ(0, std::memcmp(a16.data(), a32.data(), a16.size() * sizeof(float)))
                 << "count " << count;
+            std::vector<float> a8(rows * dv, 0.5f), a8f(rows * dv, 0.5f);
+            internal::WeightedSumDenseRows(w.data(), kT, rows, v8.data(), count, dv, a8.data(),
+                                           dv);
+            internal::WeightedSumDenseRows(w.data(), kT, rows, v8f.data(), count, dv, a8f.data(),
+                                           dv);
+            EXPECT_EQ(0, std::memcmp(a8.data(), a8f.data(), a8.size() * sizeof(float)))
+                << "int8 count " << count;
             // And the sums are right (fp64, relative 1e-5 of the magnitudes).
             for (int64_t r = 0; r < rows; ++r) {
               for (int64_t x = 0; x < dv; ++x) {
@@ -555,10 +583,11 @@ TEST(DecodeStateTest, ForksSharePagesCopyOnWriteAndStayExact) {
     const int64_t page = parent.page_bytes();
     const int64_t P = DecodeState::PageTokensOf(parent.storage());
     const int64_t total = (100 + P - 1) / P, full = 100 / P;  // 7 and 6, or 2 and 1
-    EXPECT_EQ(parent.storage(), kind == 2 ? DecodeState::Storage::kInt8
-                                : kind != 2 && avx512 && KvCacheDecodeIsFaster()
-                                    ? DecodeState::Storage::kTiles
-                                    : DecodeState::Storage::kTokenMajor);
+    const bool tiles = avx512 && KvCacheDecodeIsFaster();
+    EXPECT_EQ(parent.storage(), kind == 2 ? (tiles ? DecodeState::Storage::kInt8Tiles
+                                                   : DecodeState::Storage::kInt8)
+                                : tiles   ? DecodeState::Storage::kTiles
+                                          : DecodeState::Storage::kTokenMajor);
     EXPECT_EQ(parent.byte_size(), total * page);
     EXPECT_EQ(charger->live, total * page);
     std::vector<DecodeState> forks;
@@ -1024,12 +1053,20 @@ namespace {
 // each answer is the fp64 attention of the rotated queries over the values
 // the state stores (its export: scale * q), within f32 tolerance; and every
 // stored key is within half a quantization step (max|row| / 254) of the
-// fp64-rotated key: quantized after rotation.
+// fp64-rotated key: quantized after rotation. Head-major pages (AVX-512
+// kernels off) and, where the machine has AVX-512, tile pages (on).
 TEST(Int8DecodeStateTest, StepsAreExactOverTheStoredValues) {
+  for (const bool avx512 : {false, true})
+  for (const int64_t v_dim : {32, 20}) {  // 20: a partial last vector of V
+  SCOPED_TRACE(absl::StrCat("v_dim ", v_dim, avx512 ? " avx512" : ""));
+  const bool previous = internal::SetAvx512KernelsForTesting(avx512);
+  absl::Cleanup restore = [previous] { internal::SetAvx512KernelsForTesting(previous); };
   DecodeStateConfig c = BaseConfig();
   c.int8_kv = true;
+  c.v_dim = v_dim;
   DecodeState state = DecodeState::Create(c).value();
-  EXPECT_EQ(state.storage(), DecodeState::Storage::kInt8);
+  EXPECT_EQ(state.storage(), avx512 && KvCacheDecodeIsFaster() ? DecodeState::Storage::kInt8Tiles
+                                                               : DecodeState::Storage::kInt8);
   std::vector<double> rotated_keys, values;
   int64_t pos = 0;
   uint64_t seed = 140;
@@ -1080,10 +1117,16 @@ TEST(Int8DecodeStateTest, StepsAreExactOverTheStoredValues) {
     EXPECT_TRUE(AllClose(ToDoubles(out.cview()), want.out, testing::kF32Tol)) << "at " << pos;
     pos = len;
   }
+  }
 }
 
-// Fork, truncate and batching keep an int8 state's answers bit for bit.
+// Fork, truncate and batching keep an int8 state's answers bit for bit
+// (head-major and tile pages).
 TEST(Int8DecodeStateTest, ForkTruncateAndBatchAreExact) {
+  for (const bool avx512 : {false, true}) {
+  SCOPED_TRACE(avx512 ? "avx512" : "avx2");
+  const bool previous = internal::SetAvx512KernelsForTesting(avx512);
+  absl::Cleanup restore = [previous] { internal::SetAvx512KernelsForTesting(previous); };
   DecodeStateConfig c = BaseConfig();
   c.int8_kv = true;
   DecodeState a = DecodeState::Create(c).value();
@@ -1120,6 +1163,7 @@ TEST(Int8DecodeStateTest, ForkTruncateAndBatchAreExact) {
   ASSERT_TRUE(jobs[1].status.ok()) << jobs[1].status;
   EXPECT_TRUE(SameBytes(o_int8, oa));
   EXPECT_TRUE(SameBytes(o_f32, of_solo));
+  }
 }
 
 TEST(Int8DecodeStateTest, HoldsInt8RowsAndScalesAndRefusesWhatItCannotDoExactly) {
@@ -1127,14 +1171,16 @@ TEST(Int8DecodeStateTest, HoldsInt8RowsAndScalesAndRefusesWhatItCannotDoExactly)
   c.max_context = 1024;
   c.int8_kv = true;
   // Pages are allocated as tokens arrive: none at first, then 63 pages of
-  // 16 tokens for 1000 tokens, each int8 rows and one f32 scale per (token,
-  // kv head), for K and V.
+  // 16 tokens (32 pages of 32 in tiles) for 1000 tokens, each int8 codes and
+  // one f32 scale per (token, kv head), for K and V.
   DecodeState i8 = DecodeState::Create(c).value();
   EXPECT_EQ(i8.byte_size(), 0);
   StepTensors prefix = RandomStep(c, 1000, 31);
   ASSERT_TRUE(i8.Import(prefix.k.cview(), prefix.v.cview(), DecodeState::KeyForm::kRaw).ok());
-  EXPECT_EQ(i8.page_bytes(), 16 * c.kv_heads * (c.head_dim + c.v_dim + 8));
-  EXPECT_EQ(i8.byte_size(), 63 * i8.page_bytes());
+  const int64_t P8 = DecodeState::PageTokensOf(i8.storage());
+  EXPECT_EQ(P8, i8.storage() == DecodeState::Storage::kInt8Tiles ? KvCache::kTile : 16);
+  EXPECT_EQ(i8.page_bytes(), P8 * c.kv_heads * (c.head_dim + c.v_dim + 8));
+  EXPECT_EQ(i8.byte_size(), (1000 + P8 - 1) / P8 * i8.page_bytes());
   c.int8_kv = false;
   c.kv_dtype = DType::kBF16;
   DecodeState bf16 = DecodeState::Create(c).value();
