@@ -110,7 +110,6 @@ absl::StatusOr<Tensor> T5Bias(ConstTensorView table, const T5BucketConfig& confi
   // An empty bias has nothing to fill: its other extents (up to 2^40) must
   // not drive loops.
   if (out.num_elements() == 0) return out;
-  if (out.num_elements() == 0) return out;
 
   // Buckets depend only on j - q_pos, which spans [-(q_offset + q_len - 1), k_len - 1 - q_offset]:
   // bucket that range once instead of per (i, j).

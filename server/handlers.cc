@@ -710,8 +710,13 @@ absl::Status EncodeT5(const v1::EncodeRequest::T5& op, EncodeDims& dims,
   // Buckets travel as packed varints: at most 5 bytes each.
   dims.out_bytes = SatAdd(SatProduct({q_len, k_len, 5}), SatProduct({table_heads, q_len, k_len, 4}));
   dims.in_bytes = table_shape.bytes;
-  dims.scratch_bytes = SatAdd(SatProduct({q_len, k_len, 4}), SatMul(SatAdd(q_len, k_len), 4));
-  dims.loop_steps = SatAdd(LoopSteps({q_len, k_len}), LoopSteps({table_heads, q_len, k_len}));
+  // An empty grid builds nothing and runs no loop, however long its other
+  // side (up to 2^40).
+  const bool grid = q_len > 0 && k_len > 0;
+  dims.scratch_bytes =
+      grid ? SatAdd(SatProduct({q_len, k_len, 4}), SatMul(SatAdd(q_len, k_len), 4)) : 0;
+  dims.loop_steps =
+      grid ? SatAdd(LoopSteps({q_len, k_len}), LoopSteps({table_heads, q_len, k_len})) : 0;
   // One bucket (two fp64 logs) per distinct relative position, priced as
   // an angle; the grid then only looks them up.
   dims.sincos = q_len > 0 && k_len > 0 ? SatAdd(q_len, k_len) : 0;

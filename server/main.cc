@@ -352,10 +352,22 @@ int main(int argc, char** argv) {
                             " fds): a connection flood can make accept() run out of fds (the "
                             "server sheds connections then)")}});
   }
+  const absl::StatusOr<ropeattn::server::ListenAddress> listen =
+      ropeattn::server::ParseListenAddress(o.address);
+  const bool on_network = listen.ok() && !ropeattn::server::IsLoopbackHost(listen->host);
+  if (on_network && ropeattn::server::TlsConfigured(o) && !ropeattn::server::AuthConfigured(o)) {
+    // TLS keeps the traffic private, but every caller is still the one
+    // anonymous principal (docs/security.md, "Principals").
+    LogEvent(LogLevel::kWarning, "no_authentication_on_network",
+             {{"address", o.address},
+              {"message",
+               absl::StrCat("listening on ", o.address,
+                            " with TLS but no authentication: anyone who can reach this port can "
+                            "use, list and close every session. Set --auth_tokens_file (or "
+                            "--tls_client_ca_file); see docs/security.md")}});
+  }
   if (!ropeattn::server::TlsConfigured(o) && !ropeattn::server::AuthConfigured(o)) {
-    const absl::StatusOr<ropeattn::server::ListenAddress> listen =
-        ropeattn::server::ParseListenAddress(o.address);
-    if (listen.ok() && !ropeattn::server::IsLoopbackHost(listen->host)) {
+    if (on_network) {
       LogEvent(LogLevel::kWarning, "plaintext_on_network",
                {{"address", o.address},
                 {"message",

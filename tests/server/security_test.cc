@@ -25,6 +25,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
@@ -1419,6 +1420,38 @@ TEST(SecurityWarningTest, PlaintextOnANonLoopbackAddressWarns) {
               HasSubstr("\"level\":\"warning\",\"event\":\"plaintext_on_network\""));
   EXPECT_THAT(first_lines("0.0.0.0:0"), HasSubstr("no TLS and no authentication"));
   EXPECT_THAT(first_lines("127.0.0.1:0"), Not(HasSubstr("no TLS and no authentication")));
+}
+
+// With TLS but no authentication every caller is still the one anonymous
+// principal: a non-loopback address warns about that; with tokens it does
+// not, nor on loopback.
+TEST(SecurityWarningTest, TlsWithoutAuthenticationOnANonLoopbackAddressWarns) {
+  const std::string dir = testing::MakeTempDir("ropeattn_tls_warning_");
+  ASSERT_FALSE(dir.empty());
+  absl::Cleanup remove = [&dir] { std::system(absl::StrCat("rm -rf ", dir).c_str()); };
+  auto ca = TestCa::Create(dir + "/ca", "test-ca");
+  ASSERT_TRUE(ca.ok()) << ca.status();
+  auto cert = ca->IssueServer("server");
+  ASSERT_TRUE(cert.ok()) << cert.status();
+  ASSERT_TRUE(testing::WriteFileAtomically(dir + "/tokens", "warning-test-token-0123456789 alice\n")
+                  .ok());
+  const auto first_lines = [&](const std::string& address, bool tokens) {
+    const std::string cmd = absl::StrCat(
+        "timeout -s KILL 3 ", ROPEATTN_SERVER_PATH, " --address=", address,
+        " --metrics_address= --tls_cert_file=", cert->cert_file, " --tls_key_file=", cert->key_file,
+        tokens ? absl::StrCat(" --auth_tokens_file=", dir, "/tokens") : std::string(), " 2>&1");
+    FILE* p = popen(cmd.c_str(), "r");
+    std::string out = p != nullptr ? testing::ReadServerStartup(p).text : std::string();
+    if (p != nullptr) pclose(p);
+    return out;
+  };
+  const std::string network = first_lines("0.0.0.0:0", false);
+  EXPECT_THAT(network,
+              HasSubstr("\"level\":\"warning\",\"event\":\"no_authentication_on_network\""));
+  EXPECT_THAT(network, HasSubstr("with TLS but no authentication"));
+  EXPECT_THAT(network, Not(HasSubstr("plaintext_on_network")));
+  EXPECT_THAT(first_lines("127.0.0.1:0", false), Not(HasSubstr("no_authentication_on_network")));
+  EXPECT_THAT(first_lines("0.0.0.0:0", true), Not(HasSubstr("no_authentication_on_network")));
 }
 
 }  // namespace

@@ -796,6 +796,24 @@ TEST(RunEncodeTest, RopeFrequenciesYarnTruncateAndLongRopeMaxPositionEmbeddings)
 // element steps), not as one element step: the admission's estimates and
 // --max_request_compute see the angle work of sinusoidal tables, cos/sin
 // rows and rope_apply.
+// An empty T5 grid (q_len or k_len 0) is an empty answer, priced as one:
+// however long its other side, nothing is built.
+TEST(RunEncodeTest, AnEmptyT5GridCostsNothingWhateverItsOtherSide) {
+  for (const auto& [q_len, k_len] : {std::pair<int64_t, int64_t>{0, int64_t{1} << 40},
+                                     std::pair<int64_t, int64_t>{int64_t{1} << 40, 0}}) {
+    v1::EncodeRequest request;
+    request.mutable_t5()->set_q_len(q_len);
+    request.mutable_t5()->set_k_len(k_len);
+    absl::StatusOr<Cost> cost = PriceEncode(request);
+    ASSERT_TRUE(cost.ok()) << cost.status();
+    EXPECT_LT(cost->transient_bytes, 1 << 20) << q_len << " x " << k_len;
+    EXPECT_LT(cost->compute, 1 << 20) << q_len << " x " << k_len;
+    absl::StatusOr<v1::EncodeResponse> r = Encode(request);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->buckets_size(), 0);
+  }
+}
+
 TEST(RunEncodeTest, AnglesArePricedAtTheirWeight) {
   const auto compute_of = [](const v1::EncodeRequest& r) {
     absl::StatusOr<Cost> c = PriceEncode(r);
