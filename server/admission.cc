@@ -67,92 +67,122 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
   compute = std::max<int64_t>(0, compute);
   absl::MutexLock lock(&mu_);
   Kind& own = kinds_[method];
-  // Judged only within the sizes the rate was measured on (kMaxExtrapolation).
+  // This request's own compute, judged only within the sizes its rate was
+  // measured on (kMaxExtrapolation); nullopt (unknown rate, or past them):
+  // counted as nothing, so only what needs it is skipped (the slowdown). The
+  // wait ahead, the work before it at each kind's own rate, still judges the
+  // deadline and max_queue_delay (skipping them let one oversized request
+  // past the load shedding of a queue tens of seconds behind).
   const bool within = own.largest_measured > 0 &&
                       compute / kMaxExtrapolation <= own.largest_measured;
-  // A stale rate lets one request through per kStaleRate to learn again.
-  const bool probe = now - own.last_sample > kStaleRate && now - own.last_probe > kStaleRate;
-  if (const std::optional<double> own_service = Seconds(own, compute);
-      own_service && within) {
-    // The work ahead spreads over every worker; this request then runs on
-    // one. Kinds whose rate is not known yet add nothing (the estimate
-    // never invents a wait).
-    const auto seconds_of = [&](const char* name, int64_t units) {
-      auto it = kinds_.find(name);
-      if (it == kinds_.end()) return 0.0;
-      const Kind& k = it->second;
-      return units > 0 && k.rate_samples >= kMinSamples && k.units_per_second > 0
-                 ? static_cast<double>(units) / k.units_per_second
-                 : 0.0;
-    };
-    const auto seconds_of_all = [&](const UnitsByMethod& units) {
-      double s = 0;
-      for (const auto& [name, n] : units) s += seconds_of(name, n);
-      return s;
-    };
-    double running_s = 0, queued_s = 0, slowdown_s = 0;
-    if (ahead != nullptr) {
-      // A running task counts what is left of it: its estimate less the time
-      // it has run (none once past its estimate), so the wait, and the
-      // retry-after hint made from it, count down while it runs.
-      queued_s = seconds_of_all(ahead->queued);
-      slowdown_s = queued_s;
-      for (const Executor::Running& r : ahead->running) {
-        const double whole = seconds_of(r.kind, r.compute);
-        const double left = std::max(0.0, whole - absl::ToDoubleSeconds(r.elapsed));
-        running_s += left;
-        // Another caller's running request counts against the slowdown only
-        // when it is comparable to this one (judged by its whole size).
-        if (r.own || whole <= max_slowdown_ * *own_service) slowdown_s += left;
-      }
-    } else {
-      for (const auto& [name, k] : kinds_) queued_s += seconds_of(name.c_str(), k.pending);
-      slowdown_s = queued_s;
+  const std::optional<double> own_service =
+      within ? Seconds(own, compute) : std::optional<double>();
+  // The work ahead spreads over every worker; this request then runs on
+  // one. Kinds whose rate is not known yet add nothing (the estimate never
+  // invents a wait).
+  const auto seconds_of = [&](const char* name, int64_t units) {
+    auto it = kinds_.find(name);
+    if (it == kinds_.end()) return 0.0;
+    const Kind& k = it->second;
+    return units > 0 && k.rate_samples >= kMinSamples && k.units_per_second > 0
+               ? static_cast<double>(units) / k.units_per_second
+               : 0.0;
+  };
+  const auto seconds_of_all = [&](const UnitsByMethod& units) {
+    double s = 0;
+    for (const auto& [name, n] : units) s += seconds_of(name, n);
+    return s;
+  };
+  double running_s = 0, queued_s = 0, slowdown_s = 0;
+  if (ahead != nullptr) {
+    // A running task counts what is left of it: its estimate less the time
+    // it has run (none once past its estimate), so the wait, and the
+    // retry-after hint made from it, count down while it runs.
+    queued_s = seconds_of_all(ahead->queued);
+    slowdown_s = queued_s;
+    for (const Executor::Running& r : ahead->running) {
+      const double whole = seconds_of(r.kind, r.compute);
+      const double left = std::max(0.0, whole - absl::ToDoubleSeconds(r.elapsed));
+      running_s += left;
+      // Another caller's running request counts against the slowdown only
+      // when it is comparable to this one (judged by its whole size).
+      if (r.own || (own_service && whole <= max_slowdown_ * *own_service)) slowdown_s += left;
     }
-    const double wait_s = (running_s + queued_s) / workers_;
-    // What the slowdown holds against this request (see Admit's comment).
-    const double queued_wait_s = slowdown_s / workers_;
-    const double service_s = *own_service;
-    const absl::Duration wait = absl::Seconds(wait_s);
-    const absl::Duration service = absl::Seconds(service_s);
-    const auto refuse = [&](absl::Status status) {
-      if (!probe) return status;
-      own.last_probe = now;  // admitted all the same, to learn the rate again
-      return absl::OkStatus();
-    };
-    if (deadline != absl::InfiniteFuture() && now + wait + service > deadline) {
-      // If the request alone outlasts its deadline, waiting will not help:
-      // no retry time (a hint of 0 had clients retry at once, forever).
-      *retry_after = now + service > deadline ? absl::InfiniteDuration() : wait;
-      absl::Status st = refuse(absl::ResourceExhaustedError(absl::StrFormat(
+  } else {
+    for (const auto& [name, k] : kinds_) queued_s += seconds_of(name.c_str(), k.pending);
+    slowdown_s = queued_s;
+  }
+  const double wait_s = (running_s + queued_s) / workers_;
+  // What the slowdown holds against this request (see Admit's comment).
+  const double queued_wait_s = slowdown_s / workers_;
+  const double service_s = own_service.value_or(0.0);
+  const absl::Duration wait = absl::Seconds(wait_s);
+  const absl::Duration service = absl::Seconds(service_s);
+
+  // The first refusal is the answer.
+  absl::Status refusal;
+  absl::Duration refusal_retry;
+  const auto refuse = [&](absl::Duration retry, auto message) {
+    if (!refusal.ok()) return;
+    refusal = absl::ResourceExhaustedError(message());
+    refusal_retry = retry;
+  };
+  if (deadline != absl::InfiniteFuture() && now + wait + service > deadline) {
+    // If the request alone outlasts its deadline, waiting will not help:
+    // no retry time (a hint of 0 had clients retry at once, forever).
+    const bool alone = now + service > deadline;
+    refuse(alone ? absl::InfiniteDuration() : wait, [&] {
+      const char* advice =
+          alone ? "give it a longer deadline" : "retry later or give it a longer deadline";
+      if (!own_service) {
+        return absl::StrFormat(
+            "%s cannot finish inside its deadline (%.0f ms left): about %.0f ms of wait "
+            "for a worker before its own compute (not estimated: %s); %s",
+            method, absl::ToDoubleMilliseconds(deadline - now), wait_s * 1e3,
+            Seconds(own, compute)
+                ? absl::StrFormat("more than %d times the largest request its rate was "
+                                  "measured on",
+                                  kMaxExtrapolation)
+                : std::string("its rate is not measured yet"),
+            advice);
+      }
+      return absl::StrFormat(
           "%s cannot finish inside its deadline (%.0f ms left): about %.0f ms of wait for a "
           "worker and %.0f ms of compute at this server's measured rate; %s",
           method, absl::ToDoubleMilliseconds(deadline - now), wait_s * 1e3, service_s * 1e3,
-          now + service > deadline ? "give it a longer deadline"
-                                   : "retry later or give it a longer deadline")));
-      if (!st.ok()) return st;
-    }
-    if (max_queue_delay_ > absl::ZeroDuration() && wait > max_queue_delay_) {
-      *retry_after = wait - max_queue_delay_;
-      absl::Status st = refuse(absl::ResourceExhaustedError(absl::StrFormat(
+          advice);
+    });
+  }
+  if (max_queue_delay_ > absl::ZeroDuration() && wait > max_queue_delay_) {
+    refuse(wait - max_queue_delay_, [&] {
+      return absl::StrFormat(
           "%s: the estimated wait for a compute worker is %.0f ms, past "
           "--max_queue_delay_seconds (%.0f ms); retry after about %.0f ms",
           method, wait_s * 1e3, absl::ToDoubleMilliseconds(max_queue_delay_),
-          absl::ToDoubleMilliseconds(*retry_after))));
-      if (!st.ok()) return st;
-    }
-    if (slowdown_applies && max_slowdown_ > 0) {
-      const double limit_s = std::max(kMinSlowdownWaitSeconds, max_slowdown_ * service_s);
-      if (queued_wait_s > limit_s) {
-        *retry_after = absl::Seconds(queued_wait_s - limit_s);
-        absl::Status st = refuse(absl::ResourceExhaustedError(absl::StrFormat(
+          absl::ToDoubleMilliseconds(wait - max_queue_delay_));
+    });
+  }
+  if (own_service && slowdown_applies && max_slowdown_ > 0) {
+    const double limit_s = std::max(kMinSlowdownWaitSeconds, max_slowdown_ * service_s);
+    if (queued_wait_s > limit_s) {
+      const absl::Duration retry = absl::Seconds(queued_wait_s - limit_s);
+      refuse(retry, [&] {
+        return absl::StrFormat(
             "%s: the estimated wait for a compute worker is %.0f ms, more than "
             "--max_queue_slowdown (%g) times its own compute (%.1f ms); retry after about %.0f ms",
             method, queued_wait_s * 1e3, max_slowdown_, service_s * 1e3,
-            absl::ToDoubleMilliseconds(*retry_after))));
-        if (!st.ok()) return st;
-      }
+            absl::ToDoubleMilliseconds(retry));
+      });
     }
+  }
+  if (!refusal.ok()) {
+    const bool probe = now - own.last_sample > kStaleRate && now - own.last_probe > kStaleRate;
+    // Only a request its rate judges: the probe is for the rate.
+    if (!own_service || !probe) {
+      *retry_after = refusal_retry;
+      return refusal;
+    }
+    own.last_probe = now;  // admitted all the same, to learn the rate again
   }
   own.pending += compute;
   return absl::OkStatus();

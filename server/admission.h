@@ -40,8 +40,12 @@ class Admission {
   // estimates and what to do, with *retry_after set to when a retry could
   // be admitted (InfiniteDuration: no retry with the same deadline can be,
   // the request alone outlasts it); OK otherwise (the request's compute then counts as pending
-  // until Finished). Before enough work has been measured, every request is
-  // admitted (the estimate would be a guess).
+  // until Finished). The request's own compute is estimated only once its
+  // method's rate is known (kMinSamples) and within kMaxExtrapolation of the
+  // sizes it was measured on; otherwise it counts as nothing (the estimate
+  // would be a guess): the wait ahead alone is still held against the
+  // deadline and max_queue_delay, and the slowdown, which needs it, is
+  // skipped. Work whose rate is not known adds nothing to the wait.
   // `slowdown_applies`: whether max_slowdown applies (stateless calls; a
   // decode step is not refused for another caller's long request).
   // `ahead` (optional): the compute running now and waiting to run before
@@ -86,16 +90,16 @@ class Admission {
   static constexpr double kRateMinSeconds = 0.005;
   static constexpr int kMinSamples = 3;
   // A rate judges a request only up to this many times the largest one it
-  // was measured on: past it, the request is admitted as if the rate were
-  // unknown (an external test: a rate measured on small requests while the
-  // CPU was taken by others priced a 0.3 s request at 302 s and refused it
-  // with 30 s left).
+  // was measured on: past it, the request's own compute is not estimated,
+  // as if the rate were unknown (an external test: a rate measured on small
+  // requests while the CPU was taken by others priced a 0.3 s request at
+  // 302 s and refused it with 30 s left). The wait ahead still judges it.
   static constexpr int64_t kMaxExtrapolation = 32;
   // A rate with no sample for this long may be stale (learned under load
-  // that has passed): one request of its method is then admitted whatever
-  // the estimate says, at most once per this interval, so the rate can
-  // learn again (otherwise every request the stale rate refuses is one
-  // that could have corrected it).
+  // that has passed): one request of its method that it judges is then
+  // admitted whatever the estimate says, at most once per this interval, so
+  // the rate can learn again (otherwise every request the stale rate refuses
+  // is one that could have corrected it).
   static constexpr absl::Duration kStaleRate = absl::Seconds(30);
 
   // Each method learns its own rate: a decode step (memory-bound, small)

@@ -18,6 +18,8 @@
 #include <algorithm>
 #include <atomic>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -1011,6 +1013,57 @@ TEST(HardeningAdmissionTest, RatesAreNotStretchedFarPastWhatTheyMeasuredNorKeptS
   // A fresh sample makes the rate current again: no more probes.
   a.Finished("Attend", 32000, 0.020, later);  // 1.6e6 units/s
   EXPECT_TRUE(a.Admit("Attend", 32000, later + absl::Milliseconds(100), later, &retry).ok());
+}
+
+// A request whose own compute is not estimated (more than 32 times the
+// largest request its rate was measured on, or of a method not measured
+// yet) is still judged by the wait ahead of it, priced at the rates that
+// are known: skipping every check let one 40000-unit Attend past a queue
+// 10 s behind with a 100 ms deadline, where a 1000-unit one was refused.
+// Only the slowdown, which needs its own compute, is skipped.
+TEST(HardeningAdmissionTest, ARequestWhoseComputeIsNotEstimatedIsStillJudgedByTheWaitAhead) {
+  const absl::Time t0 = absl::Now();
+  absl::Duration retry;
+  {
+    server::Admission a(1, absl::Seconds(1));
+    for (int i = 0; i < 3; ++i) a.Finished("Attend", 1000, 0.010, t0);  // 1e5 units/s
+    int admitted = 0;
+    while (admitted < 1000 && a.Admit("Attend", 1000, absl::InfiniteFuture(), t0, &retry).ok()) {
+      ++admitted;
+    }
+    ASSERT_LT(admitted, 1000);  // ~1 s of Attend ahead
+    for (const auto& [method, units] :
+         {std::pair<const char*, int64_t>{"Attend", 1000}, {"Attend", 40000}, {"Encode", 1}}) {
+      const absl::Status st = a.Admit(method, units, absl::InfiniteFuture(), t0, &retry);
+      EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << method << " " << units;
+      EXPECT_THAT(std::string(st.message()), HasSubstr("max_queue_delay_seconds"));
+      EXPECT_GT(retry, absl::ZeroDuration());
+      EXPECT_LT(retry, absl::Milliseconds(100));
+    }
+  }
+  server::Admission a(1, absl::ZeroDuration(), /*max_slowdown=*/8);
+  for (int i = 0; i < 3; ++i) a.Finished("Attend", 1000, 0.010, t0);
+  for (int i = 0; i < 1000; ++i) {  // 10 s of Attend ahead
+    ASSERT_TRUE(a.Admit("Attend", 1000, absl::InfiniteFuture(), t0, &retry, false).ok());
+  }
+  EXPECT_EQ(a.Admit("Attend", 1000, absl::InfiniteFuture(), t0, &retry).code(),
+            absl::StatusCode::kResourceExhausted);  // the slowdown
+  // The slowdown needs the request's own compute: skipped.
+  ASSERT_TRUE(a.Admit("Attend", 40000, absl::InfiniteFuture(), t0, &retry).ok());
+  a.Finished("Attend", 40000, -1, t0);
+  // The wait alone outlasts a 100 ms deadline: refused, and a retry once
+  // the work ahead is done (~10 s) could be admitted.
+  for (const auto& [method, units, why] :
+       {std::tuple<const char*, int64_t, const char*>{"Attend", 40000, "more than 32 times"},
+        {"Encode", 1, "not measured yet"}}) {
+    const absl::Status st = a.Admit(method, units, t0 + absl::Milliseconds(100), t0, &retry);
+    EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << method;
+    EXPECT_THAT(std::string(st.message()), HasSubstr("cannot finish inside its deadline"));
+    EXPECT_THAT(std::string(st.message()), HasSubstr(why));
+    EXPECT_NEAR(absl::ToDoubleSeconds(retry), 10, 0.1) << method;
+  }
+  // With time for the wait ahead it is admitted (its own compute unknown).
+  EXPECT_TRUE(a.Admit("Attend", 40000, t0 + absl::Seconds(20), t0, &retry).ok());
 }
 
 // A stub on a connection of its own: without authentication, a caller of
