@@ -119,10 +119,16 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
   const absl::Duration wait = absl::Seconds(wait_s);
   const absl::Duration service = absl::Seconds(service_s);
 
-  // The first refusal is the answer.
+  // The first refusal is the answer; every check is still made, because a
+  // stale rate's probe (kStaleRate) lifts a refusal only when each one comes
+  // from this request's own estimated compute: the wait ahead does not
+  // depend on it and a faster rate only lowers the wait the slowdown allows,
+  // so a probe spent on those admitted a request no rate could have.
   absl::Status refusal;
   absl::Duration refusal_retry;
-  const auto refuse = [&](absl::Duration retry, auto message) {
+  bool only_own_compute = true;
+  const auto refuse = [&](bool by_own_compute, absl::Duration retry, auto message) {
+    only_own_compute = only_own_compute && by_own_compute;
     if (!refusal.ok()) return;
     refusal = absl::ResourceExhaustedError(message());
     refusal_retry = retry;
@@ -131,7 +137,7 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
     // If the request alone outlasts its deadline, waiting will not help:
     // no retry time (a hint of 0 had clients retry at once, forever).
     const bool alone = now + service > deadline;
-    refuse(alone ? absl::InfiniteDuration() : wait, [&] {
+    refuse(/*by_own_compute=*/now + wait <= deadline, alone ? absl::InfiniteDuration() : wait, [&] {
       const char* advice =
           alone ? "give it a longer deadline" : "retry later or give it a longer deadline";
       if (!own_service) {
@@ -154,7 +160,7 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
     });
   }
   if (max_queue_delay_ > absl::ZeroDuration() && wait > max_queue_delay_) {
-    refuse(wait - max_queue_delay_, [&] {
+    refuse(/*by_own_compute=*/false, wait - max_queue_delay_, [&] {
       return absl::StrFormat(
           "%s: the estimated wait for a compute worker is %.0f ms, past "
           "--max_queue_delay_seconds (%.0f ms); retry after about %.0f ms",
@@ -166,7 +172,7 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
     const double limit_s = std::max(kMinSlowdownWaitSeconds, max_slowdown_ * service_s);
     if (queued_wait_s > limit_s) {
       const absl::Duration retry = absl::Seconds(queued_wait_s - limit_s);
-      refuse(retry, [&] {
+      refuse(/*by_own_compute=*/false, retry, [&] {
         return absl::StrFormat(
             "%s: the estimated wait for a compute worker is %.0f ms, more than "
             "--max_queue_slowdown (%g) times its own compute (%.1f ms); retry after about %.0f ms",
@@ -177,8 +183,7 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
   }
   if (!refusal.ok()) {
     const bool probe = now - own.last_sample > kStaleRate && now - own.last_probe > kStaleRate;
-    // Only a request its rate judges: the probe is for the rate.
-    if (!own_service || !probe) {
+    if (!only_own_compute || !probe) {
       *retry_after = refusal_retry;
       return refusal;
     }

@@ -96,10 +96,16 @@ class Admission {
   // 302 s and refused it with 30 s left). The wait ahead still judges it.
   static constexpr int64_t kMaxExtrapolation = 32;
   // A rate with no sample for this long may be stale (learned under load
-  // that has passed): one request of its method that it judges is then
-  // admitted whatever the estimate says, at most once per this interval, so
-  // the rate can learn again (otherwise every request the stale rate refuses
-  // is one that could have corrected it).
+  // that has passed): one request of its method that only its own estimated
+  // compute refuses (the wait ahead fits its deadline and max_queue_delay,
+  // and the slowdown admits it) is then admitted, at most once per this
+  // interval, so the rate can learn again (otherwise every request the
+  // stale rate refuses is one that could have corrected it). A refusal the
+  // wait ahead or the slowdown makes is kept: the probe tests this request's
+  // own estimate, the wait does not depend on it, and a faster rate would
+  // only lower the wait the slowdown allows. A probe stopped at its deadline
+  // teaches nothing (it only shows that the request needed more time than it
+  // had, as estimated): the next comes kStaleRate later.
   static constexpr absl::Duration kStaleRate = absl::Seconds(30);
 
   // Each method learns its own rate: a decode step (memory-bound, small)

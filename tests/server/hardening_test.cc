@@ -1066,6 +1066,39 @@ TEST(HardeningAdmissionTest, ARequestWhoseComputeIsNotEstimatedIsStillJudgedByTh
   EXPECT_TRUE(a.Admit("Attend", 40000, t0 + absl::Seconds(20), t0, &retry).ok());
 }
 
+// A stale rate's probe lifts only a refusal this request's own estimated
+// compute makes: one the wait ahead makes (its deadline, the queue delay)
+// or the slowdown makes is kept, and the probe is not spent on it (it was:
+// once per 30 s a request refused for the wait ahead alone, or by the
+// slowdown, was admitted, though no rate correction could lift either).
+TEST(HardeningAdmissionTest, AStaleRatesProbeIsSpentOnlyWhereTheRateIsInDoubt) {
+  server::Admission a(1, absl::Seconds(1), /*max_slowdown=*/8);
+  const absl::Time t0 = absl::Now();
+  for (int i = 0; i < 3; ++i) a.Finished("Attend", 1000, 0.010, t0);  // 1e5 units/s
+  absl::Duration retry;
+  int ahead = 0;
+  while (ahead < 1000 &&
+         a.Admit("Attend", 1000, absl::InfiniteFuture(), t0, &retry, false).ok()) {
+    ++ahead;
+  }
+  ASSERT_LT(ahead, 1000);  // ~1 s ahead
+  const absl::Time later = t0 + absl::Seconds(31);  // the rate is stale
+  EXPECT_THAT(std::string(a.Admit("Attend", 1000, absl::InfiniteFuture(), later, &retry, false)
+                              .message()),
+              HasSubstr("max_queue_delay_seconds"));
+  for (; ahead > 40; --ahead) a.Finished("Attend", 1000, -1, later);  // 0.4 s ahead
+  EXPECT_THAT(std::string(a.Admit("Attend", 1000, absl::InfiniteFuture(), later, &retry).message()),
+              HasSubstr("max_queue_slowdown"));
+  EXPECT_EQ(
+      a.Admit("Attend", 1000, later + absl::Milliseconds(100), later, &retry, false).code(),
+      absl::StatusCode::kResourceExhausted);  // the wait alone outlasts it
+  for (; ahead > 0; --ahead) a.Finished("Attend", 1000, -1, later);
+  // Refused only by its own estimate (0.32 s in 100 ms): the probe.
+  EXPECT_TRUE(a.Admit("Attend", 32000, later + absl::Milliseconds(100), later, &retry).ok());
+  EXPECT_EQ(a.Admit("Attend", 32000, later + absl::Milliseconds(100), later, &retry).code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
 // A stub on a connection of its own: without authentication, a caller of
 // its own for fair queueing and admission.
 std::unique_ptr<v1::AttentionService::Stub> CallerOfItsOwn(int port) {
