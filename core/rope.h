@@ -75,12 +75,15 @@ struct RopeFrequencies;
 struct RopeRule {
   RopeScalingType type;
   const char* name;                   // "longrope"
-  std::vector<const char*> aliases;   // legacy spellings ("su")
+  std::vector<const char*> aliases;   // legacy spellings ("su"), requests only
   bool length_dependent;              // frequencies depend on the sequence length
   uint32_t reads;                     // fields it may read (RopeFieldsRead: when)
-  // config.json resolution (transformers): factor must be given; L0 must be
-  // given (else it may default, below); L0 defaults to
+  // config.json resolution (transformers): transformers has the rule
+  // (ROPE_INIT_FUNCTIONS), so a config.json may name it (by `name`; an alias
+  // only where a family's config class rewrites it); factor must be given;
+  // L0 must be given (else it may default, below); L0 defaults to
   // max_position_embeddings; an absent factor is max_position_embeddings / L0.
+  bool in_transformers;
   bool needs_factor;
   bool needs_original;
   bool original_defaults_to_max_positions;

@@ -302,28 +302,28 @@ const std::vector<RopeRule>& RopeRules() {
   using T = RopeScalingType;
   // clang-format off
   static const auto* rules = new std::vector<RopeRule>{
-      // type, name, aliases, length-dependent, reads,
+      // type, name, aliases, length-dependent, reads, in transformers,
       // needs factor, needs L0, L0 <- max_positions, factor <- extension,
       // validate, frequencies, conditional reads
       {T::kDefault, "default", {}, false, 0,
-       false, false, false, false, NoChecks, DefaultFreqs, nullptr},
+       true, false, false, false, false, NoChecks, DefaultFreqs, nullptr},
       {T::kLinear, "linear", {}, false, kRopeFactor,
-       true, false, false, false, NoChecks, LinearFreqs, nullptr},
+       true, true, false, false, false, NoChecks, LinearFreqs, nullptr},
       {T::kNtk, "ntk", {}, false, kRopeFactor,
-       true, false, false, false, NeedTwoPairs, NtkFreqs, nullptr},
+       false, true, false, false, false, NeedTwoPairs, NtkFreqs, nullptr},
       {T::kDynamicNtk, "dynamic", {}, true, kRopeFactor | kRopeOriginalMax,
-       true, true, true, false, NeedTwoPairs, DynamicNtkFreqs, nullptr},
+       true, true, true, true, false, NeedTwoPairs, DynamicNtkFreqs, nullptr},
       {T::kYarn, "yarn", {}, false,
        kRopeFactor | kRopeOriginalMax | kRopeBetaFast | kRopeBetaSlow | kRopeTruncate |
            kRopeAttentionFactor | kRopeMscale | kRopeMscaleAllDim,
-       false, true, true, true, ValidateYarn, YarnFreqs, YarnReads},
+       true, false, true, true, true, ValidateYarn, YarnFreqs, YarnReads},
       {T::kLongRope, "longrope", {"su"}, true,
        kRopeFactor | kRopeOriginalMax | kRopeAttentionFactor | kRopeShortFactor | kRopeLongFactor |
            kRopeMaxPositionEmbeddings,
-       false, true, true, true, ValidateLongRope, LongRopeFreqs, LongRopeReads},
+       true, false, true, true, true, ValidateLongRope, LongRopeFreqs, LongRopeReads},
       {T::kLlama3, "llama3", {}, false,
        kRopeFactor | kRopeOriginalMax | kRopeLowFreqFactor | kRopeHighFreqFactor,
-       true, true, false, false, ValidateLlama3, Llama3Freqs, nullptr},
+       true, true, true, false, false, ValidateLlama3, Llama3Freqs, nullptr},
   };
   // clang-format on
   return *rules;

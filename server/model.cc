@@ -518,6 +518,39 @@ absl::StatusOr<int64_t> RotaryDimFromFraction(const KeyReader& r, absl::string_v
   return dim;
 }
 
+// The rule a RoPE block names under `key`, as transformers reads it: only a
+// rule transformers has (RopeRule::in_transformers), by its own name, and
+// Phi3Config's rewrite of "su" and "yarn" to longrope (older versions under
+// `type`, current ones under `rope_type` too). A rule this server computes
+// only for requests (ntk, "su" outside Phi-3) is UNIMPLEMENTED: transformers
+// fails on it (ROPE_INIT_FUNCTIONS has no such key), so serving it would
+// compute what no transformers model does.
+absl::StatusOr<RopeScalingType> ConfigRopeRule(const KeyReader& s, absl::string_view key,
+                                               absl::string_view name,
+                                               const ModelConfig& config) {
+  if (name == "mrope") {
+    // Qwen2-VL's multimodal sections rotate 3-D positions: not a 1-D rule.
+    return absl::UnimplementedError(
+        absl::StrCat(s.Name(key), " \"mrope\" (multimodal RoPE) is not supported"));
+  }
+  const bool phi3 = config.family == Family::kPhi3;
+  if (phi3 && (name == "su" || name == "yarn")) return RopeScalingType::kLongRope;
+  std::vector<std::string> known;
+  for (const RopeRule& rule : RopeRules()) {
+    if (!rule.in_transformers) continue;
+    if (name == rule.name) return rule.type;
+    known.push_back(rule.name);
+  }
+  if (phi3) known.push_back("su and yarn (read as longrope)");
+  const std::string expected = absl::StrCat("transformers' rules: ", absl::StrJoin(known, ", "));
+  if (ParseRopeScalingType(name).ok()) {
+    return Refuse(s.file(), absl::StrCat(s.prefix(), key), json(std::string(name)),
+                  absl::StrCat("transformers has no such rule for ", config.model_type,
+                               " (its rotary embedding fails on it); ", expected));
+  }
+  return s.Error(key, absl::StrCat("is not a known RoPE rule: \"", name, "\"; ", expected));
+}
+
 // One RoPE from `top` (the config) and a scaling block (`block`, may be null,
 // named `block_name` in messages). The base is the block's rope_theta, else
 // the top-level `top_theta_key` (Gemma 3's sliding layers:
@@ -655,22 +688,7 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
     type_key = "type";
   }
   if (type_name.has_value()) {
-    if (*type_name == "mrope") {
-      // Qwen2-VL's multimodal sections rotate 3-D positions: not a 1-D rule.
-      return absl::UnimplementedError(
-          absl::StrCat(file, ": key ", block_name, ".", type_key,
-                       " \"mrope\" (multimodal RoPE) is not supported"));
-    }
-    if (family == Family::kPhi3 && *type_name == "yarn") {
-      // Phi3Config rewrites "su" and "yarn" to longrope (older versions
-      // under `type`, current ones under `rope_type` too).
-      *type_name = "longrope";
-    }
-    absl::StatusOr<RopeScalingType> type = ParseRopeScalingType(*type_name);
-    if (!type.ok()) {
-      return s.Error(type_key, absl::StrCat("is not a known RoPE rule: ", type.status().message()));
-    }
-    sc.type = *type;
+    RA_ASSIGN_OR_RETURN(sc.type, ConfigRopeRule(s, type_key, *type_name, config));
   } else if (s.Has("factor")) {
     // A factor without a rule is ambiguous (linear? dynamic?): refuse it.
     return s.Error("rope_type", "is missing (a factor is given but no rule)");

@@ -142,7 +142,8 @@ const RopeConfig* RopeOfLayer(const ModelConfig& config, int64_t layer);
 // computed exactly or Unimplemented naming the key and value
 // (quantization_config, layer types other than full/sliding attention,
 // Gemma's use_bidirectional_attention, BERT's is_decoder or a relative
-// position_embedding_type, mrope). Keys the family's code never reads are
+// position_embedding_type, mrope, a RoPE rule transformers does not have:
+// ntk, or "su" outside Phi-3). Keys the family's code never reads are
 // ignored, as transformers ignores them.
 // Aliases: hidden_size / n_embd, num_attention_heads / n_head,
 // max_position_embeddings / n_positions, num_hidden_layers / n_layer.
@@ -152,9 +153,11 @@ const RopeConfig* RopeOfLayer(const ModelConfig& config, int64_t layer);
 // 0.25; GPT-J's rotary_dim 64; Gemma 3's rope_theta 1e6, ...); null keys mean
 // None. RoPE resolution:
 // - rope_parameters (newer transformers) wins over rope_scaling; the rule is
-//   rope_type or legacy type ("su" = longrope, "dynamic" = dynamic NTK); a
-//   factor with no rule is refused. rope_theta (or GPT-NeoX rotary_emb_base)
-//   may also sit inside rope_parameters; Gemma 3's may be keyed by layer type.
+//   rope_type or legacy type, one of transformers' (default, linear,
+//   "dynamic" = dynamic NTK, yarn, longrope, llama3; Phi-3's "su" and "yarn"
+//   = longrope); a factor with no rule is refused. rope_theta (or GPT-NeoX
+//   rotary_emb_base) may also sit inside rope_parameters; Gemma 3's may be
+//   keyed by layer type.
 // - original_max_position_embeddings: from the scaling block, else the top
 //   level (Phi-3), else max_position_embeddings for dynamic / yarn / longrope
 //   (as transformers does); llama3 requires it.

@@ -1132,6 +1132,55 @@ TEST(ParseModelConfigTest, Errors) {
       C::kUnimplemented, {"relative_key"});
 }
 
+// transformers' rotary embedding knows default, linear, dynamic, yarn,
+// longrope and llama3 (ROPE_INIT_FUNCTIONS) and fails on any other name;
+// only Phi3Config rewrites "su" (and "yarn") to longrope. A rule this server
+// computes for requests alone is refused in a config, naming the key and
+// the value, and an unknown rule's message lists only what a config may name.
+TEST(ParseModelConfigTest, RopeRulesTransformersLacksAreRefused) {
+  using C = absl::StatusCode;
+  ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "ntk", "factor": 2.0})"),
+                    C::kUnimplemented, {"key rope_scaling.rope_type = \"ntk\"", "llama"});
+  ExpectConfigError(TinyConfig({}, R"(, "rope_parameters": {"rope_type": "ntk", "factor": 2.0})"),
+                    C::kUnimplemented, {"key rope_parameters.rope_type = \"ntk\""});
+  ExpectConfigError(TinyConfig({}, R"(, "original_max_position_embeddings": 16,
+                        "rope_scaling": {"type": "su", "short_factor": [1, 1, 1, 1],
+                        "long_factor": [2, 2, 2, 2]})"),
+                    C::kUnimplemented, {"key rope_scaling.type = \"su\"", "llama"});
+  ExpectConfigError(
+      R"({"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,
+          "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": 16,
+          "rope_scaling": {"rope_type": "su",
+          "short_factor": [1, 1, 1, 1, 1, 1, 1, 1], "long_factor": [2, 2, 2, 2, 2, 2, 2, 2]}})",
+      C::kUnimplemented, {"key rope_scaling.rope_type = \"su\"", "qwen2"});
+  ExpectConfigError(
+      R"({"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 4,
+          "head_dim": 16, "num_hidden_layers": 1, "vocab_size": 16,
+          "rope_scaling": {"rope_type": "ntk", "factor": 2.0}})",
+      C::kUnimplemented, {"rope_type = \"ntk\""});
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(
+      TinyConfig({}, R"(, "rope_scaling": {"rope_type": "bogus", "factor": 2.0})"), "config.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), C::kInvalidArgument);
+  EXPECT_THAT(std::string(c.status().message()),
+              AllOf(HasSubstr("rope_scaling.rope_type"), HasSubstr("\"bogus\""),
+                    HasSubstr("default, linear, dynamic, yarn, longrope, llama3"),
+                    Not(HasSubstr("ntk")), Not(HasSubstr("(or su)"))));
+  // Every rule transformers has loads by its own name.
+  for (const char* block :
+       {R"({"rope_type": "default"})", R"({"rope_type": "linear", "factor": 2.0})",
+        R"({"rope_type": "dynamic", "factor": 2.0})",
+        R"({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64})",
+        R"({"rope_type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": [2, 2, 2, 2],
+            "original_max_position_embeddings": 128})",
+        R"({"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 64,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0})"}) {
+    c = ParseModelConfig(TinyConfig({}, absl::StrCat(R"(, "rope_scaling": )", block)),
+                         "config.json");
+    EXPECT_TRUE(c.ok()) << block << " " << c.status();
+  }
+}
+
 // n_embd, n_head, n_layer and n_positions are GPTJConfig's names
 // (attribute_map); every other served class ignores them and keeps its
 // default for the long name. A short name without its long one is refused,
