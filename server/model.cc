@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -233,18 +234,32 @@ bool NestsTooDeep(absl::string_view text) {
   return false;
 }
 
-// `unique_top_keys`: a key the top-level object gives twice is refused
-// (json keeps the last; a safetensors header naming a tensor twice is one
-// the reference loader rejects, the first entry's bytes left unclaimed).
+// What ParseJson does with a key an object gives twice. json keeps the
+// last, as Python's json module does (config.json, the shard index). A
+// safetensors header is read as the reference loader (serde) reads it: a
+// field given twice in a tensor's entry is refused (two readers could take
+// different dtypes or offsets), a tensor named twice too (its first entry's
+// bytes are left unclaimed), and a __metadata__ key given twice keeps the
+// last (a string-to-string map).
+enum class DuplicateKeys { kLastWins, kSafetensorsHeader };
+
 absl::StatusOr<json> ParseJson(absl::string_view text, absl::string_view file,
-                               absl::string_view what, bool unique_top_keys = false) {
-  std::set<std::string> keys;
-  std::string duplicate;
+                               absl::string_view what,
+                               DuplicateKeys duplicates = DuplicateKeys::kLastWins) {
+  std::set<std::string> top_keys, entry_keys;
+  std::string top_key, duplicate, duplicate_in;
+  // Depth 1: the header's keys; depth 2: the keys of the object under one.
   const json::parser_callback_t check = [&](int depth, json::parse_event_t event,
                                             json& parsed) {
-    if (depth == 1 && event == json::parse_event_t::key && duplicate.empty() &&
-        !keys.insert(parsed.get<std::string>()).second) {
-      duplicate = parsed.get<std::string>();
+    if (event == json::parse_event_t::object_start && depth == 1) entry_keys.clear();
+    if (event != json::parse_event_t::key || !duplicate.empty()) return true;
+    const std::string& key = parsed.get_ref<const std::string&>();
+    if (depth == 1) {
+      top_key = key;
+      if (!top_keys.insert(key).second) duplicate = key;
+    } else if (depth == 2 && top_key != "__metadata__" && !entry_keys.insert(key).second) {
+      duplicate = key;
+      duplicate_in = top_key;
     }
     return true;
   };
@@ -264,9 +279,16 @@ absl::StatusOr<json> ParseJson(absl::string_view text, absl::string_view file,
   }
   try {
     // in_place: json's implicit conversions make plain `return` ambiguous.
-    absl::StatusOr<json> out(absl::in_place,
-                             json::parse(text.begin(), text.end(),
-                                         unique_top_keys ? check : json::parser_callback_t()));
+    absl::StatusOr<json> out(
+        absl::in_place,
+        json::parse(text.begin(), text.end(),
+                    duplicates == DuplicateKeys::kSafetensorsHeader ? check
+                                                                    : json::parser_callback_t()));
+    if (!duplicate_in.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          file, ": ", what, ": tensor ", duplicate_in, " gives field ", Brief(json(duplicate)),
+          " twice (the safetensors format allows each field once)"));
+    }
     if (!duplicate.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
           file, ": ", what.empty() ? "the top level" : what, " gives key ",
@@ -1522,7 +1544,7 @@ absl::Status IndexSafetensorsBytes(absl::string_view bytes, const std::string& f
   const uint64_t buffer_size = room - header_len;
 
   RA_ASSIGN_OR_RETURN(json header,
-                      ParseJson(header_text, fname, "header", /*unique_top_keys=*/true));
+                      ParseJson(header_text, fname, "header", DuplicateKeys::kSafetensorsHeader));
   if (!header.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat(fname, ": header must be a JSON object, got ", Brief(header)));
@@ -1536,8 +1558,24 @@ absl::Status IndexSafetensorsBytes(absl::string_view bytes, const std::string& f
   try {
     for (auto it = header.begin(); it != header.end(); ++it) {
       const std::string& name = it.key();
-      if (name == "__metadata__") continue;
       const json& entry = it.value();
+      if (name == "__metadata__") {
+        // The reference loader reads it as an optional map of strings to
+        // strings and refuses anything else.
+        if (entry.is_null()) continue;
+        if (!entry.is_object()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              fname, ": __metadata__ must be an object of strings, got ", Brief(entry)));
+        }
+        for (auto meta = entry.begin(); meta != entry.end(); ++meta) {
+          if (!meta->is_string()) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(fname, ": __metadata__ key ", Brief(json(meta.key())),
+                             " must map to a string, got ", Brief(meta.value())));
+          }
+        }
+        continue;
+      }
       auto bad = [&](absl::string_view what) {
         return absl::InvalidArgumentError(
             absl::StrCat(fname, ": tensor ", name, ": ", what, " (entry ", Brief(entry), ")"));
@@ -1605,22 +1643,44 @@ absl::Status IndexSafetensorsBytes(absl::string_view bytes, const std::string& f
             fname, ": tensor ", name, " is also in ",
             slot->second.file != nullptr ? slot->second.file->name() : fname));
       }
-      if (span > 0) extents.push_back({begin, end, &slot->first});
+      extents.push_back({begin, end, &slot->first});
     }
   } catch (const json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(fname, ": header: ", e.what()));
   }
 
-  // Overlapping tensors would alias each other's weights; gaps are harmless.
-  std::sort(extents.begin(), extents.end(),
-            [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
-  for (size_t i = 1; i < extents.size(); ++i) {
-    if (extents[i].begin < extents[i - 1].end) {
+  // The format indexes the whole data buffer: sorted by offsets, each tensor
+  // (empty ones too) starts where the one before ends, the first at 0, and
+  // the last ends at the buffer's end, as the reference loader checks.
+  // Overlapping tensors would alias each other's weights, and bytes no
+  // tensor claims are data some other reader may see and this one would not.
+  std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) {
+    return std::tie(a.begin, a.end, *a.name) < std::tie(b.begin, b.end, *b.name);
+  });
+  uint64_t covered = 0;
+  for (size_t i = 0; i < extents.size(); ++i) {
+    const Extent& e = extents[i];
+    if (e.begin < covered) {
+      const Extent& prev = extents[i - 1];
       return absl::InvalidArgumentError(
           absl::StrFormat("%s: tensor %s (data_offsets [%d, %d]) overlaps tensor %s ([%d, %d])",
-                          fname, *extents[i].name, extents[i].begin, extents[i].end,
-                          *extents[i - 1].name, extents[i - 1].begin, extents[i - 1].end));
+                          fname, *e.name, e.begin, e.end, *prev.name, prev.begin, prev.end));
     }
+    if (e.begin > covered) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: tensor %s (data_offsets [%d, %d]) leaves bytes [%d, %d) of the data buffer to no "
+          "tensor (%s): the safetensors format allows no holes",
+          fname, *e.name, e.begin, e.end, covered, e.begin,
+          i == 0 ? std::string("the first tensor must start at 0")
+                 : absl::StrCat("after tensor ", *extents[i - 1].name)));
+    }
+    covered = e.end;
+  }
+  if (covered != buffer_size) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: the data buffer has %d bytes after the last tensor (bytes [%d, %d)): the "
+        "safetensors format allows none",
+        fname, buffer_size - covered, covered, buffer_size));
   }
   return absl::OkStatus();
 }

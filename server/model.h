@@ -13,9 +13,12 @@
 //
 // Every tensor of every file is bounds-checked at load (header length within
 // the file, data_offsets within the data buffer, end - begin equal to the
-// shape's element count times the dtype size, no two tensors overlapping),
-// whether the model uses it or not. Only tensors the model uses must be
-// F32/BF16/F16: checkpoints carry other buffers (int64 position ids, ...).
+// shape's element count times the dtype size, the tensors covering the data
+// buffer exactly: no overlap, no hole, nothing after the last), whether the
+// model uses it or not; as the reference loader, a field given twice in a
+// tensor's entry and a __metadata__ other than strings to strings are
+// refused. Only tensors the model uses must be F32/BF16/F16: checkpoints
+// carry other buffers (int64 position ids, ...).
 //
 // Tensor names read, per family (L = layer index):
 //   Llama, Mistral, Qwen2/3, Gemma 1/2/3:
@@ -176,9 +179,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
 // The tensors of one safetensors file, validated as Model::Load validates
 // every file it maps: header length within the file (and at most 100 MB),
 // header JSON, each tensor's dtype, shape and data_offsets inside the data
-// buffer with end - begin equal to the shape's bytes, no two tensors
-// overlapping. `bytes` is the whole file; InvalidArgument naming `file_name`
-// and the tensor otherwise. Sorted by name; `offset` is from the start of
+// buffer with end - begin equal to the shape's bytes, the tensors covering
+// the data buffer exactly (sorted by offset, each starting where the one
+// before ends, the first at 0, the last ending at the buffer's end), no field
+// given twice in an entry, __metadata__ (if not null) an object of strings.
+// `bytes` is the whole file; InvalidArgument naming `file_name` and the
+// tensor otherwise. Sorted by name; `offset` is from the start of
 // `bytes`. Nothing is mapped or copied.
 struct SafetensorsTensor {
   std::string name;
@@ -207,9 +213,10 @@ class Model {
   // once, and must hold exactly the tensors the index assigns them).
   // NotFound for a missing config.json, weights file, shard or tensor;
   // InvalidArgument naming the file and tensor for invalid config.json, a
-  // bad safetensors header length, header JSON, offsets outside the file or
-  // overlapping, a dtype other than F32/BF16/F16, a shape that does not match
-  // the config; Unimplemented for another tensor naming scheme.
+  // bad safetensors header length, header JSON, offsets outside the file,
+  // overlapping or leaving bytes to no tensor, a dtype other than
+  // F32/BF16/F16, a shape that does not match the config; Unimplemented for
+  // another tensor naming scheme.
   static absl::StatusOr<std::shared_ptr<const Model>> Load(const std::string& name,
                                                            const std::string& dir);
   // The built-in demo model: hidden 128, 8 heads, 2 kv heads (GQA), head_dim

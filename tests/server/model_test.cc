@@ -1895,6 +1895,117 @@ TEST(ModelLoadErrorTest, OverlappingTensors) {
                   {"model.safetensors", "overlaps", kK0, "model.embed_tokens.weight"});
 }
 
+// The file of `tensors` with junk bytes before the first, between each two
+// and after the last, each tensor's data_offsets pointing at its bytes.
+std::string SpacedSafetensors(std::vector<SafetensorsTensor> tensors, size_t before_first,
+                              size_t between, size_t after_last) {
+  std::string data;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    data.append(i == 0 ? before_first : between, '\xab');
+    const uint64_t begin = data.size();
+    data += tensors[i].bytes;
+    tensors[i].offsets = std::make_pair(begin, uint64_t{data.size()});
+  }
+  data.append(after_last, '\xab');
+  return SafetensorsFromHeader(SafetensorsHeaderJson(tensors, R"({"format":"pt"})"), data);
+}
+
+// The format indexes the whole data buffer (the reference loader's
+// InvalidOffset and MetadataIncompleteBuffer): bytes no tensor claims,
+// before, between or after the tensors, are refused naming the file.
+TEST(ModelLoadErrorTest, BytesNoTensorCoversAreRefused) {
+  TempDir dir;
+  const std::vector<SafetensorsTensor> tensors = TinyTensors();
+  WriteFileOrDie(dir.File("config.json"), TinyConfig());
+  WriteFileOrDie(dir.File("model.safetensors"), SpacedSafetensors(tensors, 0, 0, 0));
+  EXPECT_TRUE(LoadStatus(dir).ok()) << LoadStatus(dir);
+
+  WriteFileOrDie(dir.File("model.safetensors"), SpacedSafetensors(tensors, 0, 8, 0));
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", tensors[1].name, "leaves bytes [2048, 2056)",
+                   absl::StrCat("after tensor ", tensors[0].name), "no holes"});
+  WriteFileOrDie(dir.File("model.safetensors"), SpacedSafetensors(tensors, 8, 0, 0));
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", tensors[0].name, "leaves bytes [0, 8)", "start at 0"});
+  WriteFileOrDie(dir.File("model.safetensors"), SpacedSafetensors(tensors, 0, 0, 64));
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", "64 bytes after the last tensor"});
+
+  // An empty tensor counts too: where the one before it ends, as the
+  // reference loader sorts and checks them, not inside another.
+  std::vector<SafetensorsTensor> with_empty = tensors;
+  with_empty.push_back({"extra.empty", "F32", {0}, "", std::nullopt});
+  WriteCheckpoint(dir, with_empty);
+  EXPECT_TRUE(LoadStatus(dir).ok()) << LoadStatus(dir);
+  with_empty.back().offsets = std::make_pair(uint64_t{4}, uint64_t{4});
+  WriteCheckpoint(dir, with_empty);
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", "extra.empty", "overlaps", "model.embed_tokens.weight"});
+}
+
+// A field given twice in a tensor's entry is refused, as the reference
+// loader refuses it (json would keep the last, another reader the first:
+// two dtypes for one tensor); a __metadata__ key given twice keeps the
+// last there (a string map), so it loads here too.
+TEST(ModelLoadErrorTest, FieldGivenTwiceInATensorEntryIsRefused) {
+  TempDir dir;
+  const std::vector<SafetensorsTensor> tensors = TinyTensors();
+  std::string data;
+  for (const SafetensorsTensor& t : tensors) data += t.bytes;
+  const std::string header = SafetensorsHeaderJson(tensors, R"({"format":"pt"})");
+  const std::string q_entry = absl::StrCat("\"", kQ0, "\":{\"dtype\":\"F32\"");
+  ASSERT_NE(header.find(q_entry), std::string::npos);
+  WriteFileOrDie(dir.File("config.json"), TinyConfig());
+  WriteFileOrDie(dir.File("model.safetensors"),
+                 SafetensorsFromHeader(
+                     absl::StrReplaceAll(header, {{q_entry, absl::StrCat("\"", kQ0,
+                                                                         "\":{\"dtype\":\"BF16\","
+                                                                         "\"dtype\":\"F32\"")}}),
+                     data));
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", kQ0, "field \"dtype\" twice"});
+  const std::string offsets = "\"data_offsets\":[0,2048]";
+  ASSERT_NE(header.find(offsets), std::string::npos);
+  WriteFileOrDie(dir.File("model.safetensors"),
+                 SafetensorsFromHeader(
+                     absl::StrReplaceAll(header, {{offsets, "\"data_offsets\":[0,8]," + offsets}}),
+                     data));
+  ExpectLoadError(dir, absl::StatusCode::kInvalidArgument,
+                  {"model.safetensors", "model.embed_tokens.weight", "\"data_offsets\" twice"});
+
+  SafetensorsLayout layout;
+  layout.metadata_json = R"({"format":"np","format":"pt"})";
+  WriteCheckpoint(dir, tensors, TinyConfig(), layout);
+  EXPECT_TRUE(LoadStatus(dir).ok()) << LoadStatus(dir);
+}
+
+// __metadata__ is an optional map of strings to strings in the format (the
+// reference loader refuses other values).
+TEST(ModelLoadErrorTest, MetadataMustMapStringsToStrings) {
+  TempDir dir;
+  SafetensorsLayout layout;
+  for (const char* ok : {R"({})", R"({"format":"pt","note":""})", "null"}) {
+    layout.metadata_json = ok;
+    WriteCheckpoint(dir, TinyTensors(), TinyConfig(), layout);
+    EXPECT_TRUE(LoadStatus(dir).ok()) << ok << " " << LoadStatus(dir);
+  }
+  const std::vector<std::pair<std::string, std::vector<std::string>>> refused = {
+      {R"({"format":"pt","n":1})", {"__metadata__ key \"n\"", "string", "got 1"}},
+      {R"({"nested":{"a":"b"}})", {"__metadata__ key \"nested\"", "string"}},
+      {R"({"flag":null})", {"__metadata__ key \"flag\"", "got null"}},
+      {R"("pt")", {"__metadata__ must be an object of strings", "\"pt\""}},
+      {R"(["pt"])", {"__metadata__ must be an object of strings"}},
+  };
+  for (const auto& [metadata, substrings] : refused) {
+    SCOPED_TRACE(metadata);
+    layout.metadata_json = metadata;
+    WriteCheckpoint(dir, TinyTensors(), TinyConfig(), layout);
+    std::vector<std::string> expected = substrings;
+    expected.push_back("model.safetensors");
+    ExpectLoadError(dir, absl::StatusCode::kInvalidArgument, expected);
+  }
+}
+
 TEST(ModelLoadErrorTest, ByteCountNotMatchingShape) {
   TempDir dir;
   std::vector<SafetensorsTensor> tensors = TinyTensors();
