@@ -467,26 +467,33 @@ struct FamilyRow {
   int64_t default_max_positions;  // max_position_embeddings (GPT-J: n_positions) when absent
   bool reads_head_dim;           // false: head_dim is always hidden / heads
   bool reads_kv_heads;           // false: no GQA (num_key_value_heads not read)
+  // head_dim: null is hidden / heads: the config class fills None (Llama,
+  // Mistral) or the attention reads `getattr(config, "head_dim", None) or
+  // ...` (Mixtral). The others that read it without a default take
+  // `getattr(config, "head_dim", hidden // heads)`, which returns the None a
+  // config.json null sets, and fail (`None ** -0.5`).
+  bool head_dim_null_is_hidden_over_heads;
 };
 
 const std::vector<FamilyRow>& Families() {
   static const auto* rows = new std::vector<FamilyRow>{
-      {Family::kLlama, "Llama", {"llama"}, 0, 0, 10000.0, 2048, true, true},
-      {Family::kMistral, "Mistral", {"mistral"}, 0, 8, 10000.0, 131072, true, true},
+      {Family::kLlama, "Llama", {"llama"}, 0, 0, 10000.0, 2048, true, true, true},
+      {Family::kMistral, "Mistral", {"mistral"}, 0, 8, 10000.0, 131072, true, true, true},
       // MixtralConfig: Mistral's attention, its own defaults (rope_theta 1e6,
       // sliding_window None).
-      {Family::kMistral, "Mixtral", {"mixtral"}, 0, 8, 1000000.0, 131072, true, true},
-      {Family::kQwen2, "Qwen2", {"qwen2"}, 0, 32, 10000.0, 32768, true, true},
-      {Family::kQwen2, "Qwen2-MoE", {"qwen2_moe"}, 0, 16, 10000.0, 32768, true, true},
-      {Family::kQwen3, "Qwen3", {"qwen3"}, 128, 32, 10000.0, 32768, true, true},
-      {Family::kQwen3, "Qwen3-MoE", {"qwen3_moe"}, 0, 4, 10000.0, 32768, true, true},
-      {Family::kGemma, "Gemma", {"gemma"}, 256, 16, 10000.0, 8192, true, true},
-      {Family::kGemma2, "Gemma 2", {"gemma2"}, 256, 4, 10000.0, 8192, true, true},
-      {Family::kGemma3, "Gemma 3", {"gemma3_text"}, 256, 4, 1000000.0, 131072, true, true},
-      {Family::kPhi3, "Phi-3", {"phi3"}, 0, 0, 10000.0, 4096, true, true},
-      {Family::kGptNeoX, "GPT-NeoX", {"gpt_neox"}, 0, 0, 10000.0, 2048, false, false},
-      {Family::kGptJ, "GPT-J", {"gptj"}, 0, 0, 10000.0, 2048, false, false},
-      {Family::kBert, "BERT", {"bert"}, 0, 0, 10000.0, 512, false, false},
+      {Family::kMistral, "Mixtral", {"mixtral"}, 0, 8, 1000000.0, 131072, true, true, true},
+      {Family::kQwen2, "Qwen2", {"qwen2"}, 0, 32, 10000.0, 32768, true, true, false},
+      {Family::kQwen2, "Qwen2-MoE", {"qwen2_moe"}, 0, 16, 10000.0, 32768, true, true, false},
+      {Family::kQwen3, "Qwen3", {"qwen3"}, 128, 32, 10000.0, 32768, true, true, false},
+      {Family::kQwen3, "Qwen3-MoE", {"qwen3_moe"}, 0, 4, 10000.0, 32768, true, true, false},
+      {Family::kGemma, "Gemma", {"gemma"}, 256, 16, 10000.0, 8192, true, true, false},
+      {Family::kGemma2, "Gemma 2", {"gemma2"}, 256, 4, 10000.0, 8192, true, true, false},
+      {Family::kGemma3, "Gemma 3", {"gemma3_text"}, 256, 4, 1000000.0, 131072, true, true,
+       false},
+      {Family::kPhi3, "Phi-3", {"phi3"}, 0, 0, 10000.0, 4096, true, true, false},
+      {Family::kGptNeoX, "GPT-NeoX", {"gpt_neox"}, 0, 0, 10000.0, 2048, false, false, false},
+      {Family::kGptJ, "GPT-J", {"gptj"}, 0, 0, 10000.0, 2048, false, false, false},
+      {Family::kBert, "BERT", {"bert"}, 0, 0, 10000.0, 512, false, false, false},
   };
   return *rows;
 }
@@ -1230,7 +1237,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
     }
     // null is None in transformers. Where the family's config class has a
     // None meaning (sliding_window, attn_logit_softcapping, Llama's
-    // num_key_value_heads, Llama's head_dim, ...) null reads as None below;
+    // num_key_value_heads, Llama's, Mistral's and Mixtral's head_dim, ...)
+    // null reads as None below;
     // where its default is not None and nothing maps None back to it,
     // transformers carries None into the layer and fails building or
     // running it (num_heads * None, base ** x, None ** -0.5, x + None), so a
@@ -1248,8 +1256,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
         not_null.emplace_back("rotary_pct", "0.25");
       }
       if (family == Family::kGemma3) not_null.emplace_back("rope_local_base_freq", "10000");
-      if (row->reads_head_dim && row->default_head_dim != 0) {
-        not_null.emplace_back("head_dim", absl::StrCat(row->default_head_dim));
+      if (row->reads_head_dim && !row->head_dim_null_is_hidden_over_heads) {
+        not_null.emplace_back("head_dim", row->default_head_dim != 0
+                                              ? absl::StrCat(row->default_head_dim)
+                                              : "hidden_size / num_attention_heads");
       }
       // Gemma's classes have no None fallback for num_key_value_heads (the
       // others map None to num_attention_heads, as read below).

@@ -1228,6 +1228,34 @@ TEST(ParseModelConfigTest, ShortKeyNamesAreReadOnlyForGptJ) {
   EXPECT_EQ(c->max_positions, 96);
 }
 
+// head_dim: null is hidden / heads only where the family's transformers
+// code maps None to it: LlamaConfig and MistralConfig fill it, Mixtral's
+// attention reads `getattr(config, "head_dim", None) or ...`. Qwen2,
+// Qwen2-MoE, Qwen3-MoE and Phi-3 declare no head_dim: their attention's
+// `getattr(config, "head_dim", hidden // heads)` returns the None a null
+// sets and fails, so the null is refused there, as where a class defaults it.
+TEST(ParseModelConfigTest, HeadDimNullIsHiddenOverHeadsOnlyWhereTransformersMapsIt) {
+  const auto cfg = [](const char* type, const char* extra) {
+    return absl::StrFormat(R"({"model_type": "%s", "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 16%s})",
+                           type, extra);
+  };
+  for (const char* type : {"llama", "mistral", "mixtral"}) {
+    absl::StatusOr<ModelConfig> c = ParseModelConfig(cfg(type, R"(, "head_dim": null)"),
+                                                     "config.json");
+    ASSERT_TRUE(c.ok()) << type << " " << c.status();
+    EXPECT_EQ(c->head_dim, 16) << type;
+  }
+  for (const char* type : {"qwen2", "qwen2_moe", "qwen3_moe", "phi3"}) {
+    SCOPED_TRACE(type);
+    ExpectConfigError(cfg(type, R"(, "head_dim": null)"), absl::StatusCode::kInvalidArgument,
+                      {"key head_dim", "null", "hidden_size / num_attention_heads"});
+    absl::StatusOr<ModelConfig> c = ParseModelConfig(cfg(type, ""), "config.json");
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->head_dim, 16);
+  }
+}
+
 // null is None in transformers: where a key's default is not None (and
 // nothing maps None back) transformers fails, so null is refused naming the
 // key; where None has a meaning it keeps it.
