@@ -30,6 +30,7 @@
 #include "server/log.h"
 #include "server/metrics.h"
 #include "server/model.h"
+#include "server/parse_refusal.h"
 #include "server/service.h"
 #include "server/sessions.h"
 #include "server/stream_charge.h"
@@ -364,8 +365,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   // the process; this one drops it when reflection is off.
   if (!options.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   builder.RegisterService(m.service.get());
-  // Request ids, error answers and the access log, for every method.
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  // A health Watch whose request does not parse: INVALID_ARGUMENT. First, so
+  // the call log records the status the client receives.
+  interceptors.push_back(MakeParseRefusalFactory());
+  // Request ids, error answers and the access log, for every method.
   interceptors.push_back(MakeCallLogFactory(options.access_log, m.metrics.get()));
   // Health Watch and reflection streams: at most max_service_streams at once.
   interceptors.push_back(MakeStreamChargeFactory(options.max_service_streams));

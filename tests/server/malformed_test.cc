@@ -1201,15 +1201,17 @@ grpc::Status Unary(grpc::GenericStub* stub, const std::string& method, const std
   return status;
 }
 
-// A Decode stream: `messages` written in order (the stream left open), then
+// A stream of `method` (by default Decode): `messages` written in order,
+// then the stream left open or, with `half_close`, closed for writes; then
 // the stream's final status and how many answers came before it.
 class Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  Stream(grpc::GenericStub* stub, std::vector<std::string> messages)
-      : messages_(std::move(messages)) {
+  Stream(grpc::GenericStub* stub, std::vector<std::string> messages,
+         const std::string& method = "/ropeattn.v1.AttentionService/Decode",
+         bool half_close = false)
+      : messages_(std::move(messages)), half_close_(half_close) {
     ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    stub->PrepareBidiStreamingCall(&ctx_, "/ropeattn.v1.AttentionService/Decode",
-                                   grpc::StubOptions(), this);
+    stub->PrepareBidiStreamingCall(&ctx_, method, grpc::StubOptions(), this);
     StartRead(&in_);
     WriteNext();
     StartCall();
@@ -1234,12 +1236,16 @@ class Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer
 
  private:
   void WriteNext() {
-    if (next_ == messages_.size()) return;
+    if (next_ == messages_.size()) {
+      if (half_close_) StartWritesDone();
+      return;
+    }
     out_ = Bytes(messages_[next_++]);
     StartWrite(&out_);
   }
   grpc::ClientContext ctx_;
   std::vector<std::string> messages_;
+  const bool half_close_;
   size_t next_ = 0;
   grpc::ByteBuffer in_, out_;
   int answers_ = 0;
@@ -1316,6 +1322,35 @@ TEST(UnparseableBytesTest, AreInvalidArgumentNamingTheMessageOnEveryMethod) {
   v1::ServerInfo info;
   ASSERT_TRUE(typed->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
   EXPECT_EQ(info.open_sessions(), 0);
+}
+
+// gRPC's health service (its own parsing) ended a Watch whose request does
+// not parse INTERNAL "could not parse request"; its Check answers the same
+// bytes INVALID_ARGUMENT, and so does Watch now. Valid calls are unchanged.
+TEST(UnparseableBytesTest, AreInvalidArgumentOnHealth) {
+  auto server = StartTestServer(TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  grpc::GenericStub stub(TestChannel(server->port()));
+  const std::string garbage("\xff\xff\xff", 3);
+  const grpc::Status check = raw::Unary(&stub, "/grpc.health.v1.Health/Check", garbage);
+  EXPECT_EQ(check.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << check.error_message();
+  raw::Stream watch(&stub, {garbage}, "/grpc.health.v1.Health/Watch", /*half_close=*/true);
+  int answers = -1;
+  const grpc::Status st = watch.Await(&answers);
+  EXPECT_EQ(answers, 0);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_EQ(st.error_message(), "could not parse request");
+  // A valid Watch still answers SERVING and stays open.
+  auto health = grpc::health::v1::Health::NewStub(TestChannel(server->port()));
+  grpc::ClientContext ctx;
+  auto reader = health->Watch(&ctx, grpc::health::v1::HealthCheckRequest());
+  grpc::health::v1::HealthCheckResponse resp;
+  ASSERT_TRUE(reader->Read(&resp));
+  EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  ctx.TryCancel();
+  while (reader->Read(&resp)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
 }
 
 }  // namespace
