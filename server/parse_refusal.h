@@ -2,7 +2,8 @@
 // INVALID_ARGUMENT, as the server's own service answers them (README,
 // "A message whose bytes do not parse"). gRPC 1.51's health service ended
 // such a Watch INTERNAL "could not parse request" (its Check answers the
-// same bytes INVALID_ARGUMENT).
+// same bytes INVALID_ARGUMENT); its reflection service ended such a stream
+// OK, as if its client had half-closed.
 //
 // Registered before the call log (server.cc), so the status it logs is the
 // one the client receives.

@@ -366,8 +366,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (!options.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   builder.RegisterService(m.service.get());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  // A health Watch whose request does not parse: INVALID_ARGUMENT. First, so
-  // the call log records the status the client receives.
+  // Health Watch and reflection requests that do not parse: INVALID_ARGUMENT.
+  // First, so the call log records the status the client receives.
   interceptors.push_back(MakeParseRefusalFactory());
   // Request ids, error answers and the access log, for every method.
   interceptors.push_back(MakeCallLogFactory(options.access_log, m.metrics.get()));

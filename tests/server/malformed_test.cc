@@ -1353,6 +1353,47 @@ TEST(UnparseableBytesTest, AreInvalidArgumentOnHealth) {
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
 }
 
+// gRPC 1.51's reflection service (gRPC parses its requests) ended a stream
+// whose message does not parse with OK, as if its client had half-closed:
+// the requests after it were never answered. INVALID_ARGUMENT naming the
+// message type now; a stream its client half-closes still ends OK, an empty
+// message (valid) is still answered.
+TEST(UnparseableBytesTest, AreInvalidArgumentOnReflection) {
+  auto server = StartTestServer(TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  grpc::GenericStub stub(TestChannel(server->port()));
+  const std::string method = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo";
+  const std::string list("\x3a\x00", 2);  // list_services: ""
+  const std::string garbage("\xff\xff", 2);
+  const std::string not_utf8("\x0a\x02\xff\xfe", 4);  // host
+  struct Case {
+    std::vector<std::string> messages;
+    bool half_close;
+    int answers;
+    grpc::StatusCode code;
+  };
+  const std::vector<Case> cases = {
+      {{list, garbage, list}, false, 1, grpc::StatusCode::INVALID_ARGUMENT},
+      {{garbage}, false, 0, grpc::StatusCode::INVALID_ARGUMENT},
+      {{list, list, not_utf8}, true, 2, grpc::StatusCode::INVALID_ARGUMENT},
+      {{list, list}, true, 2, grpc::StatusCode::OK},
+      {{"", list}, true, 2, grpc::StatusCode::OK},
+      {{}, true, 0, grpc::StatusCode::OK},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    raw::Stream stream(&stub, cases[i].messages, method, cases[i].half_close);
+    int answers = -1;
+    const grpc::Status st = stream.Await(&answers);
+    EXPECT_EQ(answers, cases[i].answers) << "case " << i;
+    EXPECT_EQ(st.error_code(), cases[i].code) << "case " << i << ": " << st.error_message();
+    if (!st.ok()) {
+      EXPECT_THAT(
+          st.error_message(),
+          ::testing::HasSubstr("not a valid grpc.reflection.v1alpha.ServerReflectionRequest"));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ropeattn::testing
 
