@@ -1063,6 +1063,71 @@ TEST(DecodeStreamBudgetTest, IdleStreamsHoldTheirShareOfTheBudget) {
   server->Shutdown(absl::Seconds(1));
 }
 
+// A raw HTTP/2 client that sends one unary call (`path`, `body` the
+// serialized request) after announcing a receive window of 0, which it never
+// opens: no byte of the answer can leave the server. Returns the connected
+// socket (the connection stays up while it is open), or -1.
+int SendUnreadCall(int port, const std::string& path, const std::string& body,
+                   const std::string& request_id = "") {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  auto frame = [](uint8_t type, uint8_t flags, uint32_t stream, const std::string& payload) {
+    std::string f(9, '\0');
+    f[0] = static_cast<char>(payload.size() >> 16);
+    f[1] = static_cast<char>(payload.size() >> 8);
+    f[2] = static_cast<char>(payload.size());
+    f[3] = static_cast<char>(type);
+    f[4] = static_cast<char>(flags);
+    for (int i = 0; i < 4; ++i) f[5 + i] = static_cast<char>(stream >> (24 - 8 * i));
+    return f + payload;
+  };
+  // HPACK literals without indexing, plain strings (all under 127 bytes).
+  std::vector<std::pair<std::string, std::string>> fields = {{":method", "POST"},
+                                                             {":scheme", "http"},
+                                                             {":path", path},
+                                                             {":authority", "localhost"},
+                                                             {"content-type", "application/grpc"},
+                                                             {"te", "trailers"}};
+  if (!request_id.empty()) fields.emplace_back("x-request-id", request_id);
+  std::string headers;
+  for (const auto& [name, value] : fields) {
+    headers += '\0';
+    headers += static_cast<char>(name.size());
+    headers += name;
+    headers += static_cast<char>(value.size());
+    headers += value;
+  }
+  std::string message(5, '\0');
+  for (int i = 0; i < 4; ++i) message[1 + i] = static_cast<char>(body.size() >> (24 - 8 * i));
+  message += body;
+  EXPECT_LT(message.size(), 16384u);  // one DATA frame
+  const std::string out = std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") +
+                          frame(4, 0, 0, std::string("\x00\x04\x00\x00\x00\x00", 6)) +
+                          frame(1, 4, 1, headers) + frame(0, 1, 1, message);
+  const auto send_all = [fd](const std::string& bytes) {
+    return send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
+  };
+  if (!send_all(out)) {
+    close(fd);
+    return -1;
+  }
+  // Acknowledges the server's SETTINGS (a peer that never does is dropped).
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  if (!send_all(frame(4, 1, 0, ""))) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 // A client that keeps its connection but never takes an answer (its
 // flow-control window stays shut) held the call, and all the call held,
 // forever: gRPC has no write timeout. Past --answer_timeout_seconds the call
@@ -1095,51 +1160,9 @@ TEST(AnswerTimeoutTest, AnswersNotTakenCancelTheirCalls) {
     *req.mutable_q() = ToWire(q.cview());
     *req.mutable_k() = ToWire(q.cview());
     *req.mutable_v() = ToWire(q.cview());
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    const int fd = SendUnreadCall(server->port(), "/ropeattn.v1.AttentionService/Attend",
+                                  req.SerializeAsString());
     ASSERT_GE(fd, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(server->port()));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    auto frame = [](uint8_t type, uint8_t flags, uint32_t stream, const std::string& payload) {
-      std::string f(9, '\0');
-      f[0] = static_cast<char>(payload.size() >> 16);
-      f[1] = static_cast<char>(payload.size() >> 8);
-      f[2] = static_cast<char>(payload.size());
-      f[3] = static_cast<char>(type);
-      f[4] = static_cast<char>(flags);
-      for (int i = 0; i < 4; ++i) f[5 + i] = static_cast<char>(stream >> (24 - 8 * i));
-      return f + payload;
-    };
-    // HPACK literals without indexing, plain strings (all under 127 bytes).
-    std::string headers;
-    for (const auto& [name, value] : std::vector<std::pair<std::string, std::string>>{
-             {":method", "POST"},
-             {":scheme", "http"},
-             {":path", "/ropeattn.v1.AttentionService/Attend"},
-             {":authority", "localhost"},
-             {"content-type", "application/grpc"},
-             {"te", "trailers"}}) {
-      headers += '\0';
-      headers += static_cast<char>(name.size());
-      headers += name;
-      headers += static_cast<char>(value.size());
-      headers += value;
-    }
-    const std::string body = req.SerializeAsString();
-    std::string message(5, '\0');
-    for (int i = 0; i < 4; ++i) message[1 + i] = static_cast<char>(body.size() >> (24 - 8 * i));
-    message += body;
-    ASSERT_LT(message.size(), 16384u);  // one DATA frame
-    const std::string out = std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") +
-                            frame(4, 0, 0, std::string("\x00\x04\x00\x00\x00\x00", 6)) +
-                            frame(1, 4, 1, headers) + frame(0, 1, 1, message);
-    ASSERT_EQ(send(fd, out.data(), out.size(), MSG_NOSIGNAL), static_cast<ssize_t>(out.size()));
-    // Acknowledge the server's SETTINGS (a peer that never does is dropped).
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    const std::string ack = frame(4, 1, 0, "");
-    ASSERT_EQ(send(fd, ack.data(), ack.size(), MSG_NOSIGNAL), static_cast<ssize_t>(ack.size()));
     // Computed, its reservation held while the answer waits...
     EXPECT_TRUE(Eventually([&] { return in_use() > 0; }, absl::Milliseconds(3000))) << in_use();
     // ...and given back once the server cancels the call.
