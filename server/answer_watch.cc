@@ -23,6 +23,11 @@ void AnswerWatch::Handle::Disarm() {
   armed_ = false;
 }
 
+bool AnswerWatch::Handle::TimedOut() {
+  absl::MutexLock lock(&mu_);
+  return timed_out_;
+}
+
 AnswerWatch::AnswerWatch(absl::Duration timeout)
     : timeout_(std::chrono::duration_cast<Clock::duration>(absl::ToChronoNanoseconds(timeout))) {
   thread_ = std::thread([this] { Loop(); });
@@ -87,6 +92,7 @@ bool AnswerWatch::CancelIfDue(const std::shared_ptr<Handle>& h, bool* cancelled)
     if (h->due_ > Clock::now()) return true;  // a later write moved it
     ctx = h->ctx_;
     h->armed_ = false;
+    h->timed_out_ = true;  // before TryCancel, which may run OnDone here
     h->cancelling_ = true;
     h->canceller_ = std::this_thread::get_id();
   }

@@ -57,6 +57,11 @@ class AnswerWatch {
     void Ended();
     // The pending write completed.
     void Disarm();
+    // True once the watch has cancelled the call because an answer stayed
+    // untaken past the timeout: the call's own view of its end (OnDone,
+    // OnWriteDone(false)) then counts and logs it as cancelled unread, not
+    // under the code it was answered with.
+    bool TimedOut();
 
    private:
     friend class AnswerWatch;
@@ -66,6 +71,7 @@ class AnswerWatch {
     bool armed_ ABSL_GUARDED_BY(mu_) = false;
     Clock::time_point due_ ABSL_GUARDED_BY(mu_);
     bool cancelling_ ABSL_GUARDED_BY(mu_) = false;
+    bool timed_out_ ABSL_GUARDED_BY(mu_) = false;
     std::thread::id canceller_ ABSL_GUARDED_BY(mu_);
     // Its FIFO entry (the watch's lock).
     bool queued_ = false;

@@ -295,6 +295,22 @@ void LogRefusedCall(const std::multimap<grpc::string_ref, grpc::string_ref>& md,
   }
 }
 
+void LogAnswerTimedOut(const grpc::ServerContextBase& ctx, absl::string_view method,
+                       absl::string_view message, absl::Duration took) {
+  std::string trace_id, parent_id;
+  ParseTraceparent(Find(ctx.client_metadata(), kTraceparentKey), &trace_id, &parent_id);
+  const int code = static_cast<int>(grpc::StatusCode::CANCELLED);
+  LogEvent(LevelOf(code), "error_answer",
+           {{"request_id", RequestIdOf(ctx)},
+            {"method", method},
+            {"code", CodeName(code)},
+            {"message", message},
+            {"ms", Milliseconds(took)},
+            {"peer", ctx.peer()},
+            {"trace_id", trace_id},
+            {"parent_id", parent_id}});
+}
+
 void LogStreamError(const grpc::ServerContextBase& ctx, absl::string_view method,
                     absl::string_view op, const absl::Status& status, absl::string_view session,
                     int64_t seq) {

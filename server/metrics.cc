@@ -77,6 +77,7 @@ struct MethodStats {
   Histogram compute;  // on the worker
   uint64_t rejected = 0;
   uint64_t abandoned = 0;
+  uint64_t answers_timed_out = 0;
 };
 
 // Everything Metrics records; copied whole for a render so formatting runs
@@ -219,6 +220,11 @@ void Metrics::RecordComputeTime(absl::string_view method, double seconds) {
 void Metrics::RecordAbandoned(absl::string_view method) {
   absl::MutexLock lock(&state_->mu);
   ++BoundedEntry(state_->data.methods, method).abandoned;
+}
+
+void Metrics::RecordAnswerTimedOut(absl::string_view method) {
+  absl::MutexLock lock(&state_->mu);
+  ++BoundedEntry(state_->data.methods, method).answers_timed_out;
 }
 
 void Metrics::SetRunning(int64_t running) {
@@ -383,6 +389,16 @@ std::string Metrics::RenderPrometheus() const {
   for (size_t i = 0; i < methods.size(); ++i) {
     absl::StrAppend(&out, "ropeattn_abandoned_total{method=\"", escaped[i], "\"} ",
                     d.methods[methods[i]].abandoned, "\n");
+  }
+
+  AppendFamilyHeader(&out, "ropeattn_answers_timed_out_total",
+                     "Answers their client did not take within --answer_timeout_seconds: the "
+                     "call was cancelled with the answer undelivered (counted CANCELLED in "
+                     "ropeattn_requests_total); by method.",
+                     "counter");
+  for (size_t i = 0; i < methods.size(); ++i) {
+    absl::StrAppend(&out, "ropeattn_answers_timed_out_total{method=\"", escaped[i], "\"} ",
+                    d.methods[methods[i]].answers_timed_out, "\n");
   }
 
   AppendFamilyHeader(&out, "ropeattn_queue_depth", "Requests waiting for a compute worker.",

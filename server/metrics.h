@@ -53,6 +53,11 @@ class Metrics {
   // A request cancelled or past its deadline while it waited, so never
   // computed: ropeattn_abandoned_total{method}.
   void RecordAbandoned(absl::string_view method);
+  // An answer (a unary call's, or a Decode operation's) its client did not
+  // take within --answer_timeout_seconds, its call cancelled with it
+  // undelivered: ropeattn_answers_timed_out_total{method}. Does not touch
+  // requests_total: the caller counts the call there, under CANCELLED.
+  void RecordAnswerTimedOut(absl::string_view method);
   // ropeattn_queue_depth and ropeattn_running (gauges): waiting for a
   // worker, and computing now.
   void SetQueueDepth(int64_t depth);

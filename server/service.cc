@@ -4,6 +4,7 @@
 #include <array>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -155,6 +156,15 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext* ctx) {
   return absl::FromUnixSeconds(real.tv_sec) + absl::Nanoseconds(real.tv_nsec);
 }
 
+// The text of a call's or operation's end when its answer was not taken in
+// time (its log line, a Decode stream's status).
+std::string AnswerNotTaken(double timeout_seconds) {
+  return absl::StrFormat(
+      "the answer was not taken within --answer_timeout_seconds (%g s): the call was cancelled "
+      "with the answer undelivered",
+      timeout_seconds);
+}
+
 }  // namespace
 
 // One unary call: owns its typed request and response (parsed from and
@@ -163,8 +173,14 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext* ctx) {
 // alive until gRPC is done with the call, answer included.
 class UnaryCall : public grpc::ServerUnaryReactor {
  public:
-  UnaryCall(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* out)
-      : service_(service), out_(out), watch_(service->WatchAnswers()->Watch(ctx)) {
+  UnaryCall(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* out,
+            const char* method)
+      : service_(service),
+        ctx_(ctx),
+        out_(out),
+        method_(method),
+        arrived_(absl::Now()),
+        watch_(service->WatchAnswers()->Watch(ctx)) {
     stop_.set_deadline(DeadlineOf(ctx));
     service_->CallStarted();
   }
@@ -176,6 +192,7 @@ class UnaryCall : public grpc::ServerUnaryReactor {
   }
   void OnDone() override {
     watch_->Ended();
+    Count();
     AttentionServiceImpl* service = service_;
     delete this;  // the reservation goes before the call counts as ended
     service->CallEnded();
@@ -198,8 +215,11 @@ class UnaryCall : public grpc::ServerUnaryReactor {
   // Finishes with `status`, and with the response when it is OK. Every
   // answer (computed, control call or refusal) is watched: a client that
   // does not take it within --answer_timeout_seconds has the call cancelled.
-  void Answer(const grpc::Status& status) {
+  // `seconds`: the request's latency (ropeattn_request_duration_seconds),
+  // counted with the call's code when gRPC is done with it (OnDone).
+  void Answer(const grpc::Status& status, double seconds) {
     service_->WatchAnswer(watch_);
+    seconds_ = seconds;
     if (!status.ok() || response_ == nullptr) {
       // Nothing computes for this call any more (refused, or its compute
       // returned): what it held goes now, not when a slow client takes the
@@ -208,7 +228,7 @@ class UnaryCall : public grpc::ServerUnaryReactor {
       messages_.clear();
       parse_held_.Release();
       reservation_.Release();
-      Finish(status);
+      FinishCounted(status);
       return;
     }
     bool own_buffer = false;
@@ -219,18 +239,44 @@ class UnaryCall : public grpc::ServerUnaryReactor {
     response_ = nullptr;
     messages_.clear();
     parse_held_.Release();
-    Finish(written.ok() ? status
-                        : grpc::Status(grpc::StatusCode::INTERNAL,
-                                       absl::StrCat("the answer could not be serialized: ",
-                                                    written.error_message())));
+    FinishCounted(written.ok() ? status
+                               : grpc::Status(grpc::StatusCode::INTERNAL,
+                                              absl::StrCat("the answer could not be serialized: ",
+                                                           written.error_message())));
   }
-  // Answers with the computed result.
-  void FinishAnswer(const grpc::Status& status) { Answer(status); }
 
  private:
+  void FinishCounted(const grpc::Status& status) {
+    code_ = static_cast<int>(status.error_code());
+    Finish(status);
+  }
+  // Counted once, when gRPC is done with the call (its answer delivered or
+  // not): under the code it was answered with, unless the answer timeout
+  // cancelled it with its answer untaken, which the client never had: that
+  // is CANCELLED (and logged: its status line said otherwise). Its latency
+  // is the request's either way, to its answer.
+  void Count() {
+    if (code_ < 0) return;  // never answered (gRPC always runs Answer's Finish)
+    Metrics* metrics = service_->metrics_;
+    int code = code_;
+    if (watch_->TimedOut()) {
+      code = static_cast<int>(grpc::StatusCode::CANCELLED);
+      metrics->RecordAnswerTimedOut(method_);
+      LogAnswerTimedOut(
+          *ctx_, absl::StrCat("/", v1::AttentionService::service_full_name(), "/", method_),
+          AnswerNotTaken(service_->options_.answer_timeout_seconds), absl::Now() - arrived_);
+    }
+    metrics->RecordRequest(method_, code, seconds_);
+  }
+
   AttentionServiceImpl* const service_;
+  grpc::CallbackServerContext* const ctx_;
   grpc::ByteBuffer* const out_;
+  const char* const method_;
+  const absl::Time arrived_;
   const std::shared_ptr<AnswerWatch::Handle> watch_;
+  int code_ = -1;         // the status answered, -1 before
+  double seconds_ = 0.0;  // the request's latency, to its answer
   StopToken stop_;
   MemoryBudget::Reservation reservation_;
   std::vector<std::unique_ptr<google::protobuf::MessageLite>> messages_;
@@ -300,7 +346,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ServeUnary(
     const char* method,
     void (AttentionServiceImpl::*handler)(UnaryCall*, grpc::CallbackServerContext*, const Req*,
                                           Resp*)) {
-  auto* call = new UnaryCall(this, ctx, out);
+  auto* call = new UnaryCall(this, ctx, out, method);
   Req* request = call->Own<Req>();
   Resp* response = call->Own<Resp>();
   call->SetResponse(response);
@@ -315,8 +361,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ServeUnary(
           "the call ended before its request message arrived (cancelled by the client, or "
           "closed without one)");
     }
-    metrics_->RecordRequest(method, static_cast<int>(none.code()), 0.0);
-    call->Answer(ToGrpcStatus(none));
+    call->Answer(ToGrpcStatus(none), 0.0);
     return call;
   }
   const absl::Status parsed = ParseRequest(*in, request, budget_, call->parse_reservation());
@@ -325,8 +370,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ServeUnary(
   // for its whole compute). gRPC does not read them after this handler.
   const_cast<grpc::ByteBuffer*>(in)->Clear();
   if (!parsed.ok()) {
-    metrics_->RecordRequest(method, static_cast<int>(parsed.code()), 0.0);
-    call->Answer(ToGrpcStatus(parsed));
+    call->Answer(ToGrpcStatus(parsed), 0.0);
     return call;
   }
   (this->*handler)(call, ctx, request, response);
@@ -384,8 +428,7 @@ void AttentionServiceImpl::RunOnExecutor(UnaryCall* call, grpc::CallbackServerCo
                                          bool may_inline) {
   const absl::Time start = absl::Now();
   auto refuse = [&](const absl::Status& status) {
-    metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
-    call->Answer(ToGrpcStatus(status));
+    call->Answer(ToGrpcStatus(status), SecondsSince(start));
   };
   // Priced and checked on this thread, before anything is allocated or queued.
   absl::StatusOr<Cost> cost = price();
@@ -434,8 +477,7 @@ void AttentionServiceImpl::RunOnExecutor(UnaryCall* call, grpc::CallbackServerCo
     Executor::ComputeDone();  // before the caller can have the answer
     // Stopped mid-way: the stop's own code, not the kernel's.
     if (!status.ok() && call->stop().ShouldStop()) status = call->stop().status();
-    metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
-    call->FinishAnswer(ToGrpcStatus(status));
+    call->Answer(ToGrpcStatus(status), SecondsSince(start));
   };
   // A small request finding a worker idle runs here, on one thread: two
   // thread hand-offs would cost more than its compute (docs/scheduler.md).
@@ -451,11 +493,10 @@ void AttentionServiceImpl::RunOnExecutor(UnaryCall* call, grpc::CallbackServerCo
   if (!queued) {
     admission_.Finished(method, compute, -1);
     metrics_->RecordRejected(method);
-    metrics_->RecordRequest(method, grpc::StatusCode::RESOURCE_EXHAUSTED, SecondsSince(start));
     ctx->AddTrailingMetadata(
         "retry-after-ms",
         absl::StrCat(absl::ToInt64Milliseconds(QueueRetryHint(executor_->WorkAhead(share, compute)))));
-    call->Answer(QueueFull(*executor_, method));
+    call->Answer(QueueFull(*executor_, method), SecondsSince(start));
   }
   metrics_->SetQueueDepth(executor_->queue_depth());
 }
@@ -504,8 +545,7 @@ void AttentionServiceImpl::DoListModels(UnaryCall* call, grpc::CallbackServerCon
                                      const v1::ListModelsRequest* request, v1::ListModelsResponse* response) {
   const absl::Time start = absl::Now();
   for (const auto& m : models_->List()) FillModelInfo(*m, response->add_models());
-  metrics_->RecordRequest("ListModels", 0, SecondsSince(start));
-  call->Answer(grpc::Status::OK);
+  call->Answer(grpc::Status::OK, SecondsSince(start));
 }
 
 void AttentionServiceImpl::DoGetModel(UnaryCall* call, grpc::CallbackServerContext* ctx,
@@ -514,8 +554,7 @@ void AttentionServiceImpl::DoGetModel(UnaryCall* call, grpc::CallbackServerConte
   auto model = models_->Get(request->name());
   absl::Status status = model.status();
   if (model.ok()) FillModelInfo(**model, response);
-  metrics_->RecordRequest("GetModel", static_cast<int>(status.code()), SecondsSince(start));
-  call->Answer(ToGrpcStatus(status));
+  call->Answer(ToGrpcStatus(status), SecondsSince(start));
 }
 
 absl::Status AttentionServiceImpl::HoldInfoAnswer(UnaryCall* call, const std::string& id,
@@ -545,8 +584,7 @@ void AttentionServiceImpl::DoGetSession(UnaryCall* call, grpc::CallbackServerCon
       held.ok() ? sessions_->Info(request->session_id(), *caller) : held;
   absl::Status status = info.status();
   if (info.ok()) *response = *std::move(info);
-  metrics_->RecordRequest("GetSession", static_cast<int>(status.code()), SecondsSince(start));
-  call->Answer(ToGrpcStatus(status));
+  call->Answer(ToGrpcStatus(status), SecondsSince(start));
 }
 
 void AttentionServiceImpl::DoListSessions(UnaryCall* call, grpc::CallbackServerContext* ctx,
@@ -605,8 +643,7 @@ void AttentionServiceImpl::DoListSessions(UnaryCall* call, grpc::CallbackServerC
     if (page.more) response->set_next_page_token(page.ids.back());
     return absl::OkStatus();
   }();
-  metrics_->RecordRequest("ListSessions", static_cast<int>(status.code()), SecondsSince(start));
-  call->Answer(ToGrpcStatus(status));
+  call->Answer(ToGrpcStatus(status), SecondsSince(start));
 }
 
 void AttentionServiceImpl::DoCloseSession(UnaryCall* call, grpc::CallbackServerContext* ctx,
@@ -623,8 +660,7 @@ void AttentionServiceImpl::DoCloseSession(UnaryCall* call, grpc::CallbackServerC
     call->Hold(std::move(closed->answer));
     *response->mutable_session() = std::move(closed->info);
   }
-  metrics_->RecordRequest("CloseSession", static_cast<int>(status.code()), SecondsSince(start));
-  call->Answer(ToGrpcStatus(status));
+  call->Answer(ToGrpcStatus(status), SecondsSince(start));
 }
 
 void AttentionServiceImpl::DoGetServerInfo(UnaryCall* call, grpc::CallbackServerContext* ctx,
@@ -683,8 +719,7 @@ void AttentionServiceImpl::DoGetServerInfo(UnaryCall* call, grpc::CallbackServer
   r->set_queue_depth(static_cast<int32_t>(executor_->queue_depth()));
   r->set_queue_capacity(executor_->capacity());
   r->set_reaped_sessions(counts.reaped);
-  metrics_->RecordRequest("GetServerInfo", 0, SecondsSince(start));
-  call->Answer(grpc::Status::OK);
+  call->Answer(grpc::Status::OK, SecondsSince(start));
 }
 
 // ------------------------------------------------------------ Decode --
@@ -758,14 +793,14 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
             ParseRequest(read_buf_, &request_, service_->budget_, &parse_held_);
         !parsed.ok()) {
       read_buf_.Clear();
-      service_->metrics_->RecordRequest("Decode", static_cast<int>(parsed.code()), 0.0);
       if (absl::IsResourceExhausted(parsed) && session_ != nullptr) {
         // Well-formed, but the budget cannot hold its parse now: refused in
         // band (seq 0: the message was not read), the stream stays open.
         request_.Clear();
-        Refuse(parsed);
+        Refuse("Decode", parsed);
         return;
       }
+      service_->metrics_->RecordRequest("Decode", static_cast<int>(parsed.code()), 0.0);
       FinishOnce(ToGrpcStatus(parsed));
       return;
     }
@@ -795,8 +830,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     }
     // Priced and checked here, before anything is allocated or queued.
     if (absl::Status admitted = Admit(); !admitted.ok()) {
-      service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(admitted.code()), 0.0);
-      Refuse(admitted);
+      Refuse(MethodOf(request_), admitted);
       return;
     }
     queued_at_ = absl::Now();
@@ -832,16 +866,16 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       ticket_.Release();
       const char* method = MethodOf(request_);
       service_->metrics_->RecordRejected(method);
-      service_->metrics_->RecordRequest(method, grpc::StatusCode::RESOURCE_EXHAUSTED, 0.0);
-      Refuse(absl::ResourceExhaustedError(
-          (request_.has_step() || heavy ? QueueFull(*service_->executor_, method)
-                                        : QueueFull(*control, method, "control"))
-              .error_message()));
+      const grpc::Status full = request_.has_step() || heavy
+                                    ? QueueFull(*service_->executor_, method)
+                                    : QueueFull(*control, method, "control");
+      Refuse(method, absl::ResourceExhaustedError(full.error_message()));
     }
   }
 
   void OnWriteDone(bool ok) override {
     watch_->Disarm();
+    const std::optional<std::string> timed_out = CountWritten(ok);
     // The answer is on its way: its buffers go, and then what paid for them.
     ReleaseMessageMemory();
     ReleaseOpMemory();
@@ -850,7 +884,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       // in time): its session was disconnected, whether or not gRPC has run
       // OnCancel yet.
       cancelled_ = true;
-      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED,
+                              timed_out.has_value() ? *timed_out : "the client went away"));
       return;
     }
     if (close_after_write_) {
@@ -886,6 +921,9 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
 
   void OnDone() override {
     watch_->Ended();
+    // gRPC reports every started write before OnDone: nothing is left
+    // uncounted here but an answer that never reached OnWriteDone.
+    CountWritten(/*ok=*/false);
     // Normally released in FinishOnce; this covers a stream gRPC ends itself.
     if (session_ != nullptr) {
       GiveBackStepRoom();
@@ -1126,18 +1164,50 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     if (!written.ok()) {
       watch_->Disarm();
       ReleaseOpMemory();
-      FinishOnce(grpc::Status(grpc::StatusCode::INTERNAL,
-                              absl::StrCat("the answer could not be serialized: ",
-                                           written.error_message())));
+      const grpc::Status failed(
+          grpc::StatusCode::INTERNAL,
+          absl::StrCat("the answer could not be serialized: ", written.error_message()));
+      if (unwritten_.method != nullptr) {  // the operation ends with the stream, unanswered
+        const Unwritten u = std::exchange(unwritten_, Unwritten{});
+        service_->metrics_->RecordRequest(u.method, static_cast<int>(failed.error_code()),
+                                          u.seconds);
+      }
+      FinishOnce(failed);
       return;
     }
     StartWrite(&write_buf_);
   }
 
+  // The answer about to be written is counted when its write is done
+  // (OnWriteDone): ropeattn_requests_total under `code`, or CANCELLED if
+  // the answer timeout cancels the stream with it untaken.
+  void CountWhenWritten(const char* method, absl::StatusCode code, double seconds) {
+    unwritten_ = Unwritten{method, static_cast<int>(code), seconds, SeqOf(request_)};
+  }
+  // Counts the answer whose write is done (`ok`: sent). When the answer
+  // timeout cancelled the stream with it untaken: counted CANCELLED and
+  // timed out, and the stream's status message (why) is returned.
+  std::optional<std::string> CountWritten(bool ok) {
+    if (unwritten_.method == nullptr) return std::nullopt;
+    const Unwritten u = std::exchange(unwritten_, Unwritten{});
+    std::optional<std::string> timed_out;
+    int code = u.code;
+    if (!ok && watch_->TimedOut()) {
+      code = static_cast<int>(grpc::StatusCode::CANCELLED);
+      service_->metrics_->RecordAnswerTimedOut(u.method);
+      timed_out = absl::StrCat(u.method, " seq ", u.seq, ": ",
+                               AnswerNotTaken(service_->options_.answer_timeout_seconds));
+    }
+    service_->metrics_->RecordRequest(u.method, code, u.seconds);
+    return timed_out;
+  }
+
   // An operation refused before it ran: in-band for a stream with a session
-  // (the stream stays open), the stream's status otherwise.
-  void Refuse(const absl::Status& status) {
+  // (the stream stays open), the stream's status otherwise; counted under
+  // `method`.
+  void Refuse(const char* method, const absl::Status& status) {
     if (session_ == nullptr) {
+      service_->metrics_->RecordRequest(method, static_cast<int>(status.code()), 0.0);
       FinishOnce(ToGrpcStatus(status));
       return;
     }
@@ -1149,6 +1219,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     e->set_code(static_cast<int>(status.code()));
     e->set_message(CapStatusMessage(status.message()));
     LogInBand(MethodOf(request_), status);
+    CountWhenWritten(method, status.code(), 0.0);
     service_->answer_watch_.Arm(watch_);
     Write();
   }
@@ -1211,9 +1282,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       stream_fatal = true;
     }
     AdmittedDone(-1);  // a step that never reached its session
-    service_->metrics_->RecordRequest(method, static_cast<int>(status.code()), SecondsSince(start));
     if (!status.ok()) {
       if (stream_fatal) {
+        service_->metrics_->RecordRequest(method, static_cast<int>(status.code()),
+                                          SecondsSince(start));
         FinishOnce(ToGrpcStatus(status));
         return;
       }
@@ -1224,6 +1296,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       e->set_message(CapStatusMessage(status.message()));
       LogInBand(method, status);
     }
+    CountWhenWritten(method, status.code(), SecondsSince(start));
     service_->answer_watch_.Arm(watch_);
     Write();
   }
@@ -1427,6 +1500,14 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   std::array<Tensor, 3> wire_copies_;    // a step's misaligned wire tensors, copied
   std::shared_ptr<Session> session_;
   bool close_after_write_ = false;
+  // The answer being written, counted when its write is done (CountWritten).
+  struct Unwritten {
+    const char* method = nullptr;  // none
+    int code = 0;
+    double seconds = 0.0;
+    uint64_t seq = 0;
+  };
+  Unwritten unwritten_;
   StopToken stop_;                        // the stream's: cancel or deadline
   // Armed while an answer is being written (--answer_timeout_seconds).
   const std::shared_ptr<AnswerWatch::Handle> watch_;

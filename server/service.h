@@ -147,6 +147,7 @@ class AttentionServiceImpl final : public RawAttentionService {
 
  private:
   friend class DecodeReactor;
+  friend class UnaryCall;
   // The typed handlers: each answers through `call` (UnaryCall::Answer).
   void DoAttend(UnaryCall* call, grpc::CallbackServerContext* ctx,
                 const v1::AttendRequest* request, v1::AttendResponse* response);

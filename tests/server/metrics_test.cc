@@ -322,6 +322,7 @@ const std::vector<std::string> kAllFamilies = {"ropeattn_requests_total",
                                                "ropeattn_compute_seconds",
                                                "ropeattn_rejected_total",
                                                "ropeattn_abandoned_total",
+                                               "ropeattn_answers_timed_out_total",
                                                "ropeattn_queue_depth",
                                                "ropeattn_running",
                                                "ropeattn_sessions_open",
@@ -419,6 +420,7 @@ TEST(MetricsRenderTest, RegisteredMethodStartsAtZero) {
   const Exposition e = ParseValid(metrics.RenderPrometheus());
   EXPECT_EQ(e.Get("ropeattn_requests_total", {{"method", "Attend"}, {"code", "OK"}}), 0.0);
   EXPECT_EQ(e.Get("ropeattn_rejected_total", {{"method", "Attend"}}), 0.0);
+  EXPECT_EQ(e.Get("ropeattn_answers_timed_out_total", {{"method", "Attend"}}), 0.0);
   EXPECT_EQ(e.Get("ropeattn_request_duration_seconds_count", {{"method", "Attend"}}), 0.0);
   EXPECT_EQ(
       e.Get("ropeattn_request_duration_seconds_bucket", {{"method", "Attend"}, {"le", "+Inf"}}),

@@ -22,6 +22,8 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "core/attention_kernels.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -30,6 +32,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "reflection_wire.grpc.pb.h"
 #include "server/decode_wire.h"
+#include "server/log.h"
 #include "server/model.h"
 #include "server/service.h"
 #include "server/sessions.h"
@@ -1195,6 +1198,127 @@ TEST(AnswerTimeoutTest, AnswersNotTakenCancelTheirCalls) {
     while (rw->Read(&r)) {
     }
     EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  server->Shutdown(absl::Seconds(1));
+}
+
+// An answer cancelled unread by --answer_timeout_seconds was counted under
+// the code it was computed with (4 Encode calls whose client never got a
+// byte: code="OK") and logged nowhere. It is counted CANCELLED (once: its
+// computed code never), in ropeattn_answers_timed_out_total, and logged as
+// an error answer naming the timeout; a Decode operation likewise (its
+// stream's status says which answer was not taken).
+TEST(AnswerTimeoutTest, AnswersNotTakenCountAndLogAsCancelled) {
+  server::LogCapture capture;
+  server::ServerOptions o = TestServerOptions();
+  o.answer_timeout_seconds = 1;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  const auto metric = [&](const std::string& series) -> double {
+    const std::string m = server->metrics().RenderPrometheus();
+    const size_t at = m.find("\n" + series + " ");
+    return at == std::string::npos ? -1 : std::atof(m.c_str() + at + series.size() + 2);
+  };
+  // The error_answer line of the call with `request_id`, "" if none.
+  const auto error_line = [&](const std::string& request_id) {
+    std::istringstream lines(capture.Text());
+    for (std::string line; std::getline(lines, line);) {
+      if (absl::StrContains(line, "\"event\":\"error_answer\"") &&
+          absl::StrContains(line, absl::StrCat("\"request_id\":\"", request_id, "\""))) {
+        return line;
+      }
+    }
+    return std::string();
+  };
+  const std::string encode_ok = R"(ropeattn_requests_total{method="Encode",code="OK"})";
+  const std::string encode_cancelled =
+      R"(ropeattn_requests_total{method="Encode",code="CANCELLED"})";
+  // Unary: an Encode whose answer cannot leave the server.
+  {
+    v1::EncodeRequest req;
+    req.mutable_sinusoidal()->set_num_positions(16);
+    req.mutable_sinusoidal()->set_d_model(8);
+    const int fd = SendUnreadCall(server->port(), "/ropeattn.v1.AttentionService/Encode",
+                                  req.SerializeAsString(), "unread-encode");
+    ASSERT_GE(fd, 0);
+    EXPECT_TRUE(Eventually([&] { return metric(encode_cancelled) == 1; }, absl::Seconds(10)))
+        << server->metrics().RenderPrometheus();
+    close(fd);
+    EXPECT_EQ(metric(encode_ok), 0);
+    EXPECT_EQ(metric(R"(ropeattn_answers_timed_out_total{method="Encode"})"), 1);
+    // Its latency is the request's, to its answer: not the second it waited.
+    EXPECT_EQ(metric(R"(ropeattn_request_duration_seconds_count{method="Encode"})"), 1);
+    EXPECT_LT(metric(R"(ropeattn_request_duration_seconds_sum{method="Encode"})"), 0.5);
+    const std::string line = error_line("unread-encode");
+    EXPECT_THAT(line, HasSubstr("\"method\":\"/ropeattn.v1.AttentionService/Encode\""))
+        << capture.Text();
+    EXPECT_THAT(line, HasSubstr("\"code\":\"CANCELLED\""));
+    EXPECT_THAT(line, HasSubstr("not taken within --answer_timeout_seconds (1 s)"));
+    EXPECT_THAT(line, HasSubstr("\"peer\":"));
+  }
+  // A call whose answer is taken still counts OK, once.
+  {
+    grpc::ClientContext ctx;
+    v1::EncodeRequest req;
+    req.mutable_sinusoidal()->set_num_positions(16);
+    req.mutable_sinusoidal()->set_d_model(8);
+    v1::EncodeResponse out;
+    ASSERT_TRUE(stub->Encode(&ctx, req, &out).ok());
+    EXPECT_TRUE(Eventually([&] { return metric(encode_ok) == 1; }, absl::Seconds(5)));
+    EXPECT_EQ(metric(encode_cancelled), 1);
+    EXPECT_EQ(metric(R"(ropeattn_answers_timed_out_total{method="Encode"})"), 1);
+  }
+  // Decode: the open's answer is read, the step's 8 MiB answer is not.
+  {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+    args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    args.SetMaxReceiveMessageSize(256 << 20);
+    args.SetMaxSendMessageSize(256 << 20);
+    auto lazy = v1::AttentionService::NewStub(grpc::CreateCustomChannel(
+        absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials(), args));
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-request-id", "unread-decode");
+    auto rw = lazy->Decode(&ctx);
+    v1::DecodeRequest open;
+    open.mutable_open()->mutable_spec()->set_heads(8);
+    open.mutable_open()->mutable_spec()->set_head_dim(128);
+    open.mutable_open()->set_max_context(2048);
+    ASSERT_TRUE(rw->Write(open));
+    v1::DecodeResponse r;
+    ASSERT_TRUE(rw->Read(&r));
+    ASSERT_TRUE(r.has_opened()) << r.DebugString();
+    v1::DecodeRequest step;
+    step.mutable_step()->set_seq(7);
+    const int64_t shape[] = {1, 2048, 8, 128};
+    const Tensor x = RandomTensor(DType::kF32, shape, 2);
+    *step.mutable_step()->mutable_q() = ToWire(x.cview());
+    *step.mutable_step()->mutable_k() = ToWire(x.cview());
+    *step.mutable_step()->mutable_v() = ToWire(x.cview());
+    ASSERT_TRUE(rw->Write(step));
+    const std::string step_cancelled =
+        R"(ropeattn_requests_total{method="Decode.Step",code="CANCELLED"})";
+    EXPECT_TRUE(Eventually([&] { return metric(step_cancelled) == 1; }, absl::Seconds(15)))
+        << server->metrics().RenderPrometheus();
+    rw->WritesDone();
+    while (rw->Read(&r)) {
+    }
+    EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    EXPECT_EQ(metric(R"(ropeattn_requests_total{method="Decode.Step",code="OK"})"), 0);
+    EXPECT_EQ(metric(R"(ropeattn_requests_total{method="Decode.Open",code="OK"})"), 1);
+    EXPECT_EQ(metric(R"(ropeattn_answers_timed_out_total{method="Decode.Step"})"), 1);
+    EXPECT_EQ(metric(R"(ropeattn_answers_timed_out_total{method="Decode.Open"})"), 0);
+    EXPECT_EQ(metric(R"(ropeattn_request_duration_seconds_count{method="Decode.Step"})"), 1);
+    std::string line;
+    EXPECT_TRUE(
+        Eventually([&] { return !(line = error_line("unread-decode")).empty(); }, absl::Seconds(5)))
+        << capture.Text();
+    EXPECT_THAT(line, HasSubstr("\"method\":\"/ropeattn.v1.AttentionService/Decode\""));
+    EXPECT_THAT(line, HasSubstr("\"code\":\"CANCELLED\""));
+    EXPECT_THAT(line, HasSubstr("Decode.Step seq 7: the answer was not taken within "
+                                "--answer_timeout_seconds (1 s)"));
   }
   server->Shutdown(absl::Seconds(1));
 }
