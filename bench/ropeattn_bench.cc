@@ -342,6 +342,8 @@ void BM_DecodeInt8(benchmark::State& state, int64_t kv, int64_t kv_heads) {
     if (!AttendPaged(q.view(), *states[c].paged_view(), kv, opt, out.view()).ok()) std::abort();
   });
   state.counters["caches"] = copies;
+  // In the tile layout (int8 tile pages, AVX-512 machines) or head-major rows.
+  state.counters["kv_cache_layout"] = DecodeState::IsTiles(states[0].storage()) ? 1 : 0;
   state.counters["fraction_of_read_bandwidth"] =
       state.counters["bytes_per_second"].value / EnsureCeiling(kRead);
 }

@@ -123,7 +123,10 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
   // stale rate's probe (kStaleRate) lifts a refusal only when each one comes
   // from this request's own estimated compute: the wait ahead does not
   // depend on it and a faster rate only lowers the wait the slowdown allows,
-  // so a probe spent on those admitted a request no rate could have.
+  // so a probe spent on those admitted a request no rate could have. (Not
+  // quite: work of this request's own method queued ahead is priced at the
+  // same stale rate. Such a refusal lifts as that work runs and teaches the
+  // rate again, so it is not spent on: no refusal outlasts the queue.)
   absl::Status refusal;
   absl::Duration refusal_retry;
   bool only_own_compute = true;

@@ -1166,6 +1166,113 @@ TEST(Int8DecodeStateTest, ForkTruncateAndBatchAreExact) {
   }
 }
 
+// An int8 state without RoPE (odd head dims allowed), GQA (3 query heads
+// per kv head), sliding windows, steps of 1 to 31 tokens (partial tiles,
+// and the prefill path's gather): each answer is the fp64 attention over
+// the stored values (the export) within f32 tolerance. Pages created with
+// the AVX-512 kernels on (tile pages where the machine has AVX-512), read
+// with them on and, to check the tile kernels' AVX2 versions on int8, off.
+TEST(Int8DecodeStateTest, OddShapesAndWindowsAreExactOverTheStoredValues) {
+  for (const bool avx512_reads : {true, false})
+  for (const int64_t head_dim : {37, 64, 1})
+  for (const int64_t v_dim : {20, 17, 1, 130})
+  for (const int64_t window : {0, 5, 40}) {
+    if (!avx512_reads && (head_dim == 1 || v_dim == 1 || window == 5)) continue;
+    SCOPED_TRACE(absl::StrCat("head_dim ", head_dim, " v_dim ", v_dim, " window ", window,
+                              avx512_reads ? "" : " avx2 reads"));
+    const bool previous = internal::SetAvx512KernelsForTesting(true);
+    absl::Cleanup restore = [previous] { internal::SetAvx512KernelsForTesting(previous); };
+    DecodeStateConfig c;
+    c.heads = 6;
+    c.kv_heads = 2;
+    c.head_dim = head_dim;
+    c.v_dim = v_dim;
+    c.max_context = 200;
+    c.int8_kv = true;
+    c.attention.window = window;
+    DecodeState state = DecodeState::Create(c).value();
+    EXPECT_EQ(state.storage(), KvCacheDecodeIsFaster() ? DecodeState::Storage::kInt8Tiles
+                                                       : DecodeState::Storage::kInt8);
+    internal::SetAvx512KernelsForTesting(avx512_reads);
+    int64_t pos = 0;
+    uint64_t seed = 1000;
+    for (int64_t tokens : {1, 3, 20, 1, 17, 2, 31, 1}) {
+      Tensor q = RandomTensor(DType::kF32, {1, tokens, c.heads, c.head_dim}, seed += 3);
+      Tensor k = RandomTensor(DType::kF32, {1, tokens, c.kv_heads, c.head_dim}, seed + 1);
+      Tensor v = RandomTensor(DType::kF32, {1, tokens, c.kv_heads, c.v_dim}, seed + 2);
+      Tensor out = Tensor::Create(DType::kF32, {1, tokens, c.heads, c.v_dim}).value();
+      ASSERT_TRUE(state.Step(q.cview(), k.cview(), v.cview(), out.view(), 2).ok());
+      absl::StatusOr<DecodeState::Exported> e = state.Export();
+      ASSERT_TRUE(e.ok()) << e.status();
+      ref::AttentionRefParams p;
+      p.q_len = tokens;
+      p.k_len = pos + tokens;
+      p.heads = c.heads;
+      p.kv_heads = c.kv_heads;
+      p.head_dim = c.head_dim;
+      p.v_dim = c.v_dim;
+      p.causal = true;
+      p.window = window;
+      p.q_offsets = {pos};
+      const ref::AttentionRefResult want =
+          ref::Attention(p, ToDoubles(q.cview()), ToDoubles(e->k.cview()), ToDoubles(e->v.cview()));
+      EXPECT_TRUE(AllClose(ToDoubles(out.cview()), want.out, testing::kF32Tol))
+          << "at " << pos << ", " << tokens << " tokens";
+      pos += tokens;
+    }
+  }
+}
+
+// A fork inside a page (40 tokens) and one truncated into the shared first
+// page (10), then parent and forks write different tokens: each answers as
+// a twin that never shared anything, bit for bit; and an export imported
+// into a new state exports the same bytes.
+TEST(Int8DecodeStateTest, ForksWritingIntoASharedPageStayExact) {
+  DecodeStateConfig c;
+  c.heads = 6;
+  c.kv_heads = 2;
+  c.head_dim = 32;
+  c.v_dim = 24;
+  c.max_context = 200;
+  c.int8_kv = true;
+  auto step = [&](DecodeState& s, uint64_t seed, int64_t tokens) {
+    Tensor q = RandomTensor(DType::kF32, {1, tokens, c.heads, c.head_dim}, seed);
+    Tensor k = RandomTensor(DType::kF32, {1, tokens, c.kv_heads, c.head_dim}, seed + 1);
+    Tensor v = RandomTensor(DType::kF32, {1, tokens, c.kv_heads, c.v_dim}, seed + 2, -50, 50);
+    Tensor out = Tensor::Create(DType::kF32, {1, tokens, c.heads, c.v_dim}).value();
+    EXPECT_TRUE(s.Step(q.cview(), k.cview(), v.cview(), out.view(), 2).ok());
+    return out;
+  };
+  DecodeState parent = DecodeState::Create(c).value();
+  step(parent, 10, 40);
+  DecodeState fork = DecodeState::Create(c).value();
+  ASSERT_TRUE(fork.CopyFrom(parent).ok());
+  DecodeState cut = DecodeState::Create(c).value();
+  ASSERT_TRUE(cut.CopyFrom(parent).ok());
+  ASSERT_TRUE(cut.Truncate(10).ok());
+  const Tensor from_cut = step(cut, 77, 3);
+  const Tensor from_fork = step(fork, 50, 3);
+  const Tensor parent_a = step(parent, 60, 3);
+  const Tensor parent_b = step(parent, 70, 1);
+  DecodeState twin = DecodeState::Create(c).value();
+  step(twin, 10, 40);
+  DecodeState twin_fork = DecodeState::Create(c).value();
+  ASSERT_TRUE(twin_fork.CopyFrom(twin).ok());
+  DecodeState twin_cut = DecodeState::Create(c).value();
+  ASSERT_TRUE(twin_cut.CopyFrom(twin).ok());
+  ASSERT_TRUE(twin_cut.Truncate(10).ok());
+  EXPECT_TRUE(SameBytes(step(twin, 60, 3), parent_a));
+  EXPECT_TRUE(SameBytes(step(twin, 70, 1), parent_b));
+  EXPECT_TRUE(SameBytes(step(twin_fork, 50, 3), from_fork));
+  EXPECT_TRUE(SameBytes(step(twin_cut, 77, 3), from_cut));
+  const DecodeState::Exported e = parent.Export().value();
+  DecodeState imported = DecodeState::Create(c).value();
+  ASSERT_TRUE(imported.Import(e.k.cview(), e.v.cview(), e.key_form).ok());
+  const DecodeState::Exported again = imported.Export().value();
+  EXPECT_TRUE(SameBytes(e.k, again.k));
+  EXPECT_TRUE(SameBytes(e.v, again.v));
+}
+
 TEST(Int8DecodeStateTest, HoldsInt8RowsAndScalesAndRefusesWhatItCannotDoExactly) {
   DecodeStateConfig c = BaseConfig();
   c.max_context = 1024;

@@ -29,6 +29,9 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "core/attention_kernels.h"
+#include "core/decode_state.h"
+#include "core/kv_cache.h"
 #include "ropeattn/v1/attention.grpc.pb.h"
 #include "absl/synchronization/notification.h"
 #include "server/answer_watch.h"
@@ -37,6 +40,7 @@
 #include "server/executor.h"
 #include "server/metrics.h"
 #include "server/server.h"
+#include "server/sessions.h"
 #include "tests/core/test_util.h"
 #include "tests/server/server_test_util.h"
 
@@ -816,6 +820,36 @@ TEST(ExecutorTest, RunningWorkSaysHowLongItHasRun) {
   EXPECT_TRUE(later.running[0].own);
   EXPECT_GE(later.running[0].elapsed - first.running[0].elapsed, absl::Milliseconds(50));
   release.Notify();
+}
+
+// What the server charges for a session's page (KvPageBytes, from its
+// SessionDims) is the page its state allocates (DecodeState::page_bytes),
+// for every storage: f32, bf16 and int8, in tile pages (AVX-512 kernels on,
+// where the machine has them) and in row pages (off), at odd sizes.
+TEST(HardeningCostTest, SessionPagesAreChargedTheBytesTheirStateAllocates) {
+  for (const bool avx512 : {false, true})
+  for (const int kind : {0, 1, 2})
+  for (const auto& [kv_heads, head_dim, v_dim] :
+       {std::tuple<int64_t, int64_t, int64_t>{3, 37, 20}, {1, 128, 128}, {8, 64, 17}}) {
+    SCOPED_TRACE(absl::StrCat("kind ", kind, " kv_heads ", kv_heads, " head_dim ", head_dim,
+                              " v_dim ", v_dim, avx512 ? " avx512" : ""));
+    const bool previous = internal::SetAvx512KernelsForTesting(avx512);
+    absl::Cleanup restore = [previous] { internal::SetAvx512KernelsForTesting(previous); };
+    server::SessionConfig c;
+    c.spec.heads = 2 * kv_heads;
+    c.spec.kv_heads = kv_heads;
+    c.spec.head_dim = head_dim;
+    c.v_dim = v_dim;
+    c.max_context = 100;
+    c.kv_dtype = kind == 1 ? DType::kBF16 : DType::kF32;
+    c.int8_kv = kind == 2;
+    absl::StatusOr<DecodeState> state = DecodeState::Create(server::StateConfigOf(c));
+    ASSERT_TRUE(state.ok()) << state.status();
+    EXPECT_EQ(DecodeState::IsTiles(state->storage()), avx512 && KvCacheDecodeIsFaster());
+    const server::SessionDims d = server::SessionDimsOf(c);
+    EXPECT_EQ(server::KvPageBytes(d), state->page_bytes());
+    EXPECT_EQ(server::KvPageTokens(d), DecodeState::PageTokensOf(state->storage()));
+  }
 }
 
 // Decode steps learn two rates: those the decode kernel computes and those

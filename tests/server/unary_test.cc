@@ -792,10 +792,6 @@ TEST(RunEncodeTest, RopeFrequenciesYarnTruncateAndLongRopeMaxPositionEmbeddings)
   EXPECT_NEAR(r->attention_factor(), std::sqrt(1.0 + std::log(32.0) / std::log(4096.0)), 1e-12);
 }
 
-// Every fp64 cos/sin pair an op computes is priced at kSinCosWeight (some 8
-// element steps), not as one element step: the admission's estimates and
-// --max_request_compute see the angle work of sinusoidal tables, cos/sin
-// rows and rope_apply.
 // An empty T5 grid (q_len or k_len 0) is an empty answer, priced as one:
 // however long its other side, nothing is built.
 TEST(RunEncodeTest, AnEmptyT5GridCostsNothingWhateverItsOtherSide) {
@@ -814,6 +810,10 @@ TEST(RunEncodeTest, AnEmptyT5GridCostsNothingWhateverItsOtherSide) {
   }
 }
 
+// Every fp64 cos/sin pair an op computes is priced at kSinCosWeight (some 8
+// element steps), not as one element step: the admission's estimates and
+// --max_request_compute see the angle work of sinusoidal tables, cos/sin
+// rows and rope_apply.
 TEST(RunEncodeTest, AnglesArePricedAtTheirWeight) {
   const auto compute_of = [](const v1::EncodeRequest& r) {
     absl::StatusOr<Cost> c = PriceEncode(r);
