@@ -267,8 +267,12 @@ std::string Usage(const std::vector<OwnFlag>& flags) {
                   "hidden states of its hidden_size (asked with GetModel): attend\nsends [batch, "
                   "q_len, hidden_size] (self-attention, --causal), decode prefills\n[1, context, "
                   "hidden_size] and steps [1, tokens_per_step, hidden_size]. The model's\nheads, "
-                  "head_dim and RoPE apply; --heads, --head_dim, --k_len and --rope_* are not "
-                  "used.\n\nShared flags:");
+                  "head_dim and RoPE apply; --heads, --kv_heads, --head_dim, --k_len and the "
+                  "RoPE flags are\nrefused.\n\nA flag the workload does not read is refused "
+                  "(exit 64): attend does not read\n--steps_per_session, --context, "
+                  "--tokens_per_step, --think_ms, --step_rate, --kv_dtype;\ndecode does not read "
+                  "--batch, --q_len, --k_len, --causal (its sessions are causal).\n\nShared "
+                  "flags:");
   return text;
 }
 
@@ -704,6 +708,49 @@ void PrintTable(const std::vector<client::PointResult>& results, const Verdicts&
   std::cout << std::flush;
 }
 
+// The flags the workload reads (in layer mode or not), from the bench
+// flags (`own`, `given` those on the command line) and the shared ones; a
+// refusal naming the first other flag given, if any: an Attend load with
+// --kv_dtype int8 ran f32 and exited 0.
+std::optional<std::string> UnreadFlag(client::Workload workload, const std::vector<OwnFlag>& own,
+                                      const std::set<std::string>& given) {
+  const bool attend = workload == client::Workload::kAttend;
+  const bool layer_mode = !absl::GetFlag(FLAGS_model).empty();
+  constexpr absl::string_view kDecodeOnly[] = {"steps_per_session", "context", "tokens_per_step",
+                                               "think_ms",          "step_rate", "kv_dtype"};
+  std::vector<absl::string_view> reads = {"seed", "dtype", "model"};
+  for (const OwnFlag& flag : own) {
+    const bool decode_only =
+        std::find(std::begin(kDecodeOnly), std::end(kDecodeOnly), flag.name) !=
+        std::end(kDecodeOnly);
+    if (!attend || !decode_only) reads.push_back(flag.name);
+  }
+  if (attend) reads.insert(reads.end(), {"batch", "q_len", "causal"});
+  if (layer_mode) {
+    reads.push_back("layer");  // the model's heads, head_dim and RoPE
+  } else if (attend) {
+    reads.insert(reads.end(), {"heads", "kv_heads", "head_dim", "k_len", "rope", "rope_type",
+                               "rope_factor", "original_max_positions"});
+  } else {
+    // The default rule or none (a --rope_type other than default is refused
+    // before this).
+    reads.insert(reads.end(), {"heads", "kv_heads", "head_dim", "rope", "rope_type"});
+  }
+  std::vector<absl::string_view> all;
+  for (const OwnFlag& flag : own) all.push_back(flag.name);
+  all.insert(all.end(), std::begin(kSharedFlags), std::end(kSharedFlags));
+  for (absl::string_view flag : all) {
+    const bool is_given = given.count(std::string(flag)) > 0 || FlagGiven(flag);
+    if (!is_given || std::find(reads.begin(), reads.end(), flag) != reads.end()) continue;
+    if (flag == "layer") return "--layer is read only with --model (layer mode)";
+    return absl::StrCat("--", flag, " is not read by the ", attend ? "attend" : "decode",
+                        " workload",
+                        layer_mode ? " in layer mode (the model's heads, head_dim and RoPE apply)"
+                                   : "");
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 int BenchCommand(int argc, char** argv) {
@@ -797,6 +844,9 @@ int BenchCommand(int argc, char** argv) {
                      "the decode workload runs the default RoPE rule (--rope) or none; "
                      "--rope_type, --rope_factor and --original_max_positions are for "
                      "--workload attend");
+  }
+  if (std::optional<std::string> unread = UnreadFlag(*workload, own, given); unread.has_value()) {
+    return UsageFail(kCommand, *unread);
   }
   a.rope_factor = absl::GetFlag(FLAGS_rope_factor);
   a.original_max_positions = absl::GetFlag(FLAGS_original_max_positions);

@@ -620,6 +620,39 @@ TEST(BenchCliTest, ErrorsAreOneLineWithTheStatusCode) {
     CliRun misuse = RunCli(absl::StrCat(args, " --target 127.0.0.1:1"));
     EXPECT_EQ(misuse.exit_code, 64) << args << ": " << misuse.err;
   }
+  // A flag the workload does not read, likewise (an Attend load with
+  // --kv_dtype int8 ran f32 and exited 0), naming the flag and the workload.
+  for (const auto& [args, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--workload attend --kv_dtype int8", "--kv_dtype is not read by the attend workload"},
+           {"--workload attend --steps_per_session 4", "--steps_per_session is not read by the "
+                                                       "attend workload"},
+           {"--workload attend --context 64", "--context is not read by the attend workload"},
+           {"--workload attend --step_rate 5", "--step_rate is not read by the attend workload"},
+           {"--workload decode --q_len 7", "--q_len is not read by the decode workload"},
+           {"--workload decode --k_len 9", "--k_len is not read by the decode workload"},
+           {"--workload decode --batch 3", "--batch is not read by the decode workload"},
+           {"--workload decode --causal", "--causal is not read by the decode workload"},
+           {"--model demo --layer 0 --heads 4", "--heads is not read by the attend workload in "
+                                                "layer mode"},
+           {"--model demo --workload decode --rope", "--rope is not read by the decode workload "
+                                                     "in layer mode"},
+           {"--layer 1", "--layer is read only with --model"}}) {
+    CliRun misuse = RunCli(absl::StrCat(args, " --concurrency 1 --target 127.0.0.1:1"));
+    EXPECT_EQ(misuse.exit_code, 64) << args << ": " << misuse.err;
+    EXPECT_NE(misuse.err.find(absl::StrCat("ropeattn bench: USAGE: ", says)), std::string::npos)
+        << args << ": " << misuse.err;
+  }
+  // The flags each workload reads are not refused (the target is unreachable).
+  for (const char* args :
+       {"--workload attend --batch 2 --q_len 4 --k_len 8 --causal --kv_heads 1 --heads 2 "
+        "--head_dim 8 --rope_type yarn --rope_factor 2 --dtype bf16 --seed 3",
+        "--workload decode --steps_per_session 2 --context 4 --tokens_per_step 1 --think_ms 1 "
+        "--kv_dtype int8 --heads 2 --kv_heads 1 --head_dim 8 --rope --rope_type default "
+        "--dtype bf16 --seed 3"}) {
+    CliRun run = RunCli(absl::StrCat(args, " --concurrency 1 --window_seconds 0.1 "
+                                           "--deadline_seconds 2 --target 127.0.0.1:1"));
+    EXPECT_EQ(run.exit_code, 14) << args << ": " << run.err;  // UNAVAILABLE
+  }
 
   CliRun invalid = RunCli("--head_dim 15 --target 127.0.0.1:1");
   EXPECT_EQ(invalid.exit_code, 3) << invalid.err;  // INVALID_ARGUMENT, before connecting
@@ -694,9 +727,10 @@ TEST(BenchCliTest, LayerModeCountsOkRequests) {
     std::remove(csv.c_str());
     CliRun run = RunCli(absl::StrCat(
         "--target=127.0.0.1:", server->port(), " --model demo --layer 0 --workload ", workload,
-        " --mode closed --concurrency 1 --window_seconds 0.3 --warmup_seconds 0.1 --max_windows 3"
-        " --q_len 4 --causal --context 4 --steps_per_session 3 --csv ",
-        csv));
+        " --mode closed --concurrency 1 --window_seconds 0.3 --warmup_seconds 0.1 --max_windows 3",
+        workload == std::string("attend") ? " --q_len 4 --causal"
+                                          : " --context 4 --steps_per_session 3",
+        " --csv ", csv));
     ASSERT_EQ(run.exit_code, 0) << workload << ": " << run.err;
     std::vector<std::string> lines = absl::StrSplit(ReadAll(csv), '\n', absl::SkipEmpty());
     ASSERT_EQ(lines.size(), 2u) << ReadAll(csv);
