@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <iostream>
 #include <initializer_list>
+#include <map>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -514,6 +515,62 @@ int AttendCommand(int argc, char** argv) {
 
 // --- encode ---
 
+namespace {
+
+// The flags an Encode op reads, besides --op, --out and the connection
+// flags; `unless` names the flags it reads only in some cases, with why not
+// in this one.
+struct EncodeOpFlags {
+  std::vector<absl::string_view> flags;
+  std::map<absl::string_view, std::string> unless;
+};
+
+absl::StatusOr<EncodeOpFlags> EncodeOpReads(absl::string_view op) {
+  EncodeOpFlags reads;
+  auto read = [&](std::initializer_list<absl::string_view> flags) {
+    reads.flags.insert(reads.flags.end(), flags.begin(), flags.end());
+  };
+  // Read only when `given` is (or, `absent`, is not) on the command line.
+  auto read_if = [&](bool absent, absl::string_view given,
+                     std::initializer_list<absl::string_view> flags) {
+    if (FlagGiven(given) != absent) {
+      read(flags);
+      return;
+    }
+    for (absl::string_view flag : flags) {
+      reads.unless[flag] = absl::StrCat(absent ? "with --" : "without --", given);
+    }
+  };
+  if (op == "sinusoidal") {
+    read({"num_positions", "d_model", "base", "sin_layout", "first_position"});
+  } else if (op == "rope_frequencies" || op == "rope_cos_sin" || op == "rope_apply") {
+    for (absl::string_view flag : RopeFlags()) reads.flags.push_back(flag);
+    read({"seq_len"});
+    if (op == "rope_frequencies") {
+      read({"head_dim"});
+    } else if (op == "rope_cos_sin") {
+      read({"head_dim", "positions"});
+      read_if(/*absent=*/true, "positions", {"num_positions"});
+    } else {
+      read({"positions", "offsets", "inverse", "x"});
+      read_if(/*absent=*/true, "x", {"batch", "q_len", "heads", "head_dim", "dtype", "seed"});
+    }
+  } else if (op == "alibi") {
+    read({"heads", "q_len"});
+    read_if(/*absent=*/false, "q_len", {"k_len", "q_offset", "bidirectional"});
+  } else if (op == "t5") {
+    read({"q_len", "k_len", "q_offset", "bidirectional", "num_buckets", "t5_max_distance",
+          "t5_table"});
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--op must be sinusoidal, rope_frequencies, rope_cos_sin, rope_apply, alibi or t5, "
+        "got \"", op, "\""));
+  }
+  return reads;
+}
+
+}  // namespace
+
 int EncodeCommand(int argc, char** argv) {
   std::vector<absl::string_view> flags = {"op",
                                           "out",
@@ -550,30 +607,55 @@ int EncodeCommand(int argc, char** argv) {
       "                    --seq_len); printed, --out as f32 [rotary_dim/2]\n"
       "  rope_cos_sin      cos and sin [n, rotary_dim/2] at --positions (default\n"
       "                    0..num_positions-1); --out gets cos, <out>_sin.npy gets sin\n"
-      "  rope_apply        rotates --x (or random [batch, q_len, heads, head_dim]) at\n"
-      "                    --positions / --offsets; --inverse un-rotates\n"
-      "  alibi             slopes for --heads, and the bias [heads, q_len, k_len] when\n"
-      "                    q_len > 0 (--q_offset, --bidirectional)\n"
+      "  rope_apply        rotates --x (or random [batch, q_len, heads, head_dim] in\n"
+      "                    --dtype from --seed) at --positions / --offsets; --inverse\n"
+      "                    un-rotates\n"
+      "  alibi             slopes for --heads, and with --q_len the bias [heads, q_len,\n"
+      "                    k_len] (--k_len, --q_offset, --bidirectional)\n"
       "  t5                buckets [q_len, k_len] (--num_buckets, --t5_max_distance,\n"
-      "                    --bidirectional); with --t5_table also the bias (<out>_bias.npy)",
+      "                    --q_offset, --bidirectional); with --t5_table also the bias\n"
+      "                    (<out>_bias.npy)\n"
+      "A flag the op does not read is refused (exit 64); --batch, --q_len, --k_len,\n"
+      "--heads and --head_dim, where read, are in [1, 2^24].",
       flags, true, &exit_code);
   if (!args.has_value()) return exit_code;
   if (int code = NoPositional("encode", *args); code != 0) return code;
 
   const std::string op = absl::GetFlag(FLAGS_op);
-  v1::EncodeRequest request;
+  absl::StatusOr<EncodeOpFlags> reads = EncodeOpReads(op);
+  if (!reads.ok()) return UsageFail("encode", reads.status().message());
+  // A flag the op does not read is refused, not ignored.
+  for (absl::string_view flag : flags) {
+    if (flag == "op" || flag == "out" || !FlagGiven(flag)) continue;
+    if (std::find(reads->flags.begin(), reads->flags.end(), flag) != reads->flags.end()) continue;
+    std::string refusal = absl::StrCat("--", flag, " is not read by --op ", op);
+    if (auto it = reads->unless.find(flag); it != reads->unless.end()) {
+      absl::StrAppend(&refusal, " ", it->second);
+    } else {
+      absl::StrAppend(&refusal, " (it reads --", absl::StrJoin(reads->flags, ", --"), ")");
+    }
+    return UsageFail("encode", refusal);
+  }
+  // Size flags, by the CLI's ranges, before anything is built from them
+  // (the server's errors name proto fields the user never typed).
   const int64_t q_len = absl::GetFlag(FLAGS_q_len);
   const int64_t k_len = absl::GetFlag(FLAGS_k_len) == 0 ? q_len : absl::GetFlag(FLAGS_k_len);
-  // A flag the op does not read is refused, not ignored.
-  for (const auto& [flag, readers] :
-       {std::pair<const char*, std::vector<std::string>>{"positions", {"rope_cos_sin", "rope_apply"}},
-        {"offsets", {"rope_apply"}},
-        {"x", {"rope_apply"}}}) {
-    if (FlagGiven(flag) && std::find(readers.begin(), readers.end(), op) == readers.end()) {
-      return UsageFail("encode", absl::StrCat("--", flag, " is read by --op ",
-                                              absl::StrJoin(readers, " and "), " only"));
+  for (const auto& [name, value] :
+       {std::pair<absl::string_view, int64_t>{"batch", absl::GetFlag(FLAGS_batch)},
+        {"q_len", q_len},
+        {"k_len", k_len},
+        {"heads", absl::GetFlag(FLAGS_heads)},
+        {"head_dim", absl::GetFlag(FLAGS_head_dim)}}) {
+    const bool read = std::find(reads->flags.begin(), reads->flags.end(), name) !=
+                      reads->flags.end();
+    // alibi's lengths shape the bias, asked for with --q_len.
+    const bool optional_length = op == "alibi" && name != "heads" && !FlagGiven("q_len");
+    if (read && !optional_length && (value < 1 || value > kMaxTokens)) {
+      return Fail("encode", absl::InvalidArgumentError(absl::StrCat(
+                                "--", name, " must be in [1, 2^24], got ", value)));
     }
   }
+  v1::EncodeRequest request;
   auto positions = ParseIntList("positions", absl::GetFlag(FLAGS_positions));
   if (!positions.ok()) return UsageFail("encode", positions.status().message());
   if (op == "sinusoidal") {
@@ -636,16 +718,10 @@ int EncodeCommand(int argc, char** argv) {
         if (!dtype.ok()) return Fail("encode", dtype.status());
         const int64_t shape[] = {absl::GetFlag(FLAGS_batch), q_len, absl::GetFlag(FLAGS_heads),
                                  absl::GetFlag(FLAGS_head_dim)};
-        // Each flag, then the bytes, before anything is generated.
-        const char* names[] = {"batch", "q_len", "heads", "head_dim"};
+        // The bytes (each size flag is checked above) before anything is
+        // generated.
         double bytes = *dtype == v1::DTYPE_BF16 ? 2 : 4;
-        for (int i = 0; i < 4; ++i) {
-          if (shape[i] < 1 || shape[i] > kMaxTokens) {
-            return Fail("encode", absl::InvalidArgumentError(absl::StrCat(
-                                      "--", names[i], " must be in [1, 2^24], got ", shape[i])));
-          }
-          bytes *= static_cast<double>(shape[i]);
-        }
+        for (int64_t dim : shape) bytes *= static_cast<double>(dim);
         if (const int64_t max = absl::GetFlag(FLAGS_max_message_bytes);
             max > 0 && bytes > static_cast<double>(max)) {
           return Fail("encode", absl::ResourceExhaustedError(absl::StrFormat(
@@ -679,10 +755,6 @@ int EncodeCommand(int argc, char** argv) {
       if (!table.ok()) return Fail("encode", table.status());
       *t->mutable_table() = *std::move(table);
     }
-  } else {
-    return UsageFail("encode", absl::StrCat("--op must be sinusoidal, rope_frequencies, "
-                                            "rope_cos_sin, rope_apply, alibi or t5, got \"",
-                                            op, "\""));
   }
 
   if (absl::Status s = CheckOutputs({"out"}); !s.ok()) return Fail("encode", s);

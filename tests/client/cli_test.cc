@@ -585,6 +585,36 @@ TEST_F(CliTest, UsageErrorsExit64WithOneLine) {
     EXPECT_EQ(r.exit_code, 64) << absl::StrJoin(args, " ") << ": " << Describe(r);
     ExpectOneErrorLine(r, args[0], "USAGE");
   }
+  // Every encode op refuses each flag it does not read, naming it and the
+  // op (--rope_type with sinusoidal, --d_model with alibi, --inverse with
+  // rope_frequencies were ignored).
+  for (const auto& [args, says] :
+       std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--op=sinusoidal", "--rope_type=yarn"}, "--rope_type is not read by --op sinusoidal"},
+           {{"--op=sinusoidal", "--heads=2"}, "--heads is not read by --op sinusoidal"},
+           {{"--op=alibi", "--d_model=7"}, "--d_model is not read by --op alibi"},
+           {{"--op=alibi", "--k_len=4"}, "--k_len is not read by --op alibi without --q_len"},
+           {{"--op=alibi", "--bidirectional"},
+            "--bidirectional is not read by --op alibi without --q_len"},
+           {{"--op=rope_frequencies", "--inverse"},
+            "--inverse is not read by --op rope_frequencies"},
+           {{"--op=rope_frequencies", "--num_positions=4"},
+            "--num_positions is not read by --op rope_frequencies"},
+           {{"--op=rope_cos_sin", "--positions=1", "--num_positions=4"},
+            "--num_positions is not read by --op rope_cos_sin with --positions"},
+           {{"--op=rope_cos_sin", "--seed=2"}, "--seed is not read by --op rope_cos_sin"},
+           {{"--op=rope_apply", "--x=/nonexistent.npy", "--head_dim=8"},
+            "--head_dim is not read by --op rope_apply with --x"},
+           {{"--op=rope_apply", "--k_len=4"}, "--k_len is not read by --op rope_apply"},
+           {{"--op=t5", "--heads=4"}, "--heads is not read by --op t5"},
+           {{"--op=t5", "--seq_len=4"}, "--seq_len is not read by --op t5"}}) {
+    std::vector<std::string> full = {"encode"};
+    full.insert(full.end(), args.begin(), args.end());
+    r = Cli(full);
+    EXPECT_EQ(r.exit_code, 64) << absl::StrJoin(full, " ") << ": " << Describe(r);
+    ExpectOneErrorLine(r, "encode", "USAGE");
+    EXPECT_THAT(r.err, HasSubstr(says)) << absl::StrJoin(full, " ");
+  }
 }
 
 // decode's --context / --steps / --tokens_per_step were summed (in int64,
@@ -612,6 +642,17 @@ TEST_F(CliTest, SizeFlagsAreCheckedBeforeArithmeticNamingTheFlag) {
        "--num_positions must be in [1, 2^24]"},
       {{"encode", "--op=rope_apply", "--heads=9223372036854775807"},
        "--heads must be in [1, 2^24], got 9223372036854775807"},
+      // Every encode op's size flags, before anything is sent (the server's
+      // errors named alibi.heads, rope_frequencies.head_dim).
+      {{"encode", "--op=alibi", "--heads=0"}, "--heads must be in [1, 2^24], got 0"},
+      {{"encode", "--op=alibi", "--heads=100000000"},
+       "--heads must be in [1, 2^24], got 100000000"},
+      {{"encode", "--op=alibi", "--q_len=-1"}, "--q_len must be in [1, 2^24], got -1"},
+      {{"encode", "--op=alibi", "--q_len=2", "--k_len=-3"}, "--k_len must be in [1, 2^24], got -3"},
+      {{"encode", "--op=rope_frequencies", "--head_dim=0"}, "--head_dim must be in [1, 2^24], got 0"},
+      {{"encode", "--op=rope_cos_sin", "--head_dim=-2"}, "--head_dim must be in [1, 2^24], got -2"},
+      {{"encode", "--op=t5", "--q_len=0"}, "--q_len must be in [1, 2^24], got 0"},
+      {{"encode", "--op=t5", "--k_len=99999999"}, "--k_len must be in [1, 2^24], got 99999999"},
       {{"bench", "--workload=decode", "--context=9223372036854775807"},
        "--context must be in [0, 2^24], got 9223372036854775807"},
       {{"bench", "--workload=decode", "--steps_per_session=9223372036854775807",
@@ -1204,6 +1245,19 @@ TEST_F(CliTest, EncodeSinusoidalCosSinAndAlibi) {
   r = Cli({"encode", "--op=sinusoidal", "--d_model=7"});
   EXPECT_EQ(r.exit_code, 3) << Describe(r);
   ExpectOneErrorLine(r, "encode", "INVALID_ARGUMENT");
+
+  // Each op's own flags are read, not refused: the alibi bias's, t5's, and
+  // rope_apply's with an --x file.
+  r = Cli({"encode", "--op=alibi", "--heads=2", "--q_len=2", "--k_len=3", "--q_offset=1",
+           "--bidirectional"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("bias     [2, 2, 3] f32"));
+  r = Cli({"encode", "--op=t5", "--q_len=2", "--k_len=3", "--q_offset=1", "--bidirectional",
+           "--num_buckets=8", "--t5_max_distance=16"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  r = Cli({"encode", "--op=rope_apply", "--x", Path("x.npy"), "--offsets=2", "--inverse",
+           "--theta=500", "--seq_len=8"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
 }
 
 // --- decode. ---
