@@ -1798,10 +1798,12 @@ absl::StatusOr<WeightSource> OpenWeights(const std::string& dir) {
                                                      Brief(it.value()), ", not a shard file name"));
     }
     const std::string shard = it.value().get<std::string>();
-    // Shards live beside the index: a path could make us map any file.
-    if (shard.empty() || shard == "." || shard == ".." || shard.find('/') != std::string::npos) {
+    // Shards live beside the index: a path could make us map any file. A
+    // NUL would end the name open() sees, opening another file than named.
+    if (shard.empty() || shard == "." || shard == ".." || shard.find('/') != std::string::npos ||
+        shard.find('\0') != std::string::npos) {
       return absl::InvalidArgumentError(absl::StrCat(index_name, ": tensor ", it.key(),
-                                                     " maps to \"", shard,
+                                                     " maps to \"", absl::CHexEscape(shard),
                                                      "\", which is not a file name in ", dir));
     }
     if (shards.count(shard) != 0) continue;

@@ -1733,6 +1733,16 @@ TEST(ModelLoadTest, ShardedIndexErrors) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(st.message(), HasSubstr(q1));
   }
+  {  // A NUL ends the name open() sees: "model-00002-of-00002.safetensors\0junk"
+     // would open shard 2. Refused, the name escaped.
+    auto wm = weight_map;
+    wm[q1] = "model-00002-of-00002.safetensors\\u0000junk";
+    WriteIndex(dir, wm);
+    absl::Status st = LoadStatus(dir);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(st.message(),
+                AllOf(HasSubstr(q1), HasSubstr("\"model-00002-of-00002.safetensors\\x00junk\"")));
+  }
   {  // The index says shard 1, the tensor is in shard 2.
     auto wm = weight_map;
     wm[q1] = "model-00001-of-00002.safetensors";
