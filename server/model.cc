@@ -2162,14 +2162,33 @@ absl::StatusOr<std::shared_ptr<const Model>> Model::Load(const std::string& name
       o_bias = c.attention_bias;
       break;
   }
+  // The key that decides the family's biases, as its config class reads it
+  // (none: fixed by the architecture).
+  const char* bias_key = nullptr;
+  switch (c.family) {
+    case Family::kQwen2:
+      if (c.model_type == "qwen2_moe") bias_key = "qkv_bias";
+      break;
+    case Family::kBert:
+    case Family::kMistral:
+    case Family::kPhi3:
+    case Family::kGptJ:
+      break;
+    default:
+      bias_key = "attention_bias";
+      break;
+  }
+  const std::string bias_reason =
+      bias_key != nullptr ? absl::StrCat(bias_key, " is ", c.attention_bias ? "true" : "false")
+                          : std::string("its biases do not depend on config.json");
   // A bias tensor the family's module has no parameter for would be ignored
   // by transformers and used by us: refuse the checkpoint instead.
   auto unexpected = [&](const std::string& tensor) -> absl::Status {
     if (!binder.Contains(tensor)) return absl::OkStatus();
-    return absl::UnimplementedError(absl::StrCat(
-        src.description, ": tensor ", tensor, " is in the checkpoint, but a ", FamilyName(c.family),
-        " layer with this config.json has no such bias (attention_bias is ",
-        c.attention_bias ? "true" : "false", "); transformers would ignore it"));
+    return absl::UnimplementedError(absl::StrCat(src.description, ": tensor ", tensor,
+                                                 " is in the checkpoint, but a ", c.model_type,
+                                                 " layer with this config.json has no such bias (",
+                                                 bias_reason, "); transformers would ignore it"));
   };
 
   model->layers_.resize(static_cast<size_t>(c.num_layers));

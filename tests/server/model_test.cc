@@ -1658,7 +1658,47 @@ TEST(ModelLoadTest, ABiasTheFamilyDoesNotHaveIsRefused) {
                   absl::StrReplaceAll(TinyConfig(d), {{"\"llama\"", "\"mistral\""}}));
   absl::Status st = LoadStatus(dir);
   EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
-  EXPECT_THAT(st.message(), HasSubstr("model.layers.1.self_attn.k_proj.bias"));
+  EXPECT_THAT(st.message(),
+              AllOf(HasSubstr("model.layers.1.self_attn.k_proj.bias"), HasSubstr("a mistral layer"),
+                    HasSubstr("its biases do not depend on config.json"),
+                    Not(HasSubstr("attention_bias"))));
+
+  // The message names the key the family reads, with its value: Qwen2-MoE's
+  // q/k/v biases follow qkv_bias; Qwen2 reads no bias key (q/k/v always, o
+  // never); Llama's attention_bias.
+  const std::string p = "model.layers.0.self_attn.";
+  std::vector<SafetensorsTensor> qkv = TinyTensors(d);
+  qkv.push_back(F32Tensor(p + "q_proj.bias", {d.heads * d.head_dim}, 20));
+  qkv.push_back(F32Tensor(p + "k_proj.bias", {d.kv_heads * d.head_dim}, 21));
+  qkv.push_back(F32Tensor(p + "v_proj.bias", {d.kv_heads * d.head_dim}, 22));
+  WriteCheckpoint(dir, qkv,
+                  absl::StrReplaceAll(TinyConfig(d, R"(, "qkv_bias": false)"),
+                                      {{"\"llama\"", "\"qwen2_moe\""}}));
+  st = LoadStatus(dir);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+  EXPECT_THAT(st.message(), AllOf(HasSubstr("a qwen2_moe layer"), HasSubstr("(qkv_bias is false)"),
+                                  Not(HasSubstr("attention_bias"))));
+  std::vector<SafetensorsTensor> with_o = qkv;
+  for (int64_t i = 1; i < d.layers; ++i) {
+    const std::string pi = absl::StrCat("model.layers.", i, ".self_attn.");
+    with_o.push_back(F32Tensor(pi + "q_proj.bias", {d.heads * d.head_dim}, 30 + i));
+    with_o.push_back(F32Tensor(pi + "k_proj.bias", {d.kv_heads * d.head_dim}, 40 + i));
+    with_o.push_back(F32Tensor(pi + "v_proj.bias", {d.kv_heads * d.head_dim}, 50 + i));
+  }
+  with_o.push_back(F32Tensor(p + "o_proj.bias", {d.hidden}, 23));
+  WriteCheckpoint(dir, with_o,
+                  absl::StrReplaceAll(TinyConfig(d, R"(, "attention_bias": true)"),
+                                      {{"\"llama\"", "\"qwen2\""}}));
+  st = LoadStatus(dir);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+  EXPECT_THAT(st.message(), AllOf(HasSubstr(p + "o_proj.bias"), HasSubstr("a qwen2 layer"),
+                                  HasSubstr("its biases do not depend on config.json"),
+                                  Not(HasSubstr("attention_bias"))));
+  WriteCheckpoint(dir, qkv, TinyConfig(d));
+  st = LoadStatus(dir);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+  EXPECT_THAT(st.message(),
+              AllOf(HasSubstr("a llama layer"), HasSubstr("(attention_bias is false)")));
 }
 
 // Writes the tiny checkpoint as two shards plus the index.
