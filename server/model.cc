@@ -580,6 +580,41 @@ absl::StatusOr<RopeScalingType> ConfigRopeRule(const KeyReader& s, absl::string_
   return s.Error(key, absl::StrCat("is not a known RoPE rule: \"", name, "\"; ", expected));
 }
 
+// A RoPE block naming its rule twice, as "rope_type" and the legacy "type"
+// with different values. transformers 4's config classes of these families
+// copy `type` over `rope_type` (BC) and compute `type`; transformers 5's
+// standardize_rope_params keeps `rope_type`: no one answer. MistralConfig,
+// MixtralConfig, GemmaConfig and Gemma2Config in 4 do not touch the block and
+// their rotary embedding reads `rope_type` first, as 5 does; Phi3Config in
+// 4 loads only a block of exactly type, short_factor and long_factor, so
+// only 5 reads one with both keys; GPT-J reads no scaling (refused apart).
+absl::Status CheckRuleKeysAgree(const KeyReader& s, const ModelConfig& config) {
+  switch (config.family) {
+    case Family::kLlama:
+    case Family::kQwen2:
+    case Family::kQwen3:
+    case Family::kGptNeoX:
+    case Family::kGemma3:
+      break;
+    default:
+      return absl::OkStatus();
+  }
+  const json* rope_type = s.Find("rope_type");
+  const json* type = s.Find("type");
+  if (rope_type == nullptr || type == nullptr || !rope_type->is_string() || !type->is_string() ||
+      *rope_type == *type) {
+    return absl::OkStatus();
+  }
+  return absl::UnimplementedError(absl::StrFormat(
+      "%s: keys %srope_type = \"%s\" and %stype = \"%s\" disagree: transformers 4's %s config "
+      "copies type over rope_type and computes \"%s\", transformers 5 keeps rope_type and "
+      "computes \"%s\"; give the rule once",
+      s.file(), s.prefix(), absl::CHexEscape(rope_type->get<std::string>()).substr(0, 64),
+      s.prefix(), absl::CHexEscape(type->get<std::string>()).substr(0, 64), config.model_type,
+      absl::CHexEscape(type->get<std::string>()).substr(0, 64),
+      absl::CHexEscape(rope_type->get<std::string>()).substr(0, 64)));
+}
+
 // One RoPE from `top` (the config) and a scaling block (`block`, may be null,
 // named `block_name` in messages). The base is the block's rope_theta, else
 // the top-level `top_theta_key` (Gemma 3's sliding layers:
@@ -708,8 +743,10 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
                               family));
   }
 
-  // Scaling rule.
+  // Scaling rule. Gemma 3's blocks are merged for transformers 5 and
+  // compared with transformers 4's rope_scaling in ResolveGemma3Rope.
   RopeScaling& sc = rope.scaling;
+  if (family != Family::kGemma3) RA_RETURN_IF_ERROR(CheckRuleKeysAgree(s, config));
   RA_ASSIGN_OR_RETURN(std::optional<std::string> type_name, s.String("rope_type"));
   absl::string_view type_key = "rope_type";
   if (!type_name.has_value()) {
@@ -925,6 +962,9 @@ absl::Status ResolveGemma3Rope(const KeyReader& top, ModelConfig& config,
     if (b != nullptr && !b->is_object()) return p.TypeError(name, "an object", *b);
   }
   const bool scaling_given = scaling != nullptr && !scaling->empty();
+  if (scaling != nullptr) {
+    RA_RETURN_IF_ERROR(CheckRuleKeysAgree(KeyReader(*scaling, file, "rope_scaling."), config));
+  }
   if (keyed && scaling != nullptr && full == nullptr) {
     return absl::UnimplementedError(absl::StrCat(
         file, ": keys rope_scaling and rope_parameters (keyed by layer type, without "

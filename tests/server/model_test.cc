@@ -1166,6 +1166,64 @@ TEST(ParseModelConfigTest, RopeRulesTransformersLacksAreRefused) {
               AllOf(HasSubstr("rope_scaling.rope_type"), HasSubstr("\"bogus\""),
                     HasSubstr("default, linear, dynamic, yarn, longrope, llama3"),
                     Not(HasSubstr("ntk")), Not(HasSubstr("(or su)"))));
+  // rope_type and the legacy type naming different rules: transformers 4's
+  // LlamaConfig (and Qwen2's, Qwen3's, GPT-NeoX's, Gemma 3's) copies type
+  // over rope_type, 5 keeps rope_type. Refused naming both, in either block.
+  ExpectConfigError(
+      TinyConfig({},
+                 R"(, "rope_scaling": {"rope_type": "linear", "type": "dynamic", "factor": 4})"),
+      C::kUnimplemented,
+      {"keys rope_scaling.rope_type = \"linear\" and rope_scaling.type = \"dynamic\"", "llama"});
+  ExpectConfigError(
+      TinyConfig({},
+                 R"(, "rope_parameters": {"rope_type": "linear", "type": "dynamic", "factor": 4})"),
+      C::kUnimplemented,
+      {"keys rope_parameters.rope_type = \"linear\" and rope_parameters.type = \"dynamic\""});
+  for (const char* model_type : {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gpt_neox"}) {
+    ExpectConfigError(
+        absl::StrReplaceAll(TinyConfig({}, R"(, "rope_scaling": {"rope_type": "dynamic",
+                                           "type": "linear", "factor": 4})"),
+                            {{"\"llama\"", absl::StrCat("\"", model_type, "\"")}}),
+        C::kUnimplemented, {"rope_scaling.type = \"linear\"", model_type});
+  }
+  ExpectConfigError(
+      R"({"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 4,
+          "head_dim": 16, "num_hidden_layers": 1, "vocab_size": 16,
+          "rope_scaling": {"rope_type": "linear", "type": "dynamic", "factor": 2.0}})",
+      C::kUnimplemented,
+      {"rope_scaling.rope_type = \"linear\"", "rope_scaling.type = \"dynamic\""});
+  // Equal values, and the families whose transformers 4 reads rope_type
+  // first too (Mistral, Mixtral, Gemma, Gemma 2), load rope_type's rule.
+  for (const char* model_type : {"llama", "mistral", "mixtral", "gemma", "gemma2"}) {
+    const bool same = absl::string_view(model_type) == "llama";
+    c = ParseModelConfig(
+        absl::StrReplaceAll(
+            TinyConfig({},
+                       absl::StrCat(
+                           R"(, "head_dim": 16, "rope_scaling": {"rope_type": "linear", "type": ")",
+                           same ? "linear" : "dynamic", R"(", "factor": 4})")),
+            {{"\"llama\"", absl::StrCat("\"", model_type, "\"")}}),
+        "config.json");
+    ASSERT_TRUE(c.ok()) << model_type << " " << c.status();
+    EXPECT_EQ(c->rope->scaling.type, RopeScalingType::kLinear) << model_type;
+  }
+  // Phi3Config in transformers 4 loads only a block of exactly type,
+  // short_factor and long_factor: only 5 reads one with both keys, by
+  // rope_type (su and yarn as longrope).
+  const std::string phi3 =
+      R"({"model_type": "phi3", "hidden_size": 64, "num_attention_heads": 4,
+          "num_hidden_layers": 1, "vocab_size": 16, "original_max_position_embeddings": 16,
+          "max_position_embeddings": 64, "rope_scaling": {%s,
+          "short_factor": [1, 1, 1, 1, 1, 1, 1, 1], "long_factor": [2, 2, 2, 2, 2, 2, 2, 2]}})";
+  for (const auto& [keys, rule] :
+       {std::pair<const char*, RopeScalingType>{R"("type": "su", "rope_type": "default")",
+                                                RopeScalingType::kDefault},
+        {R"("type": "default", "rope_type": "su")", RopeScalingType::kLongRope},
+        {R"("type": "su", "rope_type": "longrope")", RopeScalingType::kLongRope}}) {
+    c = ParseModelConfig(absl::StrReplaceAll(phi3, {{"%s", keys}}), "config.json");
+    ASSERT_TRUE(c.ok()) << keys << " " << c.status();
+    EXPECT_EQ(c->rope->scaling.type, rule) << keys;
+  }
   // Every rule transformers has loads by its own name.
   for (const char* block :
        {R"({"rope_type": "default"})", R"({"rope_type": "linear", "factor": 2.0})",
