@@ -134,6 +134,42 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(self.client.embed("demo", [1, 2]).shape, (1, 2, 128))
         with self.assertRaises(ValueError):  # was flattened into one row
             self.client.embed("demo", [[[1, 2]], [[3, 4]]])
+        with self.assertRaises(TypeError) as e:  # was truncated to ids [1, 2]
+            self.client.embed("demo", [1.7, 2.2])
+        self.assertIn("token_ids", str(e.exception))
+        self.assertEqual(self.client.embed("demo", np.array([1, 2], np.int32)).shape, (1, 2, 128))
+
+    def test_an_unknown_dtype_is_a_value_error_naming_the_argument(self):
+        x = np.ones((1, 1, 2, 8), np.float32)
+        # Each was a bare KeyError from a dict lookup.
+        for name, accepted, call in [
+                ("kv_dtype", "f32, bf16 or int8",
+                 lambda: self.client.session(heads=2, head_dim=8, kv_dtype="int4")),
+                ("dtype", "f32 or bf16", lambda: self.client.attend(x, x, x, dtype="int8")),
+                ("out_dtype", "f32 or bf16",
+                 lambda: self.client.attend(x, x, x, out_dtype="f16")),
+                ("dtype", "f32 or bf16", lambda: self.client.rope_apply(x, dtype="f64")),
+                ("dtype", "f32 or bf16", lambda: ropeattn.to_tensor(x, ["bf16"]))]:
+            with self.assertRaises(ValueError) as e:
+                call()
+            self.assertIn(name + " must be " + accepted, str(e.exception))
+        with self.client.session(heads=2, head_dim=8) as s:
+            with self.assertRaises(ValueError) as e:
+                s.step(x, x, x, dtype="int8")
+            self.assertIn("dtype must be f32 or bf16", str(e.exception))
+            self.assertEqual(s.step(x, x, x).shape, (1, 1, 2, 8))  # the session goes on
+
+    def test_an_operation_after_close_says_the_session_is_closed(self):
+        x = np.ones((1, 1, 2, 8), np.float32)
+        s = self.client.session(heads=2, head_dim=8)
+        s.step(x, x, x)
+        self.assertIsNotNone(s.close())
+        # Each was AttributeError: 'NoneType' object has no attribute 'put'.
+        for op in (lambda: s.step(x, x, x), lambda: s.truncate(0), s.fork, s.export_kv):
+            with self.assertRaises(ValueError) as e:
+                op()
+            self.assertIn("session is closed", str(e.exception))
+        self.assertIsNone(s.close())  # a second close is still nothing
 
     def test_numpy_offsets_and_positions(self):
         q = self.rng.standard_normal((2, 3, 2, 8), dtype=np.float32)
@@ -145,8 +181,9 @@ class PythonClientTest(unittest.TestCase):
         x = self.rng.standard_normal((1, 3, 2, 8), dtype=np.float32)
         y = self.client.rope_apply(x, positions=np.array([5, 9, 2]))
         self.assertLess(rel_err(y, ref_rope(x, np.array([5, 9, 2]))), 1e-5)
-        with self.assertRaises(TypeError):  # a fractional offset is not truncated
+        with self.assertRaises(TypeError) as e:  # a fractional offset is not truncated
             self.client.attend(q, k, k, q_offsets=[1.7, 2.0])
+        self.assertIn("q_offsets", str(e.exception))
 
     def test_token_without_tls_is_refused(self):
         with self.assertRaises(ValueError) as e:

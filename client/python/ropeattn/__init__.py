@@ -39,10 +39,22 @@ _DTYPES = {"f32": pb.DTYPE_F32, "bf16": pb.DTYPE_BF16}
 _KV_DTYPES = {**_DTYPES, "int8": pb.DTYPE_INT8}
 
 
+def _dtype(name, value, table):
+    """The wire dtype of `value` in `table`; a name not there is a ValueError
+    naming the argument and the accepted values (not a bare KeyError)."""
+    try:
+        return table[value]
+    except (KeyError, TypeError):
+        names = list(table)
+        raise ValueError("%s must be %s or %s, got %r"
+                         % (name, ", ".join(names[:-1]), names[-1], value)) from None
+
+
 def to_tensor(array, dtype="f32"):
     """A wire Tensor from a numpy array (f32, or bf16 rounded to nearest even)."""
+    wire_dtype = _dtype("dtype", dtype, _DTYPES)
     a = np.ascontiguousarray(array, dtype=np.float32)
-    t = pb.Tensor(dtype=_DTYPES[dtype], shape=list(a.shape))
+    t = pb.Tensor(dtype=wire_dtype, shape=list(a.shape))
     if dtype == "bf16":
         bits = a.view(np.uint32).astype(np.uint64)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
@@ -66,17 +78,21 @@ def from_tensor(t):
     return np.frombuffer(t.data, dtype="<f4").astype(np.float32).reshape(shape)
 
 
-def _ints(values):
+def _int_array(values, name):
+    """A numpy array of integers from a sequence or an array (floats are
+    refused, not truncated: a TypeError naming the argument)."""
+    a = np.asarray(values)
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise TypeError("%s must be integers, got %s" % (name, a.dtype))
+    return a
+
+
+def _ints(values, name):
     """A list of Python ints from None, a sequence or a numpy array of
     integers (floats are refused, not truncated)."""
     if values is None:
         return []
-    a = np.asarray(values)
-    if a.size == 0:
-        return []
-    if not np.issubdtype(a.dtype, np.integer):
-        raise TypeError("expected integers, got %s" % a.dtype)
-    return [int(x) for x in a.reshape(-1)]
+    return [int(x) for x in _int_array(values, name).reshape(-1)]
 
 
 def _rope_spec(rope):
@@ -154,8 +170,9 @@ class Client:
         if alibi:
             spec.alibi.SetInParent()
         request = pb.AttendRequest(spec=spec, q=to_tensor(q, dtype), k=to_tensor(k, dtype),
-                                   v=to_tensor(v, dtype), q_offsets=_ints(q_offsets),
-                                   key_lengths=_ints(key_lengths), out_dtype=_DTYPES[out_dtype])
+                                   v=to_tensor(v, dtype), q_offsets=_ints(q_offsets, "q_offsets"),
+                                   key_lengths=_ints(key_lengths, "key_lengths"),
+                                   out_dtype=_dtype("out_dtype", out_dtype, _DTYPES))
         return from_tensor(self._call(self._stub.Attend, request).out)
 
     def rope_apply(self, x, *, rope=None, positions=None, offsets=None, inverse=False,
@@ -163,16 +180,17 @@ class Client:
         """x [B, S, H, D] rotated by RoPE (the default rule, theta 10000, when
         `rope` is None) at 0..S-1, per-row `offsets` or per-token `positions`."""
         op = pb.EncodeRequest.RopeApply(rope=_rope_spec(rope or {}), x=to_tensor(x, dtype),
-                                        positions=_ints(positions), offsets=_ints(offsets),
+                                        positions=_ints(positions, "positions"),
+                                        offsets=_ints(offsets, "offsets"),
                                         inverse=inverse)
         return from_tensor(self._call(self._stub.Encode, pb.EncodeRequest(rope_apply=op)).x)
 
     def embed(self, model, token_ids):
         """Embeddings [B, S, hidden] of a served model for ids [B, S] (or [S])."""
-        ids = np.asarray(token_ids, dtype=np.int64)
+        ids = _int_array(token_ids, "token_ids")
         if ids.ndim not in (1, 2):
             raise ValueError("token_ids must be [S] or [B, S], got shape %s" % (ids.shape,))
-        request = pb.EmbedRequest(model=model, token_ids=ids.reshape(-1).tolist(),
+        request = pb.EmbedRequest(model=model, token_ids=[int(x) for x in ids.reshape(-1)],
                                   shape=list(ids.shape) if ids.ndim == 2 else [])
         return from_tensor(self._call(self._stub.Embed, request).embeddings)
 
@@ -186,7 +204,7 @@ class Client:
         if alibi:
             spec.alibi.SetInParent()
         return Session(self, pb.OpenSession(spec=spec, max_context=max_context,
-                                            kv_dtype=_KV_DTYPES[kv_dtype],
+                                            kv_dtype=_dtype("kv_dtype", kv_dtype, _KV_DTYPES),
                                             start_position=start_position))
 
 
@@ -204,6 +222,10 @@ class Session:
         self.info = self._send(pb.DecodeRequest(open=open_request), "opened")
 
     def _send(self, request, expect):
+        if self._requests is None:
+            # After close() (or a close that failed in a with block) the
+            # stream is gone; ValueError, as grpc's own closed channel.
+            raise ValueError("the session is closed: open another with Client.session()")
         # Each operation has the client's timeout: past it the stream is
         # cancelled (grpc.RpcError CANCELLED), as the C++ client does.
         timer = threading.Timer(self._timeout, self._responses.cancel)
