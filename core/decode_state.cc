@@ -26,13 +26,17 @@ constexpr absl::string_view kRotationOverflow =
     "the finite keys left the float range when rotated (values near the range limit, or times "
     "the rule's attention factor); reduce their magnitude";
 
+// `heads_name`, `dim_name`: what dimensions 2 and 3 are for this tensor (q:
+// heads, head_dim; k: kv_heads, head_dim; v: kv_heads, v_dim), so a GQA
+// user is not sent looking for the query head count in k or v.
 absl::Status CheckStepTensor(const ConstTensorView& t, const std::string& name, int64_t tokens,
-                             int64_t heads, int64_t dim) {
+                             int64_t heads, absl::string_view heads_name, int64_t dim,
+                             absl::string_view dim_name) {
   if (t.rank() != 4 || t.dim(0) != 1 || t.dim(1) != tokens || t.dim(2) != heads ||
       t.dim(3) != dim) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s must have shape [1, %d, %d, %d] ([batch 1, tokens, heads, dim]), got %s", name, tokens,
-        heads, dim, DimsToString(t.dims())));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s must have shape [1, %d, %d, %d] ([batch 1, tokens, %s, %s]), got %s",
+                        name, tokens, heads, dim, heads_name, dim_name, DimsToString(t.dims())));
   }
   RA_RETURN_IF_ERROR(CheckBSHD(t, name));
   return CheckFinite(t, name);
@@ -641,9 +645,12 @@ absl::Status DecodeState::Prepare(Job& job, int plan_threads, AttentionJob* atte
         absl::StrFormat("%sq must have shape [1, tokens >= 1, %d, %d], got %s", n, c.heads,
                         c.head_dim, DimsToString(job.q.dims())));
   }
-  RA_RETURN_IF_ERROR(CheckStepTensor(job.q, n + "q", tokens, c.heads, c.head_dim));
-  RA_RETURN_IF_ERROR(CheckStepTensor(job.k, n + "k", tokens, c.kv_heads, c.head_dim));
-  RA_RETURN_IF_ERROR(CheckStepTensor(job.v, n + "v", tokens, c.kv_heads, c.v_dim));
+  RA_RETURN_IF_ERROR(
+      CheckStepTensor(job.q, n + "q", tokens, c.heads, "heads", c.head_dim, "head_dim"));
+  RA_RETURN_IF_ERROR(
+      CheckStepTensor(job.k, n + "k", tokens, c.kv_heads, "kv_heads", c.head_dim, "head_dim"));
+  RA_RETURN_IF_ERROR(
+      CheckStepTensor(job.v, n + "v", tokens, c.kv_heads, "kv_heads", c.v_dim, "v_dim"));
   if (position_ + tokens > c.max_context) {
     return absl::OutOfRangeError(absl::StrFormat(
         "a step of %d tokens at position %d would exceed the session's max_context of %d", tokens,
@@ -807,8 +814,10 @@ absl::Status DecodeState::Import(ConstTensorView k, ConstTensorView v, KeyForm f
         position_));
   }
   const int64_t tokens = k.rank() >= 2 ? k.dim(1) : -1;
-  RA_RETURN_IF_ERROR(CheckStepTensor(k, names + "k", tokens, c.kv_heads, c.head_dim));
-  RA_RETURN_IF_ERROR(CheckStepTensor(v, names + "v", tokens, c.kv_heads, c.v_dim));
+  RA_RETURN_IF_ERROR(
+      CheckStepTensor(k, names + "k", tokens, c.kv_heads, "kv_heads", c.head_dim, "head_dim"));
+  RA_RETURN_IF_ERROR(
+      CheckStepTensor(v, names + "v", tokens, c.kv_heads, "kv_heads", c.v_dim, "v_dim"));
   if (tokens > c.max_context) {
     return absl::OutOfRangeError(absl::StrFormat(
         "a prefix of %d tokens exceeds the session's max_context of %d", tokens, c.max_context));

@@ -482,7 +482,20 @@ TEST(DecodeStateTest, RefusedStepsLeaveTheStateUnchanged) {
   Tensor wrong_k = RandomTensor(DType::kF32, {1, 1, 3, 32}, 3);
   s = state.Step(bad.q.cview(), wrong_k.cview(), bad.q.cview(), out1.view(), 2, nullptr, "step.");
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(s.message()), HasSubstr("step.k must have shape [1, 1, 2, 32]"));
+  // Dimension 2 of k and v is kv_heads (2 here, of 8 query heads), not heads.
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("step.k must have shape [1, 1, 2, 32] ([batch 1, tokens, kv_heads, "
+                        "head_dim]), got [1, 1, 3, 32]"));
+  s = state.Step(bad.q.cview(), bad.k.cview(), wrong_k.cview(), out1.view(), 2, nullptr, "step.");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("step.v must have shape [1, 1, 2, 32] ([batch 1, tokens, kv_heads, "
+                        "v_dim]), got [1, 1, 3, 32]"));
+  s = state.Step(wrong_k.cview(), bad.k.cview(), bad.v.cview(), out1.view(), 2, nullptr, "step.");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("step.q must have shape [1, 1, 8, 32] ([batch 1, tokens, heads, "
+                        "head_dim]), got [1, 1, 3, 32]"));
   StepTensors too_long = RandomStep(c, 63, 4);
   Tensor out63 = Tensor::Create(DType::kF32, {1, 63, 8, 32}).value();
   s = state.Step(too_long.q.cview(), too_long.k.cview(), too_long.v.cview(), out63.view(), 2);
