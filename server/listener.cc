@@ -146,7 +146,12 @@ bool IsLoopbackHost(const std::string& host) {
   in_addr v4{};
   if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
   in6_addr v6{};
-  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) return IN6_IS_ADDR_LOOPBACK(&v6);
+  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) {
+    // ::1 in any spelling (inet_pton parses them all to the same bytes), or
+    // an IPv4-mapped 127/8 (::ffff:127.0.0.1: a dual-stack socket bound there
+    // takes only IPv4 loopback connections).
+    return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
+  }
   return host == "localhost";
 }
 

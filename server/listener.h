@@ -58,7 +58,8 @@ struct ListenAddress {
 // (= 127.0.0.1; no DNS lookups, so start-up never depends on DNS), port
 // 0..65535 (0 picks a free one). InvalidArgument naming the address otherwise.
 absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& address);
-// Whether a parsed host is a loopback address (127.0.0.0/8 or ::1).
+// Whether a parsed host is a loopback address: 127.0.0.0/8, ::1 (any
+// spelling) or IPv4-mapped ::ffff:127.0.0.0/104.
 bool IsLoopbackHost(const std::string& host);
 
 // Thread-safety: port(), max_connections() and the counters may be called

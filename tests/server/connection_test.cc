@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -189,6 +190,25 @@ TEST(ConnectionTest, ShutdownClosesThePort) {
   auto again = StartTestServer(o);
   ASSERT_NE(again, nullptr);
   EXPECT_TRUE(IsServing(port));
+}
+
+// IPv6 hosts are parsed, not compared as text: every spelling of ::1 and
+// the IPv4-mapped 127/8 are loopback (::ffff:127.0.0.1 logged the
+// on-network warnings).
+TEST(ListenerTest, LoopbackHosts) {
+  for (const char* host : {"127.0.0.1", "127.255.0.9", "localhost", "::1", "0::1",
+                           "0:0:0:0:0:0:0:1", "::0:1", "::ffff:127.0.0.1", "::FFFF:127.1.2.3",
+                           "0:0:0:0:0:ffff:7f00:1", "::ffff:7f00:2"}) {
+    EXPECT_TRUE(server::IsLoopbackHost(host)) << host;
+    const auto parsed = server::ParseListenAddress(
+        absl::StrCat(absl::StrContains(host, ':') ? absl::StrCat("[", host, "]") : host, ":0"));
+    ASSERT_TRUE(parsed.ok()) << host << ": " << parsed.status();
+    EXPECT_TRUE(server::IsLoopbackHost(parsed->host)) << host;
+  }
+  for (const char* host : {"0.0.0.0", "10.0.0.1", "128.0.0.1", "::", "::2", "::ffff:10.0.0.1",
+                           "::ffff:128.0.0.1", "fe80::1", "::1:0"}) {
+    EXPECT_FALSE(server::IsLoopbackHost(host)) << host;
+  }
 }
 
 TEST(ListenerTest, AddressesAndOptions) {

@@ -1451,6 +1451,10 @@ TEST(SecurityWarningTest, TlsWithoutAuthenticationOnANonLoopbackAddressWarns) {
   EXPECT_THAT(network, HasSubstr("with TLS but no authentication"));
   EXPECT_THAT(network, Not(HasSubstr("plaintext_on_network")));
   EXPECT_THAT(first_lines("127.0.0.1:0", false), Not(HasSubstr("no_authentication_on_network")));
+  // IPv4-mapped loopback is loopback too (it warned: only ::1 was).
+  const std::string mapped = first_lines("[::ffff:127.0.0.1]:0", false);
+  EXPECT_THAT(mapped, HasSubstr("\"event\":\"listening\""));
+  EXPECT_THAT(mapped, Not(HasSubstr("no_authentication_on_network")));
   EXPECT_THAT(first_lines("0.0.0.0:0", true), Not(HasSubstr("no_authentication_on_network")));
 }
 
