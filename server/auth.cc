@@ -136,14 +136,14 @@ absl::StatusOr<std::vector<TokenEntry>> ParseTokens(absl::string_view text,
   return out;
 }
 
-absl::Status CheckSecurityOptions(const ServerOptions& o) {
+absl::Status CheckSecurityFlags(const ServerOptions& o) {
   if (o.credentials_reload_seconds < 1 || o.credentials_reload_seconds > 3600) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "credentials_reload_seconds must be in [1, 3600], got ", o.credentials_reload_seconds));
+        "--credentials_reload_seconds must be in [1, 3600], got ", o.credentials_reload_seconds));
   }
   if (o.principal_max_sessions < 1 || o.principal_memory_bytes < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "principal_max_sessions must be >= 1 and principal_memory_bytes >= 0, got ",
+        "--principal_max_sessions must be >= 1 and --principal_memory_bytes >= 0, got ",
         o.principal_max_sessions, " and ", o.principal_memory_bytes));
   }
   if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
@@ -161,8 +161,13 @@ absl::Status CheckSecurityOptions(const ServerOptions& o) {
           "--auth_tokens_file needs TLS (--tls_cert_file and --tls_key_file): a bearer token "
           "on a plaintext connection can be read by anyone on the path");
     }
-    return absl::OkStatus();
   }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSecurityOptions(const ServerOptions& o) {
+  if (absl::Status flags = CheckSecurityFlags(o); !flags.ok()) return flags;
+  if (!TlsConfigured(o)) return absl::OkStatus();
   absl::StatusOr<TlsSet> set = ReadTlsSet(o);
   if (!set.ok()) return set.status();
   return ValidateTlsSet(*set, o);

@@ -48,10 +48,14 @@ struct TokenEntry {
 absl::StatusOr<std::vector<TokenEntry>> ParseTokens(absl::string_view text,
                                                     absl::string_view file);
 
-// Checks the security options before anything listens: cert and key both or
-// neither, each readable and PEM, the key belonging to the certificate, the
-// client CA parseable, a client CA or tokens file only with TLS, the reload
-// interval in range. InvalidArgument naming the flag and the file.
+// The security flags' values alone, no file read: cert and key both or
+// neither, a client CA or tokens file only with TLS, the reload interval and
+// the per-principal quotas in range. InvalidArgument naming the flag (--name).
+absl::Status CheckSecurityFlags(const ServerOptions& options);
+
+// Checks the security options before anything listens: CheckSecurityFlags,
+// then each file readable and PEM, the key belonging to the certificate, the
+// client CA parseable. InvalidArgument naming the flag and the file.
 absl::Status CheckSecurityOptions(const ServerOptions& options);
 
 // The AuthMetadataProcessor on the server's TLS credentials: every call but

@@ -129,7 +129,7 @@ absl::StatusOr<int64_t> RaiseFdLimitToHard() {
 absl::StatusOr<int> ResolveMaxConnections(int max_connections) {
   if (max_connections < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "max_connections must be >= 0 (0 = derived from the fd limit), got ", max_connections));
+        "--max_connections must be >= 0 (0 = derived from the fd limit), got ", max_connections));
   }
   if (max_connections > 0) return max_connections;
   absl::StatusOr<int64_t> soft = FdSoftLimit();

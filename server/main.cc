@@ -131,6 +131,11 @@ ABSL_FLAG(bool, access_log, kDefaults.access_log,
 
 namespace {
 
+// A bad flag value (README, "Exit codes"): one code whichever check finds
+// it; a start-up that fails otherwise (a port taken, a model that does not
+// load, a TLS file) exits 1.
+constexpr int kExitUsage = 2;
+
 // The effective configuration, as the start-up log line carries it.
 std::string ConfigJson(const ropeattn::server::ServerOptions& o, int max_connections) {
   nlohmann::ordered_json j;
@@ -227,7 +232,7 @@ int main(int argc, char** argv) {
     const size_t eq = value.find('=');
     if (eq == std::string::npos || eq == 0 || eq + 1 == value.size()) {
       std::fprintf(stderr, "ropeattn-server: --model wants NAME=DIR, got \"%s\"\n", value.c_str());
-      return 2;
+      return kExitUsage;
     }
     models.emplace_back(value.substr(0, eq), value.substr(eq + 1));
   }
@@ -247,7 +252,7 @@ int main(int argc, char** argv) {
   if (!log_level.ok()) {
     std::fprintf(stderr, "ropeattn-server: --log_level: %s\n",
                  std::string(log_level.status().message()).c_str());
-    return 2;
+    return kExitUsage;
   }
   ropeattn::server::SetLogLevel(*log_level);
 
@@ -275,7 +280,7 @@ int main(int argc, char** argv) {
     if (alias < 0) {
       std::fprintf(stderr, "ropeattn-server: --kv_budget_bytes must be >= 0, got %lld\n",
                    static_cast<long long>(alias));
-      return 2;
+      return kExitUsage;
     }
     if (!memory_budget_given) o.memory_budget_bytes = alias;
   }
@@ -295,6 +300,12 @@ int main(int argc, char** argv) {
   o.reflection = absl::GetFlag(FLAGS_reflection);
   o.principal_max_sessions = absl::GetFlag(FLAGS_principal_max_sessions);
   o.principal_memory_bytes = absl::GetFlag(FLAGS_principal_memory_bytes);
+  // Every flag value checked before anything starts, so a bad one is a usage
+  // error (exit 2) like the checks above, not a start-up failure (exit 1).
+  if (const absl::Status flags = ropeattn::server::ValidateServerOptions(o); !flags.ok()) {
+    LogEvent(LogLevel::kError, "start_failed", {{"message", flags.ToString()}});
+    return kExitUsage;
+  }
 
   // Block the shutdown signals in every thread (they inherit this mask), then
   // take them synchronously here.
@@ -316,7 +327,7 @@ int main(int argc, char** argv) {
   if (!max_connections.ok()) {
     LogEvent(LogLevel::kError, "start_failed",
              {{"flag", "max_connections"}, {"message", max_connections.status().ToString()}});
-    return 2;
+    return kExitUsage;
   }
 
   auto server = ropeattn::server::Server::Start(o);

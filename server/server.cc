@@ -173,77 +173,82 @@ void LogModelLoaded(const Model& model) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+absl::Status ValidateServerOptions(const ServerOptions& options) {
   if (!(options.handshake_timeout_seconds > 0 && options.handshake_timeout_seconds <= 3600)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "handshake_timeout_seconds must be in (0, 3600], got %g", options.handshake_timeout_seconds));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--handshake_timeout_seconds must be in (0, 3600], got %g",
+                        options.handshake_timeout_seconds));
   }
   if (options.max_connection_idle_seconds < 0 || options.max_connection_idle_seconds > 86400) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "max_connection_idle_seconds must be in [0, 86400], got %d",
-        options.max_connection_idle_seconds));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--max_connection_idle_seconds must be in [0, 86400], got %d",
+                        options.max_connection_idle_seconds));
   }
   if (!(options.max_queue_delay_seconds >= 0 && options.max_queue_delay_seconds <= 3600)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "max_queue_delay_seconds must be in [0, 3600], got %g", options.max_queue_delay_seconds));
+        "--max_queue_delay_seconds must be in [0, 3600], got %g", options.max_queue_delay_seconds));
   }
   if (!(options.max_queue_slowdown >= 0 && options.max_queue_slowdown <= 1e6)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "max_queue_slowdown must be in [0, 1e6], got %g", options.max_queue_slowdown));
+        "--max_queue_slowdown must be in [0, 1e6], got %g", options.max_queue_slowdown));
   }
   if (options.compute_nice < 0 || options.compute_nice > 19) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("compute_nice must be in [0, 19], got %d", options.compute_nice));
+        absl::StrFormat("--compute_nice must be in [0, 19], got %d", options.compute_nice));
   }
   if (options.max_decode_batch < 1 || options.max_decode_batch > 1024) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "max_decode_batch must be in [1, 1024], got %d", options.max_decode_batch));
+        "--max_decode_batch must be in [1, 1024], got %d", options.max_decode_batch));
   }
-  // Each option named with its valid range and the value given.
+  // Each flag named with its valid range and the value given.
   auto at_least = [](const char* name, int64_t value, int64_t min) {
     return value >= min ? absl::OkStatus()
                         : absl::InvalidArgumentError(
                               absl::StrFormat("%s must be >= %d, got %d", name, min, value));
   };
   for (absl::Status st : {
-           at_least("compute_workers", options.compute_workers, 1),
-           at_least("threads_per_call", options.threads_per_call, 1),
-           at_least("queue_depth", options.queue_depth, 1),
-           at_least("max_sessions", options.max_sessions, 1),
-           at_least("memory_budget_bytes", options.memory_budget_bytes, 0),
-           at_least("max_request_compute", options.max_request_compute, 1),
-           at_least("max_context_limit", options.max_context_limit, 1),
-           at_least("default_max_context", options.default_max_context, 1),
-           at_least("max_idle_ttl_seconds", options.max_idle_ttl_seconds, 1),
-           at_least("default_idle_ttl_seconds", options.default_idle_ttl_seconds, 1),
+           at_least("--compute_workers", options.compute_workers, 1),
+           at_least("--threads_per_call", options.threads_per_call, 1),
+           at_least("--queue_depth", options.queue_depth, 1),
+           at_least("--max_sessions", options.max_sessions, 1),
+           at_least("--memory_budget_bytes", options.memory_budget_bytes, 0),
+           at_least("--max_request_compute", options.max_request_compute, 1),
+           at_least("--max_context_limit", options.max_context_limit, 1),
+           at_least("--default_max_context", options.default_max_context, 1),
+           at_least("--max_idle_ttl_seconds", options.max_idle_ttl_seconds, 1),
+           at_least("--default_idle_ttl_seconds", options.default_idle_ttl_seconds, 1),
        }) {
     if (!st.ok()) return st;
   }
   if (options.max_message_bytes < 1024 || options.max_message_bytes > (int64_t{2} << 30) - 1) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("max_message_bytes must be in [1024, 2^31 - 1], got %d",
-                        options.max_message_bytes));
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--max_message_bytes must be in [1024, 2^31 - 1], got %d", options.max_message_bytes));
   }
   // The defaults a session gets without asking must be ones it could ask for.
   if (options.default_max_context > options.max_context_limit) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "default_max_context %d exceeds max_context_limit %d: a session that does not ask for "
+        "--default_max_context %d exceeds --max_context_limit %d: a session that does not ask for "
         "max_context would be refused",
         options.default_max_context, options.max_context_limit));
   }
   if (options.default_idle_ttl_seconds > options.max_idle_ttl_seconds) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "default_idle_ttl_seconds %d exceeds max_idle_ttl_seconds %d",
-        options.default_idle_ttl_seconds, options.max_idle_ttl_seconds));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--default_idle_ttl_seconds %d exceeds --max_idle_ttl_seconds %d",
+                        options.default_idle_ttl_seconds, options.max_idle_ttl_seconds));
   }
   if (!(options.answer_timeout_seconds >= 1 && options.answer_timeout_seconds <= 3600)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "answer_timeout_seconds must be in [1, 3600], got %g", options.answer_timeout_seconds));
+        "--answer_timeout_seconds must be in [1, 3600], got %g", options.answer_timeout_seconds));
   }
   if (!(options.shutdown_grace_seconds >= 0 && options.shutdown_grace_seconds <= 3600)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "shutdown_grace_seconds must be in [0, 3600], got %g", options.shutdown_grace_seconds));
+        "--shutdown_grace_seconds must be in [0, 3600], got %g", options.shutdown_grace_seconds));
   }
+  return CheckSecurityFlags(options);
+}
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+  if (absl::Status flags = ValidateServerOptions(options); !flags.ok()) return flags;
   absl::Status security = CheckSecurityOptions(options);
   if (!security.ok()) return security;
   if (!CanaryComputesCorrectly()) {

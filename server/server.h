@@ -22,6 +22,12 @@ class ModelRegistry;
 // (name + value + 32 per entry).
 inline constexpr int kMaxMetadataBytes = 64 * 1024;
 
+// The options' values alone, checked as flags (no file read, nothing bound):
+// each in its range, and the defaults within their caps. InvalidArgument
+// naming the flag as typed (--name) and its value; ropeattn-server exits 2
+// (a usage error) on it. Start checks it first.
+absl::Status ValidateServerOptions(const ServerOptions& options);
+
 class Server {
  public:
   // Binds, starts every part and marks health SERVING. Unavailable if an

@@ -211,6 +211,31 @@ TEST(ListenerTest, LoopbackHosts) {
   }
 }
 
+// A bad flag value is a usage error whichever check finds it (main.cc's own,
+// or the options' checks, which exited 1 naming "queue_depth"): exit 2, the
+// flag named as typed, and nothing started.
+TEST(ServerFlagsTest, EveryBadFlagValueExitsTwoNamingTheFlag) {
+  for (const char* flag :
+       {"--kv_budget_bytes=-5", "--log_level=trace", "--max_connections=-1", "--queue_depth=0",
+        "--max_queue_delay_seconds=-1", "--compute_nice=20", "--max_message_bytes=10",
+        "--default_max_context=9999999999", "--credentials_reload_seconds=0",
+        "--tls_key_file=/nonexistent"}) {
+    const std::string cmd = absl::StrCat("timeout -s KILL 10 ", ROPEATTN_SERVER_PATH,
+                                         " --address=127.0.0.1:0 --metrics_address= ", flag,
+                                         " 2>&1");
+    FILE* p = popen(cmd.c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    std::string out;
+    for (std::string line = ReadWholeLine(p); !line.empty(); line = ReadWholeLine(p)) out += line;
+    const int status = pclose(p);
+    ASSERT_TRUE(WIFEXITED(status)) << flag << ": wait status " << status;
+    EXPECT_EQ(WEXITSTATUS(status), 2) << flag << ": " << out;
+    const std::string name(flag, std::strchr(flag, '=') - flag);
+    EXPECT_THAT(out, HasSubstr(name)) << flag;
+    EXPECT_THAT(out, ::testing::Not(HasSubstr("\"event\":\"listening\""))) << flag;
+  }
+}
+
 TEST(ListenerTest, AddressesAndOptions) {
   EXPECT_EQ(server::ParseListenAddress("localhost:7").value().host, "127.0.0.1");
   EXPECT_TRUE(server::ParseListenAddress("[::1]:0").value().ipv6);

@@ -2132,7 +2132,7 @@ TEST_F(HardeningTest, LargeMetadataLeavesOtherCallsOnTheConnectionAlone) {
 }
 
 // Options that contradict each other, or are out of range, stop start-up
-// with a message naming the one at fault and its value (a default
+// with a message naming the one at fault as its flag (--name) and its value (a default
 // max_context above the limit used to start a server that refused every
 // open without max_context, blaming a field the client never set; a default
 // TTL above the cap was used uncapped).
@@ -2142,21 +2142,28 @@ TEST(ServerOptionsTest, EachBadOptionIsNamedWithItsValue) {
     std::string named;
   };
   const std::vector<Bad> cases = {
-      {[](auto& o) { o.compute_workers = 0; }, "compute_workers must be >= 1, got 0"},
-      {[](auto& o) { o.queue_depth = -3; }, "queue_depth must be >= 1, got -3"},
-      {[](auto& o) { o.max_message_bytes = 3000000000; }, "max_message_bytes must be in"},
-      {[](auto& o) { o.memory_budget_bytes = -1; }, "memory_budget_bytes must be >= 0, got -1"},
-      {[](auto& o) { o.default_max_context = 0; }, "default_max_context must be >= 1, got 0"},
-      {[](auto& o) { o.max_context_limit = 0; }, "max_context_limit must be >= 1, got 0"},
+      {[](auto& o) { o.compute_workers = 0; }, "--compute_workers must be >= 1, got 0"},
+      {[](auto& o) { o.queue_depth = -3; }, "--queue_depth must be >= 1, got -3"},
+      {[](auto& o) { o.max_message_bytes = 3000000000; }, "--max_message_bytes must be in"},
+      {[](auto& o) { o.memory_budget_bytes = -1; }, "--memory_budget_bytes must be >= 0, got -1"},
+      {[](auto& o) { o.default_max_context = 0; }, "--default_max_context must be >= 1, got 0"},
+      {[](auto& o) { o.max_context_limit = 0; }, "--max_context_limit must be >= 1, got 0"},
       {[](auto& o) { o.default_max_context = o.max_context_limit + 1; },
-       "default_max_context 1048577 exceeds max_context_limit 1048576"},
-      {[](auto& o) { o.default_idle_ttl_seconds = 0; }, "default_idle_ttl_seconds must be >= 1"},
+       "--default_max_context 1048577 exceeds --max_context_limit 1048576"},
+      {[](auto& o) { o.default_idle_ttl_seconds = 0; }, "--default_idle_ttl_seconds must be >= 1"},
       {[](auto& o) { o.default_idle_ttl_seconds = 5000; },
-       "default_idle_ttl_seconds 5000 exceeds max_idle_ttl_seconds 3600"},
+       "--default_idle_ttl_seconds 5000 exceeds --max_idle_ttl_seconds 3600"},
       {[](auto& o) { o.max_idle_ttl_seconds = 10; },
-       "default_idle_ttl_seconds 300 exceeds max_idle_ttl_seconds 10"},
-      {[](auto& o) { o.shutdown_grace_seconds = -1; }, "shutdown_grace_seconds must be in"},
-      {[](auto& o) { o.shutdown_grace_seconds = NAN; }, "shutdown_grace_seconds must be in"},
+       "--default_idle_ttl_seconds 300 exceeds --max_idle_ttl_seconds 10"},
+      {[](auto& o) { o.shutdown_grace_seconds = -1; }, "--shutdown_grace_seconds must be in"},
+      {[](auto& o) { o.shutdown_grace_seconds = NAN; }, "--shutdown_grace_seconds must be in"},
+      {[](auto& o) { o.compute_nice = 20; }, "--compute_nice must be in [0, 19], got 20"},
+      {[](auto& o) { o.max_queue_delay_seconds = -1; },
+       "--max_queue_delay_seconds must be in [0, 3600], got -1"},
+      {[](auto& o) { o.credentials_reload_seconds = 0; },
+       "--credentials_reload_seconds must be in [1, 3600], got 0"},
+      {[](auto& o) { o.principal_max_sessions = 0; },
+       "--principal_max_sessions must be >= 1 and --principal_memory_bytes >= 0, got 0"},
   };
   for (const Bad& bad : cases) {
     server::ServerOptions o = TestServerOptions();
@@ -2164,6 +2171,10 @@ TEST(ServerOptionsTest, EachBadOptionIsNamedWithItsValue) {
     o.default_idle_ttl_seconds = 300;
     o.max_idle_ttl_seconds = 3600;
     bad.set(o);
+    // ropeattn-server checks them before Start (a usage error, exit 2).
+    const absl::Status invalid = server::ValidateServerOptions(o);
+    EXPECT_EQ(invalid.code(), absl::StatusCode::kInvalidArgument) << bad.named;
+    EXPECT_THAT(std::string(invalid.message()), HasSubstr(bad.named));
     auto refused = server::Server::Start(o);
     ASSERT_FALSE(refused.ok()) << bad.named;
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad.named;
