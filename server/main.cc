@@ -366,28 +366,22 @@ int main(int argc, char** argv) {
   const absl::StatusOr<ropeattn::server::ListenAddress> listen =
       ropeattn::server::ParseListenAddress(o.address);
   const bool on_network = listen.ok() && !ropeattn::server::IsLoopbackHost(listen->host);
-  if (on_network && ropeattn::server::TlsConfigured(o) && !ropeattn::server::AuthConfigured(o)) {
-    // TLS keeps the traffic private, but every caller is still the one
+  if (on_network && !ropeattn::server::AuthConfigured(o)) {
+    // With TLS the traffic is private, but every caller is still the one
     // anonymous principal (docs/security.md, "Principals").
-    LogEvent(LogLevel::kWarning, "no_authentication_on_network",
+    const bool tls = ropeattn::server::TlsConfigured(o);
+    LogEvent(LogLevel::kWarning, tls ? "no_authentication_on_network" : "plaintext_on_network",
              {{"address", o.address},
               {"message",
                absl::StrCat("listening on ", o.address,
-                            " with TLS but no authentication: anyone who can reach this port can "
-                            "use, list and close every session. Set --auth_tokens_file (or "
-                            "--tls_client_ca_file); see docs/security.md")}});
-  }
-  if (!ropeattn::server::TlsConfigured(o) && !ropeattn::server::AuthConfigured(o)) {
-    if (on_network) {
-      LogEvent(LogLevel::kWarning, "plaintext_on_network",
-               {{"address", o.address},
-                {"message",
-                 absl::StrCat("listening on ", o.address,
-                              " with no TLS and no authentication: anyone who can reach this "
-                              "port can read traffic, and use, list and close every session. Set "
-                              "--tls_cert_file/--tls_key_file and --auth_tokens_file (or "
-                              "--tls_client_ca_file); see docs/security.md")}});
-    }
+                            tls ? " with TLS but no authentication: anyone who can reach this "
+                                  "port can use, list and close every session. Set "
+                                  "--auth_tokens_file (or --tls_client_ca_file)"
+                                : " with no TLS and no authentication: anyone who can reach this "
+                                  "port can read traffic, and use, list and close every session. "
+                                  "Set --tls_cert_file/--tls_key_file and --auth_tokens_file (or "
+                                  "--tls_client_ca_file)",
+                            "; see docs/security.md")}});
   }
   LogEvent(LogLevel::kInfo, "config",
            {{"config", ropeattn::server::RawJson{ConfigJson(o, *max_connections)}}});
