@@ -48,6 +48,22 @@ using ::ropeattn::testing::RandomTensor;
 using ::ropeattn::testing::ToDoubles;
 using ::testing::HasSubstr;
 
+// The fp64 reference's parameters for a step of `tokens` tokens at
+// position `pos` of a state of config `c`: causal, the state's window.
+ref::AttentionRefParams StepRefParams(const DecodeStateConfig& c, int64_t pos, int64_t tokens) {
+  ref::AttentionRefParams p;
+  p.q_len = tokens;
+  p.k_len = pos + tokens;
+  p.heads = c.heads;
+  p.kv_heads = c.kv_heads;
+  p.head_dim = c.head_dim;
+  p.v_dim = c.v_dim;
+  p.causal = true;
+  p.window = c.attention.window;
+  p.q_offsets = {pos};
+  return p;
+}
+
 bool SameBytes(const Tensor& a, const Tensor& b) {
   return a.byte_size() == b.byte_size() &&
          std::memcmp(a.data<char>(), b.data<char>(), a.byte_size()) == 0;
@@ -388,15 +404,7 @@ TEST(DecodeStateTest, StepsMatchTheFp64Reference) {
       }
       keys.insert(keys.end(), k.begin(), k.end());
       values.insert(values.end(), v.begin(), v.end());
-      ref::AttentionRefParams p;
-      p.q_len = tokens;
-      p.k_len = pos + tokens;
-      p.heads = c.heads;
-      p.kv_heads = c.kv_heads;
-      p.head_dim = c.head_dim;
-      p.v_dim = c.v_dim;
-      p.causal = true;
-      p.q_offsets = {pos};
+      const ref::AttentionRefParams p = StepRefParams(c, pos, tokens);
       const ref::AttentionRefResult want = ref::Attention(p, q, keys, values);
       EXPECT_TRUE(AllClose(ToDoubles(out.cview()), want.out,
                            kv == DType::kF32 ? testing::kF32Tol : testing::kBF16Tol))
@@ -730,14 +738,7 @@ TEST(DecodeStateTest, StartPositionRotatesAtAbsolutePositions) {
       r.positions.clear();
       for (int64_t t = 0; t < len; ++t) r.positions.push_back(start + t);
       const std::vector<double> keys = ref::Rotate(r, raw_keys);
-      ref::AttentionRefParams p;
-      p.q_len = tokens;
-      p.k_len = len;
-      p.heads = c.heads;
-      p.kv_heads = c.kv_heads;
-      p.head_dim = c.head_dim;
-      p.v_dim = c.v_dim;
-      p.causal = true;
+      const ref::AttentionRefParams p = StepRefParams(c, pos, tokens);
       const ref::AttentionRefResult want = ref::Attention(p, q, keys, values);
       EXPECT_TRUE(AllClose(ToDoubles(out.cview()), want.out, testing::kF32Tol)) << "at " << pos;
       pos = len;
@@ -1117,15 +1118,7 @@ TEST(Int8DecodeStateTest, StepsAreExactOverTheStoredValues) {
         }
       }
     }
-    ref::AttentionRefParams p;
-    p.q_len = tokens;
-    p.k_len = len;
-    p.heads = c.heads;
-    p.kv_heads = c.kv_heads;
-    p.head_dim = c.head_dim;
-    p.v_dim = c.v_dim;
-    p.causal = true;
-    p.q_offsets = {pos};
+    const ref::AttentionRefParams p = StepRefParams(c, pos, tokens);
     const ref::AttentionRefResult want = ref::Attention(p, q, stored_k, stored_v);
     EXPECT_TRUE(AllClose(ToDoubles(out.cview()), want.out, testing::kF32Tol)) << "at " << pos;
     pos = len;
@@ -1217,16 +1210,7 @@ TEST(Int8DecodeStateTest, OddShapesAndWindowsAreExactOverTheStoredValues) {
       ASSERT_TRUE(state.Step(q.cview(), k.cview(), v.cview(), out.view(), 2).ok());
       absl::StatusOr<DecodeState::Exported> e = state.Export();
       ASSERT_TRUE(e.ok()) << e.status();
-      ref::AttentionRefParams p;
-      p.q_len = tokens;
-      p.k_len = pos + tokens;
-      p.heads = c.heads;
-      p.kv_heads = c.kv_heads;
-      p.head_dim = c.head_dim;
-      p.v_dim = c.v_dim;
-      p.causal = true;
-      p.window = window;
-      p.q_offsets = {pos};
+      const ref::AttentionRefParams p = StepRefParams(c, pos, tokens);
       const ref::AttentionRefResult want =
           ref::Attention(p, ToDoubles(q.cview()), ToDoubles(e->k.cview()), ToDoubles(e->v.cview()));
       EXPECT_TRUE(AllClose(ToDoubles(out.cview()), want.out, testing::kF32Tol))
@@ -1405,15 +1389,7 @@ TEST(Int8DecodeStateTest, ErrorTableAgainstFp64) {
           const std::vector<double> v = ToDoubles(s.v.cview());
           keys.insert(keys.end(), k.begin(), k.end());
           values.insert(values.end(), v.begin(), v.end());
-          ref::AttentionRefParams p;
-          p.q_len = tokens;
-          p.k_len = pos + tokens;
-          p.heads = c.heads;
-          p.kv_heads = c.kv_heads;
-          p.head_dim = c.head_dim;
-          p.v_dim = c.v_dim;
-          p.causal = true;
-          p.q_offsets = {pos};
+          const ref::AttentionRefParams p = StepRefParams(c, pos, tokens);
           const ref::AttentionRefResult want = ref::Attention(p, q, keys, values);
           const std::vector<double> got = ToDoubles(out.cview());
           double err = 0, mag = 0;
