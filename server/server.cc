@@ -105,17 +105,22 @@ struct Server::Impl {
 
   // -1 before the first SetServing, then 0 or 1: changes are logged.
   std::atomic<int> serving_state{-1};
+  absl::Mutex serving_mu;
 
-  void SetServing(bool serving, absl::string_view reason) {
+  // Only a change is set: gRPC's health service sends every status set to
+  // every Watch stream, so setting it each canary round sent each watcher
+  // SERVING every 2 s. The lock keeps the order of changes and of their
+  // statuses the same.
+  void SetServing(bool serving, absl::string_view reason) ABSL_LOCKS_EXCLUDED(serving_mu) {
     grpc::HealthCheckServiceInterface* health = grpc_server->GetHealthCheckService();
     if (health == nullptr) return;
+    absl::MutexLock lock(&serving_mu);
+    if (serving_state.exchange(serving ? 1 : 0) == (serving ? 1 : 0)) return;
     health->SetServingStatus(serving);
     health->SetServingStatus(kServiceName, serving);
-    if (serving_state.exchange(serving ? 1 : 0) != (serving ? 1 : 0)) {
-      // Draining is planned; a failed self-test is not.
-      LogEvent(serving || reason == "draining" ? LogLevel::kInfo : LogLevel::kWarning, "health",
-               {{"status", serving ? "SERVING" : "NOT_SERVING"}, {"reason", reason}});
-    }
+    // Draining is planned; a failed self-test is not.
+    LogEvent(serving || reason == "draining" ? LogLevel::kInfo : LogLevel::kWarning, "health",
+             {{"status", serving ? "SERVING" : "NOT_SERVING"}, {"reason", reason}});
   }
 
   // Every few seconds, run the canary through the executor. Not finishing in

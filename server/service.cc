@@ -165,6 +165,13 @@ std::string AnswerNotTaken(double timeout_seconds) {
       timeout_seconds);
 }
 
+// The code a client saw for an answer that never reached it: its deadline
+// (or its client's timer just before it), else a cancellation.
+int UndeliveredCode(const StopToken& stop) {
+  const absl::Status status = stop.status();
+  return static_cast<int>(status.ok() ? absl::StatusCode::kCancelled : status.code());
+}
+
 }  // namespace
 
 // One unary call: owns its typed request and response (parsed from and
@@ -265,6 +272,10 @@ class UnaryCall : public grpc::ServerUnaryReactor {
       LogAnswerTimedOut(
           *ctx_, absl::StrCat("/", v1::AttentionService::service_full_name(), "/", method_),
           AnswerNotTaken(service_->options_.answer_timeout_seconds), absl::Now() - arrived_);
+    } else if (ctx_->IsCancelled()) {
+      // Its status never reached the client: the deadline passed while the
+      // answer was on its way, or the client cancelled. The client saw that.
+      code = UndeliveredCode(stop_);
     }
     metrics->RecordRequest(method_, code, seconds_);
   }
@@ -1197,6 +1208,9 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       service_->metrics_->RecordAnswerTimedOut(u.method);
       timed_out = absl::StrCat(u.method, " seq ", u.seq, ": ",
                                AnswerNotTaken(service_->options_.answer_timeout_seconds));
+    } else if (!ok) {
+      // Not delivered: the stream's deadline passed or it was cancelled.
+      code = UndeliveredCode(stop_);
     }
     service_->metrics_->RecordRequest(u.method, code, u.seconds);
     return timed_out;

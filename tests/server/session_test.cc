@@ -323,6 +323,25 @@ TEST_F(SessionTest, HealthIsServingAndFollowsTheComputePath) {
   EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
 }
 
+// A health Watch gets a status when it starts and then only when the status
+// changes: the canary's rounds (every 2 s) each set SERVING again, and gRPC's
+// health service sent every one of them to every watcher.
+TEST(HealthWatchTest, SendsAStatusOnlyWhenItChanges) {
+  auto server = StartTestServer(TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  auto health = grpc::health::v1::Health::NewStub(TestChannel(server->port()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(4500));
+  auto reader = health->Watch(&ctx, {});
+  grpc::health::v1::HealthCheckResponse r;
+  ASSERT_TRUE(reader->Read(&r));
+  EXPECT_EQ(r.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  int more = 0;
+  while (reader->Read(&r)) ++more;  // two canary rounds pass before the deadline
+  EXPECT_EQ(more, 0) << "last: " << r.ShortDebugString();
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+}
+
 // Health Watch streams (which need no token) and reflection streams are
 // capped (14,000 idle ones took 260 MiB outside a 32 MiB budget), not
 // charged to the memory budget (unauthenticated Watch streams would fill it
@@ -1071,7 +1090,7 @@ TEST(DecodeStreamBudgetTest, IdleStreamsHoldTheirShareOfTheBudget) {
 // opens: no byte of the answer can leave the server. Returns the connected
 // socket (the connection stays up while it is open), or -1.
 int SendUnreadCall(int port, const std::string& path, const std::string& body,
-                   const std::string& request_id = "") {
+                   const std::string& request_id = "", const std::string& grpc_timeout = "") {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return -1;
   sockaddr_in addr{};
@@ -1100,6 +1119,7 @@ int SendUnreadCall(int port, const std::string& path, const std::string& body,
                                                              {"content-type", "application/grpc"},
                                                              {"te", "trailers"}};
   if (!request_id.empty()) fields.emplace_back("x-request-id", request_id);
+  if (!grpc_timeout.empty()) fields.emplace_back("grpc-timeout", grpc_timeout);
   std::string headers;
   for (const auto& [name, value] : fields) {
     headers += '\0';
@@ -1266,6 +1286,24 @@ TEST(AnswerTimeoutTest, AnswersNotTakenCountAndLogAsCancelled) {
     v1::EncodeResponse out;
     ASSERT_TRUE(stub->Encode(&ctx, req, &out).ok());
     EXPECT_TRUE(Eventually([&] { return metric(encode_ok) == 1; }, absl::Seconds(5)));
+    EXPECT_EQ(metric(encode_cancelled), 1);
+    EXPECT_EQ(metric(R"(ropeattn_answers_timed_out_total{method="Encode"})"), 1);
+  }
+  // An answer whose call's deadline (300 ms) passes before it leaves, well
+  // inside the answer timeout: the client saw DEADLINE_EXCEEDED, and so is
+  // it counted (it was counted OK, the code it was answered with).
+  {
+    v1::EncodeRequest req;
+    req.mutable_sinusoidal()->set_num_positions(16);
+    req.mutable_sinusoidal()->set_d_model(8);
+    const int fd = SendUnreadCall(server->port(), "/ropeattn.v1.AttentionService/Encode",
+                                  req.SerializeAsString(), "late-encode", "300m");
+    ASSERT_GE(fd, 0);
+    const std::string expired = R"(ropeattn_requests_total{method="Encode",code="DEADLINE_EXCEEDED"})";
+    EXPECT_TRUE(Eventually([&] { return metric(expired) == 1; }, absl::Seconds(5)))
+        << server->metrics().RenderPrometheus();
+    close(fd);
+    EXPECT_EQ(metric(encode_ok), 1);
     EXPECT_EQ(metric(encode_cancelled), 1);
     EXPECT_EQ(metric(R"(ropeattn_answers_timed_out_total{method="Encode"})"), 1);
   }
