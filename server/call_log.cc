@@ -108,6 +108,9 @@ class CallLog final : public grpc::experimental::Interceptor {
         }
         ParseTraceparent(Find(*md, kTraceparentKey), &trace_id_, &parent_id_);
       }
+      // Now: once a call is cancelled (a timed-out answer's), gRPC 1.51
+      // reports its peer as "unknown".
+      peer_ = info_->server_context()->peer();
     }
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_INITIAL_METADATA) &&
         !request_id_.empty()) {
@@ -167,7 +170,7 @@ class CallLog final : public grpc::experimental::Interceptor {
       normal_end = true;
     }
     const int code = static_cast<int>(status.error_code());
-    if (!status.ok() || access_log_) {
+    if ((!status.ok() || access_log_) && peer_.empty()) {
       peer_ = info_->server_context()->peer();
     }
     const double ms = Milliseconds(absl::Now() - start_);
@@ -296,7 +299,7 @@ void LogRefusedCall(const std::multimap<grpc::string_ref, grpc::string_ref>& md,
 }
 
 void LogAnswerTimedOut(const grpc::ServerContextBase& ctx, absl::string_view method,
-                       absl::string_view message, absl::Duration took) {
+                       absl::string_view message, absl::Duration took, absl::string_view peer) {
   std::string trace_id, parent_id;
   ParseTraceparent(Find(ctx.client_metadata(), kTraceparentKey), &trace_id, &parent_id);
   const int code = static_cast<int>(grpc::StatusCode::CANCELLED);
@@ -306,7 +309,7 @@ void LogAnswerTimedOut(const grpc::ServerContextBase& ctx, absl::string_view met
             {"code", CodeName(code)},
             {"message", message},
             {"ms", Milliseconds(took)},
-            {"peer", ctx.peer()},
+            {"peer", peer},
             {"trace_id", trace_id},
             {"parent_id", parent_id}});
 }

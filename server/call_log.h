@@ -47,11 +47,12 @@ void LogStreamError(const grpc::ServerContextBase& ctx, absl::string_view method
 // Logs a unary call cancelled because its answer was not taken within
 // --answer_timeout_seconds (AnswerWatch), as an error answer: "error_answer"
 // with code CANCELLED, `message` (why), `took` (from the call's arrival to
-// the cancellation), the call's request id, peer and trace context. Its
-// status line was written when it was answered, before anyone knew the
-// answer would stay untaken.
+// the cancellation), the call's request id, `peer` (read before the
+// cancellation: gRPC reports a cancelled call's peer as "unknown") and trace
+// context. Its status line was written when it was answered, before anyone
+// knew the answer would stay untaken.
 void LogAnswerTimedOut(const grpc::ServerContextBase& ctx, absl::string_view method,
-                       absl::string_view message, absl::Duration took);
+                       absl::string_view message, absl::Duration took, absl::string_view peer);
 
 // The lines of a call refused by the authenticator in gRPC's auth filter,
 // before any interceptor or handler: no interceptor sees it, so they are

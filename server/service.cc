@@ -187,6 +187,7 @@ class UnaryCall : public grpc::ServerUnaryReactor {
         out_(out),
         method_(method),
         arrived_(absl::Now()),
+        peer_(ctx->peer()),
         watch_(service->WatchAnswers()->Watch(ctx)) {
     stop_.set_deadline(DeadlineOf(ctx));
     service_->CallStarted();
@@ -266,13 +267,17 @@ class UnaryCall : public grpc::ServerUnaryReactor {
     if (code_ < 0) return;  // never answered (gRPC always runs Answer's Finish)
     Metrics* metrics = service_->metrics_;
     int code = code_;
-    if (watch_->TimedOut()) {
+    // The watch may fire as the answer leaves: only a call it did cancel
+    // (its status undelivered) is the timeout's.
+    const bool cancelled = ctx_->IsCancelled();
+    if (cancelled && watch_->TimedOut()) {
       code = static_cast<int>(grpc::StatusCode::CANCELLED);
       metrics->RecordAnswerTimedOut(method_);
       LogAnswerTimedOut(
           *ctx_, absl::StrCat("/", v1::AttentionService::service_full_name(), "/", method_),
-          AnswerNotTaken(service_->options_.answer_timeout_seconds), absl::Now() - arrived_);
-    } else if (ctx_->IsCancelled()) {
+          AnswerNotTaken(service_->options_.answer_timeout_seconds), absl::Now() - arrived_,
+          peer_);
+    } else if (cancelled) {
       // Its status never reached the client: the deadline passed while the
       // answer was on its way, or the client cancelled. The client saw that.
       code = UndeliveredCode(stop_);
@@ -285,6 +290,7 @@ class UnaryCall : public grpc::ServerUnaryReactor {
   grpc::ByteBuffer* const out_;
   const char* const method_;
   const absl::Time arrived_;
+  const std::string peer_;  // read now: a cancelled call's peer is "unknown"
   const std::shared_ptr<AnswerWatch::Handle> watch_;
   int code_ = -1;         // the status answered, -1 before
   double seconds_ = 0.0;  // the request's latency, to its answer
