@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "absl/random/random.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -54,7 +55,7 @@ class ReflectionRefusal final : public grpc::experimental::Interceptor {
     }
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
       if (methods->GetRecvMessage() == nullptr && receiving_ != nullptr) {
-        if (!Unmark(receiving_)) unparsed_ = receiving_->GetTypeName();
+        if (!Unmark(receiving_, mark_)) unparsed_ = receiving_->GetTypeName();
       }
       receiving_ = nullptr;
     } else if (methods->GetRecvMessage() != nullptr) {
@@ -62,7 +63,7 @@ class ReflectionRefusal final : public grpc::experimental::Interceptor {
       // with no hook point set but the object it receives into.
       auto* request = static_cast<google::protobuf::Message*>(methods->GetRecvMessage());
       if (absl::EndsWith(request->GetDescriptor()->full_name(), ".ServerReflectionRequest")) {
-        request->GetReflection()->MutableUnknownFields(request)->AddVarint(kMarkField, 1);
+        request->GetReflection()->MutableUnknownFields(request)->AddFixed64(kMarkField, mark_);
         receiving_ = request;
       }
     }
@@ -82,17 +83,27 @@ class ReflectionRefusal final : public grpc::experimental::Interceptor {
   static constexpr int kMarkField = (1 << 29) - 1;
 
   // Removes the mark; false if it was gone (a parse cleared the object).
-  static bool Unmark(google::protobuf::Message* request) {
+  // The mark is this call's random value, not just its field number: a
+  // message that sets that field and then fails to parse leaves its own
+  // value there, which must not pass for the mark (a client's spoof ended
+  // its stream OK again).
+  static bool Unmark(google::protobuf::Message* request, uint64_t mark) {
     google::protobuf::UnknownFieldSet* unknown =
         request->GetReflection()->MutableUnknownFields(request);
+    bool found = false;
     for (int i = 0; i < unknown->field_count(); ++i) {
-      if (unknown->field(i).number() == kMarkField) {
-        unknown->DeleteByNumber(kMarkField);
-        return true;
+      const google::protobuf::UnknownField& f = unknown->field(i);
+      if (f.number() == kMarkField && f.type() == google::protobuf::UnknownField::TYPE_FIXED64 &&
+          f.fixed64() == mark) {
+        found = true;
       }
     }
-    return false;
+    if (found) unknown->DeleteByNumber(kMarkField);
+    return found;
   }
+
+  // This call's mark: random, so a client cannot send it.
+  const uint64_t mark_ = absl::Uniform<uint64_t>(absl::BitGen());
 
   // The service's request object while a receive into it runs (marked).
   google::protobuf::Message* receiving_ = nullptr;

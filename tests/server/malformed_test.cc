@@ -1366,6 +1366,14 @@ TEST(UnparseableBytesTest, AreInvalidArgumentOnReflection) {
   const std::string list("\x3a\x00", 2);  // list_services: ""
   const std::string garbage("\xff\xff", 2);
   const std::string not_utf8("\x0a\x02\xff\xfe", 4);  // host
+  // Field 2^29 - 1 (the number the server marks its request object with),
+  // as a varint and as a fixed64, then bytes that do not parse: the field
+  // must not pass for the server's mark.
+  const std::string spoof_varint("\xf8\xff\xff\xff\x0f\x01\xff\xff", 8);
+  const std::string spoof_fixed64 =
+      std::string("\xf9\xff\xff\xff\x0f", 5) + std::string(8, '\x01') + garbage;
+  // The same field in a message that parses is answered.
+  const std::string marked_list = std::string("\xf8\xff\xff\xff\x0f\x01", 6) + list;
   struct Case {
     std::vector<std::string> messages;
     bool half_close;
@@ -1379,6 +1387,9 @@ TEST(UnparseableBytesTest, AreInvalidArgumentOnReflection) {
       {{list, list}, true, 2, grpc::StatusCode::OK},
       {{"", list}, true, 2, grpc::StatusCode::OK},
       {{}, true, 0, grpc::StatusCode::OK},
+      {{list, spoof_varint, list}, false, 1, grpc::StatusCode::INVALID_ARGUMENT},
+      {{list, spoof_fixed64, list}, false, 1, grpc::StatusCode::INVALID_ARGUMENT},
+      {{marked_list, list}, true, 2, grpc::StatusCode::OK},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     raw::Stream stream(&stub, cases[i].messages, method, cases[i].half_close);
