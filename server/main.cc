@@ -263,8 +263,13 @@ int main(int argc, char** argv) {
   o.handshake_timeout_seconds = absl::GetFlag(FLAGS_handshake_timeout_seconds);
   o.max_connection_idle_seconds = absl::GetFlag(FLAGS_max_connection_idle_seconds);
   o.metrics_address = absl::GetFlag(FLAGS_metrics_address);
-  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
-    o.metrics_address = absl::StrCat("127.0.0.1:", absl::GetFlag(FLAGS_metrics_port));
+  if (const int port = absl::GetFlag(FLAGS_metrics_port); port < -1 || port > 65535) {
+    std::fprintf(stderr,
+                 "ropeattn-server: --metrics_port must be in [0, 65535] (or -1: unset), got %d\n",
+                 port);
+    return kExitUsage;
+  } else if (port >= 0) {
+    o.metrics_address = absl::StrCat("127.0.0.1:", port);
   }
   o.compute_workers = absl::GetFlag(FLAGS_compute_workers);
   o.threads_per_call = absl::GetFlag(FLAGS_threads_per_call);

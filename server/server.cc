@@ -205,6 +205,28 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "--max_decode_batch must be in [1, 1024], got %d", options.max_decode_batch));
   }
+  // A thread each: a worker count or a call's threads past what any
+  // machine has only exhaust the process's threads (std::system_error at
+  // start) or price every request past the budget.
+  for (const auto& [name, value] : {std::pair<const char*, int>{"--compute_workers",
+                                                                  options.compute_workers},
+                                    {"--threads_per_call", options.threads_per_call}}) {
+    if (value < 1 || value > kMaxThreadsFlag) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s must be in [1, %d], got %d", name, kMaxThreadsFlag, value));
+    }
+  }
+  // Addresses are checked here too, so a bad one is a usage error before
+  // anything starts, named as typed.
+  if (absl::StatusOr<ListenAddress> a = ParseListenAddress(options.address); !a.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--address: ", a.status().message()));
+  }
+  if (!options.metrics_address.empty()) {
+    if (absl::StatusOr<ListenAddress> a = ParseListenAddress(options.metrics_address); !a.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--metrics_address (or --metrics_port): ", a.status().message()));
+    }
+  }
   // Each flag named with its valid range and the value given.
   auto at_least = [](const char* name, int64_t value, int64_t min) {
     return value >= min ? absl::OkStatus()
@@ -212,8 +234,6 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
                               absl::StrFormat("%s must be >= %d, got %d", name, min, value));
   };
   for (absl::Status st : {
-           at_least("--compute_workers", options.compute_workers, 1),
-           at_least("--threads_per_call", options.threads_per_call, 1),
            at_least("--queue_depth", options.queue_depth, 1),
            at_least("--max_sessions", options.max_sessions, 1),
            at_least("--memory_budget_bytes", options.memory_budget_bytes, 0),

@@ -22,6 +22,9 @@ class ModelRegistry;
 // (name + value + 32 per entry).
 inline constexpr int kMaxMetadataBytes = 64 * 1024;
 
+// Largest --compute_workers and --threads_per_call (a thread each).
+inline constexpr int kMaxThreadsFlag = 256;
+
 // The options' values alone, checked as flags (no file read, nothing bound):
 // each in its range, and the defaults within their caps. InvalidArgument
 // naming the flag as typed (--name) and its value; ropeattn-server exits 2
