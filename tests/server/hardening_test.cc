@@ -2142,7 +2142,7 @@ TEST(ServerOptionsTest, EachBadOptionIsNamedWithItsValue) {
     std::string named;
   };
   const std::vector<Bad> cases = {
-      {[](auto& o) { o.compute_workers = 0; }, "--compute_workers must be >= 1, got 0"},
+      {[](auto& o) { o.compute_workers = 0; }, "--compute_workers must be in [1, 256], got 0"},
       {[](auto& o) { o.queue_depth = -3; }, "--queue_depth must be >= 1, got -3"},
       {[](auto& o) { o.max_message_bytes = 3000000000; }, "--max_message_bytes must be in"},
       {[](auto& o) { o.memory_budget_bytes = -1; }, "--memory_budget_bytes must be >= 0, got -1"},
