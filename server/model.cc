@@ -1851,8 +1851,9 @@ absl::StatusOr<WeightSource> OpenWeights(const std::string& dir) {
         MappedFile::Open(JoinPath(dir, shard), shard);
     if (!file.ok()) {
       if (absl::IsNotFound(file.status())) {
-        return absl::NotFoundError(absl::StrCat(index_name, ": shard ", shard, " (tensor ",
-                                                it.key(), ") not found in ", dir));
+        return absl::NotFoundError(absl::StrCat(index_name, ": shard \"", absl::CHexEscape(shard),
+                                                "\" (tensor \"", absl::CHexEscape(it.key()),
+                                                "\") not found in ", dir));
       }
       return file.status();
     }
@@ -1866,13 +1867,15 @@ absl::StatusOr<WeightSource> OpenWeights(const std::string& dir) {
     const std::string shard = it.value().get<std::string>();
     auto rec = src.table.find(it.key());
     if (rec == src.table.end()) {
-      return absl::NotFoundError(absl::StrCat(index_name, ": tensor ", it.key(), " maps to shard ",
-                                              shard, ", which does not contain it"));
+      return absl::NotFoundError(absl::StrCat(
+          index_name, ": tensor \"", absl::CHexEscape(it.key()), "\" maps to shard \"",
+          absl::CHexEscape(shard), "\", which does not contain it"));
     }
     if (rec->second.file->name() != shard) {
-      return absl::InvalidArgumentError(absl::StrCat(index_name, ": tensor ", it.key(),
-                                                     " maps to shard ", shard, " but is in ",
-                                                     rec->second.file->name()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          index_name, ": tensor \"", absl::CHexEscape(it.key()), "\" maps to shard \"",
+          absl::CHexEscape(shard), "\" but is in \"", absl::CHexEscape(rec->second.file->name()),
+          "\""));
     }
   }
   return src;
