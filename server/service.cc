@@ -800,6 +800,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     }
     if (service_->draining()) {
       read_buf_.Clear();
+      // Not parsed: counted as the stream's, as a message that does not parse.
+      service_->metrics_->RecordRequest("Decode", grpc::StatusCode::UNAVAILABLE, 0.0);
       FinishOnce(ShuttingDown());
       return;
     }
