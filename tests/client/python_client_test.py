@@ -185,6 +185,26 @@ class PythonClientTest(unittest.TestCase):
             self.client.attend(q, k, k, q_offsets=[1.7, 2.0])
         self.assertIn("q_offsets", str(e.exception))
 
+    def test_integer_arguments_refuse_floats_naming_the_argument(self):
+        # Each was protobuf's own TypeError, naming no argument.
+        for name, call in [
+                ("start_position", lambda: self.client.session(heads=2, head_dim=8,
+                                                               start_position=2.5)),
+                ("max_context", lambda: self.client.session(heads=2, head_dim=8,
+                                                            max_context=8.0)),
+                ("heads", lambda: self.client.session(heads=2.0, head_dim=8)),
+                ("window", lambda: self.client.session(heads=2, head_dim=8, window=1.5))]:
+            with self.assertRaises(TypeError) as e:
+                call()
+            self.assertIn(name, str(e.exception))
+        x = np.ones((1, 1, 2, 8), np.float32)
+        with self.client.session(heads=2, head_dim=8, start_position=np.int64(3)) as s:
+            s.step(x, x, x)
+            with self.assertRaises(TypeError) as e:
+                s.truncate(1.0)
+            self.assertIn("position", str(e.exception))
+            self.assertEqual(s.truncate(0).position, 0)  # no seq was spent on the refusal
+
     def test_token_without_tls_is_refused(self):
         with self.assertRaises(ValueError) as e:
             ropeattn.Client(self.target, token="secret")

@@ -87,6 +87,14 @@ def _int_array(values, name):
     return a
 
 
+def _int(value, name):
+    """A Python int from an int or a numpy integer (a float, even 1.0, is
+    refused, not truncated: a TypeError naming the argument)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError("%s must be an integer, got %r" % (name, value))
+    return int(value)
+
+
 def _ints(values, name):
     """A list of Python ints from None, a sequence or a numpy array of
     integers (floats are refused, not truncated)."""
@@ -162,8 +170,10 @@ class Client:
                rope=None, alibi=False, q_offsets=None, key_lengths=None, dtype="f32",
                out_dtype="f32"):
         """Attention of q [B, Sq, H, D] over k, v [B, Sk, Hkv, D]: out [B, Sq, H, Dv]."""
-        spec = pb.AttentionSpec(heads=q.shape[2], kv_heads=kv_heads or k.shape[2],
-                                head_dim=q.shape[3], causal=causal, window=window,
+        spec = pb.AttentionSpec(heads=q.shape[2],
+                                kv_heads=_int(kv_heads, "kv_heads") or k.shape[2],
+                                head_dim=q.shape[3], causal=causal,
+                                window=_int(window, "window"),
                                 softcap=softcap, scale=scale)
         if rope is not None:
             spec.rope.CopyFrom(_rope_spec(rope))
@@ -198,14 +208,16 @@ class Client:
                 window=0, kv_dtype="f32", start_position=0):
         """A decoding session (a context manager): step, truncate, fork,
         export_kv, close."""
-        spec = pb.AttentionSpec(heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window)
+        spec = pb.AttentionSpec(heads=_int(heads, "heads"), kv_heads=_int(kv_heads, "kv_heads"),
+                                head_dim=_int(head_dim, "head_dim"), window=_int(window, "window"))
         if rope is not None:
             spec.rope.CopyFrom(_rope_spec(rope))
         if alibi:
             spec.alibi.SetInParent()
-        return Session(self, pb.OpenSession(spec=spec, max_context=max_context,
+        return Session(self, pb.OpenSession(spec=spec, max_context=_int(max_context, "max_context"),
                                             kv_dtype=_dtype("kv_dtype", kv_dtype, _KV_DTYPES),
-                                            start_position=start_position))
+                                            start_position=_int(start_position,
+                                                                "start_position")))
 
 
 class Session:
@@ -252,6 +264,7 @@ class Session:
         return from_tensor(self._send(pb.DecodeRequest(step=step), "step").out)
 
     def truncate(self, position):
+        position = _int(position, "position")  # before a seq is taken
         return self._send(pb.DecodeRequest(
             truncate=pb.Truncate(seq=self._next_seq(), position=position)), "truncated")
 
