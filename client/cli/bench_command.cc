@@ -784,6 +784,20 @@ int BenchCommand(int argc, char** argv) {
   if (spec.mode != client::LoadMode::kClosed && given.count("concurrency") > 0) {
     return UsageFail(kCommand, "--concurrency is for --mode closed; open loop takes --rate");
   }
+  if (spec.mode == client::LoadMode::kClosed && given.count("max_outstanding") > 0) {
+    return UsageFail(kCommand, "--max_outstanding is for --mode constant or poisson (open loop); "
+                               "closed loop has --concurrency requests outstanding");
+  }
+  // The search flags are read only by a search (--latency_threshold).
+  if (f.latency_threshold == 0) {
+    for (const char* name : {"search_max_points", "search_max", "search_resolution"}) {
+      if (given.count(name) > 0) {
+        return UsageFail(kCommand, absl::StrCat("--", name,
+                                                " is read only with --latency_threshold (a "
+                                                "search); without it the levels are swept"));
+      }
+    }
+  }
   if (spec.mode == client::LoadMode::kClosed) {
     absl::StatusOr<std::vector<int64_t>> list = ParseIntList("concurrency", f.concurrency);
     if (!list.ok()) return UsageFail(kCommand, list.status().message());

@@ -616,7 +616,9 @@ TEST(BenchCliTest, ErrorsAreOneLineWithTheStatusCode) {
   // A flag the mode does not read, or a list with an empty element: usage
   // errors, not silently ignored.
   for (const char* args : {"--mode closed --rate 5", "--mode poisson --concurrency 2",
-                           "--mode poisson --rate 5,,6", "--mode closed --concurrency 1,,2"}) {
+                           "--mode poisson --rate 5,,6", "--mode closed --concurrency 1,,2",
+                           "--mode closed --max_outstanding 8", "--search_max 9",
+                           "--search_resolution 0.1", "--search_max_points 3"}) {
     CliRun misuse = RunCli(absl::StrCat(args, " --target 127.0.0.1:1"));
     EXPECT_EQ(misuse.exit_code, 64) << args << ": " << misuse.err;
   }
@@ -648,7 +650,8 @@ TEST(BenchCliTest, ErrorsAreOneLineWithTheStatusCode) {
         "--head_dim 8 --rope_type yarn --rope_factor 2 --dtype bf16 --seed 3",
         "--workload decode --steps_per_session 2 --context 4 --tokens_per_step 1 --think_ms 1 "
         "--kv_dtype int8 --heads 2 --kv_heads 1 --head_dim 8 --rope --rope_type default "
-        "--dtype bf16 --seed 3"}) {
+        "--dtype bf16 --seed 3",
+        "--latency_threshold 50 --search_max 9 --search_resolution 0.1 --search_max_points 3"}) {
     CliRun run = RunCli(absl::StrCat(args, " --concurrency 1 --window_seconds 0.1 "
                                            "--deadline_seconds 2 --target 127.0.0.1:1"));
     EXPECT_EQ(run.exit_code, 14) << args << ": " << run.err;  // UNAVAILABLE
