@@ -46,12 +46,13 @@ ABSL_FLAG(int, max_connection_idle_seconds, kDefaults.max_connection_idle_second
 ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
           "Prometheus /metrics HTTP listen address host:port; empty disables it");
 ABSL_FLAG(int, metrics_port, -1,
-          "Shorthand: serve /metrics on 127.0.0.1:PORT (overrides --metrics_address)");
+          "Shorthand for --metrics_address=127.0.0.1:PORT, in [0, 65535] (-1: unset); not with "
+          "--metrics_address");
 ABSL_FLAG(int, compute_workers, kDefaults.compute_workers,
-          "Requests computed at once (each on its own worker thread)");
+          "Requests computed at once (each on its own worker thread), in [1, 256]");
 ABSL_FLAG(int, threads_per_call, kDefaults.threads_per_call,
-          "Kernel threads one request may use; keep compute_workers * threads_per_call <= "
-          "the machine's cores");
+          "Kernel threads one request may use, in [1, 256]; keep compute_workers * "
+          "threads_per_call <= the machine's cores");
 ABSL_FLAG(int, queue_depth, kDefaults.queue_depth,
           "Requests that may wait for a worker; beyond it calls get RESOURCE_EXHAUSTED at once");
 ABSL_FLAG(double, max_queue_delay_seconds, kDefaults.max_queue_delay_seconds,
@@ -215,10 +216,14 @@ int main(int argc, char** argv) {
   // Whether --memory_budget_bytes was given (its deprecated alias yields to
   // it whatever its value, the default's included).
   bool memory_budget_given = false;
+  bool metrics_address_given = false;
   for (int i = 0; i < argc; ++i) {
     std::string a = argv[i];
     for (const char* name : {"--memory_budget_bytes", "-memory_budget_bytes"}) {
       if (a == name || absl::StartsWith(a, absl::StrCat(name, "="))) memory_budget_given = true;
+    }
+    for (const char* name : {"--metrics_address", "-metrics_address"}) {
+      if (a == name || absl::StartsWith(a, absl::StrCat(name, "="))) metrics_address_given = true;
     }
     std::string value;
     if (a.rfind("--model=", 0) == 0) {
@@ -269,6 +274,13 @@ int main(int argc, char** argv) {
                  port);
     return kExitUsage;
   } else if (port >= 0) {
+    if (metrics_address_given) {
+      std::fprintf(stderr,
+                   "ropeattn-server: --metrics_port and --metrics_address both given: "
+                   "--metrics_port=%d is a shorthand for --metrics_address=127.0.0.1:%d; give one\n",
+                   port, port);
+      return kExitUsage;
+    }
     o.metrics_address = absl::StrCat("127.0.0.1:", port);
   }
   o.compute_workers = absl::GetFlag(FLAGS_compute_workers);

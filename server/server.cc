@@ -224,7 +224,7 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
   if (!options.metrics_address.empty()) {
     if (absl::StatusOr<ListenAddress> a = ParseListenAddress(options.metrics_address); !a.ok()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--metrics_address (or --metrics_port): ", a.status().message()));
+          absl::StrCat("--metrics_address: ", a.status().message()));
     }
   }
   // Each flag named with its valid range and the value given.

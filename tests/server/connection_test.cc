@@ -221,7 +221,7 @@ TEST(ServerFlagsTest, EveryBadFlagValueExitsTwoNamingTheFlag) {
         "--default_max_context=9999999999", "--credentials_reload_seconds=0",
         "--tls_key_file=/nonexistent", "--compute_workers=100000", "--threads_per_call=257",
         "--address=127.0.0.1:70000", "--address=bogus", "--metrics_address=127.0.0.1:70000",
-        "--metrics_port=-2", "--metrics_port=65536"}) {
+        "--metrics_port=-2", "--metrics_port=65536", "--metrics_port=9999"}) {
     const std::string cmd = absl::StrCat("timeout -s KILL 10 ", ROPEATTN_SERVER_PATH,
                                          " --address=127.0.0.1:0 --metrics_address= ", flag,
                                          " 2>&1");
