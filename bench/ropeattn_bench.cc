@@ -344,6 +344,7 @@ void BM_DecodeInt8(benchmark::State& state, int64_t kv, int64_t kv_heads) {
   state.counters["caches"] = copies;
   // In the tile layout (int8 tile pages, AVX-512 machines) or head-major rows.
   state.counters["kv_cache_layout"] = DecodeState::IsTiles(states[0].storage()) ? 1 : 0;
+  state.counters["paged"] = 1;
   state.counters["fraction_of_read_bandwidth"] =
       state.counters["bytes_per_second"].value / EnsureCeiling(kRead);
 }
@@ -475,9 +476,10 @@ void Register() {
                                RopeLayout::kInterleaved)
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
-  // Each named case reads K/V the way a decoding session keeps them here
-  // (kv_cache_layout = 1: an f32 KvCache; 0: token-major tensors). The
-  // decode/f32/tensors/ cases are a stateless Attend over token-major f32 K/V.
+  // Each named case reads K/V the way a decoding session keeps them here: a
+  // session's pages (paged = 1), in the tile layout (kv_cache_layout = 1) or
+  // in rows (0). The decode/f32/tensors/ cases are a stateless Attend over
+  // token-major f32 K/V.
   struct DecodeCase {
     const char* name;
     DType dtype;
