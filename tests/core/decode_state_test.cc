@@ -206,20 +206,17 @@ TEST(TileKernelsTest, Bf16AndInt8TilesGiveTheBitsOfF32TilesOfTheSameValues) {
             ASSERT_NEAR(s8[u], want, 1e-5 * mag + 1e-30) << "int8 key " << u;
           }
           for (const int64_t count : {int64_t{1}, int64_t{19}, kT}) {
-            std::vector<float> a16(rows * dv, 0.5f), a32(rows * dv, 0.5f);
-            internal::WeightedSumDenseRows(w.data(), kT, rows, vb.data(), count, dv, a16.data(),
-                                           dv);
-            internal::WeightedSumDenseRows(w.data(), kT, rows, vf.data(), count, dv, a32.data(),
-                                           dv);
-            EXPECT_EQ(0, std::memcmp(a16.data(), a32.data(), a16.size() * sizeof(float)))
-                << "count " << count;
-            std::vector<float> a8(rows * dv, 0.5f), a8f(rows * dv, 0.5f);
-            internal::WeightedSumDenseRows(w.data(), kT, rows, v8.data(), count, dv, a8.data(),
-                                           dv);
-            internal::WeightedSumDenseRows(w.data(), kT, rows, v8f.data(), count, dv, a8f.data(),
-                                           dv);
-            EXPECT_EQ(0, std::memcmp(a8.data(), a8f.data(), a8.size() * sizeof(float)))
-                << "int8 count " << count;
+            // The sums over narrow rows and over the same values as f32.
+            const auto sums = [&](const auto* narrow, const float* wide, const char* what) {
+              std::vector<float> a(rows * dv, 0.5f), b(rows * dv, 0.5f);
+              internal::WeightedSumDenseRows(w.data(), kT, rows, narrow, count, dv, a.data(), dv);
+              internal::WeightedSumDenseRows(w.data(), kT, rows, wide, count, dv, b.data(), dv);
+              EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)))
+                  << what << " count " << count;
+              return a;
+            };
+            const std::vector<float> a16 = sums(vb.data(), vf.data(), "bf16");
+            sums(v8.data(), v8f.data(), "int8");
             // And the sums are right (fp64, relative 1e-5 of the magnitudes).
             for (int64_t r = 0; r < rows; ++r) {
               for (int64_t x = 0; x < dv; ++x) {

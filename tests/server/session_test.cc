@@ -1085,6 +1085,19 @@ TEST(DecodeStreamBudgetTest, IdleStreamsHoldTheirShareOfTheBudget) {
   server->Shutdown(absl::Seconds(1));
 }
 
+// Opens a session of 8 heads of 128 (max_context 2048) on `rw` and reads
+// its answer: the answer-timeout tests' session, whose steps answer MiBs.
+void OpenStepSession(grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>* rw) {
+  v1::DecodeRequest open;
+  open.mutable_open()->mutable_spec()->set_heads(8);
+  open.mutable_open()->mutable_spec()->set_head_dim(128);
+  open.mutable_open()->set_max_context(2048);
+  ASSERT_TRUE(rw->Write(open));
+  v1::DecodeResponse r;
+  ASSERT_TRUE(rw->Read(&r));
+  ASSERT_TRUE(r.has_opened()) << r.DebugString();
+}
+
 // A raw HTTP/2 client that sends one unary call (`path`, `body` the
 // serialized request) after announcing a receive window of 0, which it never
 // opens: no byte of the answer can leave the server. Returns the connected
@@ -1197,14 +1210,7 @@ TEST(AnswerTimeoutTest, AnswersNotTakenCancelTheirCalls) {
   {
     grpc::ClientContext ctx;
     auto rw = lazy->Decode(&ctx);
-    v1::DecodeRequest open;
-    open.mutable_open()->mutable_spec()->set_heads(8);
-    open.mutable_open()->mutable_spec()->set_head_dim(128);
-    open.mutable_open()->set_max_context(2048);
-    ASSERT_TRUE(rw->Write(open));
-    v1::DecodeResponse r;
-    ASSERT_TRUE(rw->Read(&r));
-    ASSERT_TRUE(r.has_opened()) << r.DebugString();
+    ASSERT_NO_FATAL_FAILURE(OpenStepSession(rw.get()));
     EXPECT_GT(in_use(), 0);
     v1::DecodeRequest step;
     const int64_t shape[] = {1, 2048, 8, 128};
@@ -1215,7 +1221,7 @@ TEST(AnswerTimeoutTest, AnswersNotTakenCancelTheirCalls) {
     ASSERT_TRUE(rw->Write(step));
     EXPECT_TRUE(Eventually([&] { return in_use() == 0; }, absl::Milliseconds(8000))) << in_use();
     rw->WritesDone();
-    while (rw->Read(&r)) {
+    for (v1::DecodeResponse r; rw->Read(&r);) {
     }
     EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::CANCELLED);
   }
@@ -1320,14 +1326,7 @@ TEST(AnswerTimeoutTest, AnswersNotTakenCountAndLogAsCancelled) {
     grpc::ClientContext ctx;
     ctx.AddMetadata("x-request-id", "unread-decode");
     auto rw = lazy->Decode(&ctx);
-    v1::DecodeRequest open;
-    open.mutable_open()->mutable_spec()->set_heads(8);
-    open.mutable_open()->mutable_spec()->set_head_dim(128);
-    open.mutable_open()->set_max_context(2048);
-    ASSERT_TRUE(rw->Write(open));
-    v1::DecodeResponse r;
-    ASSERT_TRUE(rw->Read(&r));
-    ASSERT_TRUE(r.has_opened()) << r.DebugString();
+    ASSERT_NO_FATAL_FAILURE(OpenStepSession(rw.get()));
     v1::DecodeRequest step;
     step.mutable_step()->set_seq(7);
     const int64_t shape[] = {1, 2048, 8, 128};
@@ -1341,7 +1340,7 @@ TEST(AnswerTimeoutTest, AnswersNotTakenCountAndLogAsCancelled) {
     EXPECT_TRUE(Eventually([&] { return metric(step_cancelled) == 1; }, absl::Seconds(15)))
         << server->metrics().RenderPrometheus();
     rw->WritesDone();
-    while (rw->Read(&r)) {
+    for (v1::DecodeResponse r; rw->Read(&r);) {
     }
     EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::CANCELLED);
     EXPECT_EQ(metric(R"(ropeattn_requests_total{method="Decode.Step",code="OK"})"), 0);
