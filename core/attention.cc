@@ -1688,8 +1688,48 @@ absl::Status PagedPrefill(const ConstTensorView& q, const PagedKvView& kv, int64
 
 }  // namespace
 
+namespace {
+
+// One row's scale for its largest magnitude m > 0: m / 127, at least the
+// smallest denormal, and finite times 127.
+float Int8Scale(float m) {
+  float scale = m / 127.0f;
+  if (scale < std::numeric_limits<float>::min()) {
+    // A denormal scale sits on the grid of 2^-149 steps, where m / 127
+    // rounded to nearest could clamp the largest code (m of 300 steps at a
+    // scale of 2 steps is 150): the scale is rounded up instead, so every
+    // code is within [-127, 127] unclamped and within half a step (m is a
+    // whole number of steps below 2^30, so the quotient and its ceiling
+    // are exact in double). A row below 127 steps (m / 127 would be 0, and
+    // 0 / 0) gets the smallest denormal, exact for such values.
+    const double steps = std::ceil(std::ldexp(static_cast<double>(m), 149) / 127.0);
+    return static_cast<float>(std::ldexp(std::max(steps, 1.0), -149));
+  }
+  // Near FLT_MAX, m / 127 rounded up would read 127 back as +-Inf: the
+  // next float down keeps every stored row finite (its quotients still
+  // round into [-127, 127]).
+  if (!std::isfinite(127.0f * scale)) scale = std::nextafter(scale, 0.0f);
+  return scale;
+}
+
+// The row's codes at `scale`; returns the largest |code|.
+int QuantizeRow(const float* row, int64_t dim, float scale, int8_t* out) {
+  int top = 0;
+  for (int64_t i = 0; i < dim; ++i) {
+    // Round to nearest even (the default rounding mode); |x| <= m keeps
+    // the quotient within [-127, 127] up to one rounding of the division.
+    const float t = std::clamp(std::nearbyint(row[i] / scale), -127.0f, 127.0f);
+    out[i] = static_cast<int8_t>(t);
+    top = std::max(top, std::abs(static_cast<int>(out[i])));
+  }
+  return top;
+}
+
+}  // namespace
+
 void QuantizeInt8Rows(const float* x, int64_t x_stride, int64_t rows, int64_t dim, int8_t* q,
                       float* scales) {
+  std::vector<float> held;
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x + r * x_stride;
     float m = 0.0f;
@@ -1712,21 +1752,26 @@ void QuantizeInt8Rows(const float* x, int64_t x_stride, int64_t rows, int64_t di
       std::memset(out, 0, dim);
       continue;
     }
-    // A row of denormals below 127 x the smallest denormal would get a scale
-    // of 0 (and 0 / 0): the smallest denormal is then the step, exact for
-    // such values.
-    float scale = std::max(m / 127.0f, std::numeric_limits<float>::denorm_min());
-    // Near FLT_MAX, m / 127 rounded up would read 127 back as +-Inf: the
-    // next float down keeps every stored row finite (its quotients still
-    // round into [-127, 127]).
-    if (!std::isfinite(127.0f * scale)) scale = std::nextafter(scale, 0.0f);
-    scales[r] = scale;
-    for (int64_t i = 0; i < dim; ++i) {
-      // Round to nearest even (the default rounding mode); |x| <= m keeps
-      // the quotient within [-127, 127] up to one rounding of the division.
-      const float t = std::nearbyint(row[i] / scale);
-      out[i] = static_cast<int8_t>(std::clamp(t, -127.0f, 127.0f));
+    float scale = Int8Scale(m);
+    int top = QuantizeRow(row, dim, scale, out);
+    // The stored row must quantize to itself: an exported int8 session
+    // (scale x code in f32) opened again as a prefix holds the same cache
+    // bit for bit. With a denormal scale of a few steps the largest code can
+    // fall short of 127 (m of 890 steps: scale 8, code 111), and the stored
+    // row's largest magnitude (888) then gives another scale (7). Such a row
+    // is stored as the fixed point of quantizing what it holds: scales only
+    // decrease towards it, and one round reached it for every m checked (2^18
+    // and 300,000 random m up to 2^30 steps); each round moves a value by at
+    // most half of its step.
+    for (int round = 0; round < 64; ++round) {
+      const float next = Int8Scale(scale * static_cast<float>(top));
+      if (next == scale) break;
+      held.resize(dim);
+      for (int64_t i = 0; i < dim; ++i) held[i] = scale * static_cast<float>(out[i]);
+      scale = next;
+      top = QuantizeRow(held.data(), dim, scale, out);
     }
+    scales[r] = scale;
   }
 }
 

@@ -145,8 +145,11 @@ struct Int8KvView {
 
 // Quantizes `rows` rows of `dim` floats (row r at x + r * x_stride) into
 // q (row r at q + r * dim) with one scale per row: scale = max|x| / 127,
-// q = x / scale rounded to nearest even (a zero row: scale 0, q 0). A row
-// holding a NaN or an infinity gets scale NaN and q 0: it reads back as NaN.
+// q = x / scale rounded to nearest even (a zero row: scale 0, q 0). A scale
+// below FLT_MIN is rounded up to the 2^-149 grid (at least one step), and a
+// row is stored so that quantizing scale x q again gives the same scale and
+// q (an exported int8 session re-imports bit for bit). A row holding a NaN
+// or an infinity gets scale NaN and q 0: it reads back as NaN.
 void QuantizeInt8Rows(const float* x, int64_t x_stride, int64_t rows, int64_t dim, int8_t* q,
                       float* scales);
 

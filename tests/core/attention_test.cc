@@ -1934,6 +1934,61 @@ TEST(Int8Test, QuantizeRoundsToNearestEvenWithOneScalePerRow) {
   }
 }
 
+// What an int8 row stores quantizes to itself: an int8 session's export
+// (scale x code in f32) opened again as a prefix holds the same cache bit
+// for bit. Scales in the denormal range sit on a grid of 2^-149, where
+// max / 127 rounded left a row's largest code at 126: a row of max 8966 x
+// 2^-149 stored codes [.., 126] at scale 71 x 2^-149 and came back from its
+// own export as scale 70 x 2^-149 (and max 300 x 2^-149 got scale 2 x
+// 2^-149, its largest code clamped from 150). Rows from the smallest
+// denormals up through the normal range, each quantized, dequantized and
+// quantized again.
+TEST(Int8Test, AStoredRowQuantizesToItself) {
+  constexpr int64_t kDim = 24;
+  uint64_t state = 7;
+  auto next = [&state] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return state >> 11;
+  };
+  std::vector<float> row(kDim), back(kDim);
+  std::vector<int8_t> q1(kDim), q2(kDim);
+  int64_t denormal_rows = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    // The row's largest magnitude: an integer number of denormal steps (1
+    // to 2^24, so across the denormal range into the normal one), or a
+    // normal number of any exponent.
+    float m;
+    if (trial % 2 == 0) {
+      m = std::ldexp(static_cast<float>(1 + next() % (uint64_t{1} << (1 + trial % 24))), -149);
+    } else {
+      m = std::ldexp(1.0f + static_cast<float>(next() % (1 << 23)) * 0x1p-23f,
+                     static_cast<int>(next() % 250) - 125);
+    }
+    if (trial == 0) m = std::ldexp(8966.0f, -149);  // the case found
+    for (int64_t i = 0; i < kDim; ++i) {
+      const float u = static_cast<float>(next() % 2000001) / 1e6f - 1.0f;  // [-1, 1]
+      row[i] = m * u;
+    }
+    row[next() % kDim] = (next() % 2 == 0) ? m : -m;
+    float s1 = 0, s2 = 0;
+    QuantizeInt8Rows(row.data(), kDim, 1, kDim, q1.data(), &s1);
+    ASSERT_GT(s1, 0.0f) << trial;
+    if (s1 < std::numeric_limits<float>::min()) ++denormal_rows;
+    for (int64_t i = 0; i < kDim; ++i) back[i] = s1 * static_cast<float>(q1[i]);
+    QuantizeInt8Rows(back.data(), kDim, 1, kDim, q2.data(), &s2);
+    ASSERT_EQ(s2, s1) << "trial " << trial << " max " << m;
+    ASSERT_EQ(q2, q1) << "trial " << trial << " max " << m;
+    // Still a quantization of the row: every value within half a step of
+    // scale x code, or 1.08 steps where a round moved it to a fixed point.
+    for (int64_t i = 0; i < kDim; ++i) {
+      ASSERT_LE(std::fabs(back[i] - row[i]),
+                (s1 < std::numeric_limits<float>::min() ? 1.08f : 0.5001f) * s1)
+          << "trial " << trial << " channel " << i;
+    }
+  }
+  EXPECT_GT(denormal_rows, 5000);
+}
+
 // Equal keys over a long stretch: every weight the same, so each value
 // channel's answer is its value exactly (0.1, 1/3, 0.7), and rounding errors
 // all lean one way. Summed key after key into one running sum the decode
