@@ -12,10 +12,9 @@
 namespace ropeattn::server {
 namespace {
 
-// The prefill kernel's query rows per task and the decode kernel's query-row
-// ceiling (core/attention.cc): they size the score buffers.
+// The prefill kernel's query rows per task (core/attention.cc): they size
+// the score buffers.
 constexpr int64_t kPrefillRows = 128;
-constexpr int64_t kDecodeMaxQueries = 16;
 // Fixed costs of a query row and of a query tile (AttendCost).
 constexpr int64_t kQueryRowWeight = 2048;
 constexpr int64_t kQueryTileWeight = 65536;
@@ -56,14 +55,22 @@ int64_t RopeTableBytes(int64_t positions, int64_t rotary_dim) {
 // Score and accumulator buffers of one attention call (core/attention.cc):
 // the decode kernel keeps every row's scores, the prefill kernel one tile
 // per thread; the prefill also packs the visible K/V once.
+// Whether the core takes the prefill path (core's ChooseAttentionPath: more
+// than 16 query rows, or more than 64 rows sharing a kv head: a 2-token step
+// of 64 heads over one kv head is a prefill).
+bool TakesPrefill(int64_t q_len, int64_t heads, int64_t kv_heads, bool return_probs) {
+  return q_len > 0 && ChooseAttentionPath(q_len, heads, kv_heads, return_probs) ==
+                          AttentionPath::kPrefill;
+}
+
 int64_t AttentionScratchBytes(int64_t batch, int64_t heads, int64_t kv_heads, int64_t q_len,
                               int64_t k_len, int64_t head_dim, int64_t v_dim, DType kv_dtype,
-                              int threads) {
+                              int threads, bool prefill) {
   const int64_t rows = SatProduct({batch, heads, q_len});
   // No query row (an empty batch, say): the kernel is never entered, so a
   // long k_len or q_len of an empty batch costs no tiles.
   if (rows == 0) return 0;
-  if (q_len <= kDecodeMaxQueries) {
+  if (!prefill) {
     return Sum({SatProduct({rows, std::max<int64_t>(k_len, 1), 4}),
                 SatProduct({threads, rows, v_dim, 4}), SatProduct({rows, head_dim, 4})});
   }
@@ -116,7 +123,8 @@ Cost AttendCost(const AttendDims& d) {
            SatProduct({SatAdd(d.heads, 1), d.t5_rel_positions, 4}),
            SatProduct({d.batch, d.q_len, 16}),
            AttentionScratchBytes(d.batch, d.heads, d.kv_heads, d.q_len, d.k_len, d.head_dim,
-                                 d.v_dim, d.kv_dtype, d.threads)});
+                                 d.v_dim, d.kv_dtype, d.threads,
+                                 TakesPrefill(d.q_len, d.heads, d.kv_heads, d.return_probs))});
   const int64_t rope_el =
       d.rope_rotary_dim > 0
           ? SatAdd(SatProduct({d.batch, d.q_len, d.heads, d.rope_rotary_dim / 2}),
@@ -139,8 +147,7 @@ Cost AttendCost(const AttendDims& d) {
   // [200, 17, 1, 2]-shaped requests ran 50x their price and would teach the
   // admission a rate that refuses everyone else.
   const int64_t rows = SatProduct({d.batch, d.q_len, d.heads});
-  const bool prefill = d.q_len > 0 && ChooseAttentionPath(d.q_len, d.heads, d.kv_heads,
-                                                          d.return_probs) == AttentionPath::kPrefill;
+  const bool prefill = TakesPrefill(d.q_len, d.heads, d.kv_heads, d.return_probs);
   const int64_t tiles =
       prefill ? SatProduct({d.batch, d.kv_heads, CeilDiv(d.q_len, kPrefillRows)})
               : 0;
@@ -180,7 +187,8 @@ Cost LayerAttendCost(const LayerDims& d) {
            c.reply_bytes,
            d.rope_rotary_dim > 0 ? RopeTableBytes(d.rope_table_rows, d.rope_rotary_dim) : 0,
            AttentionScratchBytes(d.batch, d.heads, d.kv_heads, d.seq, d.seq, d.head_dim,
-                                 d.head_dim, DType::kF32, d.threads)});
+                                 d.head_dim, DType::kF32, d.threads,
+                                 TakesPrefill(d.seq, d.heads, d.kv_heads, false))});
   const int64_t proj = SatMul(SatProduct({tokens, d.hidden, d.head_dim}),
                               Sum({d.heads, d.kv_heads, d.kv_heads, d.heads}));
   const int64_t pairs = SatProduct({d.batch, d.heads, d.seq, d.seq});
@@ -278,12 +286,13 @@ Cost StepCost(const SessionDims& s, const StepDims& d) {
                               : absl::StrFormat("out [1, %d, %d, %d] %s", d.tokens, d.heads,
                                                 s.v_dim, DTypeName(d.out_dtype));
   int64_t attention = 0;
+  const bool prefill = !s.linear && TakesPrefill(d.tokens, d.heads, s.kv_heads, false);
   if (!s.linear) {
     attention = AttentionScratchBytes(1, d.heads, s.kv_heads, d.tokens, new_len, s.head_dim,
-                                      s.v_dim, s.kv_dtype, d.threads);
-    if (d.tokens > kDecodeMaxQueries) {
-      // A long step copies the rows out of the KvCache or the pages into one
-      // tensor (int8 pages: dequantized to f32) before the prefill.
+                                      s.v_dim, s.kv_dtype, d.threads, prefill);
+    if (prefill) {
+      // A step on the prefill path copies the rows out of the KvCache or the
+      // pages into one tensor (int8 pages: dequantized to f32) first.
       attention = SatAdd(attention, SatProduct({new_len, s.kv_heads, SatAdd(s.head_dim, s.v_dim), 4}));
     }
     if (s.rope_length_dependent) {  // re-rotation of the cached keys
@@ -306,7 +315,7 @@ Cost StepCost(const SessionDims& s, const StepDims& d) {
     const int64_t row_bytes =
         s.int8_kv ? SatAdd(SatAdd(s.head_dim, s.v_dim), 8)
                   : SatMul(SatAdd(s.head_dim, s.v_dim), static_cast<int64_t>(DTypeSize(s.kv_dtype)));
-    const int64_t passes = d.tokens > kDecodeMaxQueries ? CeilDiv(d.tokens, kPrefillRows) : 1;
+    const int64_t passes = prefill ? CeilDiv(d.tokens, kPrefillRows) : 1;
     compute = std::max(compute, SatProduct({new_len, s.kv_heads, row_bytes, passes, kKvByteWeight}));
   }
   if (d.hidden > 0) {

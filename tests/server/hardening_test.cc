@@ -852,6 +852,42 @@ TEST(HardeningCostTest, SessionPagesAreChargedTheBytesTheirStateAllocates) {
   }
 }
 
+// A step the core computes on the prefill path (core's ChooseAttentionPath:
+// more than 16 tokens, or more than 64 query rows per kv head) is charged
+// the gather of the whole cache into one f32 tensor it makes first, and a
+// step on the decode path is not. The server took every step of 16 tokens
+// or fewer for a decode: a 2-token step of 64 heads over one kv head at
+// 128k context gathered 128 MiB uncharged.
+TEST(HardeningCostTest, StepsOnThePrefillPathAreChargedTheirGather) {
+  for (const auto& [heads, kv_heads, tokens] :
+       {std::tuple<int64_t, int64_t, int64_t>{64, 1, 2}, {32, 1, 3}, {8, 8, 17}, {64, 1, 1},
+        {32, 8, 16}, {40, 2, 4}}) {
+    SCOPED_TRACE(absl::StrCat("heads ", heads, " kv_heads ", kv_heads, " tokens ", tokens));
+    for (const bool int8 : {false, true}) {
+      server::SessionDims s;
+      s.kv_heads = kv_heads;
+      s.head_dim = 128;
+      s.v_dim = 128;
+      s.max_context = 131072;
+      s.int8_kv = int8;
+      server::StepDims d;
+      d.tokens = tokens;
+      d.position = 131072 - tokens;
+      d.heads = heads;
+      d.wire_bytes = tokens * (heads + 2 * kv_heads) * 128 * 4;
+      const bool prefill =
+          ChooseAttentionPath(tokens, heads, kv_heads, false) == AttentionPath::kPrefill;
+      const int64_t gather = int64_t{131072} * kv_heads * 256 * 4;
+      const server::Cost c = server::StepCost(s, d);
+      if (prefill) {
+        EXPECT_GE(c.transient_bytes, gather);
+      } else {
+        EXPECT_LT(c.transient_bytes, gather);
+      }
+    }
+  }
+}
+
 // Decode steps learn two rates: those the decode kernel computes and those
 // the prefill computes (units take 10-100x different times on the two). One
 // shared rate, taught by a one-token step slowed past 5 ms, made queued
