@@ -122,7 +122,7 @@ void Phi(double* x, int64_t n) {
 
 // Rotates features in place with one position's cos/sin row (attention
 // factor already folded in by the rotator); channels past rotary_dim stay.
-void Rotate(double* x, const float* cos_row, const float* sin_row, int64_t rotary_dim,
+void Rotate(double* x, const double* cos_row, const double* sin_row, int64_t rotary_dim,
             bool interleaved) {
   const int64_t half = rotary_dim / 2;
   for (int64_t i = 0; i < half; ++i) {
@@ -137,9 +137,12 @@ void Rotate(double* x, const float* cos_row, const float* sin_row, int64_t rotar
   }
 }
 
-// cos/sin rows for every token (row-major [batch * seq, rotary_dim / 2]).
+// cos/sin rows for every token (row-major [batch * seq, rotary_dim / 2]),
+// in double: the f32 rows' rounding (~3e-8) is magnified by a cancelling
+// numerator past the answer's error estimate, which counts fp64 rounding
+// only (an answer 3e9 came back 5e-4 off, its pair 500 tokens in).
 struct RopeRows {
-  std::vector<float> cos, sin;
+  std::vector<double> cos, sin;
   int64_t half = 0;
 };
 
@@ -202,8 +205,8 @@ absl::Status RunRecurrence(const Shapes& sh, const ConstTensorView& q, const Con
     std::vector<double> phik(d), rk(d), vrow(dv), vabs(dv), phiq(d), rq(d), num(dv), mean(dv),
         err(dv);
     for (int64_t t = 0; t < sh.seq; ++t) {
-      const float* cos_row = nullptr;
-      const float* sin_row = nullptr;
+      const double* cos_row = nullptr;
+      const double* sin_row = nullptr;
       if (rope_rows != nullptr) {
         cos_row = rope_rows->cos.data() + (b * sh.seq + t) * rope_rows->half;
         sin_row = rope_rows->sin.data() + (b * sh.seq + t) * rope_rows->half;

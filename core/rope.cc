@@ -332,24 +332,35 @@ absl::StatusOr<RopeRotator> RopeRotator::FromFrequencies(const RopeConfig& confi
   return r;
 }
 
-absl::Status RopeRotator::CosSin(absl::Span<const int64_t> positions, absl::Span<float> cos_out,
-                                 absl::Span<float> sin_out) const {
-  const int64_t half = rotary_dim() / 2;
+namespace {
+
+// Checks CosSin's output sizes and positions; returns rotary_dim / 2.
+absl::StatusOr<int64_t> CheckCosSin(const RopeConfig& config, const RopeFrequencies& freqs,
+                                    int64_t half, absl::Span<const int64_t> positions,
+                                    size_t cos_size, size_t sin_size) {
   const int64_t n = static_cast<int64_t>(positions.size());
-  if (static_cast<int64_t>(cos_out.size()) != n * half ||
-      static_cast<int64_t>(sin_out.size()) != n * half) {
+  if (static_cast<int64_t>(cos_size) != n * half || static_cast<int64_t>(sin_size) != n * half) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "cos_out and sin_out must have positions.size() * rotary_dim / 2 = %d * %d = %d entries, "
         "got %d and %d",
-        n, half, n * half, cos_out.size(), sin_out.size()));
+        n, half, n * half, cos_size, sin_size));
   }
   int64_t max_position = 0;
   for (int64_t k = 0; k < n; ++k) {
     RA_RETURN_IF_ERROR(CheckPosition(positions[k], "positions", k));
     max_position = std::max(max_position, positions[k]);
   }
-  RA_RETURN_IF_ERROR(CheckAngles(config_, freqs_.inv_freq, max_position, "position"));
-  for (int64_t k = 0; k < n; ++k) {
+  RA_RETURN_IF_ERROR(CheckAngles(config, freqs.inv_freq, max_position, "position"));
+  return half;
+}
+
+}  // namespace
+
+absl::Status RopeRotator::CosSin(absl::Span<const int64_t> positions, absl::Span<float> cos_out,
+                                 absl::Span<float> sin_out) const {
+  RA_ASSIGN_OR_RETURN(const int64_t half, CheckCosSin(config_, freqs_, rotary_dim() / 2, positions,
+                                                      cos_out.size(), sin_out.size()));
+  for (size_t k = 0; k < positions.size(); ++k) {
     const int64_t p = positions[k];
     float* c = cos_out.data() + k * half;
     float* s = sin_out.data() + k * half;
@@ -358,6 +369,22 @@ absl::Status RopeRotator::CosSin(absl::Span<const int64_t> positions, absl::Span
       std::copy_n(&sin_[p * half], half, s);
     } else {
       ComputeCosSinRow(p, freqs_.inv_freq, freqs_.attention_factor, c, s);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RopeRotator::CosSin(absl::Span<const int64_t> positions, absl::Span<double> cos_out,
+                                 absl::Span<double> sin_out) const {
+  RA_ASSIGN_OR_RETURN(const int64_t half, CheckCosSin(config_, freqs_, rotary_dim() / 2, positions,
+                                                      cos_out.size(), sin_out.size()));
+  for (size_t k = 0; k < positions.size(); ++k) {
+    const double p = static_cast<double>(positions[k]);
+    for (int64_t i = 0; i < half; ++i) {
+      double sn, cs;
+      internal::SinCosOfProduct(p, freqs_.inv_freq[i], &sn, &cs);
+      cos_out[k * half + i] = freqs_.attention_factor * cs;
+      sin_out[k * half + i] = freqs_.attention_factor * sn;
     }
   }
   return absl::OkStatus();

@@ -259,6 +259,11 @@ class RopeRotator {
   // that overflows (as Apply), OutOfRange for a position above 2^40.
   absl::Status CosSin(absl::Span<const int64_t> positions, absl::Span<float> cos_out,
                       absl::Span<float> sin_out) const;
+  // The same in double, computed for each position (no f32 table): for
+  // fp64 callers (linear attention), whose cancelling sums would magnify the
+  // f32 rounding of cos and sin (~3e-8) past their error estimate.
+  absl::Status CosSin(absl::Span<const int64_t> positions, absl::Span<double> cos_out,
+                      absl::Span<double> sin_out) const;
 
   const RopeConfig& config() const { return config_; }
   const RopeFrequencies& frequencies() const { return freqs_; }

@@ -535,6 +535,55 @@ TEST(LinearAttentionStateTest, CancellingNumeratorsAreRefusedNotAnsweredInexactl
   EXPECT_TRUE(ok.ok()) << ok;
 }
 
+// RoPE rotates the fp64 features with fp64 cos and sin: f32 rows (~3e-8
+// off) were magnified by a cancelling numerator past the error estimate,
+// which counts fp64 rounding only. head_dim 2 (the angle is the position):
+// phi(k) = (e^-100, 1e4) with v = 1 at token `at`, phi(q) = (1e4, e^-100)
+// 355 tokens later, every other feature e^-100 with v = 0: the answer is
+// about 1e8 sin(355) / eps = -3.0e9, and it came back 1.4e-4 to 5.2e-4 off
+// (relative) for `at` from 1 to 500, accepted. Against the fp64 reference:
+// within 1e-6 of the answer, or refused.
+TEST(LinearAttentionTest, RopeRotatesInDoubleSoACancellingAnswerIsExact) {
+  const RopeRotator rope = MakeRotator(RopeKind::kHalfSplit, 2);
+  for (const int64_t at : {0, 1, 100, 500}) {
+    SCOPED_TRACE(absl::StrCat("pair at ", at));
+    const int64_t n = at + 356;
+    std::vector<double> q(n * 2, -100.0), k(n * 2, -100.0), v(n, 0.0);
+    k[at * 2 + 1] = 9999.0;  // phi = 1e4
+    v[at] = 1.0;
+    q[(n - 1) * 2] = 9999.0;
+    Tensor tq = Tensor::Create(DType::kF32, {1, n, 1, 2}).value();
+    Tensor tk = Tensor::Create(DType::kF32, {1, n, 1, 2}).value();
+    Tensor tv = Tensor::Create(DType::kF32, {1, n, 1, 1}).value();
+    for (int64_t i = 0; i < n * 2; ++i) {
+      tq.data<float>()[i] = static_cast<float>(q[i]);
+      tk.data<float>()[i] = static_cast<float>(k[i]);
+    }
+    for (int64_t i = 0; i < n; ++i) tv.data<float>()[i] = static_cast<float>(v[i]);
+    LinearAttentionOptions options;
+    options.rope = &rope;
+    Tensor out = Tensor::Create(DType::kF32, {1, n, 1, 1}).value();
+    const absl::Status st =
+        LinearAttend(tq.cview(), tk.cview(), tv.cview(), Positions{}, options, out.view());
+    ref::LinearAttentionRefParams p;
+    p.seq = n;
+    p.head_dim = 2;
+    p.v_dim = 1;
+    p.use_rope = true;
+    p.rotary_dim = 2;
+    p.inv_freq = rope.frequencies().inv_freq;
+    for (int64_t t = 0; t < n; ++t) p.positions.push_back(t);
+    const std::vector<double> want = ref::LinearAttention(p, q, k, v);
+    ASSERT_GT(std::fabs(want[n - 1]), 1e9);
+    if (!st.ok()) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+      continue;
+    }
+    EXPECT_LE(std::fabs(out.data<float>()[n - 1] - want[n - 1]), 1e-6 * std::fabs(want[n - 1]))
+        << out.data<float>()[n - 1] << " vs " << want[n - 1];
+  }
+}
+
 TEST(LinearAttentionStateTest, CreateAndByteSize) {
   LinearAttentionState s = LinearAttentionState::Create(2, 3, 64, 48).value();
   EXPECT_EQ(s.batch(), 2);
