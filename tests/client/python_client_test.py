@@ -210,6 +210,21 @@ class PythonClientTest(unittest.TestCase):
             ropeattn.Client(self.target, token="secret")
         self.assertIn("TLS", str(e.exception))
 
+    def test_a_token_gRPC_cannot_send_is_refused_without_echoing_it(self):
+        # As the C++ client: refused before any file is read or call made,
+        # naming the position only (grpcio's error quotes the header).
+        for token, where, hint in [("s3cr3t-value\n", "character 12 of 13", False),
+                                   ("s3cr3t value", "character 6 of 12", False),
+                                   ("Bearer s3cr3t", "character 6 of 13", True),
+                                   ("s3cr\u00e9t", "character 4 of 7", False)]:
+            with self.assertRaises(ValueError) as e:
+                ropeattn.Client(self.target, tls_ca_file="/nonexistent/ca.pem", token=token)
+            message = str(e.exception)
+            self.assertIn("printable ASCII without spaces", message)
+            self.assertIn(where, message)
+            self.assertEqual("without \"Bearer \"" in message, hint)
+            self.assertNotIn("s3cr", message)
+
     def test_an_exception_in_a_session_block_is_not_replaced(self):
         class Boom(Exception):
             pass

@@ -111,6 +111,24 @@ def _rope_spec(rope):
     return json_format.ParseDict(rope, pb.RopeSpec())
 
 
+def _check_token(token):
+    """As the C++ client's CheckToken: the token goes in a header value after
+    "Bearer ", which gRPC refuses unless printable ASCII (and a space would
+    split it). The message names the offending position, never the token:
+    grpcio's own error quotes the whole header and logs it on stderr."""
+    if not isinstance(token, str):
+        raise TypeError("token must be a str, got %s" % type(token).__name__)
+    data = token.encode("utf-8", "surrogatepass")
+    for i, c in enumerate(data):
+        if c <= 0x20 or c > 0x7e:
+            hint = ""
+            if data[:7].lower() == b"bearer ":
+                hint = '; pass the token alone, without "Bearer "'
+            raise ValueError('token must be printable ASCII without spaces (it is sent as '
+                             '"authorization: Bearer <token>"); character %d of %d is not%s'
+                             % (i, len(data), hint))
+
+
 class Client:
     """A connection to one server. `tls_ca_file` (and for mutual TLS
     `tls_cert_file`, `tls_key_file`) turn TLS on; `token` is sent as a bearer
@@ -124,6 +142,8 @@ class Client:
             # As the C++ client and the CLI: a bearer token is never sent in
             # the clear.
             raise ValueError("token needs TLS: give tls_ca_file (the server's CA) as well")
+        if token:
+            _check_token(token)
         self._metadata = (("authorization", "Bearer " + token),) if token else ()
         self._credentials = None
         if tls_ca_file or tls_cert_file or tls_key_file:
