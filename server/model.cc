@@ -523,18 +523,18 @@ absl::Status Refuse(absl::string_view file, absl::string_view key, const json& v
 
 // rotary_dim from a fraction of head_dim exactly as transformers computes
 // it, int(head_dim * factor): the double product truncated, so 100 * 0.29 =
-// 28.999999999999996 gives 28, as Python does.
+// 28.999999999999996 gives 28, as Python does. 0 (head_dim 8, factor 0.1)
+// means no channel rotates: transformers' inv_freq is empty and
+// apply_rotary_pos_emb rotates q[..., :0], so the layer is attention without
+// RoPE (ResolveRope's caller drops the RoPE; core's rotary_dim 0 would rotate
+// the whole head).
 absl::StatusOr<int64_t> RotaryDimFromFraction(const KeyReader& r, absl::string_view key,
                                               double fraction, int64_t head_dim, Family family) {
-  if (!(fraction > 0.0 && fraction <= 1.0)) {
-    return r.Error(key, absl::StrFormat("must be in (0, 1], got %g", fraction));
+  if (!(fraction >= 0.0 && fraction <= 1.0)) {
+    return r.Error(key, absl::StrFormat("must be in [0, 1], got %g", fraction));
   }
   const int64_t dim = static_cast<int64_t>(static_cast<double>(head_dim) * fraction);
-  if (dim <= 0) {
-    return r.Error(key, absl::StrFormat("gives rotary_dim %d (int(head_dim %d * %.17g)), which "
-                                        "must be > 0",
-                                        dim, head_dim, fraction));
-  }
+  if (dim == 0) return 0;
   if (dim % 2 != 0) {
     // transformers' Phi-3 (and current GPT-NeoX, where older versions fail)
     // rotate dim + 1 channels at frequencies base^(-2i/dim): a rotation this
@@ -615,10 +615,74 @@ absl::Status CheckRuleKeysAgree(const KeyReader& s, const ModelConfig& config) {
       absl::CHexEscape(rope_type->get<std::string>()).substr(0, 64)));
 }
 
+// Values transformers computes to finite frequencies that this server's RoPE
+// (ValidateRopeConfig) refuses: UNIMPLEMENTED naming the key and value, not
+// INVALID_ARGUMENT. Those transformers turns into NaN, infinities or an
+// error (a base <= 0, a factor of 0, a beta <= 0) stay invalid.
+absl::Status RefuseUncomputedRope(const RopeConfig& rope, absl::string_view file,
+                                  absl::string_view theta_key, absl::string_view block_name) {
+  const RopeScaling& sc = rope.scaling;
+  auto refuse = [&](absl::string_view key, double value, absl::string_view why) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "%s: key %s = %g is not supported: %s", file, key, value, why));
+  };
+  if (rope.theta > 0.0 && rope.theta <= 1.0) {
+    return refuse(theta_key, rope.theta,
+                  "transformers computes a RoPE base in (0, 1] (frequencies base^(-2i/d) of 1 "
+                  "and above), this server's RoPE needs a base > 1");
+  }
+  const std::string prefix = absl::StrCat(block_name, ".");
+  const bool factor_divides = sc.type == RopeScalingType::kLinear ||
+                              sc.type == RopeScalingType::kYarn ||
+                              sc.type == RopeScalingType::kLlama3;
+  if (factor_divides && std::isfinite(sc.factor) && sc.factor < 0.0) {
+    return refuse(absl::StrCat(prefix, "factor"), sc.factor,
+                  "transformers divides the frequencies by a negative factor (they turn the "
+                  "other way), this server's RoPE needs a factor > 0");
+  }
+  if ((sc.type == RopeScalingType::kYarn || sc.type == RopeScalingType::kLongRope) &&
+      sc.attention_factor.has_value() && std::isfinite(*sc.attention_factor) &&
+      *sc.attention_factor <= 0.0) {
+    return refuse(absl::StrCat(prefix, "attention_factor"), *sc.attention_factor,
+                  "transformers multiplies cos and sin by it, this server's RoPE needs an "
+                  "attention_factor > 0");
+  }
+  if (sc.type == RopeScalingType::kLlama3) {
+    for (const auto& [key, value] : {std::pair<const char*, double>{"low_freq_factor",
+                                                                    sc.low_freq_factor},
+                                     {"high_freq_factor", sc.high_freq_factor}}) {
+      if (std::isfinite(value) && value < 0.0) {
+        return refuse(absl::StrCat(prefix, key), value,
+                      "transformers' llama3 rule computes with a negative wavelength bound, "
+                      "this server's RoPE needs it > 0");
+      }
+    }
+  }
+  if (sc.type == RopeScalingType::kLongRope) {
+    for (const auto& [key, list] :
+         {std::pair<const char*, const std::vector<double>*>{"short_factor", &sc.short_factor},
+          {"long_factor", &sc.long_factor}}) {
+      for (size_t i = 0; i < list->size(); ++i) {
+        const double v = (*list)[i];
+        if (std::isfinite(v) && v < 0.0) {
+          return refuse(absl::StrFormat("%s%s[%d]", prefix, key, i), v,
+                        "transformers divides the frequencies by a negative factor, this "
+                        "server's RoPE needs every factor > 0");
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 // One RoPE from `top` (the config) and a scaling block (`block`, may be null,
 // named `block_name` in messages). The base is the block's rope_theta, else
 // the top-level `top_theta_key` (Gemma 3's sliding layers:
-// rope_local_base_freq), else `theta_default`.
+// rope_local_base_freq), else `theta_default`. rotary_dim 0 in the result
+// means that no channel rotates (a fraction of head_dim truncated to 0,
+// RotaryDimFromFraction): the caller serves the layer without RoPE, and the
+// base and rule, which transformers then computes nothing with, are not
+// validated. Every other result has rotary_dim > 0.
 absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& config,
                                        absl::string_view file, const json* block,
                                        absl::string_view block_name, double theta_default,
@@ -637,6 +701,8 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
   // level's, else the family's default. GPT-NeoX names it rotary_emb_base
   // and never reads a top-level rope_theta (GPTNeoXConfig).
   RA_ASSIGN_OR_RETURN(std::optional<double> theta, s.Number("rope_theta", /*null_ok=*/true));
+  // The key the base came from, for messages.
+  std::string theta_key = absl::StrCat(s.prefix(), "rope_theta");
   // A null base in the block is None in transformers 5 (setdefault keeps
   // it), which fails; GPT-J never reads it.
   if (block != nullptr && family != Family::kGptJ && s.Present("rope_theta") &&
@@ -658,10 +724,12 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
           file, s.prefix(), *theta, effective_base, base.has_value() ? "" : " (its default)"));
     }
     theta = effective_base;
+    theta_key = "rotary_emb_base";
   } else if (!theta.has_value()) {
     // A null top-level base was refused with the class default in its
     // message (ParseModelConfig), except GPT-J's, which is never read.
     RA_ASSIGN_OR_RETURN(theta, top.Number(top_theta_key, /*null_ok=*/true));
+    theta_key = std::string(top_theta_key);
   }
   rope.theta = theta.value_or(theta_default);
 
@@ -896,6 +964,8 @@ absl::StatusOr<RopeConfig> ResolveRope(const KeyReader& top, const ModelConfig& 
     }
   }
 
+  if (rope.rotary_dim == 0) return rope;
+  RA_RETURN_IF_ERROR(RefuseUncomputedRope(rope, file, theta_key, block_name));
   if (absl::Status st = ValidateRopeConfig(rope); !st.ok()) {
     // UNIMPLEMENTED (a value transformers computes, but not to one answer)
     // stays so; the rest is invalid.
@@ -1026,6 +1096,7 @@ absl::Status ResolveGemma3Rope(const KeyReader& top, ModelConfig& config,
     RopeConfig local = *config.rope;
     local.theta = local_base.value_or(10000.0);
     local.scaling = RopeScaling{};
+    RA_RETURN_IF_ERROR(RefuseUncomputedRope(local, file, "rope_local_base_freq", ""));
     if (absl::Status st = ValidateRopeConfig(local); !st.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
           file, ": key rope_local_base_freq gives invalid RoPE settings: ", st.message()));
@@ -1523,6 +1594,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
           file_name, ": key ", block_key, " has rope_type \"",
           RopeScalingTypeName(config.rope->scaling.type),
           "\": Phi3Config accepts only default and longrope scaling"));
+    }
+    if (config.rope->rotary_dim == 0) {
+      // No channel rotates (RotaryDimFromFraction): attention without RoPE.
+      config.rope.reset();
+      config.positions = PositionKind::kNone;
     }
     RA_RETURN_IF_ERROR(ResolveLayers(top, config));
     return config;

@@ -166,13 +166,17 @@ const RopeConfig* RopeOfLayer(const ModelConfig& config, int64_t layer);
 //   (as transformers does); llama3 requires it.
 // - longrope factor defaults to max_position_embeddings / original.
 // - Partial rotary: partial_rotary_factor, else rotary_pct (GPT-NeoX), else
-//   rotary_dim (GPT-J); a fraction gives floor(head_dim * f).
+//   rotary_dim (GPT-J); a fraction gives floor(head_dim * f). 0 channels
+//   (GPT-NeoX, Phi-3) rotate nothing, as in transformers: `rope` is unset
+//   and `positions` is kNone.
 // - Layout: interleaved for GPT-J, half-split otherwise.
 // The RopeConfig is checked with ValidateRopeConfig.
 // Errors: InvalidArgument naming the key for invalid JSON, a missing required
 // key, a wrong type or an inconsistent value (heads not dividing hidden_size
 // without head_dim, kv heads not dividing heads, unknown rope_type, an invalid
-// RoPE setting, more than kMaxLayers layers, ...); Unimplemented as above.
+// RoPE setting, more than kMaxLayers layers, ...); Unimplemented as above,
+// and for a RoPE value transformers computes to finite frequencies that
+// ValidateRopeConfig refuses (a base in (0, 1], a negative factor, ...).
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view config_json,
                                              absl::string_view file_name);
 

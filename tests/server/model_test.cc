@@ -15,6 +15,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -631,6 +632,71 @@ TEST(ParseModelConfigTest, ValuesTransformersOnlyWarnsAboutAreServed) {
   EXPECT_EQ(c->rope->scaling.beta_slow, 1.0);
 }
 
+// Values transformers computes to finite frequencies that this server's
+// RoPE does not: UNIMPLEMENTED naming the key and value, not malformed input.
+TEST(ParseModelConfigTest, RopeValuesTransformersComputesAreUnimplemented) {
+  const struct {
+    const char* extra;
+    std::vector<std::string> parts;
+  } cases[] = {
+      {R"(, "rope_theta": 1.0)", {"key rope_theta = 1 ", "base > 1"}},
+      {R"(, "rope_theta": 0.5)", {"key rope_theta = 0.5 "}},
+      {R"(, "rope_scaling": {"rope_type": "linear", "factor": 2, "rope_theta": 0.5})",
+       {"key rope_scaling.rope_theta = 0.5 "}},
+      {R"(, "rope_scaling": {"rope_type": "linear", "factor": -2})",
+       {"key rope_scaling.factor = -2 "}},
+      {R"(, "rope_scaling": {"rope_type": "yarn", "factor": 2,
+          "original_max_position_embeddings": 32, "attention_factor": -1})",
+       {"key rope_scaling.attention_factor = -1 "}},
+      {R"(, "rope_scaling": {"rope_type": "yarn", "factor": 2,
+          "original_max_position_embeddings": 32, "attention_factor": 0})",
+       {"key rope_scaling.attention_factor = 0 "}},
+      {R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8,
+          "original_max_position_embeddings": 32, "low_freq_factor": -1,
+          "high_freq_factor": 4})",
+       {"key rope_scaling.low_freq_factor = -1 "}},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.extra);
+    ExpectConfigError(TinyConfig({}, c.extra), absl::StatusCode::kUnimplemented, c.parts);
+  }
+  // GPT-NeoX names its base rotary_emb_base.
+  ExpectConfigError(R"({"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4,
+      "vocab_size": 8, "num_hidden_layers": 1, "rotary_emb_base": 0.75})",
+                    absl::StatusCode::kUnimplemented, {"key rotary_emb_base = 0.75 "});
+}
+
+// A fraction of head_dim that truncates to 0 rotary channels: transformers'
+// inv_freq is empty and apply_rotary_pos_emb rotates q[..., :0], so the layer
+// is attention without RoPE, served as such (GPT-NeoX rotary_pct, Phi-3
+// partial_rotary_factor). GPT-J's rotary_dim 0 fails in transformers (its
+// sinusoids are then hidden_size wide): invalid.
+TEST(ParseModelConfigTest, ZeroRotaryChannelsServeNoRope) {
+  const auto config = [](absl::string_view type, absl::string_view key,
+                         absl::string_view value) {
+    return absl::StrCat(R"({"model_type": ")", type, R"(", "hidden_size": 32,
+            "num_attention_heads": 4, "vocab_size": 8, "num_hidden_layers": 1,
+            "max_position_embeddings": 16, ")",
+                        key, "\": ", value, "}");
+  };
+  for (const auto& [type, key, value] :
+       {std::tuple<const char*, const char*, const char*>{"gpt_neox", "rotary_pct", "0.1"},
+        {"gpt_neox", "rotary_pct", "0"},
+        {"phi3", "partial_rotary_factor", "0.1"}}) {
+    SCOPED_TRACE(absl::StrCat(type, " ", key, " ", value));
+    absl::StatusOr<ModelConfig> c = ParseModelConfig(config(type, key, value), "config.json");
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->head_dim, 8);
+    EXPECT_FALSE(c->rope.has_value());
+    EXPECT_EQ(c->positions, PositionKind::kNone);
+    EXPECT_EQ(RopeOfLayer(*c, 0), nullptr);
+  }
+  ExpectConfigError(config("gpt_neox", "rotary_pct", "-0.1"), absl::StatusCode::kInvalidArgument,
+                    {"rotary_pct", "[0, 1]"});
+  ExpectConfigError(config("gptj", "rotary_dim", "0"), absl::StatusCode::kInvalidArgument,
+                    {"rotary_dim"});
+}
+
 TEST(ParseModelConfigTest, GptJNullRotaryDimNeedsOneHead) {
   const auto gptj = [](int heads) {
     return absl::StrFormat(
@@ -1117,7 +1183,10 @@ TEST(ParseModelConfigTest, Errors) {
                     C::kInvalidArgument, {"beta_slow -1"});
   ExpectConfigError(TinyConfig({}, R"(, "rope_scaling": "linear")"), C::kInvalidArgument,
                     {"rope_scaling"});
-  ExpectConfigError(TinyConfig({}, R"(, "rope_theta": 0.5)"), C::kInvalidArgument, {"theta"});
+  // A base transformers turns into NaN (<= 0) is invalid; one in (0, 1] it
+  // computes (RopeValuesTransformersComputesAreUnimplemented).
+  ExpectConfigError(TinyConfig({}, R"(, "rope_theta": 0)"), C::kInvalidArgument, {"theta"});
+  ExpectConfigError(TinyConfig({}, R"(, "rope_theta": -2)"), C::kInvalidArgument, {"theta"});
   ExpectConfigError(
       R"({"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4,
           "vocab_size": 8, "num_hidden_layers": 1, "max_position_embeddings": 16,
