@@ -679,6 +679,12 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveFork(
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {
+  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Allocate(std::move(ticket)));
+  Enlist(session);
+  return session;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Allocate(Ticket ticket) {
   if (!ticket.valid()) return absl::FailedPreconditionError("no room reserved for the session");
   const int64_t bytes = ticket.held_.bytes();
   auto session =
@@ -702,6 +708,12 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {
     PublishLocked();
     return st;  // the session (and its reservation) is released here
   }
+  PublishLocked();
+  return session;
+}
+
+void SessionManager::Enlist(const std::shared_ptr<Session>& session) {
+  absl::MutexLock lock(&mu_);
   {
     absl::MutexLock slock(&session->meta_mu_);
     session->attached_ = true;
@@ -709,7 +721,13 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {
   sessions_.emplace(session->id(), session);
   if (metrics_ != nullptr) metrics_->RecordSessionOpened();
   PublishLocked();
-  return session;
+}
+
+void SessionManager::Discard(const std::shared_ptr<Session>& session) {
+  absl::MutexLock lock(&mu_);
+  kv_in_use_ -= session->kv_bytes_;
+  UncountLocked(session->owner_, session->quota_bytes_);
+  PublishLocked();
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(
@@ -830,14 +848,18 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Fork(
   if (ticket.valid() && ticket.config_ != source->config_) {
     return absl::FailedPreconditionError("the reserved room is for another session's fork");
   }
-  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> fork, Open(std::move(ticket)));
-  absl::Status st = fork->CopyStateFrom(*source);
-  if (!st.ok()) {
-    FreeAfterUnlock freed;
-    absl::MutexLock lock(&mu_);
-    EraseLocked(fork->id(), "closed", absl::AbortedError("fork failed"), &freed);
-    return st;
+  // A source already ended (closed by another call, reaped) is refused
+  // before anything is allocated. One that ends while the copy runs is
+  // refused by the copy: the fork is listed (and counted as opened) only
+  // once it holds the copy, so a refused fork is never opened or closed in
+  // the metrics, and no other call can see its id.
+  RA_RETURN_IF_ERROR(source->Ended());
+  RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> fork, Allocate(std::move(ticket)));
+  if (absl::Status st = fork->CopyStateFrom(*source); !st.ok()) {
+    Discard(fork);
+    return st;  // its state is freed with the last reference, here
   }
+  Enlist(fork);
   return fork;
 }
 

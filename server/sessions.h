@@ -331,6 +331,9 @@ class SessionManager {
   absl::StatusOr<Closed> Close(const std::string& id, const std::string& reason,
                                const Principal& caller);
   // A copy of `source`'s history as a new session (attached to the caller).
+  // The status `source` ended with (FailedPrecondition once closed, ...) if
+  // it ended before or during the copy; the fork is listed and counted as
+  // opened only once it holds the copy, so a refused one is neither.
   absl::StatusOr<std::shared_ptr<Session>> Fork(const std::shared_ptr<Session>& source,
                                                 bool resumable, uint32_t idle_ttl_seconds,
                                                 const Principal& owner);
@@ -386,6 +389,13 @@ class SessionManager {
   // Gives back a ticket's slot and bytes (a ticket not turned into a session).
   void ReleaseTicket(Ticket* ticket);
   absl::Duration ForkTtl(uint32_t idle_ttl_seconds) const;
+  // Open in two halves: Allocate turns a ticket into a session with its
+  // state, not yet listed (no other call can find it, nothing is counted as
+  // opened); Enlist lists it, attached, and counts it as opened; Discard gives
+  // back the bytes of one allocated and never listed.
+  absl::StatusOr<std::shared_ptr<Session>> Allocate(Ticket ticket);
+  void Enlist(const std::shared_ptr<Session>& session);
+  void Discard(const std::shared_ptr<Session>& session);
   // The session with `id`, or NotFound for an unknown id, or the status an
   // ended one left behind (expired, closed, freed).
   // Another principal's session (unless `admin_may` and the caller is an

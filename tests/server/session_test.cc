@@ -10,6 +10,7 @@
 #include <malloc.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <fstream>
@@ -23,7 +24,9 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "core/attention_kernels.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -1434,6 +1437,50 @@ TEST_F(SessionTest, ForksDivergeIndependently) {
     EXPECT_TRUE(AllClose(WireToDoubles(from_parent.step().out()), ExpectedStep(c, a, 5, 10), tol));
     EXPECT_TRUE(AllClose(WireToDoubles(from_child.step().out()), ExpectedStep(c, b, 5, 10), tol));
   }
+}
+
+// A fork of a session CloseSession ended from another call (its stream
+// still holds it) is refused before anything is allocated: no session is
+// counted as opened, and only the real close as closed.
+TEST_F(SessionTest, AForkOfAClosedSessionIsRefusedAndNotCounted) {
+  const Config c{"mha", 2, 2, 8, 8, "default"};
+  const auto counter = [&](absl::string_view series) {
+    const std::string text = server_->metrics().RenderPrometheus();
+    for (absl::string_view line : absl::StrSplit(text, '\n')) {
+      if (absl::ConsumePrefix(&line, series) && absl::ConsumePrefix(&line, " ")) {
+        double v = 0;
+        if (absl::SimpleAtod(line, &v)) return v;
+      }
+    }
+    return -1.0;
+  };
+  const std::string opened_total = "ropeattn_sessions_opened_total";
+  const std::string closed_total = "ropeattn_sessions_closed_total{reason=\"closed\"}";
+  Stream parent(stub_.get());
+  v1::OpenSession open = MakeOpen(c);
+  open.set_resumable(true);
+  const v1::SessionInfo opened = parent.Open(open);
+  ASSERT_TRUE(parent.Step(MakeSequence(c, 3, 5), 0, 3, 1).has_step());
+  const double opened0 = counter(opened_total);
+  const double closed0 = std::max(0.0, counter(closed_total));
+  ASSERT_EQ(opened0, 1.0);
+  grpc::ClientContext ctx;
+  v1::CloseSessionRequest close;
+  close.set_session_id(opened.session_id());
+  v1::CloseSessionResponse closed;
+  ASSERT_TRUE(stub_->CloseSession(&ctx, close, &closed).ok());
+  v1::DecodeRequest fork;
+  fork.mutable_fork()->set_seq(2);
+  EXPECT_TRUE(parent.rw()->Write(fork));
+  const grpc::Status st = parent.AwaitServerEnd();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("was closed"));
+  EXPECT_EQ(counter(opened_total), opened0);
+  EXPECT_EQ(counter(closed_total), closed0 + 1);
+  grpc::ClientContext list_ctx;
+  v1::ListSessionsResponse list;
+  ASSERT_TRUE(stub_->ListSessions(&list_ctx, {}, &list).ok());
+  EXPECT_EQ(list.sessions_size(), 0);
 }
 
 // Forks share their source's pages (docs/kv-memory.md): 8 forks of a
