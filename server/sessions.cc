@@ -701,8 +701,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Allocate(Ticket ticket)
   ticket.manager_ = nullptr;
   absl::Status st = session->Allocate();
   absl::MutexLock lock(&mu_);
-  --reserved_sessions_;
   if (!st.ok()) {
+    --reserved_sessions_;
     kv_in_use_ -= bytes;
     UncountLocked(session->owner_, session->quota_bytes_);
     PublishLocked();
@@ -718,6 +718,9 @@ void SessionManager::Enlist(const std::shared_ptr<Session>& session) {
     absl::MutexLock slock(&session->meta_mu_);
     session->attached_ = true;
   }
+  // Its slot stays reserved until it is listed (or discarded), so the
+  // session count never drops while a fork copies.
+  --reserved_sessions_;
   sessions_.emplace(session->id(), session);
   if (metrics_ != nullptr) metrics_->RecordSessionOpened();
   PublishLocked();
@@ -725,6 +728,7 @@ void SessionManager::Enlist(const std::shared_ptr<Session>& session) {
 
 void SessionManager::Discard(const std::shared_ptr<Session>& session) {
   absl::MutexLock lock(&mu_);
+  --reserved_sessions_;
   kv_in_use_ -= session->kv_bytes_;
   UncountLocked(session->owner_, session->quota_bytes_);
   PublishLocked();

@@ -391,8 +391,9 @@ class SessionManager {
   absl::Duration ForkTtl(uint32_t idle_ttl_seconds) const;
   // Open in two halves: Allocate turns a ticket into a session with its
   // state, not yet listed (no other call can find it, nothing is counted as
-  // opened); Enlist lists it, attached, and counts it as opened; Discard gives
-  // back the bytes of one allocated and never listed.
+  // opened, its slot still counts as reserved against --max_sessions); Enlist
+  // lists it, attached, and counts it as opened; Discard gives back the slot
+  // and the bytes of one allocated and never listed.
   absl::StatusOr<std::shared_ptr<Session>> Allocate(Ticket ticket);
   void Enlist(const std::shared_ptr<Session>& session);
   void Discard(const std::shared_ptr<Session>& session);
