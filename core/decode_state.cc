@@ -84,8 +84,8 @@ absl::Status CheckEveryRotationFits(const Tensor& raw, const RopeConfig& rope, d
 
 namespace {
 
-// Large page parts are carved from 2 MiB slabs backed by transparent huge
-// pages where the kernel offers them (an arena's first slab excepted, below): a decode streams every page, and over
+// Large page parts are carved from 2 MiB slabs, each turned into a
+// transparent huge page once full (below): a decode streams every page, and over
 // 4 KiB pages it takes a TLB miss every 4 KiB (measured: the GQA decode at
 // 4k context ran ~25% slower over separately allocated 128 KiB pages than
 // over one huge-page tensor, and as fast over slabs). One arena per part
@@ -135,16 +135,13 @@ class PageArena {
   char* Take() {
     absl::MutexLock lock(&mu_);
     if (open_.empty()) {
-      // Huge pages only for an arena already holding a slab's worth of
-      // live parts (a new slab is mapped only once every other is full):
-      // a huge page is resident whole at its first touch, so a slab holding
-      // one small part would cost 2 MiB the budget never charged (64
-      // arenas: 128 MiB). Give() takes them back when that stops holding.
-      const bool huge = live_ >= kSlab / bytes_;
-      char* base = MapSlab(huge);
+      // A new slab starts on 4 KiB pages: a huge page is resident whole at
+      // its first touch, so a slab holding one small part would cost 2 MiB
+      // the budget never charged (64 arenas, each with one partly filled
+      // huge slab: 128 MiB, RSS past budget + 100 MiB in an external test).
+      char* base = MapSlab();
       if (base == nullptr) return nullptr;
       Slab& slab = slabs_[base];
-      slab.huge = huge;
       for (int64_t i = kSlab / bytes_ - 1; i >= 0; --i) slab.free.push_back(base + i * bytes_);
       open_.insert(base);
     }
@@ -154,7 +151,19 @@ class PageArena {
     ++live_;
     char* part = slab.free.back();
     slab.free.pop_back();
-    if (slab.free.empty()) open_.erase(base);
+    if (slab.free.empty()) {
+      open_.erase(base);
+      // Full: every byte of it is a live (charged) part, but for the slack
+      // after the last part, kept small. It goes to one huge page now
+      // (MADV_COLLAPSE, Linux 6.1+; before that khugepaged collapses it
+      // later), which the decode streams with one TLB entry. Give() takes
+      // it back to 4 KiB pages at the first part freed in it.
+      if (kSlab % bytes_ <= kSlab / 8) {
+        madvise(base, kSlab, MADV_HUGEPAGE);
+        madvise(base, kSlab, kMadvCollapse);
+        slab.huge = true;
+      }
+    }
     return part;
   }
 
@@ -201,8 +210,9 @@ class PageArena {
     slab.huge = false;
   }
 
-  // A 2 MiB-aligned 2 MiB mapping (twice the size mapped, the rest unmapped).
-  static char* MapSlab(bool huge) {
+  // A 2 MiB-aligned 2 MiB mapping (twice the size mapped, the rest
+  // unmapped), on 4 KiB pages.
+  static char* MapSlab() {
     void* p = mmap(nullptr, 2 * kSlab, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return nullptr;
     const uintptr_t start = reinterpret_cast<uintptr_t>(p);
@@ -211,14 +221,18 @@ class PageArena {
     if (start + 2 * kSlab > base + kSlab) {
       munmap(reinterpret_cast<void*>(base + kSlab), start + 2 * kSlab - (base + kSlab));
     }
-    madvise(reinterpret_cast<void*>(base), kSlab, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+    madvise(reinterpret_cast<void*>(base), kSlab, MADV_NOHUGEPAGE);
     return reinterpret_cast<char*>(base);
   }
+
+  // Synchronous collapse into a huge page (Linux 6.1; older kernels refuse
+  // it with EINVAL, and khugepaged collapses the slab later).
+  static constexpr int kMadvCollapse = 25;
 
   struct Slab {
     std::vector<char*> free;
     int64_t used = 0;
-    bool huge = false;  // mapped MADV_HUGEPAGE, no part freed since
+    bool huge = false;  // filled, made MADV_HUGEPAGE, no part freed since
   };
   const int64_t bytes_;
   absl::Mutex mu_;
