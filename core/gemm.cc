@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <list>
 #include <memory>
 #include <new>
 #include <tuple>
@@ -64,22 +65,33 @@ struct Entry {
 };
 
 dnnl::engine& Engine() {
-  static dnnl::engine* engine = new dnnl::engine(dnnl::engine::kind::cpu, 0);
+  static dnnl::engine* engine = [] {
+    // PrimitiveCache below keeps the primitives, bounded; oneDNN's own cache
+    // would hold up to 1024 more of them.
+    dnnl::set_primitive_cache_capacity(0);
+    return new dnnl::engine(dnnl::engine::kind::cpu, 0);
+  }();
   return *engine;
 }
 
 class PrimitiveCache {
  public:
-  // Bounded: shapes come from requests, so an adversary could otherwise grow
-  // it without limit. Dropping everything on overflow is crude but safe
-  // (entries in use are shared_ptr-owned by their callers).
-  static constexpr size_t kMaxEntries = 2048;
+  // Bounded: shapes come from requests, and each primitive holds ~60 KiB
+  // (its JIT code and descriptors) the memory budget does not see: 2048 of
+  // them, a client's Attends of 2100 different key lengths, held 125 MiB,
+  // RSS past budget + 100 MiB. The least recently used shape goes first
+  // (entries in use are shared_ptr-owned by their callers). oneDNN's own
+  // primitive cache is turned off (Engine()): it would keep 1024 more.
+  static constexpr size_t kMaxEntries = 256;
 
   absl::StatusOr<std::shared_ptr<const Entry>> Get(const Key& key) {
     {
       absl::MutexLock lock(&mu_);
       auto it = map_.find(key);
-      if (it != map_.end()) return it->second;
+      if (it != map_.end()) {
+        order_.splice(order_.begin(), order_, it->second.second);
+        return it->second.first;
+      }
     }
     // Build outside the lock: creation can take a while and two threads
     // racing on the same new shape only waste a little work.
@@ -102,9 +114,15 @@ class PrimitiveCache {
                           key.m, key.k, key.k, key.n, key.dtype == 0 ? "f32" : "bf16", e.what()));
     }
     absl::MutexLock lock(&mu_);
-    if (map_.size() >= kMaxEntries) map_.clear();
-    auto [it, inserted] = map_.emplace(key, std::move(entry));
-    return it->second;
+    auto it = map_.find(key);
+    if (it != map_.end()) return it->second.first;  // another thread built it too
+    while (map_.size() >= kMaxEntries) {
+      map_.erase(order_.back());
+      order_.pop_back();
+    }
+    order_.push_front(key);
+    map_.emplace(key, std::make_pair(entry, order_.begin()));
+    return std::shared_ptr<const Entry>(std::move(entry));
   }
 
   int64_t size() {
@@ -114,7 +132,9 @@ class PrimitiveCache {
 
  private:
   absl::Mutex mu_;
-  absl::flat_hash_map<Key, std::shared_ptr<const Entry>> map_ ABSL_GUARDED_BY(mu_);
+  std::list<Key> order_ ABSL_GUARDED_BY(mu_);  // most recently used first
+  absl::flat_hash_map<Key, std::pair<std::shared_ptr<const Entry>, std::list<Key>::iterator>> map_
+      ABSL_GUARDED_BY(mu_);
 };
 
 PrimitiveCache& Cache() {
