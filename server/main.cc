@@ -352,10 +352,13 @@ int main(int argc, char** argv) {
     LogEvent(LogLevel::kError, "start_failed", {{"message", server.status().ToString()}});
     return 1;
   }
+  // The host as given ("0.0.0.0", "[::1]", "localhost"; validated at start)
+  // and the port bound (port 0 picks one).
   const std::string metrics_url =
       o.metrics_address.empty()
           ? std::string()
-          : absl::StrCat("http://127.0.0.1:", (*server)->metrics_port(), "/metrics");
+          : absl::StrCat("http://", o.metrics_address.substr(0, o.metrics_address.rfind(':')),
+                         ":", (*server)->metrics_port(), "/metrics");
   LogEvent(LogLevel::kInfo, "listening",
            {{"address", o.address},
             {"port", (*server)->port()},

@@ -219,6 +219,20 @@ bool IsHex32(const std::string& s) {
   return s.size() == 32 && s.find_first_not_of("0123456789abcdef") == std::string::npos;
 }
 
+// The listening line's metrics URL names the host the endpoint is bound to
+// (it said 127.0.0.1 for --metrics_address=0.0.0.0:PORT) and the port bound.
+TEST(ServerLogTest, TheListeningLineNamesTheMetricsAddressAsBound) {
+  for (const std::string host : {"0.0.0.0", "127.0.0.1", "localhost"}) {
+    LoggedServer server({"--metrics_address=" + host + ":0"});
+    ASSERT_GT(server.port(), 0) << server.Text();
+    const std::vector<Json> lines = ParseLines(server.Text());
+    const std::vector<Json> listening = Find(lines, "listening");
+    ASSERT_EQ(listening.size(), 1u) << server.Text();
+    const std::string url = listening[0]["metrics"].get<std::string>();
+    EXPECT_THAT(url, ::testing::MatchesRegex("http://" + host + ":[1-9][0-9]*/metrics")) << url;
+  }
+}
+
 TEST(ServerLogTest, TheBinaryLogsItsConfigErrorsCallsSessionsAndDrain) {
   LoggedServer server({"--access_log", "--default_idle_ttl_seconds=1"});
   ASSERT_GT(server.port(), 0) << server.Text();
