@@ -802,7 +802,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       read_buf_.Clear();
       // Not parsed: counted as the stream's, as a message that does not parse.
       service_->metrics_->RecordRequest("Decode", grpc::StatusCode::UNAVAILABLE, 0.0);
-      FinishOnce(ShuttingDown());
+      FinishShuttingDown();
       return;
     }
     // Parsed here, not by gRPC, which would end the stream with OK as if
@@ -923,7 +923,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       if (!drain) busy_ = false;
     }
     if (drain) {
-      FinishOnce(ShuttingDown());
+      FinishShuttingDown();
       return;
     }
     StartRead(&read_buf_);
@@ -946,7 +946,9 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     // Normally released in FinishOnce; this covers a stream gRPC ends itself.
     if (session_ != nullptr) {
       GiveBackStepRoom();
-      service_->sessions_->Detach(session_, cancelled_.load());
+      service_->sessions_->Detach(session_, cancelled_.load()
+                                                ? SessionManager::StreamEnd::kCancelled
+                                                : SessionManager::StreamEnd::kEnded);
     }
     service_->Unregister(this);
     Unref();
@@ -996,7 +998,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     // handing work to the executor, so an idle stream cannot start a step
     // (and use session_) while it is being finished here.
     absl::MutexLock lock(&mu_);
-    if (!busy_) FinishOnce(ShuttingDown());
+    if (!busy_) FinishShuttingDown();
   }
 
  private:
@@ -1263,13 +1265,20 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
             : std::string("the server is shutting down"));
   }
 
-  void FinishOnce(const grpc::Status& status) {
+  // The server's drain ends the stream: a non-resumable session it frees
+  // is closed for "shutdown", not as a stream that ended normally.
+  void FinishShuttingDown() { FinishOnce(ShuttingDown(), SessionManager::StreamEnd::kShutdown); }
+
+  // `end`: how the stream ended for its session, unless it was cancelled.
+  void FinishOnce(const grpc::Status& status,
+                  SessionManager::StreamEnd end = SessionManager::StreamEnd::kEnded) {
     if (finished_.exchange(true)) return;
     // Release the session before the client can see the stream end, so a
     // client may re-attach a resumable session as soon as its stream is over.
     if (session_ != nullptr) {
       GiveBackStepRoom();  // before the detach, which may free the session
-      service_->sessions_->Detach(session_, cancelled_.load());
+      service_->sessions_->Detach(session_,
+                                  cancelled_.load() ? SessionManager::StreamEnd::kCancelled : end);
       session_.reset();
     }
     Finish(status);
@@ -1408,7 +1417,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
           // is let go again, as it was.
           status = HoldInfoAnswer(session_->config());
           if (!status.ok()) {
-            service_->sessions_->Detach(session_, /*stream_cancelled=*/false);
+            service_->sessions_->Detach(session_, SessionManager::StreamEnd::kEnded);
             session_ = nullptr;
             stream_fatal = true;
             break;
@@ -1452,7 +1461,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
           auto fork = service_->sessions_->Fork(session_, std::move(ticket_));  // reserved in Admit
           status = fork.status();
           if (fork.ok()) {
-            service_->sessions_->Detach(*fork, /*stream_cancelled=*/false);
+            service_->sessions_->Detach(*fork, SessionManager::StreamEnd::kEnded);
             (*fork)->FillInfo(response_.mutable_forked());
           }
         } else if (request_.has_export_kv()) {

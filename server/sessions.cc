@@ -777,14 +777,17 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const std::strin
   return found;
 }
 
-void SessionManager::Detach(const std::shared_ptr<Session>& session, bool stream_cancelled) {
+void SessionManager::Detach(const std::shared_ptr<Session>& session, StreamEnd end) {
   FreeAfterUnlock freed;
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session->id());
   if (it == sessions_.end() || it->second != session) return;
   if (!session->resumable_) {
     EraseLocked(
-        session->id(), stream_cancelled ? "disconnected" : "stream_ended",
+        session->id(),
+        end == StreamEnd::kCancelled  ? "disconnected"
+        : end == StreamEnd::kShutdown ? "shutdown"
+                                      : "stream_ended",
         absl::NotFoundError(absl::StrCat(
             "session ", session->id(), " was freed when its stream ended (it was not resumable)")),
         &freed);

@@ -316,10 +316,16 @@ class SessionManager {
   // expired or was closed (the message says which); FailedPrecondition if it
   // is not resumable or another stream holds it.
   absl::StatusOr<std::shared_ptr<Session>> Attach(const std::string& id, const Principal& caller);
-  // The stream holding the session ended (`reason`: "disconnected" or
-  // "closed"): a non-resumable session is freed at once, a resumable one
-  // stays until its idle TTL.
-  void Detach(const std::shared_ptr<Session>& session, bool stream_cancelled);
+  // How the stream holding a session ended: a non-resumable session's
+  // reason in ropeattn_sessions_closed_total.
+  enum class StreamEnd {
+    kEnded,      // "stream_ended": the stream ended normally
+    kCancelled,  // "disconnected": cancelled or lost
+    kShutdown,   // "shutdown": the server's drain ended it
+  };
+  // The stream holding the session ended (`end`): a non-resumable session is
+  // freed at once, a resumable one stays until its idle TTL.
+  void Detach(const std::shared_ptr<Session>& session, StreamEnd end);
   // Closes and frees a session (from the stream or an operator). The
   // answer's copies of `info` are paid from `answer`, room the session
   // reserved for them (CloseAnswerRoomBytes): the caller holds it until its

@@ -181,7 +181,8 @@ class Driver {
     if (s.finished) return;
     s.finished = true;
     if (s.session != nullptr) {
-      w_.sessions.Detach(s.session, s.cancelled);
+      w_.sessions.Detach(s.session, s.cancelled ? SessionManager::StreamEnd::kCancelled
+                                                : SessionManager::StreamEnd::kEnded);
       s.session.reset();
     }
     s.ticket.Release();
@@ -295,7 +296,7 @@ class Driver {
             CheckHeld(**fork, source_position);
             FUZZ_CHECK((*fork)->position() == s.session->position(),
                        "a fork does not start at its parent's position");
-            w_.sessions.Detach(*fork, /*stream_cancelled=*/false);
+            w_.sessions.Detach(*fork, SessionManager::StreamEnd::kEnded);
             (*fork)->FillInfo(response.mutable_forked());
             ids_.push_back((*fork)->id());
           }

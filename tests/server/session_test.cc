@@ -2278,6 +2278,11 @@ TEST_F(SessionTest, GracefulShutdownEndsOpenStreamsWithinTheDeadline) {
   stopper.join();
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
   EXPECT_EQ(server_->sessions().open_sessions(), 0);
+  // Its non-resumable session ended with the drain, not as a stream that
+  // ended normally.
+  const std::string text = server_->metrics().RenderPrometheus();
+  EXPECT_THAT(text, HasSubstr("ropeattn_sessions_closed_total{reason=\"shutdown\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("ropeattn_sessions_closed_total{reason=\"stream_ended\"} 0\n"));
 }
 
 // --------------------------------------- start position, KV import/export --
