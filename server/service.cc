@@ -12,12 +12,16 @@
 #include "absl/base/call_once.h"
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
-#include "google/protobuf/stubs/logging.h"
 #include "core/cpu.h"
+#include "core/rope.h"
+#include "core/status_macros.h"
+#include "google/protobuf/stubs/logging.h"
+#include "grpc/grpc.h"
+#include "grpcpp/support/proto_buffer_reader.h"
 #include "server/admission.h"
 #include "server/auth.h"
 #include "server/call_log.h"
@@ -27,9 +31,6 @@
 #include "server/layer.h"
 #include "server/log.h"
 #include "server/wire_bound.h"
-#include "grpcpp/support/proto_buffer_reader.h"
-#include "core/rope.h"
-#include "core/status_macros.h"
 
 namespace ropeattn::server {
 namespace {
@@ -783,7 +784,19 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {  // the client half-closed or the call is gone
+    if (!ok) {  // the client half-closed, the call is gone, or gRPC refused a message
+      if (RefusedByGrpc()) {
+        // Answered (logged by the call log, counted under Decode) with the
+        // code the client saw; the status itself cannot reach it, gRPC sent
+        // its own. Ended by the server's refusal, not by its client (gRPC's
+        // cancel runs OnCancel too).
+        const absl::Status refused = absl::ResourceExhaustedError(absl::StrCat(
+            "a message of this stream was larger than --max_message_bytes (",
+            service_->options_.max_message_bytes, " bytes): gRPC refused it and ended the stream"));
+        service_->metrics_->RecordRequest("Decode", static_cast<int>(refused.code()), 0.0);
+        FinishOnce(ToGrpcStatus(refused), SessionManager::StreamEnd::kEnded);
+        return;
+      }
       // A client that died (killed, connection lost) fails the read before
       // gRPC runs OnCancel: the call's own state tells the two apart.
       if (ctx_->IsCancelled()) cancelled_ = true;
@@ -990,6 +1003,25 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   void Ref() { refs_.fetch_add(1); }
   void Unref() {
     if (refs_.fetch_sub(1) == 1) delete this;
+  }
+
+  // gRPC 1.51 ends a read alike (OnReadDone(false)) when the client
+  // half-closed, when the call is gone, and when its message-size check
+  // refused a message larger than --max_message_bytes (RESOURCE_EXHAUSTED to
+  // the client; no interceptor or handler sees the message). The refusal is
+  // the one end where gRPC's call layer cancels the call itself before it
+  // completes the read, and that cancel (FilterStackCall::CancelWithError)
+  // clears the call's peer, which then reads "unknown". A gone call
+  // (cancelled or reset by its client, lost, past its deadline, the server's
+  // shutdown) reaches the read through the transport instead, which marks
+  // it failed (grpc_call_failed_before_recv_message) and leaves the peer; a
+  // half-close's read is unmarked and its call not cancelled. The call
+  // layer's other cancel of a Decode call is ours, of an answer not taken in
+  // time (AnswerWatch), which the watch knows. Compressed messages, the
+  // other refusal past the transport, are refused from their headers.
+  bool RefusedByGrpc() const {
+    return !grpc_call_failed_before_recv_message(ctx_->c_call()) && ctx_->peer() == "unknown" &&
+           !watch_->TimedOut();
   }
 
   // From BeginShutdown: a stream waiting for its client ends now.
@@ -1267,18 +1299,23 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
 
   // The server's drain ends the stream: a non-resumable session it frees
   // is closed for "shutdown", not as a stream that ended normally.
-  void FinishShuttingDown() { FinishOnce(ShuttingDown(), SessionManager::StreamEnd::kShutdown); }
+  void FinishShuttingDown() {
+    FinishOnce(ShuttingDown(), cancelled_.load() ? SessionManager::StreamEnd::kCancelled
+                                                 : SessionManager::StreamEnd::kShutdown);
+  }
 
-  // `end`: how the stream ended for its session, unless it was cancelled.
+  // `end`: how the stream ended for its session; by default as its client
+  // left it (cancelled or lost, or not).
   void FinishOnce(const grpc::Status& status,
-                  SessionManager::StreamEnd end = SessionManager::StreamEnd::kEnded) {
+                  std::optional<SessionManager::StreamEnd> end = std::nullopt) {
     if (finished_.exchange(true)) return;
     // Release the session before the client can see the stream end, so a
     // client may re-attach a resumable session as soon as its stream is over.
     if (session_ != nullptr) {
       GiveBackStepRoom();  // before the detach, which may free the session
-      service_->sessions_->Detach(session_,
-                                  cancelled_.load() ? SessionManager::StreamEnd::kCancelled : end);
+      service_->sessions_->Detach(
+          session_, end.value_or(cancelled_.load() ? SessionManager::StreamEnd::kCancelled
+                                                   : SessionManager::StreamEnd::kEnded));
       session_.reset();
     }
     Finish(status);

@@ -2447,6 +2447,105 @@ TEST(SessionLimitTest, AnExportPastTheReplyLimitIsRefusedFirst) {
   server->Shutdown(absl::Seconds(1));
 }
 
+// A Decode message larger than --max_message_bytes is refused by gRPC
+// (RESOURCE_EXHAUSTED to the client) before the stream's reactor or the
+// call log see it: the stream was logged `call` code OK, counted nowhere,
+// and its session counted disconnected. It is logged (error_answer, call)
+// and counted under Decode as RESOURCE_EXHAUSTED, naming the flag, and its
+// session as stream_ended; streams their client half-closes, cancels, or
+// cancels after half-closing are no refusals.
+TEST(SessionLimitTest, ADecodeMessageGrpcRefusesForItsSizeIsLoggedAndCounted) {
+  server::LogCapture capture;
+  server::ServerOptions o = TestServerOptions();
+  o.max_message_bytes = 64 << 10;
+  o.access_log = true;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());  // sends up to 256 MiB
+  const auto metric = [&](const std::string& series) -> double {
+    const std::string m = server->metrics().RenderPrometheus();
+    const size_t at = m.find("\n" + series + " ");
+    return at == std::string::npos ? -1 : std::atof(m.c_str() + at + series.size() + 2);
+  };
+  const auto lines_of = [&](const std::string& event, const std::string& request_id) {
+    std::vector<std::string> out;
+    std::istringstream lines(capture.Text());
+    for (std::string line; std::getline(lines, line);) {
+      if (absl::StrContains(line, absl::StrCat("\"event\":\"", event, "\"")) &&
+          absl::StrContains(line, absl::StrCat("\"request_id\":\"", request_id, "\""))) {
+        out.push_back(line);
+      }
+    }
+    return out;
+  };
+  const std::string refused =
+      R"(ropeattn_requests_total{method="Decode",code="RESOURCE_EXHAUSTED"})";
+  v1::DecodeRequest open;
+  open.mutable_open()->mutable_spec()->set_heads(4);
+  open.mutable_open()->mutable_spec()->set_head_dim(8);
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-request-id", "oversize-decode");
+    auto rw = stub->Decode(&ctx);
+    v1::DecodeResponse resp;
+    ASSERT_TRUE(rw->Write(open));
+    ASSERT_TRUE(rw->Read(&resp));
+    ASSERT_TRUE(resp.has_opened()) << resp.DebugString();
+    v1::DecodeRequest step;
+    step.mutable_step()->set_seq(1);
+    step.mutable_step()->mutable_q()->set_data(std::string(100 << 10, '\0'));
+    rw->Write(step);
+    EXPECT_FALSE(rw->Read(&resp));
+    const grpc::Status st = rw->Finish();
+    ASSERT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr("larger than max"));
+  }
+  ASSERT_TRUE(Eventually([&] { return !lines_of("call", "oversize-decode").empty(); }))
+      << capture.Text();
+  const std::vector<std::string> errors = lines_of("error_answer", "oversize-decode");
+  ASSERT_EQ(errors.size(), 1u) << capture.Text();
+  EXPECT_THAT(errors[0], HasSubstr("\"code\":\"RESOURCE_EXHAUSTED\""));
+  EXPECT_THAT(errors[0], HasSubstr("larger than --max_message_bytes (65536 bytes)"));
+  const std::vector<std::string> calls = lines_of("call", "oversize-decode");
+  ASSERT_EQ(calls.size(), 1u) << capture.Text();
+  EXPECT_THAT(calls[0], HasSubstr("\"code\":\"RESOURCE_EXHAUSTED\""));
+  EXPECT_EQ(metric(refused), 1);
+  EXPECT_EQ(metric(R"(ropeattn_sessions_closed_total{reason="stream_ended"})"), 1);
+  EXPECT_EQ(metric(R"(ropeattn_sessions_closed_total{reason="disconnected"})"), 0);
+
+  // Ends by the client: each as before, never a refusal (repeated: the
+  // client's cancel races the server's read of its half-close).
+  for (int i = 0; i < 20; ++i) {
+    for (const char* end : {"half-close", "cancel", "half-close then cancel"}) {
+      SCOPED_TRACE(absl::StrCat(end, " ", i));
+      grpc::ClientContext ctx;
+      ctx.AddMetadata("x-request-id", absl::StrCat("ended-", i));
+      auto rw = stub->Decode(&ctx);
+      v1::DecodeResponse resp;
+      ASSERT_TRUE(rw->Write(open));
+      ASSERT_TRUE(rw->Read(&resp));
+      if (absl::string_view(end) != "cancel") rw->WritesDone();
+      if (absl::string_view(end) != "half-close") ctx.TryCancel();
+      const grpc::StatusCode code = rw->Finish().error_code();
+      if (absl::string_view(end) == "half-close") {
+        EXPECT_EQ(code, grpc::StatusCode::OK);
+      } else if (absl::string_view(end) == "cancel") {
+        EXPECT_EQ(code, grpc::StatusCode::CANCELLED);
+      } else {  // the server's OK may come before the cancel
+        EXPECT_TRUE(code == grpc::StatusCode::CANCELLED || code == grpc::StatusCode::OK) << code;
+      }
+    }
+  }
+  ASSERT_TRUE(Eventually([&] { return server->sessions().open_sessions() == 0; }));
+  EXPECT_EQ(metric(refused), 1);
+  std::istringstream lines(capture.Text());
+  int refused_lines = 0;
+  for (std::string line; std::getline(lines, line);) {
+    refused_lines += absl::StrContains(line, "\"code\":\"RESOURCE_EXHAUSTED\"");
+  }
+  EXPECT_EQ(refused_lines, 2) << capture.Text();  // the refused stream's two
+  server->Shutdown(absl::Seconds(1));
+}
 
 // Every answer carrying a SessionInfo echoes the session's spec: an open
 // whose answer could not fit in one message is refused before anything is
