@@ -1180,6 +1180,7 @@ struct PackedKV {
   int64_t first = 0;        // key index of packed row 0
   int64_t n = 0;            // packed rows per (batch, kv head)
   bool direct = false;      // no copy: rows of p.k / p.v at their own strides
+  bool one_head = false;    // k / v hold one (batch, kv head)'s rows only
 };
 
 absl::Status PrefillTask(const Plan& p, const PackedKV& kv, int64_t b, int64_t h, int64_t i0,
@@ -1237,7 +1238,8 @@ absl::Status PrefillTask(const Plan& p, const PackedKV& kv, int64_t b, int64_t h
   // applied to them).
   MatOperand kb{}, vb{};
   if (!kv.direct) {
-    const int64_t head_row0 = (b * p.kv_heads + kvh) * kv.n + (ulo - kv.first);
+    const int64_t head_row0 =
+        (kv.one_head ? 0 : (b * p.kv_heads + kvh) * kv.n) + (ulo - kv.first);
     kb = {kv.k + head_row0 * d * es, p.kv_dtype, 1, d};
     vb = {kv.v + head_row0 * dv * es, p.kv_dtype, dv, 1};
   } else {
@@ -1378,6 +1380,32 @@ std::vector<char>& PackBuffer() {
   return buffer;
 }
 
+// Copies the visible rows [first, first + n) of (batch b, kv head j) of K
+// and V into dense head-major buffers.
+void PackHead(const Plan& p, int64_t b, int64_t j, int64_t first, int64_t n, char* k, char* v) {
+  const size_t es = DTypeSize(p.kv_dtype);
+  for (int64_t t = 0; t < n; ++t) {
+    std::memcpy(k + t * p.head_dim * es,
+                static_cast<const char*>(p.k.raw()) +
+                    (b * p.k.stride(0) + (first + t) * p.k.stride(1) + j * p.k.stride(2)) * es,
+                p.head_dim * es);
+    std::memcpy(v + t * p.v_dim * es,
+                static_cast<const char*>(p.v.raw()) +
+                    (b * p.v.stride(0) + (first + t) * p.v.stride(1) + j * p.v.stride(2)) * es,
+                p.v_dim * es);
+  }
+}
+
+// Whether the prefill's work is cut by (batch, kv head): each thread packs
+// one group's K/V at a time into its own buffer and runs all of the group's
+// query heads and blocks against it, so the group's rows stay in cache
+// across its tasks and no call-sized buffer is faulted in. Needs groups
+// enough to keep every thread busy to the end (a group is one thread's).
+bool PrefillByGroup(const Plan& p, int threads) {
+  const int64_t groups = p.batch * p.kv_heads;
+  return groups >= threads && (groups % threads == 0 || groups >= 4 * threads);
+}
+
 absl::Status RunPrefill(const Plan& p) {
   const int64_t blocks = (p.q_len + kPrefillBlock - 1) / kPrefillBlock;
   const int64_t tasks = p.batch * p.heads * blocks;
@@ -1397,8 +1425,6 @@ absl::Status RunPrefill(const Plan& p) {
   kv.first = first;
   kv.n = last > first ? last - first : 0;
   const size_t es = DTypeSize(p.kv_dtype);
-  const int64_t k_bytes = p.batch * p.kv_heads * kv.n * p.head_dim * static_cast<int64_t>(es);
-  const int64_t v_bytes = p.batch * p.kv_heads * kv.n * p.v_dim * static_cast<int64_t>(es);
   // Packing copies every visible K/V row once (into memory the first touch
   // faults in) so that the GEMMs read them contiguously; it pays off when
   // each row is read by several query blocks, not for one block (a short
@@ -1408,48 +1434,71 @@ absl::Status RunPrefill(const Plan& p) {
   // ms; a causal 512 x 512 prefill (4 blocks) 28 / 32 ms, 2048 x 2048 (16)
   // 339 / 383 ms and, with 4 heads per kv head, 263 / 377 ms.
   kv.direct = p.k.stride(3) == 1 && p.v.stride(3) == 1 && blocks == 1;
+  const int threads = static_cast<int>(std::min<int64_t>(p.threads, std::max<int64_t>(tasks, 1)));
+  kv.one_head = !kv.direct && PrefillByGroup(p, threads);
+  const int64_t group_k_bytes = kv.n * p.head_dim * static_cast<int64_t>(es);
+  const int64_t group_v_bytes = kv.n * p.v_dim * static_cast<int64_t>(es);
+  const int64_t k_bytes = (kv.one_head ? 1 : p.batch * p.kv_heads) * group_k_bytes;
+  const int64_t v_bytes = (kv.one_head ? 1 : p.batch * p.kv_heads) * group_v_bytes;
+  FirstError err;
+  auto run = [&](const PackedKV& packed, int64_t b, int64_t h, int64_t blk) {
+    const int64_t i0 = blk * kPrefillBlock;
+    const int64_t i1 = std::min(p.q_len, i0 + kPrefillBlock);
+    if (ShouldStop(p.stop)) {
+      err.Set(p.stop->status());
+      return;
+    }
+    absl::Status s = PrefillTask(p, packed, b, h, i0, i1);
+    if (!s.ok()) err.Set(std::move(s));
+  };
+  if (kv.one_head) {
+    const int64_t groups = p.batch * p.kv_heads;
+#pragma omp parallel num_threads(threads)
+    {
+      omp_set_num_threads(1);
+      // Each thread's own buffer (thread_local here is the worker's).
+      std::vector<char>& buffer = PackBuffer();
+      if (buffer.size() < static_cast<size_t>(k_bytes + v_bytes)) buffer.resize(k_bytes + v_bytes);
+      PackedKV mine = kv;
+      mine.k = buffer.data();
+      mine.v = buffer.data() + k_bytes;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t b = g / p.kv_heads, j = g % p.kv_heads;
+        if (ShouldStop(p.stop)) {
+          err.Set(p.stop->status());
+          continue;
+        }
+        PackHead(p, b, j, first, kv.n, buffer.data(), buffer.data() + k_bytes);
+        for (int64_t h = j * p.group; h < (j + 1) * p.group; ++h) {
+          for (int64_t blk = 0; blk < blocks; ++blk) run(mine, b, h, blk);
+        }
+      }
+      if (buffer.size() > kMaxRetainedPackBytes) std::vector<char>().swap(buffer);
+    }
+    return err.Get();
+  }
   std::vector<char>& buffer = PackBuffer();
   if (!kv.direct) {
     if (buffer.size() < static_cast<size_t>(k_bytes + v_bytes)) buffer.resize(k_bytes + v_bytes);
     kv.k = buffer.data();
     kv.v = buffer.data() + k_bytes;
   }
-  FirstError err;
-  const int threads = static_cast<int>(std::min<int64_t>(p.threads, std::max<int64_t>(tasks, 1)));
 #pragma omp parallel num_threads(threads)
   {
     omp_set_num_threads(1);
     // Pack: one pass over the visible K/V rows.
 #pragma omp for schedule(static)
-    for (int64_t bt = 0; bt < (kv.direct ? 0 : p.batch * kv.n); ++bt) {
-      const int64_t b = bt / kv.n, t = bt % kv.n;
-      for (int64_t j = 0; j < p.kv_heads; ++j) {
-        const int64_t row = (b * p.kv_heads + j) * kv.n + t;
-        std::memcpy(buffer.data() + row * p.head_dim * es,
-                    static_cast<const char*>(p.k.raw()) +
-                        (b * p.k.stride(0) + (first + t) * p.k.stride(1) + j * p.k.stride(2)) * es,
-                    p.head_dim * es);
-        std::memcpy(buffer.data() + k_bytes + row * p.v_dim * es,
-                    static_cast<const char*>(p.v.raw()) +
-                        (b * p.v.stride(0) + (first + t) * p.v.stride(1) + j * p.v.stride(2)) * es,
-                    p.v_dim * es);
-      }
+    for (int64_t g = 0; g < (kv.direct ? 0 : p.batch * p.kv_heads); ++g) {
+      PackHead(p, g / p.kv_heads, g % p.kv_heads, first, kv.n,
+               buffer.data() + g * group_k_bytes, buffer.data() + k_bytes + g * group_v_bytes);
     }
     // Later query blocks see more keys under a causal mask: hand them out
     // first so the tail of the schedule is made of short tasks.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t blk = blocks - 1 - t / (p.batch * p.heads);
       const int64_t bh = t % (p.batch * p.heads);
-      const int64_t b = bh / p.heads, h = bh % p.heads;
-      const int64_t i0 = blk * kPrefillBlock;
-      const int64_t i1 = std::min(p.q_len, i0 + kPrefillBlock);
-      if (ShouldStop(p.stop)) {
-        err.Set(p.stop->status());
-        continue;
-      }
-      absl::Status s = PrefillTask(p, kv, b, h, i0, i1);
-      if (!s.ok()) err.Set(std::move(s));
+      run(kv, bh / p.heads, bh % p.heads, blocks - 1 - t / (p.batch * p.heads));
     }
   }
   // Kept between calls only while small: a worker must not hold a large
