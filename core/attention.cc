@@ -38,6 +38,9 @@ constexpr int64_t kPrefillBlock = 128;  // query rows per prefill task
 constexpr int64_t kMaxT5TableEntries = int64_t{1} << 26;
 // A worker keeps its prefill packing buffer between calls up to this size.
 constexpr size_t kMaxRetainedPackBytes = size_t{16} << 20;
+// A kernel thread keeps its prefill packing buffer of one (batch, kv head)
+// group up to this size.
+constexpr size_t kMaxRetainedGroupPackBytes = size_t{4} << 20;
 
 struct Plan {
   int64_t batch, q_len, k_len, heads, kv_heads, head_dim, v_dim, group;
@@ -1474,7 +1477,9 @@ absl::Status RunPrefill(const Plan& p) {
           for (int64_t blk = 0; blk < blocks; ++blk) run(mine, b, h, blk);
         }
       }
-      if (buffer.size() > kMaxRetainedPackBytes) std::vector<char>().swap(buffer);
+      // Each thread of each worker keeps its own: kept only while a group's
+      // K/V is small (S2048 at d 128, f32: 2 MiB).
+      if (buffer.size() > kMaxRetainedGroupPackBytes) std::vector<char>().swap(buffer);
     }
     return err.Get();
   }
