@@ -589,6 +589,29 @@ Scratch& ThreadScratch() {
   return s;
 }
 
+// A kernel thread keeps each scratch buffer between calls up to this size
+// (a tile's scores at 4096 keys): they are memory no budget charges once
+// the call is over (128 query rows x 65536 keys kept 32 MiB a thread).
+constexpr size_t kMaxRetainedScratchBytes = size_t{2} << 20;
+
+template <typename T>
+void TrimVector(std::vector<T>& v, size_t keep_bytes) {
+  if (v.capacity() * sizeof(T) > keep_bytes) std::vector<T>().swap(v);
+}
+
+// Called by each kernel thread at the end of its part of a call.
+void TrimThreadScratch() {
+  Scratch& s = ThreadScratch();
+  TrimVector(s.a, kMaxRetainedScratchBytes);
+  TrimVector(s.b, kMaxRetainedScratchBytes);
+  TrimVector(s.c, kMaxRetainedScratchBytes);
+  TrimVector(s.h1, kMaxRetainedScratchBytes);
+  TrimVector(s.h2, kMaxRetainedScratchBytes);
+  TrimVector(s.kf, kMaxRetainedScratchBytes);
+  TrimVector(s.vf, kMaxRetainedScratchBytes);
+  TrimVector(s.vnz, kMaxRetainedScratchBytes);
+}
+
 class FirstError {
  public:
   void Set(absl::Status s) {
@@ -1076,8 +1099,30 @@ struct DecodeRun {
 // would page-fault on every decode step). Inside the parallel region only
 // raw pointers are used: a thread_local named there would be each worker's
 // own (empty) instance.
-void PrepareDecodeRuns(absl::Span<const Plan* const> plans, std::deque<DecodeRun>& runs) {
+std::vector<std::vector<float>>& DecodePool() {
   thread_local std::vector<std::vector<float>> pool;
+  return pool;
+}
+
+// After a pass: the calling thread keeps at most 32 MiB of its pool's
+// buffers (every step of a 16-session pass at 1k context is well under it;
+// a step's scores at 128k keys and 64 query rows are 32 MiB alone, and a
+// batch of such steps would otherwise be kept whole).
+void TrimDecodePool() {
+  constexpr size_t kKeepBytes = size_t{32} << 20;
+  size_t kept = 0;
+  for (std::vector<float>& v : DecodePool()) {
+    const size_t bytes = v.capacity() * sizeof(float);
+    if (kept + bytes > kKeepBytes) {
+      std::vector<float>().swap(v);
+    } else {
+      kept += bytes;
+    }
+  }
+}
+
+void PrepareDecodeRuns(absl::Span<const Plan* const> plans, std::deque<DecodeRun>& runs) {
+  std::vector<std::vector<float>>& pool = DecodePool();
   if (pool.size() < 5 * plans.size()) pool.resize(5 * plans.size());
   runs.clear();  // a deque: FirstError is not movable
   for (size_t n = 0; n < plans.size(); ++n) {
@@ -1167,7 +1212,10 @@ absl::Status RunDecode(const Plan& p) {
   std::deque<DecodeRun> runs;
   PrepareDecodeRuns(plans, runs);
   RunDecodePass(runs, p.threads);
-  return runs[0].err.Get();
+  absl::Status st = runs[0].err.Get();
+  runs.clear();
+  TrimDecodePool();
+  return st;
 }
 
 // --------------------------------------------------------------- prefill --
@@ -1480,6 +1528,7 @@ absl::Status RunPrefill(const Plan& p) {
       // Each thread of each worker keeps its own: kept only while a group's
       // K/V is small (S2048 at d 128, f32: 2 MiB).
       if (buffer.size() > kMaxRetainedGroupPackBytes) std::vector<char>().swap(buffer);
+      TrimThreadScratch();
     }
     return err.Get();
   }
@@ -1505,6 +1554,7 @@ absl::Status RunPrefill(const Plan& p) {
       const int64_t bh = t % (p.batch * p.heads);
       run(kv, bh / p.heads, bh % p.heads, blocks - 1 - t / (p.batch * p.heads));
     }
+    TrimThreadScratch();
   }
   // Kept between calls only while small: a worker must not hold a large
   // request's packed K/V (uncharged memory) after the call.
@@ -1934,6 +1984,8 @@ void AttendBatch(absl::Span<AttentionJob> jobs, int threads) {
     if (decode_jobs[n]->status.ok())
       decode_jobs[n]->status = CheckResultFinite(decode_jobs[n]->out);
   }
+  runs.clear();
+  TrimDecodePool();
 }
 
 }  // namespace ropeattn

@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <malloc.h>
+#include <fstream>
 #include <functional>
 #include <cstring>
 #include <limits>
@@ -2526,6 +2528,131 @@ TEST(AttentionAccuracyTest, EverySchemeWithinOneMillionthOfFp64AtPositionOneMill
       }
       std::printf("%-11s %8s %12.2e %12.2e\n", row.name, PathName(path), err[0], err[1]);
     }
+  }
+}
+
+// The prefill by (batch, kv head) group (a thread packs one group's K/V at
+// a time) against the fp64 reference where packing starts past key 0
+// (windows, q_offsets) and the key ranges differ by batch row (key_lengths),
+// f32 and bf16, on thread counts that take either packing: dropping the
+// first packed key's offset in the group's indexing passed every earlier
+// test (their packed prefills had no window).
+TEST(PrefillByGroupTest, MatchesTheReferenceWithWindowsOffsetsAndKeyLengths) {
+  uint64_t seed = 7400;
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (int threads : {1, 2, 3, 4}) {
+      for (int64_t batch : {1, 2, 3}) {
+        for (int64_t kvh : {1, 2, 3}) {
+          Case c;
+          c.dtype = dt;
+          c.path = Path::kPrefill;
+          c.batch = batch;
+          c.q_len = 300;
+          c.k_len = 420;
+          c.heads = kvh * 2;
+          c.kv_heads = kvh;
+          c.head_dim = 32;
+          c.num_threads = threads;
+          c.seed = ++seed;
+          c.causal = true;
+          c.window = 90;
+          for (int64_t b = 0; b < batch; ++b) {
+            c.q_offsets.push_back(100 + 10 * b);
+            c.key_lengths.push_back(420 - 37 * b);
+          }
+          CheckAgainstReference(c);
+        }
+      }
+    }
+  }
+}
+
+// The two packings give the same bits (the same GEMMs on the same dense
+// rows): 3 groups on 2 threads pack the whole call, on 3 threads by group.
+TEST(PrefillByGroupTest, GivesTheBitsOfWholeCallPacking) {
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    Case c;
+    c.dtype = dt;
+    c.path = Path::kPrefill;
+    c.batch = 1;
+    c.q_len = 260;
+    c.k_len = 400;
+    c.heads = 6;
+    c.kv_heads = 3;
+    c.head_dim = 64;
+    c.causal = true;
+    c.window = 150;
+    c.q_offsets = {140};
+    const Inputs in = MakeInputs(c);
+    c.num_threads = 2;
+    const Outputs whole = RunAttend(c, in);
+    c.num_threads = 3;
+    const Outputs group = RunAttend(c, in);
+    ASSERT_TRUE(whole.status.ok() && group.status.ok());
+    const std::vector<double> a = ToDoubles(whole.out.cview()), b = ToDoubles(group.out.cview());
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << i;
+  }
+}
+
+// A stop already cancelled ends a prefill by group CANCELLED.
+TEST(PrefillByGroupTest, StopsWhenCancelled) {
+  Case c;
+  c.path = Path::kPrefill;
+  c.batch = 2;
+  c.q_len = 300;
+  c.k_len = 300;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.head_dim = 32;
+  c.num_threads = 2;
+  const Inputs in = MakeInputs(c);
+  StopToken stop;
+  stop.Cancel();
+  AttentionOptions o = MakeOptions(c, in);
+  o.stop = &stop;
+  Tensor out = Tensor::Create(DType::kF32, {2, 300, 4, 32}).value();
+  const absl::Status s =
+      Attend(in.q.cview(), in.k.cview(), in.v.cview(), o, out.view(), TensorView());
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+}
+
+int64_t ResidentKiBNow() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
+  }
+  return -1;
+}
+
+// What a call leaves resident once it returns: kernel threads keep their
+// scratch and the decode's buffers only while small. A prefill of 256
+// queries over 65536 keys kept 66-75 MiB (each thread's 128 x 65536 scores,
+// and more), a decode step of 64 query rows over 131072 keys its 32 MiB of
+// scores: memory no budget charges once the call is over.
+TEST(AttentionMemoryTest, LongCallsDoNotKeepTheirScratch) {
+  for (const Path path : {Path::kPrefill, Path::kDecode}) {
+    Case c;
+    c.path = path;
+    c.batch = 1;
+    c.q_len = path == Path::kPrefill ? 256 : 1;
+    c.k_len = path == Path::kPrefill ? 65536 : 131072;
+    c.heads = path == Path::kPrefill ? 2 : 64;
+    c.kv_heads = path == Path::kPrefill ? 2 : 1;
+    c.head_dim = 16;
+    c.num_threads = 2;
+    const Inputs in = MakeInputs(c);
+    Tensor out = Tensor::Create(DType::kF32, {1, c.q_len, c.heads, c.head_dim}).value();
+    malloc_trim(0);
+    const int64_t before = ResidentKiBNow();
+    ASSERT_TRUE(Attend(in.q.cview(), in.k.cview(), in.v.cview(), MakeOptions(c, in), out.view(),
+                       TensorView())
+                    .ok());
+    malloc_trim(0);  // as the server's health pass does every 2 s
+    const int64_t kept = ResidentKiBNow() - before;
+    EXPECT_LT(kept, 12 * 1024) << (path == Path::kPrefill ? "prefill" : "decode")
+                               << ": KiB kept after the call";
   }
 }
 
