@@ -78,7 +78,13 @@ int64_t AttentionScratchBytes(int64_t batch, int64_t heads, int64_t kv_heads, in
       SatProduct({batch, kv_heads, k_len, SatAdd(head_dim, v_dim), static_cast<int64_t>(DTypeSize(kv_dtype))});
   const int64_t tiles =
       SatProduct({threads, kPrefillRows, SatAdd(SatMul(k_len, 2), SatAdd(head_dim, v_dim)), 4});
-  return SatAdd(pack, tiles);
+  // bf16 K/V where the bf16 GEMM flushes subnormals (AVX512-BF16): a tile
+  // meeting one goes through an f32 GEMM on its keys' K and V rows widened,
+  // in each kernel thread (one 1e-39 in k and v made a [1, 12000, 1, 2048]
+  // Attend peak 120 MiB past its price).
+  const int64_t widened =
+      kv_dtype == DType::kBF16 ? SatProduct({threads, k_len, SatAdd(head_dim, v_dim), 4}) : 0;
+  return Sum({pack, tiles, widened});
 }
 
 }  // namespace

@@ -888,6 +888,29 @@ TEST(HardeningCostTest, StepsOnThePrefillPathAreChargedTheirGather) {
   }
 }
 
+// A bf16 prefill may redo a tile in f32 on its keys' K and V rows widened
+// (where the bf16 GEMM flushes subnormals: one 1e-39 in k and v), in every
+// kernel thread: that is priced. A [1, 128, 2, 2048] x [1, 12000, 1, 2048]
+// bf16 Attend on 2 threads peaked 120 MiB past its price.
+TEST(HardeningCostTest, ABf16PrefillIsChargedItsWidenedRows) {
+  server::AttendDims d;
+  d.batch = 1;
+  d.q_len = 128;
+  d.k_len = 12000;
+  d.heads = 2;
+  d.kv_heads = 1;
+  d.head_dim = 2048;
+  d.v_dim = 2048;
+  d.q_dtype = DType::kBF16;
+  d.kv_dtype = DType::kBF16;
+  d.threads = 2;
+  d.wire_bytes = (128 * 2 + 2 * 12000) * 2048 * 2;
+  const int64_t widened = int64_t{2} * 12000 * (2048 + 2048) * 4;
+  const int64_t packed = int64_t{12000} * (2048 + 2048) * 2;
+  const server::Cost bf16 = server::AttendCost(d);
+  EXPECT_GE(bf16.transient_bytes, d.wire_bytes + widened + packed);
+}
+
 // Decode steps learn two rates: those the decode kernel computes and those
 // the prefill computes (units take 10-100x different times on the two). One
 // shared rate, taught by a one-token step slowed past 5 ms, made queued
