@@ -233,6 +233,14 @@ class DecodeState {
   double max_attention_factor_ = 1.0;  // length-dependent: the largest of its lengths
 };
 
+namespace internal {
+// KV page slabs collapsed into huge pages since start (tests).
+int64_t KvSlabCollapses();
+// Tests only, with no state alive in another thread: forgets the page
+// arenas holding no slab (a binary's first 64 part sizes get arenas).
+void ForgetEmptyKvPageArenasForTesting();
+}  // namespace internal
+
 }  // namespace ropeattn
 
 #endif  // ROPEATTN_CORE_DECODE_STATE_H_

@@ -160,6 +160,39 @@ TEST(StopTokenTest, ACancelJustBeforeTheDeadlineCountsAsTheDeadlines) {
   }
 }
 
+// The softmax's exp on 16 lanes (AVX-512) gives every weight the bits the
+// 8-lane one gives (the same operations lane by lane), the scalar tail
+// included, and sums them to f32 rounding (a different order); both within
+// 2 ulp of fp64's exp (the polynomial's error), and 0 below e^-104. (On a
+// machine without AVX-512 both runs take the 8-lane path.)
+TEST(TileKernelsTest, TheSoftmaxExpGivesTheSameWeightsOnEveryPath) {
+  uint64_t seed = 11;
+  auto next = [&seed] {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<float>(static_cast<int64_t>(seed >> 33) % 2000001) / 2000000.0f;
+  };
+  for (const int64_t n : {1, 7, 31, 32, 33, 1023, 1024, 1025, 3000}) {
+    std::vector<float> x(n);
+    for (float& v : x) v = -120.0f * next();  // logits minus their max, [-120, 0]
+    x[0] = 0.0f;
+    std::vector<float> a = x, b = x;
+    const bool previous = internal::SetAvx512KernelsForTesting(false);
+    const float sa = internal::ExpSubMaxSum(a.data(), n, 0.0f);
+    internal::SetAvx512KernelsForTesting(true);
+    const float sb = internal::ExpSubMaxSum(b.data(), n, 0.0f);
+    internal::SetAvx512KernelsForTesting(previous);
+    double want_sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(a[i], b[i]) << "n " << n << " i " << i << " x " << x[i];
+      const double want = x[i] < -104.0f ? 0.0 : std::exp(static_cast<double>(x[i]));
+      want_sum += static_cast<double>(b[i]);
+      EXPECT_LE(std::fabs(b[i] - want), 2.5e-7 * want + 1e-45) << "x " << x[i];
+    }
+    EXPECT_NEAR(sa, want_sum, 1e-6 * want_sum) << n;
+    EXPECT_NEAR(sb, want_sum, 1e-6 * want_sum) << n;
+  }
+}
+
 TEST(TileKernelsTest, Bf16AndInt8TilesGiveTheBitsOfF32TilesOfTheSameValues) {
   constexpr int64_t kT = KvCache::kTile;
   uint64_t seed = 7;
@@ -943,6 +976,39 @@ TEST(DecodeStateTest, APartlyFilledSlabIsNotAHugePage) {
   EXPECT_LT(grown, parts + (int64_t{8} << 20))
       << "resident memory grew by " << grown / 1024 << " KiB for " << parts / 1024
       << " KiB of parts";
+}
+
+// A slab becomes a huge page when it fills, once: after a part in it is
+// freed (back to 4 KiB pages) a part taken into the hole does not collapse
+// it again (a collapse copies 2 MiB under the arena's lock; sessions opening
+// and closing paid one each time they plugged the hole).
+TEST(DecodeStateTest, ASlabIsCollapsedIntoAHugePageOnce) {
+  const F32Paged paged;
+  DecodeStateConfig c;
+  c.heads = 1;
+  c.kv_heads = 1;
+  // 125 KiB parts, 16 to a slab. A binary's first 64 part sizes get arenas,
+  // later ones plain allocations: the empty ones are forgotten first.
+  internal::ForgetEmptyKvPageArenasForTesting();
+  c.head_dim = 2000;
+  c.v_dim = c.head_dim;
+  c.max_context = 16;  // one page each
+  const auto one_page = [&](int seed) {
+    DecodeState s = DecodeState::Create(c).value();
+    StepTensors t = RandomStep(c, 1, seed);
+    Tensor out = Tensor::Create(DType::kF32, {1, 1, 1, c.v_dim}).value();
+    EXPECT_TRUE(s.Step(t.q.cview(), t.k.cview(), t.v.cview(), out.view(), 1).ok());
+    return s;
+  };
+  const int64_t before = internal::KvSlabCollapses();
+  std::vector<DecodeState> states;
+  for (int i = 0; i < 16; ++i) states.push_back(one_page(70 + i));
+  EXPECT_EQ(internal::KvSlabCollapses(), before + 2);  // the K slab and the V slab
+  for (int round = 0; round < 3; ++round) {
+    states.erase(states.begin() + 3);  // a hole in each slab
+    states.push_back(one_page(80 + round));  // plugged
+  }
+  EXPECT_EQ(internal::KvSlabCollapses(), before + 2);
 }
 
 // A step's finite f32 key beyond bf16's range is refused for a bf16 cache,
