@@ -18,6 +18,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -108,6 +109,7 @@ class PrimitiveCache {
       dnnl::matmul::primitive_desc pd(desc, attr, Engine());
       entry->scratch_bytes = pd.scratchpad_desc().get_size();
       entry->prim = dnnl::matmul(pd);
+      built_.fetch_add(1, std::memory_order_relaxed);
     } catch (const dnnl::error& e) {
       return absl::InternalError(
           absl::StrFormat("oneDNN could not create a matmul for [%d x %d] * [%d x %d] (%s): %s",
@@ -129,9 +131,11 @@ class PrimitiveCache {
     absl::MutexLock lock(&mu_);
     return static_cast<int64_t>(map_.size());
   }
+  int64_t built() { return built_.load(std::memory_order_relaxed); }
 
  private:
   absl::Mutex mu_;
+  std::atomic<int64_t> built_{0};
   std::list<Key> order_ ABSL_GUARDED_BY(mu_);  // most recently used first
   absl::flat_hash_map<Key, std::pair<std::shared_ptr<const Entry>, std::list<Key>::iterator>> map_
       ABSL_GUARDED_BY(mu_);
@@ -685,5 +689,6 @@ absl::Status Linear(ConstTensorView x, ConstTensorView weight, ConstTensorView b
 }
 
 int64_t MatMulCacheSize() { return internal::Cache().size(); }
+int64_t MatMulPrimitivesBuilt() { return internal::Cache().built(); }
 
 }  // namespace ropeattn

@@ -24,8 +24,10 @@ absl::Status MatMul(ConstTensorView a, ConstTensorView b, TensorView c, int num_
 absl::Status Linear(ConstTensorView x, ConstTensorView weight, ConstTensorView bias, TensorView y,
                     int num_threads);
 
-// Number of cached oneDNN primitives (for tests of the cache).
+// Number of cached oneDNN primitives, and of primitives built since start
+// (for tests of the cache).
 int64_t MatMulCacheSize();
+int64_t MatMulPrimitivesBuilt();
 
 }  // namespace ropeattn
 
