@@ -20,6 +20,7 @@
 #include "core/rope.h"
 #include "core/status_macros.h"
 #include "google/protobuf/stubs/logging.h"
+#include "grpc/compression.h"
 #include "grpc/grpc.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "server/admission.h"
@@ -31,6 +32,12 @@
 #include "server/layer.h"
 #include "server/log.h"
 #include "server/wire_bound.h"
+
+// The algorithm a call's client declared for its messages (grpc-encoding),
+// parsed by gRPC 1.51's call layer and kept from the application's
+// metadata: exported by libgrpc, declared in its internal
+// src/core/lib/surface/call_test_only.h, which is not installed.
+grpc_compression_algorithm grpc_call_test_only_get_compression_algorithm(grpc_call* call);
 
 namespace ropeattn::server {
 namespace {
@@ -785,6 +792,17 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the client half-closed, the call is gone, or gRPC refused a message
+      if (const std::optional<std::string> encoding = RefusedEncoding(); encoding.has_value()) {
+        // gRPC cancelled the stream as it started (UNIMPLEMENTED to the
+        // client), before any message: a refusal, not an oversized message.
+        const absl::Status refused = absl::UnimplementedError(absl::StrCat(
+            "this stream's messages are compressed (grpc-encoding ", QuoteForMessage(*encoding),
+            "), which this server does not accept: gRPC refused the stream; send them "
+            "uncompressed"));
+        service_->metrics_->RecordRequest("Decode", static_cast<int>(refused.code()), 0.0);
+        FinishOnce(ToGrpcStatus(refused), SessionManager::StreamEnd::kEnded);
+        return;
+      }
       if (RefusedByGrpc()) {
         // Answered (logged by the call log, counted under Decode) with the
         // code the client saw; the status itself cannot reach it, gRPC sent
@@ -1018,10 +1036,30 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   // half-close's read is unmarked and its call not cancelled. The call
   // layer's other cancel of a Decode call is ours, of an answer not taken in
   // time (AnswerWatch), which the watch knows. Compressed messages, the
-  // other refusal past the transport, are refused from their headers.
+  // other refusal past the transport, are refused from their headers, and
+  // gRPC's cancel for them clears the peer alike: told apart first
+  // (RefusedEncoding).
   bool RefusedByGrpc() const {
     return !grpc_call_failed_before_recv_message(ctx_->c_call()) && ctx_->peer() == "unknown" &&
            !watch_->TimedOut();
+  }
+
+  // The compression the client declared for its messages (grpc-encoding),
+  // if any but identity. gzip and deflate are disabled on this server: gRPC
+  // cancels such a stream as it starts (UNIMPLEMENTED to the client) and
+  // fails its read as it does an oversized message's, whether or not a
+  // message was sent.
+  // gRPC keeps the header from the handler's metadata (it parses it into
+  // the call's incoming algorithm), so it is read from the call.
+  std::optional<std::string> RefusedEncoding() const {
+    const grpc_compression_algorithm algorithm =
+        grpc_call_test_only_get_compression_algorithm(ctx_->c_call());
+    if (algorithm == GRPC_COMPRESS_NONE) return std::nullopt;
+    const char* name = nullptr;
+    if (grpc_compression_algorithm_name(algorithm, &name) == 0 || name == nullptr) {
+      return absl::StrCat("#", static_cast<int>(algorithm));
+    }
+    return std::string(name);
   }
 
   // From BeginShutdown: a stream waiting for its client ends now.

@@ -49,6 +49,7 @@
 namespace ropeattn::testing {
 namespace {
 
+using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -2544,6 +2545,67 @@ TEST(SessionLimitTest, ADecodeMessageGrpcRefusesForItsSizeIsLoggedAndCounted) {
     refused_lines += absl::StrContains(line, "\"code\":\"RESOURCE_EXHAUSTED\"");
   }
   EXPECT_EQ(refused_lines, 2) << capture.Text();  // the refused stream's two
+  server->Shutdown(absl::Seconds(1));
+}
+
+// A Decode stream whose client compresses (grpc-encoding gzip or deflate,
+// disabled on the server) is cancelled by gRPC as it starts (UNIMPLEMENTED
+// to the client); its read fails as an oversized message's does, and it
+// was logged and counted RESOURCE_EXHAUSTED "larger than
+// --max_message_bytes". It is logged and counted UNIMPLEMENTED, naming the
+// algorithm, with a message sent or none at all.
+TEST(SessionLimitTest, ACompressedDecodeStreamIsCountedUnimplementedNotOversized) {
+  server::LogCapture capture;
+  server::ServerOptions o = TestServerOptions();
+  o.access_log = true;
+  auto server = StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = TestStub(server->port());
+  const auto metric = [&](const std::string& series) -> double {
+    const std::string m = server->metrics().RenderPrometheus();
+    const size_t at = m.find("\n" + series + " ");
+    return at == std::string::npos ? 0 : std::atof(m.c_str() + at + series.size() + 2);
+  };
+  v1::DecodeRequest open;
+  open.mutable_open()->mutable_spec()->set_heads(2);
+  open.mutable_open()->mutable_spec()->set_head_dim(8);
+  int streams = 0;
+  for (const grpc_compression_algorithm algorithm : {GRPC_COMPRESS_GZIP, GRPC_COMPRESS_DEFLATE}) {
+    for (const bool send : {true, false}) {
+      SCOPED_TRACE(absl::StrCat(algorithm, send ? " with a message" : " without a message"));
+      grpc::ClientContext ctx;
+      ctx.set_compression_algorithm(algorithm);
+      ctx.AddMetadata("x-request-id", absl::StrCat("compressed-", streams++));
+      auto rw = stub->Decode(&ctx);
+      if (send) rw->Write(open);
+      rw->WritesDone();
+      v1::DecodeResponse resp;
+      EXPECT_FALSE(rw->Read(&resp));
+      EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::UNIMPLEMENTED);
+    }
+  }
+  const std::string unimplemented =
+      R"(ropeattn_requests_total{method="Decode",code="UNIMPLEMENTED"})";
+  ASSERT_TRUE(Eventually([&] { return metric(unimplemented) == streams; }))
+      << server->metrics().RenderPrometheus();
+  EXPECT_EQ(metric(R"(ropeattn_requests_total{method="Decode",code="RESOURCE_EXHAUSTED"})"), 0);
+  ASSERT_TRUE(Eventually(
+      [&] { return absl::StrContains(capture.Text(), absl::StrCat("compressed-", streams - 1)); }));
+  int errors = 0, calls = 0;
+  std::istringstream lines(capture.Text());
+  for (std::string line; std::getline(lines, line);) {
+    if (!absl::StrContains(line, "\"request_id\":\"compressed-")) continue;
+    EXPECT_THAT(line, HasSubstr("\"code\":\"UNIMPLEMENTED\""));
+    EXPECT_THAT(line, Not(HasSubstr("max_message_bytes")));
+    if (absl::StrContains(line, "\"event\":\"error_answer\"")) {
+      ++errors;
+      EXPECT_THAT(line, AnyOf(HasSubstr("grpc-encoding \\\"gzip\\\""),
+                              HasSubstr("grpc-encoding \\\"deflate\\\"")));
+    }
+    calls += absl::StrContains(line, "\"event\":\"call\"");
+  }
+  EXPECT_EQ(errors, streams) << capture.Text();
+  EXPECT_EQ(calls, streams) << capture.Text();
   server->Shutdown(absl::Seconds(1));
 }
 
