@@ -764,7 +764,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
         share_(service->FairShareKey(*ctx)),
         watch_(service->WatchAnswers()->Watch(ctx)) {
     stop_.set_deadline(DeadlineOf(ctx));
-    service_->Register(this);
+    const bool drained_without_it = !service_->Register(this);
     // A caller the server cannot authenticate is answered now, not after
     // its first message: an open stream costs memory however idle it is.
     // Refused as it starts: counted under Decode with its code, as a stream
@@ -787,6 +787,15 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       return;
     }
     overhead_ = *std::move(overhead);
+    // Started after the shutdown's drain took its list of streams (gRPC
+    // still starts streams until its own Shutdown, after the listener
+    // stops): ended now as the drain ends an idle stream, not left to wait
+    // for the whole grace.
+    if (drained_without_it) {
+      service_->metrics_->RecordRequest("Decode", grpc::StatusCode::UNAVAILABLE, 0.0);
+      FinishShuttingDown();
+      return;
+    }
     StartRead(&read_buf_);
   }
 
@@ -1676,9 +1685,10 @@ void AttentionServiceImpl::DropStopped() {
   control_->DropStopped();
 }
 
-void AttentionServiceImpl::Register(DecodeReactor* r) {
+bool AttentionServiceImpl::Register(DecodeReactor* r) {
   absl::MutexLock lock(&mu_);
   streams_.insert(r);
+  return !draining_.load();
 }
 
 void AttentionServiceImpl::Unregister(DecodeReactor* r) {
@@ -1706,10 +1716,12 @@ bool AttentionServiceImpl::WaitForCalls(absl::Time deadline) {
 }
 
 void AttentionServiceImpl::BeginShutdown() {
-  draining_ = true;
   std::vector<DecodeReactor*> streams;
   {
+    // Under mu_ with the list taken: a stream that starts later learns it
+    // in Register and ends itself.
     absl::MutexLock lock(&mu_);
+    draining_ = true;
     for (DecodeReactor* r : streams_) {
       r->Ref();
       streams.push_back(r);

@@ -202,7 +202,11 @@ class AttentionServiceImpl final : public RawAttentionService {
   // from info_overdraft_; the budget's refusal when neither can.
   absl::StatusOr<MemoryBudget::Reservation> ReserveInfoCopy(int64_t bytes, const std::string& what,
                                                             bool fallback);
-  void Register(DecodeReactor* r);
+  // Lists a new stream for BeginShutdown's drain. False when the drain
+  // began before (the stream is listed, but the drain's list was taken
+  // without it: it must end itself). Decided under mu_, which BeginShutdown
+  // sets draining_ under, so a stream is either drained or told here.
+  bool Register(DecodeReactor* r);
   void Unregister(DecodeReactor* r);
 
   const ServerOptions options_;
@@ -223,7 +227,7 @@ class AttentionServiceImpl final : public RawAttentionService {
   Admission admission_;  // by time: deadline and --max_queue_delay_seconds
   // Cancels calls whose answers stay untaken (--answer_timeout_seconds).
   AnswerWatch answer_watch_;
-  std::atomic<bool> draining_{false};
+  std::atomic<bool> draining_{false};  // set under mu_ (Register)
   std::atomic<int64_t> computing_{0};
   absl::Mutex mu_;
   absl::flat_hash_set<DecodeReactor*> streams_ ABSL_GUARDED_BY(mu_);

@@ -2286,6 +2286,42 @@ TEST_F(SessionTest, GracefulShutdownEndsOpenStreamsWithinTheDeadline) {
   EXPECT_THAT(text, HasSubstr("ropeattn_sessions_closed_total{reason=\"stream_ended\"} 0\n"));
 }
 
+// Streams keep starting after the drain took its list of streams (gRPC
+// accepts them until its own Shutdown, which the listener's stop comes
+// before): one waiting for its first message was never drained, and the
+// shutdown waited its whole grace (8 s here). Each ends UNAVAILABLE at once.
+TEST_F(SessionTest, GracefulShutdownEndsStreamsThatStartWhileItDrains) {
+  struct Started {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> rw;
+  };
+  std::vector<std::unique_ptr<Started>> streams;
+  std::atomic<bool> stop{false};
+  std::thread starter([&] {
+    while (!stop.load()) {
+      auto s = std::make_unique<Started>();
+      s->rw = stub_->Decode(&s->ctx);  // sends nothing
+      streams.push_back(std::move(s));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto start = std::chrono::steady_clock::now();
+  server_->Shutdown(absl::Seconds(8));
+  const auto took = std::chrono::steady_clock::now() - start;
+  stop = true;
+  starter.join();
+  EXPECT_LT(took, std::chrono::seconds(3));
+  // Each has its status: the server has stopped. Ours is UNAVAILABLE; gRPC
+  // cancels a stream that reaches it as it stops.
+  for (auto& s : streams) {
+    const grpc::Status st = s->rw->Finish();
+    EXPECT_TRUE(st.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                st.error_code() == grpc::StatusCode::CANCELLED)
+        << st.error_code() << " " << st.error_message();
+  }
+}
+
 // --------------------------------------- start position, KV import/export --
 
 v1::DecodeRequest ExportRequest(uint64_t seq) {
