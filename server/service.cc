@@ -943,6 +943,13 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       // in time): its session was disconnected, whether or not gRPC has run
       // OnCancel yet.
       cancelled_ = true;
+      if (!timed_out.has_value() && service_->draining()) {
+        // The drain's cancel of what still runs past the grace
+        // (grpc_server_cancel_all_calls: UNAVAILABLE to the client), not
+        // its client leaving.
+        FinishOnce(CancelledByDrain());
+        return;
+      }
       FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED,
                               timed_out.has_value() ? *timed_out : "the client went away"));
       return;
@@ -970,6 +977,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   }
 
   void OnCancel() override {
+    // While the server drains, the cancel is taken for the drain's (past
+    // the grace): see EndOfCancelled.
     cancelled_ = true;
     stop_.Cancel();
     // An operation still queued is abandoned now: its session (a
@@ -986,9 +995,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     // Normally released in FinishOnce; this covers a stream gRPC ends itself.
     if (session_ != nullptr) {
       GiveBackStepRoom();
-      service_->sessions_->Detach(session_, cancelled_.load()
-                                                ? SessionManager::StreamEnd::kCancelled
-                                                : SessionManager::StreamEnd::kEnded);
+      service_->sessions_->Detach(session_, EndOfStream());
     }
     service_->Unregister(this);
     Unref();
@@ -1347,8 +1354,28 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   // The server's drain ends the stream: a non-resumable session it frees
   // is closed for "shutdown", not as a stream that ended normally.
   void FinishShuttingDown() {
-    FinishOnce(ShuttingDown(), cancelled_.load() ? SessionManager::StreamEnd::kCancelled
-                                                 : SessionManager::StreamEnd::kShutdown);
+    FinishOnce(ShuttingDown(),
+               cancelled_.load() ? EndOfCancelled() : SessionManager::StreamEnd::kShutdown);
+  }
+
+  // A stream cancelled while the server drains was cancelled by the drain
+  // (grpc_server_cancel_all_calls, once --shutdown_grace_seconds passed)
+  // for its session: closed for "shutdown", not "disconnected". (A client
+  // that cancels during the drain is counted alike.)
+  SessionManager::StreamEnd EndOfCancelled() const {
+    return service_->draining() ? SessionManager::StreamEnd::kShutdown
+                                : SessionManager::StreamEnd::kCancelled;
+  }
+  // How the stream ended for its session when nobody said otherwise.
+  SessionManager::StreamEnd EndOfStream() const {
+    return cancelled_.load() ? EndOfCancelled() : SessionManager::StreamEnd::kEnded;
+  }
+  // The status of a stream the drain cancelled: the code its client got
+  // from gRPC (UNAVAILABLE), the reason the server's.
+  grpc::Status CancelledByDrain() const {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "the server is shutting down: the stream was still running when "
+                        "--shutdown_grace_seconds passed and was cancelled");
   }
 
   // `end`: how the stream ended for its session; by default as its client
@@ -1360,9 +1387,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     // client may re-attach a resumable session as soon as its stream is over.
     if (session_ != nullptr) {
       GiveBackStepRoom();  // before the detach, which may free the session
-      service_->sessions_->Detach(
-          session_, end.value_or(cancelled_.load() ? SessionManager::StreamEnd::kCancelled
-                                                   : SessionManager::StreamEnd::kEnded));
+      service_->sessions_->Detach(session_, end.value_or(EndOfStream()));
       session_.reset();
     }
     Finish(status);
@@ -1379,7 +1404,9 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     // Its whole latency: queued until now (as an abandoned unary call's).
     service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(stop_.status().code()),
                                       SecondsSince(queued_at_));
-    FinishOnce(ToGrpcStatus(stop_.status()));
+    // Cancelled while the server drains: by the drain, past the grace.
+    FinishOnce(stop_.cancelled() && service_->draining() ? CancelledByDrain()
+                                                         : ToGrpcStatus(stop_.status()));
     return true;
   }
 

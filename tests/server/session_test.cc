@@ -2322,6 +2322,45 @@ TEST_F(SessionTest, GracefulShutdownEndsStreamsThatStartWhileItDrains) {
   }
 }
 
+// A step still computing when the grace passes is cancelled by the drain
+// (grpc_server_cancel_all_calls: UNAVAILABLE to the client). Its stream was
+// logged CANCELLED "the client went away" and its non-resumable session
+// counted disconnected; the session is closed for "shutdown" and the log
+// names the shutdown.
+TEST_F(SessionTest, AStreamTheDrainCancelsPastTheGraceIsCountedShutdown) {
+  server_->Shutdown(absl::Seconds(1));
+  server::LogCapture capture;
+  server::ServerOptions o = TestServerOptions();
+  o.memory_budget_bytes = int64_t{1} << 30;
+  o.max_message_bytes = 128 << 20;  // the step
+  server_ = StartTestServer(o);
+  ASSERT_NE(server_, nullptr);
+  stub_ = TestStub(server_->port());
+  const Config c{"mha", 4, 4, 128, 128, "default"};
+  constexpr int64_t kTokens = 16384;  // a prefill of seconds on one thread
+  const Sequence seq = MakeSequence(c, kTokens, 11);
+  Stream s(stub_.get());
+  s.Open(MakeOpen(c, kTokens + 8));
+  v1::DecodeRequest step;
+  step.mutable_step()->set_seq(1);
+  *step.mutable_step()->mutable_q() = ToWire(seq.q.cview());
+  *step.mutable_step()->mutable_k() = ToWire(seq.k.cview());
+  *step.mutable_step()->mutable_v() = ToWire(seq.v.cview());
+  ASSERT_TRUE(s.rw()->Write(step));
+  ASSERT_TRUE(Eventually([&] {
+    return absl::StrContains(server_->metrics().RenderPrometheus(), "\nropeattn_running 1\n");
+  }));
+  server_->Shutdown(absl::Milliseconds(100));
+  v1::DecodeResponse resp;
+  ASSERT_FALSE(s.rw()->Read(&resp)) << "the step ended inside the grace: " << resp.DebugString();
+  EXPECT_EQ(s.AwaitServerEnd().error_code(), grpc::StatusCode::UNAVAILABLE);
+  const std::string text = server_->metrics().RenderPrometheus();
+  EXPECT_THAT(text, HasSubstr("ropeattn_sessions_closed_total{reason=\"shutdown\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("ropeattn_sessions_closed_total{reason=\"disconnected\"} 0\n"));
+  EXPECT_THAT(capture.Text(), Not(HasSubstr("went away")));
+  EXPECT_THAT(capture.Text(), HasSubstr("--shutdown_grace_seconds passed"));
+}
+
 // --------------------------------------- start position, KV import/export --
 
 v1::DecodeRequest ExportRequest(uint64_t seq) {
