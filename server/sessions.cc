@@ -680,7 +680,7 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveFork(
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {
   RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Allocate(std::move(ticket)));
-  Enlist(session);
+  RA_RETURN_IF_ERROR(Enlist(session));
   return session;
 }
 
@@ -712,8 +712,17 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Allocate(Ticket ticket)
   return session;
 }
 
-void SessionManager::Enlist(const std::shared_ptr<Session>& session) {
+absl::Status SessionManager::Enlist(const std::shared_ptr<Session>& session,
+                                    const Session* source) {
   absl::MutexLock lock(&mu_);
+  if (source != nullptr) {
+    // Closed after the copy checked it: Close ends a session under mu_, so
+    // a source not ended here stays listed at least until the fork is.
+    if (absl::Status ended = source->Ended(); !ended.ok()) {
+      DiscardLocked(*session);
+      return ended;
+    }
+  }
   {
     absl::MutexLock slock(&session->meta_mu_);
     session->attached_ = true;
@@ -724,13 +733,18 @@ void SessionManager::Enlist(const std::shared_ptr<Session>& session) {
   sessions_.emplace(session->id(), session);
   if (metrics_ != nullptr) metrics_->RecordSessionOpened();
   PublishLocked();
+  return absl::OkStatus();
 }
 
 void SessionManager::Discard(const std::shared_ptr<Session>& session) {
   absl::MutexLock lock(&mu_);
+  DiscardLocked(*session);
+}
+
+void SessionManager::DiscardLocked(const Session& session) {
   --reserved_sessions_;
-  kv_in_use_ -= session->kv_bytes_;
-  UncountLocked(session->owner_, session->quota_bytes_);
+  kv_in_use_ -= session.kv_bytes_;
+  UncountLocked(session.owner_, session.quota_bytes_);
   PublishLocked();
 }
 
@@ -857,16 +871,17 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Fork(
   }
   // A source already ended (closed by another call, reaped) is refused
   // before anything is allocated. One that ends while the copy runs is
-  // refused by the copy: the fork is listed (and counted as opened) only
-  // once it holds the copy, so a refused fork is never opened or closed in
-  // the metrics, and no other call can see its id.
+  // refused by the copy, or, ended after it, by Enlist, under the lock
+  // Close ends it under: the fork is listed (and counted as opened) only
+  // once it holds the copy of a source still open, so a refused fork is
+  // never opened or closed in the metrics, and no other call can see its id.
   RA_RETURN_IF_ERROR(source->Ended());
   RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> fork, Allocate(std::move(ticket)));
   if (absl::Status st = fork->CopyStateFrom(*source); !st.ok()) {
     Discard(fork);
     return st;  // its state is freed with the last reference, here
   }
-  Enlist(fork);
+  RA_RETURN_IF_ERROR(Enlist(fork, source.get()));  // or discarded: freed here
   return fork;
 }
 

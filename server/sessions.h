@@ -400,9 +400,13 @@ class SessionManager {
   // opened, its slot still counts as reserved against --max_sessions); Enlist
   // lists it, attached, and counts it as opened; Discard gives back the slot
   // and the bytes of one allocated and never listed.
+  // A fork's Enlist is given its `source`: if the source has ended (a
+  // CloseSession during the copy), the fork is discarded instead and the
+  // source's status returned, decided under the lock Close erases under.
   absl::StatusOr<std::shared_ptr<Session>> Allocate(Ticket ticket);
-  void Enlist(const std::shared_ptr<Session>& session);
+  absl::Status Enlist(const std::shared_ptr<Session>& session, const Session* source = nullptr);
   void Discard(const std::shared_ptr<Session>& session);
+  void DiscardLocked(const Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The session with `id`, or NotFound for an unknown id, or the status an
   // ended one left behind (expired, closed, freed).
   // Another principal's session (unless `admin_may` and the caller is an

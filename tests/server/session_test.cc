@@ -1484,6 +1484,90 @@ TEST_F(SessionTest, AForkOfAClosedSessionIsRefusedAndNotCounted) {
   EXPECT_EQ(list.sessions_size(), 0);
 }
 
+// A fork whose source CloseSession ends while the copy runs was checked
+// only before the copy: it was answered `forked`, listed and counted as
+// opened. It is refused with the source's status, counted neither opened
+// nor closed. (The close lands at a fraction of an uncontended fork's time,
+// under dynamic NTK, whose fork copies every page and the raw keys.)
+TEST_F(SessionTest, AForkWhoseSourceClosesDuringTheCopyIsRefusedAndNotCounted) {
+  server_->Shutdown(absl::Seconds(1));
+  server::ServerOptions o = TestServerOptions();
+  o.memory_budget_bytes = int64_t{1} << 30;
+  o.max_message_bytes = 128 << 20;  // the prefix
+  server_ = StartTestServer(o);
+  ASSERT_NE(server_, nullptr);
+  stub_ = TestStub(server_->port());
+  Config c{"dynamic", 8, 8, 128, 128, "dynamic"};
+  c.factor = 2;
+  c.original = 2048;
+  constexpr int64_t kPrefix = 8192;
+  const Sequence seq = MakeSequence(c, kPrefix, 5);
+  v1::OpenSession open = MakeOpen(c, kPrefix + 64);
+  *open.mutable_prefix()->mutable_k() = ToWire(seq.k.cview());
+  *open.mutable_prefix()->mutable_v() = ToWire(seq.v.cview());
+  open.mutable_prefix()->set_key_form(v1::KEY_FORM_RAW);
+  const auto counter = [&](absl::string_view series) {
+    const std::string text = server_->metrics().RenderPrometheus();
+    for (absl::string_view line : absl::StrSplit(text, '\n')) {
+      if (absl::ConsumePrefix(&line, series) && absl::ConsumePrefix(&line, " ")) {
+        double v = 0;
+        if (absl::SimpleAtod(line, &v)) return v;
+      }
+    }
+    return 0.0;
+  };
+  v1::DecodeRequest fork;
+  fork.mutable_fork()->set_seq(1);
+  fork.mutable_fork()->set_idle_ttl_seconds(60);
+  absl::Duration uncontended;
+  {
+    Stream s(stub_.get());
+    s.Open(open);
+    const absl::Time t0 = absl::Now();
+    ASSERT_TRUE(s.Send(fork).has_forked());
+    uncontended = absl::Now() - t0;
+  }
+  ASSERT_TRUE(Eventually([&] { return server_->sessions().open_sessions() == 1; }));  // the fork
+  bool refused = false;
+  for (const double frac : {0.3, 0.2, 0.4, 0.15, 0.3}) {
+    SCOPED_TRACE(absl::StrCat("close at ", frac, " of ", absl::FormatDuration(uncontended)));
+    Stream s(stub_.get());
+    const std::string id = s.Open(open).session_id();
+    const double opened0 = counter("ropeattn_sessions_opened_total");
+    const double closed0 = counter("ropeattn_sessions_closed_total{reason=\"closed\"}");
+    const absl::Time t0 = absl::Now();
+    ASSERT_TRUE(s.rw()->Write(fork));
+    absl::SleepFor(uncontended * frac);
+    grpc::ClientContext ctx;
+    v1::CloseSessionRequest close;
+    close.set_session_id(id);
+    v1::CloseSessionResponse closed;
+    ASSERT_TRUE(stub_->CloseSession(&ctx, close, &closed).ok());
+    const absl::Time closed_at = absl::Now();
+    v1::DecodeResponse resp;
+    if (s.rw()->Read(&resp)) {
+      ASSERT_TRUE(resp.has_forked()) << resp.DebugString();
+      // Answered well after the source was closed: the copy was running.
+      EXPECT_LT(absl::Now() - closed_at, absl::Milliseconds(50))
+          << "forked " << absl::FormatDuration(absl::Now() - t0) << " after the fork was sent";
+      if (HasFailure()) return;
+      continue;  // the close came after the copy: try an earlier one
+    }
+    const grpc::Status st = s.AwaitServerEnd();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr("was closed"));
+    EXPECT_EQ(counter("ropeattn_sessions_opened_total"), opened0);
+    EXPECT_EQ(counter("ropeattn_sessions_closed_total{reason=\"closed\"}"), closed0 + 1);
+    grpc::ClientContext list_ctx;
+    v1::ListSessionsResponse list;
+    ASSERT_TRUE(stub_->ListSessions(&list_ctx, {}, &list).ok());
+    EXPECT_EQ(list.sessions_size(), 1);  // the uncontended fork only
+    refused = true;
+    break;
+  }
+  EXPECT_TRUE(refused) << "every close landed after the copy";
+}
+
 // Forks share their source's pages (docs/kv-memory.md): 8 forks of a
 // 1024-token session are charged only for the pages they may write (not
 // the 64 full pages they share), each answers exactly from the shared prefix
