@@ -1512,7 +1512,16 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
         }
         absl::StatusOr<std::shared_ptr<Session>> s;
         if (request_.has_open()) {
-          s = service_->sessions_->Open(std::move(ticket_));  // reserved in Admit
+          // The new session starts from the caller's KV, imported before it
+          // is listed or counted: if the import fails, the open fails and
+          // the session was never opened.
+          s = service_->sessions_->Open(
+              std::move(ticket_), [this](Session& session) -> absl::Status {
+                if (!request_.open().has_prefix()) return absl::OkStatus();
+                absl::StatusOr<WirePrefix> prefix = PrefixFromProto(request_.open().prefix());
+                if (!prefix.ok()) return prefix.status();
+                return session.Import(prefix->k, prefix->v, prefix->form, "open.prefix.");
+              });  // reserved in Admit
         } else {
           s = service_->sessions_->Attach(request_.attach().session_id(), *principal_);
         }
@@ -1530,20 +1539,6 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
           if (!status.ok()) {
             service_->sessions_->Detach(session_, SessionManager::StreamEnd::kEnded);
             session_ = nullptr;
-            stream_fatal = true;
-            break;
-          }
-        }
-        if (request_.has_open() && request_.open().has_prefix()) {
-          // The new session starts from the caller's KV; if it cannot, the
-          // open fails and the session is gone.
-          absl::StatusOr<WirePrefix> prefix = PrefixFromProto(request_.open().prefix());
-          status = prefix.ok() ? session_->Import(prefix->k, prefix->v, prefix->form,
-                                                  "open.prefix.")
-                               : prefix.status();
-          if (!status.ok()) {
-            (void)service_->sessions_->Close(session_->id(), "closed",
-                                             *principal_);
             stream_fatal = true;
             break;
           }

@@ -679,7 +679,16 @@ absl::StatusOr<SessionManager::Ticket> SessionManager::ReserveFork(
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(Ticket ticket) {
+  return Open(std::move(ticket), [](Session&) { return absl::OkStatus(); });
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Open(
+    Ticket ticket, absl::FunctionRef<absl::Status(Session&)> prepare) {
   RA_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Allocate(std::move(ticket)));
+  if (absl::Status st = prepare(*session); !st.ok()) {
+    Discard(session);
+    return st;  // its state is freed with the last reference, here
+  }
   RA_RETURN_IF_ERROR(Enlist(session));
   return session;
 }

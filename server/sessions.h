@@ -28,6 +28,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -310,6 +311,12 @@ class SessionManager {
                                      uint32_t idle_ttl_seconds, const Principal& owner);
   // Allocates a reserved session, attached to the caller.
   absl::StatusOr<std::shared_ptr<Session>> Open(Ticket ticket);
+  // As above, but `prepare` (an open's KV prefix import) runs on the new
+  // session before it is listed: no other call can see it, and nothing is
+  // counted, until `prepare` succeeds. If it fails the session is discarded
+  // (counted neither opened nor closed) and its status returned.
+  absl::StatusOr<std::shared_ptr<Session>> Open(Ticket ticket,
+                                                absl::FunctionRef<absl::Status(Session&)> prepare);
   absl::StatusOr<std::shared_ptr<Session>> Fork(const std::shared_ptr<Session>& source,
                                                 Ticket ticket);
   // Re-attaches a resumable session. NotFound for an unknown id or one that

@@ -2566,10 +2566,12 @@ TEST_F(SessionTest, APrefixOrExportThatCannotBeExactIsRefused) {
   v1::ListSessionsResponse list;
   ASSERT_TRUE(stub_->ListSessions(&ctx, {}, &list).ok());
   EXPECT_EQ(list.sessions_size(), 0);
-  // Its session is counted closed under a label of the documented set (it
-  // was "its prefix was refused").
+  // Its session is imported before it is listed or counted: never opened,
+  // so neither counted opened nor closed (it was listed for the import,
+  // counted opened, then closed for "closed").
   const std::string metrics = server_->metrics().RenderPrometheus();
-  EXPECT_THAT(metrics, HasSubstr("ropeattn_sessions_closed_total{reason=\"closed\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("ropeattn_sessions_opened_total 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("ropeattn_sessions_closed_total{reason=\"closed\"} 0\n"));
   EXPECT_THAT(metrics, Not(HasSubstr("prefix was refused")));
 
   // Linear sessions have no KV to export: an in-band error, the stream stays.
