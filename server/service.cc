@@ -808,8 +808,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
             "this stream's messages are compressed (grpc-encoding ", QuoteForMessage(*encoding),
             "), which this server does not accept: gRPC refused the stream; send them "
             "uncompressed"));
-        service_->metrics_->RecordRequest("Decode", static_cast<int>(refused.code()), 0.0);
-        FinishOnce(ToGrpcStatus(refused), SessionManager::StreamEnd::kEnded);
+        // Counted only if this ends the stream (a drain may have, at once).
+        if (FinishOnce(ToGrpcStatus(refused), SessionManager::StreamEnd::kEnded)) {
+          service_->metrics_->RecordRequest("Decode", static_cast<int>(refused.code()), 0.0);
+        }
         return;
       }
       if (RefusedByGrpc()) {
@@ -820,8 +822,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
         const absl::Status refused = absl::ResourceExhaustedError(absl::StrCat(
             "a message of this stream was larger than --max_message_bytes (",
             service_->options_.max_message_bytes, " bytes): gRPC refused it and ended the stream"));
-        service_->metrics_->RecordRequest("Decode", static_cast<int>(refused.code()), 0.0);
-        FinishOnce(ToGrpcStatus(refused), SessionManager::StreamEnd::kEnded);
+        // Counted only if this ends the stream (a drain may have, at once).
+        if (FinishOnce(ToGrpcStatus(refused), SessionManager::StreamEnd::kEnded)) {
+          service_->metrics_->RecordRequest("Decode", static_cast<int>(refused.code()), 0.0);
+        }
         return;
       }
       // A client that died (killed, connection lost) fails the read before
@@ -1380,9 +1384,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
 
   // `end`: how the stream ended for its session; by default as its client
   // left it (cancelled or lost, or not).
-  void FinishOnce(const grpc::Status& status,
+  // Returns whether this call finished the stream (false: it was already).
+  bool FinishOnce(const grpc::Status& status,
                   std::optional<SessionManager::StreamEnd> end = std::nullopt) {
-    if (finished_.exchange(true)) return;
+    if (finished_.exchange(true)) return false;
     // Release the session before the client can see the stream end, so a
     // client may re-attach a resumable session as soon as its stream is over.
     if (session_ != nullptr) {
@@ -1391,6 +1396,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       session_.reset();
     }
     Finish(status);
+    return true;
   }
 
   // Runs on the executor.
