@@ -1533,6 +1533,9 @@ TEST_F(SessionTest, AForkWhoseSourceClosesDuringTheCopyIsRefusedAndNotCounted) {
     SCOPED_TRACE(absl::StrCat("close at ", frac, " of ", absl::FormatDuration(uncontended)));
     Stream s(stub_.get());
     const std::string id = s.Open(open).session_id();
+    // Listed now: this source, the uncontended fork, and the forks of earlier
+    // tries whose close came after the copy.
+    const int listed0 = server_->sessions().open_sessions();
     const double opened0 = counter("ropeattn_sessions_opened_total");
     const double closed0 = counter("ropeattn_sessions_closed_total{reason=\"closed\"}");
     const absl::Time t0 = absl::Now();
@@ -1547,8 +1550,9 @@ TEST_F(SessionTest, AForkWhoseSourceClosesDuringTheCopyIsRefusedAndNotCounted) {
     v1::DecodeResponse resp;
     if (s.rw()->Read(&resp)) {
       ASSERT_TRUE(resp.has_forked()) << resp.DebugString();
-      // Answered well after the source was closed: the copy was running.
-      EXPECT_LT(absl::Now() - closed_at, absl::Milliseconds(50))
+      // Answered well after the source was closed: the copy was running
+      // (a margin for a loaded machine; a fork never refused fails below).
+      EXPECT_LT(absl::Now() - closed_at, absl::Milliseconds(200))
           << "forked " << absl::FormatDuration(absl::Now() - t0) << " after the fork was sent";
       if (HasFailure()) return;
       continue;  // the close came after the copy: try an earlier one
@@ -1561,7 +1565,7 @@ TEST_F(SessionTest, AForkWhoseSourceClosesDuringTheCopyIsRefusedAndNotCounted) {
     grpc::ClientContext list_ctx;
     v1::ListSessionsResponse list;
     ASSERT_TRUE(stub_->ListSessions(&list_ctx, {}, &list).ok());
-    EXPECT_EQ(list.sessions_size(), 1);  // the uncontended fork only
+    EXPECT_EQ(list.sessions_size(), listed0 - 1);  // the source gone, no fork added
     refused = true;
     break;
   }
