@@ -50,13 +50,6 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-// One series' value in a metrics text (-1: absent).
-double MetricValue(const std::string& text, const std::string& series) {
-  const size_t at = text.find("\n" + series + " ");
-  if (at == std::string::npos) return -1;
-  return std::atof(text.c_str() + at + series.size() + 2);
-}
-
 v1::Tensor ZeroWire(v1::DType dtype, std::initializer_list<int64_t> dims) {
   v1::Tensor t;
   t.set_dtype(dtype);

@@ -2,6 +2,7 @@
 
 #include <malloc.h>
 
+#include <cstdlib>
 #include <cstring>
 
 #include "gtest/gtest.h"
@@ -102,6 +103,12 @@ bool Eventually(const std::function<bool()>& done, absl::Duration limit) {
     absl::SleepFor(absl::Milliseconds(5));
   }
   return true;
+}
+
+double MetricValue(const std::string& text, const std::string& series) {
+  const size_t at = text.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::atof(text.c_str() + at + series.size() + 2);
 }
 
 }  // namespace ropeattn::testing

@@ -34,6 +34,9 @@ v1::Tensor ToWire(const ConstTensorView& t);
 // Reads a wire tensor into doubles (row-major).
 std::vector<double> WireToDoubles(const v1::Tensor& t);
 
+// One series' value in a metrics text (-1: absent).
+double MetricValue(const std::string& text, const std::string& series);
+
 // Polls `done` every 5 ms until it holds; false after `limit`.
 bool Eventually(const std::function<bool()>& done, absl::Duration limit = absl::Seconds(30));
 

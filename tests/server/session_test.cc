@@ -1445,15 +1445,8 @@ TEST_F(SessionTest, ForksDivergeIndependently) {
 // counted as opened, and only the real close as closed.
 TEST_F(SessionTest, AForkOfAClosedSessionIsRefusedAndNotCounted) {
   const Config c{"mha", 2, 2, 8, 8, "default"};
-  const auto counter = [&](absl::string_view series) {
-    const std::string text = server_->metrics().RenderPrometheus();
-    for (absl::string_view line : absl::StrSplit(text, '\n')) {
-      if (absl::ConsumePrefix(&line, series) && absl::ConsumePrefix(&line, " ")) {
-        double v = 0;
-        if (absl::SimpleAtod(line, &v)) return v;
-      }
-    }
-    return -1.0;
+  const auto counter = [&](const std::string& series) {
+    return MetricValue(server_->metrics().RenderPrometheus(), series);
   };
   const std::string opened_total = "ropeattn_sessions_opened_total";
   const std::string closed_total = "ropeattn_sessions_closed_total{reason=\"closed\"}";
@@ -1506,15 +1499,8 @@ TEST_F(SessionTest, AForkWhoseSourceClosesDuringTheCopyIsRefusedAndNotCounted) {
   *open.mutable_prefix()->mutable_k() = ToWire(seq.k.cview());
   *open.mutable_prefix()->mutable_v() = ToWire(seq.v.cview());
   open.mutable_prefix()->set_key_form(v1::KEY_FORM_RAW);
-  const auto counter = [&](absl::string_view series) {
-    const std::string text = server_->metrics().RenderPrometheus();
-    for (absl::string_view line : absl::StrSplit(text, '\n')) {
-      if (absl::ConsumePrefix(&line, series) && absl::ConsumePrefix(&line, " ")) {
-        double v = 0;
-        if (absl::SimpleAtod(line, &v)) return v;
-      }
-    }
-    return 0.0;
+  const auto counter = [&](const std::string& series) {
+    return std::max(0.0, MetricValue(server_->metrics().RenderPrometheus(), series));  // absent: 0
   };
   v1::DecodeRequest fork;
   fork.mutable_fork()->set_seq(1);
