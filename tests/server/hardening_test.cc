@@ -2040,7 +2040,10 @@ TEST(HardeningInlineTest, TheCanaryWaitsAsLongAsTheWorkAheadOfIt) {
     EXPECT_GT(server->CanaryAllowance(), absl::Seconds(20));
     EXPECT_LE(server->CanaryAllowance(), absl::Hours(1));
   }
-  EXPECT_EQ(server->CanaryAllowance(), absl::Seconds(20));
+  // Once the worker has taken the busy task off its running list (just
+  // after the task's caller is released: CI once read 20.000000002 s).
+  EXPECT_TRUE(Eventually([&] { return server->CanaryAllowance() == absl::Seconds(20); }))
+      << server->CanaryAllowance();
 }
 
 // A small Attend runs on the gRPC thread when the worker is idle and waits
