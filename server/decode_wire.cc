@@ -29,11 +29,31 @@ absl::StatusOr<SessionConfig> ResolveOpenSession(const v1::OpenSession& open,
     // logit options come from the spec.
     RA_ASSIGN_OR_RETURN(ResolvedLayer r, ResolveLayer(models, open.model(), open.layer()));
     const v1::AttentionSpec& in = open.spec();
-    if (in.heads() != 0 || in.kv_heads() != 0 || in.head_dim() != 0 ||
-        in.positional_case() != v1::AttentionSpec::POSITIONAL_NOT_SET || open.v_dim() != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "open.spec heads, kv_heads, head_dim, positional scheme and open.v_dim come from model ",
-          open.model(), " in layer mode: leave them unset"));
+    {
+      // The first one set, named with its value and the model's.
+      const ModelConfig& geometry = r.model->config();
+      const struct {
+        const char* name;
+        int64_t value, model;
+      } dims[] = {{"open.spec.heads", in.heads(), geometry.num_heads},
+                  {"open.spec.kv_heads", in.kv_heads(), geometry.num_kv_heads},
+                  {"open.spec.head_dim", in.head_dim(), geometry.head_dim},
+                  {"open.v_dim", open.v_dim(), geometry.head_dim}};
+      for (const auto& d : dims) {
+        if (d.value != 0) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "%s = %d is set, but in layer mode it comes from model %s (%d): leave it unset",
+              d.name, d.value, open.model(), d.model));
+        }
+      }
+      if (in.positional_case() != v1::AttentionSpec::POSITIONAL_NOT_SET) {
+        const google::protobuf::FieldDescriptor* field =
+            in.GetDescriptor()->FindFieldByNumber(static_cast<int>(in.positional_case()));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "open.spec.", field != nullptr ? field->name() : std::string("positional"),
+            " is set, but in layer mode the positional scheme comes from model ", open.model(),
+            ": leave it unset"));
+      }
     }
     if (open.kind() == v1::ATTENTION_KIND_LINEAR) {
       return absl::UnimplementedError("layer mode serves softmax attention only");

@@ -283,6 +283,33 @@ TEST_F(LayerTest, LayerModeErrors) {
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(st.error_message(), HasSubstr("open.layer = 1"));
   EXPECT_THAT(st.error_message(), HasSubstr("open.model"));
+
+  // A layer-mode open that sets the model's geometry or positional scheme
+  // is refused naming the field, its value and the model's (one fixed
+  // sentence named all five fields).
+  for (const auto& [want, set] :
+       std::vector<std::pair<std::string, std::function<void(v1::OpenSession*)>>>{
+           {"open.spec.heads = 3", [](v1::OpenSession* o) { o->mutable_spec()->set_heads(3); }},
+           {"open.spec.kv_heads = 5",
+            [](v1::OpenSession* o) { o->mutable_spec()->set_kv_heads(5); }},
+           {"open.spec.head_dim = 24",
+            [](v1::OpenSession* o) { o->mutable_spec()->set_head_dim(24); }},
+           {"open.v_dim = 40", [](v1::OpenSession* o) { o->set_v_dim(40); }},
+           {"open.spec.alibi", [](v1::OpenSession* o) { o->mutable_spec()->mutable_alibi(); }}}) {
+    SCOPED_TRACE(want);
+    grpc::ClientContext lctx;
+    auto lrw = stub_->Decode(&lctx);
+    v1::DecodeRequest lopen;
+    lopen.mutable_open()->set_model("demo");
+    set(lopen.mutable_open());
+    ASSERT_TRUE(lrw->Write(lopen));
+    v1::DecodeResponse lr;
+    EXPECT_FALSE(lrw->Read(&lr)) << lr.DebugString();
+    const grpc::Status lst = lrw->Finish();
+    EXPECT_EQ(lst.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(lst.error_message(), HasSubstr(want));
+    EXPECT_THAT(lst.error_message(), HasSubstr("model demo"));
+  }
 }
 
 // A checkpoint written to disk: Qwen2-style config (q/k/v biases) with bf16
