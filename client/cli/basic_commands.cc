@@ -5,6 +5,7 @@
 #include <iostream>
 #include <initializer_list>
 #include <map>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -18,6 +19,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "client/cli/commands.h"
 #include "client/cli/common.h"
 #include "google/protobuf/util/json_util.h"
@@ -163,20 +165,6 @@ absl::StatusOr<v1::Tensor> HiddenFromFlags(int64_t batch, int64_t seq, int64_t h
   return client::RandomTensor(*dtype, shape, absl::GetFlag(FLAGS_seed));
 }
 
-// Layer mode rejects the q/k/v inputs and the spec flags the model fixes.
-absl::Status CheckLayerModeFlags() {
-  for (absl::string_view flag :
-       {"q", "k", "v", "heads", "kv_heads", "head_dim", "v_dim", "alibi", "rope", "rope_type",
-        "rope_factor", "theta", "original_max_positions", "rope_layout", "rotary_dim"}) {
-    if (FlagGiven(flag)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", flag, " cannot be used with --model (layer mode: the heads, dims ",
-                       "and RoPE are the model's)"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 const char* PositionsName(v1::PositionKind kind) {
   switch (kind) {
     case v1::POSITION_KIND_NONE:
@@ -202,6 +190,106 @@ std::string RopeRule(const v1::ModelInfo& m) {
   }
   absl::StrAppend(&rule, absl::StrFormat(" (af %.4g)", m.attention_factor()));
   return rule;
+}
+
+// The flags a subcommand reads in one mode (an encode op, attend's or
+// decode's inputs); `unless` names flags it reads only in other modes or
+// cases, with why not in this one. A flag given that the mode does not read
+// is refused (UnreadFlag), not ignored.
+struct ModeReads {
+  std::vector<absl::string_view> flags;
+  std::map<absl::string_view, std::string> unless;
+
+  void Read(absl::Span<const absl::string_view> names) {
+    flags.insert(flags.end(), names.begin(), names.end());
+  }
+  void Read(std::initializer_list<absl::string_view> names) {
+    Read(absl::Span<const absl::string_view>(names.begin(), names.size()));
+  }
+  // Read only when `given` is (or, `absent`, is not) on the command line.
+  void ReadIf(bool absent, absl::string_view given,
+              std::initializer_list<absl::string_view> names) {
+    if (FlagGiven(given) != absent) {
+      Read(names);
+      return;
+    }
+    for (absl::string_view name : names) {
+      unless[name] = absl::StrCat(absent ? "with --" : "without --", given);
+    }
+  }
+  // Not read in this mode, for `why`.
+  void NotRead(absl::Span<const absl::string_view> names, absl::string_view why) {
+    for (absl::string_view name : names) unless[name] = std::string(why);
+  }
+  void NotRead(std::initializer_list<absl::string_view> names, absl::string_view why) {
+    NotRead(absl::Span<const absl::string_view>(names.begin(), names.size()), why);
+  }
+};
+
+// The refusal of the first of `flags` given on the command line (`always`
+// are read in every mode) that `reads` does not read: "--seed is not read by
+// <mode> <why>", or the flags it does read; nullopt when there is none.
+std::optional<std::string> UnreadFlag(absl::Span<const absl::string_view> flags,
+                                      std::initializer_list<absl::string_view> always,
+                                      absl::string_view mode, const ModeReads& reads) {
+  for (absl::string_view flag : flags) {
+    if (!FlagGiven(flag) || std::find(always.begin(), always.end(), flag) != always.end() ||
+        std::find(reads.flags.begin(), reads.flags.end(), flag) != reads.flags.end()) {
+      continue;
+    }
+    std::string refusal = absl::StrCat("--", flag, " is not read by ", mode);
+    if (auto it = reads.unless.find(flag); it != reads.unless.end()) {
+      absl::StrAppend(&refusal, " ", it->second);
+    } else {
+      absl::StrAppend(&refusal, " (it reads --", absl::StrJoin(reads.flags, ", --"), ")");
+    }
+    return refusal;
+  }
+  return std::nullopt;
+}
+
+// The flags attend (or, `decode`, decode) reads in the mode its command
+// line picks: layer mode (--model), .npy inputs (--q/--k/--v) or random
+// inputs; `mode` gets the mode's name for a refusal. A flag of another mode
+// was ignored (--hidden without --model attended random q, k, v).
+ModeReads AttentionModeReads(bool decode, std::string* mode) {
+  const absl::string_view command = decode ? "decode" : "attend";
+  ModeReads reads;
+  reads.Read({"out", "window", "softcap", "scale"});
+  if (decode) {
+    reads.Read({"steps", "context", "prefill_chunk", "tokens_per_step", "kv_dtype", "linear",
+                "max_context"});
+  } else {
+    reads.Read({"return_probs", "probs_out", "offsets", "causal"});
+  }
+  if (!absl::GetFlag(FLAGS_model).empty()) {
+    *mode = absl::StrCat(command, " in layer mode (--model)");
+    reads.Read({"model", "layer", "hidden"});
+    reads.ReadIf(/*absent=*/true, "hidden", {"seed", "dtype"});
+    if (!decode) reads.ReadIf(/*absent=*/true, "hidden", {"batch", "q_len"});
+    constexpr absl::string_view kModels[] = {"heads", "kv_heads", "head_dim", "v_dim", "alibi",
+                                             "rope"};
+    reads.NotRead(kModels, "(the heads, dims and RoPE are the model's)");
+    reads.NotRead(RopeFlags(), "(the heads, dims and RoPE are the model's)");
+    reads.NotRead({"q", "k", "v"}, "(its input is --hidden or random hidden states)");
+    reads.NotRead({"k_len"}, "(self-attention: the keys are the hidden states' own)");
+    return reads;
+  }
+  reads.Read({"heads", "kv_heads", "head_dim", "alibi", "rope"});
+  reads.Read(RopeFlags());
+  reads.NotRead({"layer", "hidden"}, "(only layer mode, --model, reads it)");
+  if (!absl::GetFlag(FLAGS_q).empty() || !absl::GetFlag(FLAGS_k).empty() ||
+      !absl::GetFlag(FLAGS_v).empty()) {
+    *mode = absl::StrCat(command, " with --q/--k/--v");
+    reads.Read({"q", "k", "v"});
+    reads.NotRead({"batch", "q_len", "k_len", "dtype", "seed", "v_dim"},
+                  "(the inputs' shapes and dtype come from the files)");
+  } else {
+    *mode = absl::StrCat(command, " with random q, k, v");
+    reads.Read({"seed", "dtype", "v_dim"});
+    if (!decode) reads.Read({"batch", "q_len", "k_len"});
+  }
+  return reads;
 }
 
 }  // namespace
@@ -357,11 +445,6 @@ int SessionsCommand(int argc, char** argv) {
 namespace {
 
 int AttendLayerMode() {
-  if (absl::Status s = CheckLayerModeFlags(); !s.ok()) return UsageFail("attend", s.message());
-  if (FlagGiven("k_len")) {
-    return UsageFail("attend", "--k_len cannot be used with --model (layer mode is "
-                               "self-attention: the keys are the hidden states' own)");
-  }
   const std::string model = absl::GetFlag(FLAGS_model);
   if (absl::Status s = CheckOutputs({"out", "probs_out"}); !s.ok()) return Fail("attend", s);
   auto client = ConnectFromFlags();
@@ -440,28 +523,23 @@ int AttendCommand(int argc, char** argv) {
       "hidden states [B, S, hidden_size], random ([--batch, --q_len, hidden_size] from\n"
       "--seed in --dtype) or from --hidden FILE.npy; the model's projections and RoPE\n"
       "apply, and only --causal, --window, --softcap and --scale are read from the spec\n"
-      "flags. --offsets sets each row's first position. --out gets [B, S, hidden_size].",
+      "flags. --offsets sets each row's first position. --out gets [B, S, hidden_size].\n"
+      "\n"
+      "A flag the mode does not read is refused (exit 64): --layer and --hidden without\n"
+      "--model, the random inputs' flags beside --q/--k/--v or --hidden.",
       flags, true, &exit_code);
   if (!args.has_value()) return exit_code;
   if (int code = NoPositional("attend", *args); code != 0) return code;
+  std::string mode;
+  const ModeReads reads = AttentionModeReads(/*decode=*/false, &mode);
+  if (std::optional<std::string> unread = UnreadFlag(flags, {}, mode, reads); unread) {
+    return UsageFail("attend", *unread);
+  }
   if (!absl::GetFlag(FLAGS_model).empty()) return AttendLayerMode();
 
   auto offsets = ParseIntList("offsets", absl::GetFlag(FLAGS_offsets));
   if (!offsets.ok()) return UsageFail("attend", offsets.status().message());
   if (absl::Status s = CheckOutputs({"out", "probs_out"}); !s.ok()) return Fail("attend", s);
-  if (!absl::GetFlag(FLAGS_q).empty() || !absl::GetFlag(FLAGS_k).empty() ||
-      !absl::GetFlag(FLAGS_v).empty()) {
-    // The inputs' shapes and dtype come from the files: the random inputs'
-    // flags are refused, not ignored (as layer mode refuses what it does
-    // not read).
-    for (const char* flag : {"batch", "q_len", "k_len", "dtype", "seed"}) {
-      if (FlagGiven(flag)) {
-        return UsageFail("attend", absl::StrCat("--", flag,
-                                                " cannot be used with --q/--k/--v (the inputs' "
-                                                "shapes and dtype come from the files)"));
-      }
-    }
-  }
   const int64_t q_len = absl::GetFlag(FLAGS_q_len);
   const int64_t k_len = absl::GetFlag(FLAGS_k_len) == 0 ? q_len : absl::GetFlag(FLAGS_k_len);
   absl::StatusOr<Inputs> inputs = InputsFromFlags(absl::GetFlag(FLAGS_batch), q_len, k_len);
@@ -517,34 +595,18 @@ int AttendCommand(int argc, char** argv) {
 
 namespace {
 
-// The flags an Encode op reads, besides --op, --out and the connection
-// flags; `unless` names the flags it reads only in some cases, with why not
-// in this one.
-struct EncodeOpFlags {
-  std::vector<absl::string_view> flags;
-  std::map<absl::string_view, std::string> unless;
-};
-
-absl::StatusOr<EncodeOpFlags> EncodeOpReads(absl::string_view op) {
-  EncodeOpFlags reads;
-  auto read = [&](std::initializer_list<absl::string_view> flags) {
-    reads.flags.insert(reads.flags.end(), flags.begin(), flags.end());
-  };
-  // Read only when `given` is (or, `absent`, is not) on the command line.
+// The flags an Encode op reads, besides --op, --out and the connection flags.
+absl::StatusOr<ModeReads> EncodeOpReads(absl::string_view op) {
+  ModeReads reads;
+  auto read = [&](std::initializer_list<absl::string_view> flags) { reads.Read(flags); };
   auto read_if = [&](bool absent, absl::string_view given,
                      std::initializer_list<absl::string_view> flags) {
-    if (FlagGiven(given) != absent) {
-      read(flags);
-      return;
-    }
-    for (absl::string_view flag : flags) {
-      reads.unless[flag] = absl::StrCat(absent ? "with --" : "without --", given);
-    }
+    reads.ReadIf(absent, given, flags);
   };
   if (op == "sinusoidal") {
     read({"num_positions", "d_model", "base", "sin_layout", "first_position"});
   } else if (op == "rope_frequencies" || op == "rope_cos_sin" || op == "rope_apply") {
-    for (absl::string_view flag : RopeFlags()) reads.flags.push_back(flag);
+    reads.Read(RopeFlags());
     read({"seq_len"});
     if (op == "rope_frequencies") {
       read({"head_dim"});
@@ -622,19 +684,12 @@ int EncodeCommand(int argc, char** argv) {
   if (int code = NoPositional("encode", *args); code != 0) return code;
 
   const std::string op = absl::GetFlag(FLAGS_op);
-  absl::StatusOr<EncodeOpFlags> reads = EncodeOpReads(op);
+  absl::StatusOr<ModeReads> reads = EncodeOpReads(op);
   if (!reads.ok()) return UsageFail("encode", reads.status().message());
-  // A flag the op does not read is refused, not ignored.
-  for (absl::string_view flag : flags) {
-    if (flag == "op" || flag == "out" || !FlagGiven(flag)) continue;
-    if (std::find(reads->flags.begin(), reads->flags.end(), flag) != reads->flags.end()) continue;
-    std::string refusal = absl::StrCat("--", flag, " is not read by --op ", op);
-    if (auto it = reads->unless.find(flag); it != reads->unless.end()) {
-      absl::StrAppend(&refusal, " ", it->second);
-    } else {
-      absl::StrAppend(&refusal, " (it reads --", absl::StrJoin(reads->flags, ", --"), ")");
-    }
-    return UsageFail("encode", refusal);
+  if (std::optional<std::string> unread =
+          UnreadFlag(flags, {"op", "out"}, absl::StrCat("--op ", op), *reads);
+      unread.has_value()) {
+    return UsageFail("encode", *unread);
   }
   // Size flags, by the CLI's ranges, before anything is built from them
   // (the server's errors name proto fields the user never typed).
@@ -851,10 +906,18 @@ int DecodeCommand(int argc, char** argv) {
       "steps carry hidden states [1, T, hidden_size]: random [1, N, hidden_size] (--seed,\n"
       "--dtype) or --hidden FILE.npy with at least N tokens. The last step then equals\n"
       "the last rows of a causal layer-mode Attend over all N tokens; --out gets\n"
-      "[1, T, hidden_size]. --window, --softcap and --scale still apply.",
+      "[1, T, hidden_size]. --window, --softcap and --scale still apply.\n"
+      "\n"
+      "A flag the mode does not read is refused (exit 64): --layer and --hidden without\n"
+      "--model, the random inputs' flags beside --q/--k/--v or --hidden.",
       flags, true, &exit_code);
   if (!args.has_value()) return exit_code;
   if (int code = NoPositional("decode", *args); code != 0) return code;
+  std::string mode;
+  const ModeReads reads = AttentionModeReads(/*decode=*/true, &mode);
+  if (std::optional<std::string> unread = UnreadFlag(flags, {}, mode, reads); unread) {
+    return UsageFail("decode", *unread);
+  }
 
   const int64_t steps = absl::GetFlag(FLAGS_steps);
   const int64_t context = absl::GetFlag(FLAGS_context);
@@ -881,9 +944,6 @@ int DecodeCommand(int argc, char** argv) {
                               "--context + --steps * --tokens_per_step (the random inputs' ",
                               "tokens) must be at most 2^24, got ", context, " + ", steps, " * ",
                               per_step, " = ", total)));
-  }
-  if (layer_mode) {
-    if (absl::Status s = CheckLayerModeFlags(); !s.ok()) return UsageFail("decode", s.message());
   }
   absl::StatusOr<v1::DType> kv_dtype = ParseKvDType("kv_dtype", absl::GetFlag(FLAGS_kv_dtype));
   if (!kv_dtype.ok()) return Fail("decode", kv_dtype.status());

@@ -617,6 +617,59 @@ TEST_F(CliTest, UsageErrorsExit64WithOneLine) {
   }
 }
 
+// attend and decode refuse, naming it and the mode, every flag the mode their
+// command line picks does not read: --hidden and --layer without --model
+// were ignored (random q, k, v attended instead), as were decode's --seed and
+// --dtype beside --q/--k/--v and layer-mode attend's --q_len and --seed
+// beside --hidden. The files need not exist: the refusal comes first.
+TEST_F(CliTest, AttendAndDecodeRefuseTheFlagsTheirModeDoesNotRead) {
+  const std::vector<std::string> files = {"--q=/none/q.npy", "--k=/none/k.npy", "--v=/none/v.npy"};
+  auto with_files = [&](std::vector<std::string> args) {
+    args.insert(args.begin() + 1, files.begin(), files.end());
+    return args;
+  };
+  const std::string random = "with random q, k, v", npy = "with --q/--k/--v",
+                    layer = "in layer mode (--model)";
+  for (const auto& [args, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"attend", "--hidden=/none/h.npy", "--causal"},
+            "--hidden is not read by attend " + random},
+           {{"attend", "--layer=1"}, "--layer is not read by attend " + random},
+           {with_files({"attend", "--layer=0"}), "--layer is not read by attend " + npy},
+           {with_files({"attend", "--v_dim=8"}), "--v_dim is not read by attend " + npy},
+           {{"attend", "--model=demo", "--hidden=/none/h.npy", "--q_len=3"},
+            "--q_len is not read by attend " + layer + " with --hidden"},
+           {{"attend", "--model=demo", "--hidden=/none/h.npy", "--seed=3"},
+            "--seed is not read by attend " + layer + " with --hidden"},
+           {{"attend", "--model=demo", "--hidden=/none/h.npy", "--batch=2"},
+            "--batch is not read by attend " + layer + " with --hidden"},
+           {{"attend", "--model=demo", "--hidden=/none/h.npy", "--dtype=bf16"},
+            "--dtype is not read by attend " + layer + " with --hidden"},
+           {{"attend", "--model=demo", "--k_len=5"}, "--k_len is not read by attend " + layer},
+           {{"attend", "--model=demo", "--v_dim=8"}, "--v_dim is not read by attend " + layer},
+           {{"attend", "--model=demo", "--theta=500"}, "--theta is not read by attend " + layer},
+           {with_files({"attend", "--model=demo"}), "--q is not read by attend " + layer},
+           {{"decode", "--hidden=/none/h.npy", "--steps=1"},
+            "--hidden is not read by decode " + random},
+           {{"decode", "--layer=1", "--steps=1"}, "--layer is not read by decode " + random},
+           {with_files({"decode", "--seed=5"}), "--seed is not read by decode " + npy},
+           {with_files({"decode", "--dtype=bf16"}), "--dtype is not read by decode " + npy},
+           {with_files({"decode", "--v_dim=8"}), "--v_dim is not read by decode " + npy},
+           {with_files({"decode", "--hidden=/none/h.npy"}),
+            "--hidden is not read by decode " + npy},
+           {{"decode", "--model=demo", "--hidden=/none/h.npy", "--seed=5"},
+            "--seed is not read by decode " + layer + " with --hidden"},
+           {{"decode", "--model=demo", "--hidden=/none/h.npy", "--dtype=bf16"},
+            "--dtype is not read by decode " + layer + " with --hidden"},
+           {{"decode", "--model=demo", "--heads=4"}, "--heads is not read by decode " + layer},
+           {{"decode", "--model=demo", "--v_dim=8"}, "--v_dim is not read by decode " + layer},
+           {with_files({"decode", "--model=demo"}), "--q is not read by decode " + layer}}) {
+    RunResult r = Cli(args);
+    EXPECT_EQ(r.exit_code, 64) << absl::StrJoin(args, " ") << ": " << Describe(r);
+    ExpectOneErrorLine(r, args[0], "USAGE");
+    EXPECT_THAT(r.err, HasSubstr(says)) << absl::StrJoin(args, " ");
+  }
+}
+
 // decode's --context / --steps / --tokens_per_step were summed (in int64,
 // unchecked: 2^63 - 1 wrapped negative) before any check, and the sum was
 // reported as --q_len, a flag decode does not have. Each flag is checked
@@ -1153,11 +1206,12 @@ TEST_F(CliTest, AttendReadsNpyInputs) {
   EXPECT_EQ(r.exit_code, 5) << Describe(r);
   ExpectOneErrorLine(r, "attend", "NOT_FOUND");
   // The random inputs' flags mean nothing with files: refused, not ignored.
-  for (const char* flag : {"--q_len=5", "--batch=3", "--k_len=7", "--dtype=bf16", "--seed=9"}) {
+  for (const char* flag :
+       {"--q_len=5", "--batch=3", "--k_len=7", "--dtype=bf16", "--seed=9", "--v_dim=8"}) {
     r = Cli({"attend", "--q", Path("q.npy"), "--k", Path("k.npy"), "--v", Path("v.npy"),
              "--norope", flag});
     EXPECT_EQ(r.exit_code, 64) << flag << " " << Describe(r);
-    EXPECT_THAT(r.err, HasSubstr("cannot be used with --q/--k/--v")) << flag;
+    EXPECT_THAT(r.err, HasSubstr("is not read by attend with --q/--k/--v")) << flag;
   }
 }
 
