@@ -479,7 +479,9 @@ int AttendLayerMode() {
   absl::StatusOr<v1::AttendResponse> response = (*client)->Attend(request);
   const absl::Duration elapsed = absl::Now() - start;
   if (!response.ok()) return Fail("attend", response.status());
-  std::string flags_line = spec->causal() ? "causal" : "bidirectional";
+  // causal false asks for the model's masking (causal for decoders), not
+  // for bidirectional attention: printed as what was computed.
+  std::string flags_line = spec->causal() ? "causal" : "the model's masking";
   if (spec->window() != 0) absl::StrAppend(&flags_line, " window ", spec->window());
   if (spec->softcap() != 0) absl::StrAppend(&flags_line, " softcap ", spec->softcap());
   if (spec->scale() != 0) absl::StrAppend(&flags_line, " scale ", spec->scale());
@@ -523,7 +525,8 @@ int AttendCommand(int argc, char** argv) {
       "hidden states [B, S, hidden_size], random ([--batch, --q_len, hidden_size] from\n"
       "--seed in --dtype) or from --hidden FILE.npy; the model's projections and RoPE\n"
       "apply, and only --causal, --window, --softcap and --scale are read from the spec\n"
-      "flags. --offsets sets each row's first position. --out gets [B, S, hidden_size].\n"
+      "flags (without --causal the model's masking applies: decoders are causal).\n"
+      "--offsets sets each row's first position. --out gets [B, S, hidden_size].\n"
       "\n"
       "A flag the mode does not read is refused (exit 64): --layer and --hidden without\n"
       "--model, the random inputs' flags beside --q/--k/--v or --hidden.",

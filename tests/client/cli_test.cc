@@ -1637,6 +1637,10 @@ TEST_F(CliTest, LayerModeAttendEqualsTheLibraryCall) {
   ASSERT_TRUE(client::WriteNpy(hidden_path, *hidden).ok());
   r = Cli({"attend", "--model=demo", "--layer=0", "--hidden", hidden_path, "--out", out});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  // Without --causal the model's masking is computed (demo is causal): the
+  // spec line said "bidirectional".
+  EXPECT_THAT(r.out, AllOf(HasSubstr("spec     the model's masking"),
+                           Not(HasSubstr("bidirectional"))));
   written = client::ReadNpy(out);
   ASSERT_TRUE(written.ok()) << written.status();
   request.mutable_spec()->set_causal(false);
