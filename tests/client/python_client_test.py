@@ -205,6 +205,21 @@ class PythonClientTest(unittest.TestCase):
             self.assertIn("position", str(e.exception))
             self.assertEqual(s.truncate(0).position, 0)  # no seq was spent on the refusal
 
+    def test_rope_and_alibi_together_are_refused_naming_both(self):
+        # AttentionSpec.positional is a oneof: ALiBi set after RoPE cleared it,
+        # and the server computed ALiBi alone.
+        x = np.ones((1, 2, 2, 8), np.float32)
+        for call in (lambda: self.client.attend(x, x, x, rope={"theta": 10000}, alibi=True),
+                     lambda: self.client.attend(x, x, x, rope={}, alibi=True),
+                     lambda: self.client.session(heads=2, head_dim=8, rope={}, alibi=True)):
+            with self.assertRaises(ValueError) as e:
+                call()
+            self.assertIn("rope and alibi are two positional schemes", str(e.exception))
+        # Either alone still works.
+        self.assertEqual(self.client.attend(x, x, x, alibi=True).shape, (1, 2, 2, 8))
+        with self.client.session(heads=2, head_dim=8, rope={}) as s:
+            self.assertTrue(s.info.spec.HasField("rope"))
+
     def test_token_without_tls_is_refused(self):
         with self.assertRaises(ValueError) as e:
             ropeattn.Client(self.target, token="secret")

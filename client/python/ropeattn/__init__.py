@@ -111,6 +111,19 @@ def _rope_spec(rope):
     return json_format.ParseDict(rope, pb.RopeSpec())
 
 
+def _set_positional(spec, rope, alibi):
+    """RoPE or ALiBi on `spec`. They are one oneof on the wire: setting both
+    kept only the last (ALiBi) and the server computed something else than
+    asked, so both is a ValueError, as the CLI's --alibi with a RoPE flag."""
+    if rope is not None and alibi:
+        raise ValueError("rope and alibi are two positional schemes; a spec has at most one: "
+                         "give rope=... or alibi=True, not both")
+    if rope is not None:
+        spec.rope.CopyFrom(_rope_spec(rope))
+    if alibi:
+        spec.alibi.SetInParent()
+
+
 def _check_token(token):
     """As the C++ client's CheckToken: the token goes in a header value after
     "Bearer ", which gRPC refuses unless printable ASCII (and a space would
@@ -195,10 +208,7 @@ class Client:
                                 head_dim=q.shape[3], causal=causal,
                                 window=_int(window, "window"),
                                 softcap=softcap, scale=scale)
-        if rope is not None:
-            spec.rope.CopyFrom(_rope_spec(rope))
-        if alibi:
-            spec.alibi.SetInParent()
+        _set_positional(spec, rope, alibi)
         request = pb.AttendRequest(spec=spec, q=to_tensor(q, dtype), k=to_tensor(k, dtype),
                                    v=to_tensor(v, dtype), q_offsets=_ints(q_offsets, "q_offsets"),
                                    key_lengths=_ints(key_lengths, "key_lengths"),
@@ -230,10 +240,7 @@ class Client:
         export_kv, close."""
         spec = pb.AttentionSpec(heads=_int(heads, "heads"), kv_heads=_int(kv_heads, "kv_heads"),
                                 head_dim=_int(head_dim, "head_dim"), window=_int(window, "window"))
-        if rope is not None:
-            spec.rope.CopyFrom(_rope_spec(rope))
-        if alibi:
-            spec.alibi.SetInParent()
+        _set_positional(spec, rope, alibi)
         return Session(self, pb.OpenSession(spec=spec, max_context=_int(max_context, "max_context"),
                                             kv_dtype=_dtype("kv_dtype", kv_dtype, _KV_DTYPES),
                                             start_position=_int(start_position,
