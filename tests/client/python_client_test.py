@@ -225,6 +225,46 @@ class PythonClientTest(unittest.TestCase):
             ropeattn.Client(self.target, token="secret")
         self.assertIn("TLS", str(e.exception))
 
+    def test_tls_files_are_checked_as_the_cpp_client_does(self):
+        with tempfile.TemporaryDirectory() as d:
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                            "ec_paramgen_curve:prime256v1", "-nodes", "-days", "30", "-subj",
+                            "/CN=test", "-keyout", d + "/client.key", "-out", d + "/client.pem"],
+                           check=True, capture_output=True)
+            with open(d + "/not.pem", "w") as f:
+                f.write("not a certificate\n")
+            # A certificate without its key (or the reverse) aborted the
+            # interpreter in gRPC core: run in a child so a crash is a failure.
+            for given, missing in (("tls_cert_file", "tls_key_file"),
+                                   ("tls_key_file", "tls_cert_file")):
+                path = d + ("/client.pem" if given == "tls_cert_file" else "/client.key")
+                child = subprocess.run(
+                    [sys.executable, "-c",
+                     "import sys, ropeattn\n"
+                     "try:\n"
+                     "    ropeattn.Client(sys.argv[1], **{sys.argv[2]: sys.argv[3]})\n"
+                     "except ValueError as e:\n"
+                     "    print(e)\n", self.target, given, path],
+                    capture_output=True, text=True, timeout=60)
+                self.assertEqual(child.returncode, 0, child.stderr)
+                self.assertIn("tls_cert_file and tls_key_file go together", child.stdout)
+                self.assertIn("%s is set, %s is empty" % (given, missing), child.stdout)
+            for kwargs, want in [
+                    ({"tls_ca_file": d + "/missing.pem"},
+                     'tls_ca_file "%s/missing.pem" cannot be read: No such file' % d),
+                    ({"tls_ca_file": d}, 'tls_ca_file "%s" cannot be read: Is a directory' % d),
+                    ({"tls_ca_file": d + "/not.pem"},
+                     'tls_ca_file "%s/not.pem" holds no PEM certificate' % d),
+                    ({"tls_cert_file": d + "/client.key", "tls_key_file": d + "/client.key"},
+                     'tls_cert_file "%s/client.key" holds no PEM certificate' % d),
+                    ({"tls_cert_file": d + "/client.pem", "tls_key_file": d + "/not.pem"},
+                     'tls_key_file "%s/not.pem" holds no PEM private key' % d),
+                    ({"tls_cert_file": d + "/client.pem", "tls_key_file": d + "/missing.key"},
+                     'tls_key_file "%s/missing.key" cannot be read' % d)]:
+                with self.assertRaises(ValueError) as e:
+                    ropeattn.Client(self.target, **kwargs)
+                self.assertIn(want, str(e.exception))
+
     def test_a_token_gRPC_cannot_send_is_refused_without_echoing_it(self):
         # As the C++ client: refused before any file is read or call made,
         # naming the position only (grpcio's error quotes the header).

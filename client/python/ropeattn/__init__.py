@@ -142,6 +142,65 @@ def _check_token(token):
                              % (i, len(data), hint))
 
 
+# As the C++ client's credentials.cc: a CA bundle is a few hundred KiB; a
+# file near this is the wrong one, and reading on would only use memory.
+_MAX_PEM_BYTES = 16 << 20
+_BEGIN_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
+
+
+def _read_pem(field, path):
+    """The whole file, or a ValueError naming `field` and `path`."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_MAX_PEM_BYTES + 1)
+    except OSError as e:
+        raise ValueError('%s "%s" cannot be read: %s' % (field, path, e.strerror)) from None
+    if len(data) > _MAX_PEM_BYTES:
+        raise ValueError('%s "%s" is over %d bytes: not a PEM file'
+                         % (field, path, _MAX_PEM_BYTES))
+    return data
+
+
+def _read_certificates(field, path):
+    data = _read_pem(field, path)
+    # grpcio would take anything and fail every handshake later with a bare
+    # UNAVAILABLE; a wrong file is clearer now.
+    if _BEGIN_CERTIFICATE not in data:
+        raise ValueError('%s "%s" holds no PEM certificate (%s)'
+                         % (field, path, _BEGIN_CERTIFICATE.decode()))
+    return data
+
+
+def _read_private_key(field, path):
+    data = _read_pem(field, path)
+    # PKCS#8, SEC1 and PKCS#1 all end their BEGIN line this way.
+    if b"-----BEGIN " not in data or b"PRIVATE KEY-----" not in data:
+        raise ValueError('%s "%s" holds no PEM private key (-----BEGIN ... PRIVATE KEY-----)'
+                         % (field, path))
+    # gRPC has no way to ask for a passphrase.
+    if b"-----BEGIN ENCRYPTED PRIVATE KEY-----" in data or b"Proc-Type: 4,ENCRYPTED" in data:
+        raise ValueError('%s "%s" holds an encrypted private key; gRPC needs it unencrypted'
+                         % (field, path))
+    return data
+
+
+def _ssl_credentials(tls_ca_file, tls_cert_file, tls_key_file):
+    """TLS channel credentials from the files, checked as the C++ client's
+    ChannelCredentialsFor: a certificate without its key (or the reverse)
+    aborted the interpreter in gRPC core."""
+    if bool(tls_cert_file) != bool(tls_key_file):
+        given, missing = (("tls_cert_file", "tls_key_file") if tls_cert_file
+                          else ("tls_key_file", "tls_cert_file"))
+        raise ValueError("tls_cert_file and tls_key_file go together (a client certificate and "
+                         "its key): %s is set, %s is empty" % (given, missing))
+    roots = _read_certificates("tls_ca_file", tls_ca_file) if tls_ca_file else None
+    chain = key = None
+    if tls_cert_file:
+        chain = _read_certificates("tls_cert_file", tls_cert_file)
+        key = _read_private_key("tls_key_file", tls_key_file)
+    return grpc.ssl_channel_credentials(roots, key, chain)
+
+
 class Client:
     """A connection to one server. `tls_ca_file` (and for mutual TLS
     `tls_cert_file`, `tls_key_file`) turn TLS on; `token` is sent as a bearer
@@ -160,9 +219,7 @@ class Client:
         self._metadata = (("authorization", "Bearer " + token),) if token else ()
         self._credentials = None
         if tls_ca_file or tls_cert_file or tls_key_file:
-            read = lambda p: open(p, "rb").read() if p else None
-            self._credentials = grpc.ssl_channel_credentials(
-                read(tls_ca_file), read(tls_key_file), read(tls_cert_file))
+            self._credentials = _ssl_credentials(tls_ca_file, tls_cert_file, tls_key_file)
         self._connect(4 << 20)
         limit = int(self.info().max_message_bytes) or (256 << 20)
         self._channel.close()
