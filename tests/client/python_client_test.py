@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 
 import ropeattn
+from ropeattn.v1 import attention_pb2 as pb
 
 SERVER = os.environ["ROPEATTN_SERVER"]
 EXAMPLE = os.environ["ROPEATTN_EXAMPLE"]
@@ -287,6 +288,43 @@ class PythonClientTest(unittest.TestCase):
             with self.client.session(heads=2, head_dim=8, max_context=8) as s:
                 s._responses.cancel()  # the stream breaks, as a lost connection would
                 raise Boom()  # close() then fails: it must not replace this
+
+    def test_an_abandoned_stream_leaves_no_thread(self):
+        # grpcio's request-consumer thread waits on the session's queue until
+        # the end sentinel: a failed open, a failed close in a with block and a
+        # session dropped unclosed left one blocked forever each.
+        def threads_after(action, n=20):
+            before = threading.active_count()
+            for _ in range(n):
+                action()
+            deadline = time.monotonic() + 10
+            while threading.active_count() > before + 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return threading.active_count() - before
+
+        def failed_open():
+            with self.assertRaises(grpc.RpcError):
+                self.client.session(heads=0, head_dim=8)  # INVALID_ARGUMENT at open
+
+        def failed_close():
+            with self.assertRaises(KeyError):
+                with self.client.session(heads=2, head_dim=8) as s:
+                    # Closed by another caller: close() then fails
+                    # (FAILED_PRECONDITION ends the stream).
+                    self.client._stub.CloseSession(
+                        pb.CloseSessionRequest(session_id=s.info.session_id))
+                    raise KeyError()
+
+        x = np.ones((1, 1, 2, 8), np.float32)
+
+        def dropped():
+            s = self.client.session(heads=2, head_dim=8)
+            s.step(x, x, x)
+            del s
+
+        for name, action in (("failed open", failed_open), ("failed close", failed_close),
+                             ("dropped session", dropped)):
+            self.assertLessEqual(threads_after(action), 2, name)
 
     def test_session_steps_match_attention_over_the_prefix(self):  # 1e-5
         q = self.rng.standard_normal((1, 6, 4, 16), dtype=np.float32)

@@ -13,6 +13,7 @@ proto/ when the package is built (setup.py) or by CMake for the tests.
 
 import queue
 import threading
+import weakref
 
 import grpc
 import numpy as np
@@ -304,18 +305,34 @@ class Client:
                                                                 "start_position")))
 
 
+def _end_stream(requests, responses):
+    """Ends a Decode stream from this side: grpcio's request-consumer thread
+    waits in requests.get() until the None sentinel comes, whatever happened
+    to the call, so a stream left without it keeps a thread forever."""
+    requests.put(None)
+    responses.cancel()  # nothing once the call has ended
+
+
 class Session:
     """One Decode stream holding one session. Answers come in order; an
     in-band error raises StepError and leaves the session usable; a failed
-    open or a lost stream raises grpc.RpcError."""
+    open or a lost stream raises grpc.RpcError. A session dropped without
+    close() ends its stream when it is collected."""
 
     def __init__(self, client, open_request):
         self._timeout = client._timeout
         self._requests = queue.Queue()
         self._responses = client._stub.Decode(iter(self._requests.get, None),
                                                metadata=client._metadata)
+        # Every way out of the stream but a clean close() runs this (once): a
+        # failed open or close, a lost stream, a session collected unclosed.
+        self._end = weakref.finalize(self, _end_stream, self._requests, self._responses)
         self._seq = 0
-        self.info = self._send(pb.DecodeRequest(open=open_request), "opened")
+        try:
+            self.info = self._send(pb.DecodeRequest(open=open_request), "opened")
+        except BaseException:
+            self._end()
+            raise
 
     def _send(self, request, expect):
         if self._requests is None:
@@ -329,6 +346,9 @@ class Session:
         try:
             self._requests.put(request)
             response = next(self._responses)
+        except grpc.RpcError:
+            self._end()  # the call is over (lost, cancelled, timed out)
+            raise
         finally:
             timer.cancel()
         if response.WhichOneof("msg") == "error":
@@ -367,6 +387,7 @@ class Session:
             return None
         info = self._send(pb.DecodeRequest(close=pb.Close(seq=self._next_seq())), "closed")
         self._requests.put(None)
+        self._end.detach()
         for _ in self._responses:
             pass
         self._requests = None
@@ -384,5 +405,5 @@ class Session:
         try:
             self.close()
         except Exception:  # whatever close() raises, the block's own exception goes on
-            self._responses.cancel()
+            self._end()
             self._requests = None
