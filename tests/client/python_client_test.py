@@ -221,6 +221,31 @@ class PythonClientTest(unittest.TestCase):
         with self.client.session(heads=2, head_dim=8, rope={}) as s:
             self.assertTrue(s.info.spec.HasField("rope"))
 
+    def test_a_target_gRPC_would_misdial_is_refused_naming_it(self):
+        port = int(self.target.rsplit(":", 1)[1])
+        wrapped = "127.0.0.1:%d" % (port + 65536)  # gRPC dialed the port modulo 65536
+        for target, want in [
+                (wrapped, 'target "%s": the port must be a number in 1..65535, got "%d"'
+                 % (wrapped, port + 65536)),
+                ("127.0.0.1:0", "the port must be a number in 1..65535"),
+                ("127.0.0.1:", 'target "127.0.0.1:" has no port'),
+                ("localhost", "has no port; give host:port, e.g. localhost:50051"),
+                ("::1:50051", "write an IPv6 address in brackets"),
+                ("[::1]x", 'has "x" after its IPv6 address'),
+                ("http://127.0.0.1:50051", "is a URL"),
+                ("dns:///127.0.0.1:99999", "the port must be a number in 1..65535"),
+                ("ipv4:127.0.0.1:1,127.0.0.1:70000", 'address "127.0.0.1:70000"'),
+                ("ipv6:127.0.0.1:1", "is not [IPv6 address]:port"),
+                ("unix:", "has no socket path"),
+                ("", "target must not be empty")]:
+            with self.assertRaises(ValueError, msg=target) as e:
+                ropeattn.Client(target, timeout=5)
+            self.assertIn(want, str(e.exception))
+        for target in ("dns:///" + self.target, "ipv4:" + self.target,
+                       "ipv4:///" + self.target):
+            with ropeattn.Client(target) as c:
+                self.assertTrue(c.health(), target)
+
     def test_token_without_tls_is_refused(self):
         with self.assertRaises(ValueError) as e:
             ropeattn.Client(self.target, token="secret")

@@ -143,6 +143,100 @@ def _check_token(token):
                              % (i, len(data), hint))
 
 
+def _valid_port(port):
+    """A port as gRPC's resolvers take it: decimal digits, 1..65535. A larger
+    number is not refused by gRPC (getaddrinfo keeps its low 16 bits: 116149
+    dials 50613), and port 0 cannot be dialed."""
+    return (0 < len(port) <= 5 and all("0" <= c <= "9" for c in port)
+            and 1 <= int(port) <= 65535)
+
+
+def _check_host_port(hostport, port_required, what):
+    """host:port, [v6]:port or (port_required False) a host alone; `what`
+    names the target in messages. As the C++ client's CheckHostPort."""
+    port = None
+    if hostport.startswith("["):
+        close = hostport.find("]")
+        if close < 0:
+            raise ValueError("%s has no ']' after its IPv6 address" % what)
+        host, rest = hostport[1:close], hostport[close + 1:]
+        if rest:
+            if not rest.startswith(":"):
+                raise ValueError('%s has "%s" after its IPv6 address; give [address]:port'
+                                 % (what, rest))
+            port = rest[1:]
+    else:
+        if hostport.count(":") > 1:
+            raise ValueError("%s has several ':'; write an IPv6 address in brackets, "
+                             "e.g. [::1]:50051" % what)
+        host, colon, rest = hostport.partition(":")
+        if colon:
+            port = rest
+    if not host:
+        raise ValueError("%s has no host" % what)
+    if not port:
+        if not port_required and port is None:
+            return
+        shown = "[%s]" % host if ":" in host else host
+        raise ValueError("%s has no port; give host:port, e.g. %s:50051" % (what, shown))
+    if not _valid_port(port):
+        raise ValueError('%s: the port must be a number in 1..65535, got "%s"' % (what, port))
+
+
+def _check_target(target):
+    """A target gRPC can dial, as the C++ client's CheckTarget: a URL, a
+    missing port or one outside 1..65535 (which gRPC would wrap, dialing
+    another port) is a ValueError naming the target."""
+    if not isinstance(target, str):
+        raise TypeError("target must be a str, got %s" % type(target).__name__)
+    if not target:
+        raise ValueError("target must not be empty")
+    what = 'target "%s"' % target
+    if target.startswith(("http://", "https://", "grpc://", "grpcs://")):
+        raise ValueError("%s is a URL; give host:port (e.g. 127.0.0.1:50051), and "
+                         "tls_ca_file (TLS) instead of https://" % what)
+    if target.startswith("dns:"):  # dns:[//authority/]host[:port]: port 443 when none
+        rest = target[4:]
+        if rest.startswith("//"):
+            authority, slash, rest = rest[2:].partition("/")
+            if not slash:
+                raise ValueError("%s has no host after its authority; give dns:///host:port"
+                                 % what)
+            if authority:  # the DNS server to ask, host[:port]
+                _check_host_port(authority, False, what + " (its DNS server)")
+        _check_host_port(rest, False, what)
+        return
+    for scheme in ("ipv4:", "ipv6:"):  # address lists, a port each
+        if not target.startswith(scheme):
+            continue
+        rest = target[len(scheme):]
+        if rest.startswith("//"):
+            if not rest.startswith("///"):
+                raise ValueError("%s has an authority; give %saddress:port" % (what, scheme))
+            rest = rest[3:]
+        if not rest:
+            raise ValueError("%s has no address" % what)
+        for address in rest.split(","):
+            _check_host_port(address, True, '%s address "%s"' % (what, address))
+            if (scheme == "ipv6:") != address.startswith("["):
+                raise ValueError('%s address "%s" is not %s' % (
+                    what, address,
+                    "[IPv6 address]:port" if scheme == "ipv6:" else "IPv4 address:port"))
+        return
+    if target.startswith("unix:"):
+        if target[5:] in ("", "//", "///"):
+            raise ValueError("%s has no socket path" % what)
+        return
+    # gRPC's other schemes and resolvers named as scheme:// (xds:///name)
+    # are passed through as they are.
+    if target.startswith(("unix-abstract:", "vsock:")):
+        return
+    scheme, sep, _ = target.partition("://")
+    if sep and scheme and all(c.isascii() and (c.isalnum() or c in "+-.") for c in scheme):
+        return
+    _check_host_port(target, True, what)
+
+
 # As the C++ client's credentials.cc: a CA bundle is a few hundred KiB; a
 # file near this is the wrong one, and reading on would only use memory.
 _MAX_PEM_BYTES = 16 << 20
@@ -209,6 +303,7 @@ class Client:
 
     def __init__(self, target, tls_ca_file=None, tls_cert_file=None, tls_key_file=None,
                  token=None, timeout=30.0):
+        _check_target(target)
         self._target = target
         self._timeout = timeout
         if token and not (tls_ca_file or tls_cert_file or tls_key_file):
