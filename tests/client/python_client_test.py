@@ -172,6 +172,51 @@ class PythonClientTest(unittest.TestCase):
             self.assertIn("session is closed", str(e.exception))
         self.assertIsNone(s.close())  # a second close is still nothing
 
+    def test_array_arguments_refuse_what_they_would_cast_naming_the_argument(self):
+        q = self.rng.standard_normal((1, 3, 2, 8), dtype=np.float32)
+        with self.client.session(heads=2, head_dim=8) as s:
+            step = s.step
+            for name, kind, call in [
+                    # A complex array was cast to its real part and computed on.
+                    ("q", "complex", lambda: self.client.attend(q + 1j * q, q, q)),
+                    ("v", "complex64", lambda: self.client.attend(q, q, q.astype(np.complex64))),
+                    ("x", "complex", lambda: self.client.rope_apply(q * (1 + 2j))),
+                    ("k", "complex", lambda: step(q[:, :1], q[:, :1] * 1j, q[:, :1])),
+                    ("array", "complex", lambda: ropeattn.to_tensor(q * 1j)),
+                    ("q", "bool", lambda: self.client.attend(q > 0, q, q)),
+                    ("x", "<U1", lambda: self.client.rope_apply([[[["a"]]]])),
+                    ("k", "object", lambda: self.client.attend(q, q.astype(object), q))]:
+                with self.assertRaises(TypeError, msg=name) as e:
+                    call()
+                self.assertIn("%s must be an array of real numbers (integer or float), got %s"
+                              % (name, kind), str(e.exception))
+            for name, want, call in [
+                    # A 3-D q was an IndexError naming nothing.
+                    ("q", "q must be 4-D [batch, q_len, heads, head_dim], got shape (3, 2, 8)",
+                     lambda: self.client.attend(q[0], q, q)),
+                    ("v", "v must be 4-D [batch, k_len, kv_heads, v_dim], got shape (1, 3, 2, 8, 1)",
+                     lambda: self.client.attend(q, q, q[..., None])),
+                    ("x", "x must be 4-D [batch, seq, heads, head_dim], got shape (3, 2, 8)",
+                     lambda: self.client.rope_apply(q[0])),
+                    ("q", "q must be 4-D [1, tokens, heads, head_dim], got shape (1, 2, 8)",
+                     lambda: step(q[0, :1], q[:, :1], q[:, :1])),
+                    ("q", "q must be a rectangular array", lambda: self.client.attend(
+                        [[[[1.0]]], [[[1.0, 2.0]]]], q, q))]:
+                with self.assertRaises(ValueError, msg=name) as e:
+                    call()
+                self.assertIn(want, str(e.exception))
+            # No seq was spent on a refused step: the session goes on.
+            self.assertEqual(step(q[:, :1], q[:, :1], q[:, :1]).shape, (1, 1, 2, 8))
+        # Nested lists (attend raised AttributeError on them) and integer or
+        # float64 arrays are taken as they are.
+        want = self.client.attend(q, q, q)
+        self.assertTrue(np.array_equal(self.client.attend(q.tolist(), q.tolist(), q.tolist()),
+                                       want))
+        self.assertTrue(np.array_equal(self.client.attend(q.astype(np.float64), q, q), want))
+        ones = np.ones((1, 2, 2, 8), np.int64)
+        self.assertTrue(np.array_equal(self.client.rope_apply(ones),
+                                       self.client.rope_apply(ones.astype(np.float32))))
+
     def test_numpy_offsets_and_positions(self):
         q = self.rng.standard_normal((2, 3, 2, 8), dtype=np.float32)
         k = self.rng.standard_normal((2, 5, 2, 8), dtype=np.float32)

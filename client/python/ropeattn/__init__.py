@@ -51,10 +51,31 @@ def _dtype(name, value, table):
                          % (name, ", ".join(names[:-1]), names[-1], value)) from None
 
 
+def _real_array(value, name, layout=None):
+    """A float32 array from a numpy array or nested lists of real numbers.
+    Anything else is refused naming the argument, never cast: a complex array
+    lost its imaginary part; bool, string and object arrays are TypeErrors.
+    `layout` (e.g. "[batch, seq, heads, dim]") checks the rank: a ValueError
+    naming the argument and the expected shape."""
+    try:
+        a = np.asarray(value)
+    except ValueError as e:  # ragged nested lists
+        raise ValueError("%s must be a rectangular array: %s" % (name, e)) from None
+    if a.dtype.kind not in "iuf":
+        raise TypeError("%s must be an array of real numbers (integer or float), got %s"
+                        % (name, a.dtype))
+    if layout is not None and a.ndim != layout.count(",") + 1:
+        raise ValueError("%s must be %d-D %s, got shape %s"
+                         % (name, layout.count(",") + 1, layout, a.shape))
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
 def to_tensor(array, dtype="f32"):
-    """A wire Tensor from a numpy array (f32, or bf16 rounded to nearest even)."""
+    """A wire Tensor from a numpy array or nested lists of real numbers (f32,
+    or bf16 rounded to nearest even); complex, bool, string or object data is
+    a TypeError."""
     wire_dtype = _dtype("dtype", dtype, _DTYPES)
-    a = np.ascontiguousarray(array, dtype=np.float32)
+    a = _real_array(array, "array")
     t = pb.Tensor(dtype=wire_dtype, shape=list(a.shape))
     if dtype == "bf16":
         bits = a.view(np.uint32).astype(np.uint64)
@@ -356,6 +377,9 @@ class Client:
                rope=None, alibi=False, q_offsets=None, key_lengths=None, dtype="f32",
                out_dtype="f32"):
         """Attention of q [B, Sq, H, D] over k, v [B, Sk, Hkv, D]: out [B, Sq, H, Dv]."""
+        q = _real_array(q, "q", "[batch, q_len, heads, head_dim]")
+        k = _real_array(k, "k", "[batch, k_len, kv_heads, head_dim]")
+        v = _real_array(v, "v", "[batch, k_len, kv_heads, v_dim]")
         spec = pb.AttentionSpec(heads=q.shape[2],
                                 kv_heads=_int(kv_heads, "kv_heads") or k.shape[2],
                                 head_dim=q.shape[3], causal=causal,
@@ -372,6 +396,7 @@ class Client:
                    dtype="f32"):
         """x [B, S, H, D] rotated by RoPE (the default rule, theta 10000, when
         `rope` is None) at 0..S-1, per-row `offsets` or per-token `positions`."""
+        x = _real_array(x, "x", "[batch, seq, heads, head_dim]")
         op = pb.EncodeRequest.RopeApply(rope=_rope_spec(rope or {}), x=to_tensor(x, dtype),
                                         positions=_ints(positions, "positions"),
                                         offsets=_ints(offsets, "offsets"),
@@ -458,6 +483,9 @@ class Session:
 
     def step(self, q, k, v, dtype="f32"):
         """Appends tokens q [1, T, H, D], k, v [1, T, Hkv, D]: out [1, T, H, Dv]."""
+        q = _real_array(q, "q", "[1, tokens, heads, head_dim]")
+        k = _real_array(k, "k", "[1, tokens, kv_heads, head_dim]")
+        v = _real_array(v, "v", "[1, tokens, kv_heads, v_dim]")
         step = pb.Step(seq=self._next_seq(), q=to_tensor(q, dtype), k=to_tensor(k, dtype),
                        v=to_tensor(v, dtype))
         return from_tensor(self._send(pb.DecodeRequest(step=step), "step").out)
