@@ -295,6 +295,12 @@ class SessionTest : public ::testing::Test {
     stub_.reset();
     if (server_) server_->Shutdown(absl::Seconds(1));
   }
+  // Replaces the fixture's server with one started with `o` (null on error).
+  void Restart(const server::ServerOptions& o) {
+    server_->Shutdown(absl::Seconds(1));
+    server_ = StartTestServer(o);
+    if (server_ != nullptr) stub_ = TestStub(server_->port());
+  }
   // Waits (up to 5 s) for a condition the server reaches asynchronously.
   template <typename F>
   bool Eventually(F f) {
@@ -654,10 +660,8 @@ TEST_F(SessionTest, Int8IsRefusedWhereItCannotBeExact) {
 TEST_F(SessionTest, SessionsThatFillTheBudgetCanStillStep) {
   server::ServerOptions o = TestServerOptions();
   o.memory_budget_bytes = int64_t{64} << 20;
-  server_->Shutdown(absl::Seconds(1));
-  server_ = StartTestServer(o);
+  Restart(o);
   ASSERT_NE(server_, nullptr);
-  stub_ = TestStub(server_->port());
   const Config big{"mha", 8, 8, 64, 64, "default"};
   const Config small{"one_head", 1, 1, 64, 64, "default"};
   const Sequence seq_big = MakeSequence(big, 3, 5), seq_small = MakeSequence(small, 3, 6);
@@ -1483,13 +1487,11 @@ TEST_F(SessionTest, AForkOfAClosedSessionIsRefusedAndNotCounted) {
 // nor closed. (The close lands at a fraction of an uncontended fork's time,
 // under dynamic NTK, whose fork copies every page and the raw keys.)
 TEST_F(SessionTest, AForkWhoseSourceClosesDuringTheCopyIsRefusedAndNotCounted) {
-  server_->Shutdown(absl::Seconds(1));
   server::ServerOptions o = TestServerOptions();
   o.memory_budget_bytes = int64_t{1} << 30;
   o.max_message_bytes = 128 << 20;  // the prefix
-  server_ = StartTestServer(o);
+  Restart(o);
   ASSERT_NE(server_, nullptr);
-  stub_ = TestStub(server_->port());
   Config c{"dynamic", 8, 8, 128, 128, "dynamic"};
   c.factor = 2;
   c.original = 2048;
@@ -1929,10 +1931,8 @@ TEST_F(SessionTest, ControlCallsAnswerWhileAStepRuns) {
   server::ServerOptions o = TestServerOptions();
   o.memory_budget_bytes = int64_t{2} << 30;
   o.compute_workers = 1;  // the step holds the only worker
-  server_->Shutdown(absl::Seconds(1));
-  server_ = StartTestServer(o);
+  Restart(o);
   ASSERT_NE(server_, nullptr);
-  stub_ = TestStub(server_->port());
   const Config c{"gqa_long", 32, 8, 128, 128, "default"};
   constexpr int64_t kTokens = 2048;
   const Sequence seq = MakeSequence(c, 2 * kTokens, 11);
@@ -2402,14 +2402,12 @@ TEST_F(SessionTest, GracefulShutdownEndsStreamsThatStartWhileItDrains) {
 // counted disconnected; the session is closed for "shutdown" and the log
 // names the shutdown.
 TEST_F(SessionTest, AStreamTheDrainCancelsPastTheGraceIsCountedShutdown) {
-  server_->Shutdown(absl::Seconds(1));
-  server::LogCapture capture;
   server::ServerOptions o = TestServerOptions();
   o.memory_budget_bytes = int64_t{1} << 30;
   o.max_message_bytes = 128 << 20;  // the step
-  server_ = StartTestServer(o);
+  Restart(o);
   ASSERT_NE(server_, nullptr);
-  stub_ = TestStub(server_->port());
+  server::LogCapture capture;  // this server's lines only
   const Config c{"mha", 4, 4, 128, 128, "default"};
   constexpr int64_t kTokens = 16384;  // a prefill of seconds on one thread
   const Sequence seq = MakeSequence(c, kTokens, 11);
