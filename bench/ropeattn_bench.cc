@@ -454,6 +454,24 @@ void BM_PrefillChunk(benchmark::State& state, int64_t q_len, int64_t k_len, int6
   });
 }
 
+// ------------------------------------------------------------- linear --
+
+// A layer-mode projection, [rows, 4096] x W[4096, 4096]^T: oneDNN's matmul
+// (Linear: prompts, stateless calls) against our row kernel (LinearRows:
+// session steps, alone or batched). Work is the weight bytes, which every
+// call streams once: rows = 16 is 16 one-token sessions projected together.
+void BM_Linear(benchmark::State& state, DType wd, int64_t rows, bool ours) {
+  const int64_t n = 4096;
+  Tensor x = Random(DType::kF32, {rows, n}, 1), w = Random(wd, {n, n}, 2);
+  Tensor y = Tensor::Create(DType::kF32, {rows, n}).value();
+  RunTimed(state, static_cast<double>(w.byte_size()), "bytes_per_second", kCopy, [&](int64_t) {
+    const absl::Status st = ours ? LinearRows(x.view(), w.view(), ConstTensorView(), y.view(), Threads())
+                                 : Linear(x.view(), w.view(), ConstTensorView(), y.view(), Threads());
+    if (!st.ok()) std::abort();
+  });
+  state.counters["rows"] = static_cast<double>(rows);
+}
+
 void Register() {
   auto* b = benchmark::RegisterBenchmark("ceiling/copy_bandwidth", BM_CopyBandwidth);
   b->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(1.0);
@@ -533,6 +551,18 @@ void Register() {
                                2048, 32)
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
+  for (const DType wd : {DType::kF32, DType::kBF16}) {
+    for (const int64_t rows : {1, 16}) {
+      for (const bool ours : {false, true}) {
+        benchmark::RegisterBenchmark(absl::StrFormat("linear/%s/%s_m%d_4096x4096", DTypeName(wd),
+                                                     ours ? "rows" : "onednn", rows)
+                                         .c_str(),
+                                     BM_Linear, wd, rows, ours)
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond);
+      }
+    }
+  }
   for (const int64_t q_len : {17, 64}) {
     benchmark::RegisterBenchmark(
         absl::StrFormat("prefill/f32/chunk_q%d_kv4096_h32_kvh8_d128", q_len).c_str(),

@@ -581,8 +581,10 @@ absl::Status MatMul(ConstTensorView a, ConstTensorView b, TensorView c, int num_
                         num_threads);
 }
 
-absl::Status Linear(ConstTensorView x, ConstTensorView weight, ConstTensorView bias, TensorView y,
-                    int num_threads) {
+namespace internal {
+
+absl::Status CheckLinear(const ConstTensorView& x, const ConstTensorView& weight,
+                         const ConstTensorView& bias, const TensorView& y, int num_threads) {
   if (x.rank() != 2 || !x.IsContiguous() || (x.raw() == nullptr && x.num_elements() > 0)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "linear input must be a dense [rows, in] tensor, got %s", DimsToString(x.dims())));
@@ -603,8 +605,7 @@ absl::Status Linear(ConstTensorView x, ConstTensorView weight, ConstTensorView b
         absl::StrFormat("linear output must be a dense f32 tensor of shape %s, got %s %s",
                         DimsToString({rows, out}), DTypeName(y.dtype()), DimsToString(y.dims())));
   }
-  const bool has_bias = !bias.empty_view();
-  if (has_bias && (bias.rank() != 1 || bias.dim(0) != out)) {
+  if (!bias.empty_view() && (bias.rank() != 1 || bias.dim(0) != out)) {
     return absl::InvalidArgumentError(absl::StrFormat("linear bias must have shape [%d], got %s",
                                                       out, DimsToString(bias.dims())));
   }
@@ -612,6 +613,16 @@ absl::Status Linear(ConstTensorView x, ConstTensorView weight, ConstTensorView b
     return absl::InvalidArgumentError(
         absl::StrFormat("num_threads must be >= 1, got %d", num_threads));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+
+absl::Status Linear(ConstTensorView x, ConstTensorView weight, ConstTensorView bias, TensorView y,
+                    int num_threads) {
+  RA_RETURN_IF_ERROR(internal::CheckLinear(x, weight, bias, y, num_threads));
+  const int64_t rows = x.dim(0), in = x.dim(1), out = weight.dim(0);
+  const bool has_bias = !bias.empty_view();
   if (rows == 0 || out == 0) return absl::OkStatus();
   // The GEMM wants matching input dtypes: bring x to the weight's dtype.
   // A bf16 GEMM on AVX512-BF16 also flushes subnormal inputs, products and

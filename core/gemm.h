@@ -24,6 +24,18 @@ absl::Status MatMul(ConstTensorView a, ConstTensorView b, TensorView c, int num_
 absl::Status Linear(ConstTensorView x, ConstTensorView weight, ConstTensorView bias, TensorView y,
                     int num_threads);
 
+// Linear for a few rows (a decode step's tokens), on our own kernel: the
+// same operands, checks and math (x rounded to bf16 for bf16 weights,
+// products and sums in f32, then the bias), and every output row has the
+// same bits however many rows are computed with it and on however many
+// threads. Each y[r, o] is one 16-lane accumulation over `in` in ascending
+// order, its lanes summed in a fixed tree, then the bias added; nothing is
+// flushed to zero. Rows computed in one call share each weight row's read,
+// so steps of several sessions projected together read the weights once
+// (oneDNN's matmul gives a row different bits for different row counts).
+absl::Status LinearRows(ConstTensorView x, ConstTensorView weight, ConstTensorView bias,
+                        TensorView y, int num_threads);
+
 // Number of cached oneDNN primitives, and of primitives built since start
 // (for tests of the cache).
 int64_t MatMulCacheSize();

@@ -31,6 +31,14 @@ absl::Status Gemm(int64_t m, int64_t n, int64_t k, const MatOperand& a, const Ma
 // bf16 with f32 FMAs (avx512_core without AVX512-BF16): nothing is flushed.
 bool Bf16GemmFlushes();
 
+// Linear's and LinearRows' operand checks (InvalidArgument naming the operand).
+absl::Status CheckLinear(const ConstTensorView& x, const ConstTensorView& weight,
+                         const ConstTensorView& bias, const TensorView& y, int num_threads);
+
+// Lets tests run LinearRows on its AVX2 path on an AVX-512 machine (the
+// two give the same bits). Returns the previous setting.
+bool SetLinearRowsAvx512ForTesting(bool enabled);
+
 }  // namespace ropeattn::internal
 
 #endif  // ROPEATTN_CORE_GEMM_INTERNAL_H_

@@ -2,6 +2,7 @@
 // Tolerances: 1e-5 relative norm-wise for f32 inputs, 1e-2 for bf16 inputs
 // (the inputs are bf16-exact, so this bounds the accumulation error only).
 #include "core/gemm.h"
+#include "core/gemm_internal.h"
 
 #include <atomic>
 #include <cstring>
@@ -425,6 +426,156 @@ TEST(MatMulTest, ConcurrentCallsAreBitIdenticalToSoloCalls) {
   }
   for (std::thread& t : threads) t.join();
   for (int i = 0; i < kThreads; ++i) EXPECT_EQ(bad[i], 0) << "thread " << i;
+}
+
+// LinearRows against fp64 on the values it computes with (x rounded to bf16
+// for bf16 weights; products exact in fp64), each output within 1e-5 of its
+// sum of |products| (f32 accumulation over at most a few hundred terms),
+// plus the bias. Shapes cover `in` below, at and off multiples of 16 and
+// `out` off multiples of the 4-column block.
+struct RowsCase {
+  int64_t rows, in, out;
+};
+constexpr RowsCase kRowsCases[] = {{1, 1, 1},   {1, 16, 4},   {3, 15, 5},   {4, 17, 7},
+                                   {5, 64, 9},  {7, 100, 33}, {16, 128, 64}, {17, 80, 300}};
+
+double BiasAt(const ConstTensorView& b, int64_t o) {
+  if (b.empty_view()) return 0.0;
+  return b.dtype() == DType::kF32 ? b.data<float>()[o] : BF16ToFloat(b.data<uint16_t>()[o]);
+}
+
+void ExpectRowsMatchReference(const Tensor& x, const Tensor& w, const ConstTensorView& bias,
+                              const Tensor& y) {
+  const int64_t rows = x.dim(0), in = x.dim(1), out = w.dim(0);
+  auto at = [](const Tensor& t, int64_t i) -> double {
+    return t.dtype() == DType::kF32 ? t.data<float>()[i] : BF16ToFloat(t.data<uint16_t>()[i]);
+  };
+  int64_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = 0; o < out; ++o) {
+      double acc = 0, abs = 0;
+      for (int64_t c = 0; c < in; ++c) {
+        double xv = at(x, r * in + c);
+        if (w.dtype() == DType::kBF16) xv = BF16ToFloat(FloatToBF16(static_cast<float>(xv)));
+        const double p = xv * at(w, o * in + c);
+        acc += p;
+        abs += std::abs(p);
+      }
+      const double want = acc + BiasAt(bias, o), got = y.data<float>()[r * out + o];
+      if (std::abs(got - want) <= 1e-5 * (abs + std::abs(BiasAt(bias, o))) + 0x1p-149) continue;
+      if (++bad <= 4) ADD_FAILURE() << "row " << r << ", output " << o << ": got " << got
+                                    << ", want " << want;
+    }
+  }
+  EXPECT_EQ(bad, 0);
+}
+
+TEST(LinearRowsTest, MatchesReference) {
+  for (DType wd : {DType::kF32, DType::kBF16}) {
+    for (DType xd : {DType::kF32, DType::kBF16}) {
+      for (const RowsCase& s : kRowsCases) {
+        for (bool with_bias : {false, true}) {
+          SCOPED_TRACE(absl::StrCat("w ", DTypeName(wd), " x ", DTypeName(xd), " rows ", s.rows,
+                                    " in ", s.in, " out ", s.out, with_bias ? " bias" : ""));
+          const Tensor x = RandomTensor(xd, {s.rows, s.in}, 21 + s.in);
+          const Tensor w = RandomTensor(wd, {s.out, s.in}, 22 + s.out);
+          const Tensor b = RandomTensor(wd, {s.out}, 23);
+          const ConstTensorView bias = with_bias ? b.cview() : ConstTensorView();
+          Tensor y = Tensor::Create(DType::kF32, {s.rows, s.out}).value();
+          Fill(y, 1234.0f);
+          ASSERT_TRUE(LinearRows(x.cview(), w.cview(), bias, y.view(), 2).ok());
+          ExpectRowsMatchReference(x, w, bias, y);
+        }
+      }
+    }
+  }
+}
+
+// The point of LinearRows: a row's outputs have the same bits whether it is
+// computed alone or with 1..19 other rows, on 1 or 2 threads, on the AVX-512
+// or the AVX2 path (steps of sessions projected together answer as if each
+// ran alone). A kernel whose order depended on the row block would fail.
+TEST(LinearRowsTest, ARowsBitsDoNotDependOnTheOtherRowsOrThreads) {
+  for (DType wd : {DType::kF32, DType::kBF16}) {
+    const int64_t rows = 20, in = 200, out = 131;
+    const Tensor x = RandomTensor(DType::kF32, {rows, in}, 31, -3.0f, 3.0f);
+    const Tensor w = RandomTensor(wd, {out, in}, 32);
+    const Tensor b = RandomTensor(DType::kF32, {out}, 33);
+    std::vector<float> alone(rows * out);
+    for (int64_t r = 0; r < rows; ++r) {
+      const ConstTensorView xr(x.data<float>() + r * in, DType::kF32, {1, in});
+      TensorView yr(alone.data() + r * out, DType::kF32, {1, out});
+      ASSERT_TRUE(LinearRows(xr, w.cview(), b.cview(), yr, 1).ok());
+    }
+    for (const bool avx512 : {true, false}) {
+      const bool saved = internal::SetLinearRowsAvx512ForTesting(avx512);
+      for (const int threads : {1, 2}) {
+        for (int64_t n = 1; n <= rows; n += 3) {
+          SCOPED_TRACE(absl::StrCat(DTypeName(wd), avx512 ? " avx512" : " avx2", " threads ",
+                                    threads, " rows ", n));
+          const ConstTensorView xs(x.data<float>(), DType::kF32, {n, in});
+          Tensor y = Tensor::Create(DType::kF32, {n, out}).value();
+          ASSERT_TRUE(LinearRows(xs, w.cview(), b.cview(), y.view(), threads).ok());
+          EXPECT_EQ(std::memcmp(y.data<float>(), alone.data(), n * out * sizeof(float)), 0);
+        }
+      }
+      internal::SetLinearRowsAvx512ForTesting(saved);
+    }
+  }
+}
+
+// Nothing is flushed: tiny and subnormal rows, and tiny products, against
+// bf16 weights, each output within 1e-5 of its row's largest |output| plus
+// half the smallest subnormal (what f32 cannot hold).
+TEST(LinearRowsTest, TinyRowsAndProductsAreNotFlushed) {
+  const int64_t in = 64, out = 24, rows = 5;
+  const double magnitudes[] = {1.0, 1e-36, 1e-20, 3e-38, 3e-40};
+  Tensor x = Tensor::Create(DType::kF32, {rows, in}).value();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < in; ++c) {
+      const double u = 0.5 + static_cast<double>((r * 13 + c * 7) % 11) / 11.0;
+      x.data<float>()[r * in + c] = static_cast<float>((c % 3 == 0 ? -u : u) * magnitudes[r]);
+    }
+  }
+  for (const float scale : {1.0f, 1e-35f}) {
+    const Tensor w = RandomTensor(DType::kBF16, {out, in}, 35, -scale, scale);
+    Tensor y = Tensor::Create(DType::kF32, {rows, out}).value();
+    ASSERT_TRUE(LinearRows(x.cview(), w.cview(), ConstTensorView(), y.view(), 1).ok());
+    for (int64_t r = 0; r < rows; ++r) {
+      std::vector<double> want(out);
+      double size = 0;
+      for (int64_t o = 0; o < out; ++o) {
+        double acc = 0;
+        for (int64_t c = 0; c < in; ++c) {
+          acc += static_cast<double>(BF16ToFloat(FloatToBF16(x.data<float>()[r * in + c]))) *
+                 BF16ToFloat(w.data<uint16_t>()[o * in + c]);
+        }
+        want[o] = acc;
+        size = std::max(size, std::abs(acc));
+      }
+      for (int64_t o = 0; o < out; ++o) {
+        EXPECT_LE(std::abs(y.data<float>()[r * out + o] - want[o]), 1e-5 * size + 0x1p-150)
+            << "weights of scale " << scale << ", row of magnitude " << magnitudes[r]
+            << ", output " << o;
+      }
+    }
+  }
+}
+
+TEST(LinearRowsTest, ChecksItsOperandsAsLinearDoes) {
+  const Tensor x = RandomTensor(DType::kF32, {2, 8}, 41);
+  const Tensor w = RandomTensor(DType::kF32, {3, 9}, 42);
+  Tensor y = Tensor::Create(DType::kF32, {2, 3}).value();
+  const absl::Status st = LinearRows(x.cview(), w.cview(), ConstTensorView(), y.view(), 1);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("linear weight is [3, 9] but the input has 8 features"));
+  // in = 0: empty sums, so the outputs are the bias.
+  const Tensor x0 = Tensor::Create(DType::kF32, {2, 0}).value();
+  const Tensor w0 = Tensor::Create(DType::kF32, {3, 0}).value();
+  const Tensor b = RandomTensor(DType::kF32, {3}, 43);
+  Fill(y, 1234.0f);
+  ASSERT_TRUE(LinearRows(x0.cview(), w0.cview(), b.cview(), y.view(), 1).ok());
+  for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(y.data<float>()[i], b.data<float>()[i % 3]);
 }
 
 }  // namespace
