@@ -56,10 +56,10 @@ Cost PriceExport(const SessionConfig& config, int64_t position);
 // hidden's shape) and the session's heads.
 const char* StepAdmissionKind(const SessionConfig& config, const v1::Step& step);
 // Whether a step shares a batched pass with other sessions' steps: decode
-// kernel steps of at most kBatchStepMaxTokens tokens. Longer ones (prompts,
-// prefill) run alone: every answer of a pass waits for all of it, so a
-// one-token step must not wait for several callers' prompt-sized steps.
-inline constexpr int64_t kBatchStepMaxTokens = 16;
+// kernel steps of at most kBatchStepMaxTokens (sessions.h) tokens. Longer
+// ones (prompts, prefill) run alone: every answer of a pass waits for all of
+// it, so a one-token step must not wait for several callers' prompt-sized
+// steps.
 bool StepJoinsBatches(const SessionConfig& config, const v1::Step& step);
 
 absl::StatusOr<Cost> PriceStep(const SessionConfig& config, const v1::Step& step, int64_t position,

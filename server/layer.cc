@@ -82,6 +82,80 @@ void NormHeads(Tensor& x, const ConstTensorView& w, QkNorm kind, double eps) {
 
 }  // namespace
 
+namespace {
+
+// n copies of one error (StatusOr of a move-only type is not copyable).
+template <typename T>
+std::vector<absl::StatusOr<T>> Failed(size_t n, const absl::Status& st) {
+  std::vector<absl::StatusOr<T>> out;
+  for (size_t i = 0; i < n; ++i) out.emplace_back(st);
+  return out;
+}
+
+// The per-head norms and the finiteness checks of a step's projections.
+absl::Status FinishQKV(const ModelConfig& c, const LayerWeights& w, int64_t layer, Projections& p) {
+  if (c.qk_norm != QkNorm::kNone) {
+    NormHeads(p.q, w.q_norm, c.qk_norm, c.rms_norm_eps);
+    NormHeads(p.k, w.k_norm, c.qk_norm, c.rms_norm_eps);
+  }
+  const std::string cause = absl::StrCat("hidden times layer ", layer, "'s weights");
+  RA_RETURN_IF_ERROR(CheckProduct(p.q, "q_proj output", cause));
+  RA_RETURN_IF_ERROR(CheckProduct(p.k, "k_proj output", cause));
+  return CheckProduct(p.v, "v_proj output", cause);
+}
+
+absl::Status CheckOutput(const Tensor& out, int64_t layer) {
+  return CheckProduct(out, "o_proj output",
+                      absl::StrCat("the attention times layer ", layer, "'s o_proj"));
+}
+
+// Several inputs' rows ([1, tokens, in] each, f32 or bf16) stacked into one
+// f32 [rows, in] matrix (exact from bf16), with each input's first row.
+absl::StatusOr<Tensor> StackRows(absl::Span<const ConstTensorView> xs, int64_t in,
+                                 std::vector<int64_t>* first) {
+  int64_t rows = 0;
+  for (const ConstTensorView& x : xs) {
+    first->push_back(rows);
+    rows += x.num_elements() / std::max<int64_t>(1, in);
+  }
+  RA_ASSIGN_OR_RETURN(Tensor stacked, Tensor::Create(DType::kF32, {rows, in}));
+  float* dst = stacked.data<float>();
+  for (const ConstTensorView& x : xs) {
+    const int64_t n = x.num_elements();
+    if (x.dtype() == DType::kF32) {
+      std::memcpy(dst, x.raw(), static_cast<size_t>(n) * sizeof(float));
+    } else {
+      const uint16_t* src = static_cast<const uint16_t*>(x.raw());
+      for (int64_t i = 0; i < n; ++i) dst[i] = BF16ToFloat(src[i]);
+    }
+    dst += n;
+  }
+  return stacked;
+}
+
+// y = LinearRows(x, w, b), then each input's rows copied out into a tensor
+// of its own with `tail` trailing dims ({heads, head_dim} or {hidden}).
+absl::StatusOr<std::vector<Tensor>> ProjectRowsSplit(const Tensor& x, const std::vector<int64_t>& first,
+                                                     absl::Span<const ConstTensorView> xs,
+                                                     const ConstTensorView& w, const ConstTensorView& b,
+                                                     Dims tail, int threads, absl::string_view what) {
+  RA_ASSIGN_OR_RETURN(Tensor y, Tensor::Create(DType::kF32, {x.dim(0), w.dim(0)}));
+  absl::Status st = LinearRows(x.cview(), w, b, y.view(), threads);
+  if (!st.ok()) return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
+  std::vector<Tensor> out;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const int64_t tokens = xs[i].dim(1);
+    Dims dims = {1, tokens};
+    for (int64_t d : tail) dims.push_back(d);
+    RA_ASSIGN_OR_RETURN(Tensor t, Tensor::Create(DType::kF32, dims));
+    std::memcpy(t.data<float>(), y.data<float>() + first[i] * w.dim(0), t.byte_size());
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<Projections> ProjectQKV(const Model& model, int64_t layer,
                                        const ConstTensorView& hidden, int threads) {
   RA_ASSIGN_OR_RETURN(const LayerWeights* w, model.layer(layer));
@@ -95,14 +169,7 @@ absl::StatusOr<Projections> ProjectQKV(const Model& model, int64_t layer,
       p.k, Project(x, w->k_proj, w->k_bias, {b, s, c.num_kv_heads, c.head_dim}, threads, "k_proj"));
   RA_ASSIGN_OR_RETURN(
       p.v, Project(x, w->v_proj, w->v_bias, {b, s, c.num_kv_heads, c.head_dim}, threads, "v_proj"));
-  if (c.qk_norm != QkNorm::kNone) {
-    NormHeads(p.q, w->q_norm, c.qk_norm, c.rms_norm_eps);
-    NormHeads(p.k, w->k_norm, c.qk_norm, c.rms_norm_eps);
-  }
-  const std::string cause = absl::StrCat("hidden times layer ", layer, "'s weights");
-  RA_RETURN_IF_ERROR(CheckProduct(p.q, "q_proj output", cause));
-  RA_RETURN_IF_ERROR(CheckProduct(p.k, "k_proj output", cause));
-  RA_RETURN_IF_ERROR(CheckProduct(p.v, "v_proj output", cause));
+  RA_RETURN_IF_ERROR(FinishQKV(c, *w, layer, p));
   return p;
 }
 
@@ -113,8 +180,63 @@ absl::StatusOr<Tensor> ProjectOutput(const Model& model, int64_t layer, const Co
   const int64_t b = attn.dim(0), s = attn.dim(1);
   RA_ASSIGN_OR_RETURN(Tensor out, Project(As2D(attn, b * s, c.num_heads * c.head_dim), w->o_proj,
                                            w->o_bias, {b, s, c.hidden_size}, threads, "o_proj"));
-  RA_RETURN_IF_ERROR(CheckProduct(out, "o_proj output",
-                                  absl::StrCat("the attention times layer ", layer, "'s o_proj")));
+  RA_RETURN_IF_ERROR(CheckOutput(out, layer));
+  return out;
+}
+
+std::vector<absl::StatusOr<Projections>> ProjectQKVRows(const Model& model, int64_t layer,
+                                                        absl::Span<const ConstTensorView> hidden,
+                                                        int threads) {
+  auto fail = [&](const absl::Status& st) { return Failed<Projections>(hidden.size(), st); };
+  absl::StatusOr<const LayerWeights*> w = model.layer(layer);
+  if (!w.ok()) return fail(w.status());
+  const ModelConfig& c = model.config();
+  std::vector<int64_t> first;
+  const absl::StatusOr<Tensor> x = StackRows(hidden, c.hidden_size, &first);
+  if (!x.ok()) return fail(x.status());
+  absl::StatusOr<std::vector<Tensor>> q = ProjectRowsSplit(
+      *x, first, hidden, (*w)->q_proj, (*w)->q_bias, {c.num_heads, c.head_dim}, threads, "q_proj");
+  if (!q.ok()) return fail(q.status());
+  absl::StatusOr<std::vector<Tensor>> k = ProjectRowsSplit(
+      *x, first, hidden, (*w)->k_proj, (*w)->k_bias, {c.num_kv_heads, c.head_dim}, threads, "k_proj");
+  if (!k.ok()) return fail(k.status());
+  absl::StatusOr<std::vector<Tensor>> v = ProjectRowsSplit(
+      *x, first, hidden, (*w)->v_proj, (*w)->v_bias, {c.num_kv_heads, c.head_dim}, threads, "v_proj");
+  if (!v.ok()) return fail(v.status());
+  std::vector<absl::StatusOr<Projections>> out;
+  for (size_t i = 0; i < hidden.size(); ++i) {
+    Projections p{std::move((*q)[i]), std::move((*k)[i]), std::move((*v)[i])};
+    const absl::Status st = FinishQKV(c, **w, layer, p);
+    if (st.ok()) {
+      out.emplace_back(std::move(p));
+    } else {
+      out.emplace_back(st);
+    }
+  }
+  return out;
+}
+
+std::vector<absl::StatusOr<Tensor>> ProjectOutputRows(const Model& model, int64_t layer,
+                                                      absl::Span<const ConstTensorView> attn,
+                                                      int threads) {
+  absl::StatusOr<const LayerWeights*> w = model.layer(layer);
+  if (!w.ok()) return Failed<Tensor>(attn.size(), w.status());
+  const ModelConfig& c = model.config();
+  std::vector<int64_t> first;
+  const absl::StatusOr<Tensor> x = StackRows(attn, c.num_heads * c.head_dim, &first);
+  if (!x.ok()) return Failed<Tensor>(attn.size(), x.status());
+  absl::StatusOr<std::vector<Tensor>> y = ProjectRowsSplit(
+      *x, first, attn, (*w)->o_proj, (*w)->o_bias, {c.hidden_size}, threads, "o_proj");
+  if (!y.ok()) return Failed<Tensor>(attn.size(), y.status());
+  std::vector<absl::StatusOr<Tensor>> out;
+  for (Tensor& t : *y) {
+    const absl::Status st = CheckOutput(t, layer);
+    if (st.ok()) {
+      out.emplace_back(std::move(t));
+    } else {
+      out.emplace_back(st);
+    }
+  }
   return out;
 }
 

@@ -4,6 +4,7 @@
 #define ROPEATTN_SERVER_LAYER_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -29,6 +30,18 @@ absl::StatusOr<Projections> ProjectQKV(const Model& model, int64_t layer,
 // attn [B, S, H, D] (f32) -> [B, S, hidden_size] through o_proj (f32).
 absl::StatusOr<Tensor> ProjectOutput(const Model& model, int64_t layer, const ConstTensorView& attn,
                                      int threads);
+
+// The same for the steps of several layer-mode sessions on one layer, each
+// input [1, tokens, ...]: their rows stacked and projected by LinearRows, so
+// each weight is read once for all of them and each step's result has the
+// bits it has projected alone (whoever shares the pass). One result per
+// input, in order (a finiteness failure is that input's alone).
+std::vector<absl::StatusOr<Projections>> ProjectQKVRows(const Model& model, int64_t layer,
+                                                        absl::Span<const ConstTensorView> hidden,
+                                                        int threads);
+std::vector<absl::StatusOr<Tensor>> ProjectOutputRows(const Model& model, int64_t layer,
+                                                      absl::Span<const ConstTensorView> attn,
+                                                      int threads);
 
 // The attention a model's layer computes (docs/checkpoints.md): its logit
 // scale, soft-cap, sliding window and causality, written into `options`.

@@ -296,8 +296,7 @@ absl::Status Session::Ended() const {
 
 int64_t Session::position() const { return position_hint_.load(std::memory_order_relaxed); }
 
-absl::Status Session::BeginStepLocked(SessionStep& step, int threads, std::array<Tensor, 4>& owned,
-                                      DecodeState::Job* job) {
+absl::Status Session::BeginStepLocked(SessionStep& step, DecodeState::Job* job) {
   {
     absl::MutexLock meta(&meta_mu_);
     RA_RETURN_IF_ERROR(ended_);
@@ -309,7 +308,9 @@ absl::Status Session::BeginStepLocked(SessionStep& step, int threads, std::array
   job->stop = step.stop;
   job->names = "step.";
   if (c.model) {
-    // Layer mode: project the hidden states with the layer's weights.
+    // Layer mode: the hidden states, checked here; StepMany projects them
+    // with the layer's weights, together with the pass's other steps of
+    // the same layer.
     const ConstTensorView& hidden = step.in.hidden;
     const int64_t hs = c.model->config().hidden_size;
     if (hidden.rank() != 3 || hidden.dim(0) != 1 || hidden.dim(1) < 1 || hidden.dim(2) != hs) {
@@ -326,17 +327,6 @@ absl::Status Session::BeginStepLocked(SessionStep& step, int threads, std::array
     RA_RETURN_IF_ERROR(CheckTablePositions(c.model->config(),
                                            c.start_position + state_->position() + hidden.dim(1),
                                            "step.hidden"));
-    RA_ASSIGN_OR_RETURN(Projections p, ProjectQKV(*c.model, c.layer, hidden, threads));
-    owned[0] = std::move(p.q);
-    owned[1] = std::move(p.k);
-    owned[2] = std::move(p.v);
-    job->q = owned[0].cview();
-    job->k = owned[1].cview();
-    job->v = owned[2].cview();
-    // Attended into f32, projected afterwards.
-    RA_ASSIGN_OR_RETURN(owned[3], Tensor::Create(DType::kF32, {1, hidden.dim(1), c.spec.heads,
-                                                               c.v_dim}));
-    job->out = owned[3].view();
     return absl::OkStatus();
   }
   job->q = step.in.q;
@@ -352,12 +342,11 @@ absl::Status Session::BeginStepLocked(SessionStep& step, int threads, std::array
   return absl::OkStatus();
 }
 
-absl::Status Session::EndStepLocked(SessionStep& step, int threads, const DecodeState::Job& job,
-                                    const Tensor& attended) {
+absl::Status Session::EndStepLocked(SessionStep& step, const DecodeState::Job& job,
+                                    absl::StatusOr<Tensor> projected) {
   RA_RETURN_IF_ERROR(job.status);
   const SessionConfig& c = *config_;
   if (c.model) {
-    absl::StatusOr<Tensor> projected = ProjectOutput(*c.model, c.layer, attended.cview(), threads);
     if (projected.ok() && c.out_dtype != DType::kF32) {
       projected = CastTensor(projected->cview(), c.out_dtype);
       if (projected.ok()) {
@@ -396,6 +385,35 @@ absl::Status Session::EndStepLocked(SessionStep& step, int threads, const Decode
   return absl::OkStatus();
 }
 
+namespace {
+
+// The layer-mode steps of a pass that share a projection: one model's layer,
+// all of at most kBatchStepMaxTokens tokens (LinearRows), or one longer step
+// (oneDNN). Calls fn(model, layer, rows_kernel, indices) per group.
+template <typename Fn>
+void ForEachProjectionGroup(absl::Span<SessionStep> steps, const std::vector<bool>& take,
+                            absl::FunctionRef<int64_t(size_t)> tokens, Fn fn) {
+  std::vector<bool> done(steps.size(), false);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (!take[i] || done[i]) continue;
+    const SessionConfig& c = steps[i].session->config();
+    const bool rows = tokens(i) <= kBatchStepMaxTokens;
+    std::vector<size_t> group = {i};
+    done[i] = true;
+    for (size_t j = i + 1; rows && j < steps.size(); ++j) {
+      const SessionConfig& cj = steps[j].session->config();
+      if (take[j] && !done[j] && cj.model == c.model && cj.layer == c.layer &&
+          tokens(j) <= kBatchStepMaxTokens) {
+        group.push_back(j);
+        done[j] = true;
+      }
+    }
+    fn(*c.model, c.layer, rows, group);
+  }
+}
+
+}  // namespace
+
 void Session::StepMany(absl::Span<SessionStep> steps, int threads) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   // Distinct sessions, locked in address order (a fork locks its parent
   // and then its new, unpublished self: no cycle).
@@ -405,21 +423,78 @@ void Session::StepMany(absl::Span<SessionStep> steps, int threads) ABSL_NO_THREA
             [&](size_t a, size_t b) { return steps[a].session < steps[b].session; });
   for (size_t i : order) steps[i].session->mu_.Lock();
   std::vector<std::array<Tensor, 4>> owned(steps.size());
+  std::vector<DecodeState::Job> begun(steps.size());
+  std::vector<bool> layer(steps.size(), false);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    steps[i].status = steps[i].session->BeginStepLocked(steps[i], &begun[i]);
+    layer[i] = steps[i].status.ok() && steps[i].session->config().model != nullptr;
+  }
+  // Layer mode: q/k/v projected per group (each weight read once for the
+  // group; each step's bits as if alone), then attended into f32.
+  ForEachProjectionGroup(
+      steps, layer, [&](size_t i) { return steps[i].in.hidden.dim(1); },
+      [&](const Model& model, int64_t li, bool rows, const std::vector<size_t>& group) {
+        std::vector<absl::StatusOr<Projections>> p;
+        if (rows) {
+          std::vector<ConstTensorView> hidden;
+          for (size_t i : group) hidden.push_back(steps[i].in.hidden);
+          p = ProjectQKVRows(model, li, hidden, threads);
+        } else {
+          p.push_back(ProjectQKV(model, li, steps[group[0]].in.hidden, threads));
+        }
+        for (size_t g = 0; g < group.size(); ++g) {
+          const size_t i = group[g];
+          absl::StatusOr<Tensor> out;
+          if (p[g].ok()) {
+            const SessionConfig& c = steps[i].session->config();
+            out = Tensor::Create(DType::kF32,
+                                 {1, steps[i].in.hidden.dim(1), c.spec.heads, c.v_dim});
+          }
+          if (!p[g].ok() || !out.ok()) {
+            steps[i].status = p[g].ok() ? out.status() : p[g].status();
+            continue;
+          }
+          owned[i][0] = std::move(p[g]->q);
+          owned[i][1] = std::move(p[g]->k);
+          owned[i][2] = std::move(p[g]->v);
+          owned[i][3] = *std::move(out);
+          begun[i].q = owned[i][0].cview();
+          begun[i].k = owned[i][1].cview();
+          begun[i].v = owned[i][2].cview();
+          begun[i].out = owned[i][3].view();
+        }
+      });
   std::vector<DecodeState::Job> jobs;
   std::vector<size_t> job_of(steps.size(), SIZE_MAX);
   jobs.reserve(steps.size());
   for (size_t i = 0; i < steps.size(); ++i) {
-    DecodeState::Job job;
-    steps[i].status = steps[i].session->BeginStepLocked(steps[i], threads, owned[i], &job);
     if (!steps[i].status.ok()) continue;
     job_of[i] = jobs.size();
-    jobs.push_back(std::move(job));
+    jobs.push_back(std::move(begun[i]));
   }
   DecodeState::StepMany(absl::MakeSpan(jobs), threads, threads);
+  // Layer mode: the attended rows through o_proj, per group as above.
+  std::vector<absl::StatusOr<Tensor>> projected(steps.size());
+  std::vector<bool> to_project(steps.size(), false);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    to_project[i] = layer[i] && job_of[i] != SIZE_MAX && jobs[job_of[i]].status.ok();
+  }
+  ForEachProjectionGroup(
+      steps, to_project, [&](size_t i) { return steps[i].in.hidden.dim(1); },
+      [&](const Model& model, int64_t li, bool rows, const std::vector<size_t>& group) {
+        if (rows) {
+          std::vector<ConstTensorView> attended;
+          for (size_t i : group) attended.push_back(owned[i][3].cview());
+          std::vector<absl::StatusOr<Tensor>> out = ProjectOutputRows(model, li, attended, threads);
+          for (size_t g = 0; g < group.size(); ++g) projected[group[g]] = std::move(out[g]);
+        } else {
+          projected[group[0]] = ProjectOutput(model, li, owned[group[0]][3].cview(), threads);
+        }
+      });
   for (size_t i = 0; i < steps.size(); ++i) {
     if (job_of[i] == SIZE_MAX) continue;
     steps[i].status =
-        steps[i].session->EndStepLocked(steps[i], threads, jobs[job_of[i]], owned[i][3]);
+        steps[i].session->EndStepLocked(steps[i], jobs[job_of[i]], std::move(projected[i]));
   }
   for (size_t i : order) steps[i].session->mu_.Unlock();
   // Closed while a step ran: the closer could not free the state.

@@ -116,6 +116,12 @@ struct StepInput {
 // handler, the answer message's own bytes).
 using StepOutput = std::function<absl::StatusOr<TensorView>(DType, absl::Span<const int64_t>)>;
 
+// The most tokens of a step that shares a batched pass with other sessions'
+// steps (StepJoinsBatches, decode_wire.h). In layer mode such steps are
+// projected by LinearRows, alone or together (the same bits either way);
+// longer ones, which always run alone, by oneDNN's matmul.
+inline constexpr int64_t kBatchStepMaxTokens = 16;
+
 // One session's step in a pass of many (Session::StepMany).
 struct SessionStep {
   Session* session = nullptr;
@@ -207,10 +213,11 @@ class Session {
   // Whether End was called (the status it left).
   absl::Status Ended() const;
   // The parts of a step around the shared pass, under mu_.
-  absl::Status BeginStepLocked(SessionStep& step, int threads, std::array<Tensor, 4>& owned,
-                               DecodeState::Job* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status EndStepLocked(SessionStep& step, int threads, const DecodeState::Job& job,
-                             const Tensor& attended) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status BeginStepLocked(SessionStep& step, DecodeState::Job* job)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Layer mode: `projected` is the step's o_proj output (or its error).
+  absl::Status EndStepLocked(SessionStep& step, const DecodeState::Job& job,
+                             absl::StatusOr<Tensor> projected) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string id_;
   const std::string owner_;

@@ -1618,6 +1618,7 @@ struct BatchSession {
   v1::OpenSession open;
   int64_t heads, kv_heads, dim;
   v1::DType dtype;
+  int64_t hidden = 0;  // layer mode (the demo model): steps send hidden states
 };
 
 std::vector<BatchSession> BatchSessions() {
@@ -1637,6 +1638,18 @@ std::vector<BatchSession> BatchSessions() {
     if (i == 4) spec->mutable_alibi();
     if (i == 3) s.open.set_kv_dtype(v1::DTYPE_BF16);
     if (i == 5) s.open.set_kind(v1::ATTENTION_KIND_LINEAR);
+    s.open.set_max_context(64);
+    out.push_back(s);
+  }
+  // Layer mode: two sessions on the demo model's layer 0 (f32 and bf16
+  // hidden states), one on layer 1; their projections share the pass too.
+  for (int i = 0; i < 3; ++i) {
+    BatchSession s;
+    s.heads = s.kv_heads = s.dim = 0;
+    s.hidden = 128;
+    s.dtype = i == 1 ? v1::DTYPE_BF16 : v1::DTYPE_F32;
+    s.open.set_model("demo");
+    s.open.set_layer(i == 2 ? 1 : 0);
     s.open.set_max_context(64);
     out.push_back(s);
   }
@@ -1669,9 +1682,16 @@ class BatchStream {
     v1::DecodeRequest req;
     v1::Step* st = req.mutable_step();
     st->set_seq(i);
+    if (s_.hidden > 0) {
+      *st->mutable_hidden() = RandomWire(s_.dtype, {1, t, s_.hidden}, seed);
+      return Answer(req, i);
+    }
     *st->mutable_q() = RandomWire(s_.dtype, {1, t, s_.heads, s_.dim}, seed);
     *st->mutable_k() = RandomWire(s_.dtype, {1, t, s_.kv_heads, s_.dim}, seed + 1);
     *st->mutable_v() = RandomWire(s_.dtype, {1, t, s_.kv_heads, s_.dim}, seed + 2);
+    return Answer(req, i);
+  }
+  std::string Answer(const v1::DecodeRequest& req, int i) {
     v1::DecodeResponse r;
     if (!rw_->Write(req) || !rw_->Read(&r) || !r.has_step()) {
       ADD_FAILURE() << "session " << index_ << " step " << i << ": " << r.DebugString();
@@ -1689,8 +1709,9 @@ class BatchStream {
 
 // Steps of different sessions that wait together are computed in one pass
 // (the batch-size histogram records it), and every answer - softmax f32 and
-// bf16, GQA and MHA, windowed, ALiBi, linear - is bit-identical to what the
-// same session answers stepping alone.
+// bf16, GQA and MHA, windowed, ALiBi, linear, layer mode (whose projections
+// the pass computes for all its steps of a layer at once) - is
+// bit-identical to what the same session answers stepping alone.
 TEST(HardeningBatchingTest, WaitingStepsShareAPassAndAnswerExactlyAsAlone) {
   server::ServerOptions o = TestServerOptions();
   o.compute_workers = 1;
