@@ -195,7 +195,8 @@ std::string RopeRule(const v1::ModelInfo& m) {
 // The flags a subcommand reads in one mode (an encode op, attend's or
 // decode's inputs); `unless` names flags it reads only in other modes or
 // cases, with why not in this one. A flag given that the mode does not read
-// is refused (UnreadFlag), not ignored.
+// is refused (UnreadFlag), not ignored. A flag given empty counts as not
+// given (FlagSet), here as in the commands.
 struct ModeReads {
   std::vector<absl::string_view> flags;
   std::map<absl::string_view, std::string> unless;
@@ -206,10 +207,11 @@ struct ModeReads {
   void Read(std::initializer_list<absl::string_view> names) {
     Read(absl::Span<const absl::string_view>(names.begin(), names.size()));
   }
-  // Read only when `given` is (or, `absent`, is not) on the command line.
+  // Read only when `given` is (or, `absent`, is not) on the command line
+  // with a value.
   void ReadIf(bool absent, absl::string_view given,
               std::initializer_list<absl::string_view> names) {
-    if (FlagGiven(given) != absent) {
+    if (FlagSet(given) != absent) {
       Read(names);
       return;
     }
@@ -233,7 +235,7 @@ std::optional<std::string> UnreadFlag(absl::Span<const absl::string_view> flags,
                                       std::initializer_list<absl::string_view> always,
                                       absl::string_view mode, const ModeReads& reads) {
   for (absl::string_view flag : flags) {
-    if (!FlagGiven(flag) || std::find(always.begin(), always.end(), flag) != always.end() ||
+    if (!FlagSet(flag) || std::find(always.begin(), always.end(), flag) != always.end() ||
         std::find(reads.flags.begin(), reads.flags.end(), flag) != reads.flags.end()) {
       continue;
     }

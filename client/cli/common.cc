@@ -310,6 +310,12 @@ std::optional<std::vector<std::string>> ParseSubcommand(int argc, char** argv,
 
 bool FlagGiven(absl::string_view name) { return GivenFlags().count(std::string(name)) > 0; }
 
+bool FlagSet(absl::string_view name) {
+  if (!FlagGiven(name)) return false;
+  const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+  return flag == nullptr || !flag->CurrentValue().empty();
+}
+
 absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags() {
   client::ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);

@@ -107,6 +107,10 @@ std::optional<std::vector<std::string>> ParseSubcommand(int argc, char** argv,
 
 // True when the flag was given on this command line.
 bool FlagGiven(absl::string_view name);
+// True when the flag was given with a value: an empty one (`--hidden=`,
+// `--q=`) is not, as the commands read a path or list flag that is empty as
+// one not given.
+bool FlagSet(absl::string_view name);
 
 // A client for --target with the connection flags applied; the token is
 // --token if given (even empty), else $ROPEATTN_TOKEN. Connect's

@@ -670,6 +670,22 @@ TEST_F(CliTest, AttendAndDecodeRefuseTheFlagsTheirModeDoesNotRead) {
   }
 }
 
+// A flag given empty is not given, in the mode checks as in the commands:
+// `--hidden=` picks random hidden states, `--q=` random q, k, v, and the
+// flags those modes read were refused (exit 64, "--seed is not read by attend
+// in layer mode (--model) with --hidden", "--q is not read by attend with
+// random q, k, v").
+TEST_F(CliTest, AFlagGivenEmptyIsNotGivenToTheModeChecks) {
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"attend", "--model=demo", "--hidden=", "--seed=5"},
+           {"decode", "--model=demo", "--hidden=", "--dtype=bf16"},
+           {"attend", "--q=", "--seed=3"}}) {
+    RunResult r = Cli(args);
+    EXPECT_EQ(r.exit_code, 0) << absl::StrJoin(args, " ") << ": " << Describe(r);
+    EXPECT_THAT(r.err, Not(HasSubstr("is not read by"))) << absl::StrJoin(args, " ");
+  }
+}
+
 // decode's --context / --steps / --tokens_per_step were summed (in int64,
 // unchecked: 2^63 - 1 wrapped negative) before any check, and the sum was
 // reported as --q_len, a flag decode does not have. Each flag is checked
