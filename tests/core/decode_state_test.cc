@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <fstream>
 #include <cstdio>
 #include <cstring>
@@ -190,6 +191,40 @@ TEST(TileKernelsTest, TheSoftmaxExpGivesTheSameWeightsOnEveryPath) {
     }
     EXPECT_NEAR(sa, want_sum, 1e-6 * want_sum) << n;
     EXPECT_NEAR(sb, want_sum, 1e-6 * want_sum) << n;
+  }
+  // The edges of the contract, in every lane and the tail: a masked logit
+  // (-inf), -0 and denormal differences (weight 1), the cut to 0 at -104
+  // (either side of it) and the underflow to denormal weights at
+  // ln(FLT_MIN) = -87.3365.
+  const float kInf = std::numeric_limits<float>::infinity();
+  const float kMin = std::numeric_limits<float>::min();
+  const float kTrueMin = std::numeric_limits<float>::denorm_min();
+  const std::vector<float> edges = {
+      -kInf, -0.0f, 0.0f, -kTrueMin, -1e-40f, -kMin / 2, -kMin,
+      -104.0f, std::nextafter(-104.0f, 0.0f), std::nextafter(-104.0f, -kInf), -103.9f,
+      -104.1f, -103.0f, -105.0f, -87.3f, -87.33654f, std::nextafter(-87.33654f, 0.0f),
+      std::nextafter(-87.33654f, -kInf), -87.4f, -87.2f, -88.0f, -100.0f};
+  for (const int64_t n : {1, 7, 16, 23, 33, 1025}) {
+    for (size_t shift = 0; shift < edges.size(); ++shift) {
+      std::vector<float> x(n);
+      for (int64_t i = 0; i < n; ++i) x[i] = edges[(i + shift) % edges.size()];
+      std::vector<float> a = x, b = x;
+      const bool previous = internal::SetAvx512KernelsForTesting(false);
+      const float sa = internal::ExpSubMaxSum(a.data(), n, 0.0f);
+      internal::SetAvx512KernelsForTesting(true);
+      const float sb = internal::ExpSubMaxSum(b.data(), n, 0.0f);
+      internal::SetAvx512KernelsForTesting(previous);
+      double want_sum = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(a[i], b[i]) << "n " << n << " i " << i << " x " << x[i];
+        const double want = x[i] < -104.0f ? 0.0 : std::exp(static_cast<double>(x[i]));
+        want_sum += static_cast<double>(b[i]);
+        EXPECT_GE(b[i], 0.0f) << "x " << x[i];
+        EXPECT_LE(std::fabs(b[i] - want), 2.5e-7 * want + 1e-45) << "x " << x[i];
+      }
+      EXPECT_NEAR(sa, want_sum, 1e-6 * want_sum + 1e-45) << n;
+      EXPECT_NEAR(sb, want_sum, 1e-6 * want_sum + 1e-45) << n;
+    }
   }
 }
 
