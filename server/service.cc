@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -180,7 +181,30 @@ int UndeliveredCode(const StopToken& stop) {
   return static_cast<int>(status.ok() ? absl::StatusCode::kCancelled : status.code());
 }
 
+// SetDecodeReadDoneHookForTest's hook; read_done_hook_set keeps the lock
+// off every read when no test set one.
+std::atomic<bool> read_done_hook_set{false};
+absl::Mutex read_done_hook_mu(absl::kConstInit);
+std::function<void(bool)>* read_done_hook ABSL_GUARDED_BY(read_done_hook_mu) = nullptr;
+
+void RunReadDoneHookForTest(bool ok) {
+  if (!read_done_hook_set.load(std::memory_order_acquire)) return;
+  std::function<void(bool)> hook;
+  {
+    absl::MutexLock lock(&read_done_hook_mu);
+    if (read_done_hook != nullptr) hook = *read_done_hook;
+  }
+  if (hook) hook(ok);
+}
+
 }  // namespace
+
+void SetDecodeReadDoneHookForTest(std::function<void(bool ok)> hook) {
+  absl::MutexLock lock(&read_done_hook_mu);
+  delete read_done_hook;
+  read_done_hook = hook ? new std::function<void(bool)>(std::move(hook)) : nullptr;
+  read_done_hook_set.store(read_done_hook != nullptr, std::memory_order_release);
+}
 
 // One unary call: owns its typed request and response (parsed from and
 // serialized to gRPC's buffers here), the call's stop token (cancelled by
@@ -800,32 +824,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   }
 
   void OnReadDone(bool ok) override {
+    RunReadDoneHookForTest(ok);
     if (!ok) {  // the client half-closed, the call is gone, or gRPC refused a message
-      if (const std::optional<std::string> encoding = RefusedEncoding(); encoding.has_value()) {
-        // gRPC cancelled the stream as it started (UNIMPLEMENTED to the
-        // client), before any message: a refusal, not an oversized message.
-        const absl::Status refused = absl::UnimplementedError(absl::StrCat(
-            "this stream's messages are compressed (grpc-encoding ", QuoteForMessage(*encoding),
-            "), which this server does not accept: gRPC refused the stream; send them "
-            "uncompressed"));
-        // Counted only if this ends the stream (a drain may have, at once).
-        if (FinishOnce(ToGrpcStatus(refused), SessionManager::StreamEnd::kEnded)) {
-          service_->metrics_->RecordRequest("Decode", static_cast<int>(refused.code()), 0.0);
-        }
-        return;
-      }
-      if (RefusedByGrpc()) {
-        // Answered (logged by the call log, counted under Decode) with the
-        // code the client saw; the status itself cannot reach it, gRPC sent
-        // its own. Ended by the server's refusal, not by its client (gRPC's
-        // cancel runs OnCancel too).
-        const absl::Status refused = absl::ResourceExhaustedError(absl::StrCat(
-            "a message of this stream was larger than --max_message_bytes (",
-            service_->options_.max_message_bytes, " bytes): gRPC refused it and ended the stream"));
-        // Counted only if this ends the stream (a drain may have, at once).
-        if (FinishOnce(ToGrpcStatus(refused), SessionManager::StreamEnd::kEnded)) {
-          service_->metrics_->RecordRequest("Decode", static_cast<int>(refused.code()), 0.0);
-        }
+      if (const std::optional<absl::Status> refused = RefusalByGrpc(); refused.has_value()) {
+        FinishRefused(*refused);
         return;
       }
       // A client that died (killed, connection lost) fails the read before
@@ -1082,13 +1084,52 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     return std::string(name);
   }
 
+  // gRPC's refusal of this stream (RefusedEncoding, RefusedByGrpc), with
+  // the code its client got from gRPC; nullopt when gRPC did not refuse it.
+  std::optional<absl::Status> RefusalByGrpc() const {
+    if (const std::optional<std::string> encoding = RefusedEncoding(); encoding.has_value()) {
+      // gRPC cancelled the stream as it started (UNIMPLEMENTED to the
+      // client), before any message: a refusal, not an oversized message.
+      return absl::UnimplementedError(absl::StrCat(
+          "this stream's messages are compressed (grpc-encoding ", QuoteForMessage(*encoding),
+          "), which this server does not accept: gRPC refused the stream; send them "
+          "uncompressed"));
+    }
+    if (RefusedByGrpc()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "a message of this stream was larger than --max_message_bytes (",
+          service_->options_.max_message_bytes, " bytes): gRPC refused it and ended the stream"));
+    }
+    return std::nullopt;
+  }
+
+  // Answers (logged by the call log, counted under Decode) a stream gRPC
+  // refused with the code the client saw; the status itself cannot reach
+  // it, gRPC sent its own. Ended by the server's refusal, not by its client
+  // (gRPC's cancel runs OnCancel too). Counted only by the call that ends
+  // the stream: the refused read's end or a shutdown's Drain, whichever
+  // comes first, so once either way.
+  void FinishRefused(const absl::Status& refused) {
+    if (FinishOnce(ToGrpcStatus(refused), SessionManager::StreamEnd::kEnded)) {
+      service_->metrics_->RecordRequest("Decode", static_cast<int>(refused.code()), 0.0);
+    }
+  }
+
   // From BeginShutdown: a stream waiting for its client ends now.
   void Drain() {
     // Under mu_: OnReadDone marks the stream busy under the same lock before
     // handing work to the executor, so an idle stream cannot start a step
     // (and use session_) while it is being finished here.
     absl::MutexLock lock(&mu_);
-    if (!busy_) FinishShuttingDown();
+    if (busy_) return;
+    // A read gRPC refused (its cancel is done: the client has gRPC's code)
+    // whose OnReadDone has not run yet is ended as that refusal, not as
+    // the drain's: the drain was not what the client saw.
+    if (const std::optional<absl::Status> refused = RefusalByGrpc(); refused.has_value()) {
+      FinishRefused(*refused);
+      return;
+    }
+    FinishShuttingDown();
   }
 
  private:

@@ -5,6 +5,7 @@
 #define ROPEATTN_SERVER_SERVICE_H_
 
 #include <atomic>
+#include <functional>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
@@ -50,6 +51,11 @@ using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_Attend<
                                 v1::AttentionService::WithRawCallbackMethod_GetModel<
                                     v1::AttentionService::WithRawCallbackMethod_Embed<
                                         v1::AttentionService::Service>>>>>>>>>>;
+
+// For tests: `hook` runs at the start of every Decode stream's read end
+// (OnReadDone, given its `ok`) on gRPC's thread, so a test can hold a read
+// gRPC ended while it starts a shutdown. Null: none.
+void SetDecodeReadDoneHookForTest(std::function<void(bool ok)> hook);
 
 class AttentionServiceImpl final : public RawAttentionService {
  public:

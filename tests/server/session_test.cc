@@ -24,6 +24,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -2756,6 +2757,90 @@ TEST(SessionLimitTest, ACompressedDecodeStreamIsCountedUnimplementedNotOversized
   EXPECT_EQ(errors, streams) << capture.Text();
   EXPECT_EQ(calls, streams) << capture.Text();
   server->Shutdown(absl::Seconds(1));
+}
+
+// A Decode stream gRPC refused (an oversized message, a compressed stream)
+// as the shutdown's drain begins: the drain ended it UNAVAILABLE before its
+// read's end ran, which then counted nothing, so the stream was counted
+// nowhere and logged UNAVAILABLE while its client had gRPC's code. Held
+// here at the start of that read's end until the drain has ended the
+// stream: logged and counted once, with gRPC's code.
+TEST(SessionLimitTest, AStreamGrpcRefusesAsTheDrainBeginsIsCountedWithGrpcsCode) {
+  for (const bool compressed : {false, true}) {
+    SCOPED_TRACE(compressed ? "compressed" : "oversized");
+    server::LogCapture capture;
+    server::ServerOptions o = TestServerOptions();
+    o.max_message_bytes = 64 << 10;
+    o.access_log = true;
+    auto server = StartTestServer(o);
+    ASSERT_NE(server, nullptr);
+    auto stub = TestStub(server->port());
+    absl::Notification reached, release;
+    std::atomic<bool> armed{true};
+    server::SetDecodeReadDoneHookForTest([&](bool ok) {
+      if (ok || !armed.exchange(false)) return;
+      reached.Notify();
+      release.WaitForNotification();
+    });
+    absl::Cleanup unhook = [&release] {
+      if (!release.HasBeenNotified()) release.Notify();
+      server::SetDecodeReadDoneHookForTest(nullptr);
+    };
+    const grpc::StatusCode code = compressed ? grpc::StatusCode::UNIMPLEMENTED
+                                             : grpc::StatusCode::RESOURCE_EXHAUSTED;
+    const std::string code_name = compressed ? "UNIMPLEMENTED" : "RESOURCE_EXHAUSTED";
+    {
+      grpc::ClientContext ctx;
+      ctx.AddMetadata("x-request-id", "refused-while-draining");
+      v1::DecodeRequest open;
+      open.mutable_open()->mutable_spec()->set_heads(4);
+      open.mutable_open()->mutable_spec()->set_head_dim(8);
+      v1::DecodeResponse resp;
+      if (compressed) ctx.set_compression_algorithm(GRPC_COMPRESS_GZIP);
+      auto rw = stub->Decode(&ctx);
+      if (compressed) {
+        rw->Write(open);
+      } else {
+        ASSERT_TRUE(rw->Write(open));
+        ASSERT_TRUE(rw->Read(&resp));
+        v1::DecodeRequest step;
+        step.mutable_step()->set_seq(1);
+        step.mutable_step()->mutable_q()->set_data(std::string(100 << 10, '\0'));
+        rw->Write(step);
+      }
+      EXPECT_FALSE(rw->Read(&resp));
+      EXPECT_EQ(rw->Finish().error_code(), code);
+    }
+    ASSERT_TRUE(reached.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    std::thread stopper([&] { server->Shutdown(absl::Seconds(5)); });
+    // The drain has ended the stream (its status is logged) while the
+    // read's end waits.
+    ASSERT_TRUE(Eventually([&] {
+      return absl::StrContains(capture.Text(), "\"event\":\"error_answer\"");
+    })) << capture.Text();
+    release.Notify();
+    stopper.join();
+    const auto metric = [&](const std::string& series) -> double {
+      const std::string m = server->metrics().RenderPrometheus();
+      const size_t at = m.find("\n" + series + " ");
+      return at == std::string::npos ? 0 : std::atof(m.c_str() + at + series.size() + 2);
+    };
+    EXPECT_EQ(metric(absl::StrCat(R"(ropeattn_requests_total{method="Decode",code=")", code_name,
+                                  R"("})")),
+              1);
+    EXPECT_EQ(metric(R"(ropeattn_requests_total{method="Decode",code="UNAVAILABLE"})"), 0);
+    int errors = 0, calls = 0;
+    std::istringstream lines(capture.Text());
+    for (std::string line; std::getline(lines, line);) {
+      if (!absl::StrContains(line, "\"request_id\":\"refused-while-draining\"")) continue;
+      if (absl::StrContains(line, "\"event\":\"open\"")) continue;
+      EXPECT_THAT(line, HasSubstr(absl::StrCat("\"code\":\"", code_name, "\""))) << line;
+      errors += absl::StrContains(line, "\"event\":\"error_answer\"");
+      calls += absl::StrContains(line, "\"event\":\"call\"");
+    }
+    EXPECT_EQ(errors, 1) << capture.Text();
+    EXPECT_EQ(calls, 1) << capture.Text();
+  }
 }
 
 // Every answer carrying a SessionInfo echoes the session's spec: an open
