@@ -484,6 +484,8 @@ void Server::Shutdown(absl::Duration grace) {
   });
   const bool answered_in_time = m.service->WaitForCalls(deadline);
   stopped.WaitForNotificationWithDeadline(std::min(deadline, absl::Now() + kFlushTime));
+  // A call cancelled from now on is cancelled by the drain, not its client.
+  m.service->GracePassed();
   while (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(50))) {
     grpc_server_cancel_all_calls(m.grpc_server->c_server());
   }

@@ -949,10 +949,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       // in time): its session was disconnected, whether or not gRPC has run
       // OnCancel yet.
       cancelled_ = true;
-      if (!timed_out.has_value() && service_->draining()) {
+      if (!timed_out.has_value() && service_->grace_passed()) {
         // The drain's cancel of what still runs past the grace
         // (grpc_server_cancel_all_calls: UNAVAILABLE to the client), not
-        // its client leaving.
+        // its client leaving (a client that cancels inside the grace is).
         FinishOnce(CancelledByDrain());
         return;
       }
@@ -983,8 +983,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   }
 
   void OnCancel() override {
-    // While the server drains, the cancel is taken for the drain's (past
-    // the grace): see EndOfCancelled.
+    // Once the shutdown's grace has passed, the cancel is taken for the
+    // drain's: see EndOfCancelled.
     cancelled_ = true;
     stop_.Cancel();
     // An operation still queued is abandoned now: its session (a
@@ -1403,13 +1403,13 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
                cancelled_.load() ? EndOfCancelled() : SessionManager::StreamEnd::kShutdown);
   }
 
-  // A stream cancelled while the server drains was cancelled by the drain
-  // (grpc_server_cancel_all_calls, once --shutdown_grace_seconds passed)
-  // for its session: closed for "shutdown", not "disconnected". (A client
-  // that cancels during the drain is counted alike.)
+  // A stream cancelled once --shutdown_grace_seconds passed was cancelled
+  // by the drain (grpc_server_cancel_all_calls) for its session: closed for
+  // "shutdown", not "disconnected". A client that cancels before (during
+  // the grace too) is its client's cancel.
   SessionManager::StreamEnd EndOfCancelled() const {
-    return service_->draining() ? SessionManager::StreamEnd::kShutdown
-                                : SessionManager::StreamEnd::kCancelled;
+    return service_->grace_passed() ? SessionManager::StreamEnd::kShutdown
+                                    : SessionManager::StreamEnd::kCancelled;
   }
   // How the stream ended for its session when nobody said otherwise.
   SessionManager::StreamEnd EndOfStream() const {
@@ -1448,12 +1448,15 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     AdmittedDone(-1);
     service_->metrics_->RecordAbandoned(MethodOf(request_));
     ticket_.Release();
-    // Its whole latency: queued until now (as an abandoned unary call's).
-    service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(stop_.status().code()),
+    // Cancelled once the grace passed: by the drain (UNAVAILABLE to the
+    // client), counted and logged so; before, by its client (CANCELLED), or
+    // past its deadline. Its whole latency: queued until now (as an
+    // abandoned unary call's).
+    const bool by_drain = stop_.cancelled() && service_->grace_passed();
+    const grpc::Status status = by_drain ? CancelledByDrain() : ToGrpcStatus(stop_.status());
+    service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(status.error_code()),
                                       SecondsSince(queued_at_));
-    // Cancelled while the server drains: by the drain, past the grace.
-    FinishOnce(stop_.cancelled() && service_->draining() ? CancelledByDrain()
-                                                         : ToGrpcStatus(stop_.status()));
+    FinishOnce(status);
     return true;
   }
 

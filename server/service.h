@@ -96,6 +96,12 @@ class AttentionServiceImpl final : public RawAttentionService {
   // UNAVAILABLE; streams in a step end right after answering it.
   void BeginShutdown();
   bool draining() const { return draining_.load(); }
+  // The shutdown's grace (--shutdown_grace_seconds) has passed: called
+  // before the server cancels what still runs, so a cancel seen from then
+  // on is the drain's (UNAVAILABLE to its client), one seen before is the
+  // client's own, draining or not.
+  void GracePassed() { grace_passed_ = true; }
+  bool grace_passed() const { return grace_passed_.load(); }
 
   // Waits until every call of this service (Decode streams and unary
   // compute calls, answers included) is done, or until `deadline`; true
@@ -234,6 +240,7 @@ class AttentionServiceImpl final : public RawAttentionService {
   // Cancels calls whose answers stay untaken (--answer_timeout_seconds).
   AnswerWatch answer_watch_;
   std::atomic<bool> draining_{false};  // set under mu_ (Register)
+  std::atomic<bool> grace_passed_{false};
   std::atomic<int64_t> computing_{0};
   absl::Mutex mu_;
   absl::flat_hash_set<DecodeReactor*> streams_ ABSL_GUARDED_BY(mu_);

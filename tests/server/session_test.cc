@@ -2434,6 +2434,72 @@ TEST_F(SessionTest, AStreamTheDrainCancelsPastTheGraceIsCountedShutdown) {
   EXPECT_THAT(capture.Text(), HasSubstr("--shutdown_grace_seconds passed"));
 }
 
+// A client that cancels its streams 0.2 s into a 10 s grace, one computing a
+// step, one with a step queued behind it: both were logged UNAVAILABLE "the
+// stream was still running when --shutdown_grace_seconds passed", their
+// sessions closed for shutdown, and the queued step counted CANCELLED
+// beside that line. They are the client's cancels: CANCELLED in the log and
+// the counts, the sessions disconnected.
+TEST_F(SessionTest, AStreamItsClientCancelsDuringTheGraceIsTheClientsCancel) {
+  server::ServerOptions o = TestServerOptions();
+  o.memory_budget_bytes = int64_t{1} << 30;
+  o.max_message_bytes = 128 << 20;  // the step
+  o.compute_workers = 1;            // the second step waits for the first
+  Restart(o);
+  ASSERT_NE(server_, nullptr);
+  server::LogCapture capture;  // this server's lines only
+  const Config c{"mha", 4, 4, 128, 128, "default"};
+  constexpr int64_t kTokens = 16384;  // a prefill of seconds on one thread
+  const Sequence seq = MakeSequence(c, kTokens, 11);
+  Stream running(stub_.get());
+  running.Open(MakeOpen(c, kTokens + 8));
+  v1::DecodeRequest step;
+  step.mutable_step()->set_seq(1);
+  *step.mutable_step()->mutable_q() = ToWire(seq.q.cview());
+  *step.mutable_step()->mutable_k() = ToWire(seq.k.cview());
+  *step.mutable_step()->mutable_v() = ToWire(seq.v.cview());
+  ASSERT_TRUE(running.rw()->Write(step));
+  ASSERT_TRUE(Eventually([&] {
+    return absl::StrContains(server_->metrics().RenderPrometheus(), "\nropeattn_running 1\n");
+  }));
+  const Sequence small = MakeSequence(c, 2, 12);
+  Stream queued(stub_.get());
+  queued.Open(MakeOpen(c, 8));
+  v1::DecodeRequest small_step;
+  small_step.mutable_step()->set_seq(1);
+  *small_step.mutable_step()->mutable_q() = ToWire(small.q.cview());
+  *small_step.mutable_step()->mutable_k() = ToWire(small.k.cview());
+  *small_step.mutable_step()->mutable_v() = ToWire(small.v.cview());
+  ASSERT_TRUE(queued.rw()->Write(small_step));
+  ASSERT_TRUE(Eventually([&] {
+    return absl::StrContains(server_->metrics().RenderPrometheus(), "\nropeattn_queue_depth 1\n");
+  }));
+  auto health = grpc::health::v1::Health::NewStub(TestChannel(server_->port()));
+  std::thread stopper([&] { server_->Shutdown(absl::Seconds(10)); });
+  // Health turns NOT_SERVING right before the drain begins.
+  ASSERT_TRUE(Eventually([&] {
+    grpc::ClientContext ctx;
+    grpc::health::v1::HealthCheckResponse resp;
+    return !health->Check(&ctx, {}, &resp).ok() ||
+           resp.status() == grpc::health::v1::HealthCheckResponse::NOT_SERVING;
+  }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  queued.context().TryCancel();
+  running.context().TryCancel();
+  EXPECT_EQ(queued.AwaitServerEnd().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(running.AwaitServerEnd().error_code(), grpc::StatusCode::CANCELLED);
+  stopper.join();
+  const std::string text = server_->metrics().RenderPrometheus();
+  EXPECT_THAT(text, HasSubstr("ropeattn_sessions_closed_total{reason=\"disconnected\"} 2\n"));
+  EXPECT_THAT(text, HasSubstr("ropeattn_sessions_closed_total{reason=\"shutdown\"} 0\n"));
+  EXPECT_THAT(text, HasSubstr("ropeattn_requests_total{method=\"Decode.Step\",code="
+                              "\"CANCELLED\"} 2\n"));
+  EXPECT_THAT(text, Not(HasSubstr("code=\"UNAVAILABLE\"} 1")));
+  EXPECT_THAT(capture.Text(), Not(HasSubstr("--shutdown_grace_seconds passed")));
+  EXPECT_THAT(capture.Text(), Not(HasSubstr("\"code\":\"UNAVAILABLE\"")));
+  EXPECT_THAT(capture.Text(), HasSubstr("\"code\":\"CANCELLED\""));
+}
+
 // --------------------------------------- start position, KV import/export --
 
 v1::DecodeRequest ExportRequest(uint64_t seq) {
