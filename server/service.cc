@@ -816,7 +816,6 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     // stops): ended now as the drain ends an idle stream, not left to wait
     // for the whole grace.
     if (drained_without_it) {
-      service_->metrics_->RecordRequest("Decode", grpc::StatusCode::UNAVAILABLE, 0.0);
       FinishShuttingDown();
       return;
     }
@@ -846,8 +845,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     }
     if (service_->draining()) {
       read_buf_.Clear();
-      // Not parsed: counted as the stream's, as a message that does not parse.
-      service_->metrics_->RecordRequest("Decode", grpc::StatusCode::UNAVAILABLE, 0.0);
+      // Not parsed: counted as the stream's (FinishShuttingDown), as a
+      // message that does not parse.
       FinishShuttingDown();
       return;
     }
@@ -953,7 +952,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
         // The drain's cancel of what still runs past the grace
         // (grpc_server_cancel_all_calls: UNAVAILABLE to the client), not
         // its client leaving (a client that cancels inside the grace is).
-        FinishOnce(CancelledByDrain());
+        FinishCancelledByDrain();
         return;
       }
       FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED,
@@ -1397,10 +1396,22 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   }
 
   // The server's drain ends the stream: a non-resumable session it frees
-  // is closed for "shutdown", not as a stream that ended normally.
+  // is closed for "shutdown", not as a stream that ended normally. Counted
+  // under Decode (UNAVAILABLE) if this ends it, however it was drained
+  // (idle, started after the drain took its list, its next message or
+  // answer seen draining).
   void FinishShuttingDown() {
-    FinishOnce(ShuttingDown(),
-               cancelled_.load() ? EndOfCancelled() : SessionManager::StreamEnd::kShutdown);
+    if (FinishOnce(ShuttingDown(),
+                   cancelled_.load() ? EndOfCancelled() : SessionManager::StreamEnd::kShutdown)) {
+      service_->metrics_->RecordRequest("Decode", grpc::StatusCode::UNAVAILABLE, 0.0);
+    }
+  }
+  // The drain's cancel past the grace ends the stream (CancelledByDrain):
+  // counted under Decode as the other streams the drain ends.
+  void FinishCancelledByDrain() {
+    if (FinishOnce(CancelledByDrain())) {
+      service_->metrics_->RecordRequest("Decode", grpc::StatusCode::UNAVAILABLE, 0.0);
+    }
   }
 
   // A stream cancelled once --shutdown_grace_seconds passed was cancelled
@@ -1456,7 +1467,11 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     const grpc::Status status = by_drain ? CancelledByDrain() : ToGrpcStatus(stop_.status());
     service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(status.error_code()),
                                       SecondsSince(queued_at_));
-    FinishOnce(status);
+    if (by_drain) {
+      FinishCancelledByDrain();
+    } else {
+      FinishOnce(status);
+    }
     return true;
   }
 

@@ -2359,6 +2359,10 @@ TEST_F(SessionTest, GracefulShutdownEndsOpenStreamsWithinTheDeadline) {
   const std::string text = server_->metrics().RenderPrometheus();
   EXPECT_THAT(text, HasSubstr("ropeattn_sessions_closed_total{reason=\"shutdown\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("ropeattn_sessions_closed_total{reason=\"stream_ended\"} 0\n"));
+  // Counted under Decode, as a stream that starts as the drain begins is
+  // (it was counted nowhere).
+  EXPECT_THAT(text, HasSubstr(
+                        "ropeattn_requests_total{method=\"Decode\",code=\"UNAVAILABLE\"} 1\n"));
 }
 
 // Streams keep starting after the drain took its list of streams (gRPC
@@ -2432,6 +2436,9 @@ TEST_F(SessionTest, AStreamTheDrainCancelsPastTheGraceIsCountedShutdown) {
   EXPECT_THAT(text, HasSubstr("ropeattn_sessions_closed_total{reason=\"disconnected\"} 0\n"));
   EXPECT_THAT(capture.Text(), Not(HasSubstr("went away")));
   EXPECT_THAT(capture.Text(), HasSubstr("--shutdown_grace_seconds passed"));
+  // The stream the drain ended counts under Decode, as an idle one does.
+  EXPECT_THAT(text, HasSubstr(
+                        "ropeattn_requests_total{method=\"Decode\",code=\"UNAVAILABLE\"} 1\n"));
 }
 
 // A client that cancels its streams 0.2 s into a 10 s grace, one computing a
