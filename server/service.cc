@@ -1065,8 +1065,9 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
            !watch_->TimedOut();
   }
 
-  // The compression the client declared for its messages (grpc-encoding),
-  // if any but identity. gzip and deflate are disabled on this server: gRPC
+  // The compression the client declared for its messages, as gRPC parsed
+  // its grpc-encoding: gzip or deflate (gRPC 1.51 reads a value it does not
+  // know, such as snappy, as identity). Both are disabled on this server: gRPC
   // cancels such a stream as it starts (UNIMPLEMENTED to the client) and
   // fails its read as it does an oversized message's, whether or not a
   // message was sent.
