@@ -218,13 +218,18 @@ absl::Status LinearRows(ConstTensorView x, ConstTensorView weight, ConstTensorVi
     std::fill(yp, yp + rows * out, 0.0f);
   } else {
     // x in f32, rounded to bf16 first for bf16 weights (as Linear rounds
-    // it): exact from either dtype.
-    std::vector<float> xf(static_cast<size_t>(rows * in));
+    // it): exact from either dtype (an f32 x against f32 weights as is).
+    std::vector<float> copy;
+    const float* xp = x.dtype() == DType::kF32 ? x.data<float>() : nullptr;
     const bool round = weight.dtype() == DType::kBF16;
-    for (int64_t i = 0; i < rows * in; ++i) {
-      const float v = x.dtype() == DType::kF32 ? x.data<float>()[i]
-                                               : BF16ToFloat(x.data<uint16_t>()[i]);
-      xf[static_cast<size_t>(i)] = round ? BF16ToFloat(FloatToBF16(v)) : v;
+    if (xp == nullptr || round) {
+      copy.resize(static_cast<size_t>(rows * in));
+      for (int64_t i = 0; i < rows * in; ++i) {
+        const float v = x.dtype() == DType::kF32 ? x.data<float>()[i]
+                                                 : BF16ToFloat(x.data<uint16_t>()[i]);
+        copy[static_cast<size_t>(i)] = round ? BF16ToFloat(FloatToBF16(v)) : v;
+      }
+      xp = copy.data();
     }
     const bool avx512 = CpuHasAvx512() && g_avx512.load(std::memory_order_relaxed);
     // Contiguous column ranges of whole blocks per thread, and only as many
@@ -236,9 +241,9 @@ absl::Status LinearRows(ConstTensorView x, ConstTensorView weight, ConstTensorVi
       const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
       const int64_t c0 = b0 * kCols, c1 = std::min(out, b1 * kCols);
       if (weight.dtype() == DType::kF32) {
-        Columns(xf.data(), rows, weight.data<float>(), in, out, c0, c1, yp, avx512);
+        Columns(xp, rows, weight.data<float>(), in, out, c0, c1, yp, avx512);
       } else {
-        Columns(xf.data(), rows, weight.data<uint16_t>(), in, out, c0, c1, yp, avx512);
+        Columns(xp, rows, weight.data<uint16_t>(), in, out, c0, c1, yp, avx512);
       }
     };
     if (threads <= 1 || omp_in_parallel()) {

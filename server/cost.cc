@@ -308,10 +308,11 @@ Cost StepCost(const SessionDims& s, const StepDims& d) {
   c.transient_bytes = Sum({SatMul(d.wire_bytes, 2), SatMul(SatAdd(q_el, kv_el), 8), SatMul(out_el, 8),
                            SatMul(answer_el, 8), c.reply_bytes, attention});
   // Layer mode: the hidden rows in f32, stacked with the pass's other steps
-  // of the layer for the projections (LinearRows; the outputs' stacked and
-  // split copies are the f32 pairs above).
+  // of the layer for the projections, and LinearRows' bf16-rounded copy of
+  // them for bf16 weights (the outputs' stacked and split copies are the
+  // f32 pairs above).
   if (d.hidden > 0) {
-    c.transient_bytes = SatAdd(c.transient_bytes, SatProduct({d.tokens, d.hidden, 4}));
+    c.transient_bytes = SatAdd(c.transient_bytes, SatProduct({d.tokens, d.hidden, 8}));
   }
   // A linear step works on a copy of the state (a failure leaves it as it was).
   if (s.linear) c.transient_bytes = SatAdd(c.transient_bytes, LinearStateBytes(s));
