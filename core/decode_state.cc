@@ -102,6 +102,11 @@ class PageArena {
   static constexpr int64_t kSlab = int64_t{2} << 20;
   static constexpr int64_t kMinSlabPart = int64_t{16} << 10;
   static constexpr size_t kMaxArenas = 64;
+  // aligned_alloc(64, n) beyond n: the chunk header and the alignment.
+  static constexpr int64_t kMallocOverhead = 96;
+  // A full slab of parts of `bytes` becomes a huge page: its slack after
+  // the last part is at most 1/8 of it.
+  static constexpr bool Collapses(int64_t bytes) { return kSlab % bytes <= kSlab / 8; }
 
   // The arena for parts of `bytes` read in one pass (`stream`: K parts
   // apart from V parts, even of the same size); null: plain allocations.
@@ -129,6 +134,20 @@ class PageArena {
       }
       it = empty ? r.arenas.erase(it) : std::next(it);
     }
+  }
+  // What a part of `bytes` can keep resident, so what it is charged
+  // (docs/kv-memory.md). A slab that collapses holds its slack whole while
+  // it is huge, so each of its parts carries its share of the slab (up to
+  // 1/7 more than the part: a 1.75 MiB part, one a slab, is charged 2 MiB);
+  // a slab on 4 KiB pages holds its parts' pages; a plain allocation holds
+  // malloc's header and the 64-byte alignment (measured: a 128-byte part
+  // held ~208, with the page's own objects), and one from mmap whole pages.
+  static int64_t HeldBytes(int64_t bytes) {
+    constexpr int64_t kPage = 4096;
+    if (bytes < kMinSlabPart) return bytes + kMallocOverhead;
+    if (bytes > kSlab) return SatMul(SatAdd(bytes, kMallocOverhead + kPage - 1) / kPage, kPage);
+    if (Collapses(bytes)) return (kSlab + kSlab / bytes - 1) / (kSlab / bytes);
+    return (bytes + kPage - 1) / kPage * kPage;
   }
   // Null when memory runs out.
   static char* Get(int64_t bytes, int stream) {
@@ -185,7 +204,7 @@ class PageArena {
       // collapse copies 2 MiB (0.3-5.7 ms measured, under this arena's
       // lock), and sessions opening and closing would pay one each time
       // they plugged the hole.
-      if (kSlab % bytes_ <= kSlab / 8 && !slab.shrunk) {
+      if (Collapses(bytes_) && !slab.shrunk) {
         madvise(base, kSlab, MADV_HUGEPAGE);
         madvise(base, kSlab, kMadvCollapse);
         slab.huge = true;
@@ -231,10 +250,17 @@ class PageArena {
     if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
   }
   // A huge slab to 4 KiB pages: no huge page again, and the pages of its
-  // free parts (never taken ones too) back to the system.
+  // free parts (never taken ones too) and of the slack after its last part
+  // back to the system (a part is charged its share of the slack, so the
+  // slack must go with the slab's other parts).
   void Shrink(char* base, Slab& slab) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     madvise(base, kSlab, MADV_NOHUGEPAGE);
     for (char* p : slab.free) Release(p);
+    constexpr uintptr_t kPage = 4096;
+    const uintptr_t slack = (reinterpret_cast<uintptr_t>(base) + kSlab / bytes_ * bytes_ + kPage -
+                             1) & ~(kPage - 1);
+    const uintptr_t end = reinterpret_cast<uintptr_t>(base) + kSlab;
+    if (end > slack) madvise(reinterpret_cast<void*>(slack), end - slack, MADV_DONTNEED);
     slab.huge = false;
     slab.shrunk = true;
   }
@@ -282,7 +308,8 @@ class PageArena {
 struct DecodeState::Page {
   char* part[2] = {nullptr, nullptr};  // K, V
   int64_t part_bytes[2] = {0, 0};
-  std::shared_ptr<KvPageCharger> payer;  // refunded when the page is freed
+  std::shared_ptr<KvPageCharger> payer;  // refunded `charged` when the page is freed
+  int64_t charged = 0;
   Page() = default;
   Page(const Page&) = delete;
   Page& operator=(const Page&) = delete;
@@ -290,7 +317,7 @@ struct DecodeState::Page {
     for (int i = 0; i < 2; ++i) {
       if (part[i] != nullptr) PageArena::Put(part[i], part_bytes[i], i);
     }
-    if (payer) payer->Refund(part_bytes[0] + part_bytes[1]);
+    if (payer) payer->Refund(charged);
   }
 };
 
@@ -302,7 +329,6 @@ struct PageLayout {
   int64_t elem, k_bytes, v_bytes, scale_bytes;  // scale_bytes: each of K and V, int8 only
   int64_t rows_bytes(bool keys) const { return keys ? k_bytes : v_bytes; }  // the scales' offset
   int64_t part(bool keys) const { return rows_bytes(keys) + scale_bytes; }
-  int64_t total() const { return k_bytes + v_bytes + 2 * scale_bytes; }
 };
 
 PageLayout LayoutOf(const DecodeStateConfig& c, DecodeState::Storage storage) {
@@ -336,13 +362,26 @@ int64_t DecodeState::PageTokensOf(Storage storage) {
   return 0;
 }
 
+// A page's own objects beside its parts: the Page and its shared_ptr
+// control block (one 80-byte allocation) and its entries in the state's
+// pages_, k_pages_, v_pages_ and (int8) scale arrays, 48 bytes, twice over
+// for the vectors' spare capacity.
+constexpr int64_t kPageBookkeepingBytes = 192;
+
+int64_t KvPageHeldBytes(int64_t k_part_bytes, int64_t v_part_bytes) {
+  return SatAdd(SatAdd(PageArena::HeldBytes(k_part_bytes), PageArena::HeldBytes(v_part_bytes)),
+                kPageBookkeepingBytes);
+}
+
 int64_t DecodeState::page_bytes() const {
-  return Paged() ? LayoutOf(config_, storage_).total() : 0;
+  if (!Paged()) return 0;
+  const PageLayout l = LayoutOf(config_, storage_);
+  return KvPageHeldBytes(l.part(true), l.part(false));
 }
 
 absl::Status DecodeState::MakeWritable(int64_t from, int64_t to) {
   const PageLayout l = LayoutOf(config_, storage_);
-  const int64_t bytes = l.total();
+  const int64_t bytes = page_bytes();
   const int64_t P = PageTokens();
   const int64_t first = from / P, end = (to + P - 1) / P;
   // On every exit, an error half way included: pages from `first` on may
@@ -360,6 +399,7 @@ absl::Status DecodeState::MakeWritable(int64_t from, int64_t to) {
     if (charger_) RA_RETURN_IF_ERROR(charger_->Charge(bytes));
     auto page = std::make_shared<Page>();
     page->payer = charger_;
+    page->charged = charger_ ? bytes : 0;
     for (int i = 0; i < 2; ++i) {
       page->part_bytes[i] = l.part(i == 0);
       page->part[i] = PageArena::Get(page->part_bytes[i], i);

@@ -71,6 +71,13 @@ class KvPageCharger {
   virtual void Refund(int64_t bytes) = 0;
 };
 
+// Bytes a KV page whose K and V parts are `k_part_bytes` and `v_part_bytes`
+// holds resident (docs/kv-memory.md): each part with what its allocation
+// keeps beside it (a share of its slab's slack where the slab becomes a huge
+// page, malloc's header and alignment for a plain allocation), and the
+// page's own objects. Saturates at int64 max.
+int64_t KvPageHeldBytes(int64_t k_part_bytes, int64_t v_part_bytes);
+
 class DecodeState {
  public:
   // Where a softmax state keeps K/V, always in pages allocated as tokens
@@ -178,7 +185,8 @@ class DecodeState {
   // Of those, the bytes of pages another state also holds (a snapshot:
   // another thread may drop its share at any moment).
   int64_t shared_bytes() const;
-  // Bytes of one page (0 for storage without pages).
+  // Bytes one page holds resident, what it is charged: KvPageHeldBytes of
+  // its parts (0 for storage without pages).
   int64_t page_bytes() const;
   // The view over the pages (null for a linear state), valid
   // until the state next changes: for benchmarks and tests.

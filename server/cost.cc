@@ -246,10 +246,9 @@ int64_t KvPageBytes(const SessionDims& d) {
   auto line = [](int64_t n) { return SatMul(SatAdd(n, 63) / 64, 64); };
   const int64_t rows = SatMul(KvPageTokens(d), d.kv_heads);
   const int64_t elem = d.int8_kv ? 1 : static_cast<int64_t>(DTypeSize(d.kv_dtype));
-  int64_t bytes = SatAdd(line(SatProduct({rows, d.head_dim, elem})),
-                         line(SatProduct({rows, d.v_dim, elem})));
-  if (d.int8_kv) bytes = SatAdd(bytes, SatMul(line(SatMul(rows, 4)), 2));
-  return bytes;
+  const int64_t scales = d.int8_kv ? line(SatMul(rows, 4)) : 0;
+  return KvPageHeldBytes(SatAdd(line(SatProduct({rows, d.head_dim, elem})), scales),
+                         SatAdd(line(SatProduct({rows, d.v_dim, elem})), scales));
 }
 
 int64_t LinearStateBytes(const SessionDims& d) {

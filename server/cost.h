@@ -111,8 +111,9 @@ int64_t LinearStateBytes(const SessionDims& d);
 // KvCache::kTile for tile pages, DecodeState::kPageTokens otherwise), 0 for
 // a linear state.
 int64_t KvPageTokens(const SessionDims& d);
-// Bytes of one KV page (KvPageTokens tokens of K and V, int8 scales, each
-// part on a 64-byte line), 0 for a linear state. Must equal
+// Bytes one KV page is charged (KvPageTokens tokens of K and V, int8
+// scales, each part on a 64-byte line, as KvPageHeldBytes: with what its
+// allocations hold beside them), 0 for a linear state. Must equal
 // DecodeState::page_bytes().
 int64_t KvPageBytes(const SessionDims& d);
 
