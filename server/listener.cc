@@ -139,7 +139,7 @@ absl::StatusOr<int> ResolveMaxConnections(int max_connections) {
   const int64_t open_fds = std::max<int64_t>(0, CountOpenFds());
   const int64_t derived =
       std::max<int64_t>(kMinDerivedConnections, *soft - kFdReserve - open_fds);
-  return static_cast<int>(std::min<int64_t>(derived, INT_MAX));
+  return static_cast<int>(std::min<int64_t>(derived, kMaxDerivedConnections));
 }
 
 bool IsLoopbackHost(const std::string& host) {

@@ -35,6 +35,10 @@ namespace ropeattn::server {
 inline constexpr int64_t kFdReserve = 256;
 // The derived cap never goes below this, even under a tiny fd limit.
 inline constexpr int kMinDerivedConnections = 16;
+// ... nor above this: an idle HTTP/2 connection holds ~17 KiB (measured), so
+// the default cap bounds connections' memory at ~68 MiB (README's memory
+// paragraph); an fd limit of 1M alone would have allowed 16 GiB.
+inline constexpr int kMaxDerivedConnections = 4096;
 
 // Sets RLIMIT_NOFILE's soft limit to its hard limit (to fs.nr_open when the
 // hard limit is unlimited) and returns the new soft limit. Internal if
@@ -44,7 +48,8 @@ absl::StatusOr<int64_t> RaiseFdLimitToHard();
 absl::StatusOr<int64_t> FdSoftLimit();
 // The connection cap for a requested `max_connections`: itself when > 0;
 // for 0, the fd soft limit minus kFdReserve minus the fds open now (own or
-// inherited), at least kMinDerivedConnections.
+// inherited), at least kMinDerivedConnections and at most
+// kMaxDerivedConnections.
 // InvalidArgument when negative.
 absl::StatusOr<int> ResolveMaxConnections(int max_connections);
 

@@ -256,6 +256,26 @@ TEST(ListenerTest, AddressesAndOptions) {
   const int derived = server::ResolveMaxConnections(0).value();
   EXPECT_LE(derived, std::max<int64_t>(server::kMinDerivedConnections,
                                        std::min<int64_t>(INT32_MAX, soft - server::kFdReserve - 3)));
+  EXPECT_LE(derived, server::kMaxDerivedConnections);
+  {
+    // Under a large fd limit the cap stops at kMaxDerivedConnections (an
+    // idle connection holds ~17 KiB: the fd limit alone let 20000 of them
+    // hold 330 MiB, and 1M 16 GiB, none of it charged).
+    rlimit saved{};
+    ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+    const rlim_t large = server::kMaxDerivedConnections + server::kFdReserve + 1024;
+    if (saved.rlim_max == RLIM_INFINITY || saved.rlim_max >= large) {
+      rlimit raised = saved;
+      raised.rlim_cur = large;
+      ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &raised), 0);
+      const int capped = server::ResolveMaxConnections(0).value();
+      ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+      EXPECT_EQ(capped, server::kMaxDerivedConnections);
+    } else {
+      GTEST_LOG_(INFO) << "hard fd limit " << saved.rlim_max << " below " << large
+                       << ": the cap's ceiling is not exercised";
+    }
+  }
   {
     // Under a soft limit of 1024 (restored after), far from the floor.
     rlimit saved{};
