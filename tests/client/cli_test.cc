@@ -28,6 +28,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "core/decode_state.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/tls_test_util.h"
@@ -1015,10 +1016,15 @@ TEST_F(CliTest, SessionsListsAndCloses) {
   ASSERT_EQ(row.size(), 10u) << r.out;
   // 3 tokens hold one page of the 64 / P charged for max_context 64 (P: 16
   // tokens, or 32 in tile pages on AVX-512 machines; a token is 2 kv heads x
-  // (8 + 8) bf16 values, 64 bytes; no RoPE table here), and the charge has
+  // 8 bf16 values in K and as many in V, a page charged what its two parts
+  // hold resident, KvPageHeldBytes; no RoPE table here), and the charge has
   // the spec the session keeps (some bytes); nothing is shared.
-  const int64_t held = std::stoll(row[8]), page_tokens = held / 64;
-  EXPECT_TRUE(page_tokens == 16 || page_tokens == 32) << r.out;
+  const int64_t held = std::stoll(row[8]);
+  int64_t page_tokens = 0;
+  for (const int64_t p : {16, 32}) {
+    if (held == KvPageHeldBytes(p * 32, p * 32)) page_tokens = p;
+  }
+  ASSERT_NE(page_tokens, 0) << r.out;
   EXPECT_GE(std::stoll(row[7]) - held * (64 / page_tokens), 0) << r.out;
   EXPECT_LT(std::stoll(row[7]) - held * (64 / page_tokens), 1024) << r.out;
   EXPECT_EQ(row[9], "0");

@@ -29,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/attention_kernels.h"
+#include "core/decode_state.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
@@ -1573,7 +1574,9 @@ TEST_F(SessionTest, ForksShareTheirSourcesPagesAndPayOnlyForTheirOwn) {
   const bool previous = internal::SetAvx512KernelsForTesting(false);  // pages, not tiles
   absl::Cleanup restore = [previous] { internal::SetAvx512KernelsForTesting(previous); };
   constexpr int64_t kPrefix = 1024, kMax = kPrefix + 64, kForks = 8, kNew = 16;
-  const int64_t page = 16 * c.kv_heads * (c.head_dim + c.v_dim) * 4;
+  // A 16-token page's charge: what its K and V parts hold resident.
+  const int64_t page =
+      KvPageHeldBytes(16 * c.kv_heads * c.head_dim * 4, 16 * c.kv_heads * c.v_dim * 4);
   auto server_info = [&] {
     grpc::ClientContext ctx;
     v1::ServerInfo info;
