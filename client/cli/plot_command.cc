@@ -22,7 +22,9 @@ ABSL_FLAG(std::string, kind, "decay", "Plot kind: decay, wavelength, sinusoidal 
 ABSL_FLAG(std::vector<std::string>, config, {},
           "decay, wavelength: a RoPE configuration name:rope_type:factor:theta[:L0] "
           "(e.g. \"llama3:llama3:8:500000:8192\"); repeat for several curves. Default: "
-          "default, linear x4, ntk x4, yarn x4 (L0 2048), llama3 x8 (theta 500000, L0 8192).");
+          "default, linear x4, ntk x4, yarn x4 (L0 2048), llama3 x8 (theta 500000, L0 8192); "
+          "--original_max_positions replaces these L0s and gives one to the configs whose "
+          "rule reads it and that write none.");
 ABSL_FLAG(int64_t, max_distance, 512, "decay: largest relative distance m - n plotted.");
 ABSL_FLAG(int64_t, head, 0, "attention: the head whose probabilities are shown (batch row 0).");
 ABSL_FLAG(std::string, title, "", "Chart title; empty means one describing the plot.");
@@ -37,7 +39,9 @@ struct RopeConfig {
   v1::RopeSpec rope;
 };
 
-absl::StatusOr<RopeConfig> ParseConfig(absl::string_view text) {
+// The L0 of the built-in --config defaults stands in for
+// --original_max_positions: given, it replaces theirs.
+absl::StatusOr<RopeConfig> ParseConfig(absl::string_view text, bool builtin) {
   std::vector<std::string> parts = absl::StrSplit(text, ':');
   if (parts.size() < 2 || parts.size() > 5 || parts[0].empty()) {
     return absl::InvalidArgumentError(
@@ -50,7 +54,7 @@ absl::StatusOr<RopeConfig> ParseConfig(absl::string_view text) {
   config.rope = *base;
   config.rope.mutable_scaling()->set_rope_type(parts[1]);
   double factor = 1, theta = 10000;
-  int64_t original = absl::GetFlag(FLAGS_original_max_positions);
+  int64_t original = 0;
   if ((parts.size() > 2 && !absl::SimpleAtod(parts[2], &factor)) ||
       (parts.size() > 3 && !absl::SimpleAtod(parts[3], &theta)) ||
       (parts.size() > 4 && !absl::SimpleAtoi(parts[4], &original))) {
@@ -60,24 +64,27 @@ absl::StatusOr<RopeConfig> ParseConfig(absl::string_view text) {
   config.rope.mutable_scaling()->set_factor(factor);
   config.rope.set_theta(theta);
   // The server refuses an L0 where the rule reads none: --original_max_positions
-  // applies to the configs whose rule has one; an L0 written in the config
-  // itself is sent as written.
+  // applies to the configs whose rule has one (the base spec from the flags
+  // carries it for every rule); an L0 written in the config itself is sent as
+  // written.
   const bool reads_l0 = parts[1] != "default" && parts[1] != "linear" && parts[1] != "ntk";
-  if (parts.size() > 4 || reads_l0) {
-    config.rope.mutable_scaling()->set_original_max_position_embeddings(original);
+  if (reads_l0 && (parts.size() < 5 || (builtin && FlagGiven("original_max_positions")))) {
+    original = absl::GetFlag(FLAGS_original_max_positions);
   }
+  config.rope.mutable_scaling()->set_original_max_position_embeddings(original);
   return config;
 }
 
 absl::StatusOr<std::vector<RopeConfig>> ConfigsFromFlags() {
   std::vector<std::string> texts = absl::GetFlag(FLAGS_config);
-  if (texts.empty()) {
+  const bool builtin = texts.empty();
+  if (builtin) {
     texts = {"default:default:1:10000", "linear x4:linear:4:10000", "ntk x4:ntk:4:10000",
              "yarn x4:yarn:4:10000:2048", "llama3 x8:llama3:8:500000:8192"};
   }
   std::vector<RopeConfig> configs;
   for (const std::string& text : texts) {
-    absl::StatusOr<RopeConfig> config = ParseConfig(text);
+    absl::StatusOr<RopeConfig> config = ParseConfig(text, builtin);
     if (!config.ok()) return config.status();
     configs.push_back(*std::move(config));
   }

@@ -1449,6 +1449,40 @@ TEST_F(CliTest, PlotWavelengthUsesALogAxis) {
   }
 }
 
+// --original_max_positions goes to the configs whose rule reads an L0 (the
+// server refuses one under default, linear and ntk); it replaces the built-in
+// yarn and llama3 L0s.
+TEST_F(CliTest, PlotOriginalMaxPositionsOnlyForRulesWithAnL0) {
+  auto series_points = [&](const std::string& svg) {
+    std::map<std::string, std::string> points;
+    auto root = ParseSvgFile(svg);
+    if (root == nullptr) return points;
+    for (const XmlNode* s : root->All("polyline", "series")) {
+      points[s->attrs.at("data-series")] = s->attrs.at("points");
+    }
+    return points;
+  };
+  const std::string plain = Path("l0_plain.svg"), l0 = Path("l0_4096.svg");
+  RunResult r = Cli({"plot", "--kind=wavelength", "--head_dim=32", "--out", plain});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  r = Cli({"plot", "--kind=decay", "--head_dim=32", "--original_max_positions=4096", "--out", l0});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  r = Cli({"plot", "--kind=wavelength", "--head_dim=32", "--original_max_positions=4096", "--out",
+           l0});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  std::map<std::string, std::string> a = series_points(plain), b = series_points(l0);
+  ASSERT_EQ(a.size(), 5u);
+  ASSERT_EQ(b.size(), 5u);
+  EXPECT_EQ(a.at("default"), b.at("default"));
+  EXPECT_NE(a.at("yarn x4"), b.at("yarn x4")) << "yarn's L0 is the flag's, not 2048";
+
+  r = Cli({"plot", "--kind=decay", "--head_dim=32", "--max_distance=50",
+           "--original_max_positions=4096", "--config=d:default:1:10000",
+           "--config=n:ntk:4:10000", "--config=y:yarn:4:10000", "--out", l0});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_EQ(series_points(l0).size(), 3u);
+}
+
 TEST_F(CliTest, PlotSinusoidalHeatmap) {
   const std::string svg = Path("sin.svg");
   RunResult r =
