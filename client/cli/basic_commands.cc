@@ -192,64 +192,6 @@ std::string RopeRule(const v1::ModelInfo& m) {
   return rule;
 }
 
-// The flags a subcommand reads in one mode (an encode op, attend's or
-// decode's inputs); `unless` names flags it reads only in other modes or
-// cases, with why not in this one. A flag given that the mode does not read
-// is refused (UnreadFlag), not ignored. A flag given empty counts as not
-// given (FlagSet), here as in the commands.
-struct ModeReads {
-  std::vector<absl::string_view> flags;
-  std::map<absl::string_view, std::string> unless;
-
-  void Read(absl::Span<const absl::string_view> names) {
-    flags.insert(flags.end(), names.begin(), names.end());
-  }
-  void Read(std::initializer_list<absl::string_view> names) {
-    Read(absl::Span<const absl::string_view>(names.begin(), names.size()));
-  }
-  // Read only when `given` is (or, `absent`, is not) on the command line
-  // with a value.
-  void ReadIf(bool absent, absl::string_view given,
-              std::initializer_list<absl::string_view> names) {
-    if (FlagSet(given) != absent) {
-      Read(names);
-      return;
-    }
-    for (absl::string_view name : names) {
-      unless[name] = absl::StrCat(absent ? "with --" : "without --", given);
-    }
-  }
-  // Not read in this mode, for `why`.
-  void NotRead(absl::Span<const absl::string_view> names, absl::string_view why) {
-    for (absl::string_view name : names) unless[name] = std::string(why);
-  }
-  void NotRead(std::initializer_list<absl::string_view> names, absl::string_view why) {
-    NotRead(absl::Span<const absl::string_view>(names.begin(), names.size()), why);
-  }
-};
-
-// The refusal of the first of `flags` given on the command line (`always`
-// are read in every mode) that `reads` does not read: "--seed is not read by
-// <mode> <why>", or the flags it does read; nullopt when there is none.
-std::optional<std::string> UnreadFlag(absl::Span<const absl::string_view> flags,
-                                      std::initializer_list<absl::string_view> always,
-                                      absl::string_view mode, const ModeReads& reads) {
-  for (absl::string_view flag : flags) {
-    if (!FlagSet(flag) || std::find(always.begin(), always.end(), flag) != always.end() ||
-        std::find(reads.flags.begin(), reads.flags.end(), flag) != reads.flags.end()) {
-      continue;
-    }
-    std::string refusal = absl::StrCat("--", flag, " is not read by ", mode);
-    if (auto it = reads.unless.find(flag); it != reads.unless.end()) {
-      absl::StrAppend(&refusal, " ", it->second);
-    } else {
-      absl::StrAppend(&refusal, " (it reads --", absl::StrJoin(reads.flags, ", --"), ")");
-    }
-    return refusal;
-  }
-  return std::nullopt;
-}
-
 // The flags attend (or, `decode`, decode) reads in the mode its command
 // line picks: layer mode (--model), .npy inputs (--q/--k/--v) or random
 // inputs; `mode` gets the mode's name for a refusal. A flag of another mode

@@ -667,6 +667,25 @@ std::string DescribeStats(const TensorStats& stats) {
                             : absl::StrCat("no (", stats.non_finite, " NaN/Inf)"));
 }
 
+std::optional<std::string> UnreadFlag(absl::Span<const absl::string_view> flags,
+                                      std::initializer_list<absl::string_view> always,
+                                      absl::string_view mode, const ModeReads& reads) {
+  for (absl::string_view flag : flags) {
+    if (!FlagSet(flag) || std::find(always.begin(), always.end(), flag) != always.end() ||
+        std::find(reads.flags.begin(), reads.flags.end(), flag) != reads.flags.end()) {
+      continue;
+    }
+    std::string refusal = absl::StrCat("--", flag, " is not read by ", mode);
+    if (auto it = reads.unless.find(flag); it != reads.unless.end()) {
+      absl::StrAppend(&refusal, " ", it->second);
+    } else {
+      absl::StrAppend(&refusal, " (it reads --", absl::StrJoin(reads.flags, ", --"), ")");
+    }
+    return refusal;
+  }
+  return std::nullopt;
+}
+
 absl::StatusOr<std::vector<int64_t>> ParseIntList(absl::string_view flag, absl::string_view value) {
   std::vector<int64_t> result;
   if (absl::StripAsciiWhitespace(value).empty()) return result;

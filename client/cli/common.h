@@ -13,6 +13,8 @@
 #define ROPEATTN_CLIENT_CLI_COMMON_H_
 
 #include <cstdint>
+#include <initializer_list>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -21,6 +23,7 @@
 #include "absl/flags/declare.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "client/client.h"
@@ -184,6 +187,50 @@ struct TensorStats {
 TensorStats ComputeStats(absl::Span<const float> values);
 // "mean 0.0012 std 0.31 min -0.9 max 0.95 finite yes".
 std::string DescribeStats(const TensorStats& stats);
+
+// The flags a subcommand reads in one mode (an encode op, attend's or
+// decode's inputs); `unless` names flags it reads only in other modes or
+// cases, with why not in this one. A flag given that the mode does not read
+// is refused (UnreadFlag), not ignored. A flag given empty counts as not
+// given (FlagSet), here as in the commands. Used by attend, decode, encode
+// and plot.
+struct ModeReads {
+  std::vector<absl::string_view> flags;
+  std::map<absl::string_view, std::string> unless;
+
+  void Read(absl::Span<const absl::string_view> names) {
+    flags.insert(flags.end(), names.begin(), names.end());
+  }
+  void Read(std::initializer_list<absl::string_view> names) {
+    Read(absl::Span<const absl::string_view>(names.begin(), names.size()));
+  }
+  // Read only when `given` is (or, `absent`, is not) on the command line
+  // with a value.
+  void ReadIf(bool absent, absl::string_view given,
+              std::initializer_list<absl::string_view> names) {
+    if (FlagSet(given) != absent) {
+      Read(names);
+      return;
+    }
+    for (absl::string_view name : names) {
+      unless[name] = absl::StrCat(absent ? "with --" : "without --", given);
+    }
+  }
+  // Not read in this mode, for `why`.
+  void NotRead(absl::Span<const absl::string_view> names, absl::string_view why) {
+    for (absl::string_view name : names) unless[name] = std::string(why);
+  }
+  void NotRead(std::initializer_list<absl::string_view> names, absl::string_view why) {
+    NotRead(absl::Span<const absl::string_view>(names.begin(), names.size()), why);
+  }
+};
+
+// The refusal of the first of `flags` given on the command line (`always`
+// are read in every mode) that `reads` does not read: "--seed is not read by
+// <mode> <why>", or the flags it does read; nullopt when there is none.
+std::optional<std::string> UnreadFlag(absl::Span<const absl::string_view> flags,
+                                      std::initializer_list<absl::string_view> always,
+                                      absl::string_view mode, const ModeReads& reads);
 
 // Comma-separated integers ("0,5,9"); InvalidArgument naming `flag`.
 absl::StatusOr<std::vector<int64_t>> ParseIntList(absl::string_view flag, absl::string_view value);
