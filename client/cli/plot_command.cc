@@ -5,6 +5,7 @@
 #include <cmath>
 #include <complex>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,11 @@ struct RopeConfig {
   v1::RopeSpec rope;
 };
 
+// The server refuses an L0 where the rule reads none.
+bool RuleReadsL0(absl::string_view rule) {
+  return rule != "default" && rule != "linear" && rule != "ntk";
+}
+
 // The L0 of the built-in --config defaults stands in for
 // --original_max_positions: given, it replaces theirs.
 absl::StatusOr<RopeConfig> ParseConfig(absl::string_view text, bool builtin) {
@@ -63,11 +69,10 @@ absl::StatusOr<RopeConfig> ParseConfig(absl::string_view text, bool builtin) {
   }
   config.rope.mutable_scaling()->set_factor(factor);
   config.rope.set_theta(theta);
-  // The server refuses an L0 where the rule reads none: --original_max_positions
-  // applies to the configs whose rule has one (the base spec from the flags
+  // --original_max_positions applies to the configs whose rule has one (the base spec from the flags
   // carries it for every rule); an L0 written in the config itself is sent as
   // written.
-  const bool reads_l0 = parts[1] != "default" && parts[1] != "linear" && parts[1] != "ntk";
+  const bool reads_l0 = RuleReadsL0(parts[1]);
   if (reads_l0 && (parts.size() < 5 || (builtin && FlagGiven("original_max_positions")))) {
     original = absl::GetFlag(FLAGS_original_max_positions);
   }
@@ -89,6 +94,80 @@ absl::StatusOr<std::vector<RopeConfig>> ConfigsFromFlags() {
     configs.push_back(*std::move(config));
   }
   return configs;
+}
+
+// The flags plot reads for `kind`. Each --config (or built-in config) sets
+// its curve's rope_type, factor and theta, so --rope_type, --rope_factor and
+// --theta have nothing to set under decay and wavelength and are refused
+// naming the configs; --original_max_positions is read when a config's rule
+// reads an L0 (ConfigL0Conflict refuses it beside a config that writes its
+// own).
+ModeReads PlotReads(absl::string_view kind) {
+  constexpr absl::string_view kAttention[] = {"head", "seed", "batch", "q_len", "k_len",
+                                              "v_dim", "dtype", "q", "k", "v"};
+  constexpr absl::string_view kSinusoidal[] = {"num_positions", "d_model", "base", "sin_layout",
+                                               "first_position"};
+  ModeReads reads;
+  reads.NotRead(kAttention, "(only --kind attention reads it)");
+  reads.NotRead(AttentionSpecFlags(), "(only --kind attention reads it)");
+  reads.NotRead(kSinusoidal, "(only --kind sinusoidal reads it)");
+  reads.NotRead({"config", "seq_len"}, "(only --kind decay and wavelength read it)");
+  reads.NotRead({"head_dim", "rotary_dim", "original_max_positions"},
+                "(only --kind decay, wavelength and attention read it)");
+  reads.NotRead({"max_distance"}, "(only --kind decay reads it)");
+  reads.Read({"kind", "out", "title"});
+  if (kind == "sinusoidal") {
+    reads.Read(kSinusoidal);
+  } else if (kind == "attention") {
+    reads.Read({"head"});
+    reads.Read(AttentionSpecFlags());
+    if (!absl::GetFlag(FLAGS_q).empty() || !absl::GetFlag(FLAGS_k).empty() ||
+        !absl::GetFlag(FLAGS_v).empty()) {
+      reads.Read({"q", "k", "v"});
+      reads.NotRead({"batch", "q_len", "k_len", "dtype", "seed", "v_dim"},
+                    "with --q/--k/--v (the inputs' shapes and dtype come from the files)");
+    } else {
+      reads.Read({"seed", "dtype", "v_dim", "batch", "q_len", "k_len"});
+    }
+  } else {
+    reads.Read({"config", "head_dim", "seq_len", "rotary_dim"});
+    if (kind == "decay") reads.Read({"max_distance"});
+    const std::vector<std::string> configs = absl::GetFlag(FLAGS_config);
+    const std::string which =
+        configs.empty() ? "the built-in --config set"
+                        : absl::StrCat("--config \"", absl::StrJoin(configs, "\", \""), "\"");
+    reads.NotRead({"rope_type", "rope_factor", "theta"},
+                  absl::StrCat("beside ", which,
+                               " (each config sets its curve's rope_type, factor and theta: "
+                               "name:rope_type:factor:theta[:L0])"));
+    reads.NotRead({"rope_layout"}, "(the inverse frequencies do not depend on the pair layout)");
+    bool reads_l0 = configs.empty();
+    for (const std::string& text : configs) {
+      const std::vector<absl::string_view> parts = absl::StrSplit(text, ':');
+      reads_l0 = reads_l0 || (parts.size() >= 2 && RuleReadsL0(parts[1]));
+    }
+    if (reads_l0) {
+      reads.Read({"original_max_positions"});
+    } else {
+      reads.NotRead({"original_max_positions"},
+                    absl::StrCat("beside ", which, " (no rule there reads an L0)"));
+    }
+  }
+  return reads;
+}
+
+// --original_max_positions beside a --config that writes its own L0: both
+// would set that curve's L0, so neither is dropped silently.
+std::optional<std::string> ConfigL0Conflict() {
+  if (!FlagGiven("original_max_positions")) return std::nullopt;
+  for (const std::string& text : absl::GetFlag(FLAGS_config)) {
+    const std::vector<absl::string_view> parts = absl::StrSplit(text, ':');
+    if (parts.size() > 4) {
+      return absl::StrCat("--original_max_positions and --config \"", text,
+                          "\" both set that curve's L0; give it in one place");
+    }
+  }
+  return std::nullopt;
 }
 
 // The rule's inverse frequencies, as the server computes them.
@@ -331,7 +410,11 @@ int PlotCommand(int argc, char** argv) {
       "  sinusoidal  heatmap of the server's sinusoidal table, position vs dimension\n"
       "              (--num_positions, --d_model, --base, --sin_layout)\n"
       "  attention   heatmap of one head's (--head) attention probabilities from an\n"
-      "              Attend with return_probs on random or .npy inputs (attend's flags)",
+      "              Attend with return_probs on random or .npy inputs (attend's flags)\n"
+      "A flag the --kind does not read is refused (exit 64); under decay and\n"
+      "wavelength each --config sets its curve's rope_type, factor and theta, so\n"
+      "--rope_type, --rope_factor and --theta are refused, and so is\n"
+      "--original_max_positions beside a --config that writes its own L0.",
       flags, true, &exit_code);
   if (!args.has_value()) return exit_code;
   if (!args->empty())
@@ -343,6 +426,17 @@ int PlotCommand(int argc, char** argv) {
     return UsageFail("plot", absl::StrCat("--kind must be decay, wavelength, sinusoidal or "
                                           "attention, got \"",
                                           kind, "\""));
+  }
+  const ModeReads reads = PlotReads(kind);
+  if (std::optional<std::string> unread =
+          UnreadFlag(flags, {}, absl::StrCat("plot --kind ", kind), reads);
+      unread) {
+    return UsageFail("plot", *unread);
+  }
+  if (kind == "decay" || kind == "wavelength") {
+    if (std::optional<std::string> conflict = ConfigL0Conflict(); conflict) {
+      return UsageFail("plot", *conflict);
+    }
   }
   // Checked before the work, not after it.
   if (absl::Status s = CheckOutputPath("out", out); !s.ok()) return Fail("plot", s);

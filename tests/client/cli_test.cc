@@ -1541,6 +1541,66 @@ TEST_F(CliTest, PlotErrors) {
   ExpectOneErrorLine(r, "plot", "NOT_FOUND");
 }
 
+// A flag the --kind does not read is refused, naming the flag and the kind;
+// under decay and wavelength each --config sets its curve's rule, factor and
+// theta, so the RoPE flags that would set them are refused naming the config.
+TEST_F(CliTest, PlotRefusesFlagsTheKindDoesNotRead) {
+  const std::string svg = Path("unread.svg");
+  struct Case {
+    std::vector<std::string> args;
+    std::vector<std::string> named;
+  };
+  const Case cases[] = {
+      {{"--kind=sinusoidal", "--num_positions=8", "--d_model=8", "--causal"},
+       {"--causal", "plot --kind sinusoidal"}},
+      {{"--kind=sinusoidal", "--num_positions=8", "--d_model=8", "--q_len=5"},
+       {"--q_len", "plot --kind sinusoidal"}},
+      {{"--kind=decay", "--head_dim=64", "--config=n:ntk:4", "--theta=500000"},
+       {"--theta", "plot --kind decay", "--config \"n:ntk:4\""}},
+      {{"--kind=decay", "--head_dim=64", "--theta=500000"},
+       {"--theta", "plot --kind decay", "built-in --config"}},
+      {{"--kind=wavelength", "--head_dim=64", "--config=d:default", "--rope_factor=4"},
+       {"--rope_factor", "plot --kind wavelength", "--config \"d:default\""}},
+      {{"--kind=wavelength", "--head_dim=64", "--rope_layout=interleaved"},
+       {"--rope_layout", "plot --kind wavelength"}},
+      {{"--kind=wavelength", "--head_dim=64", "--config=d:default",
+        "--original_max_positions=4096"},
+       {"--original_max_positions", "--config \"d:default\""}},
+      {{"--kind=decay", "--head_dim=64", "--config=y:yarn:4:10000:2048",
+        "--original_max_positions=4096"},
+       {"--original_max_positions", "--config \"y:yarn:4:10000:2048\""}},
+      {{"--kind=attention", "--q_len=8", "--max_distance=100"},
+       {"--max_distance", "plot --kind attention"}},
+      {{"--kind=attention", "--q_len=8", "--d_model=32"}, {"--d_model", "plot --kind attention"}},
+      {{"--kind=attention", "--config=d:default"}, {"--config", "plot --kind attention"}},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> args = {"plot", "--out", svg};
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    RunResult r = Cli(args);
+    EXPECT_EQ(r.exit_code, 64) << absl::StrJoin(c.args, " ") << "\n" << Describe(r);
+    ExpectOneErrorLine(r, "plot", "USAGE");
+    for (const std::string& name : c.named) {
+      EXPECT_THAT(r.err, HasSubstr(name)) << absl::StrJoin(c.args, " ");
+    }
+  }
+  // What each kind reads is still accepted.
+  for (std::vector<std::string> args : {
+           std::vector<std::string>{"--kind=decay", "--head_dim=32", "--max_distance=20",
+                                    "--seq_len=64", "--rotary_dim=16", "--title=t"},
+           std::vector<std::string>{"--kind=sinusoidal", "--num_positions=8", "--d_model=8",
+                                    "--base=100", "--sin_layout=sin_cos_half",
+                                    "--first_position=3"},
+           std::vector<std::string>{"--kind=attention", "--q_len=4", "--k_len=6", "--heads=2",
+                                    "--head_dim=8", "--causal", "--theta=500000", "--head=1",
+                                    "--seed=3", "--dtype=bf16"},
+       }) {
+    args.insert(args.begin(), {"plot", "--out", svg});
+    RunResult r = Cli(args);
+    EXPECT_EQ(r.exit_code, 0) << absl::StrJoin(args, " ") << "\n" << Describe(r);
+  }
+}
+
 // --- models, embed and layer mode. ---
 
 // Norm-wise relative error ||a - b|| / ||b||.
