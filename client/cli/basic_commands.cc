@@ -937,10 +937,13 @@ int DecodeCommand(int argc, char** argv) {
     absl::StatusOr<Inputs> read = InputsFromFlags(1, total, total, /*one_message=*/false);
     if (!read.ok()) return Fail("decode", read.status());
     inputs = *std::move(read);
-    for (const v1::Tensor* t : {&inputs.q, &inputs.k, &inputs.v}) {
+    // Only files can be of another shape: the error names the flag and the file.
+    for (auto [flag, t, path] : {std::tuple{"q", &inputs.q, absl::GetFlag(FLAGS_q)},
+                                 std::tuple{"k", &inputs.k, absl::GetFlag(FLAGS_k)},
+                                 std::tuple{"v", &inputs.v, absl::GetFlag(FLAGS_v)}}) {
       if (t->shape_size() != 4 || t->shape(0) != 1 || t->shape(1) < total) {
         return Fail("decode", absl::InvalidArgumentError(
-                                  absl::StrCat("inputs must be [1, >= ", total,
+                                  absl::StrCat("--", flag, ": ", path, ": must be [1, >= ", total,
                                                ", heads, dim], got ", DescribeTensor(*t))));
       }
     }

@@ -579,6 +579,13 @@ absl::StatusOr<Inputs> InputsFromFlags(int64_t batch, int64_t q_len, int64_t k_l
           std::tuple{"v", &v_path, &inputs.v}}) {
       absl::StatusOr<v1::Tensor> read = ReadNpyFlag(flag, *path, one_message);
       if (!read.ok()) return read.status();
+      // Here, where the flag and the file are known: the server's refusal
+      // named neither.
+      if (read->shape_size() != 4) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--", flag, ": ", *path, ": must have rank 4 [batch, seq, heads, dim], got ",
+            DescribeTensor(*read)));
+      }
       *tensor = *std::move(read);
     }
     return inputs;

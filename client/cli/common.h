@@ -149,7 +149,8 @@ std::string DescribeSpec(const v1::AttentionSpec& spec);
 // q, k, v for Attend / Decode: read from --q/--k/--v when all three are
 // given, else random [batch, q_len, heads, head_dim], [batch, k_len,
 // kv_heads, head_dim], [batch, k_len, kv_heads, v_dim] in --dtype from
-// RandomTensor with seeds --seed, --seed + 1, --seed + 2. (`q_len`,
+// RandomTensor with seeds --seed, --seed + 1, --seed + 2 (a file of another
+// rank than 4 is InvalidArgument naming the flag and the file). (`q_len`,
 // `k_len`, `batch` override the flags for callers that need other lengths.)
 struct Inputs {
   v1::Tensor q, k, v;

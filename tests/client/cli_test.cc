@@ -1196,6 +1196,29 @@ TEST_F(CliTest, NpyInputsAreCheckedFromTheirHeaderNamingTheFlag) {
   r = Cli({"decode", "--q", big, "--k", big, "--v", big, "--context=60", "--steps=4",
            "--prefill_chunk=4", "--max_message_bytes=65536"});
   EXPECT_EQ(r.exit_code, 0) << Describe(r);
+
+  // A file of the wrong rank or, for decode, batch or length: the flag and the file.
+  const std::string rank3 = Path("rank3.npy");
+  const int64_t rank3_shape[] = {4, 8, 64};
+  ASSERT_TRUE(client::WriteNpy(rank3, *client::RandomTensor(v1::DTYPE_F32, rank3_shape, 1)).ok());
+  for (const char* command : {"attend", "decode", "plot"}) {
+    std::vector<std::string> args = {command, "--q", rank3, "--k", small, "--v", small};
+    if (std::string(command) == "decode") args.insert(args.end(), {"--context=1", "--steps=1"});
+    if (std::string(command) == "plot")
+      args.insert(args.end(), {"--kind=attention", "--out", Path("r.svg")});
+    r = Cli(args);
+    EXPECT_EQ(r.exit_code, 3) << command << "\n" << Describe(r);
+    ExpectOneErrorLine(r, command, "INVALID_ARGUMENT");
+    EXPECT_THAT(r.err, HasSubstr(absl::StrCat("--q: ", rank3,
+                                              ": must have rank 4 [batch, seq, "
+                                              "heads, dim], got [4, 8, 64] f32")))
+        << command;
+  }
+  r = Cli({"decode", "--q", small, "--k", small, "--v", small, "--context=4", "--steps=1"});
+  EXPECT_EQ(r.exit_code, 3) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("--q: ", small,
+                                            ": must be [1, >= 5, heads, dim], got [1, 4, "
+                                            "8, 64] f32")));
 }
 
 TEST_F(CliTest, AttendReadsNpyInputs) {
