@@ -482,6 +482,9 @@ int AttendCommand(int argc, char** argv) {
   if (std::optional<std::string> unread = UnreadFlag(flags, {}, mode, reads); unread) {
     return UsageFail("attend", *unread);
   }
+  if (std::optional<std::string> same = SameOutputFile({"out", "probs_out"}); same) {
+    return UsageFail("attend", *same);
+  }
   if (!absl::GetFlag(FLAGS_model).empty()) return AttendLayerMode();
 
   auto offsets = ParseIntList("offsets", absl::GetFlag(FLAGS_offsets));

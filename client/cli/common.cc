@@ -513,6 +513,30 @@ std::string DescribeSpec(const v1::AttentionSpec& spec) {
   return text;
 }
 
+namespace {
+
+// The directory of `path`, whose last '/' is at `slash` (npos: none).
+std::string DirectoryOf(const std::string& path, size_t slash) {
+  return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+}
+
+// What identifies the file `path` names: its device and inode when it
+// exists, else its directory's real path and its name.
+std::string FileIdentity(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0) return absl::StrCat("inode ", st.st_dev, ":", st.st_ino);
+  const size_t slash = path.rfind('/');
+  const std::string dir = DirectoryOf(path, slash);
+  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  char* real = ::realpath(dir.c_str(), nullptr);
+  if (real == nullptr) return absl::StrCat("path ", path);
+  std::string identity = absl::StrCat("path ", real, "/", name);
+  std::free(real);
+  return identity;
+}
+
+}  // namespace
+
 absl::Status CheckOutputPath(absl::string_view flag, const std::string& path) {
   if (path.empty()) return absl::OkStatus();
   auto error = [&](int err, absl::string_view detail) {
@@ -526,13 +550,32 @@ absl::Status CheckOutputPath(absl::string_view flag, const std::string& path) {
   }
   if (errno != ENOENT) return error(errno, "");
   const size_t slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  const std::string dir = DirectoryOf(path, slash);
   if (::stat(dir.c_str(), &st) != 0) return error(errno, absl::StrCat(" (directory ", dir, ")"));
   if (!S_ISDIR(st.st_mode)) return error(ENOTDIR, absl::StrCat(" (", dir, " is not a directory)"));
   if (::access(dir.c_str(), W_OK | X_OK) != 0) {
     return error(errno, absl::StrCat(" (directory ", dir, ")"));
   }
   return absl::OkStatus();
+}
+
+std::optional<std::string> SameOutputFile(std::initializer_list<absl::string_view> flags) {
+  std::vector<std::pair<absl::string_view, std::string>> seen;  // flag, identity
+  for (absl::string_view flag : flags) {
+    const absl::CommandLineFlag* f = absl::FindCommandLineFlag(flag);
+    if (f == nullptr) continue;
+    const std::string path = f->CurrentValue();
+    if (path.empty()) continue;
+    const std::string identity = FileIdentity(path);
+    for (const auto& [other, other_identity] : seen) {
+      if (other_identity == identity) {
+        return absl::StrCat("--", other, " and --", flag, " name the same file ", path,
+                            "; one would overwrite the other");
+      }
+    }
+    seen.emplace_back(flag, identity);
+  }
+  return std::nullopt;
 }
 
 absl::StatusOr<v1::Tensor> ReadNpyFlag(absl::string_view flag, const std::string& path,

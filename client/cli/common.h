@@ -177,6 +177,12 @@ absl::StatusOr<v1::Tensor> ReadNpyFlag(absl::string_view flag, const std::string
 // missing directory, as the write itself would have failed afterwards).
 absl::Status CheckOutputPath(absl::string_view flag, const std::string& path);
 
+// The refusal of two of the output `flags` (names without dashes) that name
+// the same file, the second written over the first: "--out and --probs_out
+// name the same file PATH"; nullopt when they name different ones (or are
+// empty). A path whose directory does not exist is compared as written.
+std::optional<std::string> SameOutputFile(std::initializer_list<absl::string_view> flags);
+
 // "[1, 16, 8, 64] f32".
 std::string DescribeTensor(const v1::Tensor& tensor);
 

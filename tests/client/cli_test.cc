@@ -1221,6 +1221,36 @@ TEST_F(CliTest, NpyInputsAreCheckedFromTheirHeaderNamingTheFlag) {
                                             "8, 64] f32")));
 }
 
+// The probabilities were written over the output.
+TEST_F(CliTest, AttendRefusesOutAndProbsOutNamingTheSameFile) {
+  const std::string out = Path("same.npy");
+  const std::string dir = out.substr(0, out.rfind('/'));
+  for (const std::string& probs : {out, absl::StrCat(dir, "/./same.npy")}) {
+    for (bool layer : {false, true}) {
+      std::vector<std::string> args = {"attend", "--q_len=4", "--out", out, "--probs_out", probs};
+      if (layer) {
+        args.insert(args.end(), {"--model=demo", "--layer=0"});
+      } else {
+        args.insert(args.end(), {"--heads=2", "--head_dim=8"});
+      }
+      RunResult r = Cli(args);
+      EXPECT_EQ(r.exit_code, 64) << Describe(r);
+      ExpectOneErrorLine(r, "attend", "USAGE");
+      EXPECT_THAT(r.err,
+                  HasSubstr(absl::StrCat("--out and --probs_out name the same file ", probs)));
+      // Refused before anything is written.
+      std::ifstream written(out);
+      EXPECT_FALSE(written.good()) << probs;
+    }
+  }
+  RunResult r = Cli({"attend", "--q_len=4", "--heads=2", "--head_dim=8", "--out", out,
+                     "--probs_out", Path("probs.npy")});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  r = Cli({"attend", "--q_len=4", "--heads=2", "--head_dim=8", "--out", out, "--probs_out",
+           absl::StrCat(dir, "/../", dir.substr(dir.rfind('/') + 1), "/same.npy")});
+  EXPECT_EQ(r.exit_code, 64) << "an existing file, by another path\n" << Describe(r);
+}
+
 TEST_F(CliTest, AttendReadsNpyInputs) {
   const int64_t q_shape[] = {2, 3, 2, 8}, kv_shape[] = {2, 4, 1, 8};
   v1::AttendRequest request;
