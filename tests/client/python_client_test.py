@@ -359,6 +359,45 @@ class PythonClientTest(unittest.TestCase):
                 s._responses.cancel()  # the stream breaks, as a lost connection would
                 raise Boom()  # close() then fails: it must not replace this
 
+    def test_an_interrupted_operation_ends_the_session(self):
+        # KeyboardInterrupt (or a signal handler's exception) while an answer
+        # was pending left it in the stream: the next step returned the
+        # interrupted step's output, and every later answer was one behind.
+        class Interrupted:  # a next() interrupted once the request is sent
+            def __init__(self, responses):
+                self.responses = responses
+
+            def __next__(self):
+                raise KeyboardInterrupt()
+
+            def cancel(self):
+                self.responses.cancel()
+
+        x = self.rng.standard_normal((1, 1, 2, 8), dtype=np.float32)
+        s = self.client.session(heads=2, head_dim=8)
+        s.step(x, x, x)
+        responses = s._responses
+        s._responses = Interrupted(responses)
+        with self.assertRaises(KeyboardInterrupt):
+            s.step(x, x, x)
+        s._responses = responses
+        for op in (lambda: s.step(x, x, x), s.export_kv):
+            with self.assertRaises(ValueError) as e:
+                op()
+            self.assertIn("session is closed", str(e.exception))
+        self.assertIsNone(s.close())
+        # An answer whose seq is not the request's ends the stream as a lost
+        # one (here a request the session did not send answers first).
+        s = self.client.session(heads=2, head_dim=8)
+        s.step(x, x, x)
+        s._requests.put(pb.DecodeRequest(export_kv=pb.ExportKv(seq=1000)))
+        with self.assertRaises(grpc.RpcError) as e:
+            s.truncate(0)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INTERNAL)
+        self.assertIn("Decode answer has seq 1000, the request 2", str(e.exception))
+        with self.assertRaises(grpc.RpcError):
+            s.step(x, x, x)
+
     def test_an_abandoned_stream_leaves_no_thread(self):
         # grpcio's request-consumer thread waits on the session's queue until
         # the end sentinel: a failed open, a failed close in a with block and a

@@ -425,6 +425,21 @@ class Client:
                                                                 "start_position")))
 
 
+class _StreamDesync(grpc.RpcError):
+    """A Decode answer whose seq is not the request's: the stream is ended,
+    as a lost one, and this is its grpc.RpcError (code INTERNAL)."""
+
+    def __init__(self, sent, answered):
+        super().__init__("Decode answer has seq %d, the request %d: the stream is ended"
+                         % (answered, sent))
+
+    def code(self):
+        return grpc.StatusCode.INTERNAL
+
+    def details(self):
+        return str(self)
+
+
 def _end_stream(requests, responses):
     """Ends a Decode stream from this side: grpcio's request-consumer thread
     waits in requests.get() until the None sentinel comes, whatever happened
@@ -436,8 +451,12 @@ def _end_stream(requests, responses):
 class Session:
     """One Decode stream holding one session. Answers come in order; an
     in-band error raises StepError and leaves the session usable; a failed
-    open or a lost stream raises grpc.RpcError. A session dropped without
-    close() ends its stream when it is collected."""
+    open or a lost stream raises grpc.RpcError (so does an answer whose seq
+    is not the request's: the stream is ended). An operation interrupted
+    while its answer is pending (KeyboardInterrupt, a signal handler's
+    exception) ends the stream and closes the session before the exception
+    goes on. A session dropped without close() ends its stream when it is
+    collected."""
 
     def __init__(self, client, open_request):
         self._timeout = client._timeout
@@ -454,7 +473,8 @@ class Session:
             self._end()
             raise
 
-    def _send(self, request, expect):
+    def _send(self, request, expect, seq=0):
+        """The answer to `request`, whose seq is `seq` (0 for open)."""
         if self._requests is None:
             # After close() (or a close that failed in a with block) the
             # stream is gone; ValueError, as grpc's own closed channel.
@@ -469,8 +489,19 @@ class Session:
         except grpc.RpcError:
             self._end()  # the call is over (lost, cancelled, timed out)
             raise
+        except BaseException:
+            # Interrupted while the answer is pending (KeyboardInterrupt, a
+            # signal handler's exception): that answer would be read as the
+            # next operation's, so the stream ends here and the session with it.
+            self._end()
+            self._requests = None
+            raise
         finally:
             timer.cancel()
+        if response.seq != seq:
+            # An answer to another request: every later one would be off too.
+            self._end()
+            raise _StreamDesync(seq, response.seq)
         if response.WhichOneof("msg") == "error":
             code = next((c for c in grpc.StatusCode if c.value[0] == response.error.code),
                         grpc.StatusCode.UNKNOWN)
@@ -488,27 +519,31 @@ class Session:
         v = _real_array(v, "v", "[1, tokens, kv_heads, v_dim]")
         step = pb.Step(seq=self._next_seq(), q=to_tensor(q, dtype), k=to_tensor(k, dtype),
                        v=to_tensor(v, dtype))
-        return from_tensor(self._send(pb.DecodeRequest(step=step), "step").out)
+        return from_tensor(self._send(pb.DecodeRequest(step=step), "step", step.seq).out)
 
     def truncate(self, position):
         position = _int(position, "position")  # before a seq is taken
-        return self._send(pb.DecodeRequest(
-            truncate=pb.Truncate(seq=self._next_seq(), position=position)), "truncated")
+        seq = self._next_seq()
+        return self._send(pb.DecodeRequest(truncate=pb.Truncate(seq=seq, position=position)),
+                          "truncated", seq)
 
     def fork(self):
-        return self._send(pb.DecodeRequest(fork=pb.Fork(seq=self._next_seq())), "forked")
+        seq = self._next_seq()
+        return self._send(pb.DecodeRequest(fork=pb.Fork(seq=seq)), "forked", seq)
 
     def export_kv(self):
         """(keys, values) as float32 arrays [1, T, Hkv, D]: keys rotated at
         their positions, or, under a dynamic or longrope rule, the raw keys
         the session keeps (KvExport.key_form RAW)."""
-        e = self._send(pb.DecodeRequest(export_kv=pb.ExportKv(seq=self._next_seq())), "exported")
+        seq = self._next_seq()
+        e = self._send(pb.DecodeRequest(export_kv=pb.ExportKv(seq=seq)), "exported", seq)
         return from_tensor(e.k), from_tensor(e.v)
 
     def close(self):
         if self._requests is None:
             return None
-        info = self._send(pb.DecodeRequest(close=pb.Close(seq=self._next_seq())), "closed")
+        seq = self._next_seq()
+        info = self._send(pb.DecodeRequest(close=pb.Close(seq=seq)), "closed", seq)
         self._requests.put(None)
         self._end.detach()
         for _ in self._responses:
