@@ -7,6 +7,7 @@ the server binary."""
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -335,6 +336,32 @@ class PythonClientTest(unittest.TestCase):
                 with self.assertRaises(ValueError) as e:
                     ropeattn.Client(self.target, **kwargs)
                 self.assertIn(want, str(e.exception))
+
+    def test_a_tls_file_that_is_not_a_path_is_refused_touching_no_fd(self):
+        # open() takes an int as a file descriptor: tls_ca_file=3 read the
+        # caller's fd 3 and closed it (tls_cert_file=True: fd 1, stdout).
+        for field in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            r, w = os.pipe()
+            os.write(w, b"not a pem")
+            os.close(w)  # so a read of r ends (and the test fails rather than hangs)
+            try:
+                for value, kind in ((r, "int"), (False, "bool"), (2.5, "float")):
+                    with self.assertRaises(TypeError, msg=field) as e:
+                        ropeattn.Client(self.target, **{field: value})
+                    self.assertIn("%s must be a path (str, bytes or os.PathLike), got %s"
+                                  % (field, kind), str(e.exception))
+                os.fstat(r)  # still open
+                self.assertEqual(os.read(r, 100), b"not a pem")  # and unread
+            finally:
+                try:
+                    os.close(r)
+                except OSError:  # closed by the client
+                    pass
+        with tempfile.TemporaryDirectory() as d:  # bytes and os.PathLike are paths
+            for path in (os.fsencode(d + "/missing.pem"), pathlib.Path(d, "missing.pem")):
+                with self.assertRaises(ValueError) as e:
+                    ropeattn.Client(self.target, tls_ca_file=path)
+                self.assertIn("cannot be read: No such file", str(e.exception))
 
     def test_a_token_gRPC_cannot_send_is_refused_without_echoing_it(self):
         # As the C++ client: refused before any file is read or call made,

@@ -11,6 +11,7 @@ code and message. The stubs (ropeattn/v1/*_pb2*.py) are generated from
 proto/ when the package is built (setup.py) or by CMake for the tests.
 """
 
+import os
 import queue
 import threading
 import weakref
@@ -300,6 +301,15 @@ def _read_private_key(field, path):
     return data
 
 
+def _check_path(field, path):
+    """None or a path (str, bytes, os.PathLike): open() takes an int as a
+    file descriptor, and reading it would close the caller's fd (True is fd
+    1, stdout)."""
+    if path is not None and not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError("%s must be a path (str, bytes or os.PathLike), got %s"
+                        % (field, type(path).__name__))
+
+
 def _ssl_credentials(tls_ca_file, tls_cert_file, tls_key_file):
     """TLS channel credentials from the files, checked as the C++ client's
     ChannelCredentialsFor: a certificate without its key (or the reverse)
@@ -325,6 +335,9 @@ class Client:
     def __init__(self, target, tls_ca_file=None, tls_cert_file=None, tls_key_file=None,
                  token=None, timeout=30.0):
         _check_target(target)
+        for field, path in (("tls_ca_file", tls_ca_file), ("tls_cert_file", tls_cert_file),
+                            ("tls_key_file", tls_key_file)):
+            _check_path(field, path)
         self._target = target
         self._timeout = timeout
         if token and not (tls_ca_file or tls_cert_file or tls_key_file):
