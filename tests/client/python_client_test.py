@@ -11,6 +11,7 @@ import pathlib
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -291,6 +292,24 @@ class PythonClientTest(unittest.TestCase):
                        "ipv4:///" + self.target):
             with ropeattn.Client(target) as c:
                 self.assertTrue(c.health(), target)
+
+    def test_a_failed_client_closes_its_channel(self):
+        # Client() whose GetServerInfo failed left its channel open (the
+        # error's traceback keeps it), holding the target's connection in
+        # reconnect backoff: each later Client() to it waited 1 s, 1.6 s, ...
+        with socket.socket() as sock:  # a port nothing listens on
+            sock.bind(("127.0.0.1", 0))
+            target = "127.0.0.1:%d" % sock.getsockname()[1]
+        errors, times = [], []
+        for _ in range(3):
+            start = time.monotonic()
+            try:  # not assertRaises: it drops the traceback, and the channel with it
+                ropeattn.Client(target, timeout=10)
+                self.fail("Client() to %s with no server" % target)
+            except grpc.RpcError as e:
+                errors.append(e)  # kept with its traceback, as a retry loop or a REPL does
+            times.append(time.monotonic() - start)
+        self.assertLess(max(times), 0.5, times)
 
     def test_token_without_tls_is_refused(self):
         with self.assertRaises(ValueError) as e:

@@ -351,9 +351,16 @@ class Client:
         if tls_ca_file or tls_cert_file or tls_key_file:
             self._credentials = _ssl_credentials(tls_ca_file, tls_cert_file, tls_key_file)
         self._connect(4 << 20)
-        limit = int(self.info().max_message_bytes) or (256 << 20)
-        self._channel.close()
-        self._connect(limit)
+        try:
+            limit = int(self.info().max_message_bytes) or (256 << 20)
+            self._channel.close()
+            self._connect(limit)
+        except BaseException:
+            # The error's traceback keeps this object, and an open channel
+            # kept the target's connection in reconnect backoff: later
+            # Client()s to it waited seconds (1 s, 1.6 s, ...) to fail or connect.
+            self._channel.close()
+            raise
 
     def _connect(self, limit):
         options = [("grpc.max_receive_message_length", limit),
