@@ -253,6 +253,34 @@ class PythonClientTest(unittest.TestCase):
             self.assertIn("position", str(e.exception))
             self.assertEqual(s.truncate(0).position, 0)  # no seq was spent on the refusal
 
+    def test_integers_outside_int64_are_refused_naming_the_argument(self):
+        # Each was protobuf's bare "Value out of range" ([2**63, 0] was
+        # "q_offsets must be integers, got float64").
+        q = np.ones((2, 1, 2, 8), np.float32)
+        x = np.ones((1, 3, 2, 8), np.float32)
+        for name, value, call in [
+                ("q_offsets", 2**63, lambda: self.client.attend(q, q, q, q_offsets=[2**63, 0])),
+                ("key_lengths", -2**63 - 1,
+                 lambda: self.client.attend(q, q, q, key_lengths=[1, -2**63 - 1])),
+                ("positions", 2**64, lambda: self.client.rope_apply(x, positions=[0, 1, 2**64])),
+                ("offsets", 2**63,
+                 lambda: self.client.rope_apply(x, offsets=np.array([2**63], np.uint64))),
+                ("token_ids", 2**70, lambda: self.client.embed("any", [[1, 2**70]])),
+                ("start_position", 2**63,
+                 lambda: self.client.session(heads=2, head_dim=8, start_position=2**63))]:
+            with self.assertRaises(ValueError, msg=name) as e:
+                call()
+            self.assertIn("%s must be in int64's range -2**63..2**63-1, got %d" % (name, value),
+                          str(e.exception))
+        with self.client.session(heads=2, head_dim=8) as s:
+            with self.assertRaises(ValueError) as e:
+                s.truncate(-2**63 - 1)
+            self.assertIn("position must be in int64's range", str(e.exception))
+            self.assertEqual(s.truncate(0).position, 0)  # no seq was spent on the refusal
+        # The range's ends are taken (and refused by the server, not here).
+        with self.assertRaises(grpc.RpcError):
+            self.client.rope_apply(x[:, :2], positions=[2**63 - 1, -2**63])
+
     def test_rope_and_alibi_together_are_refused_naming_both(self):
         # AttentionSpec.positional is a oneof: ALiBi set after RoPE cleared it,
         # and the server computed ALiBi alone.

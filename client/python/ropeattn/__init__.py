@@ -101,20 +101,43 @@ def from_tensor(t):
     return np.frombuffer(t.data, dtype="<f4").astype(np.float32).reshape(shape)
 
 
+# Every integer on the wire is an int64; protobuf's own error for one
+# outside names neither the argument nor the range.
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _check_int64(value, name):
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        raise ValueError("%s must be in int64's range -2**63..2**63-1, got %d" % (name, value))
+
+
 def _int_array(values, name):
     """A numpy array of integers from a sequence or an array (floats are
-    refused, not truncated: a TypeError naming the argument)."""
+    refused, not truncated: a TypeError naming the argument; an integer
+    outside int64 is a ValueError naming the argument and the range)."""
     a = np.asarray(values)
     if a.size and not np.issubdtype(a.dtype, np.integer):
+        if a.dtype.kind in "fO" and not isinstance(values, np.ndarray):
+            # Python ints outside int64 make numpy pick float64 (2**63
+            # beside 0) or object: say which value, not "got float64".
+            items = np.asarray(values, dtype=object).reshape(-1)
+            if all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+                   for x in items):
+                for x in items:
+                    _check_int64(int(x), name)
         raise TypeError("%s must be integers, got %s" % (name, a.dtype))
+    if a.size and a.dtype.kind == "u":
+        _check_int64(int(a.max()), name)
     return a
 
 
 def _int(value, name):
     """A Python int from an int or a numpy integer (a float, even 1.0, is
-    refused, not truncated: a TypeError naming the argument)."""
+    refused, not truncated: a TypeError naming the argument; one outside
+    int64 is a ValueError naming the argument and the range)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError("%s must be an integer, got %r" % (name, value))
+    _check_int64(int(value), name)
     return int(value)
 
 
