@@ -281,6 +281,26 @@ class PythonClientTest(unittest.TestCase):
         with self.assertRaises(grpc.RpcError):
             self.client.rope_apply(x[:, :2], positions=[2**63 - 1, -2**63])
 
+    def test_a_bad_rope_is_refused_naming_it(self):
+        # Each was protobuf's ParseError, naming no argument.
+        x = np.ones((1, 2, 2, 8), np.float32)
+        for call in (lambda: self.client.attend(x, x, x, rope="default"),
+                     lambda: self.client.rope_apply(x, rope="default"),
+                     lambda: self.client.session(heads=2, head_dim=8, rope=[10000])):
+            with self.assertRaises(TypeError) as e:
+                call()
+            self.assertIn("rope must be a dict of RopeSpec fields", str(e.exception))
+        for want, call in [
+                ('no field named "thetaa"', lambda: self.client.attend(x, x, x,
+                                                                       rope={"thetaa": 1})),
+                ("theta", lambda: self.client.rope_apply(x, rope={"theta": "x"})),
+                ('no field named "kind"',
+                 lambda: self.client.session(heads=2, head_dim=8, rope={"kind": "yarn"}))]:
+            with self.assertRaises(ValueError) as e:
+                call()
+            self.assertTrue(str(e.exception).startswith("rope: "), str(e.exception))
+            self.assertIn(want, str(e.exception))
+
     def test_rope_and_alibi_together_are_refused_naming_both(self):
         # AttentionSpec.positional is a oneof: ALiBi set after RoPE cleared it,
         # and the server computed ALiBi alone.

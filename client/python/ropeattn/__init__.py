@@ -11,6 +11,7 @@ code and message. The stubs (ropeattn/v1/*_pb2*.py) are generated from
 proto/ when the package is built (setup.py) or by CMake for the tests.
 """
 
+import collections.abc
 import os
 import queue
 import threading
@@ -154,7 +155,13 @@ def _rope_spec(rope):
         return None
     if isinstance(rope, pb.RopeSpec):
         return rope
-    return json_format.ParseDict(rope, pb.RopeSpec())
+    if not isinstance(rope, collections.abc.Mapping):
+        raise TypeError('rope must be a dict of RopeSpec fields (e.g. {"theta": 10000}) or a '
+                        "RopeSpec, got %s" % type(rope).__name__)
+    try:
+        return json_format.ParseDict(rope, pb.RopeSpec())
+    except json_format.ParseError as e:  # protobuf's, naming no argument
+        raise ValueError("rope: %s" % e) from None
 
 
 def _set_positional(spec, rope, alibi):
@@ -440,7 +447,8 @@ class Client:
         """x [B, S, H, D] rotated by RoPE (the default rule, theta 10000, when
         `rope` is None) at 0..S-1, per-row `offsets` or per-token `positions`."""
         x = _real_array(x, "x", "[batch, seq, heads, head_dim]")
-        op = pb.EncodeRequest.RopeApply(rope=_rope_spec(rope or {}), x=to_tensor(x, dtype),
+        rope = _rope_spec({} if rope is None else rope)
+        op = pb.EncodeRequest.RopeApply(rope=rope, x=to_tensor(x, dtype),
                                         positions=_ints(positions, "positions"),
                                         offsets=_ints(offsets, "offsets"),
                                         inverse=inverse)
