@@ -86,37 +86,51 @@ namespace {
 
 std::atomic<int64_t> g_slab_collapses{0};
 
-// Large page parts are carved from 2 MiB slabs, each turned into a
+// Page parts are carved from 2 MiB slabs, each turned into a
 // transparent huge page once full (below): a decode streams every page, and over
 // 4 KiB pages it takes a TLB miss every 4 KiB (measured: the GQA decode at
 // 4k context ran ~25% slower over separately allocated 128 KiB pages than
 // over one huge-page tensor, and as fast over slabs). One arena per part
-// size and stream, at most kMaxArenas of them (sizes are the client's
-// choice: later sizes, and parts under kMinSlabPart, are plain
-// allocations). A freed part's whole 4 KiB pages go back to the system at
-// once (MADV_DONTNEED), so a slab that keeps a few live parts holds little
-// more than them, and a slab is unmapped when its last part is freed.
+// size and stream; parts under kMinSlabPart take whole 4 KiB pages (their
+// size rounded up, so 3 sizes, 6 arenas), larger sizes are the client's
+// choice, so at most kMaxArenas of them get arenas (later sizes, and parts
+// over a slab, are plain page-rounded mappings). A freed part's whole 4 KiB
+// pages go back to the system at once (MADV_DONTNEED, or munmap), so a slab
+// that keeps a few live parts holds little more than them, and a slab is
+// unmapped when its last part is freed. No part comes from malloc: a freed
+// malloc chunk is a hole between other sessions' live chunks, rarely
+// holding a whole page malloc_trim could return (120 sessions of 2 KiB
+// parts closed between 120 of 128-byte ones left 84 MiB of their 183 MiB
+// charge resident, counted free by the budget).
 // Thread-safe: parts are freed by whichever thread drops the last holder.
 class PageArena {
  public:
   static constexpr int64_t kSlab = int64_t{2} << 20;
   static constexpr int64_t kMinSlabPart = int64_t{16} << 10;
-  static constexpr size_t kMaxArenas = 64;
-  // aligned_alloc(64, n) beyond n: the chunk header and the alignment.
-  static constexpr int64_t kMallocOverhead = 96;
+  static constexpr int64_t kPage = 4096;
+  static constexpr size_t kMaxArenas = 64;  // of parts of kMinSlabPart and above
   // A full slab of parts of `bytes` becomes a huge page: its slack after
   // the last part is at most 1/8 of it.
   static constexpr bool Collapses(int64_t bytes) { return kSlab % bytes <= kSlab / 8; }
+  static constexpr int64_t PageRound(int64_t bytes) {
+    return SatMul(SatAdd(bytes, kPage - 1) / kPage, kPage);
+  }
+  // What a part of `bytes` takes: parts under kMinSlabPart whole 4 KiB pages.
+  static constexpr int64_t SlotBytes(int64_t bytes) {
+    return bytes < kMinSlabPart ? PageRound(bytes) : bytes;
+  }
 
   // The arena for parts of `bytes` read in one pass (`stream`: K parts
-  // apart from V parts, even of the same size); null: plain allocations.
+  // apart from V parts, even of the same size); null: plain mappings.
   static PageArena* For(int64_t bytes, int stream) {
-    if (bytes < kMinSlabPart || bytes > kSlab) return nullptr;
+    bytes = SlotBytes(bytes);
+    if (bytes > kSlab) return nullptr;
     Registry& r = TheRegistry();
     absl::MutexLock lock(&r.mu);
     auto it = r.arenas.find({bytes, stream});
     if (it != r.arenas.end()) return it->second.get();
-    if (r.arenas.size() >= kMaxArenas) return nullptr;
+    if (bytes >= kMinSlabPart && r.large >= kMaxArenas) return nullptr;
+    if (bytes >= kMinSlabPart) ++r.large;
     auto& a = r.arenas[{bytes, stream}];
     a.reset(new PageArena(bytes));
     return a.get();
@@ -132,33 +146,42 @@ class PageArena {
         absl::MutexLock alock(&it->second->mu_);
         empty = it->second->slabs_.empty();
       }
+      if (empty && it->first.first >= kMinSlabPart) --r.large;
       it = empty ? r.arenas.erase(it) : std::next(it);
     }
   }
-  // What a part of `bytes` can keep resident, so what it is charged
-  // (docs/kv-memory.md). A slab that collapses holds its slack whole while
-  // it is huge, so each of its parts carries its share of the slab (up to
-  // 1/7 more than the part: a 1.75 MiB part, one a slab, is charged 2 MiB);
-  // a slab on 4 KiB pages holds its parts' pages; a plain allocation holds
-  // malloc's header and the 64-byte alignment (measured: a 128-byte part
-  // held ~208, with the page's own objects), and one from mmap whole pages.
+  // What a part of `bytes` keeps resident in its arena, so what it is
+  // charged (docs/kv-memory.md). A slab that collapses holds its slack whole
+  // while it is huge, so each of its parts carries its share of the slab
+  // (up to 1/7 more than the part: a 1.75 MiB part, one a slab, is charged
+  // 2 MiB); a slab on 4 KiB pages holds its parts' pages; a part under
+  // kMinSlabPart its whole pages (a 128-byte part 4 KiB). A part over a
+  // slab is a mapping of whole pages.
   static int64_t HeldBytes(int64_t bytes) {
-    constexpr int64_t kPage = 4096;
-    if (bytes < kMinSlabPart) return bytes + kMallocOverhead;
-    if (bytes > kSlab) return SatMul(SatAdd(bytes, kMallocOverhead + kPage - 1) / kPage, kPage);
+    bytes = SlotBytes(bytes);
+    if (bytes > kSlab) return PageRound(bytes);
     if (Collapses(bytes)) return (kSlab + kSlab / bytes - 1) / (kSlab / bytes);
-    return (bytes + kPage - 1) / kPage * kPage;
+    return PageRound(bytes);
   }
-  // Null when memory runs out.
-  static char* Get(int64_t bytes, int stream) {
-    if (PageArena* a = For(bytes, stream)) return a->Take();
-    return static_cast<char*>(std::aligned_alloc(64, bytes));
+  // What a part of `bytes` taken from `arena` (null: a plain mapping)
+  // keeps resident: past the 64th arena a part not a multiple of 4 KiB
+  // holds more than HeldBytes, which the page is charged when it gets it.
+  static int64_t HeldBytesIn(const PageArena* arena, int64_t bytes) {
+    return arena != nullptr ? HeldBytes(bytes) : PageRound(bytes);
   }
-  static void Put(char* part, int64_t bytes, int stream) {
-    if (PageArena* a = For(bytes, stream)) {
-      a->Give(part);
+  // Null when memory runs out; `*arena` is where the part came from, for Put.
+  static char* Get(int64_t bytes, int stream, PageArena** arena) {
+    *arena = For(bytes, stream);
+    if (*arena != nullptr) return (*arena)->Take();
+    void* p = mmap(nullptr, PageRound(bytes), PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? nullptr : static_cast<char*>(p);
+  }
+  static void Put(char* part, int64_t bytes, PageArena* arena) {
+    if (arena != nullptr) {
+      arena->Give(part);
     } else {
-      std::free(part);
+      munmap(part, PageRound(bytes));
     }
   }
 
@@ -169,6 +192,7 @@ class PageArena {
   struct Registry {
     absl::Mutex mu;
     std::map<std::pair<int64_t, int>, std::unique_ptr<PageArena>> arenas ABSL_GUARDED_BY(mu);
+    size_t large ABSL_GUARDED_BY(mu) = 0;  // arenas of parts of kMinSlabPart and above
   };
   static Registry& TheRegistry() {
     static Registry* r = new Registry();
@@ -244,7 +268,6 @@ class PageArena {
 
   // The whole 4 KiB pages of a free part back to the system.
   void Release(char* part) const {
-    constexpr uintptr_t kPage = 4096;
     const uintptr_t lo = (reinterpret_cast<uintptr_t>(part) + kPage - 1) & ~(kPage - 1);
     const uintptr_t hi = (reinterpret_cast<uintptr_t>(part) + bytes_) & ~(kPage - 1);
     if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
@@ -256,7 +279,6 @@ class PageArena {
   void Shrink(char* base, Slab& slab) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     madvise(base, kSlab, MADV_NOHUGEPAGE);
     for (char* p : slab.free) Release(p);
-    constexpr uintptr_t kPage = 4096;
     const uintptr_t slack = (reinterpret_cast<uintptr_t>(base) + kSlab / bytes_ * bytes_ + kPage -
                              1) & ~(kPage - 1);
     const uintptr_t end = reinterpret_cast<uintptr_t>(base) + kSlab;
@@ -308,6 +330,7 @@ class PageArena {
 struct DecodeState::Page {
   char* part[2] = {nullptr, nullptr};  // K, V
   int64_t part_bytes[2] = {0, 0};
+  PageArena* arena[2] = {nullptr, nullptr};  // null: a plain mapping
   std::shared_ptr<KvPageCharger> payer;  // refunded `charged` when the page is freed
   int64_t charged = 0;
   Page() = default;
@@ -315,7 +338,7 @@ struct DecodeState::Page {
   Page& operator=(const Page&) = delete;
   ~Page() {
     for (int i = 0; i < 2; ++i) {
-      if (part[i] != nullptr) PageArena::Put(part[i], part_bytes[i], i);
+      if (part[i] != nullptr) PageArena::Put(part[i], part_bytes[i], arena[i]);
     }
     if (payer) payer->Refund(charged);
   }
@@ -400,13 +423,21 @@ absl::Status DecodeState::MakeWritable(int64_t from, int64_t to) {
     auto page = std::make_shared<Page>();
     page->payer = charger_;
     page->charged = charger_ ? bytes : 0;
+    int64_t held = kPageBookkeepingBytes;
     for (int i = 0; i < 2; ++i) {
       page->part_bytes[i] = l.part(i == 0);
-      page->part[i] = PageArena::Get(page->part_bytes[i], i);
+      page->part[i] = PageArena::Get(page->part_bytes[i], i, &page->arena[i]);
+      held = SatAdd(held, PageArena::HeldBytesIn(page->arena[i], page->part_bytes[i]));
     }
     if (page->part[0] == nullptr || page->part[1] == nullptr) {
       return absl::ResourceExhaustedError(
           absl::StrFormat("out of memory allocating a KV page of %d bytes", bytes));
+    }
+    if (held > bytes && charger_) {
+      // A part past the 64th arena: a mapping of whole pages, more than
+      // page_bytes() when its size is not a multiple of 4 KiB.
+      RA_RETURN_IF_ERROR(charger_->Charge(held - bytes));
+      page->charged = held;
     }
     if (missing) {
       pages_.push_back(std::move(page));
