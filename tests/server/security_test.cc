@@ -32,6 +32,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "core/attention_kernels.h"
+#include "core/decode_state.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -928,14 +930,19 @@ TEST_F(SecurityTest, QuotasBindOnePrincipalAndNotAnother) {
 // all its pages alone (truncating into the shared part and writing), and a
 // quota must bound that.
 TEST_F(SecurityTest, AForkCountsItsWholeStateAgainstTheQuota) {
+  // 16-token pages (not the 32-token tiles of AVX-512 machines), each
+  // charged what its two parts of 16 x 2 x 8 f32 hold (KvPageHeldBytes).
+  const bool previous = internal::SetAvx512KernelsForTesting(false);
+  absl::Cleanup restore = [previous] { internal::SetAvx512KernelsForTesting(previous); };
   server::ServerOptions o = TokenOptions();
-  o.principal_memory_bytes = 1 << 20;
+  const int64_t session = (5000 + 15) / 16 * KvPageHeldBytes(16 * 2 * 8 * 4, 16 * 2 * 8 * 4);
+  o.principal_memory_bytes = session * 5 / 3;
   const int port = Start(o);
   ASSERT_GT(port, 0);
   v1::DecodeResponse r;
-  // 5000 tokens x 2 heads x (8 + 8) dims x 4 bytes: 0.6 of the quota,
-  // opened holding 4992 tokens (312 full pages a fork would share, so the
-  // budget would charge a fork only 8 tokens' page).
+  // 5000 tokens x 2 heads x (8 + 8) dims: 0.6 of the quota, opened holding
+  // 4992 tokens (312 full pages a fork would share, so the budget would
+  // charge a fork only 8 tokens' page).
   Stream s(port, As(kAliceToken));
   {
     v1::DecodeRequest open;

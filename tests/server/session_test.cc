@@ -599,21 +599,31 @@ TEST_F(SessionTest, Int8SessionsAnswerWithinInt8ErrorAndHoldLess) {
   EXPECT_EQ(e.exported().k().shape(1), len);
   EXPECT_TRUE(s.Finish().ok());
 
-  // Held bytes: int8 < bf16 < f32 for the same session.
+  // Held bytes: int8 < bf16 < f32 for the same session, with 8 kv heads so
+  // that a page's parts are past the 16 KiB under which they take whole
+  // 4 KiB pages (there int8 and bf16 both hold one page a part).
+  const Config big{"int8", 8, 8, 32, 32, "default"};
   int64_t held[3];
   const v1::DType dtypes[3] = {v1::DTYPE_INT8, v1::DTYPE_BF16, v1::DTYPE_F32};
   for (int i = 0; i < 3; ++i) {
     Stream t(stub_.get());
-    v1::OpenSession o = MakeOpen(c, 4096);
+    v1::OpenSession o = MakeOpen(big, 4096);
     o.set_kv_dtype(dtypes[i]);
     held[i] = t.Open(o).kv_bytes();
     EXPECT_TRUE(t.Finish().ok());
   }
   EXPECT_LT(held[0], held[1]);
   EXPECT_LT(held[1], held[2]);
-  // The difference is the KV itself: int8 rows + 4-byte scales for K and V
-  // (72 bytes per token and kv head here) against bf16's 128.
-  EXPECT_EQ(held[1] - held[0], 4096 * 2 * ((32 + 32) * 2 - (32 + 32 + 8)));
+  // The difference is the KV itself, page by page (P tokens a page: 32 in
+  // tile pages, 16 otherwise): int8 codes + 4-byte scales per (token, kv
+  // head) for K and for V against bf16's rows, each page charged what its
+  // parts hold (KvPageHeldBytes).
+  auto difference = [](int64_t P) {
+    const int64_t bf16 = P * 8 * 32 * 2, int8 = P * 8 * 32 + P * 8 * 4;
+    return 4096 / P * (KvPageHeldBytes(bf16, bf16) - KvPageHeldBytes(int8, int8));
+  };
+  EXPECT_TRUE(held[1] - held[0] == difference(32) || held[1] - held[0] == difference(16))
+      << held[1] - held[0] << " is neither " << difference(32) << " nor " << difference(16);
 }
 
 TEST_F(SessionTest, Int8IsRefusedWhereItCannotBeExact) {
