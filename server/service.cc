@@ -1349,6 +1349,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       service_->metrics_->RecordAnswerTimedOut(u.method);
       timed_out = absl::StrCat(u.method, " seq ", u.seq, ": ",
                                AnswerNotTaken(service_->options_.answer_timeout_seconds));
+    } else if (!ok && service_->grace_passed()) {
+      // Not delivered: the drain cancelled the stream (UNAVAILABLE to its
+      // client), as OnWriteDone takes it (OnCancel may not have run yet).
+      code = static_cast<int>(grpc::StatusCode::UNAVAILABLE);
     } else if (!ok) {
       // Not delivered: the stream's deadline passed or it was cancelled.
       code = UndeliveredCode(stop_);
@@ -1427,6 +1431,8 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   SessionManager::StreamEnd EndOfStream() const {
     return cancelled_.load() ? EndOfCancelled() : SessionManager::StreamEnd::kEnded;
   }
+  // The stream was cancelled once the grace passed: by the drain.
+  bool CancelledByDrainNow() const { return stop_.cancelled() && service_->grace_passed(); }
   // The status of a stream the drain cancelled: the code its client got
   // from gRPC (UNAVAILABLE), the reason the server's.
   grpc::Status CancelledByDrain() const {
@@ -1464,7 +1470,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     // client), counted and logged so; before, by its client (CANCELLED), or
     // past its deadline. Its whole latency: queued until now (as an
     // abandoned unary call's).
-    const bool by_drain = stop_.cancelled() && service_->grace_passed();
+    const bool by_drain = CancelledByDrainNow();
     const grpc::Status status = by_drain ? CancelledByDrain() : ToGrpcStatus(stop_.status());
     service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(status.error_code()),
                                       SecondsSince(queued_at_));
@@ -1542,6 +1548,17 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   void EndStep(const SessionStep& step, double seconds) {
     AdmittedDone(step.status.ok() ? seconds : -1);
     absl::Status status = step.status;
+    // Stopped mid-way by the drain past the grace: UNAVAILABLE, what its
+    // client gets, counted and logged so (as AbandonIfStopped does for an
+    // operation still queued); nothing is left to answer.
+    if (!status.ok() && stop_.ShouldStop() && CancelledByDrainNow()) {
+      for (Tensor& t : wire_copies_) t = Tensor();
+      service_->metrics_->RecordRequest("Decode.Step",
+                                        static_cast<int>(grpc::StatusCode::UNAVAILABLE),
+                                        SecondsSince(step_start_));
+      FinishCancelledByDrain();
+      return;
+    }
     // Stopped mid-way: the stop's own code, not the kernel's.
     if (!status.ok() && stop_.ShouldStop()) status = stop_.status();
     if (status.ok()) {

@@ -2418,7 +2418,8 @@ TEST_F(SessionTest, GracefulShutdownEndsStreamsThatStartWhileItDrains) {
 // (grpc_server_cancel_all_calls: UNAVAILABLE to the client). Its stream was
 // logged CANCELLED "the client went away" and its non-resumable session
 // counted disconnected; the session is closed for "shutdown" and the log
-// names the shutdown.
+// names the shutdown. The step it stopped was counted and logged CANCELLED
+// "the call was cancelled"; it is UNAVAILABLE.
 TEST_F(SessionTest, AStreamTheDrainCancelsPastTheGraceIsCountedShutdown) {
   server::ServerOptions o = TestServerOptions();
   o.memory_budget_bytes = int64_t{1} << 30;
@@ -2452,6 +2453,12 @@ TEST_F(SessionTest, AStreamTheDrainCancelsPastTheGraceIsCountedShutdown) {
   // The stream the drain ended counts under Decode, as an idle one does.
   EXPECT_THAT(text, HasSubstr(
                         "ropeattn_requests_total{method=\"Decode\",code=\"UNAVAILABLE\"} 1\n"));
+  // The step it stopped counts and logs what its client got (UNAVAILABLE),
+  // not CANCELLED "the call was cancelled".
+  EXPECT_THAT(text, HasSubstr("ropeattn_requests_total{method=\"Decode.Step\",code="
+                              "\"UNAVAILABLE\"} 1\n"));
+  EXPECT_THAT(text, Not(HasSubstr("code=\"CANCELLED\"")));
+  EXPECT_THAT(capture.Text(), Not(HasSubstr("\"code\":\"CANCELLED\"")));
 }
 
 // A client that cancels its streams 0.2 s into a 10 s grace, one computing a
