@@ -79,6 +79,7 @@ class WithoutReflection : public grpc::ServerBuilderOption {
 }  // namespace
 
 struct Server::Impl {
+  std::function<void()> before_grace_passed;  // SetBeforeGracePassedHookForTest
   std::unique_ptr<ModelRegistry> models;
   // Before the grpc::Server: its credentials hold a reference too.
   std::shared_ptr<Authenticator> authenticator;
@@ -439,6 +440,10 @@ void Server::SetServingForTest(bool serving) {
   impl_->SetServing(serving, "set by a test");
 }
 
+void Server::SetBeforeGracePassedHookForTest(std::function<void()> hook) {
+  impl_->before_grace_passed = std::move(hook);
+}
+
 void Server::Shutdown(absl::Duration grace) {
   Impl& m = *impl_;
   {
@@ -463,7 +468,8 @@ void Server::Shutdown(absl::Duration grace) {
   m.stop_health.Notify();
   if (m.health_thread.joinable()) m.health_thread.join();
   m.SetServing(false, "draining");
-  m.service->BeginShutdown();
+  const absl::Time deadline = absl::Now() + grace;
+  m.service->BeginShutdown(deadline);
   // No new connections (the kernel refuses them once the socket is closed).
   m.listener->Stop();
   // In-flight calls get `grace`. gRPC's own Shutdown (GOAWAY, then wait)
@@ -476,7 +482,6 @@ void Server::Shutdown(absl::Duration grace) {
   // final answer is still in the socket.) Cancelling repeats until gRPC's
   // Shutdown returns: one that lands before that Shutdown began is lost.
   constexpr absl::Duration kFlushTime = absl::Seconds(1);
-  const absl::Time deadline = absl::Now() + grace;
   absl::Notification stopped;
   std::thread stopping([&m, &stopped, deadline] {
     m.grpc_server->Shutdown(absl::ToChronoTime(deadline));
@@ -484,7 +489,10 @@ void Server::Shutdown(absl::Duration grace) {
   });
   const bool answered_in_time = m.service->WaitForCalls(deadline);
   stopped.WaitForNotificationWithDeadline(std::min(deadline, absl::Now() + kFlushTime));
-  // A call cancelled from now on is cancelled by the drain, not its client.
+  if (m.before_grace_passed) m.before_grace_passed();
+  // A call cancelled from now on is cancelled by the drain, not its client
+  // (also when every call was answered before the deadline: what is left
+  // is cancelled now).
   m.service->GracePassed();
   while (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(50))) {
     grpc_server_cancel_all_calls(m.grpc_server->c_server());

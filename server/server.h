@@ -3,6 +3,7 @@
 #ifndef ROPEATTN_SERVER_SERVER_H_
 #define ROPEATTN_SERVER_SERVER_H_
 
+#include <functional>
 #include <memory>
 
 #include "absl/status/statusor.h"
@@ -61,6 +62,10 @@ class Server {
   const ServerOptions& options() const { return options_; }
   // For tests: marks health NOT_SERVING as if the compute path were broken.
   void SetServingForTest(bool serving);
+  // For tests: runs in Shutdown once the grace has passed, before the
+  // server marks it passed and cancels what still runs (gRPC's own
+  // Shutdown may cancel calls meanwhile). Set before Shutdown.
+  void SetBeforeGracePassedHookForTest(std::function<void()> hook);
 
  private:
   Server() = default;

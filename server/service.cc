@@ -1820,7 +1820,8 @@ bool AttentionServiceImpl::WaitForCalls(absl::Time deadline) {
   return done;
 }
 
-void AttentionServiceImpl::BeginShutdown() {
+void AttentionServiceImpl::BeginShutdown(absl::Time grace_deadline) {
+  grace_deadline_ns_.store(absl::ToUnixNanos(grace_deadline), std::memory_order_release);
   std::vector<DecodeReactor*> streams;
   {
     // Under mu_ with the list taken: a stream that starts later learns it

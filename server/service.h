@@ -6,10 +6,12 @@
 
 #include <atomic>
 #include <functional>
+#include <limits>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "ropeattn/v1/attention.grpc.pb.h"
 #include "server/answer_watch.h"
 #include "server/admission.h"
@@ -94,14 +96,21 @@ class AttentionServiceImpl final : public RawAttentionService {
 
   // Shutdown: streams waiting for their next message end at once with
   // UNAVAILABLE; streams in a step end right after answering it.
-  void BeginShutdown();
+  // `grace_deadline`: when --shutdown_grace_seconds passes (grace_passed).
+  void BeginShutdown(absl::Time grace_deadline);
   bool draining() const { return draining_.load(); }
-  // The shutdown's grace (--shutdown_grace_seconds) has passed: called
-  // before the server cancels what still runs, so a cancel seen from then
-  // on is the drain's (UNAVAILABLE to its client), one seen before is the
-  // client's own, draining or not.
+  // The server cancels what still runs only once the grace has passed: a
+  // cancel seen from then on is the drain's (UNAVAILABLE to its client),
+  // one seen before is the client's own, draining or not. By the clock, not
+  // only by GracePassed: gRPC's own Shutdown(deadline) cancels every call
+  // at the same deadline, from its thread, and a cancel it runs before
+  // GracePassed is called must still be taken for the drain's.
   void GracePassed() { grace_passed_ = true; }
-  bool grace_passed() const { return grace_passed_.load(); }
+  bool grace_passed() const {
+    if (grace_passed_.load()) return true;
+    if (!draining()) return false;
+    return absl::Now() >= absl::FromUnixNanos(grace_deadline_ns_.load(std::memory_order_acquire));
+  }
 
   // Waits until every call of this service (Decode streams and unary
   // compute calls, answers included) is done, or until `deadline`; true
@@ -241,6 +250,8 @@ class AttentionServiceImpl final : public RawAttentionService {
   AnswerWatch answer_watch_;
   std::atomic<bool> draining_{false};  // set under mu_ (Register)
   std::atomic<bool> grace_passed_{false};
+  // BeginShutdown's grace_deadline, set before draining_.
+  std::atomic<int64_t> grace_deadline_ns_{std::numeric_limits<int64_t>::max()};
   std::atomic<int64_t> computing_{0};
   absl::Mutex mu_;
   absl::flat_hash_set<DecodeReactor*> streams_ ABSL_GUARDED_BY(mu_);

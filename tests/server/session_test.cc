@@ -2461,6 +2461,64 @@ TEST_F(SessionTest, AStreamTheDrainCancelsPastTheGraceIsCountedShutdown) {
   EXPECT_THAT(capture.Text(), Not(HasSubstr("\"code\":\"CANCELLED\"")));
 }
 
+// gRPC's own Shutdown cancels every call at the grace's deadline from its
+// thread, racing the drain's mark that the grace passed: a queued step whose
+// cancel came first was counted the client's (CANCELLED, its session
+// disconnected). Here the mark waits until gRPC's cancel has abandoned the
+// queued step; the grace is passed by the clock.
+TEST_F(SessionTest, AStepQueuedWhenANoGraceDrainCancelsItIsCountedShutdown) {
+  server::ServerOptions o = TestServerOptions();
+  o.memory_budget_bytes = int64_t{1} << 30;
+  o.max_message_bytes = 128 << 20;  // the step
+  o.compute_workers = 1;            // the second step waits for the first
+  Restart(o);
+  ASSERT_NE(server_, nullptr);
+  server::LogCapture capture;  // this server's lines only
+  const Config c{"mha", 4, 4, 128, 128, "default"};
+  constexpr int64_t kTokens = 16384;  // a prefill of seconds on one thread
+  const Sequence seq = MakeSequence(c, kTokens, 11);
+  Stream running(stub_.get());
+  running.Open(MakeOpen(c, kTokens + 8));
+  v1::DecodeRequest step;
+  step.mutable_step()->set_seq(1);
+  *step.mutable_step()->mutable_q() = ToWire(seq.q.cview());
+  *step.mutable_step()->mutable_k() = ToWire(seq.k.cview());
+  *step.mutable_step()->mutable_v() = ToWire(seq.v.cview());
+  ASSERT_TRUE(running.rw()->Write(step));
+  ASSERT_TRUE(Eventually([&] {
+    return absl::StrContains(server_->metrics().RenderPrometheus(), "\nropeattn_running 1\n");
+  }));
+  const Sequence small = MakeSequence(c, 2, 12);
+  Stream queued(stub_.get());
+  queued.Open(MakeOpen(c, 8));
+  v1::DecodeRequest small_step;
+  small_step.mutable_step()->set_seq(1);
+  *small_step.mutable_step()->mutable_q() = ToWire(small.q.cview());
+  *small_step.mutable_step()->mutable_k() = ToWire(small.k.cview());
+  *small_step.mutable_step()->mutable_v() = ToWire(small.v.cview());
+  ASSERT_TRUE(queued.rw()->Write(small_step));
+  ASSERT_TRUE(Eventually([&] {
+    return absl::StrContains(server_->metrics().RenderPrometheus(), "\nropeattn_queue_depth 1\n");
+  }));
+  server_->SetBeforeGracePassedHookForTest([this] {
+    EXPECT_TRUE(Eventually([this] {
+      return absl::StrContains(server_->metrics().RenderPrometheus(),
+                               "ropeattn_abandoned_total{method=\"Decode.Step\"} 1\n");
+    })) << "gRPC's Shutdown did not cancel the queued step";
+  });
+  server_->Shutdown(absl::ZeroDuration());
+  EXPECT_EQ(queued.AwaitServerEnd().error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(running.AwaitServerEnd().error_code(), grpc::StatusCode::UNAVAILABLE);
+  const std::string text = server_->metrics().RenderPrometheus();
+  EXPECT_THAT(text, HasSubstr("ropeattn_sessions_closed_total{reason=\"shutdown\"} 2\n"));
+  EXPECT_THAT(text, HasSubstr("ropeattn_sessions_closed_total{reason=\"disconnected\"} 0\n"));
+  EXPECT_THAT(text, HasSubstr("ropeattn_requests_total{method=\"Decode.Step\",code="
+                              "\"UNAVAILABLE\"} 2\n"));
+  EXPECT_THAT(text, Not(HasSubstr("code=\"CANCELLED\"")));
+  EXPECT_THAT(capture.Text(), Not(HasSubstr("\"code\":\"CANCELLED\"")));
+  EXPECT_THAT(capture.Text(), Not(HasSubstr("went away")));
+}
+
 // A client that cancels its streams 0.2 s into a 10 s grace, one computing a
 // step, one with a step queued behind it: both were logged UNAVAILABLE "the
 // stream was still running when --shutdown_grace_seconds passed", their
