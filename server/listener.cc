@@ -132,14 +132,18 @@ absl::StatusOr<int> ResolveMaxConnections(int max_connections) {
         "--max_connections must be >= 0 (0 = derived from the fd limit), got ", max_connections));
   }
   if (max_connections > 0) return max_connections;
+  absl::StatusOr<int64_t> derived = FdDerivedConnections();
+  if (!derived.ok()) return derived.status();
+  return static_cast<int>(std::min<int64_t>(*derived, kMaxDerivedConnections));
+}
+
+absl::StatusOr<int64_t> FdDerivedConnections() {
   absl::StatusOr<int64_t> soft = FdSoftLimit();
   if (!soft.ok()) return soft.status();
   // fds already open (inherited from whoever started us, or our own) are not
   // free for connections.
   const int64_t open_fds = std::max<int64_t>(0, CountOpenFds());
-  const int64_t derived =
-      std::max<int64_t>(kMinDerivedConnections, *soft - kFdReserve - open_fds);
-  return static_cast<int>(std::min<int64_t>(derived, kMaxDerivedConnections));
+  return std::max<int64_t>(kMinDerivedConnections, *soft - kFdReserve - open_fds);
 }
 
 bool IsLoopbackHost(const std::string& host) {

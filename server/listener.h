@@ -46,10 +46,13 @@ inline constexpr int kMaxDerivedConnections = 4096;
 absl::StatusOr<int64_t> RaiseFdLimitToHard();
 // The current RLIMIT_NOFILE soft limit (INT64_MAX when unlimited).
 absl::StatusOr<int64_t> FdSoftLimit();
+// The connections the fds allow: the fd soft limit minus kFdReserve minus
+// the fds open now (own or inherited), at least kMinDerivedConnections, not
+// capped by kMaxDerivedConnections (what an operator's --max_connections
+// may not exceed without accept() running out of fds).
+absl::StatusOr<int64_t> FdDerivedConnections();
 // The connection cap for a requested `max_connections`: itself when > 0;
-// for 0, the fd soft limit minus kFdReserve minus the fds open now (own or
-// inherited), at least kMinDerivedConnections and at most
-// kMaxDerivedConnections.
+// for 0, FdDerivedConnections at most kMaxDerivedConnections.
 // InvalidArgument when negative.
 absl::StatusOr<int> ResolveMaxConnections(int max_connections);
 

@@ -369,7 +369,9 @@ int main(int argc, char** argv) {
            {{"fd_limit", fd_limit_now.ok() ? *fd_limit_now : -1},
             {"fd_limit_at_start", fd_limit_before.ok() ? *fd_limit_before : -1},
             {"max_connections", *max_connections}});
-  const absl::StatusOr<int> derived = ropeattn::server::ResolveMaxConnections(0);
+  // What the fds allow, not the derived cap (kMaxDerivedConnections stops
+  // that short of it for memory, not fds).
+  const absl::StatusOr<int64_t> derived = ropeattn::server::FdDerivedConnections();
   // Only a cap the operator chose can be too high (the derived one was
   // taken before gRPC opened its own fds, so it differs from this by those).
   if (o.max_connections > 0 && derived.ok() && *max_connections > *derived) {

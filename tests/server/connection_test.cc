@@ -41,6 +41,7 @@ namespace ropeattn::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using Clock = std::chrono::steady_clock;
 
 // grpc.health.v1 Check on a fresh connection: a channel of its own (local
@@ -346,6 +347,7 @@ class ServerProcess {
     p->port_ = startup.port;
     p->metrics_port_ = startup.metrics_port;
     p->limits_line_ = startup.limits_line;
+    p->startup_text_ = startup.text;
     return p;
   }
 
@@ -360,6 +362,8 @@ class ServerProcess {
   int port() const { return port_; }
   int metrics_port() const { return metrics_port_; }
   const std::string& limits_line() const { return limits_line_; }
+  // Its lines up to the config line (start-up warnings among them).
+  const std::string& startup_text() const { return startup_text_; }
   bool Alive() { return pid_ > 0 && waitpid(pid_, nullptr, WNOHANG) == 0; }
 
   // SIGTERM, then waits up to `limit`; true with *status if it exited.
@@ -383,6 +387,7 @@ class ServerProcess {
   int port_ = 0;
   int metrics_port_ = 0;
   std::string limits_line_;
+  std::string startup_text_;
 };
 
 // The flood: kFloodConnections idle TCP connections (they never send a byte,
@@ -493,6 +498,30 @@ TEST(ConnectionFloodTest, NewClientsConnectAfterAFloodPastTheFdLimit) {
   Counts counts{};
   FloodThenRecover(*server, &counts);
   EXPECT_GT(counts.no_fd, 0) << "the flood never ran accept() out of fds";
+}
+
+// --max_connections is compared with what the fds allow, not with the
+// derived cap (which stops at kMaxDerivedConnections for memory): 5000 under
+// an fd limit of 6280 was warned "above 4096 (the fd limit minus a reserve
+// of 256 fds)".
+TEST(ServerFlagsTest, MaxConnectionsIsWarnedAboveTheFdLimitNotAboveTheDerivedCap) {
+  constexpr int kLimit = server::kMaxDerivedConnections + server::kFdReserve + 1024 + 904;
+  rlimit lim{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &lim), 0);
+  if (lim.rlim_max != RLIM_INFINITY && lim.rlim_max < static_cast<rlim_t>(kLimit)) {
+    GTEST_SKIP() << "hard fd limit " << lim.rlim_max << " below " << kLimit;
+  }
+  {
+    auto below = ServerProcess::Start(kLimit, {"--max_connections=5000"});
+    ASSERT_NE(below, nullptr);
+    EXPECT_THAT(below->limits_line(), HasSubstr("\"max_connections\":5000}"));
+    EXPECT_THAT(below->startup_text(), Not(HasSubstr("max_connections_above_fd_limit")));
+  }
+  auto above = ServerProcess::Start(kLimit, {"--max_connections=7000"});
+  ASSERT_NE(above, nullptr);
+  EXPECT_THAT(above->startup_text(), HasSubstr("max_connections_above_fd_limit"));
+  EXPECT_THAT(above->startup_text(), HasSubstr("--max_connections=7000 is above "));
+  EXPECT_THAT(above->startup_text(), Not(HasSubstr("is above 4096")));
 }
 
 // With --max_connections=N, N idle connections are handed to gRPC (it
