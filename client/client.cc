@@ -867,7 +867,13 @@ absl::StatusOr<v1::DecodeResponse> Session::RoundTrip(v1::DecodeRequest& request
   // stream is already dead.
   const bool timed_out = client_->timer_->Disarm(ticket);
   if (!ok || timed_out) return EndStream(op, timed_out);
-  if (response.seq() != seq) {
+  // An error with seq 0 is the in-band answer to this request (answers come
+  // in order): the server refuses a message it could not read (its parse
+  // did not fit the memory budget) without knowing its seq.
+  const bool unread_refusal = response.seq() == 0 &&
+                              response.msg_case() == v1::DecodeResponse::kError &&
+                              response.error().seq() == 0;
+  if (response.seq() != seq && !unread_refusal) {
     absl::Status error = absl::InternalError(absl::StrCat(
         "Decode protocol error: the answer to `", op, "` seq ", seq, " has seq ", response.seq()));
     Abandon(error);

@@ -32,6 +32,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/unknown_field_set.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/server/server_test_util.h"
@@ -512,6 +513,36 @@ TEST(ClientSendSizeTest, OversizedRequestsAreRefusedBeforeSending) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->position(), 1);
   EXPECT_EQ(r->seq(), 1u);
+}
+
+// A message whose parse the server's memory budget cannot hold is refused
+// in band with seq 0 (the server never read its seq) and the stream stays
+// open: the client took that for a desync (INTERNAL, the stream ended and a
+// non-resumable session lost) instead of the request's retryable answer.
+TEST(ClientInBandTest, TheRefusalOfAnUnreadMessageIsItsRequestsInBandAnswer) {
+  server::ServerOptions o = testing::TestServerOptions();
+  o.memory_budget_bytes = int64_t{1} << 20;
+  auto server = testing::StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  std::unique_ptr<Client> client = MustConnect(Local(server->port()));
+  ASSERT_NE(client, nullptr);
+  absl::StatusOr<std::unique_ptr<Session>> session = client->OpenSession(SmallOpen());
+  ASSERT_TRUE(session.ok()) << session.status();
+  const v1::Tensor one = RandomTensor(v1::DTYPE_F32, {1, 1, kHeads, kDim}, 5).value();
+  // ~600 KB on the wire, an unknown field's entry each in memory: past the
+  // 1 MiB budget once parsed.
+  v1::Tensor padded = one;
+  google::protobuf::UnknownFieldSet* unknown =
+      padded.GetReflection()->MutableUnknownFields(&padded);
+  for (int i = 0; i < 200000; ++i) unknown->AddVarint(1000, 0);
+  absl::Status s = (*session)->Step(padded, one, one).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(s.message(), HasSubstr("parsing this ropeattn.v1.DecodeRequest"));
+  EXPECT_EQ((*session)->position(), 0);
+  absl::StatusOr<v1::StepResult> r = (*session)->Step(one, one, one);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->position(), 1);
+  EXPECT_EQ(r->seq(), 2u);
 }
 
 TEST_F(ClientTest, OperatorCloseBreaksTheSession) {

@@ -508,6 +508,45 @@ class PythonClientTest(unittest.TestCase):
         with self.assertRaises(grpc.RpcError):
             s.step(x, x, x)
 
+    def test_the_refusal_of_an_unread_message_is_its_requests_in_band_answer(self):
+        # A message whose parse the server's memory budget cannot hold is
+        # refused in band with seq 0 (the server never read its seq) and the
+        # stream stays open: the seq check took it for a desync, ending the
+        # stream and the session.
+        proc = subprocess.Popen([SERVER, "--address=127.0.0.1:0",
+                                 "--memory_budget_bytes=1048576"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            port = 0
+            for line in proc.stdout:
+                event = json.loads(line)
+                if event["event"] == "listening":
+                    port = event["port"]
+                    break
+            threading.Thread(target=lambda: proc.stdout.read(), daemon=True).start()
+            client = ropeattn.Client(f"127.0.0.1:{port}")
+            try:
+                s = client.session(heads=2, head_dim=8, max_context=8)
+                x = self.rng.standard_normal((1, 1, 2, 8), dtype=np.float32)
+                seq = s._next_seq()
+                t = ropeattn.to_tensor(x, "f32")
+                step = pb.DecodeRequest(step=pb.Step(seq=seq, q=t, k=t, v=t))
+                # ~600 KB of an unknown varint field (number 1000), an entry
+                # each in memory: past the 1 MiB budget once parsed.
+                padded = pb.DecodeRequest.FromString(
+                    step.SerializeToString() + b"\xc0\x3e\x00" * 200000)
+                with self.assertRaises(ropeattn.StepError) as e:
+                    s._send(padded, "step", seq)
+                self.assertEqual(e.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                self.assertIn("parsing this ropeattn.v1.DecodeRequest", e.exception.message)
+                self.assertEqual(s.step(x, x, x).shape, (1, 1, 2, 8))  # the session went on
+                s.close()
+            finally:
+                client.close()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
     def test_an_abandoned_stream_leaves_no_thread(self):
         # grpcio's request-consumer thread waits on the session's queue until
         # the end sentinel: a failed open, a failed close in a with block and a

@@ -503,7 +503,9 @@ class Session:
     """One Decode stream holding one session. Answers come in order; an
     in-band error raises StepError and leaves the session usable; a failed
     open or a lost stream raises grpc.RpcError (so does an answer whose seq
-    is not the request's: the stream is ended). An operation interrupted
+    is not the request's: the stream is ended; an error with seq 0, the
+    server's refusal of a message it could not read, is the request's
+    in-band answer). An operation interrupted
     while its answer is pending (KeyboardInterrupt, a signal handler's
     exception) ends the stream and closes the session before the exception
     goes on. A session dropped without close() ends its stream when it is
@@ -549,7 +551,12 @@ class Session:
             raise
         finally:
             timer.cancel()
-        if response.seq != seq:
+        # An error with seq 0 is the in-band answer to this request (answers
+        # come in order): the server refuses a message it could not read (its
+        # parse did not fit the memory budget) without knowing its seq.
+        unread_refusal = (response.seq == 0 and response.WhichOneof("msg") == "error"
+                          and response.error.seq == 0)
+        if response.seq != seq and not unread_refusal:
             # An answer to another request: every later one would be off too.
             self._end()
             raise _StreamDesync(seq, response.seq)
