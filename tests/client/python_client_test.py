@@ -254,6 +254,24 @@ class PythonClientTest(unittest.TestCase):
             self.assertIn("position", str(e.exception))
             self.assertEqual(s.truncate(0).position, 0)  # no seq was spent on the refusal
 
+        # A bool among integers: numpy made [True, 2] the integers [1, 2]
+        # (and _int refuses a bool alone).
+        q = np.ones((2, 1, 2, 8), np.float32)
+        for name, call in [
+                ("q_offsets", lambda: self.client.attend(q, q, q, q_offsets=[1, True])),
+                ("key_lengths", lambda: self.client.attend(q, q, q, key_lengths=[np.True_, 1])),
+                ("positions", lambda: self.client.rope_apply(np.ones((1, 2, 2, 8), np.float32),
+                                                             positions=[0, True])),
+                ("offsets", lambda: self.client.rope_apply(q, offsets=(np.int64(0), False))),
+                ("token_ids", lambda: self.client.embed("any", [[1, 2], [3, True]]))]:
+            with self.assertRaises(TypeError, msg=name) as e:
+                call()
+            self.assertIn("%s must be integers, got" % name, str(e.exception))
+            self.assertIn("(a bool)", str(e.exception))
+        with self.assertRaises(TypeError) as e:  # bools alone were refused already
+            self.client.rope_apply(q[:1], positions=[True])
+        self.assertIn("positions must be integers, got bool", str(e.exception))
+
     def test_integers_outside_int64_are_refused_naming_the_argument(self):
         # Each was protobuf's bare "Value out of range" ([2**63, 0] was
         # "q_offsets must be integers, got float64").

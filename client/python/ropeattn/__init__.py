@@ -113,10 +113,16 @@ def _check_int64(value, name):
 
 
 def _int_array(values, name):
-    """A numpy array of integers from a sequence or an array (floats are
-    refused, not truncated: a TypeError naming the argument; an integer
-    outside int64 is a ValueError naming the argument and the range)."""
+    """A numpy array of integers from a sequence or an array (floats and
+    bools are refused, not truncated or cast: a TypeError naming the
+    argument; an integer outside int64 is a ValueError naming the argument
+    and the range)."""
     a = np.asarray(values)
+    if a.size and a.dtype.kind in "iu" and not isinstance(values, np.ndarray):
+        # numpy makes [True, 2] the integers [1, 2]; _int refuses a bool.
+        for x in np.asarray(values, dtype=object).reshape(-1):
+            if isinstance(x, (bool, np.bool_)):
+                raise TypeError("%s must be integers, got %r (a bool)" % (name, x))
     if a.size and not np.issubdtype(a.dtype, np.integer):
         if a.dtype.kind in "fO" and not isinstance(values, np.ndarray):
             # Python ints outside int64 make numpy pick float64 (2**63
