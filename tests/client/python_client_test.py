@@ -319,6 +319,14 @@ class PythonClientTest(unittest.TestCase):
                 call()
             self.assertTrue(str(e.exception).startswith("rope: "), str(e.exception))
             self.assertIn(want, str(e.exception))
+        # A value protobuf parses is the server's to refuse: INVALID_ARGUMENT
+        # naming the field.
+        for field, rope in (("theta", {"theta": -1}),
+                            ("rope_type", {"scaling": {"rope_type": "bogus"}})):
+            with self.assertRaises(grpc.RpcError, msg=field) as e:
+                self.client.rope_apply(x, rope=rope)
+            self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn(field, e.exception.details())
 
     def test_rope_and_alibi_together_are_refused_naming_both(self):
         # AttentionSpec.positional is a oneof: ALiBi set after RoPE cleared it,
