@@ -573,6 +573,42 @@ class PythonClientTest(unittest.TestCase):
             proc.terminate()
             proc.wait(timeout=30)
 
+    @staticmethod
+    def request_threads():
+        """grpcio's request-consumer threads (one per Decode call still reading
+        its requests)."""
+        n = 0
+        for frame in sys._current_frames().values():
+            while frame is not None and frame.f_code.co_name != "consume_request_iterator":
+                frame = frame.f_back
+            n += frame is not None
+        return n
+
+    def test_an_interrupted_open_ends_its_stream(self):
+        # The open's try began after Decode() had started grpcio's request
+        # thread and after the finalizer was made: an interrupt in between
+        # left that thread waiting on the queue for good.
+        class InterruptedDecode:
+            def __init__(self, stub):
+                self.stub = stub
+
+            def Decode(self, *args, **kwargs):
+                self.stub.Decode(*args, **kwargs)
+                raise KeyboardInterrupt()  # the call is made, never returned
+
+        client = ropeattn.Client(self.target)
+        try:
+            before = self.request_threads()
+            client._stub = InterruptedDecode(client._stub)
+            with self.assertRaises(KeyboardInterrupt):
+                client.session(heads=2, head_dim=8)
+            deadline = time.monotonic() + 10
+            while self.request_threads() > before and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertEqual(self.request_threads(), before)
+        finally:
+            client.close()
+
     def test_an_abandoned_stream_leaves_no_thread(self):
         # grpcio's request-consumer thread waits on the session's queue until
         # the end sentinel: a failed open, a failed close in a with block and a

@@ -497,12 +497,14 @@ class _StreamDesync(grpc.RpcError):
         return str(self)
 
 
-def _end_stream(requests, responses):
+def _end_stream(requests, call):
     """Ends a Decode stream from this side: grpcio's request-consumer thread
     waits in requests.get() until the None sentinel comes, whatever happened
-    to the call, so a stream left without it keeps a thread forever."""
+    to the call, so a stream left without it keeps a thread forever. `call`
+    holds the Decode call once Decode() has returned it (empty before)."""
     requests.put(None)
-    responses.cancel()  # nothing once the call has ended
+    for responses in call:
+        responses.cancel()  # nothing once the call has ended
 
 
 class Session:
@@ -519,14 +521,18 @@ class Session:
 
     def __init__(self, client, open_request):
         self._timeout = client._timeout
-        self._requests = queue.Queue()
-        self._responses = client._stub.Decode(iter(self._requests.get, None),
-                                               metadata=client._metadata)
-        # Every way out of the stream but a clean close() runs this (once): a
-        # failed open or close, a lost stream, a session collected unclosed.
-        self._end = weakref.finalize(self, _end_stream, self._requests, self._responses)
         self._seq = 0
+        self._requests = requests = queue.Queue()
+        call = []
+        # Every way out of the stream but a clean close() runs this (once): a
+        # failed or interrupted open, a failed close, a lost stream, a
+        # session collected unclosed. It is in place before Decode() starts
+        # grpcio's request thread, so an interrupt anywhere after cannot leak it.
+        self._end = weakref.finalize(self, _end_stream, requests, call)
         try:
+            call.append(client._stub.Decode(iter(requests.get, None),
+                                            metadata=client._metadata))
+            self._responses = call[0]
             self.info = self._send(pb.DecodeRequest(open=open_request), "opened")
         except BaseException:
             self._end()
