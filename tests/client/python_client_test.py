@@ -253,7 +253,6 @@ class PythonClientTest(unittest.TestCase):
                 s.truncate(1.0)
             self.assertIn("position", str(e.exception))
             self.assertEqual(s.truncate(0).position, 0)  # no seq was spent on the refusal
-
         # A bool among integers: numpy made [True, 2] the integers [1, 2]
         # (and _int refuses a bool alone).
         q = np.ones((2, 1, 2, 8), np.float32)
@@ -554,15 +553,14 @@ class PythonClientTest(unittest.TestCase):
             try:
                 s = client.session(heads=2, head_dim=8, max_context=8)
                 x = self.rng.standard_normal((1, 1, 2, 8), dtype=np.float32)
-                seq = s._next_seq()
                 t = ropeattn.to_tensor(x, "f32")
-                step = pb.DecodeRequest(step=pb.Step(seq=seq, q=t, k=t, v=t))
+                step = pb.DecodeRequest(step=pb.Step(q=t, k=t, v=t))
                 # ~600 KB of an unknown varint field (number 1000), an entry
                 # each in memory: past the 1 MiB budget once parsed.
                 padded = pb.DecodeRequest.FromString(
                     step.SerializeToString() + b"\xc0\x3e\x00" * 200000)
                 with self.assertRaises(ropeattn.StepError) as e:
-                    s._send(padded, "step", seq)
+                    s._send(padded, "step")
                 self.assertEqual(e.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
                 self.assertIn("parsing this ropeattn.v1.DecodeRequest", e.exception.message)
                 self.assertEqual(s.step(x, x, x).shape, (1, 1, 2, 8))  # the session went on
@@ -572,6 +570,55 @@ class PythonClientTest(unittest.TestCase):
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+
+    def test_an_interrupt_leaves_no_timer_armed(self):
+        # timer.start() ran before the try (and waits for the timer's thread,
+        # where signals run): an interrupt there left the session open with
+        # its timer armed, and `timeout` seconds later it cancelled the stream
+        # under another step. An interrupt in the finally's cancel() alike.
+        timers = []
+
+        class InterruptedStart(threading.Timer):
+            def start(self):
+                timers.append(self)
+                super().start()
+                raise KeyboardInterrupt()
+
+        class InterruptedCancel(threading.Timer):
+            interrupted = False
+
+            def cancel(self):
+                timers.append(self)
+                if not InterruptedCancel.interrupted:
+                    InterruptedCancel.interrupted = True
+                    raise KeyboardInterrupt()
+                super().cancel()
+
+        x = np.ones((1, 1, 2, 8), np.float32)
+        for name, timer in (("start", InterruptedStart), ("cancel", InterruptedCancel)):
+            timers.clear()
+            s = self.client.session(heads=2, head_dim=8)
+            s.step(x, x, x)
+            with mock.patch("threading.Timer", timer):
+                with self.assertRaises(KeyboardInterrupt, msg=name):
+                    s.step(x, x, x)
+            self.assertTrue(timers, name)
+            for t in timers:
+                self.assertTrue(t.finished.is_set(), name)
+                t.join(10)
+                self.assertFalse(t.is_alive(), name)
+            with self.assertRaises(ValueError, msg=name) as e:  # ended, not left to a timer
+                s.step(x, x, x)
+            self.assertIn("session is closed", str(e.exception))
+        # An interrupt before the timer starts leaves the session as it was:
+        # nothing sent, no seq taken.
+        s = self.client.session(heads=2, head_dim=8)
+        s.step(x, x, x)
+        with mock.patch("threading.Timer", side_effect=KeyboardInterrupt):
+            with self.assertRaises(KeyboardInterrupt):
+                s.step(x, x, x)
+        self.assertEqual(s.step(x, x, x).shape, (1, 1, 2, 8))
+        self.assertEqual(s.close().position, 2)
 
     @staticmethod
     def request_threads():
@@ -608,6 +655,56 @@ class PythonClientTest(unittest.TestCase):
             self.assertEqual(self.request_threads(), before)
         finally:
             client.close()
+
+    def test_an_interrupted_close_leaves_the_session_closed(self):
+        # An interrupt while close() drained the ended stream (the server had
+        # answered `closed`) left the session half-closed: a second close()
+        # and every operation raised a bare StopIteration, and a map() over
+        # steps silently ended empty.
+        class DrainInterrupted:
+            def __init__(self, responses):
+                self.responses, self.calls = responses, 0
+
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                self.calls += 1
+                if self.calls == 2:  # the first is the close's answer
+                    raise KeyboardInterrupt()
+                return next(self.responses)
+
+            def cancel(self):
+                self.responses.cancel()
+
+        x = np.ones((1, 1, 2, 8), np.float32)
+        s = self.client.session(heads=2, head_dim=8)
+        s.step(x, x, x)
+        s._responses = DrainInterrupted(s._responses)
+        with self.assertRaises(KeyboardInterrupt):
+            s.close()
+        self.assertIsNone(s.close())
+        for op in (lambda: s.step(x, x, x), s.fork,
+                   lambda: list(map(lambda i: s.step(x, x, x), range(3)))):
+            with self.assertRaises(ValueError) as e:
+                op()
+            self.assertIn("session is closed", str(e.exception))
+
+        # A stream the server ended (OK) under an operation, without its
+        # answer, is the closed session, never a StopIteration.
+        class Ended:
+            def __next__(self):
+                raise StopIteration
+
+            def cancel(self):
+                pass
+
+        s = self.client.session(heads=2, head_dim=8)
+        s._responses = Ended()
+        with self.assertRaises(ValueError) as e:
+            s.step(x, x, x)
+        self.assertIn("session is closed", str(e.exception))
+        self.assertIsNone(s.close())
 
     def test_an_abandoned_stream_leaves_no_thread(self):
         # grpcio's request-consumer thread waits on the session's queue until

@@ -507,17 +507,23 @@ def _end_stream(requests, call):
         responses.cancel()  # nothing once the call has ended
 
 
+_CLOSED = "the session is closed: open another with Client.session()"
+
+
 class Session:
     """One Decode stream holding one session. Answers come in order; an
     in-band error raises StepError and leaves the session usable; a failed
     open or a lost stream raises grpc.RpcError (so does an answer whose seq
     is not the request's: the stream is ended; an error with seq 0, the
     server's refusal of a message it could not read, is the request's
-    in-band answer). An operation interrupted
-    while its answer is pending (KeyboardInterrupt, a signal handler's
-    exception) ends the stream and closes the session before the exception
-    goes on. A session dropped without close() ends its stream when it is
-    collected."""
+    in-band answer). An operation on a closed
+    session raises ValueError (a second close() does nothing), as does one
+    whose stream the server ended without answering it. An operation
+    interrupted (KeyboardInterrupt, a signal handler's exception) before
+    its request is on its way leaves the session as it was; from then on
+    the interrupt ends the stream and closes the session before the
+    exception goes on; never is a timeout left armed. A session dropped
+    without close() ends its stream when it is collected."""
 
     def __init__(self, client, open_request):
         self._timeout = client._timeout
@@ -538,28 +544,46 @@ class Session:
             self._end()
             raise
 
-    def _send(self, request, expect, seq=0):
-        """The answer to `request`, whose seq is `seq` (0 for open)."""
+    def _send(self, request, expect):
+        """The answer to `request`: the open (seq 0) or an operation, whose
+        seq is set here, the session's next."""
         if self._requests is None:
             # After close() (or a close that failed in a with block) the
             # stream is gone; ValueError, as grpc's own closed channel.
-            raise ValueError("the session is closed: open another with Client.session()")
+            raise ValueError(_CLOSED)
+        requests, responses = self._requests, self._responses
+        operation = request.WhichOneof("msg")
+        seq = 0 if operation == "open" else self._seq + 1
+        if seq:
+            getattr(request, operation).seq = seq
         # Each operation has the client's timeout: past it the stream is
         # cancelled (grpc.RpcError CANCELLED), as the C++ client does.
-        timer = threading.Timer(self._timeout, self._responses.cancel)
-        timer.start()
+        timer = threading.Timer(self._timeout, responses.cancel)
+        # Up to here an interrupt leaves the session as it was: nothing sent,
+        # no timer, no seq taken.
         try:
-            self._requests.put(request)
-            response = next(self._responses)
+            timer.start()  # waits for the timer's thread: signals run there
+            requests.put(request)
+            self._seq = seq
+            response = next(responses)
+            timer.cancel()  # here and in finally: an interrupt in one leaves the other
         except grpc.RpcError:
             self._end()  # the call is over (lost, cancelled, timed out)
             raise
-        except BaseException:
-            # Interrupted while the answer is pending (KeyboardInterrupt, a
-            # signal handler's exception): that answer would be read as the
-            # next operation's, so the stream ends here and the session with it.
-            self._end()
+        except StopIteration:
+            # The server ended the stream (OK) without answering: the session
+            # is gone there, and here it is the closed session.
             self._requests = None
+            self._end()
+            raise ValueError(_CLOSED) from None
+        except BaseException:
+            # Interrupted (KeyboardInterrupt, a signal handler's exception)
+            # with the timer started: the request may be sent and its answer
+            # would be read as the next operation's, so the stream ends here
+            # and the session with it (a timer missed by an interrupt in
+            # cancel() then cancels an ended call: nothing).
+            self._requests = None
+            self._end()
             raise
         finally:
             timer.cancel()
@@ -578,47 +602,45 @@ class Session:
             raise StepError(code, response.error.message)
         return getattr(response, expect)
 
-    def _next_seq(self):
-        self._seq += 1
-        return self._seq
-
     def step(self, q, k, v, dtype="f32"):
         """Appends tokens q [1, T, H, D], k, v [1, T, Hkv, D]: out [1, T, H, Dv]."""
         q = _real_array(q, "q", "[1, tokens, heads, head_dim]")
         k = _real_array(k, "k", "[1, tokens, kv_heads, head_dim]")
         v = _real_array(v, "v", "[1, tokens, kv_heads, v_dim]")
-        step = pb.Step(seq=self._next_seq(), q=to_tensor(q, dtype), k=to_tensor(k, dtype),
-                       v=to_tensor(v, dtype))
-        return from_tensor(self._send(pb.DecodeRequest(step=step), "step", step.seq).out)
+        step = pb.Step(q=to_tensor(q, dtype), k=to_tensor(k, dtype), v=to_tensor(v, dtype))
+        return from_tensor(self._send(pb.DecodeRequest(step=step), "step").out)
 
     def truncate(self, position):
-        position = _int(position, "position")  # before a seq is taken
-        seq = self._next_seq()
-        return self._send(pb.DecodeRequest(truncate=pb.Truncate(seq=seq, position=position)),
-                          "truncated", seq)
+        position = _int(position, "position")  # before anything is sent
+        return self._send(pb.DecodeRequest(truncate=pb.Truncate(position=position)), "truncated")
 
     def fork(self):
-        seq = self._next_seq()
-        return self._send(pb.DecodeRequest(fork=pb.Fork(seq=seq)), "forked", seq)
+        return self._send(pb.DecodeRequest(fork=pb.Fork()), "forked")
 
     def export_kv(self):
         """(keys, values) as float32 arrays [1, T, Hkv, D]: keys rotated at
         their positions, or, under a dynamic or longrope rule, the raw keys
         the session keeps (KvExport.key_form RAW)."""
-        seq = self._next_seq()
-        e = self._send(pb.DecodeRequest(export_kv=pb.ExportKv(seq=seq)), "exported", seq)
+        e = self._send(pb.DecodeRequest(export_kv=pb.ExportKv()), "exported")
         return from_tensor(e.k), from_tensor(e.v)
 
     def close(self):
+        """The session's last SessionInfo; None when it is closed already."""
         if self._requests is None:
             return None
-        seq = self._next_seq()
-        info = self._send(pb.DecodeRequest(close=pb.Close(seq=seq)), "closed", seq)
-        self._requests.put(None)
+        info = self._send(pb.DecodeRequest(close=pb.Close()), "closed")
+        # The server closed it: so is this object, before anything that an
+        # interrupt can stop (draining the stream left it half-closed, and
+        # every later call raised a bare StopIteration).
+        requests, self._requests = self._requests, None
+        try:
+            requests.put(None)
+            for _ in self._responses:
+                pass
+        except BaseException:
+            self._end()
+            raise
         self._end.detach()
-        for _ in self._responses:
-            pass
-        self._requests = None
         return info
 
     def __enter__(self):
@@ -633,5 +655,5 @@ class Session:
         try:
             self.close()
         except Exception:  # whatever close() raises, the block's own exception goes on
-            self._end()
             self._requests = None
+            self._end()
