@@ -706,6 +706,54 @@ class PythonClientTest(unittest.TestCase):
         self.assertIn("session is closed", str(e.exception))
         self.assertIsNone(s.close())
 
+    def test_a_session_is_shared_between_threads_one_operation_at_a_time(self):
+        # Several threads stepping one session ran inside one stream's next()
+        # together (grpcio: "Internal gRPC call error 8", steps blocked past
+        # their timeout) and one could find _requests None after the check.
+        class Overlap:  # next() held a little, counting who is inside
+            def __init__(self, responses):
+                self.responses, self.lock = responses, threading.Lock()
+                self.inside = self.most = 0
+
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                with self.lock:
+                    self.inside += 1
+                    self.most = max(self.most, self.inside)
+                try:
+                    time.sleep(0.005)
+                    return next(self.responses)
+                finally:
+                    with self.lock:
+                        self.inside -= 1
+
+            def cancel(self):
+                self.responses.cancel()
+
+        x = np.ones((1, 1, 2, 8), np.float32)
+        s = self.client.session(heads=2, head_dim=8, max_context=64)
+        s._responses = overlap = Overlap(s._responses)
+        errors = []
+
+        def steps():
+            try:
+                for _ in range(10):
+                    self.assertEqual(s.step(x, x, x).shape, (1, 1, 2, 8))
+            except BaseException as e:  # noqa: B902, reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=steps) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        self.assertFalse(any(t.is_alive() for t in threads))
+        self.assertEqual(errors, [])
+        self.assertEqual(overlap.most, 1)
+        self.assertEqual(s.close().position, 30)
+
     def test_an_abandoned_stream_leaves_no_thread(self):
         # grpcio's request-consumer thread waits on the session's queue until
         # the end sentinel: a failed open, a failed close in a with block and a

@@ -15,6 +15,7 @@ import collections.abc
 import os
 import queue
 import threading
+import time
 import weakref
 
 import grpc
@@ -522,11 +523,17 @@ class Session:
     interrupted (KeyboardInterrupt, a signal handler's exception) before
     its request is on its way leaves the session as it was; from then on
     the interrupt ends the stream and closes the session before the
-    exception goes on; never is a timeout left armed. A session dropped
-    without close() ends its stream when it is collected."""
+    exception goes on; never is a timeout left armed. A session may be
+    shared between threads: its operations run one at a time, in the order
+    they take its lock, each within the client's timeout (the wait for the
+    lock included). A session dropped without close() ends its stream when
+    it is collected."""
 
     def __init__(self, client, open_request):
         self._timeout = client._timeout
+        # Taking the seq, sending and reading the answer are one step: two
+        # threads inside one stream's next() broke grpcio's call.
+        self._lock = threading.Lock()
         self._seq = 0
         self._requests = requests = queue.Queue()
         call = []
@@ -547,6 +554,12 @@ class Session:
     def _send(self, request, expect):
         """The answer to `request`: the open (seq 0) or an operation, whose
         seq is set here, the session's next."""
+        deadline = time.monotonic() + self._timeout
+        with self._lock:
+            return self._exchange(request, expect, deadline)
+
+    def _exchange(self, request, expect, deadline):
+        """_send's work, under the session's lock."""
         if self._requests is None:
             # After close() (or a close that failed in a with block) the
             # stream is gone; ValueError, as grpc's own closed channel.
@@ -556,9 +569,10 @@ class Session:
         seq = 0 if operation == "open" else self._seq + 1
         if seq:
             getattr(request, operation).seq = seq
-        # Each operation has the client's timeout: past it the stream is
-        # cancelled (grpc.RpcError CANCELLED), as the C++ client does.
-        timer = threading.Timer(self._timeout, responses.cancel)
+        # Each operation has the client's timeout, counted from the call (the
+        # wait for the lock included): past it the stream is cancelled
+        # (grpc.RpcError CANCELLED), as the C++ client does.
+        timer = threading.Timer(max(0.0, deadline - time.monotonic()), responses.cancel)
         # Up to here an interrupt leaves the session as it was: nothing sent,
         # no timer, no seq taken.
         try:
@@ -626,22 +640,24 @@ class Session:
 
     def close(self):
         """The session's last SessionInfo; None when it is closed already."""
-        if self._requests is None:
-            return None
-        info = self._send(pb.DecodeRequest(close=pb.Close()), "closed")
-        # The server closed it: so is this object, before anything that an
-        # interrupt can stop (draining the stream left it half-closed, and
-        # every later call raised a bare StopIteration).
-        requests, self._requests = self._requests, None
-        try:
-            requests.put(None)
-            for _ in self._responses:
-                pass
-        except BaseException:
-            self._end()
-            raise
-        self._end.detach()
-        return info
+        deadline = time.monotonic() + self._timeout
+        with self._lock:
+            if self._requests is None:
+                return None
+            info = self._exchange(pb.DecodeRequest(close=pb.Close()), "closed", deadline)
+            # The server closed it: so is this object, before anything that
+            # an interrupt can stop (draining the stream left it half-closed,
+            # and every later call raised a bare StopIteration).
+            requests, self._requests = self._requests, None
+            try:
+                requests.put(None)
+                for _ in self._responses:
+                    pass
+            except BaseException:
+                self._end()
+                raise
+            self._end.detach()
+            return info
 
     def __enter__(self):
         return self
