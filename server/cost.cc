@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -87,7 +88,113 @@ int64_t AttentionScratchBytes(int64_t batch, int64_t heads, int64_t kv_heads, in
   return Sum({pack, tiles, widened});
 }
 
+// The size of the key range [lo, hi) the query at position `pos` sees
+// among `key_len` keys (core/attention.cc, Plan::KeyRange with index
+// positions); <= 0 when it sees none.
+int64_t RangeSize(bool causal, int64_t window, int64_t key_len, int64_t pos) {
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  int64_t hi = key_len;
+  if (causal) {
+    hi = std::min(hi, pos + 1);
+  } else if (window > 0) {
+    hi = std::min(hi, pos + window);
+  }
+  return hi - lo;
+}
+
+struct VisibleKeys {
+  int64_t pairs = 0;    // sum over the query rows of their visible keys
+  int64_t max_row = 0;  // the most keys one row sees
+};
+
+// The visible keys of the queries at positions [p0, p0 + rows), in closed
+// form: the range's ends are linear in the position between at most two
+// breakpoints (where the window's start leaves 0, where the end reaches
+// key_len), so each piece is an arithmetic series clipped at 0.
+VisibleKeys VisibleKeysOf(bool causal, int64_t window, int64_t key_len, int64_t p0,
+                          int64_t rows) {
+  // Positions stay within kMaxPosition and the window within
+  // kMaxPosition + 1 (as the core clamps it): no term below overflows.
+  window = std::min<int64_t>(window, kMaxPosition + 1);
+  const int64_t p1 = p0 + rows;
+  std::vector<int64_t> cuts = {p0, p1};
+  if (window > 0) cuts.push_back(window - 1);
+  if (causal) {
+    cuts.push_back(key_len - 1);
+  } else if (window > 0) {
+    cuts.push_back(key_len - window);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  __int128 sum = 0;
+  int64_t max_row = 0;
+  int64_t s = p0;
+  for (int64_t e : cuts) {
+    if (e <= s || e > p1) continue;
+    const int64_t n = e - s;
+    const int64_t a = RangeSize(causal, window, key_len, s);
+    const int64_t slope = n > 1 ? RangeSize(causal, window, key_len, s + 1) - a : 0;
+    max_row = std::max({max_row, a, a + slope * (n - 1)});
+    if (slope == 0) {
+      sum += static_cast<__int128>(n) * std::max<int64_t>(a, 0);
+    } else if (slope > 0) {  // a, a + 1, ...: the terms from max(0, -a) on
+      const int64_t m = n - std::min(n, std::max<int64_t>(0, -a));
+      const int64_t first = a + (n - m);
+      sum += static_cast<__int128>(m) * first + static_cast<__int128>(m) * (m - 1) / 2;
+    } else {  // a, a - 1, ...: the first a terms while positive
+      const int64_t m = std::clamp<int64_t>(a, 0, n);
+      sum += static_cast<__int128>(m) * a - static_cast<__int128>(m) * (m - 1) / 2;
+    }
+    s = e;
+  }
+  VisibleKeys v;
+  v.pairs = sum > kInt64Max ? kInt64Max : static_cast<int64_t>(sum);
+  v.max_row = max_row;
+  return v;
+}
+
+// What one head's rows of one batch row cost the kernels: the (query, key)
+// pairs they score, and the keys each kv head streams.
+struct Visits {
+  int64_t pairs = 0;
+  int64_t keys = 0;
+};
+
+// The decode kernel scores each row's visible keys and reads their union
+// once (rounded to the cache's tiles); the prefill kernel scores, per
+// 128-row block, every row against the block's union (a row sees at most
+// 127 keys fewer than it: its window or causal edge moves a key a row) and
+// reads that union once per block. Unmasked: q_len x key_len pairs, and
+// key_len keys per block (or once).
+Visits VisitsOf(bool causal, int64_t window, int64_t q_offset, int64_t q_len, int64_t key_len,
+                bool prefill) {
+  const int64_t full = SatMul(q_len, key_len);
+  const int64_t blocks = prefill ? CeilDiv(q_len, kPrefillRows) : 1;
+  Visits v;
+  if (!causal && window <= 0) {
+    v.pairs = full;
+    v.keys = SatMul(key_len, blocks);
+    return v;
+  }
+  const VisibleKeys k = VisibleKeysOf(causal, window, key_len, q_offset, q_len);
+  if (k.pairs == 0) return v;  // every row masked: no tile is touched
+  if (prefill) {
+    v.pairs = std::min(full, SatAdd(k.pairs, SatMul(q_len, kPrefillRows - 1)));
+    v.keys = std::min(SatMul(key_len, blocks),
+                      SatAdd(CeilDiv(v.pairs, kPrefillRows),
+                             std::min(key_len, SatAdd(k.max_row, kPrefillRows - 1))));
+  } else {
+    v.pairs = k.pairs;
+    v.keys = std::min(key_len, Sum({k.max_row, q_len - 1, KvCache::kTile}));
+  }
+  return v;
+}
+
 }  // namespace
+
+int64_t VisiblePairs(bool causal, int64_t window, int64_t q_offset, int64_t q_len,
+                     int64_t key_len) {
+  return VisibleKeysOf(causal, window, key_len, q_offset, q_len).pairs;
+}
 
 int64_t DenseBytes(int64_t elements, DType dtype) {
   return SatMul(elements, static_cast<int64_t>(DTypeSize(dtype)));
@@ -112,8 +219,7 @@ absl::Status CheckCost(const Cost& cost, const CostLimits& limits, absl::string_
 Cost AttendCost(const AttendDims& d) {
   Cost c;
   const int64_t out_el = SatProduct({d.batch, d.q_len, d.heads, d.v_dim});
-  const int64_t pairs = SatProduct({d.batch, d.heads, d.q_len, d.k_len});
-  const int64_t probs_el = d.return_probs ? pairs : 0;
+  const int64_t probs_el = d.return_probs ? SatProduct({d.batch, d.heads, d.q_len, d.k_len}) : 0;
   const int64_t out_bytes = DenseBytes(out_el, d.out_dtype);
   c.reply_bytes = Sum({out_bytes, SatMul(probs_el, 4), kReplyOverheadBytes});
   c.reply_what = absl::StrFormat("out [%d, %d, %d, %d] %s", d.batch, d.q_len, d.heads, d.v_dim,
@@ -157,12 +263,32 @@ Cost AttendCost(const AttendDims& d) {
   const int64_t tiles =
       prefill ? SatProduct({d.batch, d.kv_heads, CeilDiv(d.q_len, kPrefillRows)})
               : 0;
-  // K/V bytes streamed: once per (batch row, kv head) by the decode kernel,
-  // once per query tile by the prefill's GEMMs.
+  // The pairs the kernels score and the K/V rows they stream (VisitsOf):
+  // masked tiles and padded keys are skipped. Rows listed in q_offsets /
+  // key_lengths are priced one by one (the lists are on the wire), the
+  // others alike.
+  const bool causal = d.causal && !d.explicit_positions;
+  const int64_t window = d.explicit_positions ? 0 : d.window;
+  const int64_t listed =
+      static_cast<int64_t>(std::max(d.q_offsets.size(), d.key_lengths.size()));
+  int64_t pairs_per_head = 0, keys_per_kv_head = 0;
+  auto add = [&](const Visits& v, int64_t count) {
+    pairs_per_head = SatAdd(pairs_per_head, SatMul(v.pairs, count));
+    keys_per_kv_head = SatAdd(keys_per_kv_head, SatMul(v.keys, count));
+  };
+  auto row = [&](int64_t b) {
+    const int64_t offset = b < static_cast<int64_t>(d.q_offsets.size()) ? d.q_offsets[b]
+                                                                         : d.k_len - d.q_len;
+    const int64_t key_len =
+        b < static_cast<int64_t>(d.key_lengths.size()) ? d.key_lengths[b] : d.k_len;
+    return VisitsOf(causal, window, offset, d.q_len, key_len, prefill);
+  };
+  for (int64_t b = 0; b < std::min(listed, d.batch); ++b) add(row(b), 1);
+  if (d.batch > listed) add(row(listed), d.batch - listed);
+  const int64_t pairs = SatMul(pairs_per_head, d.heads);
   const int64_t kv_bytes =
-      SatProduct({d.batch, d.kv_heads, d.k_len, SatAdd(d.head_dim, d.v_dim),
-                  static_cast<int64_t>(DTypeSize(d.kv_dtype)),
-                  prefill ? CeilDiv(d.q_len, kPrefillRows) : 1});
+      SatProduct({keys_per_kv_head, d.kv_heads, SatAdd(d.head_dim, d.v_dim),
+                  static_cast<int64_t>(DTypeSize(d.kv_dtype))});
   // Each pair also costs its softmax (scale, max, exp, sum): one element step.
   c.compute = Sum({std::max(SatMul(pairs, Sum({d.head_dim, d.v_dim, kElementWeight})),
                             SatMul(kv_bytes, kKvByteWeight)),

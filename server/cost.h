@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -64,8 +65,24 @@ struct AttendDims {
   int64_t t5_rel_positions = 0;  // T5: relative positions the bias table spans
   int64_t wire_bytes = 0;        // bytes of q, k, v (and tables) on the wire
   int threads = 1;
+  // The mask (core/attention.h): compute is priced by the (query, key)
+  // pairs the kernels visit, not batch x heads x Sq x Sk.
+  bool causal = false;
+  int64_t window = 0;                // 0: none
+  std::vector<int64_t> q_offsets;    // per batch row; empty: Sk - Sq each
+  std::vector<int64_t> key_lengths;  // per batch row; empty: Sk each
+  // q_positions / k_positions given: the mask follows them, and only
+  // key_lengths narrow the price (every other row is priced whole).
+  bool explicit_positions = false;
 };
 Cost AttendCost(const AttendDims& d);
+// The (query, key) pairs core/attention.h's mask leaves visible to q_len
+// queries at positions q_offset, q_offset + 1, ... over key_len keys at
+// positions 0, 1, ... (causal, and a window > 0), summed over the rows in
+// closed form (no loop over the rows); saturating. The kernels visit these,
+// rounded to tiles (AttendCost, StepCost).
+int64_t VisiblePairs(bool causal, int64_t window, int64_t q_offset, int64_t q_len,
+                     int64_t key_len);
 
 // --- Attend in layer mode ---
 struct LayerDims {

@@ -285,6 +285,11 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request, int thre
   d.return_probs = request.return_probs();
   d.wire_bytes = Sum3(plan.q.bytes, plan.k.bytes, plan.v.bytes);
   d.threads = threads;
+  d.causal = spec.options.causal;
+  d.window = spec.options.window;
+  d.q_offsets = plan.offsets;
+  d.key_lengths.assign(request.key_lengths().begin(), request.key_lengths().end());
+  d.explicit_positions = !plan.q_positions.empty() || !plan.k_positions.empty();
   if (!plan.empty) {
     if (spec.rope) {
       d.rope_rotary_dim = spec.rope->effective_rotary_dim();

@@ -904,6 +904,128 @@ TEST(HardeningCostTest, ABf16PrefillIsChargedItsWidenedRows) {
   EXPECT_GE(bf16.transient_bytes, d.wire_bytes + widened + packed);
 }
 
+// The mask's visible pairs in closed form against a row-by-row count of
+// core/attention.h's rule (padding, causal, window of either kind).
+TEST(HardeningCostTest, VisiblePairsMatchTheMaskRowByRow) {
+  const auto naive = [](bool causal, int64_t window, int64_t offset, int64_t q_len,
+                        int64_t key_len) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < q_len; ++i) {
+      const int64_t pos = offset + i;
+      for (int64_t j = 0; j < key_len; ++j) {
+        if (causal && j > pos) continue;
+        if (window > 0 && (pos - j >= window || j - pos >= window)) continue;
+        ++n;
+      }
+    }
+    return n;
+  };
+  for (const bool causal : {false, true}) {
+    for (const int64_t window : {0, 1, 2, 3, 8, 100}) {
+      for (const int64_t offset : {0, 1, 2, 5, 20, 60}) {
+        for (const int64_t q_len : {0, 1, 2, 7, 16, 45}) {
+          for (const int64_t key_len : {0, 1, 5, 12, 40, 70}) {
+            SCOPED_TRACE(absl::StrCat("causal ", causal, " window ", window, " offset ", offset,
+                                      " q_len ", q_len, " key_len ", key_len));
+            EXPECT_EQ(server::VisiblePairs(causal, window, offset, q_len, key_len),
+                      naive(causal, window, offset, q_len, key_len));
+          }
+        }
+      }
+    }
+  }
+  // Far positions and huge extents in closed form, saturating.
+  EXPECT_EQ(server::VisiblePairs(true, 64, kMaxPosition - 999, 1000, kMaxPosition + 1),
+            int64_t{64} * 1000);
+  EXPECT_EQ(server::VisiblePairs(false, 0, 0, int64_t{1} << 40, int64_t{1} << 40), kInt64Max);
+}
+
+// An Attend is priced by the (query, key) pairs its mask leaves, not the
+// full Sq x Sk product the kernels skip: a causal 32k Attend with window 64
+// (computed in 19-30 ms) was refused as 748 ms of compute, key_lengths [64]
+// over 8k x 8k cost the full 8k x 8k, and causal twice its work; the
+// admission learned its rate from those figures and the fair queue tagged
+// a windowed caller with ~16 full requests' worth.
+TEST(HardeningCostTest, AttendIsPricedByThePairsItsMaskLeaves) {
+  const auto dims = [](int64_t q_len, int64_t k_len) {
+    server::AttendDims d;
+    d.batch = 1;
+    d.q_len = q_len;
+    d.k_len = k_len;
+    d.heads = 8;
+    d.kv_heads = 2;
+    d.head_dim = 64;
+    d.v_dim = 64;
+    d.wire_bytes = (q_len * 8 + 2 * k_len * 2) * 64 * 4;
+    return d;
+  };
+  // Unmasked: the price it had (pairs x (d + dv + 16), element steps, rows
+  // and tiles), on the prefill path and on the decode path (K/V bytes).
+  {
+    const server::AttendDims d = dims(2048, 2048);
+    const int64_t elements = LoopSteps({1, 2048, 8}) + LoopSteps({1, 2048, 2}) + 2048 * 8 * 64;
+    EXPECT_EQ(server::AttendCost(d).compute, int64_t{8} * 2048 * 2048 * (64 + 64 + 16) +
+                                                 elements * server::kElementWeight +
+                                                 int64_t{2048} * 8 * 2048 + 2 * 16 * 65536);
+    const server::AttendDims one = dims(1, 4096);
+    const int64_t one_elements = LoopSteps({1, 1, 8}) + LoopSteps({1, 4096, 2}) + 8 * 64;
+    EXPECT_EQ(server::AttendCost(one).compute, int64_t{2} * 4096 * 128 * 4 * 8 +
+                                                   one_elements * server::kElementWeight +
+                                                   8 * 2048);
+  }
+  const int64_t weight = 64 + 64 + 16;
+  // Causal: about half.
+  {
+    server::AttendDims d = dims(8192, 8192);
+    const int64_t full = server::AttendCost(d).compute;
+    d.causal = true;
+    const int64_t causal = server::AttendCost(d).compute;
+    EXPECT_GT(causal, 0.45 * full);
+    EXPECT_LT(causal, 0.55 * full);
+    EXPECT_GE(causal, int64_t{8} * 8192 * 8193 / 2 * weight);
+  }
+  // A window of 64 over 32k keys: about 64/32k of it (the prefill scores a
+  // 128-row block against its rows' union, 64 + 127 keys), and a decode
+  // query over the same cache its 64 keys.
+  {
+    server::AttendDims d = dims(32768, 32768);
+    const int64_t full = server::AttendCost(d).compute;
+    d.causal = true;
+    d.window = 64;
+    const int64_t windowed = server::AttendCost(d).compute;
+    EXPECT_LT(windowed, full * 4 * 64 / 32768);
+    EXPECT_GE(windowed, int64_t{8} * 32768 * 64 * weight);
+    server::AttendDims one = dims(1, 32768);
+    const int64_t one_full = server::AttendCost(one).compute;
+    one.causal = true;
+    one.window = 64;
+    EXPECT_LT(server::AttendCost(one).compute, one_full / 100);
+    EXPECT_GE(server::AttendCost(one).compute, int64_t{8} * 64 * weight);
+  }
+  // key_lengths: the padded keys are not priced, per batch row.
+  {
+    server::AttendDims d = dims(8192, 8192);
+    d.batch = 2;
+    const int64_t full = server::AttendCost(d).compute;
+    d.key_lengths = {64, 64};
+    const int64_t padded = server::AttendCost(d).compute;
+    EXPECT_LT(padded, full / 50);
+    EXPECT_GE(padded, int64_t{2} * 8 * 8192 * 64 * weight);
+    d.key_lengths = {64, 8192};
+    EXPECT_GT(server::AttendCost(d).compute, full / 2);
+    EXPECT_LT(server::AttendCost(d).compute, full * 52 / 100);
+  }
+  // Explicit positions: the mask follows them, so only key_lengths narrow.
+  {
+    server::AttendDims d = dims(4096, 4096);
+    const int64_t full = server::AttendCost(d).compute;
+    d.causal = true;
+    d.window = 64;
+    d.explicit_positions = true;
+    EXPECT_EQ(server::AttendCost(d).compute, full);
+  }
+}
+
 // Decode steps learn two rates: those the decode kernel computes and those
 // the prefill computes (units take 10-100x different times on the two). One
 // shared rate, taught by a one-token step slowed past 5 ms, made queued
