@@ -446,15 +446,19 @@ Cost StepCost(const SessionDims& s, const StepDims& d) {
     // S, P and A updated per kv head and read per head; z beside them.
     compute = SatProduct({d.tokens, d.heads, s.head_dim, SatAdd(s.v_dim, 1), 6});
   } else {
-    compute = SatMul(SatProduct({d.heads, d.tokens, new_len}),
-                     Sum({s.head_dim, s.v_dim, kElementWeight}));
+    // The step's rows at position.. over the cache, causal and under the
+    // session's window (AttendCost).
+    const Visits v = VisitsOf(/*causal=*/true, s.window, d.position, d.tokens, new_len, prefill);
+    compute = SatMul(SatMul(d.heads, v.pairs), Sum({s.head_dim, s.v_dim, kElementWeight}));
     // The cached K/V streamed (AttendCost): int8 rows plus a 4-byte scale
-    // per (token, kv head) for K and V, or rows of kv_dtype.
+    // per (token, kv head) for K and V, or rows of kv_dtype. A step on the
+    // prefill path gathers every cached row once first (PagedPrefill): at
+    // least one pass.
     const int64_t row_bytes =
         s.int8_kv ? SatAdd(SatAdd(s.head_dim, s.v_dim), 8)
                   : SatMul(SatAdd(s.head_dim, s.v_dim), static_cast<int64_t>(DTypeSize(s.kv_dtype)));
-    const int64_t passes = prefill ? CeilDiv(d.tokens, kPrefillRows) : 1;
-    compute = std::max(compute, SatProduct({new_len, s.kv_heads, row_bytes, passes, kKvByteWeight}));
+    const int64_t keys = prefill ? std::max(v.keys, new_len) : v.keys;
+    compute = std::max(compute, SatProduct({keys, s.kv_heads, row_bytes, kKvByteWeight}));
   }
   if (d.hidden > 0) {
     compute = SatAdd(compute, SatMul(SatProduct({d.tokens, d.hidden, s.head_dim}),

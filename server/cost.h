@@ -117,6 +117,7 @@ struct SessionDims {
   bool int8_kv = false;  // int8 rows + an f32 scale per (token, kv head)
   int64_t rope_rotary_dim = 0;      // 0: no RoPE
   bool rope_length_dependent = false;  // dynamic NTK / LongRoPE: raw keys kept
+  int64_t window = 0;  // sliding window of the (causal) attention; 0: none
 };
 // held_bytes: the session's state for its whole life (KV or linear state,
 // raw keys; no RoPE table: each step computes its positions' rows). Paged KV (tiles, token-major and int8, core/decode_state.h)

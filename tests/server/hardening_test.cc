@@ -1026,6 +1026,32 @@ TEST(HardeningCostTest, AttendIsPricedByThePairsItsMaskLeaves) {
   }
 }
 
+// A session's steps under a window are priced by the keys the window
+// leaves, and a step's rows causally among themselves.
+TEST(HardeningCostTest, StepsArePricedByTheirWindowAndCausalRows) {
+  server::SessionDims s;
+  s.kv_heads = 8;
+  s.head_dim = 128;
+  s.v_dim = 128;
+  s.max_context = 131072;
+  server::StepDims d;
+  d.tokens = 1;
+  d.position = 131071;
+  d.heads = 32;
+  const int64_t full = server::StepCost(s, d).compute;
+  s.window = 4096;
+  const int64_t windowed = server::StepCost(s, d).compute;
+  EXPECT_LT(windowed, full / 20);
+  EXPECT_GE(windowed, int64_t{32} * 4096 * (128 + 128 + 16));
+  // A 2048-token prompt at position 0: about half the 2048 x 2048 pairs.
+  s.window = 0;
+  d.tokens = 2048;
+  d.position = 0;
+  const int64_t pairs_cost = server::StepCost(s, d).compute;
+  EXPECT_LT(pairs_cost, int64_t{32} * 2048 * 2048 * (128 + 128 + 16) * 6 / 10);
+  EXPECT_GE(pairs_cost, int64_t{32} * 2048 * 2049 / 2 * (128 + 128 + 16));
+}
+
 // Decode steps learn two rates: those the decode kernel computes and those
 // the prefill computes (units take 10-100x different times on the two). One
 // shared rate, taught by a one-token step slowed past 5 ms, made queued
