@@ -50,18 +50,23 @@ class Admission {
   // decode step is not refused for another caller's long request).
   // `ahead` (optional): the compute running now and waiting to run before
   // this request (Executor::WorkAhead, which knows the fair-queueing order);
-  // without it, all pending compute counts as ahead. A running task counts
-  // what is left of its estimate (less the time it has run; nothing once
-  // past it), so the wait and the retry hint count down while it runs. The
-  // deadline and max_queue_delay see all of it. The slowdown sees the queued work, this
+  // without it, all pending compute counts as ahead, spread over the
+  // workers. With it, the wait is until a worker would be free for this
+  // request: each worker is busy for what is left of its running pass (its
+  // estimate less the time it has run; nothing once past it, so the wait and
+  // the retry hint count down while it runs; an idle worker, not at all),
+  // the queued work ahead goes, task by task in the fair-queueing order, to
+  // the earliest free worker, and the request waits for the earliest free
+  // worker after that. The deadline and max_queue_delay see all of it. The
+  // slowdown sees the queued work, this
   // caller's running work, and another caller's running request only when
   // that is no more than max_slowdown times this request: a running request
   // cannot be preempted, so counting a far larger one refused every small
   // request of a light caller while a heavy caller kept the workers busy,
   // and admitted the heavy caller's, whose compute dwarfs the wait (the light
-  // caller starved, though fair queueing puts its request next). Behind a
-  // comparable request the wait is the overload the slowdown is for.
-  using UnitsByMethod = absl::flat_hash_map<const char*, int64_t>;
+  // caller starved, though fair queueing puts its request next; its worker
+  // counts as free). Behind a comparable request the wait is the overload
+  // the slowdown is for.
   using Ahead = Executor::Ahead;
   absl::Status Admit(const char* method, int64_t compute, absl::Time deadline, absl::Time now,
                      absl::Duration* retry_after, bool slowdown_applies = true,
@@ -73,9 +78,11 @@ class Admission {
                 absl::Time now = absl::Now());
 
   // The retry-after hint of a refusal because the queue is full: when the
-  // work running now should be done (what is left of each running task's
-  // estimate, spread over the workers, so it counts down while the work
-  // runs), within [1 ms, 10 s]; 100 ms before any of its rates is known.
+  // first busy worker should be done with what it runs (what is left of its
+  // running pass's estimate, so it counts down while the work runs; work
+  // past its estimate counts a tenth of it; a worker whose work has no
+  // known rate is left out), within [1 ms, 10 s]; 100 ms before any of the
+  // running work's rates is known.
   absl::Duration QueueRetryHint(const Ahead& ahead) const;
 
   // Estimated seconds `compute` units of `method` take on one worker;

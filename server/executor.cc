@@ -138,19 +138,28 @@ Executor::Ahead Executor::WorkAhead(const std::string& key, int64_t compute) con
   absl::MutexLock lock(&mu_);
   Ahead ahead;
   for (const Taken* t : taken_) {
+    bool first = true;
     for (const Work& w : t->work) {
-      ahead.running.push_back(
-          Running{w.kind, w.compute, std::max(absl::ZeroDuration(), now - t->started), w.key == key});
+      ahead.running.push_back(Running{w.kind, w.compute,
+                                      std::max(absl::ZeroDuration(), now - t->started),
+                                      w.key == key, /*same_pass=*/!first});
+      first = false;
     }
   }
   const double tag = TagLocked(key, compute);
+  std::vector<std::pair<double, Queued>> queued;
   for (const auto& [caller, tasks] : queues_) {
     for (const Task& t : tasks) {
       if (t.tag > tag) break;  // a caller's tags only grow
       if (Dead(t)) continue;   // leaves without running
-      ahead.queued[t.kind] += t.compute;
+      queued.push_back({t.tag, Queued{t.kind, t.compute}});
     }
   }
+  // The order PopLocked takes them in.
+  std::stable_sort(queued.begin(), queued.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  ahead.queued.reserve(queued.size());
+  for (const auto& [t, q] : queued) ahead.queued.push_back(q);
   return ahead;
 }
 

@@ -36,6 +36,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/functional/function_ref.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -99,19 +100,37 @@ class Executor {
   // The work that would run before a task of caller `key` costing `compute`
   // submitted now: `running`, every running task with its priced compute and
   // how long it has run (an estimate subtracts that, so the wait it gives
-  // counts down while the work runs), `own` when it is `key`'s; and `queued`,
-  // by kind, every live waiting task with a smaller finish tag than the new
-  // one would get. A light caller behind a heavy caller's deep queue sees
-  // only the running work and about one task of each other caller.
+  // counts down while the work runs), `own` when it is `key`'s, the tasks of
+  // one worker's pass (a batch) together; and `queued`, one by one in the
+  // order the workers take them (smallest finish tag first), every live
+  // waiting task with a smaller finish tag than the new one would get. A
+  // light caller behind a heavy caller's deep queue sees only the running
+  // work and about one task of each other caller. Workers with no entry in
+  // `running` are idle (or running a small task inline, TryRunInline).
   struct Running {
     const char* kind;
     int64_t compute;         // priced, whole
     absl::Duration elapsed;  // since a worker took it
     bool own;                // the asking caller's
+    // Runs in the same pass, on the same worker, as the entry before it (a
+    // batch's other tasks); false: the first (or only) task of its worker.
+    bool same_pass = false;
+  };
+  struct Queued {
+    const char* kind;
+    int64_t compute;  // priced
   };
   struct Ahead {
     std::vector<Running> running;
-    absl::flat_hash_map<const char*, int64_t> queued;
+    std::vector<Queued> queued;
+    // The queued units of `kind`, all together.
+    int64_t QueuedUnits(absl::string_view kind) const {
+      int64_t units = 0;
+      for (const Queued& q : queued) {
+        if (kind == q.kind) units += q.compute;
+      }
+      return units;
+    }
   };
   Ahead WorkAhead(const std::string& key, int64_t compute) const;
   // Runs `task` on the calling thread, now, if a worker is free and nothing

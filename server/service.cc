@@ -466,7 +466,7 @@ absl::Duration AttentionServiceImpl::CanaryAllowance() const {
   // Running work counts whole (an upper bound: the canary must not take a
   // replica out of rotation for work that ran past its estimate).
   for (const Executor::Running& r : ahead.running) estimate(r.kind, r.compute);
-  for (const auto& [kind, units] : ahead.queued) estimate(kind, units);
+  for (const Executor::Queued& q : ahead.queued) estimate(q.kind, q.compute);
   seconds /= std::max(1, executor_->workers());
   return std::min(absl::Seconds(20) + absl::Seconds(2 * seconds), absl::Hours(1));
 }

@@ -740,8 +740,8 @@ TEST(ExecutorTest, CancelledOrExpiredTasksLeaveTheQueueAtOnce) {
   // Expired: no longer counted, though nothing has removed it yet.
   absl::SleepFor(absl::Milliseconds(5));
   EXPECT_EQ(executor.queue_depth(), 2);
-  EXPECT_EQ(executor.WorkAhead("other", 1'000'000).queued.at("Attend"), 2000);
-  EXPECT_EQ(executor.WorkAhead("other", 1'000'000).queued.count("Decode.Step"), 0u);
+  EXPECT_EQ(executor.WorkAhead("other", 1'000'000).QueuedUnits("Attend"), 2000);
+  EXPECT_EQ(executor.WorkAhead("other", 1'000'000).QueuedUnits("Decode.Step"), 0);
 
   // Cancelled: DropStopped (what the service calls from OnCancel) runs it
   // here, while the only worker is still busy, and it is gone from the
@@ -759,7 +759,7 @@ TEST(ExecutorTest, CancelledOrExpiredTasksLeaveTheQueueAtOnce) {
   }
   EXPECT_EQ(executor.queue_depth(), 1);
   const auto ahead = executor.WorkAhead("other", 1'000'000);
-  EXPECT_EQ(ahead.queued.at("Attend"), 1000);
+  EXPECT_EQ(ahead.QueuedUnits("Attend"), 1000);
 
   // A submit makes room by dropping dead entries itself.
   std::atomic<int> ran_c{0};
@@ -1461,7 +1461,7 @@ TEST(HardeningAdmissionTest, TheSlowdownCountsComparableOrOwnRunningWork) {
     server::Admission::Ahead ahead;
     if (others > 0) ahead.running.push_back({"Attend", others, absl::ZeroDuration(), false});
     if (own > 0) ahead.running.push_back({"Attend", own, absl::ZeroDuration(), true});
-    if (queued > 0) ahead.queued["Attend"] = queued;
+    if (queued > 0) ahead.queued.push_back({"Attend", queued});
     return ahead;
   };
   using C = absl::StatusCode;
@@ -1527,6 +1527,62 @@ TEST(HardeningAdmissionTest, TheWaitAndItsRetryHintCountDownWhileWorkRuns) {
   EXPECT_GT(overdue, full / 20);
   EXPECT_LT(overdue, full / 5);
   EXPECT_EQ(a.QueueRetryHint(server::Admission::Ahead()), absl::Milliseconds(100));  // unknown
+}
+
+// The wait is until a worker would be free for the request: an idle worker
+// has no wait, whatever the others run. Spreading the running work over
+// every worker refused a 24 ms Attend beside an idle worker "about 1115 ms
+// of wait for a worker" (deadline) and past --max_queue_delay_seconds.
+TEST(HardeningAdmissionTest, AnIdleWorkerMeansNoWait) {
+  server::Admission a(2, absl::Milliseconds(200), /*max_slowdown=*/0);
+  for (int i = 0; i < 3; ++i) a.Finished("Attend", 1'000'000'000, 0.1);  // 1e10 units/s
+  const absl::Time now = absl::Now();
+  const auto admit = [&](const server::Admission::Ahead& ahead, absl::Time deadline,
+                         absl::Duration* retry) {
+    absl::Status st = a.Admit("Attend", 240'000'000, deadline, now, retry, true, &ahead);  // 24 ms
+    if (st.ok()) a.Finished("Attend", 240'000'000, -1);
+    return st;
+  };
+  const auto running = [](std::vector<std::pair<int64_t, bool>> tasks) {
+    server::Admission::Ahead ahead;
+    for (const auto& [units, same_pass] : tasks) {
+      ahead.running.push_back({"Attend", units, absl::ZeroDuration(), false, same_pass});
+    }
+    return ahead;
+  };
+  absl::Duration retry;
+  // One worker runs another caller's 2.3 s request; the other is idle.
+  const server::Admission::Ahead one = running({{23'000'000'000, false}});
+  EXPECT_TRUE(admit(one, now + absl::Milliseconds(400), &retry).ok());
+  EXPECT_TRUE(admit(one, absl::InfiniteFuture(), &retry).ok());
+  // A batch's tasks run in one pass, on one worker: the other is still idle.
+  EXPECT_TRUE(admit(running({{23'000'000'000, false}, {1'000'000'000, true}}),
+                    absl::InfiniteFuture(), &retry)
+                  .ok());
+  // Both busy: the wait is for the first to be free (1 s), not the mean.
+  const server::Admission::Ahead both = running({{23'000'000'000, false}, {10'000'000'000, false}});
+  const absl::Status busy = admit(both, absl::InfiniteFuture(), &retry);
+  EXPECT_EQ(busy.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(busy.message()), HasSubstr("wait for a compute worker is 1000 ms"));
+  EXPECT_NEAR(absl::ToDoubleSeconds(retry), 0.8, 0.01);
+  // Queued work ahead goes to the earliest free worker, in order: 1 s on
+  // the idle one, then 0.5 s after it (1.5 s) ...
+  server::Admission::Ahead queued = one;
+  queued.queued.push_back({"Attend", 10'000'000'000});
+  const absl::Status behind = admit(queued, now + absl::Milliseconds(400), &retry);
+  EXPECT_EQ(behind.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(behind.message()), HasSubstr("about 1000 ms of wait for a worker"));
+  queued.queued.push_back({"Attend", 5'000'000'000});
+  EXPECT_THAT(std::string(admit(queued, now + absl::Milliseconds(400), &retry).message()),
+              HasSubstr("about 1500 ms of wait for a worker"));
+  // ... and the next there too (free at 1.5 s, before the 2.3 s request
+  // ends, so it is done at 2.5 s): the request waits for the 2.3 s one.
+  queued.queued.push_back({"Attend", 10'000'000'000});
+  EXPECT_THAT(std::string(admit(queued, now + absl::Milliseconds(400), &retry).message()),
+              HasSubstr("about 2300 ms of wait for a worker"));
+  // The queue-full hint: when the first busy worker is done (1 s), not the
+  // running work spread over both (1.65 s).
+  EXPECT_NEAR(absl::ToDoubleSeconds(a.QueueRetryHint(both)), 1.0, 0.01);
 }
 
 // The wait a request is admitted on follows the fair-queueing order: a
@@ -1970,11 +2026,7 @@ class BusyWorker {
 // Units of `kind` waiting in `executor` (the health canary's own task,
 // which may wait too, has no kind).
 int64_t QueuedUnits(server::Executor& executor, const char* kind) {
-  const auto ahead = executor.WorkAhead("test:probe", int64_t{1} << 60);
-  for (const auto& [k, units] : ahead.queued) {
-    if (absl::string_view(k) == kind) return units;
-  }
-  return 0;
+  return executor.WorkAhead("test:probe", int64_t{1} << 60).QueuedUnits(kind);
 }
 
 // Unary calls cancelled or past their deadline while queued leave the queue
