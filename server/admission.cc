@@ -45,6 +45,10 @@ std::vector<double> FreeTimes(int workers, const std::vector<double>& busy,
   return free_at;
 }
 
+// A retry hint is at least 1 ms: 0 (a wait rounded down to whole
+// milliseconds) had clients retry at once.
+absl::Duration AtLeast1ms(absl::Duration d) { return std::max(d, absl::Milliseconds(1)); }
+
 }  // namespace
 
 Admission::Admission(int workers, absl::Duration max_queue_delay, double max_slowdown)
@@ -252,7 +256,7 @@ absl::Status Admission::Admit(const char* method, int64_t compute, absl::Time de
   if (!refusal.ok()) {
     const bool probe = now - own.last_sample > kStaleRate && now - own.last_probe > kStaleRate;
     if (!only_own_compute || !probe) {
-      *retry_after = refusal_retry;
+      *retry_after = AtLeast1ms(refusal_retry);
       return refusal;
     }
     own.last_probe = now;  // admitted all the same, to learn the rate again

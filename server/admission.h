@@ -66,7 +66,8 @@ class Admission {
   // and admitted the heavy caller's, whose compute dwarfs the wait (the light
   // caller starved, though fair queueing puts its request next; its worker
   // counts as free). Behind a comparable request the wait is the overload
-  // the slowdown is for.
+  // the slowdown is for. *retry_after is at least 1 ms (a hint of 0 had
+  // clients retry at once).
   using Ahead = Executor::Ahead;
   absl::Status Admit(const char* method, int64_t compute, absl::Time deadline, absl::Time now,
                      absl::Duration* retry_after, bool slowdown_applies = true,

@@ -1585,6 +1585,28 @@ TEST(HardeningAdmissionTest, AnIdleWorkerMeansNoWait) {
   EXPECT_NEAR(absl::ToDoubleSeconds(a.QueueRetryHint(both)), 1.0, 0.01);
 }
 
+// Every retry hint is at least 1 ms: the slowdown's (the excess wait) and
+// max_queue_delay's were the excess itself, 0 once it was under 1 ms, and a
+// hint of 0 had clients retry at once.
+TEST(HardeningAdmissionTest, ARetryHintIsAtLeastOneMillisecond) {
+  server::Admission a(1, absl::Milliseconds(100), /*max_slowdown=*/4);
+  for (int i = 0; i < 3; ++i) a.Finished("Attend", 1'000'000'000, 0.1);  // 1e10 units/s
+  const absl::Time now = absl::Now();
+  const auto retry_behind = [&](int64_t own_running, int64_t units) {
+    server::Admission::Ahead ahead;
+    ahead.running.push_back({"Attend", own_running, absl::ZeroDuration(), true});
+    absl::Duration retry = absl::ZeroDuration();
+    const absl::Status st =
+        a.Admit("Attend", units, absl::InfiniteFuture(), now, &retry, true, &ahead);
+    EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+    return retry;
+  };
+  // The slowdown: 20 ms of own compute may wait 80 ms; 80.4 ms of wait.
+  EXPECT_EQ(retry_behind(804'000'000, 200'000'000), absl::Milliseconds(1));
+  // max_queue_delay (100 ms; no slowdown for a 0.1 s request): 100.3 ms.
+  EXPECT_EQ(retry_behind(1'003'000'000, 1'000'000'000), absl::Milliseconds(1));
+}
+
 // The wait a request is admitted on follows the fair-queueing order: a
 // light caller behind a heavy caller's deep queue waits for the running
 // request only, so --max_queue_slowdown does not shed it for work it will
