@@ -835,6 +835,10 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       FinishOnce(grpc::Status::OK);
       return;
     }
+    // The operation's latency (ropeattn_request_duration_seconds) starts
+    // here, before its admission and its wait for a worker, as a unary
+    // call's does.
+    read_at_ = absl::Now();
     // Busy from here to the answer's write: a Drain (shutdown) that runs
     // now leaves the stream to end after this operation, and one that ran
     // before finished it (and may have reset session_): seen below, before
@@ -1469,11 +1473,11 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     // Cancelled once the grace passed: by the drain (UNAVAILABLE to the
     // client), counted and logged so; before, by its client (CANCELLED), or
     // past its deadline. Its whole latency: queued until now (as an
-    // abandoned unary call's).
+    // abandoned unary call's), from when it was read.
     const bool by_drain = CancelledByDrainNow();
     const grpc::Status status = by_drain ? CancelledByDrain() : ToGrpcStatus(stop_.status());
     service_->metrics_->RecordRequest(MethodOf(request_), static_cast<int>(status.error_code()),
-                                      SecondsSince(queued_at_));
+                                      SecondsSince(read_at_));
     if (by_drain) {
       FinishCancelledByDrain();
     } else {
@@ -1522,20 +1526,19 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   bool BeginStep(SessionStep* step) {
     service_->metrics_->RecordQueueTime("Decode.Step", SecondsSince(queued_at_));
     if (AbandonIfStopped()) return false;
-    step_start_ = absl::Now();
     response_.Clear();
     response_.set_seq(SeqOf(request_));
     if (session_ == nullptr) {
       Answer("Decode.Step",
              absl::InvalidArgumentError(
                  "the first message of a Decode stream must be `open` or `attach`"),
-             step_start_, /*stream_fatal=*/true);
+             read_at_, /*stream_fatal=*/true);
       return false;
     }
     absl::StatusOr<StepInput> in =
         StepInputFromProto(session_->config(), request_.step(), wire_copies_);
     if (!in.ok()) {
-      Answer("Decode.Step", in.status(), step_start_, /*stream_fatal=*/false);
+      Answer("Decode.Step", in.status(), read_at_, /*stream_fatal=*/false);
       return false;
     }
     step->session = session_.get();
@@ -1567,7 +1570,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       response_.mutable_step()->set_position(step.position);
     }
     for (Tensor& t : wire_copies_) t = Tensor();
-    Answer("Decode.Step", status, step_start_, /*stream_fatal=*/false);
+    Answer("Decode.Step", status, read_at_, /*stream_fatal=*/false);
   }
   int64_t op_compute() const { return op_compute_; }
 
@@ -1688,7 +1691,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
         stream_fatal = session_ == nullptr;
         break;
     }
-    Answer(method, status, start, stream_fatal);
+    Answer(method, status, read_at_, stream_fatal);
   }
 
   AttentionServiceImpl* const service_;
@@ -1696,6 +1699,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   // Who opened the stream: its sessions belong to this principal.
   const absl::StatusOr<Principal> principal_;
   const std::string share_;  // the executor's fair-queueing key
+  absl::Time read_at_;    // when the current operation was read (its latency's start)
   absl::Time queued_at_;  // when the current operation was queued
   int64_t op_compute_ = -1;  // the current operation's admitted compute, -1: none
   // The current open's (prefix import) or export's priced compute: past
@@ -1716,7 +1720,6 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   grpc::ByteBuffer read_buf_;   // the next message's bytes, parsed into request_
   MemoryBudget::Reservation parse_held_;  // request_'s memory beyond its wire bytes
   grpc::ByteBuffer write_buf_;  // response_ serialized, until its write is done
-  absl::Time step_start_;                // when the current step left the queue
   std::array<Tensor, 3> wire_copies_;    // a step's misaligned wire tensors, copied
   std::shared_ptr<Session> session_;
   bool close_after_write_ = false;

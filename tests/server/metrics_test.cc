@@ -30,8 +30,14 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/executor.h"
+#include "server/server.h"
+#include "tests/core/test_util.h"
+#include "tests/server/server_test_util.h"
 
 namespace ropeattn::server {
 namespace {
@@ -955,6 +961,63 @@ TEST(MetricsHttpServerTest, LocalhostAndIpv6Loopback) {
   } else {
     EXPECT_GT((*v6)->port(), 0);
   }
+}
+
+// A decode step's ropeattn_request_duration_seconds is its whole latency, as
+// a unary call's is: from when it was read, through its wait for a compute
+// worker, to its answer. It started when the step left the queue, so the
+// wait (ropeattn_queue_seconds) was left out.
+TEST(MetricsServerTest, ADecodeStepsDurationIncludesItsWaitForAWorker) {
+  ServerOptions o = ropeattn::testing::TestServerOptions();
+  o.compute_workers = 1;
+  std::unique_ptr<Server> server = ropeattn::testing::StartTestServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = ropeattn::testing::TestStub(server->port());
+  grpc::ClientContext ctx;
+  auto rw = stub->Decode(&ctx);
+  v1::DecodeRequest open;
+  open.mutable_open()->mutable_spec()->set_heads(1);
+  open.mutable_open()->mutable_spec()->set_head_dim(4);
+  open.mutable_open()->set_max_context(16);
+  ASSERT_TRUE(rw->Write(open));
+  v1::DecodeResponse r;
+  ASSERT_TRUE(rw->Read(&r));
+  ASSERT_TRUE(r.has_opened()) << r.DebugString();
+  // The only worker held: the step waits in the queue until it is let go.
+  absl::Notification started, release;
+  ASSERT_TRUE(server->executor().TrySubmit("test:held", 1, [&] {
+    started.Notify();
+    release.WaitForNotification();
+  }));
+  started.WaitForNotification();
+  v1::DecodeRequest step;
+  step.mutable_step()->set_seq(1);
+  const int64_t shape[] = {1, 1, 1, 4};
+  const Tensor x = ropeattn::testing::RandomTensor(DType::kF32, shape, 1);
+  *step.mutable_step()->mutable_q() = ropeattn::testing::ToWire(x.cview());
+  *step.mutable_step()->mutable_k() = ropeattn::testing::ToWire(x.cview());
+  *step.mutable_step()->mutable_v() = ropeattn::testing::ToWire(x.cview());
+  ASSERT_TRUE(rw->Write(step));
+  ASSERT_TRUE(ropeattn::testing::Eventually([&] { return server->executor().queue_depth() == 1; }));
+  absl::SleepFor(absl::Milliseconds(50));
+  release.Notify();
+  ASSERT_TRUE(rw->Read(&r));
+  ASSERT_TRUE(r.has_step()) << r.DebugString();
+  const auto metric = [&](const std::string& family) {
+    return ropeattn::testing::MetricValue(server->metrics().RenderPrometheus(),
+                                          family + "{method=\"Decode.Step\"}");
+  };
+  // Counted once its answer's write is done.
+  ASSERT_TRUE(ropeattn::testing::Eventually(
+      [&] { return metric("ropeattn_request_duration_seconds_count") == 1; }));
+  const double queue = metric("ropeattn_queue_seconds_sum");
+  const double compute = metric("ropeattn_compute_seconds_sum");
+  EXPECT_GE(queue, 0.05);
+  EXPECT_GE(metric("ropeattn_request_duration_seconds_sum"), queue + compute);
+  rw->WritesDone();
+  while (rw->Read(&r)) {
+  }
+  EXPECT_TRUE(rw->Finish().ok());
 }
 
 }  // namespace
