@@ -1558,7 +1558,7 @@ class DecodeReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       for (Tensor& t : wire_copies_) t = Tensor();
       service_->metrics_->RecordRequest("Decode.Step",
                                         static_cast<int>(grpc::StatusCode::UNAVAILABLE),
-                                        SecondsSince(step_start_));
+                                        SecondsSince(read_at_));
       FinishCancelledByDrain();
       return;
     }
