@@ -244,7 +244,7 @@ Cost AttendCost(const AttendDims& d) {
           : 0;
   const int64_t elements =
       Sum({LoopSteps({d.batch, d.q_len, d.heads}), LoopSteps({d.batch, d.k_len, d.kv_heads}),
-           rope_el, out_el, probs_el, SatMul(d.heads, d.t5_rel_positions)});
+           d.input_elements, rope_el, out_el, probs_el, SatMul(d.heads, d.t5_rel_positions)});
   // cos/sin rows: the table's, and at most one per rotated token past it.
   const int64_t sincos =
       d.rope_rotary_dim > 0

@@ -64,6 +64,9 @@ struct AttendDims {
   int64_t rope_table_rows = 0;   // cos/sin rows precomputed (RopeTablePositionsFor)
   int64_t t5_rel_positions = 0;  // T5: relative positions the bias table spans
   int64_t wire_bytes = 0;        // bytes of q, k, v (and tables) on the wire
+  // Elements of q, k and v: each is read (checked finite, copied or packed)
+  // whatever the mask leaves, so each costs an element step.
+  int64_t input_elements = 0;
   int threads = 1;
   // The mask (core/attention.h): compute is priced by the (query, key)
   // pairs the kernels visit, not batch x heads x Sq x Sk.

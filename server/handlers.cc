@@ -284,6 +284,7 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request, int thre
   d.out_dtype = plan.out_dtype;
   d.return_probs = request.return_probs();
   d.wire_bytes = Sum3(plan.q.bytes, plan.k.bytes, plan.v.bytes);
+  d.input_elements = Sum3(plan.q.elements, plan.k.elements, plan.v.elements);
   d.threads = threads;
   d.causal = spec.options.causal;
   d.window = spec.options.window;
@@ -310,9 +311,12 @@ absl::StatusOr<Cost> PriceAttend(const v1::AttendRequest& request, int threads) 
   RA_ASSIGN_OR_RETURN(const AttendPlan plan, PlanAttend(request, threads));
   Cost cost = AttendCost(plan.dims);
   if (plan.empty) {
-    // No kernel runs: the answer and its copy are all it holds.
-    cost.compute = SatMul(SatAdd(SatProduct({plan.dims.batch, plan.dims.q_len, plan.dims.heads}),
-                                 plan.dims.batch),
+    // No kernel runs: the answer and its copy are all it holds, and q and v
+    // are still checked finite element by element (a 16-unit request with
+    // a 224 MiB v took 10-15 ms of a worker, and taught the admission a
+    // rate that refused every other caller's Attend).
+    cost.compute = SatMul(Sum3(SatProduct({plan.dims.batch, plan.dims.q_len, plan.dims.heads}),
+                               plan.dims.batch, plan.dims.input_elements),
                           kElementWeight);
   }
   return cost;

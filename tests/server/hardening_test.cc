@@ -38,6 +38,7 @@
 #include "server/admission.h"
 #include "server/decode_wire.h"
 #include "server/executor.h"
+#include "server/handlers.h"
 #include "server/metrics.h"
 #include "server/server.h"
 #include "server/sessions.h"
@@ -946,6 +947,37 @@ TEST(HardeningCostTest, VisiblePairsMatchTheMaskRowByRow) {
 // over 8k x 8k cost the full 8k x 8k, and causal twice its work; the
 // admission learned its rate from those figures and the fair queue tagged
 // a windowed caller with ~16 full requests' worth.
+// Every element of q, k and v is read (checked finite, copied, packed)
+// whatever the mask leaves: an Attend with no queries and a 224 MiB v was
+// priced 16 units and took 10-15 ms of a worker (its finiteness scan),
+// teaching the admission a rate that refused every other caller's Attend;
+// a key_lengths [0] request over 200k keys ran 27x its price. Each input
+// element now costs an element step, empty requests included.
+TEST(HardeningCostTest, EveryInputElementIsPricedWhateverTheMaskLeaves) {
+  auto wire = [](std::initializer_list<int64_t> dims) {
+    return ToWire(Tensor::Create(DType::kF32, dims).value().cview());
+  };
+  v1::AttendRequest empty;
+  empty.mutable_spec()->set_heads(1);
+  empty.mutable_spec()->set_head_dim(1);
+  *empty.mutable_q() = wire({1, 0, 1, 1});
+  *empty.mutable_k() = wire({1, 1, 1, 1});
+  *empty.mutable_v() = wire({1, 1, 1, 1 << 20});
+  const absl::StatusOr<server::Cost> e = server::PriceAttend(empty, 1);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_GE(e->compute, int64_t{1 << 20} * server::kElementWeight);
+  v1::AttendRequest none_visible;
+  none_visible.mutable_spec()->set_heads(1);
+  none_visible.mutable_spec()->set_head_dim(64);
+  *none_visible.mutable_q() = wire({1, 1, 1, 64});
+  *none_visible.mutable_k() = wire({1, 20000, 1, 64});
+  *none_visible.mutable_v() = wire({1, 20000, 1, 64});
+  none_visible.add_key_lengths(0);
+  const absl::StatusOr<server::Cost> n = server::PriceAttend(none_visible, 1);
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_GE(n->compute, (int64_t{64} + 2 * 20000 * 64) * server::kElementWeight);
+}
+
 TEST(HardeningCostTest, AttendIsPricedByThePairsItsMaskLeaves) {
   const auto dims = [](int64_t q_len, int64_t k_len) {
     server::AttendDims d;
