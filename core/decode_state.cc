@@ -90,11 +90,13 @@ std::atomic<int64_t> g_slab_collapses{0};
 // transparent huge page once full (below): a decode streams every page, and over
 // 4 KiB pages it takes a TLB miss every 4 KiB (measured: the GQA decode at
 // 4k context ran ~25% slower over separately allocated 128 KiB pages than
-// over one huge-page tensor, and as fast over slabs). One arena per part
-// size and stream; parts under kMinSlabPart take whole 4 KiB pages (their
-// size rounded up, so 3 sizes, 6 arenas), larger sizes are the client's
-// choice, so at most kMaxArenas of them get arenas (later sizes, and parts
-// over a slab, are plain page-rounded mappings). A freed part's whole 4 KiB
+// over one huge-page tensor, and as fast over slabs). One arena per slot
+// size and stream: a part up to a slab takes whole 4 KiB pages (its size
+// rounded up), so there are at most 512 slot sizes a stream, and every such
+// part has an arena (kMaxArenas is above them all); a part over a slab is a
+// page-rounded mapping of its own. A part per mapping for any size the
+// client chooses would let ~65k live parts reach vm.max_map_count (65530),
+// past which every mmap and malloc of the process fails. A freed part's whole 4 KiB
 // pages go back to the system at once (MADV_DONTNEED, or munmap), so a slab
 // that keeps a few live parts holds little more than them, and a slab is
 // unmapped when its last part is freed. No part comes from malloc: a freed
@@ -108,16 +110,18 @@ class PageArena {
   static constexpr int64_t kSlab = int64_t{2} << 20;
   static constexpr int64_t kMinSlabPart = int64_t{16} << 10;
   static constexpr int64_t kPage = 4096;
-  static constexpr size_t kMaxArenas = 64;  // of parts of kMinSlabPart and above
+  // Of slots of kMinSlabPart and above: page-rounded sizes up to a slab
+  // (509 a stream) never reach it; past it parts are mappings of their own.
+  static constexpr size_t kMaxArenas = 1024;
   // A full slab of parts of `bytes` becomes a huge page: its slack after
   // the last part is at most 1/8 of it.
   static constexpr bool Collapses(int64_t bytes) { return kSlab % bytes <= kSlab / 8; }
   static constexpr int64_t PageRound(int64_t bytes) {
     return SatMul(SatAdd(bytes, kPage - 1) / kPage, kPage);
   }
-  // What a part of `bytes` takes: parts under kMinSlabPart whole 4 KiB pages.
+  // What a part of `bytes` takes in its arena: whole 4 KiB pages.
   static constexpr int64_t SlotBytes(int64_t bytes) {
-    return bytes < kMinSlabPart ? PageRound(bytes) : bytes;
+    return bytes <= kSlab ? PageRound(bytes) : bytes;
   }
 
   // The arena for parts of `bytes` read in one pass (`stream`: K parts
@@ -164,8 +168,9 @@ class PageArena {
     return PageRound(bytes);
   }
   // What a part of `bytes` taken from `arena` (null: a plain mapping)
-  // keeps resident: past the 64th arena a part not a multiple of 4 KiB
-  // holds more than HeldBytes, which the page is charged when it gets it.
+  // keeps resident: a plain mapping (a part over a slab, or past the arena
+  // cap, which page-rounded slot sizes never reach) holds its whole pages,
+  // which the page is charged when it holds more than HeldBytes.
   static int64_t HeldBytesIn(const PageArena* arena, int64_t bytes) {
     return arena != nullptr ? HeldBytes(bytes) : PageRound(bytes);
   }
@@ -434,8 +439,9 @@ absl::Status DecodeState::MakeWritable(int64_t from, int64_t to) {
           absl::StrFormat("out of memory allocating a KV page of %d bytes", bytes));
     }
     if (held > bytes && charger_) {
-      // A part past the 64th arena: a mapping of whole pages, more than
-      // page_bytes() when its size is not a multiple of 4 KiB.
+      // A part that is a mapping of its own holding more than
+      // page_bytes() counts (kept for safety: slot sizes are page-rounded,
+      // so none does).
       RA_RETURN_IF_ERROR(charger_->Charge(held - bytes));
       page->charged = held;
     }

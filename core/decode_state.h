@@ -74,10 +74,8 @@ class KvPageCharger {
 // Bytes a KV page whose K and V parts are `k_part_bytes` and `v_part_bytes`
 // holds resident (docs/kv-memory.md): each part with what its allocation
 // keeps beside it (a share of its slab's slack where the slab becomes a huge
-// page, whole 4 KiB pages for a part under 16 KiB or over a slab), and the
-// page's own objects. A page that gets a part past the 64th arena (its own
-// page-rounded mapping) is charged what that holds beyond this when it is
-// allocated. Saturates at int64 max.
+// page, whole 4 KiB pages otherwise: every part takes whole pages), and the
+// page's own objects. Saturates at int64 max.
 int64_t KvPageHeldBytes(int64_t k_part_bytes, int64_t v_part_bytes);
 
 class DecodeState {
@@ -188,8 +186,7 @@ class DecodeState {
   // another thread may drop its share at any moment).
   int64_t shared_bytes() const;
   // Bytes one page holds resident, what it is charged: KvPageHeldBytes of
-  // its parts (0 for storage without pages; a page with a part past the
-  // 64th arena is charged up to 4 KiB a part more).
+  // its parts (0 for storage without pages).
   int64_t page_bytes() const;
   // The view over the pages (null for a linear state), valid
   // until the state next changes: for benchmarks and tests.

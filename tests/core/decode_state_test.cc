@@ -1696,5 +1696,58 @@ TEST(Int8DecodeStateTest, ErrorTableAgainstFp64) {
   }
 }
 
+
+// The process's memory mappings.
+int64_t Mappings() {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  int64_t n = 0;
+  while (std::getline(maps, line)) ++n;
+  return n;
+}
+
+// Parts of any size up to a slab come from arenas (their slots page-
+// rounded, so every size has one): past 64 sizes each part was its own
+// mmap, and two groups of states taking pages in turn, one then freed, left
+// a mapping per live part; ~65k of them reach vm.max_map_count (65530),
+// past which every mmap and malloc of the process fails. Here 40 sizes of
+// 16 KiB and more are taken first (as other sessions would), then 2 x 2048
+// one-page states of another size; freeing one group must not leave a
+// mapping per live part.
+TEST(DecodeStateTest, PartsOfManySizesShareArenasNotAMappingEach) {
+  const F32Paged paged;
+  const auto config = [](int64_t head_dim) {
+    DecodeStateConfig c;
+    c.heads = 1;
+    c.kv_heads = 1;
+    c.head_dim = head_dim;
+    c.v_dim = head_dim;
+    c.max_context = DecodeState::kPageTokens;  // one page each
+    return c;
+  };
+  const int64_t n = DecodeState::kPageTokens;
+  std::vector<DecodeState> fill;
+  for (int i = 0; i < 40; ++i) {
+    const DecodeStateConfig c = config(256 + 2 * i);
+    const Tensor k = RandomTensor(DType::kF32, {1, n, 1, c.head_dim}, 400 + i);
+    fill.push_back(DecodeState::Create(c).value());
+    ASSERT_TRUE(fill.back().Import(k.cview(), k.cview(), DecodeState::KeyForm::kRaw).ok());
+  }
+  const DecodeStateConfig c = config(334);  // parts of 21376 bytes
+  const Tensor k = RandomTensor(DType::kF32, {1, n, 1, c.head_dim}, 500);
+  constexpr int kStates = 2048;
+  std::vector<DecodeState> a, b;
+  for (int i = 0; i < kStates; ++i) {
+    a.push_back(DecodeState::Create(c).value());
+    ASSERT_TRUE(a.back().Import(k.cview(), k.cview(), DecodeState::KeyForm::kRaw).ok());
+    b.push_back(DecodeState::Create(c).value());
+    ASSERT_TRUE(b.back().Import(k.cview(), k.cview(), DecodeState::KeyForm::kRaw).ok());
+  }
+  const int64_t before = Mappings();
+  b.clear();
+  const int64_t grown = Mappings() - before;
+  EXPECT_LT(grown, kStates / 8) << grown << " more mappings for " << kStates << " live states";
+}
+
 }  // namespace
 }  // namespace ropeattn
