@@ -157,6 +157,10 @@ VisibleKeys VisibleKeysOf(bool causal, int64_t window, int64_t key_len, int64_t 
 struct Visits {
   int64_t pairs = 0;
   int64_t keys = 0;
+  // The span of keys the batch row's queries see together: the kernels size
+  // per-call buffers (the decode's score rows, the prefill's packed K/V of
+  // every batch row) by the widest batch row's span.
+  int64_t span = 0;
 };
 
 // The decode kernel scores each row's visible keys and reads their union
@@ -173,10 +177,12 @@ Visits VisitsOf(bool causal, int64_t window, int64_t q_offset, int64_t q_len, in
   if (!causal && window <= 0) {
     v.pairs = full;
     v.keys = SatMul(key_len, blocks);
+    v.span = key_len;
     return v;
   }
   const VisibleKeys k = VisibleKeysOf(causal, window, key_len, q_offset, q_len);
   if (k.pairs == 0) return v;  // every row masked: no tile is touched
+  v.span = std::min(key_len, Sum({k.max_row, q_len - 1, KvCache::kTile}));
   if (prefill) {
     v.pairs = std::min(full, SatAdd(k.pairs, SatMul(q_len, kPrefillRows - 1)));
     v.keys = std::min(SatMul(key_len, blocks),
@@ -271,10 +277,11 @@ Cost AttendCost(const AttendDims& d) {
   const int64_t window = d.explicit_positions ? 0 : d.window;
   const int64_t listed =
       static_cast<int64_t>(std::max(d.q_offsets.size(), d.key_lengths.size()));
-  int64_t pairs_per_head = 0, keys_per_kv_head = 0;
+  int64_t pairs_per_head = 0, keys_per_kv_head = 0, widest = 0;
   auto add = [&](const Visits& v, int64_t count) {
     pairs_per_head = SatAdd(pairs_per_head, SatMul(v.pairs, count));
     keys_per_kv_head = SatAdd(keys_per_kv_head, SatMul(v.keys, count));
+    widest = std::max(widest, v.span);
   };
   auto row = [&](int64_t b) {
     const int64_t offset = b < static_cast<int64_t>(d.q_offsets.size()) ? d.q_offsets[b]
@@ -289,11 +296,20 @@ Cost AttendCost(const AttendDims& d) {
   const int64_t kv_bytes =
       SatProduct({keys_per_kv_head, d.kv_heads, SatAdd(d.head_dim, d.v_dim),
                   static_cast<int64_t>(DTypeSize(d.kv_dtype))});
+  // Per-call buffers sized by the widest batch row's span, whatever the
+  // others see: the decode fills a score row of it for every query row, the
+  // prefill packs that span of K/V for every (batch row, kv head). A batch
+  // of 512 rows, one seeing 8192 keys and the others 1, ran 160x its
+  // price (668 ms) when each row paid only its own keys.
+  const int64_t widest_steps =
+      prefill ? SatProduct({d.batch, d.kv_heads, widest, SatAdd(d.head_dim, d.v_dim)})
+              : SatMul(rows, widest);
   // Each pair also costs its softmax (scale, max, exp, sum): one element step.
   c.compute = Sum({std::max(SatMul(pairs, Sum({d.head_dim, d.v_dim, kElementWeight})),
                             SatMul(kv_bytes, kKvByteWeight)),
-                   SatMul(elements, kElementWeight), SatMul(sincos, kSinCosWeight),
-                   SatMul(rows, kQueryRowWeight), SatMul(tiles, kQueryTileWeight)});
+                   SatMul(SatAdd(elements, widest_steps), kElementWeight),
+                   SatMul(sincos, kSinCosWeight), SatMul(rows, kQueryRowWeight),
+                   SatMul(tiles, kQueryTileWeight)});
   c.compute_what = absl::StrFormat(
       "the attention [batch %d x heads %d x Sq %d x Sk %d] over head_dim %d + v_dim %d%s", d.batch,
       d.heads, d.q_len, d.k_len, d.head_dim, d.v_dim,

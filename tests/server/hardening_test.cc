@@ -978,6 +978,36 @@ TEST(HardeningCostTest, EveryInputElementIsPricedWhateverTheMaskLeaves) {
   EXPECT_GE(n->compute, (int64_t{64} + 2 * 20000 * 64) * server::kElementWeight);
 }
 
+// Batch rows that see different key spans: the kernels size per-call
+// buffers by the widest (the decode's score rows for every query row, the
+// prefill's packed K/V for every batch row), so a batch of 512 rows, one of
+// 8192 keys and the others of 1, ran 668 ms at the price of 512 rows of one
+// key (4 ms). The widest span is paid for every row.
+TEST(HardeningCostTest, MixedKeyLengthsPayTheWidestRowsBuffers) {
+  server::AttendDims d;
+  d.batch = 512;
+  d.q_len = 1;
+  d.k_len = 8192;
+  d.heads = 64;
+  d.kv_heads = 1;
+  d.head_dim = 2;
+  d.v_dim = 2;
+  d.key_lengths.assign(512, 1);
+  const int64_t ones = server::AttendCost(d).compute;
+  d.key_lengths[0] = 8192;
+  const int64_t mixed = server::AttendCost(d).compute;
+  EXPECT_GE(mixed - ones, int64_t{512} * 64 * (8192 - 1) * server::kElementWeight);
+  // The prefill path: every (batch row, kv head) packs the widest span.
+  d.batch = 64;
+  d.q_len = 129;
+  d.head_dim = d.v_dim = 64;
+  d.key_lengths.assign(64, 0);
+  const int64_t none = server::AttendCost(d).compute;
+  d.key_lengths[0] = 8192;
+  EXPECT_GE(server::AttendCost(d).compute - none,
+            int64_t{64} * 1 * 8192 * (64 + 64) * server::kElementWeight);
+}
+
 TEST(HardeningCostTest, AttendIsPricedByThePairsItsMaskLeaves) {
   const auto dims = [](int64_t q_len, int64_t k_len) {
     server::AttendDims d;
@@ -992,15 +1022,19 @@ TEST(HardeningCostTest, AttendIsPricedByThePairsItsMaskLeaves) {
     return d;
   };
   // Unmasked: the price it had (pairs x (d + dv + 16), element steps, rows
-  // and tiles), on the prefill path and on the decode path (K/V bytes).
+  // and tiles), on the prefill path and on the decode path (K/V bytes),
+  // plus the per-call buffers of the widest batch row's keys (the prefill's
+  // packed K/V per kv head, the decode's score rows).
   {
     const server::AttendDims d = dims(2048, 2048);
-    const int64_t elements = LoopSteps({1, 2048, 8}) + LoopSteps({1, 2048, 2}) + 2048 * 8 * 64;
+    const int64_t elements = LoopSteps({1, 2048, 8}) + LoopSteps({1, 2048, 2}) + 2048 * 8 * 64 +
+                             2 * 2048 * (64 + 64);
     EXPECT_EQ(server::AttendCost(d).compute, int64_t{8} * 2048 * 2048 * (64 + 64 + 16) +
                                                  elements * server::kElementWeight +
                                                  int64_t{2048} * 8 * 2048 + 2 * 16 * 65536);
     const server::AttendDims one = dims(1, 4096);
-    const int64_t one_elements = LoopSteps({1, 1, 8}) + LoopSteps({1, 4096, 2}) + 8 * 64;
+    const int64_t one_elements =
+        LoopSteps({1, 1, 8}) + LoopSteps({1, 4096, 2}) + 8 * 64 + 8 * 4096;
     EXPECT_EQ(server::AttendCost(one).compute, int64_t{2} * 4096 * 128 * 4 * 8 +
                                                    one_elements * server::kElementWeight +
                                                    8 * 2048);
