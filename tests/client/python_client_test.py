@@ -754,6 +754,34 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(overlap.most, 1)
         self.assertEqual(s.close().position, 30)
 
+    def test_a_thread_that_waits_out_its_timeout_for_the_lock_sends_nothing(self):
+        # A thread that waited its whole timeout for another thread's
+        # operation then sent with a timer of 0, which cancelled the stream:
+        # the session ended for every thread though no operation was slow.
+        with ropeattn.Client(self.target, timeout=1) as c:
+            s = c.session(heads=2, head_dim=8)
+            x = np.ones((1, 1, 2, 8), np.float32)
+            s.step(x, x, x)
+            held = threading.Event()
+            release = threading.Event()
+
+            def hold():
+                with s._lock:
+                    held.set()
+                    release.wait(10)
+            t = threading.Thread(target=hold)
+            t.start()
+            held.wait(10)
+            try:
+                with self.assertRaises(TimeoutError) as e:
+                    s.step(x, x, x)
+                self.assertIn("nothing was sent", str(e.exception))
+            finally:
+                release.set()
+                t.join(10)
+            self.assertEqual(s.step(x, x, x).shape, (1, 1, 2, 8))  # the session went on
+            self.assertEqual(s.close().position, 2)
+
     def test_an_abandoned_stream_leaves_no_thread(self):
         # grpcio's request-consumer thread waits on the session's queue until
         # the end sentinel: a failed open, a failed close in a with block and a

@@ -551,12 +551,26 @@ class Session:
             self._end()
             raise
 
+    def _locked(self):
+        """Takes the session's lock within the client's timeout; else
+        TimeoutError, nothing sent: another thread's operation holds it, and
+        the session goes on (waiting out its time and then sending with a
+        timer of 0 cancelled the stream, ending the session for every
+        thread)."""
+        if not self._lock.acquire(timeout=self._timeout):
+            raise TimeoutError(
+                "the session is busy with another thread's operation: waited the client's "
+                "timeout of %g s for it; nothing was sent" % self._timeout)
+        return time.monotonic() + self._timeout
+
     def _send(self, request, expect):
         """The answer to `request`: the open (seq 0) or an operation, whose
         seq is set here, the session's next."""
-        deadline = time.monotonic() + self._timeout
-        with self._lock:
+        deadline = self._locked()
+        try:
             return self._exchange(request, expect, deadline)
+        finally:
+            self._lock.release()
 
     def _exchange(self, request, expect, deadline):
         """_send's work, under the session's lock."""
@@ -569,9 +583,9 @@ class Session:
         seq = 0 if operation == "open" else self._seq + 1
         if seq:
             getattr(request, operation).seq = seq
-        # Each operation has the client's timeout, counted from the call (the
-        # wait for the lock included): past it the stream is cancelled
-        # (grpc.RpcError CANCELLED), as the C++ client does.
+        # Each operation has the client's timeout once it holds the lock:
+        # past it the stream is cancelled (grpc.RpcError CANCELLED), as the
+        # C++ client does.
         timer = threading.Timer(max(0.0, deadline - time.monotonic()), responses.cancel)
         # Up to here an interrupt leaves the session as it was: nothing sent,
         # no timer, no seq taken.
@@ -640,8 +654,8 @@ class Session:
 
     def close(self):
         """The session's last SessionInfo; None when it is closed already."""
-        deadline = time.monotonic() + self._timeout
-        with self._lock:
+        deadline = self._locked()
+        try:
             if self._requests is None:
                 return None
             info = self._exchange(pb.DecodeRequest(close=pb.Close()), "closed", deadline)
@@ -658,6 +672,8 @@ class Session:
                 raise
             self._end.detach()
             return info
+        finally:
+            self._lock.release()
 
     def __enter__(self):
         return self
