@@ -303,6 +303,49 @@ class SessionTest : public ::testing::Test {
     server_ = StartTestServer(o);
     if (server_ != nullptr) stub_ = TestStub(server_->port());
   }
+  // A server with room for a step of seconds (LongStepConfig, 1 GiB budget,
+  // 128 MiB messages) and, when `workers` > 0, that many compute workers.
+  void RestartForLongSteps(int workers) {
+    server::ServerOptions o = TestServerOptions();
+    o.memory_budget_bytes = int64_t{1} << 30;
+    o.max_message_bytes = 128 << 20;  // the step
+    if (workers > 0) o.compute_workers = workers;
+    Restart(o);
+    ASSERT_NE(server_, nullptr);
+  }
+  static Config LongStepConfig() { return Config{"mha", 4, 4, 128, 128, "default"}; }
+  // Opens `s` and sends it a 16384-token prefill (seconds on one thread);
+  // returns once it computes.
+  void StartLongStep(Stream& s) {
+    constexpr int64_t kTokens = 16384;
+    const Config c = LongStepConfig();
+    const Sequence seq = MakeSequence(c, kTokens, 11);
+    s.Open(MakeOpen(c, kTokens + 8));
+    ASSERT_TRUE(s.rw()->Write(StepOf(seq, 1)));
+    ASSERT_TRUE(Eventually([&] {
+      return absl::StrContains(server_->metrics().RenderPrometheus(), "\nropeattn_running 1\n");
+    }));
+  }
+  // Opens `s` and sends it a two-token step, which waits behind the long
+  // one (one worker); returns once it is queued.
+  void QueueSmallStep(Stream& s) {
+    const Config c = LongStepConfig();
+    const Sequence small = MakeSequence(c, 2, 12);
+    s.Open(MakeOpen(c, 8));
+    ASSERT_TRUE(s.rw()->Write(StepOf(small, 1)));
+    ASSERT_TRUE(Eventually([&] {
+      return absl::StrContains(server_->metrics().RenderPrometheus(),
+                               "\nropeattn_queue_depth 1\n");
+    }));
+  }
+  static v1::DecodeRequest StepOf(const Sequence& seq, int64_t n) {
+    v1::DecodeRequest step;
+    step.mutable_step()->set_seq(n);
+    *step.mutable_step()->mutable_q() = ToWire(seq.q.cview());
+    *step.mutable_step()->mutable_k() = ToWire(seq.k.cview());
+    *step.mutable_step()->mutable_v() = ToWire(seq.v.cview());
+    return step;
+  }
   // Waits (up to 5 s) for a condition the server reaches asynchronously.
   template <typename F>
   bool Eventually(F f) {
@@ -2421,26 +2464,10 @@ TEST_F(SessionTest, GracefulShutdownEndsStreamsThatStartWhileItDrains) {
 // names the shutdown. The step it stopped was counted and logged CANCELLED
 // "the call was cancelled"; it is UNAVAILABLE.
 TEST_F(SessionTest, AStreamTheDrainCancelsPastTheGraceIsCountedShutdown) {
-  server::ServerOptions o = TestServerOptions();
-  o.memory_budget_bytes = int64_t{1} << 30;
-  o.max_message_bytes = 128 << 20;  // the step
-  Restart(o);
-  ASSERT_NE(server_, nullptr);
+  ASSERT_NO_FATAL_FAILURE(RestartForLongSteps(0));
   server::LogCapture capture;  // this server's lines only
-  const Config c{"mha", 4, 4, 128, 128, "default"};
-  constexpr int64_t kTokens = 16384;  // a prefill of seconds on one thread
-  const Sequence seq = MakeSequence(c, kTokens, 11);
   Stream s(stub_.get());
-  s.Open(MakeOpen(c, kTokens + 8));
-  v1::DecodeRequest step;
-  step.mutable_step()->set_seq(1);
-  *step.mutable_step()->mutable_q() = ToWire(seq.q.cview());
-  *step.mutable_step()->mutable_k() = ToWire(seq.k.cview());
-  *step.mutable_step()->mutable_v() = ToWire(seq.v.cview());
-  ASSERT_TRUE(s.rw()->Write(step));
-  ASSERT_TRUE(Eventually([&] {
-    return absl::StrContains(server_->metrics().RenderPrometheus(), "\nropeattn_running 1\n");
-  }));
+  ASSERT_NO_FATAL_FAILURE(StartLongStep(s));
   server_->Shutdown(absl::Milliseconds(100));
   v1::DecodeResponse resp;
   ASSERT_FALSE(s.rw()->Read(&resp)) << "the step ended inside the grace: " << resp.DebugString();
@@ -2467,39 +2494,12 @@ TEST_F(SessionTest, AStreamTheDrainCancelsPastTheGraceIsCountedShutdown) {
 // disconnected). Here the mark waits until gRPC's cancel has abandoned the
 // queued step; the grace is passed by the clock.
 TEST_F(SessionTest, AStepQueuedWhenANoGraceDrainCancelsItIsCountedShutdown) {
-  server::ServerOptions o = TestServerOptions();
-  o.memory_budget_bytes = int64_t{1} << 30;
-  o.max_message_bytes = 128 << 20;  // the step
-  o.compute_workers = 1;            // the second step waits for the first
-  Restart(o);
-  ASSERT_NE(server_, nullptr);
+  ASSERT_NO_FATAL_FAILURE(RestartForLongSteps(1));  // the second step waits for the first
   server::LogCapture capture;  // this server's lines only
-  const Config c{"mha", 4, 4, 128, 128, "default"};
-  constexpr int64_t kTokens = 16384;  // a prefill of seconds on one thread
-  const Sequence seq = MakeSequence(c, kTokens, 11);
   Stream running(stub_.get());
-  running.Open(MakeOpen(c, kTokens + 8));
-  v1::DecodeRequest step;
-  step.mutable_step()->set_seq(1);
-  *step.mutable_step()->mutable_q() = ToWire(seq.q.cview());
-  *step.mutable_step()->mutable_k() = ToWire(seq.k.cview());
-  *step.mutable_step()->mutable_v() = ToWire(seq.v.cview());
-  ASSERT_TRUE(running.rw()->Write(step));
-  ASSERT_TRUE(Eventually([&] {
-    return absl::StrContains(server_->metrics().RenderPrometheus(), "\nropeattn_running 1\n");
-  }));
-  const Sequence small = MakeSequence(c, 2, 12);
+  ASSERT_NO_FATAL_FAILURE(StartLongStep(running));
   Stream queued(stub_.get());
-  queued.Open(MakeOpen(c, 8));
-  v1::DecodeRequest small_step;
-  small_step.mutable_step()->set_seq(1);
-  *small_step.mutable_step()->mutable_q() = ToWire(small.q.cview());
-  *small_step.mutable_step()->mutable_k() = ToWire(small.k.cview());
-  *small_step.mutable_step()->mutable_v() = ToWire(small.v.cview());
-  ASSERT_TRUE(queued.rw()->Write(small_step));
-  ASSERT_TRUE(Eventually([&] {
-    return absl::StrContains(server_->metrics().RenderPrometheus(), "\nropeattn_queue_depth 1\n");
-  }));
+  ASSERT_NO_FATAL_FAILURE(QueueSmallStep(queued));
   server_->SetBeforeGracePassedHookForTest([this] {
     EXPECT_TRUE(Eventually([this] {
       return absl::StrContains(server_->metrics().RenderPrometheus(),
@@ -2526,39 +2526,12 @@ TEST_F(SessionTest, AStepQueuedWhenANoGraceDrainCancelsItIsCountedShutdown) {
 // beside that line. They are the client's cancels: CANCELLED in the log and
 // the counts, the sessions disconnected.
 TEST_F(SessionTest, AStreamItsClientCancelsDuringTheGraceIsTheClientsCancel) {
-  server::ServerOptions o = TestServerOptions();
-  o.memory_budget_bytes = int64_t{1} << 30;
-  o.max_message_bytes = 128 << 20;  // the step
-  o.compute_workers = 1;            // the second step waits for the first
-  Restart(o);
-  ASSERT_NE(server_, nullptr);
+  ASSERT_NO_FATAL_FAILURE(RestartForLongSteps(1));  // the second step waits for the first
   server::LogCapture capture;  // this server's lines only
-  const Config c{"mha", 4, 4, 128, 128, "default"};
-  constexpr int64_t kTokens = 16384;  // a prefill of seconds on one thread
-  const Sequence seq = MakeSequence(c, kTokens, 11);
   Stream running(stub_.get());
-  running.Open(MakeOpen(c, kTokens + 8));
-  v1::DecodeRequest step;
-  step.mutable_step()->set_seq(1);
-  *step.mutable_step()->mutable_q() = ToWire(seq.q.cview());
-  *step.mutable_step()->mutable_k() = ToWire(seq.k.cview());
-  *step.mutable_step()->mutable_v() = ToWire(seq.v.cview());
-  ASSERT_TRUE(running.rw()->Write(step));
-  ASSERT_TRUE(Eventually([&] {
-    return absl::StrContains(server_->metrics().RenderPrometheus(), "\nropeattn_running 1\n");
-  }));
-  const Sequence small = MakeSequence(c, 2, 12);
+  ASSERT_NO_FATAL_FAILURE(StartLongStep(running));
   Stream queued(stub_.get());
-  queued.Open(MakeOpen(c, 8));
-  v1::DecodeRequest small_step;
-  small_step.mutable_step()->set_seq(1);
-  *small_step.mutable_step()->mutable_q() = ToWire(small.q.cview());
-  *small_step.mutable_step()->mutable_k() = ToWire(small.k.cview());
-  *small_step.mutable_step()->mutable_v() = ToWire(small.v.cview());
-  ASSERT_TRUE(queued.rw()->Write(small_step));
-  ASSERT_TRUE(Eventually([&] {
-    return absl::StrContains(server_->metrics().RenderPrometheus(), "\nropeattn_queue_depth 1\n");
-  }));
+  ASSERT_NO_FATAL_FAILURE(QueueSmallStep(queued));
   auto health = grpc::health::v1::Health::NewStub(TestChannel(server_->port()));
   std::thread stopper([&] { server_->Shutdown(absl::Seconds(10)); });
   // Health turns NOT_SERVING right before the drain begins.
