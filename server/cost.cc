@@ -308,7 +308,7 @@ Cost AttendCost(const AttendDims& d) {
   c.compute = Sum({std::max(SatMul(pairs, Sum({d.head_dim, d.v_dim, kElementWeight})),
                             SatMul(kv_bytes, kKvByteWeight)),
                    SatMul(SatAdd(elements, widest_steps), kElementWeight),
-                   SatMul(sincos, kSinCosWeight), SatMul(rows, kQueryRowWeight),
+                   SatMul(sincos, SinCosWeight(d.max_position)), SatMul(rows, kQueryRowWeight),
                    SatMul(tiles, kQueryTileWeight)});
   c.compute_what = absl::StrFormat(
       "the attention [batch %d x heads %d x Sq %d x Sk %d] over head_dim %d + v_dim %d%s", d.batch,
@@ -484,12 +484,16 @@ Cost StepCost(const SessionDims& s, const StepDims& d) {
     // Each new token's cos/sin row, for its q and its k (no table).
     int64_t rows = SatMul(d.tokens, 2);
     if (s.rope_length_dependent) {
-      // New frequencies re-rotate every cached key: its row and the rotation.
+      // New frequencies re-rotate every cached key: its row, the rotation,
+      // and the raw keys copied and the cache's keys rewritten.
       rows = SatAdd(rows, new_len);
       compute = SatAdd(compute, SatMul(SatProduct({new_len, s.kv_heads, s.rope_rotary_dim / 2}),
                                        kElementWeight));
+      compute = SatAdd(compute, SatMul(SatProduct({new_len, s.kv_heads, s.head_dim, 2}),
+                                       kElementWeight));
     }
-    compute = SatAdd(compute, SatProduct({rows, s.rope_rotary_dim / 2, kSinCosWeight}));
+    compute = SatAdd(compute, SatProduct({rows, s.rope_rotary_dim / 2,
+                                          SinCosWeight(SatAdd(s.start_position, new_len))}));
   }
   c.compute = SatAdd(compute, SatMul(Sum({q_el, kv_el, out_el, answer_el}), kElementWeight));
   c.compute_what = absl::StrFormat("a step of %d tokens at position %d (%d heads)", d.tokens,

@@ -26,8 +26,19 @@ namespace ropeattn::server {
 // f32 FMAs per instruction; element-wise and bookkeeping loops do not).
 inline constexpr int64_t kElementWeight = 16;
 // One RoPE cos/sin pair computed in fp64 (std::cos + std::sin of p * inv_freq):
-// ~11 ns on the reference machine, some 8 element steps.
-inline constexpr int64_t kSinCosWeight = 8 * kElementWeight;
+// ~11-15 ns on the reference machine, where a unit of attention work takes
+// ~0.02 ns: some 48 element steps (priced at 8, a RoPE call at small
+// positions ran ~5x its price). Past kSlowSinCosPosition the angles
+// (p * inv_freq, up to p) leave glibc's fast argument reduction, ~100 ns a
+// pair: an Attend at q_offsets near 2^40 ran 15x its price, a dynamic-RoPE
+// step re-rotating its keys at start_position 2^39 13x.
+inline constexpr int64_t kSinCosWeight = 48 * kElementWeight;
+inline constexpr int64_t kSlowSinCosWeight = 320 * kElementWeight;
+inline constexpr int64_t kSlowSinCosPosition = int64_t{1} << 26;
+// The weight of a pair at positions up to `max_position`.
+inline constexpr int64_t SinCosWeight(int64_t max_position) {
+  return max_position >= kSlowSinCosPosition ? kSlowSinCosWeight : kSinCosWeight;
+}
 // Framing, shapes and small fields of any answer, on top of its tensors.
 inline constexpr int64_t kReplyOverheadBytes = 4096;
 
@@ -67,6 +78,7 @@ struct AttendDims {
   // Elements of q, k and v: each is read (checked finite, copied or packed)
   // whatever the mask leaves, so each costs an element step.
   int64_t input_elements = 0;
+  int64_t max_position = 0;  // the largest query or key position (SinCosWeight)
   int threads = 1;
   // The mask (core/attention.h): compute is priced by the (query, key)
   // pairs the kernels visit, not batch x heads x Sq x Sk.
@@ -121,6 +133,7 @@ struct SessionDims {
   int64_t rope_rotary_dim = 0;      // 0: no RoPE
   bool rope_length_dependent = false;  // dynamic NTK / LongRoPE: raw keys kept
   int64_t window = 0;  // sliding window of the (causal) attention; 0: none
+  int64_t start_position = 0;  // absolute position of the first token (SinCosWeight)
 };
 // held_bytes: the session's state for its whole life (KV or linear state,
 // raw keys; no RoPE table: each step computes its positions' rows). Paged KV (tiles, token-major and int8, core/decode_state.h)

@@ -265,7 +265,8 @@ absl::StatusOr<Cost> PriceOpen(const SessionConfig& c, const v1::OpenSession& op
                              kElementWeight);
     if (dims.rope_rotary_dim > 0 && dims.kv_heads > 0 && dims.head_dim > 0) {
       const int64_t tokens = k.elements / SatMul(dims.kv_heads, dims.head_dim);
-      compute = SatAdd(compute, SatProduct({tokens, dims.rope_rotary_dim / 2, kSinCosWeight}));
+      compute = SatAdd(compute, SatProduct({tokens, dims.rope_rotary_dim / 2,
+                                            SinCosWeight(SatAdd(c.start_position, tokens))}));
     }
     cost.compute = compute;
     cost.compute_what = absl::StrFormat("importing a KV prefix of %d key and %d value elements",

@@ -285,6 +285,7 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request, int thre
   d.return_probs = request.return_probs();
   d.wire_bytes = Sum3(plan.q.bytes, plan.k.bytes, plan.v.bytes);
   d.input_elements = Sum3(plan.q.elements, plan.k.elements, plan.v.elements);
+  d.max_position = std::max(max_q_pos, max_k_pos);
   d.threads = threads;
   d.causal = spec.options.causal;
   d.window = spec.options.window;

@@ -57,6 +57,7 @@ SessionDims SessionDimsOf(const SessionConfig& c) {
   d.kv_dtype = c.kv_dtype;
   d.int8_kv = c.int8_kv;
   d.window = c.spec.options.window;
+  d.start_position = c.start_position;
   if (c.spec.rope) {
     d.rope_rotary_dim = c.spec.rope->effective_rotary_dim();
     d.rope_length_dependent = LengthDependentRope(c);

@@ -1008,6 +1008,47 @@ TEST(HardeningCostTest, MixedKeyLengthsPayTheWidestRowsBuffers) {
             int64_t{64} * 1 * 8192 * (64 + 64) * server::kElementWeight);
 }
 
+// A RoPE cos/sin pair in fp64 costs ~11-15 ns, and past 2^26 (angles up to
+// the position leave glibc's fast argument reduction) ~100 ns: an Attend
+// at q_offsets near 2^40 ran 15x its price and a dynamic-RoPE step
+// re-rotating its keys at start_position 2^39 13x. Pairs at such positions
+// weigh kSlowSinCosWeight, and a re-rotating step also pays copying its raw
+// keys and rewriting the cache's.
+TEST(HardeningCostTest, CosSinPairsAtHugePositionsCostTheirSlowPath) {
+  server::AttendDims d;
+  d.batch = 256;
+  d.q_len = 16;
+  d.k_len = 1;
+  d.heads = d.kv_heads = 1;
+  d.head_dim = d.v_dim = 256;
+  d.rope_rotary_dim = 256;
+  d.max_position = 1000;
+  const int64_t near = server::AttendCost(d).compute;
+  d.max_position = int64_t{1} << 40;
+  const int64_t far = server::AttendCost(d).compute;
+  // Every rotated token's row: (256 x 16 + 256 x 1) rows of 128 pairs.
+  EXPECT_GE(far - near, int64_t{256} * 17 * 128 *
+                            (server::kSlowSinCosWeight - server::kSinCosWeight));
+  server::SessionDims s;
+  s.kv_heads = 1;
+  s.head_dim = s.v_dim = 64;
+  s.max_context = 1 << 16;
+  s.rope_rotary_dim = 64;
+  s.rope_length_dependent = true;
+  server::StepDims step;
+  step.tokens = 1;
+  step.position = 8192;
+  step.heads = 8;
+  const int64_t at_zero = server::StepCost(s, step).compute;
+  s.start_position = int64_t{1} << 39;
+  const int64_t at_far = server::StepCost(s, step).compute;
+  EXPECT_GE(at_far - at_zero,
+            int64_t{8193} * 32 * (server::kSlowSinCosWeight - server::kSinCosWeight));
+  // The re-rotation's copies: at least the raw keys copied and rewritten.
+  EXPECT_GE(at_zero, int64_t{8193} * 64 * 2 * server::kElementWeight +
+                         int64_t{8193} * 32 * server::kSinCosWeight);
+}
+
 TEST(HardeningCostTest, AttendIsPricedByThePairsItsMaskLeaves) {
   const auto dims = [](int64_t q_len, int64_t k_len) {
     server::AttendDims d;
