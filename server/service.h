@@ -212,10 +212,13 @@ class AttentionServiceImpl final : public RawAttentionService {
   template <typename PriceFn, typename RunFn>
   void RunOnExecutor(UnaryCall* call, grpc::CallbackServerContext* ctx, const char* method,
                      PriceFn price, RunFn run, bool may_inline);
-  // About 100 us of one core (at the ~0.05 ns a unit Attend runs at, with
-  // its fixed per-row price): below it, two thread hand-offs cost more than
-  // the compute.
-  static constexpr int64_t kInlineMaxCompute = int64_t{2} << 20;
+  // About 100 us of one core (at the ~0.03 ns a unit small Attends run at
+  // since every input element and cos/sin pair is priced at its cost):
+  // below it, two thread hand-offs cost more than the compute. (At 2 Mi
+  // units, where it stood before those prices rose, the [1, 16, 8, 64]
+  // RoPE Attend of the paired bench, 2.66 Mi units and ~20 us of compute,
+  // went to a worker and its round trip grew by ~30 us.)
+  static constexpr int64_t kInlineMaxCompute = int64_t{4} << 20;
   // The retry-after-ms hint of a refusal because the queue is full
   // (Admission::QueueRetryHint: what is left of the running work).
   absl::Duration QueueRetryHint(const Executor::Ahead& ahead) const;
